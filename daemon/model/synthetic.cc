@@ -1,0 +1,82 @@
+#include "synthetic.h"
+
+#include <algorithm>
+#include <cmath>
+#include <cstdlib>
+#include <numeric>
+
+#include "counter_rng.h"
+#include "moe/kernels/check.h"
+
+namespace moe::model {
+namespace {
+
+// Tensor ids of the weight key.
+enum Tensor : uint64_t { kGate = 1, kGateProj = 2, kUpProj = 3, kDownProj = 4, kSkew = 5 };
+constexpr uint64_t kInputTag = 0x1e9u;
+
+float weight(uint64_t seed, int layer, int expert, Tensor tensor, int64_t element, double stddev) {
+  return static_cast<float>(
+      stddev * normal(key_hash({seed, static_cast<uint64_t>(layer), static_cast<uint64_t>(expert),
+                                tensor, static_cast<uint64_t>(element)})));
+}
+
+}  // namespace
+
+void fill_inputs(uint64_t seed, int64_t step, int64_t token_begin, int64_t T, int H, float* x) {
+  for (int64_t t = 0; t < T; ++t) {
+    const uint64_t token_key = key_hash({kInputTag, seed, static_cast<uint64_t>(step),
+                                         static_cast<uint64_t>(token_begin + t)});
+    for (int h = 0; h < H; ++h) x[t * H + h] = static_cast<float>(normal(key_hash({token_key, static_cast<uint64_t>(h)})));
+  }
+}
+
+LayerWeights make_layer_weights(uint64_t seed, int layer, const LayerShape& s) {
+  const int64_t H = s.hidden, I = s.ffn_hidden, E = s.num_experts;
+  LayerWeights w;
+  w.gate.resize(E * H);
+  w.w13.resize(E * 2 * I * H);
+  w.w2.resize(E * H * I);
+  const double in_std = 1.0 / std::sqrt(static_cast<double>(H));
+  const double down_std = 1.0 / std::sqrt(static_cast<double>(I));
+  for (int64_t e = 0; e < E; ++e) {
+    for (int64_t h = 0; h < H; ++h) w.gate[e * H + h] = weight(seed, layer, e, kGate, h, in_std);
+    float* w13 = &w.w13[e * 2 * I * H];
+    for (int64_t i = 0; i < I * H; ++i) {
+      w13[i] = weight(seed, layer, e, kGateProj, i, in_std);
+      w13[I * H + i] = weight(seed, layer, e, kUpProj, i, in_std);
+    }
+    for (int64_t i = 0; i < H * I; ++i) w.w2[e * H * I + i] = weight(seed, layer, e, kDownProj, i, down_std);
+  }
+  return w;
+}
+
+std::vector<float> skew_logit_bias(const std::string& skew, uint64_t seed, int E) {
+  if (skew.empty() || skew == "uniform") return {};
+  const std::string prefix = "zipf:";
+  MOE_CHECK(skew.rfind(prefix, 0) == 0, "skew: unknown value '", skew,
+            "' (expected uniform or zipf:ALPHA)");
+  char* end = nullptr;
+  const std::string num = skew.substr(prefix.size());
+  const double alpha = std::strtod(num.c_str(), &end);
+  MOE_CHECK(!num.empty() && end && *end == '\0' && std::isfinite(alpha) && alpha >= 0,
+            "skew: ALPHA in '", skew, "' must be a finite number >= 0");
+  // p: a seed-derived permutation (sort experts by a keyed hash).
+  std::vector<int> order(E);
+  std::iota(order.begin(), order.end(), 0);
+  std::sort(order.begin(), order.end(), [&](int a, int b) {
+    const uint64_t ha = key_hash({seed, kSkew, static_cast<uint64_t>(a)});
+    const uint64_t hb = key_hash({seed, kSkew, static_cast<uint64_t>(b)});
+    return ha != hb ? ha < hb : a < b;
+  });
+  std::vector<float> bias(E);
+  for (int rank = 0; rank < E; ++rank)
+    bias[order[rank]] = static_cast<float>(-alpha * std::log1p(static_cast<double>(rank)));
+  return bias;
+}
+
+void round_to_bf16(std::vector<float>& v) {
+  for (float& f : v) f = kernels::round_to_bf16(f);
+}
+
+}  // namespace moe::model

@@ -1,0 +1,45 @@
+// The synthetic model of a job (DESIGN 6): inputs keyed by (seed, step, global
+// token index), weights keyed by (seed, layer, expert, tensor, element), and the
+// zipf skew term. Pure functions: every rank rebuilds exactly the same values.
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "moe/kernels/types.h"
+
+namespace moe::model {
+
+// Host copy of one layer's weights, fp32, in the fused layout of kernels/api.h.
+struct LayerWeights {
+  std::vector<float> gate;            // [E, H]
+  std::vector<float> selection_bias;  // [E] or empty (gate.e_score_correction_bias)
+  std::vector<float> logit_bias;      // [E] or empty (skew; no gradient)
+  std::vector<float> w13;             // [E, 2I, H]
+  std::vector<float> w2;              // [E, H, I]
+};
+
+struct LayerShape {
+  int hidden = 0;
+  int ffn_hidden = 0;
+  int num_experts = 0;
+};
+
+// Inputs: x[t, h] ~ N(0, 1) for global tokens [token_begin, token_begin + T).
+void fill_inputs(uint64_t seed, int64_t step, int64_t token_begin, int64_t T, int hidden,
+                 float* x);
+
+// Weights: gate, gate_proj and up_proj ~ N(0, 1/H), down_proj ~ N(0, 1/I). No
+// selection bias. Every rank can build any expert's weights.
+LayerWeights make_layer_weights(uint64_t seed, int layer, const LayerShape& shape);
+
+// Skew: "uniform" adds nothing (returns empty); "zipf:ALPHA" returns
+// -ALPHA * ln(1 + p(e)) with p a seed-derived permutation of the experts.
+// Throws moe::Error naming the value when the string is malformed.
+std::vector<float> skew_logit_bias(const std::string& skew, uint64_t seed, int num_experts);
+
+// Rounds every value to bf16 (storage precision of a bf16 job).
+void round_to_bf16(std::vector<float>& v);
+
+}  // namespace moe::model

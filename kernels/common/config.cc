@@ -1,0 +1,118 @@
+// Validation of the op configs and the enum names: shared by every backend.
+#include <cmath>
+
+#include "moe/kernels/api.h"
+#include "moe/kernels/check.h"
+
+namespace moe::kernels {
+
+const char* dtype_name(DType t) { return t == DType::kF32 ? "fp32" : "bf16"; }
+
+DType parse_dtype(std::string_view s) {
+  if (s == "fp32" || s == "f32" || s == "F32") return DType::kF32;
+  if (s == "bf16" || s == "BF16") return DType::kBF16;
+  detail::fail("dtype: unknown value '", s, "' (expected fp32 or bf16)");
+}
+
+const char* score_name(ScoreFunc s) { return s == ScoreFunc::kSoftmax ? "softmax" : "sigmoid"; }
+
+ScoreFunc parse_score(std::string_view s) {
+  if (s == "softmax") return ScoreFunc::kSoftmax;
+  if (s == "sigmoid") return ScoreFunc::kSigmoid;
+  detail::fail("score: unknown value '", s, "' (expected softmax or sigmoid)");
+}
+
+const char* drop_policy_name(DropPolicy p) { return p == DropPolicy::kProbs ? "probs" : "position"; }
+
+DropPolicy parse_drop_policy(std::string_view s) {
+  if (s == "probs") return DropPolicy::kProbs;
+  if (s == "position") return DropPolicy::kPosition;
+  detail::fail("drop_policy: unknown value '", s, "' (expected probs or position)");
+}
+
+void RouterConfig::validate() const {
+  MOE_CHECK(num_tokens >= 0, "router: num_tokens must be >= 0, got ", num_tokens);
+  MOE_CHECK(hidden > 0, "router: hidden must be > 0, got ", hidden);
+  MOE_CHECK(num_experts > 0, "router: num_experts must be > 0, got ", num_experts);
+  MOE_CHECK(top_k >= 1 && top_k <= num_experts, "router: top_k must be in [1, num_experts=",
+            num_experts, "], got ", top_k);
+  MOE_CHECK(std::isfinite(routed_scaling_factor) && routed_scaling_factor > 0,
+            "router: routed_scaling_factor must be finite and > 0, got ", routed_scaling_factor);
+  MOE_CHECK(num_groups >= 0, "router: num_groups must be >= 0, got ", num_groups);
+  if (group_limited()) {
+    MOE_CHECK(num_experts % num_groups == 0, "router: num_experts (", num_experts,
+              ") must be divisible by num_groups (", num_groups, ")");
+    MOE_CHECK(group_top_k >= 1 && group_top_k <= num_groups,
+              "router: group_top_k must be in [1, num_groups=", num_groups, "], got ",
+              group_top_k);
+    const int per_group = num_experts / num_groups;
+    MOE_CHECK(top_k <= group_top_k * per_group, "router: top_k (", top_k,
+              ") exceeds the experts in the kept groups (group_top_k ", group_top_k, " x ",
+              per_group, ")");
+  }
+}
+
+void CapacityConfig::validate() const {
+  MOE_CHECK(num_tokens >= 0, "capacity: num_tokens must be >= 0, got ", num_tokens);
+  MOE_CHECK(num_experts > 0, "capacity: num_experts must be > 0, got ", num_experts);
+  MOE_CHECK(top_k >= 1 && top_k <= num_experts, "capacity: top_k must be in [1, ", num_experts,
+            "], got ", top_k);
+  MOE_CHECK(std::isfinite(capacity_factor) && capacity_factor >= 0,
+            "capacity_factor must be finite and >= 0, got ", capacity_factor);
+}
+
+int64_t CapacityConfig::capacity() const {
+  const double v = capacity_factor * static_cast<double>(num_tokens) * top_k / num_experts;
+  const double f = std::floor(v);
+  if (v - f <= 1e-9 * std::max(1.0, v)) return static_cast<int64_t>(f);
+  return static_cast<int64_t>(f) + 1;
+}
+
+void DispatchLayoutConfig::validate() const {
+  MOE_CHECK(num_tokens >= 0, "dispatch layout: num_tokens must be >= 0, got ", num_tokens);
+  MOE_CHECK(top_k >= 1, "dispatch layout: top_k must be >= 1, got ", top_k);
+  MOE_CHECK(num_ranks >= 1, "dispatch layout: num_ranks must be >= 1, got ", num_ranks);
+  MOE_CHECK(slots_per_rank >= 1, "dispatch layout: slots_per_rank must be >= 1, got ",
+            slots_per_rank);
+}
+
+void PermuteLayoutConfig::validate() const {
+  MOE_CHECK(num_rows >= 0, "permute layout: num_rows must be >= 0, got ", num_rows);
+  MOE_CHECK(top_k >= 1, "permute layout: top_k must be >= 1, got ", top_k);
+  MOE_CHECK(num_experts >= 0, "permute layout: num_experts must be >= 0, got ", num_experts);
+  MOE_CHECK(num_rows * top_k <= INT32_MAX, "permute layout: num_rows x top_k (",
+            num_rows * top_k, ") exceeds the int32 row index range");
+}
+
+void PermuteConfig::validate() const {
+  MOE_CHECK(num_rows >= 0 && num_out_rows >= 0, "permute: row counts must be >= 0 (",
+            num_rows, ", ", num_out_rows, ")");
+  MOE_CHECK(hidden > 0, "permute: hidden must be > 0, got ", hidden);
+}
+
+void UnpermuteConfig::validate() const {
+  MOE_CHECK(num_rows >= 0, "unpermute: num_rows must be >= 0, got ", num_rows);
+  MOE_CHECK(top_k >= 1, "unpermute: top_k must be >= 1, got ", top_k);
+  MOE_CHECK(hidden > 0, "unpermute: hidden must be > 0, got ", hidden);
+  MOE_CHECK(!accumulate || out_dtype == DType::kF32,
+            "unpermute: accumulate needs an fp32 output");
+}
+
+void SwigluConfig::validate() const {
+  MOE_CHECK(num_rows >= 0, "swiglu: num_rows must be >= 0, got ", num_rows);
+  MOE_CHECK(ffn_hidden > 0, "swiglu: ffn_hidden must be > 0, got ", ffn_hidden);
+}
+
+void GroupedGemmConfig::validate() const {
+  MOE_CHECK(num_groups >= 0, "grouped gemm: num_groups must be >= 0, got ", num_groups);
+  MOE_CHECK(n > 0 && k > 0, "grouped gemm: n and k must be > 0, got n=", n, " k=", k);
+}
+
+void ExpertMlpConfig::validate() const {
+  MOE_CHECK(num_experts >= 0, "expert mlp: num_experts must be >= 0, got ", num_experts);
+  MOE_CHECK(hidden > 0, "expert mlp: hidden must be > 0, got ", hidden);
+  MOE_CHECK(ffn_hidden > 0, "expert mlp: ffn_hidden must be > 0, got ", ffn_hidden);
+  MOE_CHECK(max_rows >= 0 && max_src_rows >= 0, "expert mlp: max_rows must be >= 0");
+}
+
+}  // namespace moe::kernels

@@ -1,0 +1,114 @@
+// CpuBackend: the Backend operation table over the free functions of this folder.
+#include <cstdlib>
+#include <cstring>
+
+#include "cpu_ops.h"
+#include "moe/kernels/cpu_backend.h"
+#include "moe/kernels/check.h"
+
+namespace moe::kernels {
+namespace {
+
+class CpuBackend final : public Backend {
+ public:
+  explicit CpuBackend(ThreadPool& pool) : exec_{pool, {}} {
+    MOE_CHECK(__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma"),
+              "the CPU backend needs AVX2 and FMA, which this processor lacks");
+    cpu::init_blas_single_threaded();
+  }
+
+  std::string name() const override { return "cpu"; }
+  ThreadPool& pool() { return exec_.pool; }
+  int threads() const { return exec_.pool.num_threads(); }
+
+  void* alloc(size_t bytes) override {
+    void* p = std::aligned_alloc(64, cpu::align64(std::max<size_t>(bytes, 1)));
+    MOE_CHECK(p != nullptr, "cpu backend: out of memory allocating ", bytes, " bytes");
+    return p;
+  }
+  void free(void* p) override { std::free(p); }
+  void copy_to_device(void* dst, const void* src, size_t bytes) override { copy(dst, src, bytes); }
+  void copy_to_host(void* dst, const void* src, size_t bytes) override { copy(dst, src, bytes); }
+  void copy(void* dst, const void* src, size_t bytes) override {
+    if (bytes) std::memcpy(dst, src, bytes);
+  }
+  void fill_zero(void* p, size_t bytes) override {
+    if (bytes) std::memset(p, 0, bytes);
+  }
+  void synchronize() override {}
+
+  void convert(const void* src, DType sd, void* dst, DType dd, int64_t count) override {
+    cpu::convert(pool(), src, sd, dst, dd, count);
+  }
+
+  size_t router_workspace_bytes(const RouterConfig& c) const override {
+    return cpu::router_workspace_bytes(c, threads());
+  }
+  void router_forward(const RouterConfig& c, const RouterForwardArgs& a) override {
+    cpu::router_forward(pool(), c, a);
+  }
+  void router_backward(const RouterConfig& c, const RouterBackwardArgs& a) override {
+    cpu::router_backward(pool(), c, a);
+  }
+
+  size_t capacity_workspace_bytes(const CapacityConfig& c) const override {
+    return cpu::capacity_workspace_bytes(c);
+  }
+  void capacity_drop(const CapacityConfig& c, const CapacityArgs& a) override {
+    cpu::capacity_drop(pool(), c, a);
+  }
+
+  size_t dispatch_layout_workspace_bytes(const DispatchLayoutConfig& c) const override {
+    return cpu::dispatch_layout_workspace_bytes(c, threads());
+  }
+  void dispatch_layout(const DispatchLayoutConfig& c, const DispatchLayoutArgs& a) override {
+    cpu::dispatch_layout(pool(), c, a);
+  }
+
+  size_t permute_layout_workspace_bytes(const PermuteLayoutConfig& c) const override {
+    return cpu::permute_layout_workspace_bytes(c, threads());
+  }
+  void permute_layout(const PermuteLayoutConfig& c, const PermuteLayoutArgs& a) override {
+    cpu::permute_layout(pool(), c, a);
+  }
+  void permute(const PermuteConfig& c, const PermuteArgs& a) override { cpu::permute(pool(), c, a); }
+  void unpermute(const UnpermuteConfig& c, const UnpermuteArgs& a) override {
+    cpu::unpermute(pool(), c, a);
+  }
+  void unpermute_scalars(const int32_t* pos, int64_t n, int k, const float* perm,
+                         float* pair) override {
+    for (int64_t i = 0; i < n * k; ++i) pair[i] = pos[i] >= 0 ? perm[pos[i]] : 0.0f;
+  }
+
+  void swiglu_forward(const SwigluConfig& c, const SwigluForwardArgs& a) override {
+    cpu::swiglu_forward(pool(), c, a);
+  }
+  void swiglu_backward(const SwigluConfig& c, const SwigluBackwardArgs& a) override {
+    cpu::swiglu_backward(pool(), c, a);
+  }
+
+  void grouped_gemm(const GroupedGemmConfig& c, const GroupedGemmArgs& a) override {
+    cpu::grouped_gemm(exec_, c, a);
+  }
+
+  size_t expert_mlp_workspace_bytes(const ExpertMlpConfig& c) const override {
+    return cpu::expert_mlp_workspace_bytes(c, threads());
+  }
+  void expert_mlp_forward(const ExpertMlpConfig& c, const ExpertMlpForwardArgs& a) override {
+    cpu::expert_mlp_forward(exec_, c, a);
+  }
+  void expert_mlp_backward(const ExpertMlpConfig& c, const ExpertMlpBackwardArgs& a) override {
+    cpu::expert_mlp_backward(exec_, c, a);
+  }
+
+ private:
+  cpu::CpuExec exec_;
+};
+
+}  // namespace
+
+std::unique_ptr<Backend> make_cpu_backend(ThreadPool& pool) {
+  return std::make_unique<CpuBackend>(pool);
+}
+
+}  // namespace moe::kernels

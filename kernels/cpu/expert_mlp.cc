@@ -1,0 +1,179 @@
+// The fused expert MLP: per row tile of one expert, gather -> GEMM (gate|up) ->
+// SwiGLU x routing weight -> GEMM (down), with the tile's intermediates in
+// per-thread panels. Backward runs the dgrad chain per row tile, then the
+// weight gradients per expert (tiles over W's rows, so no two tasks share output).
+#include <atomic>
+#include <chrono>
+#include <cstring>
+
+#include "cpu_ops.h"
+#include "moe/kernels/check.h"
+#include "vec.h"
+
+namespace moe::kernels::cpu {
+namespace {
+
+constexpr int64_t kMlpMaxTileRows = 512;
+
+// Workspace layout:
+//   per thread: xp [tile, H] | gup [tile, 2I] | hp [tile, I]
+//   train only: g_perm [M, H] | x_perm [M, H] | dgu [M, 2I] | h_perm [M, I]
+struct MlpWorkspace {
+  size_t thread_floats;
+  float* base;
+  float* g_perm = nullptr;
+  float* x_perm = nullptr;
+  float* dgu = nullptr;
+  float* h_perm = nullptr;
+
+  float* xp(const ExpertMlpConfig&, int t) const { return base + t * thread_floats; }
+  float* gup(const ExpertMlpConfig& c, int t) const { return xp(c, t) + kMlpMaxTileRows * c.hidden; }
+  float* hp(const ExpertMlpConfig& c, int t) const {
+    return gup(c, t) + kMlpMaxTileRows * 2 * static_cast<int64_t>(c.ffn_hidden);
+  }
+};
+
+size_t thread_floats(const ExpertMlpConfig& c) {
+  return align64(4 * kMlpMaxTileRows * (static_cast<size_t>(c.hidden) + 3 * c.ffn_hidden)) / 4;
+}
+
+MlpWorkspace carve(const ExpertMlpConfig& c, void* workspace, int num_threads) {
+  MlpWorkspace ws;
+  ws.thread_floats = thread_floats(c);
+  ws.base = static_cast<float*>(workspace);
+  if (c.train) {
+    const int64_t M = c.max_rows, H = c.hidden, I = c.ffn_hidden;
+    ws.g_perm = ws.base + ws.thread_floats * num_threads;
+    ws.x_perm = ws.g_perm + M * H;
+    ws.dgu = ws.x_perm + M * H;
+    ws.h_perm = ws.dgu + M * 2 * I;
+  }
+  return ws;
+}
+
+void gather_rows(const void* rows, DType dtype, int H, const int32_t* src, int64_t count,
+                 int64_t num_src_rows, float* out) {
+  const size_t row_bytes = dtype_size(dtype) * H;
+  for (int64_t i = 0; i < count; ++i) {
+    MOE_CHECK(src[i] >= 0 && src[i] < num_src_rows, "expert mlp: perm_src_row value ", src[i],
+              " is out of range [0, ", num_src_rows, ")");
+    load_row_f32(static_cast<const uint8_t*>(rows) + src[i] * row_bytes, dtype, out + i * H, H);
+  }
+}
+
+void check_offsets(const ExpertMlpConfig& c, const int64_t* off) {
+  MOE_CHECK(off[0] == 0, "expert mlp: expert_offset[0] must be 0, got ", off[0]);
+  for (int e = 0; e < c.num_experts; ++e)
+    MOE_CHECK(off[e + 1] >= off[e], "expert mlp: expert_offset decreases at expert ", e);
+  MOE_CHECK(off[c.num_experts] <= c.max_rows, "expert mlp: ", off[c.num_experts],
+            " permuted rows exceed max_rows (", c.max_rows, ")");
+}
+
+// Thread-seconds per phase, summed over tiles; flushed into ExpertMlpStats.
+class PhaseClock {
+ public:
+  using Clock = std::chrono::steady_clock;
+  void start() { t_ = Clock::now(); }
+  // Adds the time since the last start()/lap() to `slot` and restarts.
+  void lap(std::atomic<double>& slot) {
+    const auto now = Clock::now();
+    slot.fetch_add(std::chrono::duration<double>(now - t_).count(), std::memory_order_relaxed);
+    t_ = now;
+  }
+
+ private:
+  Clock::time_point t_;
+};
+
+struct PhaseTotals {
+  std::atomic<double> gather{0}, gemm{0}, swiglu{0};
+  void flush(ExpertMlpStats* stats) const {
+    if (!stats) return;
+    stats->gather_seconds += gather.load();
+    stats->gemm_seconds += gemm.load();
+    stats->swiglu_seconds += swiglu.load();
+  }
+};
+
+}  // namespace
+
+size_t expert_mlp_workspace_bytes(const ExpertMlpConfig& c, int num_threads) {
+  size_t floats = thread_floats(c) * num_threads;
+  if (c.train)
+    floats += static_cast<size_t>(c.max_rows) * (2 * c.hidden + 3 * static_cast<size_t>(c.ffn_hidden));
+  return floats * 4;
+}
+
+void expert_mlp_forward(CpuExec& exec, const ExpertMlpConfig& c, const ExpertMlpForwardArgs& a) {
+  c.validate();
+  check_offsets(c, a.expert_offset);
+  const int64_t H = c.hidden, I = c.ffn_hidden;
+  const MlpWorkspace ws = carve(c, a.workspace, exec.pool.num_threads());
+  PhaseTotals totals;
+  plan_row_tiles(exec, a.expert_offset, c.num_experts, kMlpMaxTileRows);
+  exec.pool.parallel_for(static_cast<int64_t>(exec.tiles.size()), [&](int64_t i, int thread) {
+    PhaseClock clock;
+    clock.start();
+    const GemmTile t = exec.tiles[i];
+    const int64_t rows = t.end - t.begin;
+    float* xp = ws.xp(c, thread);
+    float* gu = a.saved_gu ? a.saved_gu + t.begin * 2 * I : ws.gup(c, thread);
+    float* hp = ws.hp(c, thread);
+    const float* w13 = a.w13 + static_cast<int64_t>(t.group) * 2 * I * H;
+    const float* w2 = a.w2 + static_cast<int64_t>(t.group) * H * I;
+    gather_rows(a.rows, c.x_dtype, c.hidden, a.perm_src_row + t.begin, rows, c.max_src_rows, xp);
+    clock.lap(totals.gather);
+    sgemm(false, true, rows, 2 * I, H, 1.0f, xp, H, w13, H, 0.0f, gu, 2 * I);
+    clock.lap(totals.gemm);
+    swiglu_forward_rows(gu, a.perm_weight ? a.perm_weight + t.begin : nullptr, hp, rows, c.ffn_hidden);
+    clock.lap(totals.swiglu);
+    sgemm(false, true, rows, H, I, 1.0f, hp, I, w2, I, 0.0f, a.y + t.begin * H, H);
+    clock.lap(totals.gemm);
+  });
+  totals.flush(a.stats);
+}
+
+void expert_mlp_backward(CpuExec& exec, const ExpertMlpConfig& c, const ExpertMlpBackwardArgs& a) {
+  c.validate();
+  MOE_CHECK(c.train, "expert mlp backward needs a config with train = true (workspace)");
+  check_offsets(c, a.expert_offset);
+  const int64_t H = c.hidden, I = c.ffn_hidden;
+  const MlpWorkspace ws = carve(c, a.workspace, exec.pool.num_threads());
+
+  // Row tiles: dgrad chain. dh' = g w2; SwiGLU backward gives dgu, the scaled h and
+  // the routing-weight gradient; dx = dgu w13.
+  PhaseTotals totals;
+  plan_row_tiles(exec, a.expert_offset, c.num_experts, kMlpMaxTileRows);
+  exec.pool.parallel_for(static_cast<int64_t>(exec.tiles.size()), [&](int64_t i, int thread) {
+    PhaseClock clock;
+    clock.start();
+    const GemmTile t = exec.tiles[i];
+    const int64_t rows = t.end - t.begin;
+    const float* w13 = a.w13 + static_cast<int64_t>(t.group) * 2 * I * H;
+    const float* w2 = a.w2 + static_cast<int64_t>(t.group) * H * I;
+    float* g = ws.g_perm + t.begin * H;
+    float* dgu = ws.dgu + t.begin * 2 * I;
+    float* dh = ws.hp(c, thread);
+    gather_rows(a.grad_rows, c.x_dtype, c.hidden, a.perm_src_row + t.begin, rows, c.max_src_rows, g);
+    gather_rows(a.rows, c.x_dtype, c.hidden, a.perm_src_row + t.begin, rows, c.max_src_rows,
+                ws.x_perm + t.begin * H);
+    clock.lap(totals.gather);
+    sgemm(false, false, rows, I, H, 1.0f, g, H, w2, I, 0.0f, dh, I);
+    clock.lap(totals.gemm);
+    swiglu_backward_rows(a.saved_gu + t.begin * 2 * I, dh,
+                         a.perm_weight ? a.perm_weight + t.begin : nullptr, dgu,
+                         a.grad_perm_weight + t.begin, ws.h_perm + t.begin * I, rows, c.ffn_hidden);
+    clock.lap(totals.swiglu);
+    sgemm(false, false, rows, H, 2 * I, 1.0f, dgu, 2 * I, w13, H, 0.0f, a.grad_perm_x + t.begin * H, H);
+    clock.lap(totals.gemm);
+  });
+  totals.flush(a.stats);
+
+  // Weight gradients: dW2_e = g_e^T h_e ([H, I]); dW13_e = dgu_e^T x_e ([2I, H]).
+  GroupedGemmConfig w2cfg{GemmKind::kWgrad, c.num_experts, H, I, false};
+  grouped_gemm(exec, w2cfg, {a.expert_offset, ws.g_perm, ws.h_perm, a.grad_w2});
+  GroupedGemmConfig w13cfg{GemmKind::kWgrad, c.num_experts, 2 * I, H, false};
+  grouped_gemm(exec, w13cfg, {a.expert_offset, ws.dgu, ws.x_perm, a.grad_w13});
+}
+
+}  // namespace moe::kernels::cpu

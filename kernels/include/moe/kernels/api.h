@@ -1,0 +1,349 @@
+// The kernel API: one config struct per op, plain pointers, and the Backend
+// operation table that the CPU and CUDA backends implement.
+//
+// Conventions
+// - Row-major everywhere. T tokens, H hidden, I ffn_hidden, E logical experts,
+//   K top-k, L local experts (groups) of one rank, N rows a rank holds after
+//   dispatch, M = (row, local expert) pairs after permute.
+// - Expert weights use the Hugging Face shapes, fused per expert:
+//     w13 [L, 2I, H]: rows [0, I) are gate_proj, rows [I, 2I) are up_proj
+//     w2  [L, H, I] : down_proj
+//   so h = silu(x gate^T) * (x up^T) and y = h down^T.
+// - "dtype" pointers (void*) hold fp32 or bf16 as the config says; float* are
+//   always fp32 (accumulators, scores, workspaces, weights' working copies).
+// - Index arrays are int32; -1 marks "no expert" (dropped pair or unused slot).
+// - Every config has validate(), which throws moe::Error naming the bad field.
+//   Ops never allocate: workspaces are sized by the backend's *_workspace_bytes
+//   and passed in.
+// - Pointers are in the backend's memory (host for CPU, device for CUDA) except
+//   where a field says "host".
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <memory>
+#include <string>
+
+#include "moe/kernels/types.h"
+
+namespace moe::kernels {
+
+// ---------------------------------------------------------------------------
+// Router (DESIGN 3.1)
+//
+// logits = x W^T (+ logit_bias) in fp32; s = softmax(logits) or sigmoid(logits).
+// Selection uses s + selection_bias. Group-limited routing (num_groups > 1): a
+// group's score is the sum of its two highest biased scores; the best
+// group_top_k groups are kept and top-k is taken inside them. Ties go to the
+// lower expert (and group) index. topk_idx is ordered by biased score, best
+// first. Weights are the unbiased s of the selected experts, divided by their sum
+// when norm_topk_prob, times routed_scaling_factor.
+struct RouterConfig {
+  int64_t num_tokens = 0;  // T; may be 0
+  int hidden = 0;
+  int num_experts = 0;
+  int top_k = 0;
+  ScoreFunc score = ScoreFunc::kSoftmax;
+  int num_groups = 0;  // 0 or 1: no group limit
+  int group_top_k = 0;
+  bool norm_topk_prob = true;
+  float routed_scaling_factor = 1.0f;
+  DType x_dtype = DType::kF32;
+
+  void validate() const;
+  bool group_limited() const { return num_groups > 1; }
+};
+
+struct RouterForwardArgs {
+  const void* x = nullptr;                // [T, H] x_dtype
+  const float* weight = nullptr;          // [E, H]
+  const float* selection_bias = nullptr;  // [E] or null (e_score_correction_bias)
+  const float* logit_bias = nullptr;      // [E] or null (added to the logits; skew)
+  float* logits = nullptr;                // [T, E] out
+  float* scores = nullptr;                // [T, E] out
+  int32_t* topk_idx = nullptr;            // [T, K] out
+  float* topk_weight = nullptr;           // [T, K] out
+  void* workspace = nullptr;              // router_workspace_bytes
+};
+
+// Gradient of the routing weights back to the logits, then to x and W.
+// grad_topk_weight[t,k] = <grad_out[t], y_k(t)> (0 for a dropped pair); topk_idx
+// and topk_weight are the selection before capacity dropping. The four cases of
+// DESIGN 3 (softmax/sigmoid x norm/no norm) are implemented exactly.
+struct RouterBackwardArgs {
+  const float* scores = nullptr;            // [T, E] from forward
+  const int32_t* topk_idx = nullptr;        // [T, K]
+  const float* topk_weight = nullptr;       // [T, K]
+  const float* grad_topk_weight = nullptr;  // [T, K]
+  const void* x = nullptr;                  // [T, H] x_dtype
+  const float* weight = nullptr;            // [E, H]
+  float* grad_logits = nullptr;             // [T, E] out
+  float* grad_weight = nullptr;             // [E, H] out (overwritten)
+  float* grad_x = nullptr;                  // [T, H] fp32, ACCUMULATED (+=)
+  void* workspace = nullptr;                // router_workspace_bytes
+};
+
+// ---------------------------------------------------------------------------
+// Capacity dropping (DESIGN 3.2), per source rank and logical expert.
+struct CapacityConfig {
+  int64_t num_tokens = 0;
+  int num_experts = 0;
+  int top_k = 0;
+  double capacity_factor = 0.0;  // 0 = dropless
+  DropPolicy policy = DropPolicy::kProbs;
+
+  void validate() const;
+  // ceil(cf * T * K / E) tokens per expert; a value within 1e-9 above an integer
+  // counts as that integer (so cf = 1.1 does not round 11.000000000000002 up).
+  int64_t capacity() const;
+};
+
+struct CapacityArgs {
+  const int32_t* topk_idx = nullptr;     // [T, K]
+  const float* topk_weight = nullptr;    // [T, K]
+  int32_t* kept_idx = nullptr;           // [T, K] out: topk_idx, or -1 where dropped
+  void* workspace = nullptr;             // capacity_workspace_bytes
+};
+
+// ---------------------------------------------------------------------------
+// Dispatch layout (DeepEP get_dispatch_layout): which ranks need which token.
+// A physical slot is rank * slots_per_rank + local slot. A token goes to a rank
+// once however many of its pairs live there. Within a rank's segment tokens keep
+// increasing token order.
+struct DispatchLayoutConfig {
+  int64_t num_tokens = 0;
+  int top_k = 0;
+  int num_ranks = 0;
+  int slots_per_rank = 0;
+
+  void validate() const;
+};
+
+struct DispatchLayoutArgs {
+  const int32_t* topk_slot = nullptr;      // [T, K] physical slot or -1
+  int32_t* num_tokens_per_rank = nullptr;  // [R] out
+  int32_t* num_tokens_per_slot = nullptr;  // [R * S] out: pairs per physical slot
+  int64_t* rank_offset = nullptr;          // [R + 1] out: exclusive prefix of the above
+  uint8_t* is_token_in_rank = nullptr;     // [T, R] out
+  int32_t* token_rank_pos = nullptr;       // [T, R] out: row in the rank's segment, or -1
+  void* workspace = nullptr;               // dispatch_layout_workspace_bytes
+};
+
+// ---------------------------------------------------------------------------
+// Permute layout: rows with up to K local expert slots each -> expert-major
+// order (counting sort, stable in row order), and the inverse map.
+struct PermuteLayoutConfig {
+  int64_t num_rows = 0;  // N
+  int top_k = 0;         // slots per row
+  int num_experts = 0;   // L local experts
+
+  void validate() const;
+};
+
+struct PermuteLayoutArgs {
+  const int32_t* row_expert = nullptr;  // [N, K] local expert or -1
+  const float* row_weight = nullptr;    // [N, K] or null
+  int64_t* expert_offset = nullptr;     // [L + 1] out, HOST memory
+  int32_t* perm_src_row = nullptr;      // [N * K] out: source row of permuted row m
+  float* perm_weight = nullptr;         // [N * K] out, written when row_weight is given
+  int32_t* pair_pos = nullptr;          // [N, K] out: permuted row of pair (n, k), or -1
+  void* workspace = nullptr;            // permute_layout_workspace_bytes
+};
+
+// Permute: out[m] = rows[src_row[m]], converting dtype.
+struct PermuteConfig {
+  int64_t num_rows = 0;      // N source rows
+  int64_t num_out_rows = 0;  // M
+  int hidden = 0;
+  DType in_dtype = DType::kF32;
+  DType out_dtype = DType::kF32;
+
+  void validate() const;
+};
+
+struct PermuteArgs {
+  const void* rows = nullptr;
+  const int32_t* src_row = nullptr;  // [M]
+  void* out = nullptr;               // [M, H]
+};
+
+// Unpermute, the local combine: out[n] = sum_k w[n,k] * perm[pair_pos[n,k]],
+// summed in k order; a row with no pair gets zeros. w null means 1.
+struct UnpermuteConfig {
+  int64_t num_rows = 0;  // N
+  int top_k = 0;
+  int hidden = 0;
+  DType out_dtype = DType::kF32;
+  bool accumulate = false;  // out += (fp32 out only)
+
+  void validate() const;
+};
+
+struct UnpermuteArgs {
+  const float* perm = nullptr;         // [M, H]
+  const int32_t* pair_pos = nullptr;   // [N, K]
+  const float* pair_weight = nullptr;  // [N, K] or null
+  void* out = nullptr;                 // [N, H] out_dtype
+};
+
+// ---------------------------------------------------------------------------
+// SwiGLU on rows of gu = [g | u] ([M, 2I]): h[r] = scale[r] * silu(g) * u.
+struct SwigluConfig {
+  int64_t num_rows = 0;
+  int ffn_hidden = 0;  // I
+
+  void validate() const;
+};
+
+struct SwigluForwardArgs {
+  const float* gu = nullptr;         // [M, 2I]
+  const float* row_scale = nullptr;  // [M] or null (1)
+  float* h = nullptr;                // [M, I] out
+};
+
+struct SwigluBackwardArgs {
+  const float* gu = nullptr;          // [M, 2I]
+  const float* grad_h = nullptr;      // [M, I]
+  const float* row_scale = nullptr;   // [M] or null (1)
+  float* grad_gu = nullptr;           // [M, 2I] out
+  float* grad_row_scale = nullptr;    // [M] out or null: <grad_h[r], silu(g) * u>
+  float* h = nullptr;                 // [M, I] out or null: the forward h, recomputed
+};
+
+// ---------------------------------------------------------------------------
+// Grouped GEMM over variable groups (zero-size groups allowed). Group g owns rows
+// [offset[g], offset[g+1]) of the row-indexed operands; W is [G, n, k].
+//   kForward: C[M, n] = A[M, k] W_g^T     (A rows of group g times W_g transposed)
+//   kDgrad:   C[M, k] = A[M, n] W_g
+//   kWgrad:   W_g[n, k] (C) = A_g^T D_g with A [M, n], D [M, k]
+enum class GemmKind : uint8_t { kForward, kDgrad, kWgrad };
+
+struct GroupedGemmConfig {
+  GemmKind kind = GemmKind::kForward;
+  int num_groups = 0;
+  int64_t n = 0;
+  int64_t k = 0;
+  bool accumulate = false;  // C += instead of C =
+
+  void validate() const;
+};
+
+struct GroupedGemmArgs {
+  const int64_t* group_offset = nullptr;  // [G + 1], HOST memory
+  const float* a = nullptr;
+  const float* b = nullptr;  // W for kForward/kDgrad, D for kWgrad
+  float* c = nullptr;
+};
+
+// ---------------------------------------------------------------------------
+// Expert MLP, fused: for every permuted row m (expert e, source row src_row[m])
+//   gu[m] = rows[src] w13_e^T;  h[m] = perm_weight[m] * silu(g) * u;  y[m] = h[m] w2_e^T
+// y is thus already weighted; the local combine is a plain sum. The routing weight
+// is applied once, before that reduction (DESIGN 3.7).
+struct ExpertMlpConfig {
+  int num_experts = 0;  // L local experts
+  int hidden = 0;
+  int ffn_hidden = 0;
+  int64_t max_rows = 0;  // most permuted rows M a call may pass (sizes workspaces)
+  int64_t max_src_rows = 0;  // most source rows N
+  DType x_dtype = DType::kF32;
+  bool train = false;  // size the workspace for expert_mlp_backward too
+
+  void validate() const;
+};
+
+// Where a fused call spent its time, in thread-seconds summed over the pool's
+// threads (divide by the thread count for a wall-clock share).
+struct ExpertMlpStats {
+  double gather_seconds = 0;
+  double gemm_seconds = 0;
+  double swiglu_seconds = 0;
+};
+
+struct ExpertMlpForwardArgs {
+  const void* rows = nullptr;            // [N, H] x_dtype
+  const int64_t* expert_offset = nullptr;  // [L + 1], HOST memory; M = expert_offset[L]
+  const int32_t* perm_src_row = nullptr;  // [M]
+  const float* perm_weight = nullptr;     // [M] or null (1)
+  const float* w13 = nullptr;             // [L, 2I, H]
+  const float* w2 = nullptr;              // [L, H, I]
+  float* y = nullptr;                     // [M, H] out, weighted
+  float* saved_gu = nullptr;              // [M, 2I] out for backward, or null
+  void* workspace = nullptr;              // expert_mlp_workspace_bytes
+  ExpertMlpStats* stats = nullptr;        // HOST, accumulated into when not null
+};
+
+// Backward of the above given grad_rows (the gradient reaching each source row's
+// combined output). Produces per-pair input gradients (to be summed per row with
+// unpermute), the routing-weight gradient per pair, and the weight gradients.
+struct ExpertMlpBackwardArgs {
+  const void* grad_rows = nullptr;        // [N, H] x_dtype
+  const void* rows = nullptr;             // [N, H] x_dtype (forward input)
+  const int64_t* expert_offset = nullptr;  // [L + 1], HOST memory
+  const int32_t* perm_src_row = nullptr;
+  const float* perm_weight = nullptr;     // [M] or null
+  const float* w13 = nullptr;
+  const float* w2 = nullptr;
+  const float* saved_gu = nullptr;        // [M, 2I] from forward
+  float* grad_perm_x = nullptr;           // [M, H] out
+  float* grad_perm_weight = nullptr;      // [M] out: <grad_rows[src], y_unweighted[m]>
+  float* grad_w13 = nullptr;              // [L, 2I, H] out (overwritten)
+  float* grad_w2 = nullptr;               // [L, H, I] out (overwritten)
+  void* workspace = nullptr;              // expert_mlp_workspace_bytes
+  ExpertMlpStats* stats = nullptr;        // HOST, accumulated into when not null
+};
+
+// ---------------------------------------------------------------------------
+// The operation table. One instance per rank; not thread-safe (a rank issues its
+// ops in order, like a CUDA stream).
+class Backend {
+ public:
+  virtual ~Backend() = default;
+  virtual std::string name() const = 0;
+
+  // Memory in the backend's address space.
+  virtual void* alloc(size_t bytes) = 0;  // 64-byte aligned; throws on failure
+  virtual void free(void* p) = 0;
+  virtual void copy_to_device(void* dst, const void* host_src, size_t bytes) = 0;
+  virtual void copy_to_host(void* host_dst, const void* src, size_t bytes) = 0;
+  virtual void copy(void* dst, const void* src, size_t bytes) = 0;
+  virtual void fill_zero(void* p, size_t bytes) = 0;
+  virtual void synchronize() = 0;
+
+  // dst[i] = src[i] converted between dtypes (count elements).
+  virtual void convert(const void* src, DType src_dtype, void* dst, DType dst_dtype,
+                       int64_t count) = 0;
+
+  virtual size_t router_workspace_bytes(const RouterConfig& cfg) const = 0;
+  virtual void router_forward(const RouterConfig& cfg, const RouterForwardArgs& args) = 0;
+  virtual void router_backward(const RouterConfig& cfg, const RouterBackwardArgs& args) = 0;
+
+  virtual size_t capacity_workspace_bytes(const CapacityConfig& cfg) const = 0;
+  virtual void capacity_drop(const CapacityConfig& cfg, const CapacityArgs& args) = 0;
+
+  virtual size_t dispatch_layout_workspace_bytes(const DispatchLayoutConfig& cfg) const = 0;
+  virtual void dispatch_layout(const DispatchLayoutConfig& cfg,
+                               const DispatchLayoutArgs& args) = 0;
+
+  virtual size_t permute_layout_workspace_bytes(const PermuteLayoutConfig& cfg) const = 0;
+  virtual void permute_layout(const PermuteLayoutConfig& cfg, const PermuteLayoutArgs& args) = 0;
+  virtual void permute(const PermuteConfig& cfg, const PermuteArgs& args) = 0;
+  virtual void unpermute(const UnpermuteConfig& cfg, const UnpermuteArgs& args) = 0;
+  // pair_values[n, k] = pair_pos[n, k] >= 0 ? perm_values[pair_pos[n, k]] : 0, for
+  // n < num_rows: a per-pair scalar (e.g. the routing-weight gradient) back in row order.
+  virtual void unpermute_scalars(const int32_t* pair_pos, int64_t num_rows, int top_k,
+                                 const float* perm_values, float* pair_values) = 0;
+
+  virtual void swiglu_forward(const SwigluConfig& cfg, const SwigluForwardArgs& args) = 0;
+  virtual void swiglu_backward(const SwigluConfig& cfg, const SwigluBackwardArgs& args) = 0;
+
+  virtual void grouped_gemm(const GroupedGemmConfig& cfg, const GroupedGemmArgs& args) = 0;
+
+  virtual size_t expert_mlp_workspace_bytes(const ExpertMlpConfig& cfg) const = 0;
+  virtual void expert_mlp_forward(const ExpertMlpConfig& cfg,
+                                  const ExpertMlpForwardArgs& args) = 0;
+  virtual void expert_mlp_backward(const ExpertMlpConfig& cfg,
+                                   const ExpertMlpBackwardArgs& args) = 0;
+};
+
+}  // namespace moe::kernels

@@ -1,0 +1,259 @@
+#include "moe_ref.h"
+
+#include <algorithm>
+#include <cmath>
+#include <limits>
+#include <numeric>
+
+#include "moe/kernels/check.h"
+
+namespace moe::ref {
+namespace {
+
+constexpr double kInf = std::numeric_limits<double>::infinity();
+
+double silu(double g) { return g / (1.0 + std::exp(-g)); }
+double silu_grad(double g) {
+  const double s = 1.0 / (1.0 + std::exp(-g));
+  return s * (1.0 + g * (1.0 - s));
+}
+
+// Indices of the best `count` values among allowed ones, best first; equal values
+// go to the lower index. Also returns the best value left out (-inf if none).
+std::vector<int> best_indices(const std::vector<double>& v, const std::vector<bool>& allowed,
+                              int count, double* first_left_out) {
+  std::vector<int> order;
+  for (int i = 0; i < static_cast<int>(v.size()); ++i)
+    if (allowed[i]) order.push_back(i);
+  std::stable_sort(order.begin(), order.end(), [&](int a, int b) { return v[a] > v[b]; });
+  *first_left_out = static_cast<int>(order.size()) > count ? v[order[count]] : -kInf;
+  order.resize(count);
+  return order;
+}
+
+}  // namespace
+
+int64_t capacity(double cf, int64_t T, int K, int E) {
+  const double v = cf * static_cast<double>(T) * K / E;
+  const double f = std::floor(v);
+  return v - f <= 1e-9 * std::max(1.0, v) ? static_cast<int64_t>(f) : static_cast<int64_t>(f) + 1;
+}
+
+Forward forward(const Config& cfg, const Weights& w, const std::vector<double>& x, int64_t T,
+                const ForwardOptions& opts) {
+  const int H = cfg.hidden, I = cfg.ffn_hidden, E = cfg.num_experts, K = cfg.top_k;
+  MOE_CHECK(static_cast<int64_t>(x.size()) == T * H, "ref: x has ", x.size(), " values, expected ",
+            T * H);
+  Forward f;
+  f.num_tokens = T;
+  f.logits.assign(T * E, 0.0);
+  f.scores.assign(T * E, 0.0);
+  f.topk_idx.assign(T * K, -1);
+  f.topk_weight.assign(T * K, 0.0);
+  f.selection_margin.assign(T, kInf);
+
+  for (int64_t t = 0; t < T; ++t) {
+    // Router logits and scores.
+    for (int e = 0; e < E; ++e) {
+      double acc = 0.0;
+      for (int h = 0; h < H; ++h) acc += x[t * H + h] * w.gate[e * H + h];
+      if (!w.logit_bias.empty()) acc += w.logit_bias[e];
+      f.logits[t * E + e] = acc;
+    }
+    double* s = &f.scores[t * E];
+    if (cfg.score == ScoreFunc::kSigmoid) {
+      for (int e = 0; e < E; ++e) s[e] = 1.0 / (1.0 + std::exp(-f.logits[t * E + e]));
+    } else {
+      double mx = -kInf, sum = 0.0;
+      for (int e = 0; e < E; ++e) mx = std::max(mx, f.logits[t * E + e]);
+      for (int e = 0; e < E; ++e) sum += (s[e] = std::exp(f.logits[t * E + e] - mx));
+      for (int e = 0; e < E; ++e) s[e] /= sum;
+    }
+
+    // Selection on biased scores, optionally inside the best groups.
+    std::vector<double> biased(E);
+    for (int e = 0; e < E; ++e) biased[e] = s[e] + (w.selection_bias.empty() ? 0.0 : w.selection_bias[e]);
+    std::vector<bool> allowed(E, true);
+    if (cfg.num_groups > 1) {
+      const int per_group = E / cfg.num_groups;
+      std::vector<double> group_score(cfg.num_groups);
+      for (int g = 0; g < cfg.num_groups; ++g) {
+        std::vector<double> members(biased.begin() + g * per_group, biased.begin() + (g + 1) * per_group);
+        std::sort(members.rbegin(), members.rend());
+        group_score[g] = members[0] + (per_group > 1 ? members[1] : 0.0);
+      }
+      double left_out;
+      const std::vector<int> groups = best_indices(
+          group_score, std::vector<bool>(cfg.num_groups, true), cfg.group_top_k, &left_out);
+      f.selection_margin[t] = group_score[groups.back()] - left_out;
+      allowed.assign(E, false);
+      for (int g : groups)
+        for (int e = g * per_group; e < (g + 1) * per_group; ++e) allowed[e] = true;
+    }
+    if (opts.forced_topk_idx) {
+      for (int k = 0; k < K; ++k) f.topk_idx[t * K + k] = opts.forced_topk_idx[t * K + k];
+    } else {
+      double left_out;
+      const std::vector<int> chosen = best_indices(biased, allowed, K, &left_out);
+      f.selection_margin[t] = std::min(f.selection_margin[t], biased[chosen.back()] - left_out);
+      for (int k = 0; k < K; ++k) f.topk_idx[t * K + k] = chosen[k];
+    }
+
+    double sum = 0.0;
+    for (int k = 0; k < K; ++k) sum += s[f.topk_idx[t * K + k]];
+    for (int k = 0; k < K; ++k) {
+      double wk = s[f.topk_idx[t * K + k]];
+      if (cfg.norm_topk_prob) wk /= sum;
+      f.topk_weight[t * K + k] = wk * cfg.routed_scaling_factor;
+    }
+  }
+
+  // Capacity, per source segment and expert.
+  f.kept_idx = f.topk_idx;
+  if (cfg.capacity_factor > 0.0) {
+    std::vector<int64_t> segments = opts.capacity_segments;
+    if (segments.empty()) segments.push_back(T);
+    MOE_CHECK(std::accumulate(segments.begin(), segments.end(), int64_t{0}) == T,
+              "ref: capacity_segments do not add up to T");
+    int64_t seg_begin = 0;
+    for (int64_t seg_len : segments) {
+      const int64_t cap = capacity(cfg.capacity_factor, seg_len, K, E);
+      for (int e = 0; e < E; ++e) {
+        std::vector<int64_t> pairs;  // t * K + k, in token order
+        for (int64_t p = seg_begin * K; p < (seg_begin + seg_len) * K; ++p)
+          if (f.topk_idx[p] == e) pairs.push_back(p);
+        if (cfg.drop_policy == DropPolicy::kProbs)
+          std::stable_sort(pairs.begin(), pairs.end(), [&](int64_t a, int64_t b) {
+            return f.topk_weight[a] > f.topk_weight[b];
+          });
+        for (size_t i = cap; i < pairs.size(); ++i) f.kept_idx[pairs[i]] = -1;
+      }
+      seg_begin += seg_len;
+    }
+  }
+
+  // Experts: y = down(silu(gate x) * up x), weighted sum into out.
+  f.gu.assign(T * K * 2 * I, 0.0);
+  f.expert_out.assign(T * K * H, 0.0);
+  f.out.assign(T * H, 0.0);
+  for (int64_t t = 0; t < T; ++t)
+    for (int k = 0; k < K; ++k) {
+      const int e = f.kept_idx[t * K + k];
+      if (e < 0) continue;
+      double* gu = &f.gu[(t * K + k) * 2 * I];
+      for (int j = 0; j < 2 * I; ++j) {
+        double acc = 0.0;
+        for (int h = 0; h < H; ++h) acc += w.w13[(static_cast<int64_t>(e) * 2 * I + j) * H + h] * x[t * H + h];
+        gu[j] = acc;
+      }
+      double* y = &f.expert_out[(t * K + k) * H];
+      for (int h = 0; h < H; ++h) {
+        double acc = 0.0;
+        for (int i = 0; i < I; ++i) acc += w.w2[(static_cast<int64_t>(e) * H + h) * I + i] * silu(gu[i]) * gu[I + i];
+        y[h] = acc;
+        f.out[t * H + h] += f.topk_weight[t * K + k] * acc;
+      }
+    }
+  return f;
+}
+
+Grads backward(const Config& cfg, const Weights& w, const std::vector<double>& x,
+               const Forward& f, const std::vector<double>& grad_out) {
+  const int H = cfg.hidden, I = cfg.ffn_hidden, E = cfg.num_experts, K = cfg.top_k;
+  const int64_t T = f.num_tokens;
+  Grads g;
+  g.grad_x.assign(T * H, 0.0);
+  g.grad_gate.assign(static_cast<size_t>(E) * H, 0.0);
+  g.grad_w13.assign(static_cast<size_t>(E) * 2 * I * H, 0.0);
+  g.grad_w2.assign(static_cast<size_t>(E) * H * I, 0.0);
+  g.grad_topk_weight.assign(T * K, 0.0);
+  g.grad_logits.assign(T * E, 0.0);
+
+  for (int64_t t = 0; t < T; ++t) {
+    const double* go = &grad_out[t * H];
+    // Experts.
+    for (int k = 0; k < K; ++k) {
+      const int e = f.kept_idx[t * K + k];
+      if (e < 0) continue;
+      const double wk = f.topk_weight[t * K + k];
+      const double* y = &f.expert_out[(t * K + k) * H];
+      const double* gu = &f.gu[(t * K + k) * 2 * I];
+      double dot = 0.0;
+      for (int h = 0; h < H; ++h) dot += go[h] * y[h];
+      g.grad_topk_weight[t * K + k] = dot;
+      std::vector<double> dh(I, 0.0);
+      for (int h = 0; h < H; ++h)
+        for (int i = 0; i < I; ++i) {
+          const double wv = w.w2[(static_cast<int64_t>(e) * H + h) * I + i];
+          dh[i] += wk * go[h] * wv;
+          g.grad_w2[(static_cast<int64_t>(e) * H + h) * I + i] += wk * go[h] * silu(gu[i]) * gu[I + i];
+        }
+      for (int i = 0; i < I; ++i) {
+        const double dg = dh[i] * gu[I + i] * silu_grad(gu[i]);
+        const double du = dh[i] * silu(gu[i]);
+        for (int h = 0; h < H; ++h) {
+          const int64_t gate_row = (static_cast<int64_t>(e) * 2 * I + i) * H;
+          const int64_t up_row = (static_cast<int64_t>(e) * 2 * I + I + i) * H;
+          g.grad_w13[gate_row + h] += dg * x[t * H + h];
+          g.grad_w13[up_row + h] += du * x[t * H + h];
+          g.grad_x[t * H + h] += dg * w.w13[gate_row + h] + du * w.w13[up_row + h];
+        }
+      }
+    }
+
+    // Router, by the chain rule: dL/ds_j from the weights, then the score Jacobian.
+    const double* s = &f.scores[t * E];
+    const double c = cfg.routed_scaling_factor;
+    double sel_sum = 0.0;
+    for (int k = 0; k < K; ++k) sel_sum += s[f.topk_idx[t * K + k]];
+    std::vector<double> ds(E, 0.0);
+    for (int k = 0; k < K; ++k) {
+      const int ek = f.topk_idx[t * K + k];
+      const double gk = g.grad_topk_weight[t * K + k];
+      if (cfg.norm_topk_prob) {
+        // w_k = c s_ek / sum_S s
+        ds[ek] += gk * c / sel_sum;
+        for (int j = 0; j < K; ++j) ds[f.topk_idx[t * K + j]] -= gk * c * s[ek] / (sel_sum * sel_sum);
+      } else {
+        ds[ek] += gk * c;
+      }
+    }
+    double* dl = &g.grad_logits[t * E];
+    for (int i = 0; i < E; ++i) {
+      if (cfg.score == ScoreFunc::kSigmoid) {
+        dl[i] = ds[i] * s[i] * (1.0 - s[i]);
+      } else {
+        double acc = 0.0;
+        for (int j = 0; j < E; ++j) acc += ds[j] * s[j] * ((i == j ? 1.0 : 0.0) - s[i]);
+        dl[i] = acc;
+      }
+    }
+    for (int e = 0; e < E; ++e)
+      for (int h = 0; h < H; ++h) {
+        g.grad_gate[e * H + h] += dl[e] * x[t * H + h];
+        g.grad_x[t * H + h] += dl[e] * w.gate[e * H + h];
+      }
+  }
+  return g;
+}
+
+DispatchLayout dispatch_layout(const std::vector<int32_t>& topk_slot, int64_t T, int K, int R, int S) {
+  DispatchLayout d;
+  d.num_tokens_per_rank.assign(R, 0);
+  d.num_tokens_per_slot.assign(static_cast<size_t>(R) * S, 0);
+  d.is_token_in_rank.assign(T * R, 0);
+  d.token_rank_pos.assign(T * R, -1);
+  for (int64_t t = 0; t < T; ++t) {
+    for (int k = 0; k < K; ++k) {
+      const int32_t slot = topk_slot[t * K + k];
+      if (slot < 0) continue;
+      ++d.num_tokens_per_slot[slot];
+      d.is_token_in_rank[t * R + slot / S] = 1;
+    }
+    for (int r = 0; r < R; ++r)
+      if (d.is_token_in_rank[t * R + r]) d.token_rank_pos[t * R + r] = d.num_tokens_per_rank[r]++;
+  }
+  return d;
+}
+
+}  // namespace moe::ref

@@ -1,0 +1,93 @@
+// The fp64 reference of one MoE layer, forward and backward (DESIGN 3), written
+// for reading, not speed: plain loops, no threads, no fusion. Every backend and
+// transport is checked against it. The router gradient is derived here by the
+// chain rule through the full Jacobian (not the closed forms the backends use),
+// so the two are independent.
+#pragma once
+
+#include <cstdint>
+#include <vector>
+
+#include "moe/kernels/types.h"
+
+namespace moe::ref {
+
+using kernels::DropPolicy;
+using kernels::ScoreFunc;
+
+struct Config {
+  int hidden = 0;
+  int ffn_hidden = 0;
+  int num_experts = 0;
+  int top_k = 0;
+  ScoreFunc score = ScoreFunc::kSoftmax;
+  int num_groups = 0;
+  int group_top_k = 0;
+  bool norm_topk_prob = true;
+  double routed_scaling_factor = 1.0;
+  double capacity_factor = 0.0;
+  DropPolicy drop_policy = DropPolicy::kProbs;
+};
+
+struct Weights {
+  std::vector<double> gate;            // [E, H]
+  std::vector<double> selection_bias;  // [E] or empty
+  std::vector<double> logit_bias;      // [E] or empty
+  std::vector<double> w13;             // [E, 2I, H]: gate_proj rows, then up_proj rows
+  std::vector<double> w2;              // [E, H, I]
+};
+
+struct ForwardOptions {
+  // Use this selection [T, K] instead of computing one (tests use it to step
+  // around near-ties that fp32 and fp64 may break differently).
+  const int32_t* forced_topk_idx = nullptr;
+  // Token counts of the source ranks, in order; capacity applies within each.
+  // Empty: one source of all T tokens.
+  std::vector<int64_t> capacity_segments;
+};
+
+struct Forward {
+  int64_t num_tokens = 0;
+  std::vector<double> logits;       // [T, E] (logit_bias included)
+  std::vector<double> scores;       // [T, E]
+  std::vector<int32_t> topk_idx;    // [T, K] selection, best first
+  std::vector<int32_t> kept_idx;    // [T, K] topk_idx or -1 where dropped by capacity
+  std::vector<double> topk_weight;  // [T, K]
+  std::vector<double> gu;           // [T, K, 2I] expert pre-activations (0 if dropped)
+  std::vector<double> expert_out;   // [T, K, H] unweighted y_k(t) (0 if dropped)
+  std::vector<double> out;          // [T, H]
+  // Margin between the K-th and (K+1)-th biased score per token (inf if K = E);
+  // tests treat a smaller margin than fp32 can resolve as a near-tie.
+  std::vector<double> selection_margin;  // [T]
+};
+
+struct Grads {
+  std::vector<double> grad_x;            // [T, H], router path included
+  std::vector<double> grad_gate;         // [E, H]
+  std::vector<double> grad_w13;          // [E, 2I, H]
+  std::vector<double> grad_w2;           // [E, H, I]
+  std::vector<double> grad_topk_weight;  // [T, K]: <grad_out[t], y_k(t)>, 0 if dropped
+  std::vector<double> grad_logits;       // [T, E]
+};
+
+// x is [T, H].
+Forward forward(const Config& cfg, const Weights& w, const std::vector<double>& x, int64_t T,
+                const ForwardOptions& opts = {});
+
+Grads backward(const Config& cfg, const Weights& w, const std::vector<double>& x,
+               const Forward& fwd, const std::vector<double>& grad_out);
+
+// Capacity of one source of T tokens: ceil(cf * T * K / E), cf = 0 meaning none.
+int64_t capacity(double capacity_factor, int64_t T, int top_k, int num_experts);
+
+// Dispatch layout of DeepEP's get_dispatch_layout, plainly.
+struct DispatchLayout {
+  std::vector<int32_t> num_tokens_per_rank;  // [R]
+  std::vector<int32_t> num_tokens_per_slot;  // [R * S]
+  std::vector<uint8_t> is_token_in_rank;     // [T, R]
+  std::vector<int32_t> token_rank_pos;       // [T, R]
+};
+DispatchLayout dispatch_layout(const std::vector<int32_t>& topk_slot, int64_t T, int K, int R,
+                               int S);
+
+}  // namespace moe::ref
