@@ -152,6 +152,7 @@ void MoeLayer::forward(const void* x, int64_t T, void* out) {
   const int E = cfg_.num_experts, K = cfg_.top_k, H = cfg_.hidden;
   T_ = T;
   x_ = x;
+  has_forward_ = true;
   times_ = {};
 
   times_.router = timed(be_, [&] {
@@ -213,7 +214,7 @@ void MoeLayer::forward(const void* x, int64_t T, void* out) {
 
 void MoeLayer::backward(const void* grad_out, void* grad_x) {
   MOE_CHECK(cfg_.train, "backward on a layer built without train = true");
-  MOE_CHECK(x_ != nullptr, "backward called before forward");
+  MOE_CHECK(has_forward_, "backward called before forward");
   Buffers& b = *buf_;
   const int64_t T = T_;
   const int K = cfg_.top_k, H = cfg_.hidden;

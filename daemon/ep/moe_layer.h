@@ -102,6 +102,7 @@ class MoeLayer {
   model::LayerWeights host_weights_;
   int64_t T_ = 0;
   const void* x_ = nullptr;  // input of the last forward (must stay valid for backward)
+  bool has_forward_ = false;
   PhaseTimes times_;
 };
 

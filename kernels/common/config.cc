@@ -88,6 +88,7 @@ void PermuteConfig::validate() const {
   MOE_CHECK(num_rows >= 0 && num_out_rows >= 0, "permute: row counts must be >= 0 (",
             num_rows, ", ", num_out_rows, ")");
   MOE_CHECK(hidden > 0, "permute: hidden must be > 0, got ", hidden);
+  MOE_CHECK(top_k >= 1, "permute: top_k must be >= 1, got ", top_k);
 }
 
 void UnpermuteConfig::validate() const {

@@ -8,8 +8,19 @@
 
 namespace moe::kernels::cpu {
 namespace {
-constexpr int64_t kChunk = 1024;  // columns per stack accumulator chunk
+
+constexpr int kMaxUnpermuteK = 64;  // pairs per row the combine handles
+constexpr int64_t kRowBlock = 32;   // source rows per task of permute/unpermute
+
+// memcpy for row-sized blocks: 32-byte vector moves, no library dispatch per row.
+void copy_bytes(uint8_t* d, const uint8_t* s, size_t bytes) {
+  size_t i = 0;
+  for (; i + 32 <= bytes; i += 32)
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(d + i), _mm256_loadu_si256(reinterpret_cast<const __m256i*>(s + i)));
+  if (i < bytes) std::memcpy(d + i, s + i, bytes - i);
 }
+
+}  // namespace
 
 void convert(ThreadPool& pool, const void* src, DType src_dtype, void* dst, DType dst_dtype,
              int64_t count) {
@@ -29,21 +40,29 @@ void convert(ThreadPool& pool, const void* src, DType src_dtype, void* dst, DTyp
 
 void permute(ThreadPool& pool, const PermuteConfig& cfg, const PermuteArgs& a) {
   cfg.validate();
-  const int H = cfg.hidden;
+  const int H = cfg.hidden, K = cfg.top_k;
+  const int64_t N = cfg.num_rows, M = cfg.num_out_rows;
   const size_t in_row = dtype_size(cfg.in_dtype) * H, out_row = dtype_size(cfg.out_dtype) * H;
-  parallel_blocks(pool, cfg.num_out_rows, 64, [&](int64_t m0, int64_t m1, int) {
-    for (int64_t m = m0; m < m1; ++m) {
-      const int32_t src = a.src_row[m];
-      MOE_CHECK(src >= 0 && src < cfg.num_rows, "permute: src_row[", m, "] = ", src,
-                " is out of range [0, ", cfg.num_rows, ")");
-      const auto* s = static_cast<const uint8_t*>(a.rows) + src * in_row;
-      auto* d = static_cast<uint8_t*>(a.out) + m * out_row;
-      if (cfg.in_dtype == cfg.out_dtype)
-        std::memcpy(d, s, in_row);
-      else if (cfg.out_dtype == DType::kF32)
-        load_row_f32(s, cfg.in_dtype, reinterpret_cast<float*>(d), H);
-      else
-        store_row_f32(reinterpret_cast<const float*>(s), d, cfg.out_dtype, H);
+  for (int64_t p = 0; p < N * K; ++p)
+    MOE_CHECK(a.pair_pos[p] >= -1 && a.pair_pos[p] < M, "permute: pair_pos[", p / K, ",", p % K,
+              "] = ", a.pair_pos[p], " is out of range [0, ", M, ")");
+  // Scatter: each source row is read once (sequentially) and written to each of
+  // its pairs. Small blocks keep both threads in the same stretch of every expert's
+  // segment, which DRAM likes better than far-apart halves.
+  parallel_fixed_blocks(pool, N, kRowBlock, [&](int64_t n0, int64_t n1, int) {
+    for (int64_t n = n0; n < n1; ++n) {
+      const uint8_t* s = static_cast<const uint8_t*>(a.rows) + n * in_row;
+      for (int k = 0; k < K; ++k) {
+        const int32_t m = a.pair_pos[n * K + k];
+        if (m < 0) continue;
+        auto* d = static_cast<uint8_t*>(a.out) + m * out_row;
+        if (cfg.in_dtype == cfg.out_dtype)
+          copy_bytes(d, s, in_row);
+        else if (cfg.out_dtype == DType::kF32)
+          load_row_f32(s, cfg.in_dtype, reinterpret_cast<float*>(d), H);
+        else
+          store_row_f32(reinterpret_cast<const float*>(s), d, cfg.out_dtype, H);
+      }
     }
   });
 }
@@ -51,25 +70,47 @@ void permute(ThreadPool& pool, const PermuteConfig& cfg, const PermuteArgs& a) {
 void unpermute(ThreadPool& pool, const UnpermuteConfig& cfg, const UnpermuteArgs& a) {
   cfg.validate();
   const int K = cfg.top_k, H = cfg.hidden;
+  MOE_CHECK(K <= kMaxUnpermuteK, "unpermute: top_k ", K, " exceeds ", kMaxUnpermuteK);
   const size_t out_row = dtype_size(cfg.out_dtype) * H;
-  parallel_blocks(pool, cfg.num_rows, 32, [&](int64_t n0, int64_t n1, int) {
-    alignas(64) float acc[kChunk];
+  // Small blocks, as in permute: threads walk the expert segments side by side.
+  parallel_fixed_blocks(pool, cfg.num_rows, kRowBlock, [&](int64_t n0, int64_t n1, int) {
+    const float* src[kMaxUnpermuteK];
+    float w[kMaxUnpermuteK];
     for (int64_t n = n0; n < n1; ++n) {
-      const int32_t* pos = a.pair_pos + n * K;
-      const float* w = a.pair_weight ? a.pair_weight + n * K : nullptr;
-      auto* out = static_cast<uint8_t*>(a.out) + n * out_row;
-      for (int64_t c0 = 0; c0 < H; c0 += kChunk) {
-        const int64_t len = std::min<int64_t>(kChunk, H - c0);
-        std::memset(acc, 0, sizeof(float) * len);
+      if (n + 1 < n1)
         for (int k = 0; k < K; ++k) {
-          if (pos[k] < 0) continue;
-          axpy_row(w ? w[k] : 1.0f, a.perm + static_cast<int64_t>(pos[k]) * H + c0, acc, len);
+          const int32_t p = a.pair_pos[(n + 1) * K + k];
+          if (p >= 0) _mm_prefetch(reinterpret_cast<const char*>(a.perm + static_cast<int64_t>(p) * H), _MM_HINT_T0);
         }
+      int count = 0;
+      for (int k = 0; k < K; ++k) {
+        const int32_t p = a.pair_pos[n * K + k];
+        if (p < 0) continue;
+        src[count] = a.perm + static_cast<int64_t>(p) * H;
+        w[count++] = a.pair_weight ? a.pair_weight[n * K + k] : 1.0f;
+      }
+      auto* out = static_cast<uint8_t*>(a.out) + n * out_row;
+      // All pairs of the row advance together, 8 columns at a time: K concurrent
+      // read streams, one write stream. Each element sums its pairs in k order.
+      int64_t i = 0;
+      for (; i + 8 <= H; i += 8) {
+        __m256 acc = _mm256_setzero_ps();
+        for (int c = 0; c < count; ++c) acc = _mm256_fmadd_ps(_mm256_set1_ps(w[c]), _mm256_loadu_ps(src[c] + i), acc);
         if (cfg.accumulate) {
-          axpy_row(1.0f, acc, reinterpret_cast<float*>(out) + c0, len);
+          float* o = reinterpret_cast<float*>(out) + i;
+          _mm256_storeu_ps(o, _mm256_add_ps(_mm256_loadu_ps(o), acc));
+        } else if (cfg.out_dtype == DType::kF32) {
+          _mm256_storeu_ps(reinterpret_cast<float*>(out) + i, acc);
         } else {
-          store_row_f32(acc, out + c0 * dtype_size(cfg.out_dtype), cfg.out_dtype, len);
+          store_bf16_ps(reinterpret_cast<bf16_t*>(out) + i, acc);
         }
+      }
+      for (; i < H; ++i) {
+        float acc = 0.0f;
+        for (int c = 0; c < count; ++c) acc = std::fma(w[c], src[c][i], acc);
+        if (cfg.accumulate) reinterpret_cast<float*>(out)[i] += acc;
+        else if (cfg.out_dtype == DType::kF32) reinterpret_cast<float*>(out)[i] = acc;
+        else reinterpret_cast<bf16_t*>(out)[i] = f32_to_bf16(acc);
       }
     }
   });

@@ -150,9 +150,12 @@ struct PermuteLayoutArgs {
   void* workspace = nullptr;            // permute_layout_workspace_bytes
 };
 
-// Permute: out[m] = rows[src_row[m]], converting dtype.
+// Permute: out[m] = rows[src_row[m]], converting dtype. Both maps come from
+// permute_layout; a backend may gather by src_row or scatter by pair_pos (the CPU
+// backend scatters: every source row is read once, however many experts need it).
 struct PermuteConfig {
   int64_t num_rows = 0;      // N source rows
+  int top_k = 0;             // slots per source row in pair_pos
   int64_t num_out_rows = 0;  // M
   int hidden = 0;
   DType in_dtype = DType::kF32;
@@ -162,9 +165,10 @@ struct PermuteConfig {
 };
 
 struct PermuteArgs {
-  const void* rows = nullptr;
-  const int32_t* src_row = nullptr;  // [M]
-  void* out = nullptr;               // [M, H]
+  const void* rows = nullptr;         // [N, H]
+  const int32_t* src_row = nullptr;   // [M]
+  const int32_t* pair_pos = nullptr;  // [N, K]: the inverse of src_row
+  void* out = nullptr;                // [M, H]
 };
 
 // Unpermute, the local combine: out[n] = sum_k w[n,k] * perm[pair_pos[n,k]],

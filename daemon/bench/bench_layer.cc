@@ -1,0 +1,185 @@
+#include <google/protobuf/util/json_util.h>
+
+#include <algorithm>
+#include <chrono>
+#include <filesystem>
+#include <fstream>
+
+#include "benches.h"
+#include "ep/moe_layer.h"
+#include "io/layer_io.h"
+#include "model/synthetic.h"
+#include "moe/kernels/check.h"
+#include "moe/kernels/cpu_backend.h"
+#include "moe/v1/job.pb.h"
+
+namespace moe::bench {
+namespace {
+
+using kernels::DType;
+
+double now_seconds() {
+  return std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch()).count();
+}
+
+// Values in the layer dtype, as raw bytes.
+std::vector<uint8_t> in_dtype(const std::vector<float>& v, DType t) {
+  std::vector<uint8_t> out(v.size() * kernels::dtype_size(t));
+  if (t == DType::kF32) {
+    std::memcpy(out.data(), v.data(), out.size());
+  } else {
+    auto* p = reinterpret_cast<kernels::bf16_t*>(out.data());
+    for (size_t i = 0; i < v.size(); ++i) p[i] = kernels::f32_to_bf16(v[i]);
+  }
+  return out;
+}
+
+v1::JobSpec spec_of(const LayerBenchOptions& o) {
+  v1::JobSpec s;
+  s.set_experts(o.experts);
+  s.set_top_k(o.top_k);
+  s.set_hidden(o.hidden);
+  s.set_ffn_hidden(o.ffn);
+  s.set_layers(1);
+  s.set_score(o.score == kernels::ScoreFunc::kSoftmax ? v1::JobSpec::softmax : v1::JobSpec::sigmoid);
+  s.set_num_groups(o.num_groups);
+  s.set_group_top_k(o.group_top_k);
+  s.set_norm_topk_prob(true);
+  s.set_routed_scaling_factor(1.0);
+  s.set_dtype(o.dtype == DType::kF32 ? v1::JobSpec::fp32 : v1::JobSpec::bf16);
+  s.set_capacity_factor(o.capacity_factor);
+  s.set_drop_policy(o.drop_policy == kernels::DropPolicy::kProbs ? v1::JobSpec::probs : v1::JobSpec::position);
+  s.set_tokens_per_rank(o.tokens);
+  s.set_steps(1);
+  s.set_mode(o.train ? v1::JobSpec::train : v1::JobSpec::forward);
+  s.set_skew(o.skew);
+  s.set_seed(o.seed);
+  s.set_dump_dir(o.dump_dir);
+  return s;
+}
+
+void write_spec_json(const std::string& path, const v1::JobSpec& spec) {
+  google::protobuf::util::JsonPrintOptions opts;
+  opts.preserve_proto_field_names = true;
+  opts.always_print_primitive_fields = true;
+  opts.add_whitespace = true;
+  std::string json;
+  const auto status = google::protobuf::util::MessageToJsonString(spec, &json, opts);
+  MOE_CHECK(status.ok(), "spec.json: cannot print the spec");
+  std::ofstream out(path);
+  out << json;
+  MOE_CHECK(out.good(), path, ": write failed");
+}
+
+}  // namespace
+
+Report run_layer_bench(const LayerBenchOptions& o) {
+  MOE_CHECK(o.threads >= 1, "--threads must be >= 1, got ", o.threads);
+  MOE_CHECK(o.iters >= 1, "--iters must be >= 1, got ", o.iters);
+  MOE_CHECK(o.tokens >= 0, "--tokens must be >= 0, got ", o.tokens);
+  kernels::ThreadPool pool(o.threads);
+  auto be = kernels::make_cpu_backend(pool);
+
+  ep::MoeLayerConfig cfg;
+  cfg.hidden = o.hidden;
+  cfg.ffn_hidden = o.ffn;
+  cfg.num_experts = o.experts;
+  cfg.top_k = o.top_k;
+  cfg.score = o.score;
+  cfg.num_groups = o.num_groups;
+  cfg.group_top_k = o.group_top_k;
+  cfg.capacity_factor = o.capacity_factor;
+  cfg.drop_policy = o.drop_policy;
+  cfg.dtype = o.dtype;
+  cfg.max_tokens = o.tokens;
+  cfg.train = o.train;
+  ep::MoeLayer layer(cfg, *be);
+  const model::LayerShape shape{o.hidden, o.ffn, o.experts};
+  model::LayerWeights w = model::make_layer_weights(o.seed, 0, shape);
+  w.logit_bias = model::skew_logit_bias(o.skew, o.seed, o.experts);
+  layer.set_weights(w);
+
+  const int64_t T = o.tokens, H = o.hidden;
+  std::vector<float> x32(T * H), g32(T * H);
+  model::fill_inputs(o.seed, 0, 0, T, o.hidden, x32.data());
+  model::fill_inputs(o.seed ^ 0x67726164ull, 0, 0, T, o.hidden, g32.data());  // grad_out ("grad")
+  const std::vector<uint8_t> x = in_dtype(x32, o.dtype), grad_out = in_dtype(g32, o.dtype);
+  std::vector<uint8_t> out(x.size()), grad_x(x.size());
+
+  auto step = [&] {
+    layer.forward(x.data(), T, out.data());
+    if (o.train) layer.backward(grad_out.data(), grad_x.data());
+  };
+
+  // Step 0, dumped when asked.
+  step();
+  if (!o.dump_dir.empty()) {
+    std::filesystem::create_directories(o.dump_dir);
+    io::LayerDump d;
+    d.dtype = o.dtype;
+    d.shape = shape;
+    d.top_k = o.top_k;
+    d.num_tokens = T;
+    d.x = x.data();
+    d.out = out.data();
+    d.topk_idx = layer.kept_idx();
+    d.topk_weight = layer.topk_weight();
+    d.weights = &layer.weights();
+    for (int e = 0; e < o.experts; ++e) d.experts.push_back(e);
+    if (o.train) {
+      d.grad_out = grad_out.data();
+      d.grad_x = grad_x.data();
+      d.grad_gate = layer.grad_gate();
+      d.grad_w13 = layer.grad_w13();
+      d.grad_w2 = layer.grad_w2();
+    }
+    io::write_layer_dump(o.dump_dir + "/rank0.safetensors", d);
+    write_spec_json(o.dump_dir + "/spec.json", spec_of(o));
+  }
+  for (int i = 1; i < o.warmup; ++i) step();
+
+  struct Sample {
+    double seconds;
+    ep::PhaseTimes phases;
+  };
+  std::vector<Sample> samples;
+  for (int i = 0; i < o.iters; ++i) {
+    const double t0 = now_seconds();
+    step();
+    samples.push_back({now_seconds() - t0, layer.times()});
+  }
+  std::sort(samples.begin(), samples.end(), [](const Sample& a, const Sample& b) { return a.seconds < b.seconds; });
+  const Sample& median = samples[samples.size() / 2];
+
+  const double peak = kernels::measure_sgemm_gflops(o.threads, o.peak_n, 3);
+  const double fwd_flops = 2.0 * T * o.experts * H + 6.0 * T * o.top_k * H * static_cast<double>(o.ffn);
+  const double flops = o.train ? 3 * fwd_flops : fwd_flops;
+  const double gflops = flops / median.seconds / 1e9;
+
+  Report r;
+  r.add("bench", "layer");
+  r.add("backend", be->name());
+  r.add("mode", o.train ? "train" : "forward");
+  r.add("dtype", kernels::dtype_name(o.dtype));
+  r.add("threads", static_cast<int64_t>(o.threads));
+  r.add("tokens", T).add("hidden", static_cast<int64_t>(H)).add("ffn", static_cast<int64_t>(o.ffn));
+  r.add("experts", static_cast<int64_t>(o.experts)).add("top_k", static_cast<int64_t>(o.top_k));
+  r.add("iters", static_cast<int64_t>(o.iters));
+  r.add("step_seconds_p50", median.seconds);
+  r.add("step_seconds_min", samples.front().seconds);
+  r.add("tokens_per_second", T / median.seconds);
+  r.add("gflops", gflops);
+  r.add("gemm_peak_gflops", peak);
+  r.add("fraction_of_gemm_peak", gflops / peak);
+  Report& ph = r.section("phase_seconds");
+  ph.add("router", median.phases.router);
+  ph.add("permute", median.phases.permute);
+  ph.add("expert_gemm", median.phases.expert_gemm);
+  ph.add("swiglu", median.phases.swiglu);
+  ph.add("combine", median.phases.combine);
+  ph.add("backward", median.phases.backward);
+  if (!o.dump_dir.empty()) r.add("dump_dir", o.dump_dir);
+  return r;
+}
+
+}  // namespace moe::bench

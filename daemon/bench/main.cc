@@ -1,0 +1,80 @@
+// moe-bench: benchmark programs that print figures (never pass/fail on time).
+//   moe-bench layer   [--tokens ... --mode forward|train --dtype fp32|bf16 --threads N --dump DIR]
+//   moe-bench permute [--hidden ... --threads N]
+#include <CLI/CLI.hpp>
+
+#include <iostream>
+#include <thread>
+
+#include "benches.h"
+#include "moe/kernels/check.h"
+
+int main(int argc, char** argv) {
+  using namespace moe;
+  CLI::App app{"moe-bench: MoE benchmark programs"};
+  app.require_subcommand(1);
+  std::string output = "table";
+  app.add_option("--output", output, "table or json")->check(CLI::IsMember({"table", "json"}));
+  const int default_threads = static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
+
+  bench::LayerBenchOptions lo;
+  lo.threads = default_threads;
+  std::string mode = "forward", dtype = "fp32", score = "softmax", drop = "probs";
+  CLI::App* layer = app.add_subcommand("layer", "one MoE layer on one rank");
+  layer->add_option("--tokens", lo.tokens, "tokens T");
+  layer->add_option("--hidden", lo.hidden, "hidden size H");
+  layer->add_option("--ffn", lo.ffn, "expert ffn size I");
+  layer->add_option("--experts", lo.experts, "experts E");
+  layer->add_option("--top-k", lo.top_k, "experts per token K");
+  layer->add_option("--mode", mode, "forward or train")->check(CLI::IsMember({"forward", "train"}));
+  layer->add_option("--dtype", dtype, "fp32 or bf16")->check(CLI::IsMember({"fp32", "bf16"}));
+  layer->add_option("--threads", lo.threads, "threads of the rank's pool");
+  layer->add_option("--iters", lo.iters, "timed steps (the median is reported)");
+  layer->add_option("--warmup", lo.warmup, "untimed steps first (step 0 included)");
+  layer->add_option("--seed", lo.seed, "seed of inputs and weights");
+  layer->add_option("--score", score, "softmax or sigmoid")->check(CLI::IsMember({"softmax", "sigmoid"}));
+  layer->add_option("--num-groups", lo.num_groups, "expert groups for group-limited routing");
+  layer->add_option("--group-top-k", lo.group_top_k, "groups kept per token");
+  layer->add_option("--capacity-factor", lo.capacity_factor, "0 = dropless");
+  layer->add_option("--drop-policy", drop, "probs or position")->check(CLI::IsMember({"probs", "position"}));
+  layer->add_option("--skew", lo.skew, "uniform or zipf:ALPHA");
+  layer->add_option("--dump", lo.dump_dir, "write DIR/rank0.safetensors and DIR/spec.json of step 0");
+  layer->add_option("--peak-n", lo.peak_n, "size of the square sgemm that defines the peak");
+  layer->add_option("--output", output, "table or json")->check(CLI::IsMember({"table", "json"}));
+
+  bench::PermuteBenchOptions po;
+  po.threads = default_threads;
+  CLI::App* permute = app.add_subcommand("permute", "permute/unpermute bandwidth beside memcpy");
+  permute->add_option("--hidden", po.hidden, "row width in fp32 values");
+  permute->add_option("--top-k", po.top_k, "rows per token");
+  permute->add_option("--experts", po.experts, "experts");
+  permute->add_option("--threads", po.threads, "threads");
+  permute->add_option("--iters", po.iters, "timed runs (the best is reported)");
+  permute->add_option("--bytes", po.bytes, "permuted buffer bytes (default max(4 x L3, 256 MiB))");
+  permute->add_option("--output", output, "table or json")->check(CLI::IsMember({"table", "json"}));
+
+  try {
+    app.parse(argc, argv);
+  } catch (const CLI::ParseError& e) {
+    const int rc = app.exit(e);
+    return rc == 0 ? 0 : 2;
+  }
+  try {
+    bench::Report r;
+    if (*layer) {
+      lo.train = mode == "train";
+      lo.dtype = kernels::parse_dtype(dtype);
+      lo.score = kernels::parse_score(score);
+      lo.drop_policy = kernels::parse_drop_policy(drop);
+      r = bench::run_layer_bench(lo);
+    } else {
+      r = bench::run_permute_bench(po);
+    }
+    if (output == "json") r.print_json(std::cout);
+    else r.print_table(std::cout);
+  } catch (const Error& e) {
+    std::cerr << "moe-bench: " << e.what() << "\n";
+    return 2;
+  }
+  return 0;
+}

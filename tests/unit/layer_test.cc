@@ -1,0 +1,307 @@
+// The single-rank MoE layer (router, capacity, permute, fused experts, combine,
+// and the backward through all of it) against the fp64 reference.
+#include <gtest/gtest.h>
+
+#include "ep/moe_layer.h"
+#include "moe/kernels/check.h"
+#include "moe/kernels/cpu_backend.h"
+#include "test_util.h"
+
+namespace moe::test {
+namespace {
+
+using kernels::DType;
+
+enum class Special { kNone, kTies, kZeroTokenExperts, kAllOnOne };
+
+struct LayerCase {
+  const char* name;
+  int64_t T;
+  int H, I, E, K;
+  ScoreFunc score = ScoreFunc::kSoftmax;
+  int groups = 0, group_top_k = 0;
+  bool norm = true;
+  float scaling = 1.0f;
+  double cf = 0.0;
+  DropPolicy policy = DropPolicy::kProbs;
+  DType dtype = DType::kF32;
+  Special special = Special::kNone;
+  bool selection_bias = false;
+};
+
+// Layer input in its dtype, plus the fp32 values it represents.
+struct Tensor {
+  std::vector<float> f32;
+  std::vector<kernels::bf16_t> bf16;
+  DType dtype;
+  Tensor(std::vector<float> v, DType t) : dtype(t) {
+    if (t == DType::kBF16) model::round_to_bf16(v);
+    f32 = std::move(v);
+    if (t == DType::kBF16) bf16 = float_to_bf16(f32);
+  }
+  const void* data() const { return dtype == DType::kF32 ? static_cast<const void*>(f32.data()) : bf16.data(); }
+};
+
+// Output buffer in a dtype, read back as doubles.
+struct OutBuf {
+  std::vector<uint8_t> bytes;
+  DType dtype;
+  OutBuf(int64_t n, DType t) : bytes(n * kernels::dtype_size(t) + 1), dtype(t) {}
+  void* data() { return bytes.data(); }
+  std::vector<double> values(int64_t n) const {
+    std::vector<double> v(n);
+    for (int64_t i = 0; i < n; ++i)
+      v[i] = dtype == DType::kF32 ? reinterpret_cast<const float*>(bytes.data())[i]
+                                  : kernels::bf16_to_f32(reinterpret_cast<const kernels::bf16_t*>(bytes.data())[i]);
+    return v;
+  }
+};
+
+void PrintTo(const LayerCase& c, std::ostream* os) { *os << c.name; }
+
+class LayerVsReference : public ::testing::TestWithParam<LayerCase> {};
+
+TEST_P(LayerVsReference, ForwardAndBackward) {
+  const LayerCase& c = GetParam();
+  kernels::ThreadPool pool(2);
+  auto be = kernels::make_cpu_backend(pool);
+
+  ep::MoeLayerConfig cfg;
+  cfg.hidden = c.H;
+  cfg.ffn_hidden = c.I;
+  cfg.num_experts = c.E;
+  cfg.top_k = c.K;
+  cfg.score = c.score;
+  cfg.num_groups = c.groups;
+  cfg.group_top_k = c.group_top_k;
+  cfg.norm_topk_prob = c.norm;
+  cfg.routed_scaling_factor = c.scaling;
+  cfg.capacity_factor = c.cf;
+  cfg.drop_policy = c.policy;
+  cfg.dtype = c.dtype;
+  cfg.max_tokens = std::max<int64_t>(c.T, 1);
+  cfg.train = true;
+  ep::MoeLayer layer(cfg, *be);
+
+  model::LayerWeights w = model::make_layer_weights(42, 0, {c.H, c.I, c.E});
+  if (c.selection_bias) w.selection_bias = normal_vector(c.E, 8, 0.02);
+  switch (c.special) {
+    case Special::kNone:
+      break;
+    case Special::kTies:  // equal scores; selection bias ties in pairs
+      std::fill(w.gate.begin(), w.gate.end(), 0.0f);
+      w.selection_bias.assign(c.E, 0.0f);
+      for (int e = 0; e < c.E; ++e) w.selection_bias[e] = 0.01f * static_cast<float>((c.E - e) / 2);
+      break;
+    case Special::kZeroTokenExperts:  // upper half of the experts never chosen
+      w.logit_bias.assign(c.E, 0.0f);
+      for (int e = c.E / 2; e < c.E; ++e) w.logit_bias[e] = -40.0f;
+      break;
+    case Special::kAllOnOne:
+      w.logit_bias.assign(c.E, 0.0f);
+      w.logit_bias[c.E / 2] = 40.0f;
+      break;
+  }
+  layer.set_weights(w);
+  const model::LayerWeights& used = layer.weights();  // bf16-rounded in a bf16 layer
+
+  const int64_t T = c.T;
+  const int H = c.H, K = c.K, E = c.E;
+  const Tensor x(normal_vector(T * H, 100), c.dtype);
+  const Tensor go(normal_vector(T * H, 101), c.dtype);
+  OutBuf out(T * H, c.dtype), gx(T * H, c.dtype);
+  layer.forward(x.data(), T, out.data());
+  layer.backward(go.data(), gx.data());
+
+  ref::Config rc;
+  rc.hidden = H;
+  rc.ffn_hidden = c.I;
+  rc.num_experts = E;
+  rc.top_k = K;
+  rc.score = c.score;
+  rc.num_groups = c.groups;
+  rc.group_top_k = c.group_top_k;
+  rc.norm_topk_prob = c.norm;
+  rc.routed_scaling_factor = c.scaling;
+  rc.capacity_factor = c.cf;
+  rc.drop_policy = c.policy;
+  const ref::Weights rw = to_ref_weights(used);
+  const std::vector<double> xd = to_double(x.f32);
+
+  // Selection: identical to the reference's own except at near-ties that fp32
+  // cannot resolve; the numeric comparison then uses the layer's selection.
+  const ref::Forward own = ref::forward(rc, rw, xd, T);
+  const std::vector<int32_t> idx(layer.topk_idx(), layer.topk_idx() + T * K);
+  int near_ties = 0;
+  for (int64_t t = 0; t < T; ++t) {
+    if (own.selection_margin[t] < 1e-5 && c.special != Special::kTies) {
+      ++near_ties;
+      continue;
+    }
+    for (int k = 0; k < K; ++k) ASSERT_EQ(idx[t * K + k], own.topk_idx[t * K + k]) << "token " << t;
+  }
+  EXPECT_LE(near_ties, std::max<int64_t>(1, T / 50));
+  const ref::Forward f = ref::forward(rc, rw, xd, T, {idx.data(), {}});
+  const ref::Grads g = ref::backward(rc, rw, xd, f, to_double(go.f32));
+
+  const std::vector<int32_t> kept(layer.kept_idx(), layer.kept_idx() + T * K);
+  EXPECT_EQ(kept, f.kept_idx);
+  const bool empty = T == 0;
+  // fp32: accumulation-order noise only. bf16: out and grad_x are rounded once to
+  // bf16 at the end (relative error <= 2^-9; 2^-8 leaves room for the fp32 noise);
+  // everything before that is fp32 on the same bf16 inputs and weights.
+  const double rt = c.dtype == DType::kF32 ? 1e-4 : 0x1.0p-8;
+  EXPECT_TRUE(close("out", out.values(T * H), f.out, rt, 1e-5, empty));
+  EXPECT_TRUE(close("topk_weight", to_double(layer.topk_weight(), T * K), f.topk_weight, 1e-5, 1e-6, empty));
+  EXPECT_TRUE(close("grad_x", gx.values(T * H), g.grad_x, rt, 1e-5, empty));
+  EXPECT_TRUE(close("grad_topk_weight", to_double(layer.grad_topk_weight(), T * K), g.grad_topk_weight, 1e-4,
+                    1e-5, empty));
+  const ep::LayerGrads lg = layer.copy_grads();
+  // With top-1 and normalisation the weight is always c: no router gradient exists.
+  const bool no_router_grad = empty || c.special == Special::kTies || (c.K == 1 && c.norm);
+  EXPECT_TRUE(close("grad_gate", to_double(lg.gate), g.grad_gate, 1e-4, 1e-5, no_router_grad));
+  EXPECT_TRUE(close("grad_w13", to_double(lg.w13), g.grad_w13, 1e-4, 1e-5, empty));
+  EXPECT_TRUE(close("grad_w2", to_double(lg.w2), g.grad_w2, 1e-4, 1e-5, empty));
+  if (!empty) {
+    EXPECT_GT(nonzero_fraction(out.values(T * H)), 0.5);
+    EXPECT_GT(nonzero_fraction(gx.values(T * H)), 0.5);
+  } else {
+    EXPECT_EQ(max_abs(to_double(lg.w13)), 0.0);
+    EXPECT_EQ(max_abs(to_double(lg.gate)), 0.0);
+  }
+
+  const std::vector<int64_t> counts = layer.expert_tokens();
+  int64_t total = 0;
+  for (int64_t n : counts) total += n;
+  int64_t kept_pairs = 0;
+  for (int32_t e : kept) kept_pairs += e >= 0;
+  EXPECT_EQ(total, kept_pairs);
+  if (c.special == Special::kZeroTokenExperts)
+    for (int e = E / 2; e < E; ++e) EXPECT_EQ(counts[e], 0) << "expert " << e;
+  if (c.special == Special::kAllOnOne) EXPECT_EQ(counts[E / 2], T);
+  if (c.cf > 0) EXPECT_LT(kept_pairs, T * K) << "capacity case must drop";
+}
+
+std::vector<LayerCase> cases() {
+  std::vector<LayerCase> v;
+  auto add = [&](LayerCase c) { v.push_back(c); };
+  LayerCase base{"softmax", 200, 48, 24, 16, 4};
+  add(base);
+  {
+    LayerCase c = base;
+    c.name = "softmax_bf16";
+    c.dtype = DType::kBF16;
+    add(c);
+  }
+  {
+    LayerCase c = base;
+    c.name = "T0";
+    c.T = 0;
+    add(c);
+  }
+  {
+    LayerCase c = base;
+    c.name = "T1";
+    c.T = 1;
+    add(c);
+  }
+  add(LayerCase{"E1", 50, 32, 16, 1, 1});
+  add(LayerCase{"K_equals_E", 60, 32, 16, 4, 4});
+  {
+    LayerCase c = base;
+    c.name = "ties";
+    c.special = Special::kTies;
+    add(c);
+  }
+  {
+    LayerCase c = base;
+    c.name = "zero_token_experts";
+    c.special = Special::kZeroTokenExperts;
+    add(c);
+  }
+  {
+    LayerCase c{"all_on_one", 1100, 32, 16, 8, 1};  // one expert, several fused tiles
+    c.special = Special::kAllOnOne;
+    add(c);
+  }
+  {
+    LayerCase c{"grouped_sigmoid", 200, 48, 24, 32, 4};
+    c.score = ScoreFunc::kSigmoid;
+    c.groups = 8;
+    c.group_top_k = 3;
+    c.scaling = 2.5f;
+    c.selection_bias = true;
+    add(c);
+  }
+  {
+    LayerCase c = base;
+    c.name = "softmax_nonorm";
+    c.norm = false;
+    c.scaling = 2.5f;
+    add(c);
+  }
+  {
+    LayerCase c = base;
+    c.name = "sigmoid_norm";
+    c.score = ScoreFunc::kSigmoid;
+    c.scaling = 2.5f;
+    add(c);
+  }
+  {
+    LayerCase c = base;
+    c.name = "sigmoid_nonorm";
+    c.score = ScoreFunc::kSigmoid;
+    c.norm = false;
+    add(c);
+  }
+  {
+    LayerCase c = base;
+    c.name = "capacity_probs";
+    c.cf = 0.8;
+    add(c);
+  }
+  {
+    LayerCase c = base;
+    c.name = "capacity_position";
+    c.cf = 0.5;
+    c.policy = DropPolicy::kPosition;
+    add(c);
+  }
+  {
+    LayerCase c{"grouped_capacity_bf16", 200, 48, 24, 32, 4};
+    c.groups = 4;
+    c.group_top_k = 2;
+    c.cf = 0.9;
+    c.dtype = DType::kBF16;
+    add(c);
+  }
+  return v;
+}
+
+INSTANTIATE_TEST_SUITE_P(Cases, LayerVsReference, ::testing::ValuesIn(cases()),
+                         [](const ::testing::TestParamInfo<LayerCase>& info) { return std::string(info.param.name); });
+
+TEST(MoeLayer, RejectsBadUse) {
+  kernels::ThreadPool pool(1);
+  auto be = kernels::make_cpu_backend(pool);
+  ep::MoeLayerConfig cfg;
+  cfg.hidden = 8;
+  cfg.ffn_hidden = 4;
+  cfg.num_experts = 4;
+  cfg.top_k = 5;
+  cfg.max_tokens = 4;
+  EXPECT_THROW(ep::MoeLayer(cfg, *be), Error);  // top_k > experts
+  cfg.top_k = 2;
+  ep::MoeLayer layer(cfg, *be);
+  std::vector<float> x(8 * 8), out(8 * 8);
+  EXPECT_THROW(layer.forward(x.data(), 2, out.data()), Error);  // no weights yet
+  model::LayerWeights w = model::make_layer_weights(1, 0, {8, 4, 4});
+  w.w2.pop_back();
+  EXPECT_THROW(layer.set_weights(w), Error);  // wrong size names the tensor
+  layer.set_weights(model::make_layer_weights(1, 0, {8, 4, 4}));
+  EXPECT_THROW(layer.forward(x.data(), 5, out.data()), Error);  // T > max_tokens
+  EXPECT_THROW(layer.backward(x.data(), out.data()), Error);    // not a train layer
+}
+
+}  // namespace
+}  // namespace moe::test
