@@ -1,0 +1,104 @@
+// moe-bench as a process: its JSON carries the promised fields, and its --dump is
+// a self-contained check: the fp64 reference recomputed from the dumped x and
+// weights matches the dumped out, topk and gradients.
+#include <gtest/gtest.h>
+
+#include <cstdio>
+#include <filesystem>
+#include <fstream>
+#include <sstream>
+
+#include "io/layer_io.h"
+#include "io/safetensors.h"
+#include "test_util.h"
+
+#ifndef MOE_BENCH_BIN
+#error "MOE_BENCH_BIN must name the moe-bench executable"
+#endif
+
+namespace moe::test {
+namespace {
+
+namespace fs = std::filesystem;
+
+std::string run(const std::string& cmd, int* status) {
+  std::string out;
+  FILE* p = ::popen(cmd.c_str(), "r");
+  if (!p) return out;
+  char buf[4096];
+  size_t n;
+  while ((n = std::fread(buf, 1, sizeof buf, p)) > 0) out.append(buf, n);
+  *status = ::pclose(p);
+  return out;
+}
+
+TEST(BenchDump, TrainDumpMatchesReference) {
+  const fs::path dir = fs::temp_directory_path() / ("moe_dump_" + std::to_string(::getpid()));
+  fs::remove_all(dir);
+  int status = -1;
+  const std::string out = run(std::string(MOE_BENCH_BIN) +
+                                  " layer --tokens 96 --hidden 32 --ffn 16 --experts 8 --top-k 2"
+                                  " --mode train --threads 2 --iters 1 --peak-n 128 --score sigmoid"
+                                  " --skew zipf:1.0 --output json --dump " + dir.string(),
+                              &status);
+  ASSERT_EQ(status, 0) << out;
+  for (const char* field : {"\"tokens_per_second\"", "\"gflops\"", "\"gemm_peak_gflops\"",
+                            "\"fraction_of_gemm_peak\"", "\"router\"", "\"permute\"", "\"expert_gemm\"",
+                            "\"swiglu\"", "\"combine\"", "\"backward\""})
+    EXPECT_NE(out.find(field), std::string::npos) << field << " missing in " << out;
+
+  std::ifstream spec_in(dir / "spec.json");
+  std::stringstream spec;
+  spec << spec_in.rdbuf();
+  EXPECT_NE(spec.str().find("\"ffn_hidden\": 16"), std::string::npos) << spec.str();
+  EXPECT_NE(spec.str().find("\"score\": \"sigmoid\""), std::string::npos) << spec.str();
+  EXPECT_NE(spec.str().find("\"capacity_factor\": 0"), std::string::npos) << "primitives are always printed";
+
+  io::SafetensorsReader r((dir / "rank0.safetensors").string());
+  const int64_t T = 96, H = 32, I = 16, E = 8, K = 2;
+  const model::LayerShape shape{32, 16, 8};
+  model::LayerWeights w = io::load_layer_weights(r, "", shape);
+  w.logit_bias = r.read_f32("gate.logit_bias", {E});
+  ref::Config rc;
+  rc.hidden = H;
+  rc.ffn_hidden = I;
+  rc.num_experts = E;
+  rc.top_k = K;
+  rc.score = ScoreFunc::kSigmoid;
+  const std::vector<double> x = to_double(r.read_f32("x", {T, H}));
+  const std::vector<int32_t> idx = r.read_i32("topk_idx", {T, K});
+  const ref::Forward f = ref::forward(rc, to_ref_weights(w), x, T, {idx.data(), {}});
+  const ref::Forward own = ref::forward(rc, to_ref_weights(w), x, T);
+  for (int64_t t = 0; t < T; ++t)
+    if (own.selection_margin[t] > 1e-5)
+      for (int k = 0; k < K; ++k) EXPECT_EQ(idx[t * K + k], own.topk_idx[t * K + k]);
+  EXPECT_TRUE(close("out", to_double(r.read_f32("out", {T, H})), f.out, 1e-4, 1e-5));
+  EXPECT_TRUE(close("topk_weight", to_double(r.read_f32("topk_weight", {T, K})), f.topk_weight, 1e-5, 1e-6));
+  const ref::Grads g = ref::backward(rc, to_ref_weights(w), x, f, to_double(r.read_f32("grad_out", {T, H})));
+  EXPECT_TRUE(close("grad_x", to_double(r.read_f32("grad_x", {T, H})), g.grad_x, 1e-4, 1e-5));
+  EXPECT_TRUE(close("grad.gate.weight", to_double(r.read_f32("grad.gate.weight", {E, H})), g.grad_gate, 1e-4, 1e-5));
+  for (int e = 0; e < E; ++e) {
+    const std::string p = "grad.experts." + std::to_string(e) + ".";
+    const auto down = r.read_f32(p + "down_proj.weight", {H, I});
+    EXPECT_TRUE(close(p + "down_proj", to_double(down),
+                      std::vector<double>(g.grad_w2.begin() + e * H * I, g.grad_w2.begin() + (e + 1) * H * I),
+                      1e-4, 1e-5, true));
+    const auto up = r.read_f32(p + "up_proj.weight", {I, H});
+    EXPECT_TRUE(close(p + "up_proj", to_double(up),
+                      std::vector<double>(g.grad_w13.begin() + (e * 2 * I + I) * H,
+                                          g.grad_w13.begin() + (e + 1) * 2 * I * H),
+                      1e-4, 1e-5, true));
+  }
+  fs::remove_all(dir);
+}
+
+TEST(BenchDump, BadFlagsExitWithUsageCode) {
+  int status = -1;
+  run(std::string(MOE_BENCH_BIN) + " layer --mode sideways 2>&1", &status);
+  EXPECT_EQ(WEXITSTATUS(status), 2);
+  run(std::string(MOE_BENCH_BIN) + " layer --tokens 8 --experts 4 --top-k 9 --peak-n 64 2>&1", &status);
+  EXPECT_EQ(WEXITSTATUS(status), 2);
+}
+
+}  // namespace
+}  // namespace moe::test
