@@ -1,0 +1,73 @@
+// The Communicator: what an EP rank needs from a transport (DESIGN 4). One
+// instance per rank; collectives must be called by every rank of the group in the
+// same order. Every wait has a deadline; a failure throws TransportError naming the
+// peer (rank) that caused it.
+//
+// Implementations: InProcCommunicator (ranks are threads of one process, shared
+// memory), UcxCommunicator (ranks are processes or nodes; host memory over UCX).
+#pragma once
+
+#include <chrono>
+#include <cstddef>
+#include <cstdint>
+#include <stdexcept>
+#include <string>
+#include <vector>
+
+#include "moe/kernels/check.h"
+
+namespace moe::transport {
+
+using Clock = std::chrono::steady_clock;
+using Deadline = Clock::time_point;
+
+inline Deadline deadline_in(std::chrono::milliseconds ms) { return Clock::now() + ms; }
+
+// A transport failure. peer is the rank that failed or timed out (-1: none in
+// particular, e.g. a local resource error).
+class TransportError : public Error {
+ public:
+  TransportError(int peer, const std::string& what) : Error(what), peer_(peer) {}
+  int peer() const { return peer_; }
+
+ private:
+  int peer_;
+};
+
+// Byte counts of one all-to-all-v, indexed by peer rank.
+struct Segments {
+  std::vector<size_t> bytes;   // [R]
+  std::vector<size_t> offset;  // [R], into the buffer
+
+  static Segments packed(std::vector<size_t> bytes);  // offsets = exclusive prefix sums
+  size_t total() const;
+};
+
+class Communicator {
+ public:
+  virtual ~Communicator() = default;
+  virtual int rank() const = 0;
+  virtual int size() const = 0;
+  virtual std::string name() const = 0;  // "inproc", "ucx"
+
+  // All-to-all-v of bytes: segment r of send goes to rank r, and rank r's segment
+  // for us lands at recv + recv_segs.offset[r]. recv_segs.bytes must match what the
+  // peers send (use exchange_counts first). The self segment is copied locally.
+  virtual void all_to_all_v(const void* send, const Segments& send_segs, void* recv,
+                            const Segments& recv_segs, Deadline deadline) = 0;
+
+  // recv[r] = the send[rank()] value of rank r: counts before an all-to-all-v.
+  virtual void exchange_counts(const int64_t* send, int64_t* recv, Deadline deadline);
+
+  // data <- sum over ranks, added in rank order 0..R-1, so every rank gets the same
+  // bits.
+  virtual void all_reduce_sum(float* data, size_t count, Deadline deadline) = 0;
+
+  virtual void barrier(Deadline deadline) = 0;
+
+  // Point-to-point. A message matches on (source, tag); tags < 2^32.
+  virtual void send(int peer, const void* data, size_t bytes, uint32_t tag, Deadline deadline) = 0;
+  virtual void recv(int peer, void* data, size_t bytes, uint32_t tag, Deadline deadline) = 0;
+};
+
+}  // namespace moe::transport

@@ -1,0 +1,143 @@
+#include "inproc_communicator.h"
+
+#include <algorithm>
+#include <cstring>
+
+namespace moe::transport {
+
+class InProcCommunicator final : public Communicator {
+ public:
+  InProcCommunicator(InProcGroup& g, int rank) : g_(g), rank_(rank) {}
+  int rank() const override { return rank_; }
+  int size() const override { return g_.size(); }
+  std::string name() const override { return "inproc"; }
+
+  void all_to_all_v(const void* send, const Segments& send_segs, void* recv, const Segments& recv_segs,
+                    Deadline deadline) override {
+    const int R = size();
+    MOE_CHECK(static_cast<int>(send_segs.bytes.size()) == R && static_cast<int>(recv_segs.bytes.size()) == R,
+              "all_to_all_v: segment lists must have one entry per rank (", R, ")");
+    {
+      std::lock_guard<std::mutex> lock(g_.mu_);
+      g_.published_[rank_] = {send, &send_segs, nullptr};
+    }
+    g_.barrier(rank_, deadline, "all_to_all_v (publish)");
+    for (int r = 0; r < R; ++r) {
+      const InProcGroup::Published& p = g_.published_[r];
+      const size_t bytes = p.segs->bytes[rank_];
+      if (bytes != recv_segs.bytes[r])
+        throw TransportError(r, "all_to_all_v: rank " + std::to_string(r) + " sends " + std::to_string(bytes) +
+                                    " bytes to rank " + std::to_string(rank_) + ", which expects " +
+                                    std::to_string(recv_segs.bytes[r]));
+      if (bytes)
+        std::memcpy(static_cast<uint8_t*>(recv) + recv_segs.offset[r],
+                    static_cast<const uint8_t*>(p.send) + p.segs->offset[rank_], bytes);
+    }
+    g_.barrier(rank_, deadline, "all_to_all_v (done)");  // peers finished reading our buffer
+  }
+
+  void all_reduce_sum(float* data, size_t count, Deadline deadline) override {
+    const int R = size();
+    {
+      std::lock_guard<std::mutex> lock(g_.mu_);
+      g_.published_[rank_] = {nullptr, nullptr, data};
+      if (g_.reduce_buf_.size() < count) g_.reduce_buf_.resize(count);
+    }
+    g_.barrier(rank_, deadline, "all_reduce (publish)");
+    // Rank r sums slice r, in rank order, into the shared buffer.
+    const size_t begin = count * rank_ / R, end = count * (rank_ + 1) / R;
+    for (size_t i = begin; i < end; ++i) {
+      float acc = g_.published_[0].data[i];
+      for (int r = 1; r < R; ++r) acc += g_.published_[r].data[i];
+      g_.reduce_buf_[i] = acc;
+    }
+    g_.barrier(rank_, deadline, "all_reduce (sum)");
+    std::memcpy(data, g_.reduce_buf_.data(), count * sizeof(float));
+    g_.barrier(rank_, deadline, "all_reduce (done)");
+  }
+
+  void barrier(Deadline deadline) override { g_.barrier(rank_, deadline, "barrier"); }
+
+  void send(int peer, const void* data, size_t bytes, uint32_t tag, Deadline) override {
+    MOE_CHECK(peer >= 0 && peer < size(), "send: peer ", peer, " out of range");
+    std::lock_guard<std::mutex> lock(g_.mu_);
+    g_.check_failed_locked();
+    const auto* p = static_cast<const uint8_t*>(data);
+    g_.mailbox_[{rank_, peer, tag}].emplace_back(p, p + bytes);
+    g_.cv_.notify_all();
+  }
+
+  void recv(int peer, void* data, size_t bytes, uint32_t tag, Deadline deadline) override {
+    MOE_CHECK(peer >= 0 && peer < size(), "recv: peer ", peer, " out of range");
+    std::unique_lock<std::mutex> lock(g_.mu_);
+    auto& box = g_.mailbox_[{peer, rank_, tag}];
+    while (box.empty()) {
+      g_.check_failed_locked();
+      if (g_.cv_.wait_until(lock, deadline) == std::cv_status::timeout && box.empty())
+        throw TransportError(peer, "recv: timed out waiting for rank " + std::to_string(peer) + " (tag " +
+                                       std::to_string(tag) + ")");
+    }
+    std::vector<uint8_t> msg = std::move(box.front());
+    box.pop_front();
+    if (msg.size() != bytes)
+      throw TransportError(peer, "recv: rank " + std::to_string(peer) + " sent " + std::to_string(msg.size()) +
+                                     " bytes, expected " + std::to_string(bytes));
+    if (bytes) std::memcpy(data, msg.data(), bytes);
+  }
+
+ private:
+  InProcGroup& g_;
+  const int rank_;
+};
+
+InProcGroup::InProcGroup(int size) : size_(size), arrived_gen_(size, 0), published_(size) {
+  MOE_CHECK(size >= 1, "in-process group size must be >= 1, got ", size);
+}
+
+std::unique_ptr<Communicator> InProcGroup::communicator(int rank) {
+  MOE_CHECK(rank >= 0 && rank < size_, "rank ", rank, " out of range [0, ", size_, ")");
+  return std::make_unique<InProcCommunicator>(*this, rank);
+}
+
+void InProcGroup::abort(int rank, const std::string& reason) {
+  std::lock_guard<std::mutex> lock(mu_);
+  if (failed_rank_ < 0) {
+    failed_rank_ = rank;
+    failed_reason_ = reason;
+  }
+  cv_.notify_all();
+}
+
+void InProcGroup::check_failed_locked() const {
+  if (failed_rank_ >= 0)
+    throw TransportError(failed_rank_, "rank " + std::to_string(failed_rank_) + " failed: " + failed_reason_);
+}
+
+void InProcGroup::barrier(int rank, Deadline deadline, const char* what) {
+  std::unique_lock<std::mutex> lock(mu_);
+  check_failed_locked();
+  const uint64_t gen = generation_;
+  arrived_gen_[rank] = gen + 1;
+  if (++arrived_ == size_) {
+    arrived_ = 0;
+    ++generation_;
+    cv_.notify_all();
+    return;
+  }
+  while (generation_ == gen) {
+    check_failed_locked();
+    if (cv_.wait_until(lock, deadline) == std::cv_status::timeout && generation_ == gen) {
+      int late = 0;
+      while (late < size_ && arrived_gen_[late] == gen + 1) ++late;
+      // The group cannot recover from a half-finished barrier: fail everyone.
+      if (failed_rank_ < 0) {
+        failed_rank_ = late;
+        failed_reason_ = std::string("did not reach ") + what + " in time";
+      }
+      cv_.notify_all();
+      throw TransportError(late, std::string(what) + ": timed out waiting for rank " + std::to_string(late));
+    }
+  }
+}
+
+}  // namespace moe::transport

@@ -1,0 +1,390 @@
+#include "ucx_communicator.h"
+
+#include <sys/epoll.h>
+#include <ucp/api/ucp.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <cstring>
+#include <deque>
+
+namespace moe::transport {
+namespace {
+
+// Tag layout: kind (8 bits) | sequence (40 bits) | source rank (16 bits). Every
+// receive matches the full tag, so messages of different operations never mix.
+enum class Kind : uint64_t { kWireup = 1, kAllToAll = 2, kBarrier = 3, kReduce = 4, kBroadcast = 5, kP2P = 6 };
+
+uint64_t make_tag(Kind kind, uint64_t seq, int src) {
+  return static_cast<uint64_t>(kind) << 56 | (seq & ((uint64_t{1} << 40) - 1)) << 16 | static_cast<uint64_t>(src);
+}
+
+constexpr uint64_t kFullMask = ~uint64_t{0};
+constexpr auto kDrainTimeout = std::chrono::seconds(2);
+
+std::string status_str(ucs_status_t s) { return ucs_status_string(s); }
+
+}  // namespace
+
+struct UcxCommunicator::Impl {
+  struct Peer {
+    Impl* impl = nullptr;
+    int rank = -1;
+    ucp_ep_h ep = nullptr;
+    bool failed = false;
+    std::string error;
+  };
+
+  // One posted request. Kept in a deque (stable addresses): a receive's completion
+  // callback writes into its Op.
+  struct Op {
+    void* req = nullptr;
+    int peer = -1;
+    bool is_recv = false;
+    size_t bytes = 0;
+    bool done = false;
+    ucs_status_t status = UCS_OK;
+    ucp_tag_recv_info_t info{};
+    bool recv_completed = false;  // set by on_recv
+    ucs_status_t recv_status = UCS_OK;
+  };
+
+  int rank, size;
+  ucp_context_h context = nullptr;
+  ucp_worker_h worker = nullptr;
+  int event_fd = -1;
+  int epoll_fd = -1;
+  std::vector<Peer> peers;
+  uint64_t seq = 0;  // collective sequence, the same on every rank
+  bool broken = false;
+  std::string broken_reason;
+  int broken_peer = -1;
+  std::deque<Op> ops;
+  // Ops abandoned after a failure whose requests UCX still holds; kept alive so a
+  // late callback writes into valid memory.
+  std::vector<std::deque<Op>> abandoned;
+
+  static void on_recv(void*, ucs_status_t status, const ucp_tag_recv_info_t* info, void* user) {
+    auto* op = static_cast<Op*>(user);
+    op->recv_status = status;
+    if (info) op->info = *info;
+    op->recv_completed = true;
+  }
+
+  static void on_ep_error(void* arg, ucp_ep_h, ucs_status_t status) {
+    auto* p = static_cast<Peer*>(arg);
+    p->failed = true;
+    p->error = status_str(status);
+  }
+
+  void check_usable() const {
+    if (broken) throw TransportError(broken_peer, "communicator unusable after an earlier failure: " + broken_reason);
+  }
+
+  void check_peer(int peer, const char* what) {
+    MOE_CHECK(peer >= 0 && peer < size && peer != rank, what, ": peer ", peer, " out of range or self");
+    if (peers[peer].failed)
+      fail(peer, std::string(what) + ": rank " + std::to_string(peer) + " failed (" + peers[peer].error + ")");
+  }
+
+  void post_send(int peer, const void* buf, size_t bytes, uint64_t tag, const char* what) {
+    check_peer(peer, what);
+    Op& op = ops.emplace_back();
+    op.peer = peer;
+    op.bytes = bytes;
+    ucp_request_param_t p{};
+    const ucs_status_ptr_t r = ucp_tag_send_nbx(peers[peer].ep, buf, bytes, tag, &p);
+    settle_posted(op, r);
+  }
+
+  void post_recv(int peer, void* buf, size_t bytes, uint64_t tag, const char* what) {
+    check_peer(peer, what);
+    Op& op = ops.emplace_back();
+    op.peer = peer;
+    op.is_recv = true;
+    op.bytes = bytes;
+    ucp_request_param_t p{};
+    // No immediate completion: UCX 1.13 does not fill recv_info on that path, and the
+    // received length is what tells a short message from a good one.
+    p.op_attr_mask = UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA | UCP_OP_ATTR_FLAG_NO_IMM_CMPL;
+    p.cb.recv = &Impl::on_recv;
+    p.user_data = &op;
+    const ucs_status_ptr_t r = ucp_tag_recv_nbx(worker, buf, bytes, tag, kFullMask, &p);
+    settle_posted(op, r);
+  }
+
+  static void settle_posted(Op& op, ucs_status_ptr_t r) {
+    if (r == nullptr) {
+      op.done = true;  // completed in place; recv_info (if any) is filled
+    } else if (UCS_PTR_IS_ERR(r)) {
+      op.done = true;
+      op.status = UCS_PTR_STATUS(r);
+    } else {
+      op.req = r;
+    }
+  }
+
+  // Polls one op; frees its request when complete. Receives complete through
+  // on_recv (which carries the received length); sends by request status.
+  void poll(Op& op) {
+    if (op.done) return;
+    ucs_status_t s;
+    if (op.is_recv) {
+      if (!op.recv_completed) return;
+      s = op.recv_status;
+    } else {
+      s = ucp_request_check_status(op.req);
+      if (s == UCS_INPROGRESS) return;
+    }
+    ucp_request_free(op.req);
+    op.req = nullptr;
+    op.done = true;
+    op.status = s;
+  }
+
+  [[noreturn]] void fail(int peer, const std::string& msg) {
+    // Cancel what is still posted and give UCX a bounded time to release it, so
+    // no request writes into a caller's buffer after we return.
+    for (Op& op : ops)
+      if (!op.done && op.is_recv) ucp_request_cancel(worker, op.req);
+    const auto until = Clock::now() + kDrainTimeout;
+    bool pending = true;
+    while (pending && Clock::now() < until) {
+      ucp_worker_progress(worker);
+      pending = false;
+      for (Op& op : ops) {
+        poll(op);
+        pending |= !op.done;
+      }
+    }
+    bool any_pending = false;
+    for (const Op& op : ops) any_pending |= !op.done;
+    if (any_pending) abandoned.push_back(std::move(ops));  // elements keep their addresses
+    ops.clear();
+    broken = true;
+    broken_reason = msg;
+    broken_peer = peer;
+    throw TransportError(peer, msg);
+  }
+
+  // Waits for every posted op; throws naming the peer on failure or deadline.
+  void wait_all(Deadline deadline, const char* what) {
+    for (;;) {
+      while (ucp_worker_progress(worker) != 0) {
+      }
+      bool all_done = true;
+      for (Op& op : ops) {
+        poll(op);
+        if (op.done && op.status != UCS_OK)
+          fail(op.peer, std::string(what) + ": " + (op.is_recv ? "receive from" : "send to") + " rank " +
+                            std::to_string(op.peer) + " failed: " + status_str(op.status));
+        if (op.done && op.is_recv && op.info.length != op.bytes)
+          fail(op.peer, std::string(what) + ": rank " + std::to_string(op.peer) + " sent " +
+                            std::to_string(op.info.length) + " bytes, expected " + std::to_string(op.bytes));
+        if (!op.done && peers[op.peer].failed)
+          fail(op.peer, std::string(what) + ": rank " + std::to_string(op.peer) + " failed (" +
+                            peers[op.peer].error + ")");
+        all_done &= op.done;
+      }
+      if (all_done) {
+        ops.clear();
+        return;
+      }
+      const auto now = Clock::now();
+      if (now >= deadline) {
+        int late = -1;
+        for (const Op& op : ops)
+          if (!op.done) {
+            late = op.peer;
+            break;
+          }
+        fail(late, std::string(what) + ": timed out waiting for rank " + std::to_string(late));
+      }
+      const ucs_status_t armed = ucp_worker_arm(worker);
+      if (armed == UCS_ERR_BUSY) continue;  // events arrived meanwhile: progress again
+      MOE_CHECK(armed == UCS_OK, what, ": ucp_worker_arm: ", status_str(armed));
+      const auto left = std::chrono::duration_cast<std::chrono::milliseconds>(deadline - now).count();
+      epoll_event ev;
+      ::epoll_wait(epoll_fd, &ev, 1, static_cast<int>(std::clamp<int64_t>(left, 1, 1000)));
+    }
+  }
+};
+
+UcxCommunicator::UcxCommunicator(int rank, int size, Bootstrap& bootstrap, const UcxOptions& options)
+    : impl_(std::make_unique<Impl>()), rank_(rank), size_(size) {
+  MOE_CHECK(size >= 1 && size < (1 << 16) && rank >= 0 && rank < size, "ucx: bad rank ", rank, " of ", size);
+  Impl& m = *impl_;
+  m.rank = rank;
+  m.size = size;
+
+  ucp_config_t* config = nullptr;
+  ucs_status_t s = ucp_config_read(nullptr, nullptr, &config);
+  MOE_CHECK(s == UCS_OK, "ucx: ucp_config_read: ", status_str(s));
+  if (options.allow_shared_memory && std::getenv("UCX_MM_ERROR_HANDLING") == nullptr)
+    ucp_config_modify(config, "MM_ERROR_HANDLING", "y");
+  ucp_params_t params{};
+  params.field_mask = UCP_PARAM_FIELD_FEATURES;
+  params.features = UCP_FEATURE_TAG | UCP_FEATURE_WAKEUP;
+  s = ucp_init(&params, config, &m.context);
+  ucp_config_release(config);
+  MOE_CHECK(s == UCS_OK, "ucx: ucp_init: ", status_str(s));
+
+  ucp_worker_params_t wp{};
+  wp.field_mask = UCP_WORKER_PARAM_FIELD_THREAD_MODE;
+  wp.thread_mode = UCS_THREAD_MODE_SINGLE;
+  s = ucp_worker_create(m.context, &wp, &m.worker);
+  MOE_CHECK(s == UCS_OK, "ucx: ucp_worker_create: ", status_str(s));
+  s = ucp_worker_get_efd(m.worker, &m.event_fd);
+  MOE_CHECK(s == UCS_OK, "ucx: ucp_worker_get_efd: ", status_str(s));
+  m.epoll_fd = ::epoll_create1(EPOLL_CLOEXEC);
+  MOE_CHECK(m.epoll_fd >= 0, "ucx: epoll_create1: ", std::strerror(errno));
+  epoll_event ev{};
+  ev.events = EPOLLIN;
+  MOE_CHECK(::epoll_ctl(m.epoll_fd, EPOLL_CTL_ADD, m.event_fd, &ev) == 0, "ucx: epoll_ctl: ", std::strerror(errno));
+
+  ucp_address_t* address = nullptr;
+  size_t address_len = 0;
+  s = ucp_worker_get_address(m.worker, &address, &address_len);
+  MOE_CHECK(s == UCS_OK, "ucx: ucp_worker_get_address: ", status_str(s));
+  const std::string mine(reinterpret_cast<const char*>(address), address_len);
+  ucp_worker_release_address(m.worker, address);
+  const std::vector<std::string> all = bootstrap.all_gather(mine);
+  MOE_CHECK(static_cast<int>(all.size()) == size, "ucx: bootstrap returned ", all.size(), " addresses for ", size,
+            " ranks");
+
+  m.peers.resize(size);
+  for (int r = 0; r < size; ++r) {
+    Impl::Peer& p = m.peers[r];
+    p.impl = &m;
+    p.rank = r;
+    if (r == rank) continue;
+    ucp_ep_params_t ep{};
+    ep.field_mask = UCP_EP_PARAM_FIELD_REMOTE_ADDRESS | UCP_EP_PARAM_FIELD_ERR_HANDLING_MODE |
+                    UCP_EP_PARAM_FIELD_ERR_HANDLER;
+    ep.address = reinterpret_cast<const ucp_address_t*>(all[r].data());
+    ep.err_mode = UCP_ERR_HANDLING_MODE_PEER;
+    ep.err_handler.cb = &Impl::on_ep_error;
+    ep.err_handler.arg = &p;
+    s = ucp_ep_create(m.worker, &ep, &p.ep);
+    MOE_CHECK(s == UCS_OK, "ucx: ucp_ep_create to rank ", r, ": ", status_str(s));
+  }
+  // Wire-up: one message each way on every pair, so every connection exists and a
+  // peer that dies later is noticed by everyone.
+  uint8_t token = 1;
+  std::vector<uint8_t> got(size);
+  const uint64_t seq = m.seq++;
+  for (int r = 0; r < size; ++r)
+    if (r != rank) m.post_recv(r, &got[r], 1, make_tag(Kind::kWireup, seq, r), "connect");
+  for (int r = 0; r < size; ++r)
+    if (r != rank) m.post_send(r, &token, 1, make_tag(Kind::kWireup, seq, rank), "connect");
+  m.wait_all(Clock::now() + options.connect_timeout, "connect");
+}
+
+UcxCommunicator::~UcxCommunicator() {
+  Impl& m = *impl_;
+  std::vector<void*> closing;
+  for (auto& p : m.peers) {
+    if (!p.ep) continue;
+    ucp_request_param_t param{};
+    param.op_attr_mask = UCP_OP_ATTR_FIELD_FLAGS;
+    param.flags = (m.broken || p.failed) ? UCP_EP_CLOSE_FLAG_FORCE : 0;
+    const ucs_status_ptr_t r = ucp_ep_close_nbx(p.ep, &param);
+    if (UCS_PTR_IS_PTR(r)) closing.push_back(r);
+  }
+  const auto until = Clock::now() + kDrainTimeout;
+  while (!closing.empty() && Clock::now() < until) {
+    ucp_worker_progress(m.worker);
+    for (size_t i = 0; i < closing.size();) {
+      if (ucp_request_check_status(closing[i]) != UCS_INPROGRESS) {
+        ucp_request_free(closing[i]);
+        closing[i] = closing.back();
+        closing.pop_back();
+      } else {
+        ++i;
+      }
+    }
+  }
+  if (m.epoll_fd >= 0) ::close(m.epoll_fd);  // the event fd belongs to UCX
+  if (m.worker) ucp_worker_destroy(m.worker);
+  if (m.context) ucp_cleanup(m.context);
+}
+
+void UcxCommunicator::all_to_all_v(const void* send, const Segments& send_segs, void* recv, const Segments& recv_segs,
+                                   Deadline deadline) {
+  Impl& m = *impl_;
+  m.check_usable();
+  MOE_CHECK(static_cast<int>(send_segs.bytes.size()) == size_ && static_cast<int>(recv_segs.bytes.size()) == size_,
+            "all_to_all_v: segment lists must have one entry per rank (", size_, ")");
+  const uint64_t seq = m.seq++;
+  auto* out = static_cast<uint8_t*>(recv);
+  const auto* in = static_cast<const uint8_t*>(send);
+  for (int r = 0; r < size_; ++r)
+    if (r != rank_ && recv_segs.bytes[r])
+      m.post_recv(r, out + recv_segs.offset[r], recv_segs.bytes[r], make_tag(Kind::kAllToAll, seq, r), "all_to_all_v");
+  // Send in ring order from our right neighbour, so ranks do not all hit rank 0 first.
+  for (int i = 1; i < size_; ++i) {
+    const int r = (rank_ + i) % size_;
+    if (send_segs.bytes[r])
+      m.post_send(r, in + send_segs.offset[r], send_segs.bytes[r], make_tag(Kind::kAllToAll, seq, rank_), "all_to_all_v");
+  }
+  MOE_CHECK(send_segs.bytes[rank_] == recv_segs.bytes[rank_], "all_to_all_v: self segment sizes differ (",
+            send_segs.bytes[rank_], " vs ", recv_segs.bytes[rank_], ")");
+  if (send_segs.bytes[rank_]) std::memcpy(out + recv_segs.offset[rank_], in + send_segs.offset[rank_], send_segs.bytes[rank_]);
+  m.wait_all(deadline, "all_to_all_v");
+}
+
+void UcxCommunicator::all_reduce_sum(float* data, size_t count, Deadline deadline) {
+  Impl& m = *impl_;
+  m.check_usable();
+  const uint64_t seq = m.seq++;
+  const size_t bytes = count * sizeof(float);
+  if (size_ == 1 || count == 0) return;
+  // Reduce to rank 0 in rank order, then rank 0 sends the sum to everyone: every
+  // rank ends with the same bits, summed 0 + 1 + ... + (R-1).
+  if (rank_ == 0) {
+    std::vector<float> parts((size_ - 1) * count);
+    for (int r = 1; r < size_; ++r)
+      m.post_recv(r, parts.data() + (r - 1) * count, bytes, make_tag(Kind::kReduce, seq, r), "all_reduce");
+    m.wait_all(deadline, "all_reduce");
+    for (int r = 1; r < size_; ++r) {
+      const float* p = parts.data() + (r - 1) * count;
+      for (size_t i = 0; i < count; ++i) data[i] += p[i];
+    }
+    for (int r = 1; r < size_; ++r) m.post_send(r, data, bytes, make_tag(Kind::kBroadcast, seq, 0), "all_reduce");
+    m.wait_all(deadline, "all_reduce");
+  } else {
+    m.post_send(0, data, bytes, make_tag(Kind::kReduce, seq, rank_), "all_reduce");
+    m.wait_all(deadline, "all_reduce");
+    m.post_recv(0, data, bytes, make_tag(Kind::kBroadcast, seq, 0), "all_reduce");
+    m.wait_all(deadline, "all_reduce");
+  }
+}
+
+void UcxCommunicator::barrier(Deadline deadline) {
+  Impl& m = *impl_;
+  m.check_usable();
+  const uint64_t seq = m.seq++;
+  uint8_t token = 1;
+  std::vector<uint8_t> got(size_);
+  for (int r = 0; r < size_; ++r)
+    if (r != rank_) m.post_recv(r, &got[r], 1, make_tag(Kind::kBarrier, seq, r), "barrier");
+  for (int r = 0; r < size_; ++r)
+    if (r != rank_) m.post_send(r, &token, 1, make_tag(Kind::kBarrier, seq, rank_), "barrier");
+  m.wait_all(deadline, "barrier");
+}
+
+void UcxCommunicator::send(int peer, const void* data, size_t bytes, uint32_t tag, Deadline deadline) {
+  Impl& m = *impl_;
+  m.check_usable();
+  m.post_send(peer, data, bytes, make_tag(Kind::kP2P, tag, rank_), "send");
+  m.wait_all(deadline, "send");
+}
+
+void UcxCommunicator::recv(int peer, void* data, size_t bytes, uint32_t tag, Deadline deadline) {
+  Impl& m = *impl_;
+  m.check_usable();
+  m.post_recv(peer, data, bytes, make_tag(Kind::kP2P, tag, peer), "recv");
+  m.wait_all(deadline, "recv");
+}
+
+}  // namespace moe::transport

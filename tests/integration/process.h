@@ -1,0 +1,37 @@
+// Real child processes for integration tests (Ceph qa/standalone style): spawn an
+// executable with arguments, its stdout and stderr captured to a file; wait with a
+// deadline; kill. The destructor kills a child still running, so a failed test
+// leaves nothing behind.
+#pragma once
+
+#include <sys/types.h>
+
+#include <chrono>
+#include <string>
+#include <vector>
+
+namespace moe::test {
+
+class Process {
+ public:
+  static Process spawn(const std::vector<std::string>& argv);
+  Process(Process&& o) noexcept;
+  Process& operator=(Process&& o) noexcept;
+  Process(const Process&) = delete;
+  ~Process();
+
+  pid_t pid() const { return pid_; }
+  // Exit code (or 128 + signal); -1 if still running at the deadline.
+  int wait(std::chrono::milliseconds timeout);
+  void kill(int sig);
+  std::string output() const;  // everything the child wrote so far
+
+ private:
+  Process() = default;
+  pid_t pid_ = -1;
+  int status_ = -1;
+  bool reaped_ = false;
+  std::string log_path_;
+};
+
+}  // namespace moe::test

@@ -1,0 +1,57 @@
+// UCX ranks as real processes on loopback: a clean run, and a peer killed with
+// SIGKILL in the middle of a stream of all-to-alls, which every survivor must
+// report naming that rank within 10 s.
+#include <gtest/gtest.h>
+#include <signal.h>
+
+#include "process.h"
+#include "transport/bootstrap.h"
+
+#ifndef MOE_WORKER_BIN
+#error "MOE_WORKER_BIN must name moe-test-worker"
+#endif
+
+namespace moe::test {
+namespace {
+
+using namespace std::chrono_literals;
+
+std::vector<Process> start_ranks(int R, int port, int victim, int kill_at, int iters) {
+  std::vector<Process> ps;
+  for (int r = 0; r < R; ++r)
+    ps.push_back(Process::spawn({MOE_WORKER_BIN, "a2a", "--rank", std::to_string(r), "--size", std::to_string(R),
+                                 "--port", std::to_string(port), "--iters", std::to_string(iters), "--bytes", "65536",
+                                 "--kill-at", std::to_string(r == victim ? kill_at : -1)}));
+  return ps;
+}
+
+TEST(UcxProcesses, AllToAllRoundsComplete) {
+  const int R = 4;
+  transport::TcpRendezvousServer server(R, 30s);
+  auto ps = start_ranks(R, server.port(), -1, -1, 50);
+  for (int r = 0; r < R; ++r) {
+    EXPECT_EQ(ps[r].wait(60s), 0) << ps[r].output();
+    EXPECT_NE(ps[r].output().find("RESULT ok"), std::string::npos) << ps[r].output();
+  }
+  server.wait();
+}
+
+TEST(UcxProcesses, AKilledPeerFailsEveryoneNamingIt) {
+  const int R = 3, victim = 2;
+  transport::TcpRendezvousServer server(R, 30s);
+  auto ps = start_ranks(R, server.port(), victim, 20, 1000000);
+  ASSERT_EQ(ps[victim].wait(60s), 128 + SIGKILL) << ps[victim].output();
+  const auto killed = std::chrono::steady_clock::now();
+  for (int r = 0; r < R; ++r) {
+    if (r == victim) continue;
+    EXPECT_EQ(ps[r].wait(15s), 1) << "rank " << r << " did not fail: " << ps[r].output();
+    const std::string out = ps[r].output();
+    EXPECT_NE(out.find("RESULT error peer=" + std::to_string(victim)), std::string::npos) << out;
+    EXPECT_NE(out.find("rank " + std::to_string(victim)), std::string::npos) << out;
+  }
+  EXPECT_LT(std::chrono::steady_clock::now() - killed, 10s);
+  server.wait();
+}
+
+}  // namespace
+}  // namespace moe::test

@@ -1,0 +1,171 @@
+// The Communicator contract, one test body for every implementation: in-process
+// ranks, and UCX ranks (each with its own context and worker) as threads. Real
+// processes: tests/integration/transport_fault_test.cc.
+#include <gtest/gtest.h>
+
+#include <atomic>
+#include <cstring>
+#include <functional>
+#include <thread>
+
+#include "model/counter_rng.h"
+#include "transport/bootstrap.h"
+#include "transport/inproc_communicator.h"
+#include "transport/ucx_communicator.h"
+
+namespace moe::test {
+namespace {
+
+using namespace moe::transport;
+using namespace std::chrono_literals;
+
+enum class Kind { kInProc, kUcx };
+
+// Runs body(comm) on R threads, one communicator each; returns each rank's error
+// message ("" if it returned normally).
+std::vector<std::string> run_ranks(Kind kind, int R, const std::function<void(Communicator&)>& body) {
+  std::vector<std::string> errors(R);
+  std::vector<std::thread> threads;
+  InProcGroup group(R);
+  std::unique_ptr<TcpRendezvousServer> server;
+  if (kind == Kind::kUcx) server = std::make_unique<TcpRendezvousServer>(R, 30s);
+  for (int r = 0; r < R; ++r)
+    threads.emplace_back([&, r] {
+      try {
+        std::unique_ptr<Communicator> comm;
+        if (kind == Kind::kInProc) {
+          comm = group.communicator(r);
+        } else {
+          TcpBootstrap boot("127.0.0.1", server->port(), r, R);
+          comm = std::make_unique<UcxCommunicator>(r, R, boot);
+        }
+        body(*comm);
+      } catch (const std::exception& e) {
+        errors[r] = e.what();
+        if (kind == Kind::kInProc) group.abort(r, e.what());
+      }
+    });
+  for (auto& t : threads) t.join();
+  if (server) server->wait();
+  return errors;
+}
+
+struct Param {
+  Kind kind;
+  int ranks;
+};
+
+std::string name_of(const ::testing::TestParamInfo<Param>& info) {
+  return std::string(info.param.kind == Kind::kInProc ? "inproc" : "ucx") + "_R" + std::to_string(info.param.ranks);
+}
+
+class CommunicatorTest : public ::testing::TestWithParam<Param> {};
+
+// Bytes rank src sends to rank dst in round `round`: uneven, some zero.
+size_t seg_bytes(int src, int dst, int round) { return (src * 7 + dst * 3 + round * 5) % 11 == 0 ? 0 : 1 + (src * 131 + dst * 17 + round * 1000) % 5000; }
+
+uint8_t stamp(int src, int dst, int round, size_t i) {
+  return static_cast<uint8_t>(model::mix64((uint64_t(src) << 40) ^ (uint64_t(dst) << 20) ^ (uint64_t(round) << 10) ^ i));
+}
+
+TEST_P(CommunicatorTest, AllToAllVDeliversRankStampedSegments) {
+  const Param p = GetParam();
+  const auto errors = run_ranks(p.kind, p.ranks, [&](Communicator& c) {
+    const int R = c.size(), me = c.rank();
+    for (int round = 0; round < 3; ++round) {
+      std::vector<int64_t> send_counts(R), recv_counts(R);
+      for (int r = 0; r < R; ++r) send_counts[r] = static_cast<int64_t>(seg_bytes(me, r, round));
+      c.exchange_counts(send_counts.data(), recv_counts.data(), deadline_in(10s));
+      std::vector<size_t> sb(R), rb(R);
+      for (int r = 0; r < R; ++r) {
+        sb[r] = static_cast<size_t>(send_counts[r]);
+        rb[r] = static_cast<size_t>(recv_counts[r]);
+        ASSERT_EQ(rb[r], seg_bytes(r, me, round)) << "count from rank " << r;
+      }
+      const Segments ss = Segments::packed(sb), rs = Segments::packed(rb);
+      std::vector<uint8_t> send(ss.total()), recv(rs.total() + 1, 0xee);
+      for (int r = 0; r < R; ++r)
+        for (size_t i = 0; i < sb[r]; ++i) send[ss.offset[r] + i] = stamp(me, r, round, i);
+      c.all_to_all_v(send.data(), ss, recv.data(), rs, deadline_in(10s));
+      for (int r = 0; r < R; ++r)
+        for (size_t i = 0; i < rb[r]; ++i)
+          ASSERT_EQ(recv[rs.offset[r] + i], stamp(r, me, round, i)) << "from rank " << r << " byte " << i;
+      ASSERT_EQ(recv.back(), 0xee) << "wrote past the receive buffer";
+    }
+  });
+  for (int r = 0; r < p.ranks; ++r) EXPECT_EQ(errors[r], "") << "rank " << r;
+}
+
+TEST_P(CommunicatorTest, AllReduceIsRankOrderedAndIdentical) {
+  const Param p = GetParam();
+  std::vector<std::vector<float>> results(p.ranks);
+  const size_t n = 1001;
+  auto value = [](int r, size_t i) { return static_cast<float>(model::normal(model::key_hash({uint64_t(r), i})) * 1e3); };
+  const auto errors = run_ranks(p.kind, p.ranks, [&](Communicator& c) {
+    std::vector<float> v(n);
+    for (size_t i = 0; i < n; ++i) v[i] = value(c.rank(), i);
+    c.all_reduce_sum(v.data(), n, deadline_in(10s));
+    results[c.rank()] = v;
+  });
+  for (int r = 0; r < p.ranks; ++r) ASSERT_EQ(errors[r], "") << "rank " << r;
+  for (size_t i = 0; i < n; ++i) {
+    float want = value(0, i);
+    for (int r = 1; r < p.ranks; ++r) want += value(r, i);
+    for (int r = 0; r < p.ranks; ++r) ASSERT_EQ(results[r][i], want) << "rank " << r << " element " << i;
+  }
+}
+
+TEST_P(CommunicatorTest, PointToPointMatchesByTag) {
+  const Param p = GetParam();
+  if (p.ranks < 2) GTEST_SKIP() << "needs two ranks";
+  const auto errors = run_ranks(p.kind, p.ranks, [&](Communicator& c) {
+    // Rank 0 sends tags 7 then 3 to rank 1; rank 1 receives 3 first.
+    if (c.rank() == 0) {
+      const std::vector<int> a(100, 7), b(50, 3);
+      c.send(1, a.data(), a.size() * 4, 7, deadline_in(10s));
+      c.send(1, b.data(), b.size() * 4, 3, deadline_in(10s));
+    } else if (c.rank() == 1) {
+      std::vector<int> a(100), b(50);
+      c.recv(0, b.data(), b.size() * 4, 3, deadline_in(10s));
+      c.recv(0, a.data(), a.size() * 4, 7, deadline_in(10s));
+      ASSERT_EQ(a, std::vector<int>(100, 7));
+      ASSERT_EQ(b, std::vector<int>(50, 3));
+    }
+    c.barrier(deadline_in(10s));
+  });
+  for (int r = 0; r < p.ranks; ++r) EXPECT_EQ(errors[r], "") << "rank " << r;
+}
+
+TEST_P(CommunicatorTest, AMissingRankTimesOutNamingIt) {
+  const Param p = GetParam();
+  if (p.ranks < 2) GTEST_SKIP() << "needs two ranks";
+  const int absent = p.ranks - 1;
+  std::atomic<int> done{0};
+  const auto errors = run_ranks(p.kind, p.ranks, [&](Communicator& c) {
+    if (c.rank() == absent) {
+      // Stays out of the barrier until the others gave up (no sleep: wait for them).
+      while (done.load() < p.ranks - 1) std::this_thread::yield();
+      return;
+    }
+    const auto t0 = Clock::now();
+    try {
+      c.barrier(deadline_in(300ms));
+    } catch (const TransportError& e) {
+      EXPECT_LT(Clock::now() - t0, 5s);
+      ++done;
+      throw;
+    }
+    ++done;
+  });
+  for (int r = 0; r < p.ranks - 1; ++r)
+    EXPECT_NE(errors[r].find("rank " + std::to_string(absent)), std::string::npos) << "rank " << r << ": " << errors[r];
+}
+
+INSTANTIATE_TEST_SUITE_P(All, CommunicatorTest,
+                         ::testing::Values(Param{Kind::kInProc, 1}, Param{Kind::kInProc, 2}, Param{Kind::kInProc, 3},
+                                           Param{Kind::kInProc, 4}, Param{Kind::kUcx, 1}, Param{Kind::kUcx, 2},
+                                           Param{Kind::kUcx, 3}, Param{Kind::kUcx, 4}),
+                         name_of);
+
+}  // namespace
+}  // namespace moe::test
