@@ -1,43 +1,17 @@
-// One MoE layer on one rank that holds every expert (the R = 1 case of DESIGN 3),
-// built from the kernel ops of a Backend:
-//   router -> capacity -> permute layout -> fused expert MLP -> local combine.
-// Backward mirrors it through the forward's saved state.
-//
-// All buffers are allocated once in the constructor from the config (max_tokens);
-// forward/backward allocate nothing. Pointers passed in and returned are in the
-// backend's memory (host memory for the CPU backend).
+// One MoE layer on one rank that holds every expert (the R = 1 case of DESIGN 3):
+// RouterStage on the tokens, then ExpertStage straight on the same rows.
+// All buffers are allocated in the constructor from the config (max_tokens);
+// forward and backward allocate nothing. Pointers passed in and returned are in
+// the backend's memory (host memory for the CPU backend).
 #pragma once
 
 #include <cstdint>
 #include <memory>
 #include <vector>
 
-#include "moe/kernels/api.h"
-#include "model/synthetic.h"
+#include "ep/layer_stages.h"
 
 namespace moe::ep {
-
-using kernels::DType;
-
-struct MoeLayerConfig {
-  int hidden = 0;
-  int ffn_hidden = 0;
-  int num_experts = 0;
-  int top_k = 0;
-  kernels::ScoreFunc score = kernels::ScoreFunc::kSoftmax;
-  int num_groups = 0;
-  int group_top_k = 0;
-  bool norm_topk_prob = true;
-  float routed_scaling_factor = 1.0f;
-  double capacity_factor = 0.0;
-  kernels::DropPolicy drop_policy = kernels::DropPolicy::kProbs;
-  DType dtype = DType::kF32;
-  int64_t max_tokens = 0;
-  bool train = false;
-
-  void validate() const;  // throws moe::Error naming the field
-  kernels::RouterConfig router(int64_t T) const;
-};
 
 // Wall-clock seconds per phase of the last forward/backward (synchronised).
 // permute = layout + the gather inside the fused tiles; expert_gemm and swiglu are
@@ -61,7 +35,6 @@ struct LayerGrads {
 class MoeLayer {
  public:
   MoeLayer(const MoeLayerConfig& cfg, kernels::Backend& backend);
-  ~MoeLayer();
   MoeLayer(const MoeLayer&) = delete;
   MoeLayer& operator=(const MoeLayer&) = delete;
 
@@ -70,39 +43,37 @@ class MoeLayer {
   // Copies host weights in; in a bf16 layer they are rounded to bf16 first (the
   // values the layer computes with; weights() returns them).
   void set_weights(const model::LayerWeights& w);
-  const model::LayerWeights& weights() const { return host_weights_; }
+  const model::LayerWeights& weights() const { return used_; }
 
-  // x, out: [T, H] in the layer dtype, T <= max_tokens.
+  // x, out: [T, H] in the layer dtype, T <= max_tokens. x must stay valid until
+  // backward.
   void forward(const void* x, int64_t T, void* out);
   // After forward on a train layer: grad_out [T, H] -> grad_x [T, H] (dtype, the
-  // MoE path including the router). Weight gradients stay in the layer: see
-  // grad_gate()/grad_w13()/grad_w2() or copy_grads().
+  // MoE path including the router). Weight gradients stay in the layer.
   void backward(const void* grad_out, void* grad_x);
-  const float* grad_gate() const;  // [E, H], backend memory
-  const float* grad_w13() const;   // [E, 2I, H]
-  const float* grad_w2() const;    // [E, H, I]
-  LayerGrads copy_grads() const;   // host copies of the three
+  const float* grad_gate() const { return router_.grad_gate(); }  // [E, H], backend memory
+  const float* grad_w13() const { return experts_.grad_w13(); }   // [E, 2I, H]
+  const float* grad_w2() const { return experts_.grad_w2(); }     // [E, H, I]
+  LayerGrads copy_grads() const;                                  // host copies of the three
 
   // State of the last forward, [T, K], backend memory.
-  int64_t num_tokens() const { return T_; }
-  const int32_t* topk_idx() const;     // selection before capacity
-  const int32_t* kept_idx() const;     // -1 where capacity dropped the pair
-  const float* topk_weight() const;
-  const float* grad_topk_weight() const;  // after backward
-  // Tokens each expert received in the last forward (after capacity), host.
-  std::vector<int64_t> expert_tokens() const;
+  int64_t num_tokens() const { return router_.num_tokens(); }
+  const int32_t* topk_idx() const { return router_.topk_idx(); }  // selection before capacity
+  const int32_t* kept_idx() const { return router_.kept_idx(); }  // -1 where capacity dropped
+  const float* topk_weight() const { return router_.topk_weight(); }
+  const float* grad_topk_weight() const { return grad_topk_weight_.as<float>(); }  // after backward
+  std::vector<int64_t> expert_tokens() const { return experts_.expert_rows(); }
 
   const PhaseTimes& times() const { return times_; }
 
  private:
-  struct Buffers;
   MoeLayerConfig cfg_;
   kernels::Backend& be_;
-  std::unique_ptr<Buffers> buf_;
-  model::LayerWeights host_weights_;
-  int64_t T_ = 0;
-  const void* x_ = nullptr;  // input of the last forward (must stay valid for backward)
-  bool has_forward_ = false;
+  RouterStage router_;
+  ExpertStage experts_;
+  model::LayerWeights used_;
+  const void* x_ = nullptr;
+  kernels::Buffer grad_topk_weight_, grad_x32_;
   PhaseTimes times_;
 };
 

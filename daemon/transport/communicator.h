@@ -43,6 +43,14 @@ struct Segments {
   size_t total() const;
 };
 
+// One buffer of a (multi-buffer) all-to-all-v.
+struct AllToAllBuffer {
+  const void* send = nullptr;
+  const Segments* send_segs = nullptr;
+  void* recv = nullptr;
+  const Segments* recv_segs = nullptr;
+};
+
 class Communicator {
  public:
   virtual ~Communicator() = default;
@@ -50,11 +58,16 @@ class Communicator {
   virtual int size() const = 0;
   virtual std::string name() const = 0;  // "inproc", "ucx"
 
-  // All-to-all-v of bytes: segment r of send goes to rank r, and rank r's segment
-  // for us lands at recv + recv_segs.offset[r]. recv_segs.bytes must match what the
-  // peers send (use exchange_counts first). The self segment is copied locally.
-  virtual void all_to_all_v(const void* send, const Segments& send_segs, void* recv,
-                            const Segments& recv_segs, Deadline deadline) = 0;
+  // All-to-all-v of bytes, for several buffers at once (one round of messages):
+  // segment r of each send goes to rank r, and rank r's segment for us lands at
+  // recv + recv_segs.offset[r]. recv_segs.bytes must match what the peers send (use
+  // exchange_counts first). The self segment is copied locally.
+  virtual void all_to_all_v(const std::vector<AllToAllBuffer>& buffers, Deadline deadline) = 0;
+
+  void all_to_all_v(const void* send, const Segments& send_segs, void* recv, const Segments& recv_segs,
+                    Deadline deadline) {
+    all_to_all_v({AllToAllBuffer{send, &send_segs, recv, &recv_segs}}, deadline);
+  }
 
   // recv[r] = the send[rank()] value of rank r: counts before an all-to-all-v.
   virtual void exchange_counts(const int64_t* send, int64_t* recv, Deadline deadline);

@@ -12,35 +12,42 @@ class InProcCommunicator final : public Communicator {
   int size() const override { return g_.size(); }
   std::string name() const override { return "inproc"; }
 
-  void all_to_all_v(const void* send, const Segments& send_segs, void* recv, const Segments& recv_segs,
-                    Deadline deadline) override {
+  using Communicator::all_to_all_v;
+  void all_to_all_v(const std::vector<AllToAllBuffer>& buffers, Deadline deadline) override {
     const int R = size();
-    MOE_CHECK(static_cast<int>(send_segs.bytes.size()) == R && static_cast<int>(recv_segs.bytes.size()) == R,
-              "all_to_all_v: segment lists must have one entry per rank (", R, ")");
+    for (const AllToAllBuffer& b : buffers)
+      MOE_CHECK(static_cast<int>(b.send_segs->bytes.size()) == R && static_cast<int>(b.recv_segs->bytes.size()) == R,
+                "all_to_all_v: segment lists must have one entry per rank (", R, ")");
     {
       std::lock_guard<std::mutex> lock(g_.mu_);
-      g_.published_[rank_] = {send, &send_segs, nullptr};
+      g_.published_[rank_] = {&buffers, nullptr};
     }
     g_.barrier(rank_, deadline, "all_to_all_v (publish)");
     for (int r = 0; r < R; ++r) {
-      const InProcGroup::Published& p = g_.published_[r];
-      const size_t bytes = p.segs->bytes[rank_];
-      if (bytes != recv_segs.bytes[r])
-        throw TransportError(r, "all_to_all_v: rank " + std::to_string(r) + " sends " + std::to_string(bytes) +
-                                    " bytes to rank " + std::to_string(rank_) + ", which expects " +
-                                    std::to_string(recv_segs.bytes[r]));
-      if (bytes)
-        std::memcpy(static_cast<uint8_t*>(recv) + recv_segs.offset[r],
-                    static_cast<const uint8_t*>(p.send) + p.segs->offset[rank_], bytes);
+      const auto& theirs = *g_.published_[r].buffers;
+      if (theirs.size() != buffers.size())
+        throw TransportError(r, "all_to_all_v: rank " + std::to_string(r) + " passed " +
+                                    std::to_string(theirs.size()) + " buffers, rank " + std::to_string(rank_) +
+                                    " passed " + std::to_string(buffers.size()));
+      for (size_t i = 0; i < buffers.size(); ++i) {
+        const size_t bytes = theirs[i].send_segs->bytes[rank_];
+        if (bytes != buffers[i].recv_segs->bytes[r])
+          throw TransportError(r, "all_to_all_v: rank " + std::to_string(r) + " sends " + std::to_string(bytes) +
+                                      " bytes to rank " + std::to_string(rank_) + ", which expects " +
+                                      std::to_string(buffers[i].recv_segs->bytes[r]));
+        if (bytes)
+          std::memcpy(static_cast<uint8_t*>(buffers[i].recv) + buffers[i].recv_segs->offset[r],
+                      static_cast<const uint8_t*>(theirs[i].send) + theirs[i].send_segs->offset[rank_], bytes);
+      }
     }
-    g_.barrier(rank_, deadline, "all_to_all_v (done)");  // peers finished reading our buffer
+    g_.barrier(rank_, deadline, "all_to_all_v (done)");  // peers finished reading our buffers
   }
 
   void all_reduce_sum(float* data, size_t count, Deadline deadline) override {
     const int R = size();
     {
       std::lock_guard<std::mutex> lock(g_.mu_);
-      g_.published_[rank_] = {nullptr, nullptr, data};
+      g_.published_[rank_] = {nullptr, data};
       if (g_.reduce_buf_.size() < count) g_.reduce_buf_.resize(count);
     }
     g_.barrier(rank_, deadline, "all_reduce (publish)");

@@ -26,8 +26,7 @@ class InProcGroup {
  private:
   friend class InProcCommunicator;
   struct Published {
-    const void* send = nullptr;
-    const Segments* segs = nullptr;
+    const std::vector<AllToAllBuffer>* buffers = nullptr;
     float* data = nullptr;
   };
   // Waits until every rank arrived at this generation of the barrier.

@@ -309,27 +309,40 @@ UcxCommunicator::~UcxCommunicator() {
   if (m.context) ucp_cleanup(m.context);
 }
 
-void UcxCommunicator::all_to_all_v(const void* send, const Segments& send_segs, void* recv, const Segments& recv_segs,
-                                   Deadline deadline) {
+void UcxCommunicator::all_to_all_v(const std::vector<AllToAllBuffer>& buffers, Deadline deadline) {
   Impl& m = *impl_;
   m.check_usable();
-  MOE_CHECK(static_cast<int>(send_segs.bytes.size()) == size_ && static_cast<int>(recv_segs.bytes.size()) == size_,
-            "all_to_all_v: segment lists must have one entry per rank (", size_, ")");
-  const uint64_t seq = m.seq++;
-  auto* out = static_cast<uint8_t*>(recv);
-  const auto* in = static_cast<const uint8_t*>(send);
-  for (int r = 0; r < size_; ++r)
-    if (r != rank_ && recv_segs.bytes[r])
-      m.post_recv(r, out + recv_segs.offset[r], recv_segs.bytes[r], make_tag(Kind::kAllToAll, seq, r), "all_to_all_v");
-  // Send in ring order from our right neighbour, so ranks do not all hit rank 0 first.
-  for (int i = 1; i < size_; ++i) {
-    const int r = (rank_ + i) % size_;
-    if (send_segs.bytes[r])
-      m.post_send(r, in + send_segs.offset[r], send_segs.bytes[r], make_tag(Kind::kAllToAll, seq, rank_), "all_to_all_v");
+  for (const AllToAllBuffer& b : buffers) {
+    MOE_CHECK(static_cast<int>(b.send_segs->bytes.size()) == size_ && static_cast<int>(b.recv_segs->bytes.size()) == size_,
+              "all_to_all_v: segment lists must have one entry per rank (", size_, ")");
+    MOE_CHECK(b.send_segs->bytes[rank_] == b.recv_segs->bytes[rank_], "all_to_all_v: self segment sizes differ (",
+              b.send_segs->bytes[rank_], " vs ", b.recv_segs->bytes[rank_], ")");
   }
-  MOE_CHECK(send_segs.bytes[rank_] == recv_segs.bytes[rank_], "all_to_all_v: self segment sizes differ (",
-            send_segs.bytes[rank_], " vs ", recv_segs.bytes[rank_], ")");
-  if (send_segs.bytes[rank_]) std::memcpy(out + recv_segs.offset[rank_], in + send_segs.offset[rank_], send_segs.bytes[rank_]);
+  // One sequence number per buffer: every message of the call has its own tag.
+  const uint64_t seq0 = m.seq;
+  m.seq += buffers.size();
+  for (size_t i = 0; i < buffers.size(); ++i) {
+    const AllToAllBuffer& b = buffers[i];
+    auto* out = static_cast<uint8_t*>(b.recv);
+    for (int r = 0; r < size_; ++r)
+      if (r != rank_ && b.recv_segs->bytes[r])
+        m.post_recv(r, out + b.recv_segs->offset[r], b.recv_segs->bytes[r], make_tag(Kind::kAllToAll, seq0 + i, r),
+                    "all_to_all_v");
+  }
+  // Send in ring order from our right neighbour, so ranks do not all hit rank 0 first.
+  for (int step = 1; step < size_; ++step) {
+    const int r = (rank_ + step) % size_;
+    for (size_t i = 0; i < buffers.size(); ++i) {
+      const AllToAllBuffer& b = buffers[i];
+      if (b.send_segs->bytes[r])
+        m.post_send(r, static_cast<const uint8_t*>(b.send) + b.send_segs->offset[r], b.send_segs->bytes[r],
+                    make_tag(Kind::kAllToAll, seq0 + i, rank_), "all_to_all_v");
+    }
+  }
+  for (const AllToAllBuffer& b : buffers)
+    if (b.send_segs->bytes[rank_])
+      std::memcpy(static_cast<uint8_t*>(b.recv) + b.recv_segs->offset[rank_],
+                  static_cast<const uint8_t*>(b.send) + b.send_segs->offset[rank_], b.send_segs->bytes[rank_]);
   m.wait_all(deadline, "all_to_all_v");
 }
 

@@ -36,8 +36,8 @@ class UcxCommunicator final : public Communicator {
   int size() const override { return size_; }
   std::string name() const override { return "ucx"; }
 
-  void all_to_all_v(const void* send, const Segments& send_segs, void* recv, const Segments& recv_segs,
-                    Deadline deadline) override;
+  using Communicator::all_to_all_v;
+  void all_to_all_v(const std::vector<AllToAllBuffer>& buffers, Deadline deadline) override;
   void all_reduce_sum(float* data, size_t count, Deadline deadline) override;
   void barrier(Deadline deadline) override;
   void send(int peer, const void* data, size_t bytes, uint32_t tag, Deadline deadline) override;

@@ -74,6 +74,8 @@ void DispatchLayoutConfig::validate() const {
   MOE_CHECK(num_ranks >= 1, "dispatch layout: num_ranks must be >= 1, got ", num_ranks);
   MOE_CHECK(slots_per_rank >= 1, "dispatch layout: slots_per_rank must be >= 1, got ",
             slots_per_rank);
+  MOE_CHECK(num_tokens * num_ranks <= INT32_MAX, "dispatch layout: num_tokens x num_ranks (",
+            num_tokens * num_ranks, ") exceeds the int32 row index range");
 }
 
 void PermuteLayoutConfig::validate() const {

@@ -66,6 +66,24 @@ class CpuBackend final : public Backend {
     cpu::capacity_drop(pool(), c, a);
   }
 
+  void select_replicas(int64_t T, int K, int E, const ReplicaArgs& a) override {
+    cpu::parallel_blocks(pool(), T, 256, [&](int64_t t0, int64_t t1, int) {
+      for (int64_t t = t0; t < t1; ++t)
+        for (int k = 0; k < K; ++k) {
+          const int32_t e = a.topk_idx[t * K + k];
+          if (e < 0) {
+            a.topk_slot[t * K + k] = -1;
+            continue;
+          }
+          MOE_CHECK(e < E, "select_replicas: expert ", e, " out of range [0, ", E, ")");
+          const int32_t count = a.logcnt[e];
+          MOE_CHECK(count >= 1 && count <= a.max_replicas, "select_replicas: expert ", e, " has ", count, " replicas");
+          a.topk_slot[t * K + k] =
+              a.log2phy[static_cast<int64_t>(e) * a.max_replicas + replica_index(a.token_begin + t, e, count)];
+        }
+    });
+  }
+
   size_t dispatch_layout_workspace_bytes(const DispatchLayoutConfig& c) const override {
     return cpu::dispatch_layout_workspace_bytes(c, threads());
   }
@@ -86,6 +104,14 @@ class CpuBackend final : public Backend {
   void unpermute_scalars(const int32_t* pos, int64_t n, int k, const float* perm,
                          float* pair) override {
     for (int64_t i = 0; i < n * k; ++i) pair[i] = pos[i] >= 0 ? perm[pos[i]] : 0.0f;
+  }
+  void combine_pair_scalars(const int32_t* topk_slot, const int32_t* token_send_row, int64_t T, int K, int R,
+                            int S, const float* rows, float* pair) override {
+    for (int64_t t = 0; t < T; ++t)
+      for (int k = 0; k < K; ++k) {
+        const int32_t slot = topk_slot[t * K + k];
+        pair[t * K + k] = slot < 0 ? 0.0f : rows[static_cast<int64_t>(token_send_row[t * R + slot / S]) * K + k];
+      }
   }
 
   void swiglu_forward(const SwigluConfig& c, const SwigluForwardArgs& a) override {

@@ -81,13 +81,27 @@ void dispatch_layout(ThreadPool& pool, const DispatchLayoutConfig& cfg,
     a.num_tokens_per_slot[s] = total;
   }
 
-  // Pass 2: positions inside each rank's segment, in token order.
+  // Pass 2: send rows (rank-major, token order inside a rank) and their metadata.
   pool.parallel_for(blocks.count, [&](int64_t b, int) {
     int32_t* next = rank_count + b * R;
     const int64_t t1 = std::min(T, (b + 1) * blocks.size);
     for (int64_t t = b * blocks.size; t < t1; ++t)
-      for (int r = 0; r < R; ++r)
-        a.token_rank_pos[t * R + r] = a.is_token_in_rank[t * R + r] ? next[r]++ : -1;
+      for (int r = 0; r < R; ++r) {
+        if (!a.is_token_in_rank[t * R + r]) {
+          a.token_send_row[t * R + r] = -1;
+          continue;
+        }
+        const int64_t row = a.rank_offset[r] + next[r]++;
+        a.token_send_row[t * R + r] = static_cast<int32_t>(row);
+        if (a.send_src_token) a.send_src_token[row] = static_cast<int32_t>(t);
+        if (!a.send_slot) continue;
+        for (int k = 0; k < K; ++k) {
+          const int32_t slot = a.topk_slot[t * K + k];
+          const bool here = slot >= 0 && slot / S == r;
+          a.send_slot[row * K + k] = here ? slot % S : -1;
+          if (a.send_weight) a.send_weight[row * K + k] = here ? a.topk_weight[t * K + k] : 0.0f;
+        }
+      }
   });
 }
 

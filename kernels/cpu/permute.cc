@@ -67,26 +67,40 @@ void permute(ThreadPool& pool, const PermuteConfig& cfg, const PermuteArgs& a) {
   });
 }
 
-void unpermute(ThreadPool& pool, const UnpermuteConfig& cfg, const UnpermuteArgs& a) {
-  cfg.validate();
+namespace {
+
+template <DType kIn>
+inline __m256 load8(const void* base, int64_t i) {
+  if constexpr (kIn == DType::kF32) return _mm256_loadu_ps(static_cast<const float*>(base) + i);
+  else return load_bf16_ps(static_cast<const bf16_t*>(base) + i);
+}
+
+template <DType kIn>
+inline float load1(const void* base, int64_t i) {
+  if constexpr (kIn == DType::kF32) return static_cast<const float*>(base)[i];
+  else return bf16_to_f32(static_cast<const bf16_t*>(base)[i]);
+}
+
+template <DType kIn>
+void unpermute_impl(ThreadPool& pool, const UnpermuteConfig& cfg, const UnpermuteArgs& a) {
   const int K = cfg.top_k, H = cfg.hidden;
-  MOE_CHECK(K <= kMaxUnpermuteK, "unpermute: top_k ", K, " exceeds ", kMaxUnpermuteK);
-  const size_t out_row = dtype_size(cfg.out_dtype) * H;
+  const size_t in_row = dtype_size(kIn) * H, out_row = dtype_size(cfg.out_dtype) * H;
+  const auto* perm = static_cast<const uint8_t*>(a.perm);
   // Small blocks, as in permute: threads walk the expert segments side by side.
   parallel_fixed_blocks(pool, cfg.num_rows, kRowBlock, [&](int64_t n0, int64_t n1, int) {
-    const float* src[kMaxUnpermuteK];
+    const uint8_t* src[kMaxUnpermuteK];
     float w[kMaxUnpermuteK];
     for (int64_t n = n0; n < n1; ++n) {
       if (n + 1 < n1)
         for (int k = 0; k < K; ++k) {
           const int32_t p = a.pair_pos[(n + 1) * K + k];
-          if (p >= 0) _mm_prefetch(reinterpret_cast<const char*>(a.perm + static_cast<int64_t>(p) * H), _MM_HINT_T0);
+          if (p >= 0) _mm_prefetch(reinterpret_cast<const char*>(perm + p * in_row), _MM_HINT_T0);
         }
       int count = 0;
       for (int k = 0; k < K; ++k) {
         const int32_t p = a.pair_pos[n * K + k];
         if (p < 0) continue;
-        src[count] = a.perm + static_cast<int64_t>(p) * H;
+        src[count] = perm + p * in_row;
         w[count++] = a.pair_weight ? a.pair_weight[n * K + k] : 1.0f;
       }
       auto* out = static_cast<uint8_t*>(a.out) + n * out_row;
@@ -95,7 +109,7 @@ void unpermute(ThreadPool& pool, const UnpermuteConfig& cfg, const UnpermuteArgs
       int64_t i = 0;
       for (; i + 8 <= H; i += 8) {
         __m256 acc = _mm256_setzero_ps();
-        for (int c = 0; c < count; ++c) acc = _mm256_fmadd_ps(_mm256_set1_ps(w[c]), _mm256_loadu_ps(src[c] + i), acc);
+        for (int c = 0; c < count; ++c) acc = _mm256_fmadd_ps(_mm256_set1_ps(w[c]), load8<kIn>(src[c], i), acc);
         if (cfg.accumulate) {
           float* o = reinterpret_cast<float*>(out) + i;
           _mm256_storeu_ps(o, _mm256_add_ps(_mm256_loadu_ps(o), acc));
@@ -107,13 +121,22 @@ void unpermute(ThreadPool& pool, const UnpermuteConfig& cfg, const UnpermuteArgs
       }
       for (; i < H; ++i) {
         float acc = 0.0f;
-        for (int c = 0; c < count; ++c) acc = std::fma(w[c], src[c][i], acc);
+        for (int c = 0; c < count; ++c) acc = std::fma(w[c], load1<kIn>(src[c], i), acc);
         if (cfg.accumulate) reinterpret_cast<float*>(out)[i] += acc;
         else if (cfg.out_dtype == DType::kF32) reinterpret_cast<float*>(out)[i] = acc;
         else reinterpret_cast<bf16_t*>(out)[i] = f32_to_bf16(acc);
       }
     }
   });
+}
+
+}  // namespace
+
+void unpermute(ThreadPool& pool, const UnpermuteConfig& cfg, const UnpermuteArgs& a) {
+  cfg.validate();
+  MOE_CHECK(cfg.top_k <= kMaxUnpermuteK, "unpermute: top_k ", cfg.top_k, " exceeds ", kMaxUnpermuteK);
+  if (cfg.in_dtype == DType::kF32) unpermute_impl<DType::kF32>(pool, cfg, a);
+  else unpermute_impl<DType::kBF16>(pool, cfg, a);
 }
 
 }  // namespace moe::kernels::cpu

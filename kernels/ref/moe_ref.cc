@@ -237,12 +237,14 @@ Grads backward(const Config& cfg, const Weights& w, const std::vector<double>& x
   return g;
 }
 
-DispatchLayout dispatch_layout(const std::vector<int32_t>& topk_slot, int64_t T, int K, int R, int S) {
+DispatchLayout dispatch_layout(const std::vector<int32_t>& topk_slot, const std::vector<float>& topk_weight,
+                               int64_t T, int K, int R, int S) {
   DispatchLayout d;
   d.num_tokens_per_rank.assign(R, 0);
   d.num_tokens_per_slot.assign(static_cast<size_t>(R) * S, 0);
   d.is_token_in_rank.assign(T * R, 0);
-  d.token_rank_pos.assign(T * R, -1);
+  d.token_send_row.assign(T * R, -1);
+  std::vector<std::vector<int64_t>> tokens_of_rank(R);
   for (int64_t t = 0; t < T; ++t) {
     for (int k = 0; k < K; ++k) {
       const int32_t slot = topk_slot[t * K + k];
@@ -251,8 +253,23 @@ DispatchLayout dispatch_layout(const std::vector<int32_t>& topk_slot, int64_t T,
       d.is_token_in_rank[t * R + slot / S] = 1;
     }
     for (int r = 0; r < R; ++r)
-      if (d.is_token_in_rank[t * R + r]) d.token_rank_pos[t * R + r] = d.num_tokens_per_rank[r]++;
+      if (d.is_token_in_rank[t * R + r]) {
+        tokens_of_rank[r].push_back(t);
+        ++d.num_tokens_per_rank[r];
+      }
   }
+  for (int r = 0; r < R; ++r)
+    for (int64_t t : tokens_of_rank[r]) {
+      const int32_t row = static_cast<int32_t>(d.send_src_token.size());
+      d.token_send_row[t * R + r] = row;
+      d.send_src_token.push_back(static_cast<int32_t>(t));
+      for (int k = 0; k < K; ++k) {
+        const int32_t slot = topk_slot[t * K + k];
+        const bool here = slot >= 0 && slot / S == r;
+        d.send_slot.push_back(here ? slot % S : -1);
+        d.send_weight.push_back(here ? topk_weight[t * K + k] : 0.0f);
+      }
+    }
   return d;
 }
 

@@ -80,14 +80,18 @@ Grads backward(const Config& cfg, const Weights& w, const std::vector<double>& x
 // Capacity of one source of T tokens: ceil(cf * T * K / E), cf = 0 meaning none.
 int64_t capacity(double capacity_factor, int64_t T, int top_k, int num_experts);
 
-// Dispatch layout of DeepEP's get_dispatch_layout, plainly.
+// Dispatch layout of DeepEP's get_dispatch_layout, plainly: rank-major send rows,
+// token order inside a rank.
 struct DispatchLayout {
   std::vector<int32_t> num_tokens_per_rank;  // [R]
   std::vector<int32_t> num_tokens_per_slot;  // [R * S]
   std::vector<uint8_t> is_token_in_rank;     // [T, R]
-  std::vector<int32_t> token_rank_pos;       // [T, R]
+  std::vector<int32_t> token_send_row;       // [T, R]: send row, or -1
+  std::vector<int32_t> send_src_token;       // [rows]
+  std::vector<int32_t> send_slot;            // [rows, K]: local slot of pair k on the row's rank, or -1
+  std::vector<float> send_weight;            // [rows, K]
 };
-DispatchLayout dispatch_layout(const std::vector<int32_t>& topk_slot, int64_t T, int K, int R,
-                               int S);
+DispatchLayout dispatch_layout(const std::vector<int32_t>& topk_slot, const std::vector<float>& topk_weight,
+                               int64_t T, int K, int R, int S);
 
 }  // namespace moe::ref

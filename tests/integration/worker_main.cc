@@ -2,11 +2,15 @@
 // rank and prints a last line "RESULT ok" or "RESULT error peer=P <message>".
 //   a2a --rank R --size N --port P [--iters I] [--bytes B] [--kill-at K]
 //       all-to-alls of B bytes per peer; the rank raises SIGKILL before round K.
+//   ep --case CASE --rank R --port P --out FILE
+//       one EP test case (ep_harness.h) over UCX; the rank's results go to FILE.
 #include <CLI/CLI.hpp>
 #include <signal.h>
 
 #include <iostream>
 
+#include "ep_harness.h"
+#include "moe/kernels/cpu_backend.h"
 #include "transport/bootstrap.h"
 #include "transport/ucx_communicator.h"
 
@@ -24,7 +28,33 @@ int main(int argc, char** argv) {
   a2a->add_option("--iters", iters);
   a2a->add_option("--bytes", bytes);
   a2a->add_option("--kill-at", kill_at);
+  std::string case_str, out_path;
+  CLI::App* ep = app.add_subcommand("ep", "one EP case over UCX");
+  ep->add_option("--case", case_str)->required();
+  ep->add_option("--rank", rank)->required();
+  ep->add_option("--port", port)->required();
+  ep->add_option("--out", out_path)->required();
   CLI11_PARSE(app, argc, argv);
+
+  if (*ep) {
+    try {
+      const moe::test::EpCase c = moe::test::EpCase::decode(case_str);
+      TcpBootstrap boot("127.0.0.1", port, rank, c.ranks);
+      UcxCommunicator comm(rank, c.ranks, boot);
+      moe::kernels::ThreadPool pool(1);
+      auto be = moe::kernels::make_cpu_backend(pool);
+      moe::test::run_rank(c, comm, *be).save(out_path);
+      comm.barrier(deadline_in(std::chrono::seconds(30)));
+      std::cout << "RESULT ok" << std::endl;
+      return 0;
+    } catch (const TransportError& e) {
+      std::cout << "RESULT error peer=" << e.peer() << " " << e.what() << std::endl;
+      return 1;
+    } catch (const std::exception& e) {
+      std::cout << "RESULT error peer=-1 " << e.what() << std::endl;
+      return 1;
+    }
+  }
 
   try {
     TcpBootstrap boot("127.0.0.1", port, rank, size);

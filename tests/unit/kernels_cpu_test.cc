@@ -318,21 +318,38 @@ TEST_F(CpuOps, DispatchLayoutMatchesReference) {
   for (int64_t T : {0, 1, 17, 3000}) {
     const int K = 4, R = 5, S = 3;
     std::vector<int32_t> slots(T * K);
+    const std::vector<float> w = normal_vector(T * K, 8);
     for (int64_t p = 0; p < T * K; ++p) {
       const uint64_t h = model::key_hash({7, static_cast<uint64_t>(p)});
       slots[p] = h % 7 == 0 ? -1 : static_cast<int32_t>(h % (R * S));
     }
     DispatchLayoutConfig cfg{T, K, R, S};
-    std::vector<int32_t> per_rank(R), per_slot(R * S), pos(T * R);
+    std::vector<int32_t> per_rank(R), per_slot(R * S), send_row(T * R), src(T * R), send_slot(T * R * K);
+    std::vector<float> send_w(T * R * K);
     std::vector<int64_t> offset(R + 1);
     std::vector<uint8_t> in_rank(T * R);
-    be->dispatch_layout(cfg, {slots.data(), per_rank.data(), per_slot.data(), offset.data(), in_rank.data(),
-                              pos.data(), workspace(be->dispatch_layout_workspace_bytes(cfg))});
-    const ref::DispatchLayout want = ref::dispatch_layout(slots, T, K, R, S);
+    DispatchLayoutArgs a;
+    a.topk_slot = slots.data();
+    a.topk_weight = w.data();
+    a.num_tokens_per_rank = per_rank.data();
+    a.num_tokens_per_slot = per_slot.data();
+    a.rank_offset = offset.data();
+    a.is_token_in_rank = in_rank.data();
+    a.token_send_row = send_row.data();
+    a.send_src_token = src.data();
+    a.send_slot = send_slot.data();
+    a.send_weight = send_w.data();
+    a.workspace = workspace(be->dispatch_layout_workspace_bytes(cfg));
+    be->dispatch_layout(cfg, a);
+    const ref::DispatchLayout want = ref::dispatch_layout(slots, w, T, K, R, S);
     EXPECT_EQ(per_rank, want.num_tokens_per_rank) << "T=" << T;
     EXPECT_EQ(per_slot, want.num_tokens_per_slot);
     EXPECT_EQ(in_rank, want.is_token_in_rank);
-    EXPECT_EQ(pos, want.token_rank_pos);
+    EXPECT_EQ(send_row, want.token_send_row);
+    const int64_t rows = offset[R];
+    EXPECT_EQ(std::vector<int32_t>(src.begin(), src.begin() + rows), want.send_src_token);
+    EXPECT_EQ(std::vector<int32_t>(send_slot.begin(), send_slot.begin() + rows * K), want.send_slot);
+    EXPECT_EQ(std::vector<float>(send_w.begin(), send_w.begin() + rows * K), want.send_weight);
     for (int r = 0; r < R; ++r) EXPECT_EQ(offset[r + 1] - offset[r], per_rank[r]);
   }
 }
@@ -343,10 +360,15 @@ TEST_F(CpuOps, DispatchLayoutRejectsOutOfRangeSlots) {
   std::vector<int32_t> per_rank(2), per_slot(4), pos(2);
   std::vector<int64_t> offset(3);
   std::vector<uint8_t> in_rank(2);
-  EXPECT_THROW(be->dispatch_layout(cfg, {slots.data(), per_rank.data(), per_slot.data(), offset.data(),
-                                         in_rank.data(), pos.data(),
-                                         workspace(be->dispatch_layout_workspace_bytes(cfg))}),
-               Error);
+  DispatchLayoutArgs a;
+  a.topk_slot = slots.data();
+  a.num_tokens_per_rank = per_rank.data();
+  a.num_tokens_per_slot = per_slot.data();
+  a.rank_offset = offset.data();
+  a.is_token_in_rank = in_rank.data();
+  a.token_send_row = pos.data();
+  a.workspace = workspace(be->dispatch_layout_workspace_bytes(cfg));
+  EXPECT_THROW(be->dispatch_layout(cfg, a), Error);
 }
 
 TEST_F(CpuOps, PermuteLayoutIsStableExpertMajorAndInvertible) {
@@ -398,7 +420,7 @@ TEST_F(CpuOps, PermuteLayoutIsStableExpertMajorAndInvertible) {
     std::vector<float> perm(offset[L] * H);
     be->permute({N, K, offset[L], H, DType::kF32, DType::kF32}, {rows.data(), src.data(), pos.data(), perm.data()});
     std::vector<uint8_t> out(N * H * dtype_size(out_dtype));
-    be->unpermute({N, K, H, out_dtype, false}, {perm.data(), pos.data(), row_w.data(), out.data()});
+    be->unpermute({N, K, H, out_dtype, false, DType::kF32}, {perm.data(), pos.data(), row_w.data(), out.data()});
     std::vector<double> got(N * H), want(N * H, 0.0);
     for (int64_t i = 0; i < N * H; ++i)
       got[i] = out_dtype == DType::kF32 ? reinterpret_cast<float*>(out.data())[i]

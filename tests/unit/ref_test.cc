@@ -102,10 +102,15 @@ TEST(RefDispatchLayout, CountsATokenOncePerRank) {
   const std::vector<int32_t> slots = {0, 1, 2,   // ranks 0, 0, 1
                                       3, -1, 2,  // rank 1 twice
                                       -1, -1, -1};
-  const ref::DispatchLayout d = ref::dispatch_layout(slots, 3, 3, 2, 2);
+  const std::vector<float> w = {0.5f, 0.3f, 0.2f, 0.6f, 0.0f, 0.4f, 0, 0, 0};
+  const ref::DispatchLayout d = ref::dispatch_layout(slots, w, 3, 3, 2, 2);
   EXPECT_EQ(d.num_tokens_per_rank, (std::vector<int32_t>{1, 2}));
   EXPECT_EQ(d.num_tokens_per_slot, (std::vector<int32_t>{1, 1, 2, 1}));
-  EXPECT_EQ(d.token_rank_pos, (std::vector<int32_t>{0, 0, -1, 1, -1, -1}));
+  // Rank 0's segment: token 0; rank 1's: tokens 0 and 1.
+  EXPECT_EQ(d.token_send_row, (std::vector<int32_t>{0, 1, -1, 2, -1, -1}));
+  EXPECT_EQ(d.send_src_token, (std::vector<int32_t>{0, 0, 1}));
+  EXPECT_EQ(d.send_slot, (std::vector<int32_t>{0, 1, -1, -1, -1, 0, 1, -1, 0}));
+  EXPECT_EQ(d.send_weight, (std::vector<float>{0.5f, 0.3f, 0, 0, 0, 0.2f, 0.6f, 0, 0.4f}));
 }
 
 }  // namespace

@@ -96,6 +96,33 @@ TEST_P(CommunicatorTest, AllToAllVDeliversRankStampedSegments) {
   for (int r = 0; r < p.ranks; ++r) EXPECT_EQ(errors[r], "") << "rank " << r;
 }
 
+TEST_P(CommunicatorTest, SeveralBuffersInOneCall) {
+  const Param p = GetParam();
+  const auto errors = run_ranks(p.kind, p.ranks, [&](Communicator& c) {
+    const int R = c.size(), me = c.rank();
+    // Buffer 0: 4 ints per peer; buffer 1: (peer + 1) doubles per peer.
+    std::vector<int32_t> a_send(4 * R), a_recv(4 * R);
+    std::vector<double> b_send, b_recv;
+    std::vector<size_t> b_bytes_send(R), b_bytes_recv(R);
+    for (int r = 0; r < R; ++r) {
+      for (int i = 0; i < 4; ++i) a_send[4 * r + i] = me * 1000 + r * 10 + i;
+      for (int i = 0; i <= r; ++i) b_send.push_back(me + 0.5 * r + i);
+      b_bytes_send[r] = 8 * (r + 1);
+      b_bytes_recv[r] = 8 * (me + 1);
+    }
+    b_recv.resize(R * (me + 1));
+    const Segments as = Segments::packed(std::vector<size_t>(R, 16));
+    const Segments bs = Segments::packed(b_bytes_send), br = Segments::packed(b_bytes_recv);
+    c.all_to_all_v({{a_send.data(), &as, a_recv.data(), &as}, {b_send.data(), &bs, b_recv.data(), &br}},
+                   deadline_in(10s));
+    for (int r = 0; r < R; ++r) {
+      for (int i = 0; i < 4; ++i) ASSERT_EQ(a_recv[4 * r + i], r * 1000 + me * 10 + i);
+      for (int i = 0; i <= me; ++i) ASSERT_EQ(b_recv[r * (me + 1) + i], r + 0.5 * me + i);
+    }
+  });
+  for (int r = 0; r < p.ranks; ++r) EXPECT_EQ(errors[r], "") << "rank " << r;
+}
+
 TEST_P(CommunicatorTest, AllReduceIsRankOrderedAndIdentical) {
   const Param p = GetParam();
   std::vector<std::vector<float>> results(p.ranks);

@@ -106,10 +106,35 @@ struct CapacityArgs {
 };
 
 // ---------------------------------------------------------------------------
+// Replica choice (DESIGN 3.3): the (token, logical expert) pair goes to replica
+// replica_index(global token, expert, count) of the expert. The hash spreads pairs
+// evenly over replicas, and depends on neither the asking rank nor the placement's
+// other experts.
+inline uint32_t replica_index(int64_t global_token, int32_t expert, int32_t count) {
+  uint64_t z = static_cast<uint64_t>(global_token) * 0x9e3779b97f4a7c15ull ^
+               (static_cast<uint64_t>(static_cast<uint32_t>(expert)) << 32 | 0x5bd1e995u);
+  z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
+  z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
+  z ^= z >> 31;
+  return static_cast<uint32_t>(z % static_cast<uint64_t>(count));
+}
+
+struct ReplicaArgs {
+  const int32_t* topk_idx = nullptr;  // [T, K] logical expert or -1 (dropped)
+  int64_t token_begin = 0;            // global index of token 0
+  const int32_t* log2phy = nullptr;   // [E, max_replicas] physical slots, -1 padded
+  const int32_t* logcnt = nullptr;    // [E] replica counts (>= 1)
+  int max_replicas = 0;
+  int32_t* topk_slot = nullptr;       // [T, K] out: physical slot or -1
+};
+
+// ---------------------------------------------------------------------------
 // Dispatch layout (DeepEP get_dispatch_layout): which ranks need which token.
 // A physical slot is rank * slots_per_rank + local slot. A token goes to a rank
-// once however many of its pairs live there. Within a rank's segment tokens keep
-// increasing token order.
+// once however many of its pairs live there. The send buffer is rank-major: rank
+// r's rows start at rank_offset[r], in increasing token order. token_send_row is
+// the (t, r) -> send-row map, so packing the send buffer is a permute with
+// pair_pos = token_send_row (top_k = R), and the combine is the matching unpermute.
 struct DispatchLayoutConfig {
   int64_t num_tokens = 0;
   int top_k = 0;
@@ -121,11 +146,16 @@ struct DispatchLayoutConfig {
 
 struct DispatchLayoutArgs {
   const int32_t* topk_slot = nullptr;      // [T, K] physical slot or -1
+  const float* topk_weight = nullptr;      // [T, K]; needed for send_weight
   int32_t* num_tokens_per_rank = nullptr;  // [R] out
   int32_t* num_tokens_per_slot = nullptr;  // [R * S] out: pairs per physical slot
-  int64_t* rank_offset = nullptr;          // [R + 1] out: exclusive prefix of the above
+  int64_t* rank_offset = nullptr;          // [R + 1] out, HOST memory: exclusive prefix sums
   uint8_t* is_token_in_rank = nullptr;     // [T, R] out
-  int32_t* token_rank_pos = nullptr;       // [T, R] out: row in the rank's segment, or -1
+  int32_t* token_send_row = nullptr;       // [T, R] out: send row of (t, r), or -1
+  // Optional outputs sized for the worst case of T * R send rows (null: skipped):
+  int32_t* send_src_token = nullptr;       // [T * R] token of each send row
+  int32_t* send_slot = nullptr;            // [T * R, K] local slot on the row's rank of pair k, or -1
+  float* send_weight = nullptr;            // [T * R, K] weight of pair k where send_slot >= 0, else 0
   void* workspace = nullptr;               // dispatch_layout_workspace_bytes
 };
 
@@ -172,19 +202,22 @@ struct PermuteArgs {
 };
 
 // Unpermute, the local combine: out[n] = sum_k w[n,k] * perm[pair_pos[n,k]],
-// summed in k order; a row with no pair gets zeros. w null means 1.
+// summed in k order in fp32; a row with no pair gets zeros. w null means 1. With
+// pair_pos = token_send_row (top_k = R) it is the EP combine: a token's rows from
+// every rank, summed in rank order.
 struct UnpermuteConfig {
   int64_t num_rows = 0;  // N
   int top_k = 0;
   int hidden = 0;
   DType out_dtype = DType::kF32;
   bool accumulate = false;  // out += (fp32 out only)
+  DType in_dtype = DType::kF32;  // of perm
 
   void validate() const;
 };
 
 struct UnpermuteArgs {
-  const float* perm = nullptr;         // [M, H]
+  const void* perm = nullptr;          // [M, H] in_dtype
   const int32_t* pair_pos = nullptr;   // [N, K]
   const float* pair_weight = nullptr;  // [N, K] or null
   void* out = nullptr;                 // [N, H] out_dtype
@@ -325,6 +358,9 @@ class Backend {
   virtual size_t capacity_workspace_bytes(const CapacityConfig& cfg) const = 0;
   virtual void capacity_drop(const CapacityConfig& cfg, const CapacityArgs& args) = 0;
 
+  // topk_slot from topk_idx by replica_index(); num_tokens x top_k pairs.
+  virtual void select_replicas(int64_t num_tokens, int top_k, int num_experts, const ReplicaArgs& args) = 0;
+
   virtual size_t dispatch_layout_workspace_bytes(const DispatchLayoutConfig& cfg) const = 0;
   virtual void dispatch_layout(const DispatchLayoutConfig& cfg,
                                const DispatchLayoutArgs& args) = 0;
@@ -337,6 +373,13 @@ class Backend {
   // n < num_rows: a per-pair scalar (e.g. the routing-weight gradient) back in row order.
   virtual void unpermute_scalars(const int32_t* pair_pos, int64_t num_rows, int top_k,
                                  const float* perm_values, float* pair_values) = 0;
+  // The per-pair scalars of a combine: pair_values[t, k] = rows[token_send_row[t, r],
+  // k] for r = topk_slot[t, k] / slots_per_rank (0 where topk_slot < 0); rows is
+  // [send rows, K]. Brings a receiver's per-(row, k) values back to the source pairs.
+  virtual void combine_pair_scalars(const int32_t* topk_slot, const int32_t* token_send_row,
+                                    int64_t num_tokens, int top_k, int num_ranks,
+                                    int slots_per_rank, const float* rows,
+                                    float* pair_values) = 0;
 
   virtual void swiglu_forward(const SwigluConfig& cfg, const SwigluForwardArgs& args) = 0;
   virtual void swiglu_backward(const SwigluConfig& cfg, const SwigluBackwardArgs& args) = 0;

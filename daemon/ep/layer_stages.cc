@@ -1,0 +1,247 @@
+#include "layer_stages.h"
+
+#include <chrono>
+
+#include "moe/kernels/check.h"
+
+namespace moe::ep {
+
+using kernels::Buffer;
+
+double now_seconds() {
+  return std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch()).count();
+}
+
+void MoeLayerConfig::validate() const {
+  MOE_CHECK(max_tokens >= 0, "max_tokens must be >= 0, got ", max_tokens);
+  MOE_CHECK(ffn_hidden > 0, "ffn_hidden must be > 0, got ", ffn_hidden);
+  router(max_tokens).validate();
+  kernels::CapacityConfig{max_tokens, num_experts, top_k, capacity_factor, drop_policy}.validate();
+}
+
+kernels::RouterConfig MoeLayerConfig::router(int64_t T) const {
+  kernels::RouterConfig r;
+  r.num_tokens = T;
+  r.hidden = hidden;
+  r.num_experts = num_experts;
+  r.top_k = top_k;
+  r.score = score;
+  r.num_groups = num_groups;
+  r.group_top_k = group_top_k;
+  r.norm_topk_prob = norm_topk_prob;
+  r.routed_scaling_factor = routed_scaling_factor;
+  r.x_dtype = dtype;
+  return r;
+}
+
+model::LayerWeights weights_as_used(const model::LayerWeights& w, DType dtype) {
+  model::LayerWeights u = w;
+  if (dtype == DType::kBF16) {
+    model::round_to_bf16(u.gate);
+    model::round_to_bf16(u.w13);
+    model::round_to_bf16(u.w2);
+  }
+  return u;
+}
+
+// ---------------------------------------------------------------------------
+
+RouterStage::RouterStage(const MoeLayerConfig& cfg, kernels::Backend& be) : cfg_(cfg), be_(be) {
+  cfg_.validate();
+  const size_t T = cfg.max_tokens, H = cfg.hidden, E = cfg.num_experts, K = cfg.top_k;
+  gate_ = Buffer(be, 4 * E * H);
+  bias_ = Buffer(be, 4 * E);
+  logit_bias_ = Buffer(be, 4 * E);
+  logits_ = Buffer(be, 4 * T * E);
+  scores_ = Buffer(be, 4 * T * E);
+  topk_idx_ = Buffer(be, 4 * T * K);
+  topk_weight_ = Buffer(be, 4 * T * K);
+  kept_idx_ = Buffer(be, 4 * T * K);
+  router_ws_ = Buffer(be, be.router_workspace_bytes(cfg.router(cfg.max_tokens)));
+  capacity_ws_ = Buffer(be, be.capacity_workspace_bytes(
+                                {cfg.max_tokens, cfg.num_experts, cfg.top_k, cfg.capacity_factor, cfg.drop_policy}));
+  if (cfg.train) {
+    grad_logits_ = Buffer(be, 4 * T * E);
+    grad_gate_ = Buffer(be, 4 * E * H);
+  }
+}
+
+void RouterStage::set_weights(const model::LayerWeights& w) {
+  const size_t H = cfg_.hidden, E = cfg_.num_experts;
+  MOE_CHECK(w.gate.size() == E * H, "weights: gate has ", w.gate.size(), " values, expected ", E * H);
+  MOE_CHECK(w.selection_bias.empty() || w.selection_bias.size() == E, "weights: e_score_correction_bias has ",
+            w.selection_bias.size(), " values, expected ", E);
+  MOE_CHECK(w.logit_bias.empty() || w.logit_bias.size() == E, "weights: logit_bias has ", w.logit_bias.size(),
+            " values, expected ", E);
+  be_.copy_to_device(gate_.get(), w.gate.data(), 4 * E * H);
+  has_bias_ = !w.selection_bias.empty();
+  has_logit_bias_ = !w.logit_bias.empty();
+  if (has_bias_) be_.copy_to_device(bias_.get(), w.selection_bias.data(), 4 * E);
+  if (has_logit_bias_) be_.copy_to_device(logit_bias_.get(), w.logit_bias.data(), 4 * E);
+  has_weights_ = true;
+}
+
+void RouterStage::forward(const void* x, int64_t T) {
+  MOE_CHECK(T >= 0 && T <= cfg_.max_tokens, "forward: ", T, " tokens exceed max_tokens (", cfg_.max_tokens, ")");
+  MOE_CHECK(has_weights_, "forward: set_weights was not called");
+  T_ = T;
+  kernels::RouterForwardArgs a;
+  a.x = x;
+  a.weight = gate_.as<float>();
+  a.selection_bias = has_bias_ ? bias_.as<float>() : nullptr;
+  a.logit_bias = has_logit_bias_ ? logit_bias_.as<float>() : nullptr;
+  a.logits = logits_.as<float>();
+  a.scores = scores_.as<float>();
+  a.topk_idx = topk_idx_.as<int32_t>();
+  a.topk_weight = topk_weight_.as<float>();
+  a.workspace = router_ws_.get();
+  be_.router_forward(cfg_.router(T), a);
+  be_.capacity_drop({T, cfg_.num_experts, cfg_.top_k, cfg_.capacity_factor, cfg_.drop_policy},
+                    {topk_idx_.as<int32_t>(), topk_weight_.as<float>(), kept_idx_.as<int32_t>(), capacity_ws_.get()});
+}
+
+void RouterStage::backward(const void* x, const float* grad_topk_weight, float* grad_x32) {
+  MOE_CHECK(cfg_.train, "backward on a layer built without train = true");
+  kernels::RouterBackwardArgs r;
+  r.scores = scores_.as<float>();
+  r.topk_idx = topk_idx_.as<int32_t>();
+  r.topk_weight = topk_weight_.as<float>();
+  r.grad_topk_weight = grad_topk_weight;
+  r.x = x;
+  r.weight = gate_.as<float>();
+  r.grad_logits = grad_logits_.as<float>();
+  r.grad_weight = grad_gate_.as<float>();
+  r.grad_x = grad_x32;
+  r.workspace = router_ws_.get();
+  be_.router_backward(cfg_.router(T_), r);
+}
+
+// ---------------------------------------------------------------------------
+
+ExpertStage::ExpertStage(const MoeLayerConfig& cfg, int num_local_experts, kernels::Backend& be)
+    : cfg_(cfg), L_(num_local_experts), be_(be) {
+  MOE_CHECK(L_ >= 0, "expert stage: negative expert count ", L_);
+  const size_t H = cfg.hidden, I = cfg.ffn_hidden, L = L_;
+  expert_offset_.assign(L + 1, 0);
+  w13_ = Buffer(be, 4 * L * 2 * I * H);
+  w2_ = Buffer(be, 4 * L * H * I);
+  if (cfg.train) {
+    grad_w13_ = Buffer(be, 4 * L * 2 * I * H);
+    grad_w2_ = Buffer(be, 4 * L * H * I);
+  }
+}
+
+void ExpertStage::set_weights(const float* w13, const float* w2) {
+  const size_t H = cfg_.hidden, I = cfg_.ffn_hidden, L = L_;
+  be_.copy_to_device(w13_.get(), w13, 4 * L * 2 * I * H);
+  be_.copy_to_device(w2_.get(), w2, 4 * L * H * I);
+}
+
+kernels::ExpertMlpConfig ExpertStage::mlp_config() const {
+  kernels::ExpertMlpConfig m;
+  m.num_experts = L_;
+  m.hidden = cfg_.hidden;
+  m.ffn_hidden = cfg_.ffn_hidden;
+  m.max_rows = capacity_rows_ * std::min(cfg_.top_k, std::max(L_, 1));
+  m.max_src_rows = capacity_rows_;
+  m.x_dtype = cfg_.dtype;
+  m.train = cfg_.train;
+  return m;
+}
+
+void ExpertStage::reserve(int64_t rows) {
+  if (rows <= capacity_rows_) return;
+  capacity_rows_ = rows;
+  const size_t N = rows, K = cfg_.top_k, H = cfg_.hidden, I = cfg_.ffn_hidden;
+  const size_t M = N * std::min<size_t>(K, std::max(L_, 1));  // a row has at most min(K, L) local pairs
+  perm_src_row_ = Buffer(be_, 4 * N * K);
+  perm_weight_ = Buffer(be_, 4 * N * K);
+  pair_pos_ = Buffer(be_, 4 * N * K);
+  y_ = Buffer(be_, 4 * M * H);
+  if (cfg_.train) {
+    saved_gu_ = Buffer(be_, 4 * M * 2 * I);
+    grad_perm_x_ = Buffer(be_, 4 * M * H);
+    grad_perm_weight_ = Buffer(be_, 4 * M);
+  }
+  layout_ws_ = Buffer(be_, be_.permute_layout_workspace_bytes({rows, cfg_.top_k, L_}));
+  mlp_ws_ = Buffer(be_, be_.expert_mlp_workspace_bytes(mlp_config()));
+}
+
+void ExpertStage::forward(const void* rows, int64_t N, const int32_t* row_expert, const float* row_weight,
+                          void* combined) {
+  reserve(N);
+  N_ = N;
+  rows_ = rows;
+  has_forward_ = true;
+  times_ = {};
+  const int K = cfg_.top_k, H = cfg_.hidden;
+  double t0 = now_seconds();
+  kernels::PermuteLayoutArgs pl;
+  pl.row_expert = row_expert;
+  pl.row_weight = row_weight;
+  pl.expert_offset = expert_offset_.data();
+  pl.perm_src_row = perm_src_row_.as<int32_t>();
+  pl.perm_weight = perm_weight_.as<float>();
+  pl.pair_pos = pair_pos_.as<int32_t>();
+  pl.workspace = layout_ws_.get();
+  be_.permute_layout({N, K, L_}, pl);
+  MOE_CHECK(expert_offset_[L_] <= mlp_config().max_rows, "expert stage: ", expert_offset_[L_],
+            " pairs exceed the reserved ", mlp_config().max_rows);
+  be_.synchronize();
+  double t1 = now_seconds();
+  times_.layout = t1 - t0;
+
+  kernels::ExpertMlpForwardArgs a;
+  a.rows = rows;
+  a.expert_offset = expert_offset_.data();
+  a.perm_src_row = perm_src_row_.as<int32_t>();
+  a.perm_weight = perm_weight_.as<float>();
+  a.w13 = w13_.as<float>();
+  a.w2 = w2_.as<float>();
+  a.y = y_.as<float>();
+  a.saved_gu = cfg_.train ? saved_gu_.as<float>() : nullptr;
+  a.workspace = mlp_ws_.get();
+  a.stats = &times_.mlp_stats;
+  be_.expert_mlp_forward(mlp_config(), a);
+  be_.synchronize();
+  t0 = now_seconds();
+  times_.mlp = t0 - t1;
+
+  // y is already weighted: the local combine is a plain per-row sum.
+  be_.unpermute({N, K, H, cfg_.dtype, false, DType::kF32}, {y_.get(), pair_pos_.as<int32_t>(), nullptr, combined});
+  be_.synchronize();
+  times_.combine = now_seconds() - t0;
+}
+
+void ExpertStage::backward(const void* grad_combined, void* grad_rows, DType grad_rows_dtype,
+                           float* grad_pair_weight) {
+  MOE_CHECK(cfg_.train, "backward on a layer built without train = true");
+  MOE_CHECK(has_forward_, "backward called before forward");
+  const int K = cfg_.top_k, H = cfg_.hidden;
+  kernels::ExpertMlpBackwardArgs m;
+  m.grad_rows = grad_combined;
+  m.rows = rows_;
+  m.expert_offset = expert_offset_.data();
+  m.perm_src_row = perm_src_row_.as<int32_t>();
+  m.perm_weight = perm_weight_.as<float>();
+  m.w13 = w13_.as<float>();
+  m.w2 = w2_.as<float>();
+  m.saved_gu = saved_gu_.as<float>();
+  m.grad_perm_x = grad_perm_x_.as<float>();
+  m.grad_perm_weight = grad_perm_weight_.as<float>();
+  m.grad_w13 = grad_w13_.as<float>();
+  m.grad_w2 = grad_w2_.as<float>();
+  m.workspace = mlp_ws_.get();
+  be_.expert_mlp_backward(mlp_config(), m);
+  be_.unpermute({N_, K, H, grad_rows_dtype, false, DType::kF32},
+                {grad_perm_x_.get(), pair_pos_.as<int32_t>(), nullptr, grad_rows});
+  be_.unpermute_scalars(pair_pos_.as<int32_t>(), N_, K, grad_perm_weight_.as<float>(), grad_pair_weight);
+}
+
+std::vector<int64_t> ExpertStage::expert_rows() const {
+  std::vector<int64_t> counts(L_);
+  for (int e = 0; e < L_; ++e) counts[e] = expert_offset_[e + 1] - expert_offset_[e];
+  return counts;
+}
+
+}  // namespace moe::ep

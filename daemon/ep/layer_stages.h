@@ -1,0 +1,121 @@
+// The two compute stages every MoE layer runtime is built from, on one rank:
+//   RouterStage: router + capacity over the rank's own tokens, and its backward.
+//   ExpertStage: permute layout -> fused expert MLP -> local combine over the rows
+//                the rank holds (its own tokens, or what dispatch brought), and the
+//                backward through the same layout.
+// MoeLayer (one rank) and EpLayer (expert parallel) differ only in what moves rows
+// between the two.
+#pragma once
+
+#include <cstdint>
+#include <vector>
+
+#include "moe/kernels/api.h"
+#include "moe/kernels/buffer.h"
+#include "model/synthetic.h"
+
+namespace moe::ep {
+
+using kernels::DType;
+
+struct MoeLayerConfig {
+  int hidden = 0;
+  int ffn_hidden = 0;
+  int num_experts = 0;
+  int top_k = 0;
+  kernels::ScoreFunc score = kernels::ScoreFunc::kSoftmax;
+  int num_groups = 0;
+  int group_top_k = 0;
+  bool norm_topk_prob = true;
+  float routed_scaling_factor = 1.0f;
+  double capacity_factor = 0.0;
+  kernels::DropPolicy drop_policy = kernels::DropPolicy::kProbs;
+  DType dtype = DType::kF32;
+  int64_t max_tokens = 0;  // per rank
+  bool train = false;
+
+  void validate() const;  // throws moe::Error naming the field
+  kernels::RouterConfig router(int64_t T) const;
+};
+
+// Returns w with its values rounded to what a layer of `dtype` computes with.
+model::LayerWeights weights_as_used(const model::LayerWeights& w, DType dtype);
+
+class RouterStage {
+ public:
+  RouterStage(const MoeLayerConfig& cfg, kernels::Backend& be);
+  void set_weights(const model::LayerWeights& w);  // gate and biases, as used
+  bool has_weights() const { return has_weights_; }
+
+  // Router then capacity on x [T, H].
+  void forward(const void* x, int64_t T);
+  // grad_topk_weight [T, K] -> grad_gate (this rank's tokens) and grad_x32 += the
+  // router path.
+  void backward(const void* x, const float* grad_topk_weight, float* grad_x32);
+
+  int64_t num_tokens() const { return T_; }
+  const int32_t* topk_idx() const { return topk_idx_.as<int32_t>(); }
+  const int32_t* kept_idx() const { return kept_idx_.as<int32_t>(); }
+  const float* topk_weight() const { return topk_weight_.as<float>(); }
+  float* grad_gate() const { return grad_gate_.as<float>(); }
+
+ private:
+  MoeLayerConfig cfg_;
+  kernels::Backend& be_;
+  bool has_weights_ = false, has_bias_ = false, has_logit_bias_ = false;
+  int64_t T_ = 0;
+  kernels::Buffer gate_, bias_, logit_bias_, logits_, scores_, topk_idx_, topk_weight_, kept_idx_;
+  kernels::Buffer grad_logits_, grad_gate_, router_ws_, capacity_ws_;
+};
+
+// Wall seconds of the last ExpertStage::forward, and the fused MLP's split.
+struct ExpertStageTimes {
+  double layout = 0;
+  double mlp = 0;
+  double combine = 0;
+  kernels::ExpertMlpStats mlp_stats;
+};
+
+class ExpertStage {
+ public:
+  ExpertStage(const MoeLayerConfig& cfg, int num_local_experts, kernels::Backend& be);
+  // Host weights of the local experts: w13 [L, 2I, H], w2 [L, H, I] (as used).
+  void set_weights(const float* w13, const float* w2);
+  // Makes room for `rows` rows; allocates only when the high-water mark rises.
+  void reserve(int64_t rows);
+
+  // rows [N, H] (dtype), row_expert / row_weight [N, K] (local expert or -1) ->
+  // combined [N, H] in dtype: each row's local pairs, weighted and summed.
+  void forward(const void* rows, int64_t N, const int32_t* row_expert, const float* row_weight, void* combined);
+  // grad_combined [N, H] (dtype) -> grad_rows [N, H] in grad_rows_dtype, the
+  // routing-weight gradient per (row, k) [N, K] (0 where no pair), and the weight
+  // gradients of the local experts (overwritten).
+  void backward(const void* grad_combined, void* grad_rows, DType grad_rows_dtype, float* grad_pair_weight);
+
+  int num_local_experts() const { return L_; }
+  const float* grad_w13() const { return grad_w13_.as<float>(); }
+  float* grad_w13() { return grad_w13_.as<float>(); }
+  float* grad_w2() { return grad_w2_.as<float>(); }
+  const float* grad_w2() const { return grad_w2_.as<float>(); }
+  std::vector<int64_t> expert_rows() const;  // pairs per local expert, last forward
+  const ExpertStageTimes& times() const { return times_; }
+
+ private:
+  kernels::ExpertMlpConfig mlp_config() const;
+  MoeLayerConfig cfg_;
+  int L_;
+  kernels::Backend& be_;
+  int64_t capacity_rows_ = -1;
+  int64_t N_ = 0;
+  const void* rows_ = nullptr;
+  bool has_forward_ = false;
+  std::vector<int64_t> expert_offset_;  // host, [L + 1]
+  kernels::Buffer w13_, w2_, grad_w13_, grad_w2_;
+  kernels::Buffer perm_src_row_, perm_weight_, pair_pos_, y_, saved_gu_, grad_perm_x_, grad_perm_weight_;
+  kernels::Buffer layout_ws_, mlp_ws_;
+  ExpertStageTimes times_;
+};
+
+double now_seconds();
+
+}  // namespace moe::ep

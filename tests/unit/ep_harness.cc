@@ -1,0 +1,335 @@
+#include "ep_harness.h"
+
+#include <set>
+#include <sstream>
+#include <thread>
+
+#include "io/safetensors.h"
+#include "moe/kernels/check.h"
+#include "moe/kernels/cpu_backend.h"
+#include "test_util.h"
+#include "transport/inproc_communicator.h"
+
+namespace moe::test {
+namespace {
+
+constexpr uint64_t kGradSeedTag = 0x67726164ull;  // "grad"
+
+std::vector<float> inputs(uint64_t seed, int64_t begin, int64_t T, int H, kernels::DType dtype) {
+  std::vector<float> v(T * H);
+  model::fill_inputs(seed, 0, begin, T, H, v.data());
+  if (dtype == kernels::DType::kBF16) model::round_to_bf16(v);
+  return v;
+}
+
+std::vector<uint8_t> as_dtype(const std::vector<float>& v, kernels::DType dtype) {
+  std::vector<uint8_t> out(v.size() * kernels::dtype_size(dtype) + 1);
+  if (dtype == kernels::DType::kF32) {
+    std::memcpy(out.data(), v.data(), 4 * v.size());
+  } else {
+    auto* p = reinterpret_cast<kernels::bf16_t*>(out.data());
+    for (size_t i = 0; i < v.size(); ++i) p[i] = kernels::f32_to_bf16(v[i]);
+  }
+  return out;
+}
+
+std::vector<float> from_dtype(const uint8_t* p, size_t n, kernels::DType dtype) {
+  std::vector<float> v(n);
+  for (size_t i = 0; i < n; ++i)
+    v[i] = dtype == kernels::DType::kF32 ? reinterpret_cast<const float*>(p)[i]
+                                        : kernels::bf16_to_f32(reinterpret_cast<const kernels::bf16_t*>(p)[i]);
+  return v;
+}
+
+model::LayerWeights case_weights(const EpCase& c) {
+  model::LayerWeights w = model::make_layer_weights(c.seed, 0, {c.hidden, c.ffn, c.experts});
+  w.logit_bias = model::skew_logit_bias(c.skew, c.seed, c.experts);
+  return w;
+}
+
+}  // namespace
+
+int64_t EpCase::token_begin(int rank) const {
+  int64_t b = 0;
+  for (int r = 0; r < rank; ++r) b += tokens[r];
+  return b;
+}
+
+int64_t EpCase::total_tokens() const { return token_begin(ranks); }
+
+ep::MoeLayerConfig EpCase::layer_config() const {
+  ep::MoeLayerConfig cfg;
+  cfg.hidden = hidden;
+  cfg.ffn_hidden = ffn;
+  cfg.num_experts = experts;
+  cfg.top_k = top_k;
+  cfg.score = score;
+  cfg.capacity_factor = capacity_factor;
+  cfg.dtype = dtype;
+  cfg.max_tokens = std::max<int64_t>(1, *std::max_element(tokens.begin(), tokens.end()));
+  cfg.train = true;
+  return cfg;
+}
+
+ep::ExpertMap EpCase::expert_map() const {
+  const int E = experts, R = ranks;
+  switch (map) {
+    case MapKind::kContiguous:
+      return ep::ExpertMap::contiguous(E, R);
+    case MapKind::kReplicas: {
+      // Each rank gets its E/R experts plus a replica of the next rank's first
+      // expert (for R = 1: a second copy of expert 0 on the same rank).
+      const int per = E / R, S = per + 1;
+      std::vector<int32_t> p(R * S);
+      for (int r = 0; r < R; ++r) {
+        for (int i = 0; i < per; ++i) p[r * S + i] = r * per + i;
+        p[r * S + per] = ((r + 1) % R) * per;
+      }
+      return ep::ExpertMap::make(E, R, S, std::move(p));
+    }
+    case MapKind::kEmptyRank: {
+      // The last rank hosts nothing; the others split the experts.
+      MOE_CHECK(R >= 2, "empty-rank map needs two ranks");
+      const int S = (E + R - 2) / (R - 1);
+      std::vector<int32_t> p(R * S, -1);
+      for (int e = 0; e < E; ++e) p[(e / S) * S + e % S] = e;
+      return ep::ExpertMap::make(E, R, S, std::move(p));
+    }
+  }
+  detail::fail("unknown map kind");
+}
+
+std::string EpCase::encode() const {
+  std::ostringstream os;
+  os << "name=" << name << ";R=" << ranks << ";T=";
+  for (size_t i = 0; i < tokens.size(); ++i) os << (i ? "," : "") << tokens[i];
+  os << ";H=" << hidden << ";I=" << ffn << ";E=" << experts << ";K=" << top_k << ";score=" << kernels::score_name(score)
+     << ";cf=" << capacity_factor << ";dtype=" << kernels::dtype_name(dtype) << ";map=" << static_cast<int>(map)
+     << ";seed=" << seed << ";skew=" << skew;
+  return os.str();
+}
+
+EpCase EpCase::decode(const std::string& s) {
+  EpCase c;
+  std::istringstream in(s);
+  std::string item;
+  while (std::getline(in, item, ';')) {
+    const auto eq = item.find('=');
+    MOE_CHECK(eq != std::string::npos, "ep case: bad item '", item, "'");
+    const std::string k = item.substr(0, eq), v = item.substr(eq + 1);
+    if (k == "name") c.name = v;
+    else if (k == "R") c.ranks = std::stoi(v);
+    else if (k == "T") {
+      c.tokens.clear();
+      std::istringstream ts(v);
+      std::string t;
+      while (std::getline(ts, t, ',')) c.tokens.push_back(std::stoll(t));
+    } else if (k == "H") c.hidden = std::stoi(v);
+    else if (k == "I") c.ffn = std::stoi(v);
+    else if (k == "E") c.experts = std::stoi(v);
+    else if (k == "K") c.top_k = std::stoi(v);
+    else if (k == "score") c.score = kernels::parse_score(v);
+    else if (k == "cf") c.capacity_factor = std::stod(v);
+    else if (k == "dtype") c.dtype = kernels::parse_dtype(v);
+    else if (k == "map") c.map = static_cast<MapKind>(std::stoi(v));
+    else if (k == "seed") c.seed = std::stoull(v);
+    else if (k == "skew") c.skew = v;
+    else detail::fail("ep case: unknown key '", k, "'");
+  }
+  MOE_CHECK(static_cast<int>(c.tokens.size()) == c.ranks, "ep case: ", c.tokens.size(), " token counts for ", c.ranks,
+            " ranks");
+  return c;
+}
+
+void RankResult::save(const std::string& path) const {
+  io::SafetensorsWriter w;
+  w.set_metadata("rank", std::to_string(rank));
+  w.set_metadata("dispatch_bytes", std::to_string(dispatch_bytes));
+  w.set_metadata("combine_bytes", std::to_string(combine_bytes));
+  w.set_metadata("naive_dispatch_bytes", std::to_string(naive_dispatch_bytes));
+  auto f32 = [&](const char* name, const std::vector<float>& v) {
+    w.add_f32(name, {static_cast<int64_t>(v.size())}, v.data());
+  };
+  auto i32 = [&](const char* name, const std::vector<int32_t>& v) {
+    w.add_i32(name, {static_cast<int64_t>(v.size())}, v.data());
+  };
+  f32("out", out);
+  f32("grad_x", grad_x);
+  i32("topk_idx", topk_idx);
+  i32("kept_idx", kept_idx);
+  f32("grad_gate", grad_gate);
+  f32("grad_w13", grad_w13);
+  f32("grad_w2", grad_w2);
+  w.write(path);
+}
+
+RankResult RankResult::load(const std::string& path) {
+  io::SafetensorsReader r(path);
+  RankResult res;
+  res.rank = std::stoi(r.metadata().at("rank"));
+  res.dispatch_bytes = std::stoll(r.metadata().at("dispatch_bytes"));
+  res.combine_bytes = std::stoll(r.metadata().at("combine_bytes"));
+  res.naive_dispatch_bytes = std::stoll(r.metadata().at("naive_dispatch_bytes"));
+  auto f32 = [&](const char* name) { return r.read_f32(name, r.info(name).shape); };
+  auto i32 = [&](const char* name) { return r.read_i32(name, r.info(name).shape); };
+  res.out = f32("out");
+  res.grad_x = f32("grad_x");
+  res.topk_idx = i32("topk_idx");
+  res.kept_idx = i32("kept_idx");
+  res.grad_gate = f32("grad_gate");
+  res.grad_w13 = f32("grad_w13");
+  res.grad_w2 = f32("grad_w2");
+  return res;
+}
+
+RankResult run_rank(const EpCase& c, transport::Communicator& comm, kernels::Backend& be) {
+  const int rank = comm.rank(), H = c.hidden, K = c.top_k, I = c.ffn;
+  const ep::ExpertMap map = c.expert_map();
+  ep::EpLayer layer(c.layer_config(), map, comm, be, {std::chrono::seconds(30), 0});
+  layer.set_weights(case_weights(c));
+  const int64_t T = c.tokens[rank], begin = c.token_begin(rank);
+  const auto x = as_dtype(inputs(c.seed, begin, T, H, c.dtype), c.dtype);
+  const auto go = as_dtype(inputs(c.seed ^ kGradSeedTag, begin, T, H, c.dtype), c.dtype);
+  std::vector<uint8_t> out(x.size()), gx(x.size());
+  layer.forward(x.data(), T, begin, out.data());
+  layer.backward(go.data(), gx.data());
+
+  RankResult res;
+  res.rank = rank;
+  res.out = from_dtype(out.data(), T * H, c.dtype);
+  res.grad_x = from_dtype(gx.data(), T * H, c.dtype);
+  res.topk_idx.assign(layer.topk_idx(), layer.topk_idx() + T * K);
+  res.kept_idx.assign(layer.kept_idx(), layer.kept_idx() + T * K);
+  res.grad_gate.assign(layer.grad_gate(), layer.grad_gate() + static_cast<size_t>(c.experts) * H);
+  const int S = map.slots_per_rank;
+  for (int s = 0; s < S; ++s) {
+    res.grad_w13.insert(res.grad_w13.end(), layer.grad_w13(s), layer.grad_w13(s) + 2 * I * H);
+    res.grad_w2.insert(res.grad_w2.end(), layer.grad_w2(s), layer.grad_w2(s) + H * I);
+  }
+  res.dispatch_bytes = layer.stats().dispatch_bytes;
+  res.combine_bytes = layer.stats().combine_bytes;
+  res.naive_dispatch_bytes = layer.stats().naive_dispatch_bytes;
+  return res;
+}
+
+std::vector<RankResult> run_inproc(const EpCase& c, int threads_per_rank) {
+  transport::InProcGroup group(c.ranks);
+  std::vector<RankResult> results(c.ranks);
+  std::vector<std::string> errors(c.ranks);
+  std::vector<std::thread> threads;
+  for (int r = 0; r < c.ranks; ++r)
+    threads.emplace_back([&, r] {
+      try {
+        kernels::ThreadPool pool(threads_per_rank);
+        auto be = kernels::make_cpu_backend(pool);
+        auto comm = group.communicator(r);
+        results[r] = run_rank(c, *comm, *be);
+      } catch (const std::exception& e) {
+        errors[r] = e.what();
+        group.abort(r, e.what());
+      }
+    });
+  for (auto& t : threads) t.join();
+  for (int r = 0; r < c.ranks; ++r) EXPECT_EQ(errors[r], "") << c.name << " rank " << r;
+  return results;
+}
+
+int64_t analytic_dispatch_bytes(const EpCase& c, const RankResult& r) {
+  const ep::ExpertMap map = c.expert_map();
+  const int K = c.top_k;
+  const int64_t row = static_cast<int64_t>(kernels::dtype_size(c.dtype)) * c.hidden + 8 * K;
+  const int64_t T = c.tokens[r.rank], begin = c.token_begin(r.rank);
+  int64_t bytes = 0;
+  for (int64_t t = 0; t < T; ++t) {
+    std::set<int> ranks;
+    for (int k = 0; k < K; ++k) {
+      const int32_t e = r.kept_idx[t * K + k];
+      if (e < 0) continue;
+      const uint32_t rep = kernels::replica_index(begin + t, e, map.logcnt[e]);
+      ranks.insert(map.rank_of_slot(map.replicas(e)[rep]));
+    }
+    ranks.erase(r.rank);
+    bytes += static_cast<int64_t>(ranks.size()) * row;
+  }
+  return bytes;
+}
+
+void check_against_reference(const EpCase& c, const std::vector<RankResult>& results) {
+  SCOPED_TRACE(c.name);
+  const int64_t Ttot = c.total_tokens();
+  const int H = c.hidden, I = c.ffn, K = c.top_k, E = c.experts;
+  const model::LayerWeights w = ep::weights_as_used(case_weights(c), c.dtype);
+  const ref::Weights rw = to_ref_weights(w);
+  const std::vector<double> x = to_double(inputs(c.seed, 0, Ttot, H, c.dtype));
+  const std::vector<double> go = to_double(inputs(c.seed ^ kGradSeedTag, 0, Ttot, H, c.dtype));
+  ref::Config rc;
+  rc.hidden = H;
+  rc.ffn_hidden = I;
+  rc.num_experts = E;
+  rc.top_k = K;
+  rc.score = c.score;
+  rc.capacity_factor = c.capacity_factor;
+  std::vector<int32_t> topk;
+  for (const RankResult& r : results) topk.insert(topk.end(), r.topk_idx.begin(), r.topk_idx.end());
+  ASSERT_EQ(static_cast<int64_t>(topk.size()), Ttot * K);
+  const ref::Forward own = ref::forward(rc, rw, x, Ttot, {nullptr, c.tokens});
+  for (int64_t t = 0; t < Ttot; ++t)
+    if (own.selection_margin[t] > 1e-5)
+      for (int k = 0; k < K; ++k) ASSERT_EQ(topk[t * K + k], own.topk_idx[t * K + k]) << "token " << t;
+  const ref::Forward f = ref::forward(rc, rw, x, Ttot, {topk.data(), c.tokens});
+  const ref::Grads g = ref::backward(rc, rw, x, f, go);
+
+  // bf16: every rank's partial combine row and the final output are each rounded
+  // once to bf16 (2^-9 relative each), so hold them to 2^-7 of the value plus 2^-8
+  // of the tensor's scale (partials may cancel).
+  const bool bf16 = c.dtype == kernels::DType::kBF16;
+  const double rt = bf16 ? 0x1.0p-7 : 1e-4, at = bf16 ? 0x1.0p-8 : 1e-5;
+  std::vector<double> out_all, gx_all;
+  std::vector<int32_t> kept_all;
+  for (const RankResult& r : results) {
+    out_all.insert(out_all.end(), r.out.begin(), r.out.end());
+    gx_all.insert(gx_all.end(), r.grad_x.begin(), r.grad_x.end());
+    kept_all.insert(kept_all.end(), r.kept_idx.begin(), r.kept_idx.end());
+  }
+  EXPECT_EQ(kept_all, f.kept_idx);
+  EXPECT_TRUE(close("out", out_all, f.out, rt, at, Ttot == 0));
+  EXPECT_TRUE(close("grad_x", gx_all, g.grad_x, rt, at, Ttot == 0));
+  if (Ttot > 0) {
+    EXPECT_GT(nonzero_fraction(out_all), 0.5);
+    EXPECT_GT(nonzero_fraction(gx_all), 0.5);
+  }
+  const ep::ExpertMap map = c.expert_map();
+  const size_t n13 = 2 * static_cast<size_t>(I) * H, n2 = static_cast<size_t>(H) * I;
+  for (const RankResult& r : results) {
+    SCOPED_TRACE("rank " + std::to_string(r.rank));
+    EXPECT_TRUE(close("grad_gate", to_double(r.grad_gate), g.grad_gate, 1e-4, 1e-5, Ttot == 0));
+    for (int s = 0; s < map.slots_per_rank; ++s) {
+      const int32_t e = map.expert_at(r.rank, s);
+      if (e < 0) continue;
+      const std::vector<double> want13(g.grad_w13.begin() + e * n13, g.grad_w13.begin() + (e + 1) * n13);
+      const std::vector<double> want2(g.grad_w2.begin() + e * n2, g.grad_w2.begin() + (e + 1) * n2);
+      EXPECT_TRUE(close("grad_w13 of expert " + std::to_string(e),
+                        to_double(std::vector<float>(r.grad_w13.begin() + s * n13, r.grad_w13.begin() + (s + 1) * n13)),
+                        want13, 1e-4, 1e-5, true));
+      EXPECT_TRUE(close("grad_w2 of expert " + std::to_string(e),
+                        to_double(std::vector<float>(r.grad_w2.begin() + s * n2, r.grad_w2.begin() + (s + 1) * n2)),
+                        want2, 1e-4, 1e-5, true));
+    }
+  }
+  // Replicas hold bitwise identical gradients.
+  for (int e = 0; e < E; ++e) {
+    const std::vector<int32_t> reps = map.replicas(e);
+    for (size_t i = 1; i < reps.size(); ++i) {
+      const RankResult& a = results[map.rank_of_slot(reps[0])];
+      const RankResult& b = results[map.rank_of_slot(reps[i])];
+      const size_t sa = reps[0] % map.slots_per_rank, sb = reps[i] % map.slots_per_rank;
+      EXPECT_TRUE(std::equal(a.grad_w13.begin() + sa * n13, a.grad_w13.begin() + (sa + 1) * n13,
+                             b.grad_w13.begin() + sb * n13))
+          << "replica " << i << " of expert " << e << " differs";
+      EXPECT_TRUE(std::equal(a.grad_w2.begin() + sa * n2, a.grad_w2.begin() + (sa + 1) * n2, b.grad_w2.begin() + sb * n2))
+          << "replica " << i << " of expert " << e << " differs";
+    }
+  }
+}
+
+}  // namespace moe::test

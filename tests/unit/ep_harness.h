@@ -1,0 +1,69 @@
+// One EP test case, run the same way by in-process ranks (threads) and by UCX
+// ranks (moe-test-worker processes): build the map, the inputs of the rank's
+// global tokens, run forward and backward, collect what the rank produced; then
+// check all ranks together against the fp64 reference of the union of their tokens.
+#pragma once
+
+#include <gtest/gtest.h>
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "ep/ep_layer.h"
+#include "moe/kernels/api.h"
+
+namespace moe::test {
+
+enum class MapKind { kContiguous, kReplicas, kEmptyRank };
+
+struct EpCase {
+  std::string name;
+  int ranks = 2;
+  std::vector<int64_t> tokens;  // per rank (uneven allowed, 0 allowed)
+  int hidden = 32, ffn = 16, experts = 8, top_k = 2;
+  kernels::ScoreFunc score = kernels::ScoreFunc::kSoftmax;
+  double capacity_factor = 0.0;
+  kernels::DType dtype = kernels::DType::kF32;
+  MapKind map = MapKind::kContiguous;
+  uint64_t seed = 1;
+  std::string skew = "uniform";
+
+  int64_t token_begin(int rank) const;
+  int64_t total_tokens() const;
+  ep::MoeLayerConfig layer_config() const;
+  ep::ExpertMap expert_map() const;
+  // A compact command-line form ("R=3 T=5,0,9 H=32 ...") and its parser, so a
+  // worker process runs exactly the case the test describes.
+  std::string encode() const;
+  static EpCase decode(const std::string& s);
+};
+
+inline void PrintTo(const EpCase& c, std::ostream* os) { *os << c.name; }
+
+// What one rank produced (host copies, fp32).
+struct RankResult {
+  int rank = 0;
+  std::vector<float> out, grad_x;         // [T, H]
+  std::vector<int32_t> topk_idx;          // [T, K] selection
+  std::vector<int32_t> kept_idx;          // [T, K]
+  std::vector<float> grad_gate;           // [E, H]
+  std::vector<float> grad_w13, grad_w2;   // per local slot: [S, 2I, H], [S, H, I]
+  int64_t dispatch_bytes = 0, combine_bytes = 0, naive_dispatch_bytes = 0;
+
+  void save(const std::string& path) const;
+  static RankResult load(const std::string& path);
+};
+
+RankResult run_rank(const EpCase& c, transport::Communicator& comm, kernels::Backend& be);
+
+// Runs every rank of c as a thread over the in-process transport.
+std::vector<RankResult> run_inproc(const EpCase& c, int threads_per_rank = 1);
+
+// Compares the ranks' results with the reference; ADD_FAILURE()s with the case name.
+void check_against_reference(const EpCase& c, const std::vector<RankResult>& results);
+
+// Analytic dispatch bytes of rank r: distinct remote ranks per token x (row + metadata).
+int64_t analytic_dispatch_bytes(const EpCase& c, const RankResult& r);
+
+}  // namespace moe::test
