@@ -4,9 +4,11 @@
 
 #include <cstdint>
 #include <string>
+#include <vector>
 
 #include "moe/kernels/types.h"
 #include "report.h"
+#include "transport/communicator.h"
 
 namespace moe::bench {
 
@@ -45,5 +47,37 @@ struct PermuteBenchOptions {
   int64_t bytes = 0;  // permuted buffer size; 0 = max(4 x L3, 256 MiB)
 };
 Report run_permute_bench(const PermuteBenchOptions& o);
+
+// `moe-bench ep`: the EP layer over R ranks (threads + in-process transport, or
+// processes + UCX on loopback), forward and train, with transport accounting and,
+// for UCX, a same-run ucx_perftest baseline.
+struct EpBenchOptions {
+  int ranks = 2;
+  std::string transport = "ucx";
+  int64_t tokens = 2048;  // per rank
+  int hidden = 1024;
+  int ffn = 512;
+  int experts = 64;
+  int top_k = 8;
+  int threads = 1;  // per rank
+  int iters = 5;
+  int warmup = 1;
+  kernels::DType dtype = kernels::DType::kF32;
+  uint64_t seed = 0;
+  bool perftest = true;
+  std::vector<std::string> rank_args() const;  // flags that rebuild these options in a rank process
+};
+
+// One rank's medians and accounting; travels from a rank process as one text line.
+struct EpRankStats {
+  double forward_seconds = 0, train_seconds = 0, dispatch_seconds = 0, combine_seconds = 0;
+  int64_t dispatch_bytes = 0, combine_bytes = 0, naive_dispatch_bytes = 0;
+  std::string encode() const;
+  static EpRankStats decode(const std::string& text);
+};
+
+EpRankStats run_ep_rank(const EpBenchOptions& o, transport::Communicator& comm);
+// self_exe: this program, re-run as `ep-rank` for each UCX rank.
+Report run_ep_bench(const EpBenchOptions& o, const std::string& self_exe);
 
 }  // namespace moe::bench

@@ -1,6 +1,7 @@
 // moe-bench: benchmark programs that print figures (never pass/fail on time).
 //   moe-bench layer   [--tokens ... --mode forward|train --dtype fp32|bf16 --threads N --dump DIR]
 //   moe-bench permute [--hidden ... --threads N]
+//   moe-bench ep      [--ranks R --transport ucx|inproc --tokens T ...]
 #include <CLI/CLI.hpp>
 
 #include <iostream>
@@ -8,6 +9,8 @@
 
 #include "benches.h"
 #include "moe/kernels/check.h"
+#include "transport/bootstrap.h"
+#include "transport/ucx_communicator.h"
 
 int main(int argc, char** argv) {
   using namespace moe;
@@ -53,6 +56,35 @@ int main(int argc, char** argv) {
   permute->add_option("--bytes", po.bytes, "permuted buffer bytes (default max(4 x L3, 256 MiB))");
   permute->add_option("--output", output, "table or json")->check(CLI::IsMember({"table", "json"}));
 
+  bench::EpBenchOptions eo;
+  eo.threads = 1;
+  std::string ep_dtype = "fp32";
+  int ep_rank = -1, ep_port = 0;
+  auto add_ep_flags = [&](CLI::App* c) {
+    c->add_option("--ranks", eo.ranks, "EP ranks");
+    c->add_option("--tokens", eo.tokens, "tokens per rank");
+    c->add_option("--hidden", eo.hidden, "hidden size H");
+    c->add_option("--ffn", eo.ffn, "expert ffn size I");
+    c->add_option("--experts", eo.experts, "experts E (divisible by ranks)");
+    c->add_option("--top-k", eo.top_k, "experts per token K");
+    c->add_option("--threads", eo.threads, "threads per rank");
+    c->add_option("--iters", eo.iters, "timed steps per mode (medians are reported)");
+    c->add_option("--warmup", eo.warmup, "untimed forward steps first");
+    c->add_option("--dtype", ep_dtype, "fp32 or bf16")->check(CLI::IsMember({"fp32", "bf16"}));
+    c->add_option("--seed", eo.seed, "seed of inputs and weights");
+  };
+  CLI::App* ep = app.add_subcommand("ep", "the expert-parallel layer across ranks");
+  add_ep_flags(ep);
+  ep->add_option("--transport", eo.transport, "ucx (processes) or inproc (threads)")
+      ->check(CLI::IsMember({"ucx", "inproc"}));
+  ep->add_flag("!--no-perftest", eo.perftest, "skip the ucx_perftest baseline");
+  ep->add_option("--output", output, "table or json")->check(CLI::IsMember({"table", "json"}));
+  CLI::App* ep_rank_cmd = app.add_subcommand("ep-rank", "one UCX rank of `ep` (started by it)");
+  ep_rank_cmd->group("");  // internal: not listed in --help
+  add_ep_flags(ep_rank_cmd);
+  ep_rank_cmd->add_option("--rank", ep_rank)->required();
+  ep_rank_cmd->add_option("--port", ep_port)->required();
+
   try {
     app.parse(argc, argv);
   } catch (const CLI::ParseError& e) {
@@ -61,7 +93,17 @@ int main(int argc, char** argv) {
   }
   try {
     bench::Report r;
-    if (*layer) {
+    eo.dtype = kernels::parse_dtype(ep_dtype);
+    if (*ep_rank_cmd) {
+      transport::TcpBootstrap boot("127.0.0.1", ep_port, ep_rank, eo.ranks);
+      transport::UcxCommunicator comm(ep_rank, eo.ranks, boot);
+      std::cout << bench::run_ep_rank(eo, comm).encode() << std::endl;
+      comm.barrier(transport::deadline_in(std::chrono::seconds(60)));
+      return 0;
+    }
+    if (*ep) {
+      r = bench::run_ep_bench(eo, "/proc/self/exe");
+    } else if (*layer) {
       lo.train = mode == "train";
       lo.dtype = kernels::parse_dtype(dtype);
       lo.score = kernels::parse_score(score);

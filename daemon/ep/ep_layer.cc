@@ -141,10 +141,13 @@ void EpLayer::forward(const void* x, int64_t T, int64_t token_begin, void* out) 
   send_meta_segs_ = scaled(send_counts_, 4 * static_cast<size_t>(K));
   recv_meta_segs_ = scaled(recv_counts_, 4 * static_cast<size_t>(K));
   be_.synchronize();
+  if (opts_.isolate_transport_timing) comm_.barrier(deadline());
+  t0 = now_seconds();
   comm_.all_to_all_v({AllToAllBuffer{send_rows_.get(), &send_rows_segs_, recv_rows_.get(), &recv_rows_segs_},
                       AllToAllBuffer{send_slot_.get(), &send_meta_segs_, recv_slot_.get(), &recv_meta_segs_},
                       AllToAllBuffer{send_weight_.get(), &send_meta_segs_, recv_weight_.get(), &recv_meta_segs_}},
                      deadline());
+  stats_.dispatch_transport = now_seconds() - t0;
   t0 = now_seconds();
   stats_.dispatch = t0 - t1;
 
@@ -166,7 +169,10 @@ void EpLayer::forward(const void* x, int64_t T, int64_t token_begin, void* out) 
 
   // Combine: one row per (source rank, token) goes back; the source sums its rows
   // in rank order.
+  if (opts_.isolate_transport_timing) comm_.barrier(deadline());
+  const double tc = now_seconds();
   comm_.all_to_all_v(combined_.get(), recv_rows_segs_, back_rows_.get(), send_rows_segs_, deadline());
+  stats_.combine_transport = now_seconds() - tc;
   be_.unpermute({T, R, H, cfg_.dtype, false, cfg_.dtype},
                 {back_rows_.get(), token_send_row_.as<int32_t>(), nullptr, out});
   be_.synchronize();

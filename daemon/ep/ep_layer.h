@@ -28,6 +28,9 @@ namespace moe::ep {
 struct EpOptions {
   std::chrono::milliseconds timeout{30000};  // deadline of every transport wait
   uint32_t tag_base = 0;                      // p2p tags of this layer: [tag_base, tag_base + 2^24)
+  // Benchmarks: a barrier before each timed all-to-all, so transport times do not
+  // include waiting for a slower rank's compute. Off in production.
+  bool isolate_transport_timing = false;
 };
 
 // Per-step accounting (DESIGN 4) and wall seconds of the last forward/backward.
@@ -37,7 +40,9 @@ struct EpStats {
   int64_t naive_dispatch_bytes = 0;  // one row + one slot + one weight per remote pair
   int64_t received_rows = 0;         // rows this rank's experts processed (N)
   double router = 0, dispatch = 0, expert = 0, combine = 0, backward = 0;
-  double backward_dispatch = 0, backward_combine = 0;  // transport shares inside backward
+  // The all-to-all calls alone (counts excluded), inside dispatch / combine / backward.
+  double dispatch_transport = 0, combine_transport = 0;
+  double backward_dispatch = 0, backward_combine = 0;
 };
 
 class EpLayer {

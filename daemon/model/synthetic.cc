@@ -32,7 +32,13 @@ void fill_inputs(uint64_t seed, int64_t step, int64_t token_begin, int64_t T, in
 }
 
 LayerWeights make_layer_weights(uint64_t seed, int layer, const LayerShape& s) {
+  return make_layer_weights(seed, layer, s, std::vector<bool>(s.num_experts, true));
+}
+
+LayerWeights make_layer_weights(uint64_t seed, int layer, const LayerShape& s, const std::vector<bool>& needed) {
   const int64_t H = s.hidden, I = s.ffn_hidden, E = s.num_experts;
+  MOE_CHECK(static_cast<int64_t>(needed.size()) == E, "make_layer_weights: needed has ", needed.size(),
+            " entries for ", E, " experts");
   LayerWeights w;
   w.gate.resize(E * H);
   w.w13.resize(E * 2 * I * H);
@@ -41,6 +47,7 @@ LayerWeights make_layer_weights(uint64_t seed, int layer, const LayerShape& s) {
   const double down_std = 1.0 / std::sqrt(static_cast<double>(I));
   for (int64_t e = 0; e < E; ++e) {
     for (int64_t h = 0; h < H; ++h) w.gate[e * H + h] = weight(seed, layer, e, kGate, h, in_std);
+    if (!needed[e]) continue;
     float* w13 = &w.w13[e * 2 * I * H];
     for (int64_t i = 0; i < I * H; ++i) {
       w13[i] = weight(seed, layer, e, kGateProj, i, in_std);

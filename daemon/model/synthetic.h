@@ -33,6 +33,9 @@ void fill_inputs(uint64_t seed, int64_t step, int64_t token_begin, int64_t T, in
 // Weights: gate, gate_proj and up_proj ~ N(0, 1/H), down_proj ~ N(0, 1/I). No
 // selection bias. Every rank can build any expert's weights.
 LayerWeights make_layer_weights(uint64_t seed, int layer, const LayerShape& shape);
+// The same, but only the experts with needed[e] set are generated; the others
+// stay zero (a rank builds the router and its own experts).
+LayerWeights make_layer_weights(uint64_t seed, int layer, const LayerShape& shape, const std::vector<bool>& needed);
 
 // Skew: "uniform" adds nothing (returns empty); "zipf:ALPHA" returns
 // -ALPHA * ln(1 + p(e)) with p a seed-derived permutation of the experts.

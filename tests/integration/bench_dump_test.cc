@@ -92,12 +92,29 @@ TEST(BenchDump, TrainDumpMatchesReference) {
   fs::remove_all(dir);
 }
 
+TEST(BenchEp, BothTransportsReportTheirFigures) {
+  for (const char* transport : {"inproc", "ucx"}) {
+    int status = -1;
+    const std::string out = run(std::string(MOE_BENCH_BIN) + " ep --transport " + transport +
+                                    " --ranks 3 --tokens 64 --hidden 64 --ffn 32 --experts 12 --top-k 4"
+                                    " --iters 2 --no-perftest --output json 2>&1",
+                                &status);
+    ASSERT_EQ(status, 0) << out;
+    for (const char* field : {"\"forward_tokens_per_second\"", "\"train_tokens_per_second\"", "\"dispatch_gbps\"",
+                              "\"combine_gbps\"", "\"dispatch_over_naive\"", "\"naive_dispatch_bytes\""})
+      EXPECT_NE(out.find(field), std::string::npos) << transport << ": " << field << " missing in " << out;
+  }
+}
+
 TEST(BenchDump, BadFlagsExitWithUsageCode) {
   int status = -1;
   run(std::string(MOE_BENCH_BIN) + " layer --mode sideways 2>&1", &status);
   EXPECT_EQ(WEXITSTATUS(status), 2);
   run(std::string(MOE_BENCH_BIN) + " layer --tokens 8 --experts 4 --top-k 9 --peak-n 64 2>&1", &status);
   EXPECT_EQ(WEXITSTATUS(status), 2);
+  const std::string out = run(std::string(MOE_BENCH_BIN) + " ep --ranks 3 --experts 8 --transport inproc 2>&1", &status);
+  EXPECT_EQ(WEXITSTATUS(status), 2);
+  EXPECT_NE(out.find("divisible"), std::string::npos) << out;
 }
 
 }  // namespace
