@@ -1,12 +1,14 @@
 #include "ucx_communicator.h"
 
 #include <sys/epoll.h>
+#include <sys/eventfd.h>
 #include <ucp/api/ucp.h>
 #include <unistd.h>
 
 #include <algorithm>
 #include <cstring>
 #include <deque>
+#include <optional>
 
 namespace moe::transport {
 namespace {
@@ -30,6 +32,7 @@ struct UcxCommunicator::Impl {
   struct Peer {
     Impl* impl = nullptr;
     int rank = -1;
+    bool local = false;  // through the hub, not UCX
     ucp_ep_h ep = nullptr;
     bool failed = false;
     std::string error;
@@ -47,13 +50,17 @@ struct UcxCommunicator::Impl {
     ucp_tag_recv_info_t info{};
     bool recv_completed = false;  // set by on_recv
     ucs_status_t recv_status = UCS_OK;
+    bool local = false;
+    LocalHub::Completion local_done;  // completion of a hub op
   };
 
   int rank, size;
   ucp_context_h context = nullptr;
   ucp_worker_h worker = nullptr;
-  int event_fd = -1;
+  int event_fd = -1;  // the worker's, owned by UCX
+  int wake_fd = -1;   // ours: the hub signals completions of local ops here
   int epoll_fd = -1;
+  std::shared_ptr<LocalHub> hub;
   std::vector<Peer> peers;
   uint64_t seq = 0;  // collective sequence, the same on every rank
   bool broken = false;
@@ -81,10 +88,17 @@ struct UcxCommunicator::Impl {
     if (broken) throw TransportError(broken_peer, "communicator unusable after an earlier failure: " + broken_reason);
   }
 
+  // A failed peer's reason, or nothing.
+  std::optional<std::string> peer_failure(int peer) const {
+    if (peers[peer].failed) return peers[peer].error;
+    if (peers[peer].local) return hub->failure_of(peer);
+    return std::nullopt;
+  }
+
   void check_peer(int peer, const char* what) {
     MOE_CHECK(peer >= 0 && peer < size && peer != rank, what, ": peer ", peer, " out of range or self");
-    if (peers[peer].failed)
-      fail(peer, std::string(what) + ": rank " + std::to_string(peer) + " failed (" + peers[peer].error + ")");
+    if (const auto why = peer_failure(peer))
+      fail(peer, std::string(what) + ": rank " + std::to_string(peer) + " failed (" + *why + ")");
   }
 
   void post_send(int peer, const void* buf, size_t bytes, uint64_t tag, const char* what) {
@@ -92,6 +106,11 @@ struct UcxCommunicator::Impl {
     Op& op = ops.emplace_back();
     op.peer = peer;
     op.bytes = bytes;
+    if (peers[peer].local) {
+      op.local = true;
+      hub->post_send(rank, peer, tag, buf, bytes, &op.local_done);
+      return;
+    }
     ucp_request_param_t p{};
     const ucs_status_ptr_t r = ucp_tag_send_nbx(peers[peer].ep, buf, bytes, tag, &p);
     settle_posted(op, r);
@@ -103,6 +122,11 @@ struct UcxCommunicator::Impl {
     op.peer = peer;
     op.is_recv = true;
     op.bytes = bytes;
+    if (peers[peer].local) {
+      op.local = true;
+      hub->post_recv(peer, rank, tag, buf, bytes, &op.local_done);
+      return;
+    }
     ucp_request_param_t p{};
     // No immediate completion: UCX 1.13 does not fill recv_info on that path, and the
     // received length is what tells a short message from a good one.
@@ -128,6 +152,13 @@ struct UcxCommunicator::Impl {
   // on_recv (which carries the received length); sends by request status.
   void poll(Op& op) {
     if (op.done) return;
+    if (op.local) {
+      if (op.local_done.state.load(std::memory_order_acquire) == 0) return;
+      op.done = true;
+      op.status = UCS_OK;
+      op.info.length = op.local_done.bytes;
+      return;
+    }
     ucs_status_t s;
     if (op.is_recv) {
       if (!op.recv_completed) return;
@@ -145,8 +176,12 @@ struct UcxCommunicator::Impl {
   [[noreturn]] void fail(int peer, const std::string& msg) {
     // Cancel what is still posted and give UCX a bounded time to release it, so
     // no request writes into a caller's buffer after we return.
-    for (Op& op : ops)
-      if (!op.done && op.is_recv) ucp_request_cancel(worker, op.req);
+    if (hub) hub->withdraw(rank);  // the hub forgets our buffers
+    for (Op& op : ops) {
+      if (op.done) continue;
+      if (op.local) op.done = true;
+      else if (op.is_recv) ucp_request_cancel(worker, op.req);
+    }
     const auto until = Clock::now() + kDrainTimeout;
     bool pending = true;
     while (pending && Clock::now() < until) {
@@ -181,9 +216,9 @@ struct UcxCommunicator::Impl {
         if (op.done && op.is_recv && op.info.length != op.bytes)
           fail(op.peer, std::string(what) + ": rank " + std::to_string(op.peer) + " sent " +
                             std::to_string(op.info.length) + " bytes, expected " + std::to_string(op.bytes));
-        if (!op.done && peers[op.peer].failed)
-          fail(op.peer, std::string(what) + ": rank " + std::to_string(op.peer) + " failed (" +
-                            peers[op.peer].error + ")");
+        if (!op.done)
+          if (const auto why = peer_failure(op.peer))
+            fail(op.peer, std::string(what) + ": rank " + std::to_string(op.peer) + " failed (" + *why + ")");
         all_done &= op.done;
       }
       if (all_done) {
@@ -204,8 +239,12 @@ struct UcxCommunicator::Impl {
       if (armed == UCS_ERR_BUSY) continue;  // events arrived meanwhile: progress again
       MOE_CHECK(armed == UCS_OK, what, ": ucp_worker_arm: ", status_str(armed));
       const auto left = std::chrono::duration_cast<std::chrono::milliseconds>(deadline - now).count();
-      epoll_event ev;
-      ::epoll_wait(epoll_fd, &ev, 1, static_cast<int>(std::clamp<int64_t>(left, 1, 1000)));
+      epoll_event ev[2];
+      ::epoll_wait(epoll_fd, ev, 2, static_cast<int>(std::clamp<int64_t>(left, 1, 1000)));
+      if (wake_fd >= 0) {
+        uint64_t n;
+        (void)!::read(wake_fd, &n, sizeof n);  // reset the eventfd; the ops say what happened
+      }
     }
   }
 };
@@ -241,6 +280,14 @@ UcxCommunicator::UcxCommunicator(int rank, int size, Bootstrap& bootstrap, const
   epoll_event ev{};
   ev.events = EPOLLIN;
   MOE_CHECK(::epoll_ctl(m.epoll_fd, EPOLL_CTL_ADD, m.event_fd, &ev) == 0, "ucx: epoll_ctl: ", std::strerror(errno));
+  m.hub = options.hub;
+  if (m.hub) {
+    MOE_CHECK(m.hub->is_local(rank), "ucx: rank ", rank, " is not in the local hub it was given");
+    m.wake_fd = ::eventfd(0, EFD_NONBLOCK | EFD_CLOEXEC);
+    MOE_CHECK(m.wake_fd >= 0, "ucx: eventfd: ", std::strerror(errno));
+    MOE_CHECK(::epoll_ctl(m.epoll_fd, EPOLL_CTL_ADD, m.wake_fd, &ev) == 0, "ucx: epoll_ctl: ", std::strerror(errno));
+    m.hub->attach(rank, m.wake_fd);
+  }
 
   ucp_address_t* address = nullptr;
   size_t address_len = 0;
@@ -257,7 +304,8 @@ UcxCommunicator::UcxCommunicator(int rank, int size, Bootstrap& bootstrap, const
     Impl::Peer& p = m.peers[r];
     p.impl = &m;
     p.rank = r;
-    if (r == rank) continue;
+    p.local = m.hub && m.hub->is_local(r);
+    if (r == rank || p.local) continue;
     ucp_ep_params_t ep{};
     ep.field_mask = UCP_EP_PARAM_FIELD_REMOTE_ADDRESS | UCP_EP_PARAM_FIELD_ERR_HANDLING_MODE |
                     UCP_EP_PARAM_FIELD_ERR_HANDLER;
@@ -304,7 +352,12 @@ UcxCommunicator::~UcxCommunicator() {
       }
     }
   }
-  if (m.epoll_fd >= 0) ::close(m.epoll_fd);  // the event fd belongs to UCX
+  if (m.epoll_fd >= 0) ::close(m.epoll_fd);  // the worker's event fd belongs to UCX
+  if (m.hub) {
+    m.hub->withdraw(m.rank);
+    m.hub->detach(m.rank);
+  }
+  if (m.wake_fd >= 0) ::close(m.wake_fd);
   if (m.worker) ucp_worker_destroy(m.worker);
   if (m.context) ucp_cleanup(m.context);
 }

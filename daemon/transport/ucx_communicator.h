@@ -1,6 +1,8 @@
 // Communicator over UCX (ucp tag matching), host memory. One worker per rank,
 // endpoints to every peer from the worker addresses a Bootstrap hands out, in
 // UCP_ERR_HANDLING_MODE_PEER so a dead peer fails the endpoint instead of hanging.
+// Peers in the same process (a daemon's own ranks, named by a LocalHub) are
+// reached in-process through the hub instead: one memcpy, no UCX.
 //
 // Waits are event-driven: progress the worker, ucp_worker_arm, then epoll on the
 // worker's event fd until something happens or the deadline passes. Ranks share
@@ -16,6 +18,7 @@
 
 #include "bootstrap.h"
 #include "communicator.h"
+#include "local_hub.h"
 
 namespace moe::transport {
 
@@ -25,6 +28,8 @@ struct UcxOptions {
   bool allow_shared_memory = false;
   // Deadline of the wire-up barrier inside the constructor.
   std::chrono::milliseconds connect_timeout{30000};
+  // Ranks of this process; null: every peer is remote.
+  std::shared_ptr<LocalHub> hub;
 };
 
 class UcxCommunicator final : public Communicator {

@@ -8,7 +8,9 @@
 #include "moe/kernels/check.h"
 #include "moe/kernels/cpu_backend.h"
 #include "test_util.h"
+#include "transport/bootstrap.h"
 #include "transport/inproc_communicator.h"
+#include "transport/ucx_communicator.h"
 
 namespace moe::test {
 namespace {
@@ -230,6 +232,37 @@ std::vector<RankResult> run_inproc(const EpCase& c, int threads_per_rank) {
       }
     });
   for (auto& t : threads) t.join();
+  for (int r = 0; r < c.ranks; ++r) EXPECT_EQ(errors[r], "") << c.name << " rank " << r;
+  return results;
+}
+
+std::vector<RankResult> run_hybrid(const EpCase& c) {
+  std::vector<int> a, b;
+  for (int r = 0; r < c.ranks; ++r) (r < (c.ranks + 1) / 2 ? a : b).push_back(r);
+  auto hub_a = std::make_shared<transport::LocalHub>(a), hub_b = std::make_shared<transport::LocalHub>(b);
+  transport::TcpRendezvousServer server(c.ranks, std::chrono::seconds(30));
+  std::vector<RankResult> results(c.ranks);
+  std::vector<std::string> errors(c.ranks);
+  std::vector<std::thread> threads;
+  for (int r = 0; r < c.ranks; ++r)
+    threads.emplace_back([&, r] {
+      auto& hub = hub_a->is_local(r) ? hub_a : hub_b;
+      try {
+        kernels::ThreadPool pool(1);
+        auto be = kernels::make_cpu_backend(pool);
+        transport::TcpBootstrap boot("127.0.0.1", server.port(), r, c.ranks);
+        transport::UcxOptions o;
+        o.hub = hub;
+        transport::UcxCommunicator comm(r, c.ranks, boot, o);
+        results[r] = run_rank(c, comm, *be);
+        comm.barrier(transport::deadline_in(std::chrono::seconds(30)));
+      } catch (const std::exception& e) {
+        errors[r] = e.what();
+        hub->abort(r, e.what());
+      }
+    });
+  for (auto& t : threads) t.join();
+  server.wait();
   for (int r = 0; r < c.ranks; ++r) EXPECT_EQ(errors[r], "") << c.name << " rank " << r;
   return results;
 }

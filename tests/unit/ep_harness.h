@@ -59,6 +59,9 @@ RankResult run_rank(const EpCase& c, transport::Communicator& comm, kernels::Bac
 
 // Runs every rank of c as a thread over the in-process transport.
 std::vector<RankResult> run_inproc(const EpCase& c, int threads_per_rank = 1);
+// Every rank a thread too, but as two "daemons" of this process: UCX between the
+// halves, each half's ranks in-process through a LocalHub.
+std::vector<RankResult> run_hybrid(const EpCase& c);
 
 // Compares the ranks' results with the reference; ADD_FAILURE()s with the case name.
 void check_against_reference(const EpCase& c, const std::vector<RankResult>& results);

@@ -54,6 +54,12 @@ TEST_P(EpEquivalence, InProcessMatchesReference) {
 INSTANTIATE_TEST_SUITE_P(Cases, EpEquivalence, ::testing::ValuesIn(equivalence_cases()),
                          [](const ::testing::TestParamInfo<EpCase>& i) { return i.param.name; });
 
+TEST(EpLayer, HybridTransportMatchesReference) {
+  // Two "daemons" of two ranks: in-process inside each, UCX between them.
+  const EpCase c = base("hybrid_R4", 4, {22, 31, 0, 17}, MapKind::kReplicas);
+  check_against_reference(c, run_hybrid(c));
+}
+
 TEST(EpLayer, PlacementDoesNotChangeResults) {
   const EpCase a = base("contiguous", 4, {33, 12, 27, 40}, MapKind::kContiguous);
   EpCase b = a;

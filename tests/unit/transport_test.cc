@@ -19,7 +19,9 @@ namespace {
 using namespace moe::transport;
 using namespace std::chrono_literals;
 
-enum class Kind { kInProc, kUcx };
+// kHybrid: two "daemons" in this process (ranks split in halves), each half a
+// LocalHub: in-process inside a half, UCX between halves.
+enum class Kind { kInProc, kUcx, kHybrid };
 
 // Runs body(comm) on R threads, one communicator each; returns each rank's error
 // message ("" if it returned normally).
@@ -28,7 +30,10 @@ std::vector<std::string> run_ranks(Kind kind, int R, const std::function<void(Co
   std::vector<std::thread> threads;
   InProcGroup group(R);
   std::unique_ptr<TcpRendezvousServer> server;
-  if (kind == Kind::kUcx) server = std::make_unique<TcpRendezvousServer>(R, 30s);
+  if (kind != Kind::kInProc) server = std::make_unique<TcpRendezvousServer>(R, 30s);
+  std::vector<int> first_half, second_half;
+  for (int r = 0; r < R; ++r) (r < (R + 1) / 2 ? first_half : second_half).push_back(r);
+  auto hub_a = std::make_shared<LocalHub>(first_half), hub_b = std::make_shared<LocalHub>(second_half);
   for (int r = 0; r < R; ++r)
     threads.emplace_back([&, r] {
       try {
@@ -37,12 +42,15 @@ std::vector<std::string> run_ranks(Kind kind, int R, const std::function<void(Co
           comm = group.communicator(r);
         } else {
           TcpBootstrap boot("127.0.0.1", server->port(), r, R);
-          comm = std::make_unique<UcxCommunicator>(r, R, boot);
+          UcxOptions o;
+          if (kind == Kind::kHybrid) o.hub = hub_a->is_local(r) ? hub_a : hub_b;
+          comm = std::make_unique<UcxCommunicator>(r, R, boot, o);
         }
         body(*comm);
       } catch (const std::exception& e) {
         errors[r] = e.what();
         if (kind == Kind::kInProc) group.abort(r, e.what());
+        if (kind == Kind::kHybrid) (hub_a->is_local(r) ? hub_a : hub_b)->abort(r, e.what());
       }
     });
   for (auto& t : threads) t.join();
@@ -56,7 +64,8 @@ struct Param {
 };
 
 std::string name_of(const ::testing::TestParamInfo<Param>& info) {
-  return std::string(info.param.kind == Kind::kInProc ? "inproc" : "ucx") + "_R" + std::to_string(info.param.ranks);
+  const char* kind = info.param.kind == Kind::kInProc ? "inproc" : info.param.kind == Kind::kUcx ? "ucx" : "hybrid";
+  return std::string(kind) + "_R" + std::to_string(info.param.ranks);
 }
 
 class CommunicatorTest : public ::testing::TestWithParam<Param> {};
@@ -191,7 +200,8 @@ TEST_P(CommunicatorTest, AMissingRankTimesOutNamingIt) {
 INSTANTIATE_TEST_SUITE_P(All, CommunicatorTest,
                          ::testing::Values(Param{Kind::kInProc, 1}, Param{Kind::kInProc, 2}, Param{Kind::kInProc, 3},
                                            Param{Kind::kInProc, 4}, Param{Kind::kUcx, 1}, Param{Kind::kUcx, 2},
-                                           Param{Kind::kUcx, 3}, Param{Kind::kUcx, 4}),
+                                           Param{Kind::kUcx, 3}, Param{Kind::kUcx, 4}, Param{Kind::kHybrid, 2},
+                                           Param{Kind::kHybrid, 3}, Param{Kind::kHybrid, 4}),
                          name_of);
 
 }  // namespace
