@@ -1,0 +1,53 @@
+// moe-agent: the coordinator process. Thin main: flags, signals, the Agent.
+#include <CLI/CLI.hpp>
+
+#include <fstream>
+#include <iostream>
+
+#include "agent.h"
+#include "metrics_exposer.h"
+#include "rpc/log.h"
+
+int main(int argc, char** argv) {
+  using namespace moe;
+  CLI::App app{"moe-agent: the moed cluster coordinator"};
+  agent::AgentOptions opts;
+  std::string token_file, address_file, metrics;
+  int64_t hb_timeout_ms = opts.heartbeat_timeout.count();
+  app.add_option("--listen", opts.listen, "HOST:PORT to serve on (port 0: ephemeral)");
+  app.add_option("--token-file", token_file, "file holding the cluster token")->check(CLI::ExistingFile);
+  app.add_option("--address-file", address_file, "write the bound HOST:PORT here once serving");
+  app.add_option("--heartbeat-timeout-ms", hb_timeout_ms, "a node silent this long is dead");
+  app.add_option("--metrics-port", metrics, "Prometheus metrics on this port (HOST:PORT or PORT)");
+  try {
+    app.parse(argc, argv);
+  } catch (const CLI::ParseError& e) {
+    return app.exit(e) == 0 ? 0 : 2;
+  }
+  log::init("moe-agent", "agent");
+  try {
+    if (!token_file.empty()) opts.token = rpc::read_token_file(token_file);
+    opts.heartbeat_timeout = std::chrono::milliseconds(hb_timeout_ms);
+    rpc::asio::io_context io;
+    agent::Agent agent(io, opts);
+    std::unique_ptr<agent::MetricsExposer> exposer;
+    if (!metrics.empty()) exposer = std::make_unique<agent::MetricsExposer>(io, agent, metrics);
+    if (!address_file.empty()) {
+      const std::string tmp = address_file + ".tmp";
+      std::ofstream(tmp) << agent.address() << "\n";
+      std::rename(tmp.c_str(), address_file.c_str());
+    }
+    rpc::asio::signal_set signals(io, SIGTERM, SIGINT);
+    signals.async_wait([&](const boost::system::error_code&, int sig) {
+      log::info("signal ", sig, ": stopping");
+      agent.stop();
+      io.stop();
+    });
+    io.run();
+    log::info("stopped");
+    return 0;
+  } catch (const std::exception& e) {
+    log::error(e.what());
+    return 1;
+  }
+}

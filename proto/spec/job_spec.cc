@@ -1,0 +1,111 @@
+#include "spec/job_spec.h"
+
+#include <google/protobuf/util/json_util.h>
+
+#include <cmath>
+#include <cstdlib>
+
+#include "rpc/frame.h"
+
+namespace moe::spec {
+namespace {
+
+[[noreturn]] void invalid(const std::string& field, const std::string& reason) {
+  throw rpc::RpcError(v1::ERROR_CODE_INVALID_ARGUMENT, field + ": " + reason);
+}
+
+void require(bool ok, const std::string& field, const std::string& reason) {
+  if (!ok) invalid(field, reason);
+}
+
+}  // namespace
+
+void fill_defaults(v1::JobSpec& s) {
+  if (!s.has_layers()) s.set_layers(1);
+  if (!s.has_norm_topk_prob()) s.set_norm_topk_prob(true);
+  if (!s.has_routed_scaling_factor()) s.set_routed_scaling_factor(1.0);
+  if (!s.has_lr()) s.set_lr(1e-3);
+  if (s.score() == v1::JobSpec::SCORE_UNSPECIFIED) s.set_score(v1::JobSpec::softmax);
+  if (s.dtype() == v1::JobSpec::DTYPE_UNSPECIFIED) s.set_dtype(v1::JobSpec::fp32);
+  if (s.drop_policy() == v1::JobSpec::DROP_POLICY_UNSPECIFIED) s.set_drop_policy(v1::JobSpec::probs);
+  if (s.mode() == v1::JobSpec::MODE_UNSPECIFIED) s.set_mode(v1::JobSpec::forward);
+  if (s.optimizer() == v1::JobSpec::OPTIMIZER_UNSPECIFIED) s.set_optimizer(v1::JobSpec::adam);
+  if (s.skew().empty()) s.set_skew("uniform");
+}
+
+void validate(const v1::JobSpec& s, int world_size) {
+  require(s.experts() >= 1, "experts", "must be >= 1, got " + std::to_string(s.experts()));
+  require(s.experts() <= 65536, "experts", "must be <= 65536, got " + std::to_string(s.experts()));
+  require(s.top_k() >= 1 && s.top_k() <= s.experts(), "top_k",
+          "must be in [1, experts=" + std::to_string(s.experts()) + "], got " + std::to_string(s.top_k()));
+  require(s.hidden() >= 1, "hidden", "must be >= 1, got " + std::to_string(s.hidden()));
+  require(s.ffn_hidden() >= 1, "ffn_hidden", "must be >= 1, got " + std::to_string(s.ffn_hidden()));
+  require(!s.has_layers() || (s.layers() >= 1 && s.layers() <= 1024), "layers",
+          "must be in [1, 1024], got " + std::to_string(s.layers()));
+  require(s.num_groups() >= 0, "num_groups", "must be >= 0, got " + std::to_string(s.num_groups()));
+  if (s.num_groups() > 1) {
+    require(s.experts() % s.num_groups() == 0, "num_groups",
+            "experts (" + std::to_string(s.experts()) + ") must be divisible by num_groups (" +
+                std::to_string(s.num_groups()) + ")");
+    require(s.group_top_k() >= 1 && s.group_top_k() <= s.num_groups(), "group_top_k",
+            "must be in [1, num_groups=" + std::to_string(s.num_groups()) + "], got " + std::to_string(s.group_top_k()));
+    const int per_group = s.experts() / s.num_groups();
+    require(s.top_k() <= s.group_top_k() * per_group, "top_k",
+            "exceeds the experts of the kept groups (group_top_k " + std::to_string(s.group_top_k()) + " x " +
+                std::to_string(per_group) + ")");
+  } else {
+    require(s.group_top_k() == 0 || s.num_groups() > 1, "group_top_k", "needs num_groups > 1");
+  }
+  require(!s.has_routed_scaling_factor() ||
+              (std::isfinite(s.routed_scaling_factor()) && s.routed_scaling_factor() > 0),
+          "routed_scaling_factor", "must be finite and > 0");
+  require(std::isfinite(s.capacity_factor()) && s.capacity_factor() >= 0, "capacity_factor",
+          "must be finite and >= 0 (0 = dropless)");
+  require(s.tokens_per_rank() >= 1 && s.tokens_per_rank() <= (int64_t{1} << 24), "tokens_per_rank",
+          "must be in [1, 16777216], got " + std::to_string(s.tokens_per_rank()));
+  require(s.steps() >= 1, "steps", "must be >= 1, got " + std::to_string(s.steps()));
+  require(!s.has_lr() || (std::isfinite(s.lr()) && s.lr() > 0), "lr", "must be finite and > 0");
+  if (!s.skew().empty() && s.skew() != "uniform") {
+    const std::string prefix = "zipf:";
+    require(s.skew().rfind(prefix, 0) == 0, "skew", "must be uniform or zipf:ALPHA, got '" + s.skew() + "'");
+    const std::string num = s.skew().substr(prefix.size());
+    char* end = nullptr;
+    const double alpha = std::strtod(num.c_str(), &end);
+    require(!num.empty() && end && *end == '\0' && std::isfinite(alpha) && alpha >= 0, "skew",
+            "ALPHA in '" + s.skew() + "' must be a finite number >= 0");
+  }
+  require(s.weights_prefix().empty() || !s.weights().empty(), "weights_prefix", "needs weights");
+  // Per-rank working memory of one layer's buffers (rows x hidden, fp32), a guard
+  // against specs that would only fail deep inside a daemon.
+  const double rows = static_cast<double>(s.tokens_per_rank()) * std::max(1, s.top_k());
+  require(rows * (s.hidden() + 2.0 * s.ffn_hidden()) * 4 < 64e9, "tokens_per_rank",
+          "needs more than 64 GB of activations per rank with this hidden/ffn_hidden/top_k");
+  if (s.mode() == v1::JobSpec::train)
+    invalid("mode", "train jobs are not supported by this cluster version yet (forward only)");
+  if (world_size > 0)
+    require(s.experts() % world_size == 0, "experts",
+            std::to_string(s.experts()) + " experts do not divide over the " + std::to_string(world_size) +
+                " ranks of the cluster");
+}
+
+std::string to_json(const google::protobuf::Message& m, bool pretty) {
+  google::protobuf::util::JsonPrintOptions o;
+  o.preserve_proto_field_names = true;
+  o.always_print_primitive_fields = true;
+  o.add_whitespace = pretty;
+  std::string out;
+  const auto st = google::protobuf::util::MessageToJsonString(m, &out, o);
+  if (!st.ok()) throw rpc::RpcError(v1::ERROR_CODE_INTERNAL, "cannot print JSON: " + st.ToString());
+  return out;
+}
+
+v1::JobSpec spec_from_json(const std::string& json) {
+  v1::JobSpec s;
+  google::protobuf::util::JsonParseOptions o;
+  o.ignore_unknown_fields = false;
+  const auto st = google::protobuf::util::JsonStringToMessage(json, &s, o);
+  if (!st.ok()) throw rpc::RpcError(v1::ERROR_CODE_INVALID_ARGUMENT, "spec: " + st.ToString());
+  return s;
+}
+
+}  // namespace moe::spec

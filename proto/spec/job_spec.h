@@ -1,0 +1,24 @@
+// JobSpec rules shared by moectl (early checks), moe-agent (authoritative) and
+// moed: defaults, validation naming the field, and JSON in and out.
+#pragma once
+
+#include <string>
+
+#include "moe/v1/job.pb.h"
+
+namespace moe::spec {
+
+// Fills every defaulted field (layers 1, norm_topk_prob true, scaling 1, lr 1e-3,
+// skew "uniform", and the enums' first real value).
+void fill_defaults(v1::JobSpec& spec);
+
+// Throws rpc::RpcError(INVALID_ARGUMENT) with "FIELD: reason". world_size > 0 adds
+// the checks that depend on the cluster (experts divide over the ranks).
+void validate(const v1::JobSpec& spec, int world_size = 0);
+
+// JSON as DESIGN 6 prints it (preserve_proto_field_names, always_print_primitive_fields).
+std::string to_json(const google::protobuf::Message& m, bool pretty = true);
+// Parses a JobSpec from JSON; throws RpcError(INVALID_ARGUMENT) naming the problem.
+v1::JobSpec spec_from_json(const std::string& json);
+
+}  // namespace moe::spec
