@@ -265,9 +265,14 @@ v1::Envelope Agent::on_rank_done(const v1::RankDone& d) {
     ++job.done_count;
   }
   job.verify[d.rank()] = d.verify();
-  if (!d.ok() && !job.failed && !job.cancelled) {
+  if (!d.ok() && !d.cancelled() && !job.failed && !job.cancelled) {
     log::warn("job ", job.id, ": ", describe_rank(d.rank()), " failed: ", d.message());
-    fail_running(describe_rank(d.rank()) + ": " + d.message());
+    // Name the rank (and node) the error blames when the reporter knows it.
+    if (d.has_failed_peer() && d.failed_peer() >= 0 && d.failed_peer() != d.rank())
+      fail_running(describe_rank(d.failed_peer()) + " failed (reported by " + describe_rank(d.rank()) +
+                   "): " + d.message());
+    else
+      fail_running(describe_rank(d.rank()) + ": " + d.message());
     return reply;
   }
   if (job.done_count == job.world) {

@@ -1,0 +1,46 @@
+// moed: the node daemon. Thin main: flags, signals, the Daemon.
+#include <CLI/CLI.hpp>
+
+#include "node/daemon.h"
+#include "rpc/log.h"
+
+int main(int argc, char** argv) {
+  using namespace moe;
+  CLI::App app{"moed: the moed node daemon"};
+  node::DaemonOptions o;
+  std::string token_file;
+  app.add_option("--agent", o.agent, "HOST:PORT of moe-agent")->required()->envname("MOE_AGENT");
+  app.add_option("--devices", o.devices, "devices (EP ranks) on this node")->check(CLI::Range(1, 1024));
+  app.add_option("--backend", o.backend, "auto, cpu or cuda")->check(CLI::IsMember({"auto", "cpu", "cuda"}));
+  app.add_option("--metrics-port", o.metrics, "Prometheus metrics: PORT or HOST:PORT (0: any free port)");
+  app.add_option("--token-file", token_file, "file holding the cluster token")->check(CLI::ExistingFile);
+  app.add_option("--listen", o.listen, "HOST:PORT for the agent's calls (port 0: ephemeral)");
+  app.add_option("--name", o.name, "node name, stable across restarts (default: host:port)");
+  app.add_option("--threads", o.threads, "cores this daemon uses (0: all)");
+  try {
+    app.parse(argc, argv);
+  } catch (const CLI::ParseError& e) {
+    return app.exit(e) == 0 ? 0 : 2;
+  }
+  log::init("moed", o.name.empty() ? "starting" : o.name);
+  try {
+    if (!token_file.empty()) o.token = rpc::read_token_file(token_file);
+    rpc::asio::io_context io;
+    node::Daemon daemon(io, o);
+    rpc::asio::signal_set signals(io, SIGTERM, SIGINT);
+    signals.async_wait([&](const boost::system::error_code&, int sig) {
+      log::info("signal ", sig, ": stopping");
+      daemon.stop();
+      io.stop();
+    });
+    io.run();
+    log::info("stopped");
+    return 0;
+  } catch (const rpc::RpcError& e) {
+    log::error(e.what());
+    return 2;
+  } catch (const std::exception& e) {
+    log::error(e.what());
+    return 1;
+  }
+}

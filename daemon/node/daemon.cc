@@ -1,0 +1,174 @@
+#include "daemon.h"
+
+#include <unistd.h>
+
+#include "moe/kernels/check.h"
+#ifdef MOE_WITH_CUDA
+#include "moe/kernels/cuda_device.h"
+#endif
+#include "rpc/log.h"
+
+namespace moe::node {
+
+using rpc::RpcError;
+
+namespace {
+
+int visible_cuda_devices() {
+#ifdef MOE_WITH_CUDA
+  return kernels::cuda_device_count();
+#else
+  return 0;
+#endif
+}
+
+// What --backend resolves to on this machine; throws naming the problem.
+std::string resolve_backend(const std::string& requested) {
+  if (requested == "cpu") return "cpu";
+  if (requested == "auto") return "cpu";  // the CUDA backend's kernels are not built yet
+  if (requested == "cuda")
+    throw RpcError(v1::ERROR_CODE_INVALID_ARGUMENT,
+                   "--backend cuda: this build has no CUDA kernels yet (devices seen: " +
+                       std::to_string(visible_cuda_devices()) + "); use cpu");
+  throw RpcError(v1::ERROR_CODE_INVALID_ARGUMENT, "--backend must be auto, cpu or cuda, got '" + requested + "'");
+}
+
+std::string host_name() {
+  char buf[256] = {};
+  ::gethostname(buf, sizeof buf - 1);
+  return buf;
+}
+
+}  // namespace
+
+Daemon::Daemon(rpc::asio::io_context& io, DaemonOptions options) : io_(io), opts_(std::move(options)) {
+  MOE_CHECK(opts_.devices >= 1, "--devices must be >= 1, got ", opts_.devices);
+  opts_.backend = resolve_backend(opts_.backend);
+  if (opts_.threads <= 0) opts_.threads = static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
+  const auto [host, port] = rpc::split_address(opts_.listen);
+  rpc::ServerOptions so;
+  so.host = host;
+  so.port = port;
+  so.token = opts_.token;
+  so.role = "moed";
+  server_ = std::make_unique<rpc::RpcServer>(
+      io_, so, [this](const v1::Envelope& req, const rpc::RequestContext& ctx) { return handle(req, ctx); });
+  if (opts_.name.empty()) opts_.name = host_name() + ":" + std::to_string(server_->port());
+  if (!opts_.metrics.empty()) metrics_ = std::make_unique<metrics::DaemonMetrics>(opts_.metrics);
+  log::init("moed", opts_.name);
+  log::info("serving the agent on ", server_->address(), ", ", opts_.devices, " ", opts_.backend, " device(s), ",
+            opts_.threads, " threads", metrics_ ? ", metrics on port " + std::to_string(metrics_->port()) : "");
+  heartbeat_ = std::thread([this] { heartbeat_loop(); });
+}
+
+Daemon::~Daemon() { stop(); }
+
+void Daemon::stop() {
+  std::unique_ptr<JobRunner> runner;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (stopping_) return;
+    stopping_ = true;
+    runner = std::move(runner_);
+  }
+  stop_cv_.notify_all();
+  if (heartbeat_.joinable()) heartbeat_.join();
+  runner.reset();  // cancels and joins the ranks
+  rpc::asio::post(io_, [this] { server_->stop(); });
+}
+
+bool Daemon::register_once(rpc::RpcClient& agent) {
+  v1::Envelope req;
+  auto* r = req.mutable_register_node();
+  r->set_name(opts_.name);
+  r->set_devices(opts_.devices);
+  r->set_backend(v1::BACKEND_CPU);
+  r->set_control_address(server_->address());
+  r->set_metrics_address(metrics_ ? std::to_string(metrics_->port()) : "");
+  r->set_host(host_name());
+  const v1::Envelope reply = agent.call(req, std::chrono::seconds(5));
+  std::lock_guard<std::mutex> lock(mu_);
+  node_index_ = reply.register_node_reply().node_index();
+  heartbeat_ms_ = std::max<int64_t>(50, reply.register_node_reply().heartbeat_interval_ms());
+  log::set_identity(opts_.name + "/node" + std::to_string(node_index_));
+  log::info("registered as node ", node_index_, " (ranks ", reply.register_node_reply().rank_base(), "-",
+            reply.register_node_reply().rank_base() + opts_.devices - 1, ")");
+  return true;
+}
+
+void Daemon::heartbeat_loop() {
+  rpc::RpcClient agent(rpc::ClientOptions{opts_.agent, opts_.token, "moed", opts_.name, std::chrono::seconds(2), {}});
+  const auto started = std::chrono::steady_clock::now();
+  bool registered = false;
+  std::string last_error;
+  for (;;) {
+    {
+      std::unique_lock<std::mutex> lock(mu_);
+      if (stopping_) return;
+    }
+    try {
+      if (!registered) {
+        registered = register_once(agent);
+      } else {
+        v1::Envelope hb;
+        hb.mutable_heartbeat()->set_node_index(node_index_);
+        hb.mutable_heartbeat()->set_name(opts_.name);
+        if (!agent.call(hb, std::chrono::seconds(2)).heartbeat_reply().known()) {
+          log::warn("the agent does not know this node: registering again");
+          registered = false;
+          continue;
+        }
+      }
+      last_error.clear();
+    } catch (const RpcError& e) {
+      if (e.what() != last_error) log::warn("agent ", opts_.agent, ": ", e.what());
+      last_error = e.what();
+      if (!registered && std::chrono::steady_clock::now() - started > opts_.register_timeout &&
+          e.code() != v1::ERROR_CODE_UNAVAILABLE && e.code() != v1::ERROR_CODE_DEADLINE_EXCEEDED)
+        log::error("registration refused: ", e.what());
+    }
+    std::unique_lock<std::mutex> lock(mu_);
+    stop_cv_.wait_for(lock, std::chrono::milliseconds(heartbeat_ms_), [&] { return stopping_; });
+  }
+}
+
+rpc::awaitable<v1::Envelope> Daemon::handle(const v1::Envelope& req, const rpc::RequestContext&) {
+  v1::Envelope reply;
+  if (req.has_start_job()) {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (stopping_) throw RpcError(v1::ERROR_CODE_UNAVAILABLE, "daemon " + opts_.name + " is stopping");
+    if (runner_ && !runner_->finished())
+      throw RpcError(v1::ERROR_CODE_FAILED_PRECONDITION, "daemon " + opts_.name + " is running " + runner_->job_id());
+    if (node_index_ < 0) throw RpcError(v1::ERROR_CODE_FAILED_PRECONDITION, "daemon " + opts_.name + " is not registered");
+    runner_.reset();  // joins the finished previous job's threads
+    RunnerEnv env;
+    env.agent_address = opts_.agent;
+    env.token = opts_.token;
+    env.node_name = opts_.name;
+    env.node_index = node_index_;
+    env.devices = opts_.devices;
+    env.threads_per_rank = std::max(1, opts_.threads / opts_.devices);
+    env.metrics = metrics_.get();
+    env.transport_timeout = opts_.transport_timeout;
+    log::info("starting ", req.start_job().job_id(), " as ranks ", node_index_ * opts_.devices, "-",
+              (node_index_ + 1) * opts_.devices - 1, " of ", req.start_job().world_size());
+    runner_ = std::make_unique<JobRunner>(req.start_job(), env);
+    reply.mutable_ack();
+  } else if (req.has_cancel_job()) {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (runner_ && runner_->job_id() == req.cancel_job().job_id()) runner_->cancel(req.cancel_job().reason());
+    reply.mutable_ack();
+  } else if (req.has_daemon_status()) {
+    std::lock_guard<std::mutex> lock(mu_);
+    auto* s = reply.mutable_daemon_status_reply();
+    s->set_name(opts_.name);
+    s->set_node_index(node_index_);
+    s->set_devices(opts_.devices);
+    if (runner_ && !runner_->finished()) s->set_running_job(runner_->job_id());
+  } else {
+    throw RpcError(v1::ERROR_CODE_INVALID_ARGUMENT, "moed does not serve " + rpc::payload_name(req));
+  }
+  co_return reply;
+}
+
+}  // namespace moe::node

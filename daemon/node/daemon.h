@@ -1,0 +1,61 @@
+// moed, the node daemon: serves the agent on a control port (start/cancel a job,
+// status), registers with the agent and sends heartbeats (re-registering when the
+// agent forgets it), runs at most one job at a time on its devices, and exposes
+// Prometheus metrics. Stops cleanly on SIGTERM (the job's ranks stop at the next
+// step boundary).
+#pragma once
+
+#include <atomic>
+#include <condition_variable>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <thread>
+
+#include "metrics/daemon_metrics.h"
+#include "node/job_runner.h"
+#include "rpc/rpc.h"
+
+namespace moe::node {
+
+struct DaemonOptions {
+  std::string agent;              // HOST:PORT
+  std::string token;
+  std::string name;               // stable node name (default: host name + control port)
+  int devices = 1;
+  std::string backend = "auto";   // auto | cpu | cuda
+  std::string listen = "127.0.0.1:0";
+  std::string metrics;            // "" (off), "PORT" or "HOST:PORT"
+  int threads = 0;                // cores to use; 0 = all
+  std::chrono::milliseconds register_timeout{30000};
+  std::chrono::milliseconds transport_timeout{30000};
+};
+
+class Daemon {
+ public:
+  Daemon(rpc::asio::io_context& io, DaemonOptions options);
+  ~Daemon();
+  // Stops heartbeats, cancels and joins a running job, stops serving.
+  void stop();
+  std::string control_address() const { return server_->address(); }
+  int metrics_port() const { return metrics_ ? metrics_->port() : 0; }
+
+ private:
+  rpc::awaitable<v1::Envelope> handle(const v1::Envelope& req, const rpc::RequestContext& ctx);
+  void heartbeat_loop();
+  bool register_once(rpc::RpcClient& agent);
+
+  rpc::asio::io_context& io_;
+  DaemonOptions opts_;
+  std::unique_ptr<metrics::DaemonMetrics> metrics_;
+  std::unique_ptr<rpc::RpcServer> server_;
+  std::mutex mu_;  // guards runner_, node_index_, stopping_
+  std::condition_variable stop_cv_;
+  std::unique_ptr<JobRunner> runner_;
+  int node_index_ = -1;
+  int64_t heartbeat_ms_ = 500;
+  bool stopping_ = false;
+  std::thread heartbeat_;
+};
+
+}  // namespace moe::node

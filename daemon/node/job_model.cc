@@ -1,0 +1,61 @@
+#include "job_model.h"
+
+#include "io/layer_io.h"
+#include "moe/kernels/check.h"
+
+namespace moe::node {
+
+kernels::DType job_dtype(const v1::JobSpec& s) {
+  return s.dtype() == v1::JobSpec::bf16 ? kernels::DType::kBF16 : kernels::DType::kF32;
+}
+
+ep::MoeLayerConfig layer_config(const v1::JobSpec& s) {
+  ep::MoeLayerConfig c;
+  c.hidden = s.hidden();
+  c.ffn_hidden = s.ffn_hidden();
+  c.num_experts = s.experts();
+  c.top_k = s.top_k();
+  c.score = s.score() == v1::JobSpec::sigmoid ? kernels::ScoreFunc::kSigmoid : kernels::ScoreFunc::kSoftmax;
+  c.num_groups = s.num_groups();
+  c.group_top_k = s.group_top_k();
+  c.norm_topk_prob = !s.has_norm_topk_prob() || s.norm_topk_prob();
+  c.routed_scaling_factor = s.has_routed_scaling_factor() ? static_cast<float>(s.routed_scaling_factor()) : 1.0f;
+  c.capacity_factor = s.capacity_factor();
+  c.drop_policy = s.drop_policy() == v1::JobSpec::position ? kernels::DropPolicy::kPosition : kernels::DropPolicy::kProbs;
+  c.dtype = job_dtype(s);
+  c.max_tokens = s.tokens_per_rank();
+  c.train = s.mode() == v1::JobSpec::train;
+  return c;
+}
+
+model::LayerShape layer_shape(const v1::JobSpec& s) { return {s.hidden(), s.ffn_hidden(), s.experts()}; }
+
+ep::ExpertMap expert_map(const v1::PlacementMap& m) {
+  return ep::ExpertMap::make(m.num_experts(), m.num_ranks(), m.slots_per_rank(), {m.phy2log().begin(), m.phy2log().end()},
+                             m.epoch());
+}
+
+model::LayerWeights layer_weights(const v1::JobSpec& s, int layer, const std::vector<bool>& needed) {
+  model::LayerWeights w;
+  if (!s.weights().empty()) {
+    std::string prefix = s.weights_prefix();
+    const auto at = prefix.find("{layer}");
+    if (at != std::string::npos) prefix.replace(at, 7, std::to_string(layer));
+    const io::SafetensorsReader file(s.weights());
+    w = io::load_layer_weights(file, prefix, layer_shape(s));
+  } else {
+    w = model::make_layer_weights(s.seed(), layer, layer_shape(s), needed);
+  }
+  w.logit_bias = model::skew_logit_bias(s.skew(), s.seed(), s.experts());
+  return w;
+}
+
+std::vector<float> step_inputs(const v1::JobSpec& s, int rank, int step) {
+  const int64_t T = s.tokens_per_rank();
+  std::vector<float> x(T * s.hidden());
+  model::fill_inputs(s.seed(), step, static_cast<int64_t>(rank) * T, T, s.hidden(), x.data());
+  if (job_dtype(s) == kernels::DType::kBF16) model::round_to_bf16(x);
+  return x;
+}
+
+}  // namespace moe::node

@@ -1,0 +1,31 @@
+// From a JobSpec to the things a rank runs (DESIGN 6): the layer config, the
+// expert map of a placement message, the weights of a layer (synthetic from the
+// seed, or read from a safetensors file), the inputs of a step.
+#pragma once
+
+#include <string>
+#include <vector>
+
+#include "ep/expert_map.h"
+#include "ep/layer_stages.h"
+#include "model/synthetic.h"
+#include "moe/v1/cluster.pb.h"
+#include "moe/v1/job.pb.h"
+
+namespace moe::node {
+
+ep::MoeLayerConfig layer_config(const v1::JobSpec& spec);
+kernels::DType job_dtype(const v1::JobSpec& spec);
+model::LayerShape layer_shape(const v1::JobSpec& spec);
+ep::ExpertMap expert_map(const v1::PlacementMap& m);
+
+// Weights of `layer` for the experts with needed[e] (the router always). From
+// spec.weights when set ({layer} in weights_prefix is replaced by the layer
+// index), else synthetic from (seed, layer). The skew term is added either way.
+model::LayerWeights layer_weights(const v1::JobSpec& spec, int layer, const std::vector<bool>& needed);
+
+// x [T, H] of `rank` at `step` (global tokens rank x T + t), in fp32, rounded to
+// bf16 values for a bf16 job.
+std::vector<float> step_inputs(const v1::JobSpec& spec, int rank, int step);
+
+}  // namespace moe::node

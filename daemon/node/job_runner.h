@@ -1,0 +1,51 @@
+// Runs one job on a daemon's local ranks: a thread per rank, each with its pool,
+// backend, communicator (UCX to other daemons, in-process to its siblings through
+// a LocalHub, bootstrapped through the agent), and a stack of EpLayers. Every step
+// is reported to the agent; at the end each rank reports done (with verify errors)
+// or the error that stopped it. Cancellation is agreed on at step boundaries (an
+// all-reduce of the flag), so every rank stops at the same step.
+#pragma once
+
+#include <atomic>
+#include <memory>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "metrics/daemon_metrics.h"
+#include "moe/v1/cluster.pb.h"
+#include "transport/local_hub.h"
+
+namespace moe::node {
+
+struct RunnerEnv {
+  std::string agent_address;
+  std::string token;
+  std::string node_name;
+  int node_index = 0;
+  int devices = 1;
+  int threads_per_rank = 1;
+  metrics::DaemonMetrics* metrics = nullptr;  // may be null
+  std::chrono::milliseconds transport_timeout{30000};
+};
+
+class JobRunner {
+ public:
+  JobRunner(v1::StartJob job, RunnerEnv env);
+  ~JobRunner();  // waits for the ranks
+  const std::string& job_id() const { return job_.job_id(); }
+  bool finished() const { return running_.load() == 0; }
+  void cancel(const std::string& reason);
+
+ private:
+  void rank_main(int local);
+
+  v1::StartJob job_;
+  RunnerEnv env_;
+  std::shared_ptr<transport::LocalHub> hub_;
+  std::atomic<bool> cancel_{false};
+  std::atomic<int> running_{0};
+  std::vector<std::thread> threads_;
+};
+
+}  // namespace moe::node
