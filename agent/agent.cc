@@ -36,7 +36,7 @@ class Outbound {
   }
   rpc::RpcClient& client(const std::string& address, const std::string& token) {
     auto& c = clients_[address];
-    if (!c) c = std::make_unique<rpc::RpcClient>(rpc::ClientOptions{address, token, "moe-agent", "agent", {}, {}});
+    if (!c) c = std::make_unique<rpc::RpcClient>(rpc::ClientOptions::make(address, token, "moe-agent", "agent"));
     return *c;
   }
 

@@ -97,7 +97,7 @@ bool Daemon::register_once(rpc::RpcClient& agent) {
 }
 
 void Daemon::heartbeat_loop() {
-  rpc::RpcClient agent(rpc::ClientOptions{opts_.agent, opts_.token, "moed", opts_.name, std::chrono::seconds(2), {}});
+  rpc::RpcClient agent(rpc::ClientOptions::make(opts_.agent, opts_.token, "moed", opts_.name));
   const auto started = std::chrono::steady_clock::now();
   bool registered = false;
   std::string last_error;

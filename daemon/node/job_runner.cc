@@ -158,8 +158,8 @@ void JobRunner::rank_main(int local) {
   const v1::JobSpec& spec = job_.spec();
   const int rank = env_.node_index * env_.devices + local;
   const int world = job_.world_size();
-  rpc::RpcClient agent(rpc::ClientOptions{env_.agent_address, env_.token, "moed",
-                                          env_.node_name + "/rank" + std::to_string(rank), {}, {}});
+  rpc::RpcClient agent(rpc::ClientOptions::make(env_.agent_address, env_.token, "moed",
+                                                env_.node_name + "/rank" + std::to_string(rank)));
   v1::Envelope done;
   auto* d = done.mutable_rank_done();
   d->set_job_id(job_.job_id());

@@ -189,7 +189,7 @@ RpcClient::~RpcClient() {
   }
 }
 
-awaitable<void> RpcClient::connect_and_hello(Clock::time_point) {
+awaitable<void> RpcClient::connect_and_hello() {
   const auto [host, port] = split_address(opts_.address);
   tcp::resolver resolver(io_);
   const auto endpoints = co_await resolver.async_resolve(host, std::to_string(port), use_awaitable);
@@ -226,7 +226,7 @@ v1::Envelope RpcClient::call(v1::Envelope request, std::chrono::milliseconds tim
   asio::co_spawn(
       io_,
       [&]() -> awaitable<void> {
-        if (!socket_) co_await connect_and_hello(deadline);
+        if (!socket_) co_await connect_and_hello();
         reply = co_await roundtrip(request);
       },
       [&](std::exception_ptr e) {

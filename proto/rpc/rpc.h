@@ -68,10 +68,18 @@ class RpcServer {
 struct ClientOptions {
   std::string address;  // HOST:PORT
   std::string token;
-  std::string role;
+  std::string role;     // told to the server in Hello
   std::string name;
-  std::chrono::milliseconds connect_timeout{5000};
   size_t max_frame_bytes = kDefaultMaxFrameBytes;
+
+  static ClientOptions make(std::string address, std::string token, std::string role, std::string name) {
+    ClientOptions o;
+    o.address = std::move(address);
+    o.token = std::move(token);
+    o.role = std::move(role);
+    o.name = std::move(name);
+    return o;
+  }
 };
 
 // Thread-safe; one call at a time on one connection, reconnecting after a failure.
@@ -85,7 +93,7 @@ class RpcClient {
   const std::string& address() const { return opts_.address; }
 
  private:
-  awaitable<void> connect_and_hello(std::chrono::steady_clock::time_point deadline);
+  awaitable<void> connect_and_hello();
   awaitable<v1::Envelope> roundtrip(const v1::Envelope& request);
   ClientOptions opts_;
   std::mutex mu_;

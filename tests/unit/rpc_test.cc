@@ -85,11 +85,7 @@ v1::Envelope get_job(const std::string& id) {
 }
 
 rpc::RpcClient client(const std::string& address, const std::string& token = "") {
-  rpc::ClientOptions o;
-  o.address = address;
-  o.token = token;
-  o.role = "test-client";
-  return rpc::RpcClient(o);
+  return rpc::RpcClient(rpc::ClientOptions::make(address, token, "test-client", "test"));
 }
 
 // A raw TCP connection for sending arbitrary bytes.

@@ -1,0 +1,50 @@
+// moectl's commands (DESIGN 9), as a library the tests can link. main() parses
+// flags into these calls; each returns the process exit code:
+//   0 ok, 1 job failed (or cancelled), 2 usage or invalid spec, 3 agent
+//   unreachable or timed out.
+#pragma once
+
+#include <chrono>
+#include <iosfwd>
+#include <string>
+
+#include "moe/v1/rpc.pb.h"
+
+namespace moe::ctl {
+
+constexpr int kExitOk = 0, kExitJobFailed = 1, kExitUsage = 2, kExitUnreachable = 3;
+
+struct Globals {
+  std::string agent;       // --agent (else MOE_AGENT, state dir, 127.0.0.1:7400)
+  std::string token_file;  // --token-file (else MOE_TOKEN_FILE, state dir)
+  std::string state_dir;   // --state-dir (else MOE_STATE_DIR, ~/.local/state/moed)
+  bool json = false;       // --output json
+  std::chrono::milliseconds timeout{10000};
+};
+
+// Fills agent, token and state dir from flags, environment and the state dir.
+struct Resolved {
+  std::string agent, token, state_dir;
+};
+Resolved resolve(const Globals& g);
+
+struct ClusterUpOptions {
+  int nodes = 1;
+  int devices_per_node = 1;
+  std::string backend = "auto";
+  std::chrono::milliseconds ready_timeout{60000};
+};
+
+int cluster_up(const Globals& g, const ClusterUpOptions& o, std::ostream& out, std::ostream& err);
+int cluster_down(const Globals& g, std::ostream& out, std::ostream& err);
+int cluster_status(const Globals& g, std::ostream& out, std::ostream& err);
+
+// spec_file may be empty; `spec` holds the flags given (merged over the file).
+int job_submit(const Globals& g, const v1::JobSpec& spec, bool wait, std::ostream& out, std::ostream& err);
+int job_status(const Globals& g, const std::string& id, std::ostream& out, std::ostream& err);
+int job_wait(const Globals& g, const std::string& id, std::ostream& out, std::ostream& err);
+int job_list(const Globals& g, std::ostream& out, std::ostream& err);
+int job_cancel(const Globals& g, const std::string& id, std::ostream& out, std::ostream& err);
+int placement_show(const Globals& g, std::ostream& out, std::ostream& err);
+
+}  // namespace moe::ctl
