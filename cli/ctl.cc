@@ -185,7 +185,15 @@ pid_t spawn(const std::vector<std::string>& argv, const fs::path& log) {
   return pid;
 }
 
-bool alive(pid_t pid) { return pid > 0 && ::kill(pid, 0) == 0; }
+// Running, and not a zombie waiting for a parent (ours exited long ago) to reap it.
+bool alive(pid_t pid) {
+  if (pid <= 0 || ::kill(pid, 0) != 0) return false;
+  std::ifstream stat("/proc/" + std::to_string(pid) + "/stat");
+  std::string line;
+  std::getline(stat, line);
+  const auto paren = line.rfind(')');
+  return paren == std::string::npos || paren + 2 >= line.size() || line[paren + 2] != 'Z';
+}
 
 pid_t read_pid(const fs::path& p) {
   const std::string s = read_file_trimmed(p);
@@ -280,7 +288,10 @@ int cluster_up(const Globals& g, const ClusterUpOptions& o, std::ostream& out, s
     }
     r.agent = read_file_trimmed(dir / "agent_address");
     r.token = token;
+    // One daemon at a time, each registered before the next starts, so node i gets
+    // node index i (and ranks i*D .. i*D+D-1).
     const int cores = static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
+    auto c = client(r);
     for (int i = 0; i < o.nodes; ++i) {
       const std::string name = "node" + std::to_string(i);
       const pid_t pid = spawn({moed_bin, "--agent", r.agent, "--devices", std::to_string(o.devices_per_node), "--backend",
@@ -289,25 +300,24 @@ int cluster_up(const Globals& g, const ClusterUpOptions& o, std::ostream& out, s
                                std::to_string(std::max(1, cores / o.nodes))},
                               logs / (name + ".log"));
       std::ofstream(pids / (name + ".pid")) << pid << "\n";
-    }
-    auto c = client(r);
-    for (;;) {
-      v1::Envelope req;
-      req.mutable_cluster_status();
-      v1::ClusterStatus st;
-      try {
-        st = c.call(req, std::chrono::seconds(5)).cluster_status_reply();
-      } catch (const RpcError&) {
+      for (;;) {
+        v1::Envelope req;
+        req.mutable_cluster_status();
+        v1::ClusterStatus st;
+        try {
+          st = c.call(req, std::chrono::seconds(5)).cluster_status_reply();
+        } catch (const RpcError&) {
+        }
+        int ready = 0;
+        for (const auto& n : st.nodes()) ready += n.state() == v1::NODE_STATE_ALIVE;
+        if (ready == i + 1) break;
+        if (Clock::now() > until || !alive(pid)) {
+          err << "moectl: " << name << " did not register within " << o.ready_timeout.count() / 1000
+              << " s; see " << (logs / (name + ".log")).string() << "\n";
+          return kExitUnreachable;
+        }
+        std::this_thread::sleep_for(std::chrono::milliseconds(20));  // polling for the registration
       }
-      int ready = 0;
-      for (const auto& n : st.nodes()) ready += n.state() == v1::NODE_STATE_ALIVE;
-      if (ready == o.nodes) break;
-      if (Clock::now() > until) {
-        err << "moectl: " << ready << " of " << o.nodes << " nodes registered within "
-            << o.ready_timeout.count() / 1000 << " s; see the logs in " << logs.string() << "\n";
-        return kExitUnreachable;
-      }
-      std::this_thread::sleep_for(std::chrono::milliseconds(50));  // polling for registrations
     }
     if (!g.json)
       out << "cluster up: " << o.nodes << " node(s) x " << o.devices_per_node << " device(s), agent " << r.agent

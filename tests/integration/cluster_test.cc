@@ -1,0 +1,290 @@
+// The cluster as a user runs it: moectl, moe-agent and moed as real processes on
+// loopback, each test with its own state directory.
+#include <gtest/gtest.h>
+
+#include <arpa/inet.h>
+#include <signal.h>
+#include <sys/socket.h>
+#include <unistd.h>
+
+#include <filesystem>
+#include <fstream>
+#include <sstream>
+#include <thread>
+
+#include "io/safetensors.h"
+#include "moe/v1/rpc.pb.h"
+#include "process.h"
+#include "rpc/frame.h"
+#include "rpc/rpc.h"
+
+#ifndef MOE_BIN_DIR
+#error "MOE_BIN_DIR must name the build directory"
+#endif
+
+namespace moe::test {
+namespace {
+
+using namespace std::chrono_literals;
+namespace fs = std::filesystem;
+
+const std::string kMoectl = std::string(MOE_BIN_DIR) + "/cli/moectl";
+const std::string kMoed = std::string(MOE_BIN_DIR) + "/daemon/moed";
+
+std::string slurp(const fs::path& p) {
+  std::ifstream in(p);
+  std::stringstream ss;
+  ss << in.rdbuf();
+  std::string s = ss.str();
+  while (!s.empty() && (s.back() == '\n' || s.back() == ' ')) s.pop_back();
+  return s;
+}
+
+// A local cluster in its own state directory, torn down by the destructor.
+class Cluster {
+ public:
+  Cluster(int nodes, int devices) : dir_(fs::temp_directory_path() / ("moe_cluster_" + std::to_string(::getpid()) + "_" +
+                                                                       std::to_string(counter_++))) {
+    fs::remove_all(dir_);
+    const auto [rc, out] = ctl({"cluster", "up", "--nodes", std::to_string(nodes), "--devices-per-node",
+                                std::to_string(devices)},
+                               90s);
+    up_ = rc == 0;
+    EXPECT_EQ(rc, 0) << out << logs();
+  }
+  ~Cluster() {
+    ctl({"cluster", "down"}, 60s);
+    fs::remove_all(dir_);
+  }
+  bool up() const { return up_; }
+  const fs::path& dir() const { return dir_; }
+  std::string agent() const { return slurp(dir_ / "agent_address"); }
+  std::string token() const { return slurp(dir_ / "token"); }
+
+  // Runs moectl with this cluster's state dir; returns (exit code, output).
+  std::pair<int, std::string> ctl(const std::vector<std::string>& args, std::chrono::milliseconds timeout = 60s) const {
+    std::vector<std::string> argv = {kMoectl, "--state-dir", dir_.string()};
+    argv.insert(argv.end(), args.begin(), args.end());
+    Process p = Process::spawn(argv);
+    const int rc = p.wait(timeout);
+    return {rc, p.output()};
+  }
+
+  std::string logs() const {
+    std::string s;
+    if (fs::exists(dir_ / "logs"))
+      for (const auto& f : fs::directory_iterator(dir_ / "logs")) s += "\n--- " + f.path().filename().string() + "\n" + slurp(f.path());
+    return s;
+  }
+
+  rpc::RpcClient client() const { return rpc::RpcClient(rpc::ClientOptions::make(agent(), token(), "test", "test")); }
+
+  v1::JobResult job(const std::string& id) const {
+    v1::Envelope req;
+    req.mutable_get_job()->set_job_id(id);
+    auto c = client();
+    return c.call(req, 10s).job();
+  }
+
+ private:
+  static inline int counter_ = 0;
+  fs::path dir_;
+  bool up_ = false;
+};
+
+std::string first_line(const std::string& s) { return s.substr(0, s.find('\n')); }
+
+// out of layer 0 at step 0 from a dump directory, ranks concatenated in order.
+std::vector<float> dumped_out(const fs::path& dir, int ranks, int64_t T, int H) {
+  std::vector<float> all;
+  for (int r = 0; r < ranks; ++r) {
+    io::SafetensorsReader f((dir / ("rank" + std::to_string(r) + ".safetensors")).string());
+    const auto v = f.read_f32("out", {T, H});
+    all.insert(all.end(), v.begin(), v.end());
+  }
+  return all;
+}
+
+TEST(Cluster, TwoByTwoEqualsOneByOneWithFourTimesTheTokens) {
+  const fs::path dumps = fs::temp_directory_path() / ("moe_equiv_" + std::to_string(::getpid()));
+  fs::remove_all(dumps);
+  const std::vector<std::string> spec = {"--experts", "8", "--top-k", "3", "--hidden", "64", "--ffn-hidden", "32",
+                                         "--layers", "2", "--steps", "2", "--seed", "7", "--skew", "zipf:0.8", "--verify"};
+  std::vector<float> big, small;
+  {
+    Cluster c(2, 2);
+    ASSERT_TRUE(c.up());
+    std::vector<std::string> args = {"--output", "json", "job", "submit", "--wait", "--tokens-per-rank", "48",
+                                     "--dump-dir", (dumps / "2x2").string()};
+    args.insert(args.end(), spec.begin(), spec.end());
+    const auto [rc, out] = c.ctl(args, 120s);
+    ASSERT_EQ(rc, 0) << out << c.logs();
+    EXPECT_NE(out.find("\"state\": \"JOB_STATE_SUCCEEDED\""), std::string::npos) << out;
+    EXPECT_NE(out.find("\"passed\": true"), std::string::npos) << out;
+    EXPECT_NE(out.find("\"steps_completed\": 2"), std::string::npos) << out;
+    small = dumped_out(dumps / "2x2", 4, 48, 64);
+    EXPECT_TRUE(fs::exists(dumps / "2x2" / "spec.json"));
+  }
+  {
+    Cluster c(1, 1);
+    ASSERT_TRUE(c.up());
+    std::vector<std::string> args = {"job", "submit", "--wait", "--tokens-per-rank", "192", "--dump-dir", (dumps / "1x1").string()};
+    args.insert(args.end(), spec.begin(), spec.end());
+    const auto [rc, out] = c.ctl(args, 120s);
+    ASSERT_EQ(rc, 0) << out << c.logs();
+    big = dumped_out(dumps / "1x1", 1, 192, 64);
+  }
+  ASSERT_EQ(small.size(), big.size());
+  double scale = 0, worst = 0;
+  for (size_t i = 0; i < big.size(); ++i) {
+    scale = std::max(scale, static_cast<double>(std::fabs(big[i])));
+    worst = std::max(worst, static_cast<double>(std::fabs(big[i] - small[i])));
+  }
+  EXPECT_GT(scale, 1e-3);
+  EXPECT_LT(worst, 1e-5 * scale) << "2x2 and 1x1 outputs differ by " << worst;
+  fs::remove_all(dumps);
+}
+
+TEST(Cluster, BadInputGetsExitCodesAndClearErrors) {
+  Cluster c(1, 2);
+  ASSERT_TRUE(c.up());
+  auto [rc, out] = c.ctl({"job", "submit", "--experts", "8", "--top-k", "9", "--hidden", "8", "--ffn-hidden", "8",
+                          "--tokens-per-rank", "4", "--steps", "1"});
+  EXPECT_EQ(rc, 2);
+  EXPECT_NE(out.find("top_k"), std::string::npos) << out;
+  std::tie(rc, out) = c.ctl({"job", "submit", "--experts", "5", "--top-k", "1", "--hidden", "8", "--ffn-hidden", "8",
+                             "--tokens-per-rank", "4", "--steps", "1"});
+  EXPECT_EQ(rc, 2);  // 5 experts over 2 ranks: the agent's check
+  EXPECT_NE(out.find("experts"), std::string::npos) << out;
+  std::tie(rc, out) = c.ctl({"job", "submit", "--experts", "4", "--top-k", "1", "--hidden", "8", "--ffn-hidden", "8",
+                             "--tokens-per-rank", "4", "--steps", "1", "--score", "tanh"});
+  EXPECT_EQ(rc, 2);
+  EXPECT_NE(out.find("score"), std::string::npos) << out;
+  std::tie(rc, out) = c.ctl({"job", "status", "job-404"});
+  EXPECT_EQ(rc, 2);
+  EXPECT_NE(out.find("job-404"), std::string::npos) << out;
+  std::tie(rc, out) = c.ctl({"job", "frobnicate"});
+  EXPECT_EQ(rc, 2);
+
+  // Frames the agent and a daemon must survive.
+  const std::string agent = c.agent();
+  v1::Envelope req;
+  req.mutable_daemon_status();
+  v1::Envelope status;
+  status.mutable_cluster_status();
+  const v1::ClusterStatus st = c.client().call(status, 10s).cluster_status_reply();
+  ASSERT_EQ(st.nodes_size(), 1);
+  for (const std::string& address : {agent, st.nodes(0).control_address()}) {
+    const auto [host, port] = rpc::split_address(address);
+    auto raw = [&](const std::string& bytes) {
+      const int fd = ::socket(AF_INET, SOCK_STREAM, 0);
+      sockaddr_in a{};
+      a.sin_family = AF_INET;
+      a.sin_port = htons(static_cast<uint16_t>(port));
+      ::inet_pton(AF_INET, host.c_str(), &a.sin_addr);
+      EXPECT_EQ(::connect(fd, reinterpret_cast<sockaddr*>(&a), sizeof a), 0);
+      ::send(fd, bytes.data(), bytes.size(), MSG_NOSIGNAL);
+      timeval tv{5, 0};
+      ::setsockopt(fd, SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof tv);
+      std::string reply;
+      char buf[4096];
+      ssize_t n;
+      while ((n = ::recv(fd, buf, sizeof buf, 0)) > 0) reply.append(buf, n);  // until the server closes
+      ::close(fd);
+      return reply;
+    };
+    v1::Envelope hello;
+    hello.mutable_hello()->set_token("not-the-token");
+    for (const std::string& frame : {rpc::encode_frame(hello),                                 // unauthenticated
+                                     std::string("\x7f\xff\xff\xff", 4),                        // oversized
+                                     std::string("\x00\x00\x00\x03", 4) + "\xff\xff\xff"}) {  // malformed
+      const std::string reply = raw(frame);
+      ASSERT_GE(reply.size(), 4u) << address;
+      const v1::Envelope e = rpc::decode_body(reinterpret_cast<const uint8_t*>(reply.data()) + 4, reply.size() - 4);
+      EXPECT_TRUE(e.has_error()) << address;
+    }
+  }
+  // Both still serve.
+  EXPECT_EQ(c.client().call(status, 10s).cluster_status_reply().nodes_size(), 1);
+  rpc::RpcClient daemon(rpc::ClientOptions::make(st.nodes(0).control_address(), c.token(), "test", "test"));
+  EXPECT_EQ(daemon.call(req, 10s).daemon_status_reply().name(), "node0");
+
+  // A stopped agent: exit 3, quickly.
+  c.ctl({"cluster", "down"});
+  const auto t0 = std::chrono::steady_clock::now();
+  std::vector<std::string> args = {"--agent", agent, "cluster", "status"};
+  std::tie(rc, out) = c.ctl(args, 30s);
+  EXPECT_EQ(rc, 3) << out;
+  EXPECT_LT(std::chrono::steady_clock::now() - t0, 15s);
+}
+
+TEST(Cluster, KilledDaemonFailsTheJobNamingItAndARestartRejoins) {
+  Cluster c(2, 1);
+  ASSERT_TRUE(c.up());
+  auto [rc, out] = c.ctl({"job", "submit", "--experts", "4", "--top-k", "2", "--hidden", "32", "--ffn-hidden", "16",
+                          "--tokens-per-rank", "32", "--steps", "1000000"});
+  ASSERT_EQ(rc, 0) << out;
+  const std::string id = first_line(out);
+  // Wait until it runs.
+  const auto until = std::chrono::steady_clock::now() + 60s;
+  while (c.job(id).state() != v1::JOB_STATE_RUNNING && std::chrono::steady_clock::now() < until)
+    std::this_thread::sleep_for(20ms);  // polling the agent for the job's state
+  ASSERT_EQ(c.job(id).state(), v1::JOB_STATE_RUNNING);
+  const pid_t victim = std::stoi(slurp(c.dir() / "pids" / "node1.pid"));
+  ::kill(victim, SIGKILL);
+  const auto killed = std::chrono::steady_clock::now();
+  std::tie(rc, out) = c.ctl({"job", "wait", id}, 30s);
+  EXPECT_LT(std::chrono::steady_clock::now() - killed, 15s);
+  EXPECT_EQ(rc, 1) << out;
+  EXPECT_NE(out.find("FAILED"), std::string::npos) << out;
+  EXPECT_NE(out.find("node1"), std::string::npos) << out;
+
+  // The agent keeps serving; a restarted node1 rejoins and runs the next job.
+  std::tie(rc, out) = c.ctl({"cluster", "status"});
+  EXPECT_EQ(rc, 0) << out;
+  Process restarted = Process::spawn({kMoed, "--agent", c.agent(), "--devices", "1", "--token-file",
+                                      (c.dir() / "token").string(), "--name", "node1", "--listen", "127.0.0.1:0"});
+  const auto rejoin_until = std::chrono::steady_clock::now() + 30s;
+  for (;;) {
+    v1::Envelope req;
+    req.mutable_cluster_status();
+    const auto st = c.client().call(req, 10s).cluster_status_reply();
+    if (st.nodes_size() == 2 && st.nodes(1).state() == v1::NODE_STATE_ALIVE) break;
+    ASSERT_LT(std::chrono::steady_clock::now(), rejoin_until) << "node1 did not rejoin\n" << restarted.output();
+    std::this_thread::sleep_for(20ms);  // polling for the registration
+  }
+  std::tie(rc, out) = c.ctl({"job", "submit", "--wait", "--experts", "4", "--top-k", "2", "--hidden", "32",
+                             "--ffn-hidden", "16", "--tokens-per-rank", "32", "--steps", "2", "--verify"},
+                            120s);
+  EXPECT_EQ(rc, 0) << out << restarted.output() << c.logs();
+  EXPECT_NE(out.find("SUCCEEDED"), std::string::npos) << out;
+  restarted.kill(SIGTERM);
+  EXPECT_EQ(restarted.wait(30s), 0) << restarted.output();
+}
+
+TEST(Cluster, CancelStopsARunningJob) {
+  Cluster c(1, 2);
+  ASSERT_TRUE(c.up());
+  auto [rc, out] = c.ctl({"job", "submit", "--experts", "4", "--top-k", "2", "--hidden", "32", "--ffn-hidden", "16",
+                          "--tokens-per-rank", "32", "--steps", "1000000"});
+  ASSERT_EQ(rc, 0) << out;
+  const std::string id = first_line(out);
+  const auto until = std::chrono::steady_clock::now() + 60s;
+  while (c.job(id).state() != v1::JOB_STATE_RUNNING && std::chrono::steady_clock::now() < until)
+    std::this_thread::sleep_for(20ms);  // polling the agent for the job's state
+  std::tie(rc, out) = c.ctl({"job", "cancel", id});
+  EXPECT_EQ(rc, 0) << out;
+  std::tie(rc, out) = c.ctl({"job", "wait", id}, 30s);
+  EXPECT_EQ(rc, 1) << out;
+  EXPECT_NE(out.find("CANCELLED"), std::string::npos) << out;
+  // The cluster takes the next job.
+  std::tie(rc, out) = c.ctl({"job", "submit", "--wait", "--experts", "4", "--top-k", "2", "--hidden", "32",
+                             "--ffn-hidden", "16", "--tokens-per-rank", "16", "--steps", "1"},
+                            60s);
+  EXPECT_EQ(rc, 0) << out;
+  std::tie(rc, out) = c.ctl({"--output", "json", "job", "list"});
+  EXPECT_NE(out.find("\"state\": \"JOB_STATE_CANCELLED\""), std::string::npos) << out;
+}
+
+}  // namespace
+}  // namespace moe::test
