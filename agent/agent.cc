@@ -95,14 +95,8 @@ v1::PlacementMap contiguous_map(int layer, int experts, int world, int64_t epoch
 
 Agent::Agent(rpc::asio::io_context& io, AgentOptions options)
     : io_(io), opts_(std::move(options)), outbound_(std::make_unique<Outbound>()), job_event_(io), bootstrap_event_(io) {
-  const auto [host, port] = rpc::split_address(opts_.listen);
-  rpc::ServerOptions so;
-  so.host = host;
-  so.port = port;
-  so.token = opts_.token;
-  so.role = "moe-agent";
   server_ = std::make_unique<rpc::RpcServer>(
-      io_, so, [this](const v1::Envelope& req, const rpc::RequestContext& ctx) { return handle(req, ctx); });
+      io_, rpc::ServerOptions::make(opts_.listen, opts_.token, "moe-agent"), [this](const v1::Envelope& req, const rpc::RequestContext& ctx) { return handle(req, ctx); });
   rpc::asio::co_spawn(io_, watchdog(), rpc::asio::detached);
   log::info("listening on ", server_->address(), opts_.token.empty() ? " (no token)" : "");
 }

@@ -35,17 +35,6 @@ double median(std::vector<double> v) {
   return v[v.size() / 2];
 }
 
-std::vector<uint8_t> to_dtype(const std::vector<float>& v, kernels::DType t) {
-  std::vector<uint8_t> out(v.size() * kernels::dtype_size(t) + 1);
-  if (t == kernels::DType::kF32) {
-    std::memcpy(out.data(), v.data(), 4 * v.size());
-  } else {
-    auto* p = reinterpret_cast<kernels::bf16_t*>(out.data());
-    for (size_t i = 0; i < v.size(); ++i) p[i] = kernels::f32_to_bf16(v[i]);
-  }
-  return out;
-}
-
 // Runs a child, returns its stdout; empty on failure.
 std::string capture(const std::vector<std::string>& argv, Clock::duration timeout, pid_t* started = nullptr) {
   int fds[2];
@@ -135,7 +124,7 @@ EpRankStats run_ep_rank(const EpBenchOptions& o, transport::Communicator& comm) 
   std::vector<float> x32(T * o.hidden), g32(T * o.hidden);
   model::fill_inputs(o.seed, 0, begin, T, o.hidden, x32.data());
   model::fill_inputs(o.seed ^ 0x67726164ull, 0, begin, T, o.hidden, g32.data());
-  const auto x = to_dtype(x32, o.dtype), go = to_dtype(g32, o.dtype);
+  const auto x = model::to_storage(x32, o.dtype), go = model::to_storage(g32, o.dtype);
   std::vector<uint8_t> out(x.size()), gx(x.size());
 
   EpRankStats st;

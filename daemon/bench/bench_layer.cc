@@ -22,18 +22,6 @@ double now_seconds() {
   return std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch()).count();
 }
 
-// Values in the layer dtype, as raw bytes.
-std::vector<uint8_t> in_dtype(const std::vector<float>& v, DType t) {
-  std::vector<uint8_t> out(v.size() * kernels::dtype_size(t));
-  if (t == DType::kF32) {
-    std::memcpy(out.data(), v.data(), out.size());
-  } else {
-    auto* p = reinterpret_cast<kernels::bf16_t*>(out.data());
-    for (size_t i = 0; i < v.size(); ++i) p[i] = kernels::f32_to_bf16(v[i]);
-  }
-  return out;
-}
-
 v1::JobSpec spec_of(const LayerBenchOptions& o) {
   v1::JobSpec s;
   s.set_experts(o.experts);
@@ -103,7 +91,7 @@ Report run_layer_bench(const LayerBenchOptions& o) {
   std::vector<float> x32(T * H), g32(T * H);
   model::fill_inputs(o.seed, 0, 0, T, o.hidden, x32.data());
   model::fill_inputs(o.seed ^ 0x67726164ull, 0, 0, T, o.hidden, g32.data());  // grad_out ("grad")
-  const std::vector<uint8_t> x = in_dtype(x32, o.dtype), grad_out = in_dtype(g32, o.dtype);
+  const std::vector<uint8_t> x = model::to_storage(x32, o.dtype), grad_out = model::to_storage(g32, o.dtype);
   std::vector<uint8_t> out(x.size()), grad_x(x.size());
 
   auto step = [&] {

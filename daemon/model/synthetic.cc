@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdlib>
+#include <cstring>
 #include <numeric>
 
 #include "counter_rng.h"
@@ -84,6 +85,25 @@ std::vector<float> skew_logit_bias(const std::string& skew, uint64_t seed, int E
 
 void round_to_bf16(std::vector<float>& v) {
   for (float& f : v) f = kernels::round_to_bf16(f);
+}
+
+std::vector<uint8_t> to_storage(const std::vector<float>& v, kernels::DType dtype) {
+  std::vector<uint8_t> out(v.size() * kernels::dtype_size(dtype) + 1);
+  if (dtype == kernels::DType::kF32) {
+    if (!v.empty()) std::memcpy(out.data(), v.data(), 4 * v.size());
+  } else {
+    auto* p = reinterpret_cast<kernels::bf16_t*>(out.data());
+    for (size_t i = 0; i < v.size(); ++i) p[i] = kernels::f32_to_bf16(v[i]);
+  }
+  return out;
+}
+
+std::vector<float> from_storage(const void* data, size_t count, kernels::DType dtype) {
+  std::vector<float> v(count);
+  for (size_t i = 0; i < count; ++i)
+    v[i] = dtype == kernels::DType::kF32 ? static_cast<const float*>(data)[i]
+                                        : kernels::bf16_to_f32(static_cast<const kernels::bf16_t*>(data)[i]);
+  return v;
 }
 
 }  // namespace moe::model

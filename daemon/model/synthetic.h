@@ -3,6 +3,7 @@
 // zipf skew term. Pure functions: every rank rebuilds exactly the same values.
 #pragma once
 
+#include <cstddef>
 #include <cstdint>
 #include <string>
 #include <vector>
@@ -44,5 +45,10 @@ std::vector<float> skew_logit_bias(const std::string& skew, uint64_t seed, int n
 
 // Rounds every value to bf16 (storage precision of a bf16 job).
 void round_to_bf16(std::vector<float>& v);
+
+// Host tensors in a storage dtype: fp32 values -> bytes in `dtype` (bf16 rounds),
+// and back. The byte buffer has one spare byte so an empty tensor has a pointer.
+std::vector<uint8_t> to_storage(const std::vector<float>& v, kernels::DType dtype);
+std::vector<float> from_storage(const void* data, size_t count, kernels::DType dtype);
 
 }  // namespace moe::model

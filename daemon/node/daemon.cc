@@ -45,14 +45,8 @@ Daemon::Daemon(rpc::asio::io_context& io, DaemonOptions options) : io_(io), opts
   MOE_CHECK(opts_.devices >= 1, "--devices must be >= 1, got ", opts_.devices);
   opts_.backend = resolve_backend(opts_.backend);
   if (opts_.threads <= 0) opts_.threads = static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
-  const auto [host, port] = rpc::split_address(opts_.listen);
-  rpc::ServerOptions so;
-  so.host = host;
-  so.port = port;
-  so.token = opts_.token;
-  so.role = "moed";
   server_ = std::make_unique<rpc::RpcServer>(
-      io_, so, [this](const v1::Envelope& req, const rpc::RequestContext& ctx) { return handle(req, ctx); });
+      io_, rpc::ServerOptions::make(opts_.listen, opts_.token, "moed"), [this](const v1::Envelope& req, const rpc::RequestContext& ctx) { return handle(req, ctx); });
   if (opts_.name.empty()) opts_.name = host_name() + ":" + std::to_string(server_->port());
   if (!opts_.metrics.empty()) metrics_ = std::make_unique<metrics::DaemonMetrics>(opts_.metrics);
   log::init("moed", opts_.name);

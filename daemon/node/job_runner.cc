@@ -42,25 +42,6 @@ class AgentBootstrap final : public transport::Bootstrap {
   int rank_;
 };
 
-std::vector<uint8_t> to_dtype(const std::vector<float>& v, DType t) {
-  std::vector<uint8_t> out(v.size() * kernels::dtype_size(t) + 1);
-  if (t == DType::kF32) {
-    std::memcpy(out.data(), v.data(), 4 * v.size());
-  } else {
-    auto* p = reinterpret_cast<kernels::bf16_t*>(out.data());
-    for (size_t i = 0; i < v.size(); ++i) p[i] = kernels::f32_to_bf16(v[i]);
-  }
-  return out;
-}
-
-std::vector<float> from_dtype(const std::vector<uint8_t>& b, size_t n, DType t) {
-  std::vector<float> v(n);
-  for (size_t i = 0; i < n; ++i)
-    v[i] = t == DType::kF32 ? reinterpret_cast<const float*>(b.data())[i]
-                            : kernels::bf16_to_f32(reinterpret_cast<const kernels::bf16_t*>(b.data())[i]);
-  return v;
-}
-
 // x <- x + out, in fp32, stored in the job dtype.
 void residual_add(std::vector<uint8_t>& x, const std::vector<uint8_t>& out, size_t n, DType t) {
   if (t == DType::kF32) {
@@ -108,7 +89,7 @@ v1::Verify verify_layer(const v1::JobSpec& spec, int layer, const Snapshot& s) {
   rw.logit_bias.assign(w.logit_bias.begin(), w.logit_bias.end());
   rw.w13.assign(w.w13.begin(), w.w13.end());
   rw.w2.assign(w.w2.begin(), w.w2.end());
-  const std::vector<float> xf = from_dtype(s.x, T * H, dt);
+  const std::vector<float> xf = model::from_storage(s.x.data(), T * H, dt);
   const std::vector<double> x(xf.begin(), xf.end());
   // The reference's own selection must agree except at near-ties fp32 cannot break;
   // the numbers are then compared on our selection.
@@ -118,7 +99,7 @@ v1::Verify verify_layer(const v1::JobSpec& spec, int layer, const Snapshot& s) {
     if (own.selection_margin[t] > 1e-5)
       for (int k = 0; k < K; ++k) disagreements += own.topk_idx[t * K + k] != s.topk_idx[t * K + k];
   const ref::Forward f = ref::forward(rc, rw, x, T, {s.topk_idx.data(), {}});
-  const std::vector<float> out = from_dtype(s.out, T * H, dt);
+  const std::vector<float> out = model::from_storage(s.out.data(), T * H, dt);
   double max_abs = 0, scale = 0;
   for (int64_t i = 0; i < T * H; ++i) {
     max_abs = std::max(max_abs, std::fabs(out[i] - f.out[i]));
@@ -203,7 +184,7 @@ void JobRunner::rank_main(int local) {
       comm.all_reduce_sum(&stop, 1, deadline());
       if (stop > 0) break;
       const double t0 = ep::now_seconds();
-      std::vector<uint8_t> x = to_dtype(step_inputs(spec, rank, step), dt);
+      std::vector<uint8_t> x = model::to_storage(step_inputs(spec, rank, step), dt);
       v1::Envelope report;
       auto* r = report.mutable_step_report();
       r->set_job_id(job_.job_id());

@@ -27,6 +27,17 @@ struct ServerOptions {
   std::string token;      // empty: no authentication
   std::string role;       // told to clients in HelloReply
   size_t max_frame_bytes = kDefaultMaxFrameBytes;
+
+  // listen is HOST:PORT; throws RpcError naming it when malformed.
+  static ServerOptions make(const std::string& listen, std::string token, std::string role) {
+    const auto [h, p] = split_address(listen);
+    ServerOptions o;
+    o.host = h;
+    o.port = p;
+    o.token = std::move(token);
+    o.role = std::move(role);
+    return o;
+  }
 };
 
 // What a handler knows about the request it serves.

@@ -31,15 +31,6 @@ namespace fs = std::filesystem;
 const std::string kMoectl = std::string(MOE_BIN_DIR) + "/cli/moectl";
 const std::string kMoed = std::string(MOE_BIN_DIR) + "/daemon/moed";
 
-std::string slurp(const fs::path& p) {
-  std::ifstream in(p);
-  std::stringstream ss;
-  ss << in.rdbuf();
-  std::string s = ss.str();
-  while (!s.empty() && (s.back() == '\n' || s.back() == ' ')) s.pop_back();
-  return s;
-}
-
 // A local cluster in its own state directory, torn down by the destructor.
 class Cluster {
  public:
@@ -58,8 +49,8 @@ class Cluster {
   }
   bool up() const { return up_; }
   const fs::path& dir() const { return dir_; }
-  std::string agent() const { return slurp(dir_ / "agent_address"); }
-  std::string token() const { return slurp(dir_ / "token"); }
+  std::string agent() const { return read_text_file(dir_ / "agent_address"); }
+  std::string token() const { return read_text_file(dir_ / "token"); }
 
   // Runs moectl with this cluster's state dir; returns (exit code, output).
   std::pair<int, std::string> ctl(const std::vector<std::string>& args, std::chrono::milliseconds timeout = 60s) const {
@@ -73,7 +64,7 @@ class Cluster {
   std::string logs() const {
     std::string s;
     if (fs::exists(dir_ / "logs"))
-      for (const auto& f : fs::directory_iterator(dir_ / "logs")) s += "\n--- " + f.path().filename().string() + "\n" + slurp(f.path());
+      for (const auto& f : fs::directory_iterator(dir_ / "logs")) s += "\n--- " + f.path().filename().string() + "\n" + read_text_file(f.path());
     return s;
   }
 
@@ -230,7 +221,7 @@ TEST(Cluster, KilledDaemonFailsTheJobNamingItAndARestartRejoins) {
   while (c.job(id).state() != v1::JOB_STATE_RUNNING && std::chrono::steady_clock::now() < until)
     std::this_thread::sleep_for(20ms);  // polling the agent for the job's state
   ASSERT_EQ(c.job(id).state(), v1::JOB_STATE_RUNNING);
-  const pid_t victim = std::stoi(slurp(c.dir() / "pids" / "node1.pid"));
+  const pid_t victim = std::stoi(read_text_file(c.dir() / "pids" / "node1.pid"));
   ::kill(victim, SIGKILL);
   const auto killed = std::chrono::steady_clock::now();
   std::tie(rc, out) = c.ctl({"job", "wait", id}, 30s);

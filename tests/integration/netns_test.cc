@@ -28,15 +28,6 @@ namespace fs = std::filesystem;
 
 int sh(const std::string& cmd) { return std::system((cmd + " >/dev/null 2>&1").c_str()); }
 
-std::string slurp(const fs::path& p) {
-  std::ifstream in(p);
-  std::stringstream ss;
-  ss << in.rdbuf();
-  std::string s = ss.str();
-  while (!s.empty() && (s.back() == '\n' || s.back() == ' ')) s.pop_back();
-  return s;
-}
-
 // Namespaces "host0" (agent), "host1", "host2" (daemons) on 10.X.Y.0/24.
 class Hosts {
  public:
@@ -100,7 +91,7 @@ TEST(SeveralHosts, ForwardJobAcrossNetworkNamespaces) {
     ASSERT_LT(std::chrono::steady_clock::now(), until) << agent.output();
     std::this_thread::sleep_for(20ms);  // polling for the agent's address file
   }
-  const std::string address = slurp(dir / "agent_address");
+  const std::string address = read_text_file(dir / "agent_address");
   EXPECT_EQ(address.rfind(hosts.address(0) + ":", 0), 0u) << address;
   std::vector<Process> daemons;
   for (int i = 1; i <= 2; ++i)

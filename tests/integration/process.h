@@ -34,4 +34,7 @@ class Process {
   std::string log_path_;
 };
 
+// A small text file's contents without trailing newlines or spaces ("" if absent).
+std::string read_text_file(const std::string& path);
+
 }  // namespace moe::test

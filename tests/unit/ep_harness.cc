@@ -24,25 +24,6 @@ std::vector<float> inputs(uint64_t seed, int64_t begin, int64_t T, int H, kernel
   return v;
 }
 
-std::vector<uint8_t> as_dtype(const std::vector<float>& v, kernels::DType dtype) {
-  std::vector<uint8_t> out(v.size() * kernels::dtype_size(dtype) + 1);
-  if (dtype == kernels::DType::kF32) {
-    std::memcpy(out.data(), v.data(), 4 * v.size());
-  } else {
-    auto* p = reinterpret_cast<kernels::bf16_t*>(out.data());
-    for (size_t i = 0; i < v.size(); ++i) p[i] = kernels::f32_to_bf16(v[i]);
-  }
-  return out;
-}
-
-std::vector<float> from_dtype(const uint8_t* p, size_t n, kernels::DType dtype) {
-  std::vector<float> v(n);
-  for (size_t i = 0; i < n; ++i)
-    v[i] = dtype == kernels::DType::kF32 ? reinterpret_cast<const float*>(p)[i]
-                                        : kernels::bf16_to_f32(reinterpret_cast<const kernels::bf16_t*>(p)[i]);
-  return v;
-}
-
 model::LayerWeights case_weights(const EpCase& c) {
   model::LayerWeights w = model::make_layer_weights(c.seed, 0, {c.hidden, c.ffn, c.experts});
   w.logit_bias = model::skew_logit_bias(c.skew, c.seed, c.experts);
@@ -190,16 +171,16 @@ RankResult run_rank(const EpCase& c, transport::Communicator& comm, kernels::Bac
   ep::EpLayer layer(c.layer_config(), map, comm, be, {std::chrono::seconds(30), 0});
   layer.set_weights(case_weights(c));
   const int64_t T = c.tokens[rank], begin = c.token_begin(rank);
-  const auto x = as_dtype(inputs(c.seed, begin, T, H, c.dtype), c.dtype);
-  const auto go = as_dtype(inputs(c.seed ^ kGradSeedTag, begin, T, H, c.dtype), c.dtype);
+  const auto x = model::to_storage(inputs(c.seed, begin, T, H, c.dtype), c.dtype);
+  const auto go = model::to_storage(inputs(c.seed ^ kGradSeedTag, begin, T, H, c.dtype), c.dtype);
   std::vector<uint8_t> out(x.size()), gx(x.size());
   layer.forward(x.data(), T, begin, out.data());
   layer.backward(go.data(), gx.data());
 
   RankResult res;
   res.rank = rank;
-  res.out = from_dtype(out.data(), T * H, c.dtype);
-  res.grad_x = from_dtype(gx.data(), T * H, c.dtype);
+  res.out = model::from_storage(out.data(), T * H, c.dtype);
+  res.grad_x = model::from_storage(gx.data(), T * H, c.dtype);
   res.topk_idx.assign(layer.topk_idx(), layer.topk_idx() + T * K);
   res.kept_idx.assign(layer.kept_idx(), layer.kept_idx() + T * K);
   res.grad_gate.assign(layer.grad_gate(), layer.grad_gate() + static_cast<size_t>(c.experts) * H);
