@@ -186,6 +186,8 @@ v1::Envelope Agent::on_register(const v1::RegisterNodeRequest& r) {
   }
   Node& n = *it;
   n.state = v1::NODE_STATE_ALIVE;
+  n.busy_job.clear();  // a (re)starting daemon runs nothing
+  n.busy_ranks = 0;
   n.devices = r.devices();
   n.control_address = r.control_address();
   n.metrics_address = r.metrics_address();
@@ -223,10 +225,13 @@ rpc::awaitable<v1::Envelope> Agent::on_bootstrap(const v1::BootstrapPublish& p, 
   job->blobs[p.rank()] = p.blob();
   bootstrap_event_.notify_all();
   const std::string id = p.job_id();
-  while (running_ && running_->id == id && running_->published_count < running_->world && Clock::now() < ctx.deadline)
+  auto ended = [&] { return !running_ || running_->id != id || running_->failed || running_->cancelled; };
+  while (!ended() && running_->published_count < running_->world && Clock::now() < ctx.deadline)
     co_await bootstrap_event_.wait(ctx.deadline);
-  if (!running_ || running_->id != id)
-    throw RpcError(v1::ERROR_CODE_FAILED_PRECONDITION, "job " + id + " ended during the transport bootstrap");
+  if (ended())
+    throw RpcError(v1::ERROR_CODE_FAILED_PRECONDITION,
+                   "job " + id + " ended during the transport bootstrap" +
+                       (running_ && running_->id == id ? ": " + running_->message : std::string()));
   if (running_->published_count < running_->world) {
     int missing = 0;
     while (running_->published[missing]) ++missing;
@@ -243,6 +248,12 @@ v1::Envelope Agent::on_step(const v1::StepReport& r) {
     auto& by_rank = running_->steps[r.stats().step()];
     by_rank.resize(running_->world);
     by_rank[r.rank()] = r.stats();
+    int reported = 0;
+    for (const auto& s : by_rank) reported += s.step_seconds() > 0;
+    if (reported == running_->world) {  // progress shows in `job status` while it runs
+      v1::JobResult& rec = jobs_.at(r.job_id());
+      rec.set_steps_completed(std::max(rec.steps_completed(), static_cast<double>(r.stats().step() + 1)));
+    }
   }
   v1::Envelope reply;
   reply.mutable_ack();
@@ -252,6 +263,14 @@ v1::Envelope Agent::on_step(const v1::StepReport& r) {
 v1::Envelope Agent::on_rank_done(const v1::RankDone& d) {
   v1::Envelope reply;
   reply.mutable_ack();
+  if (devices_per_node_ > 0 && d.rank() >= 0) {
+    const int node = d.rank() / devices_per_node_;
+    if (node < static_cast<int>(nodes_.size()) && nodes_[node].busy_job == d.job_id() && --nodes_[node].busy_ranks <= 0) {
+      nodes_[node].busy_job.clear();
+      nodes_[node].busy_ranks = 0;
+      rpc::asio::post(io_, [this] { try_schedule(); });
+    }
+  }
   if (!running_ || running_->id != d.job_id() || d.rank() < 0 || d.rank() >= running_->world) return reply;
   Running& job = *running_;
   if (!job.done[d.rank()]) {
@@ -379,9 +398,12 @@ rpc::awaitable<void> Agent::watchdog() {
       const int first = n.index * devices_per_node_, last = first + devices_per_node_ - 1;
       log::warn("node ", n.name, " (ranks ", first, "-", last, ") missed heartbeats for ",
                 std::chrono::duration_cast<std::chrono::milliseconds>(now - n.last_heartbeat).count(), " ms: dead");
-      if (running_ && !running_->failed)
-        fail_running("node " + n.name + " (ranks " + std::to_string(first) + "-" + std::to_string(last) +
-                     ") stopped responding");
+      n.busy_job.clear();  // a dead daemon runs nothing
+      n.busy_ranks = 0;
+      const std::string why =
+          "node " + n.name + " (ranks " + std::to_string(first) + "-" + std::to_string(last) + ") stopped responding";
+      if (running_ && !running_->failed && !running_->cancelled) fail_running(why);
+      else if (running_) finish(v1::JOB_STATE_FAILED, running_->message + "; " + why);  // it will never report
     }
     if (running_ && running_->failed && now - running_->failed_at > opts_.failed_job_grace)
       finish(v1::JOB_STATE_FAILED, running_->message + " (not every rank reported back)");
@@ -391,7 +413,7 @@ rpc::awaitable<void> Agent::watchdog() {
 void Agent::try_schedule() {
   if (stopped_ || running_ || queue_.empty() || nodes_.empty()) return;
   for (const Node& n : nodes_)
-    if (n.state != v1::NODE_STATE_ALIVE) return;  // every rank takes part: wait for the node
+    if (n.state != v1::NODE_STATE_ALIVE || !n.busy_job.empty()) return;  // every rank takes part: wait for the node
   start(queue_.front());
   queue_.pop_front();
 }
@@ -434,7 +456,9 @@ void Agent::start(const std::string& id) {
   s->set_world_size(world);
   s->set_devices_per_node(devices_per_node_);
   for (const auto& m : maps_) *s->add_maps() = m;
-  for (const Node& n : nodes_) {
+  for (Node& n : nodes_) {
+    n.busy_job = id;
+    n.busy_ranks = devices_per_node_;
     const std::string address = n.control_address, name = n.name;
     outbound_->post([this, req, address, name, id] {
       std::optional<std::string> error;

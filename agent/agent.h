@@ -55,6 +55,10 @@ class Agent {
     int devices = 0;
     std::string control_address, metrics_address, host;
     std::chrono::steady_clock::time_point last_heartbeat;
+    // The job whose ranks on this node have not all reported done yet: the daemon
+    // is still busy with it even if the agent already recorded its end.
+    std::string busy_job;
+    int busy_ranks = 0;
   };
   struct Running {
     std::string id;

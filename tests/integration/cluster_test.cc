@@ -216,11 +216,12 @@ TEST(Cluster, KilledDaemonFailsTheJobNamingItAndARestartRejoins) {
                           "--tokens-per-rank", "32", "--steps", "1000000"});
   ASSERT_EQ(rc, 0) << out;
   const std::string id = first_line(out);
-  // Wait until it runs.
+  // Wait until steps complete, so the kill lands in the middle of the job.
   const auto until = std::chrono::steady_clock::now() + 60s;
-  while (c.job(id).state() != v1::JOB_STATE_RUNNING && std::chrono::steady_clock::now() < until)
-    std::this_thread::sleep_for(20ms);  // polling the agent for the job's state
+  while (c.job(id).steps_completed() < 3 && std::chrono::steady_clock::now() < until)
+    std::this_thread::sleep_for(20ms);  // polling the agent for the job's progress
   ASSERT_EQ(c.job(id).state(), v1::JOB_STATE_RUNNING);
+  ASSERT_GE(c.job(id).steps_completed(), 3);
   const pid_t victim = std::stoi(read_text_file(c.dir() / "pids" / "node1.pid"));
   ::kill(victim, SIGKILL);
   const auto killed = std::chrono::steady_clock::now();
