@@ -1,0 +1,289 @@
+#include "moe/placement/sim_report.h"
+
+#include <cctype>
+#include <charconv>
+#include <chrono>
+#include <cmath>
+#include <cstdio>
+#include <sstream>
+
+#include "moe/placement/eplb.h"
+#include "moe/placement/placement_error.h"
+#include "moe/placement/placement_metrics.h"
+#include "moe/placement/placement_solver.h"
+#include "moe/placement/trace.h"
+
+namespace moe::placement {
+
+namespace {
+
+constexpr uint64_t kSampleWindow = 1, kPrevWindow = 2, kPrevSampleWindow = 3;
+
+TraceConfig trace_config(const SimConfig& config, uint64_t window, int64_t tokens, double alpha) {
+  TraceConfig t;
+  t.num_experts = config.spec.num_experts;
+  t.top_k = config.spec.top_k;
+  t.num_tokens = tokens;
+  t.zipf_alpha = alpha;
+  t.seed = config.seed;
+  t.window = window;
+  t.num_groups = config.spec.num_groups;
+  t.group_top_k = config.spec.group_top_k;
+  return t;
+}
+
+template <typename F>
+auto timed(double* seconds, F&& f) {
+  const auto start = std::chrono::steady_clock::now();
+  auto result = f();
+  *seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  return result;
+}
+
+PolicyResult policy_result(std::string name) {
+  PolicyResult r;
+  r.policy = std::move(name);
+  return r;
+}
+
+std::string fixed(double v, int digits) {
+  char buf[64];
+  std::snprintf(buf, sizeof(buf), "%.*f", digits, v);
+  return buf;
+}
+
+std::string json_string(std::string_view s) {
+  std::string out = "\"";
+  for (char c : s) {
+    if (c == '"' || c == '\\') out += '\\';
+    out += c;
+  }
+  return out + "\"";
+}
+
+}  // namespace
+
+void SimConfig::validate() const {
+  spec.validate();
+  if (loads_mode()) {
+    for (size_t l = 0; l < loads.size(); ++l)
+      MOE_PLACEMENT_CHECK(loads[l].size() == static_cast<size_t>(spec.num_experts), "loads layer ",
+                          l, " has ", loads[l].size(), " experts, expected ", spec.num_experts);
+    MOE_PLACEMENT_CHECK(prev_loads.empty() || prev_loads.size() == loads.size(),
+                        "previous loads have ", prev_loads.size(), " layers, loads ", loads.size());
+    for (size_t l = 0; l < prev_loads.size(); ++l)
+      MOE_PLACEMENT_CHECK(prev_loads[l].size() == static_cast<size_t>(spec.num_experts),
+                          "previous loads layer ", l, " has ", prev_loads[l].size(),
+                          " experts, expected ", spec.num_experts);
+    return;
+  }
+  MOE_PLACEMENT_CHECK(spec.top_k >= 1, "top_k (", spec.top_k, ") must be at least 1 for a trace");
+  MOE_PLACEMENT_CHECK(sample_tokens >= 0 && sample_tokens <= (int64_t{1} << 20), "sample tokens (",
+                      sample_tokens, ") must be in [0, 1048576]");
+  trace_config(*this, 0, num_tokens, zipf_alpha).validate();
+  if (prev_zipf_alpha) trace_config(*this, kPrevWindow, num_tokens, *prev_zipf_alpha).validate();
+}
+
+SimReport run_simulation(const SimConfig& config) {
+  config.validate();
+  const PlacementSpec& spec = config.spec;
+  SimReport report;
+  report.config = config;
+  report.loads_mode = config.loads_mode();
+  report.config.loads.clear();
+  report.has_prev_loads = !config.prev_loads.empty();
+  report.config.prev_loads.clear();
+
+  std::vector<std::vector<double>> loads = config.loads, prev_loads = config.prev_loads;
+  Trace trace, sample, prev_sample;
+  if (!config.loads_mode()) {
+    trace = generate_trace(trace_config(config, 0, config.num_tokens, config.zipf_alpha));
+    loads = {trace.expert_loads()};
+    const double prev_alpha = config.prev_zipf_alpha.value_or(config.zipf_alpha);
+    prev_loads = {generate_trace(trace_config(config, kPrevWindow, config.num_tokens, prev_alpha))
+                      .expert_loads()};
+    if (config.sample_tokens > 0) {
+      sample = generate_trace(
+          trace_config(config, kSampleWindow, config.sample_tokens, config.zipf_alpha));
+      prev_sample =
+          generate_trace(trace_config(config, kPrevSampleWindow, config.sample_tokens, prev_alpha));
+    }
+  }
+  const bool trace_mode = !config.loads_mode();
+  const Trace* sample_ptr = trace_mode && config.sample_tokens > 0 ? &sample : nullptr;
+  const Trace* prev_sample_ptr = trace_mode && config.sample_tokens > 0 ? &prev_sample : nullptr;
+  const bool hierarchical = eplb_hierarchical_applicable(spec);
+  report.num_layers = static_cast<int>(loads.size());
+
+  for (size_t l = 0; l < loads.size(); ++l) {
+    const bool has_prev = !prev_loads.empty();
+    LayerResult layer;
+    auto measure = [&](PolicyResult& r, const LayerMap& map, const LayerMap* prev) {
+      r.balancedness = balancedness(map, loads[l]);
+      if (trace_mode) r.fanout = expected_fanout(map, spec.num_nodes, trace);
+      if (prev) r.copies_moved = copies_moved(*prev, map);
+    };
+
+    // moed, given its previous map, and from scratch.
+    std::optional<LayerMap> moed_prev;
+    if (has_prev) moed_prev = solve_layer(spec, prev_loads[l], {nullptr, prev_sample_ptr});
+    PolicyResult moed = policy_result("moed");
+    const LayerMap moed_map = timed(&moed.solve_seconds, [&] {
+      return solve_layer(spec, loads[l], {moed_prev ? &*moed_prev : nullptr, sample_ptr});
+    });
+    measure(moed, moed_map, moed_prev ? &*moed_prev : nullptr);
+    layer.policies.push_back(moed);
+    if (has_prev) {
+      PolicyResult scratch = policy_result("moed-from-scratch");
+      const LayerMap map = timed(&scratch.solve_seconds, [&] {
+        return solve_layer(spec, loads[l], {nullptr, sample_ptr});
+      });
+      measure(scratch, map, &*moed_prev);
+      layer.policies.push_back(scratch);
+    }
+
+    for (EplbPolicy policy : {EplbPolicy::kHierarchical, EplbPolicy::kGlobal}) {
+      PolicyResult r = policy_result(eplb_policy_name(policy));
+      if (policy == EplbPolicy::kHierarchical && !hierarchical) {
+        r.available = false;
+        r.note = "needs groups (" + std::to_string(spec.num_groups) +
+                 ") to be a positive multiple of nodes (" + std::to_string(spec.num_nodes) + ")";
+        layer.policies.push_back(r);
+        continue;
+      }
+      std::optional<LayerMap> prev;
+      if (has_prev) prev = eplb_rebalance(spec, prev_loads[l], policy);
+      const LayerMap map =
+          timed(&r.solve_seconds, [&] { return eplb_rebalance(spec, loads[l], policy); });
+      measure(r, map, prev ? &*prev : nullptr);
+      layer.policies.push_back(r);
+    }
+    report.layers.push_back(std::move(layer));
+  }
+  return report;
+}
+
+std::string format_table(const SimReport& report) {
+  const SimConfig& c = report.config;
+  const PlacementSpec& s = c.spec;
+  std::ostringstream os;
+  os << "placement: " << s.num_experts << " experts + " << s.num_redundant << " redundant on "
+     << s.num_ranks << " ranks, " << s.num_nodes << " nodes (" << s.slots_per_rank()
+     << " slots per rank)";
+  if (s.grouped()) os << ", " << s.num_groups << " groups";
+  os << "\n";
+  if (report.loads_mode) {
+    os << "loads: " << report.num_layers << " layer(s); fan-out: n/a (needs per-token data); "
+       << "copies moved: "
+       << (report.has_prev_loads ? "vs each policy's map for the previous loads" : "n/a")
+       << "\nmoed: "
+       << (s.top_k > 0 && s.num_nodes > 1
+               ? "lowers the fan-out of a model of the loads (top-k hint)"
+               : "balances only (no top-k hint)")
+       << "\n";
+  } else {
+    os << "trace: " << c.num_tokens << " tokens, top-" << s.top_k;
+    if (s.group_limited()) os << " in " << s.group_top_k << " of " << s.num_groups << " groups";
+    os << ", zipf " << c.zipf_alpha << ", seed " << c.seed
+       << "; moed routing sample: " << c.sample_tokens
+       << " tokens (window 1); copies moved: vs each policy's map for window 2";
+    if (c.prev_zipf_alpha) os << " (zipf " << *c.prev_zipf_alpha << ")";
+    os << "\n";
+  }
+  for (size_t l = 0; l < report.layers.size(); ++l) {
+    if (report.layers.size() > 1) os << "\nlayer " << l << "\n";
+    os << "\npolicy              balancedness  fan-out  copies moved  solve ms\n";
+    for (const PolicyResult& r : report.layers[l].policies) {
+      char line[160];
+      if (!r.available) {
+        std::snprintf(line, sizeof(line), "%-18s  n/a: %s\n", r.policy.c_str(), r.note.c_str());
+      } else {
+        std::snprintf(line, sizeof(line), "%-18s  %12s  %7s  %12s  %8s\n", r.policy.c_str(),
+                      fixed(r.balancedness, 4).c_str(),
+                      r.fanout ? fixed(*r.fanout, 3).c_str() : "n/a",
+                      r.copies_moved ? std::to_string(*r.copies_moved).c_str() : "n/a",
+                      fixed(r.solve_seconds * 1e3, 1).c_str());
+      }
+      os << line;
+    }
+  }
+  return os.str();
+}
+
+std::string format_json(const SimReport& report) {
+  const SimConfig& c = report.config;
+  const PlacementSpec& s = c.spec;
+  std::ostringstream os;
+  os << "{\"config\": {\"experts\": " << s.num_experts << ", \"ranks\": " << s.num_ranks
+     << ", \"nodes\": " << s.num_nodes << ", \"redundant_experts\": " << s.num_redundant
+     << ", \"slots_per_rank\": " << s.slots_per_rank() << ", \"groups\": " << s.num_groups
+     << ", \"group_top_k\": " << s.group_top_k << ", \"top_k\": " << s.top_k;
+  if (report.loads_mode) {
+    os << ", \"source\": \"loads\"";
+  } else {
+    os << ", \"source\": \"trace\", \"tokens\": " << c.num_tokens << ", \"zipf\": " << c.zipf_alpha
+       << ", \"seed\": " << c.seed << ", \"sample_tokens\": " << c.sample_tokens;
+    if (c.prev_zipf_alpha) os << ", \"prev_zipf\": " << *c.prev_zipf_alpha;
+  }
+  os << "}, \"layers\": [";
+  for (size_t l = 0; l < report.layers.size(); ++l) {
+    os << (l ? ", " : "") << "{\"layer\": " << l << ", \"policies\": [";
+    const auto& policies = report.layers[l].policies;
+    for (size_t i = 0; i < policies.size(); ++i) {
+      const PolicyResult& r = policies[i];
+      os << (i ? ", " : "") << "{\"policy\": " << json_string(r.policy)
+         << ", \"available\": " << (r.available ? "true" : "false");
+      if (!r.available) {
+        os << ", \"note\": " << json_string(r.note) << "}";
+        continue;
+      }
+      os << ", \"balancedness\": " << fixed(r.balancedness, 6)
+         << ", \"fanout\": " << (r.fanout ? fixed(*r.fanout, 6) : "null")
+         << ", \"copies_moved\": " << (r.copies_moved ? std::to_string(*r.copies_moved) : "null")
+         << ", \"solve_seconds\": " << fixed(r.solve_seconds, 6) << "}";
+    }
+    os << "]}";
+  }
+  os << "]}\n";
+  return os.str();
+}
+
+std::vector<std::vector<double>> parse_loads(std::string_view text, std::string_view source) {
+  std::vector<std::vector<double>> out;
+  size_t line_no = 0;
+  while (!text.empty()) {
+    ++line_no;
+    const size_t end = text.find('\n');
+    std::string_view line = text.substr(0, end);
+    text = end == std::string_view::npos ? std::string_view{} : text.substr(end + 1);
+    std::vector<double> row;
+    size_t field = 0;
+    for (size_t i = 0; i < line.size();) {
+      if (std::isspace(static_cast<unsigned char>(line[i]))) {
+        ++i;
+        continue;
+      }
+      if (field == 0 && line[i] == '#') break;
+      size_t j = i;
+      while (j < line.size() && !std::isspace(static_cast<unsigned char>(line[j]))) ++j;
+      const std::string_view token = line.substr(i, j - i);
+      ++field;
+      double v = 0.0;
+      const auto [ptr, ec] = std::from_chars(token.data(), token.data() + token.size(), v);
+      MOE_PLACEMENT_CHECK(ec == std::errc() && ptr == token.data() + token.size(), source,
+                          " line ", line_no, ", field ", field, ": '", token, "' is not a number");
+      MOE_PLACEMENT_CHECK(std::isfinite(v) && v >= 0.0, source, " line ", line_no, ", field ",
+                          field, ": ", token, " must be finite and non-negative");
+      row.push_back(v);
+      i = j;
+    }
+    if (row.empty()) continue;
+    MOE_PLACEMENT_CHECK(out.empty() || row.size() == out.front().size(), source, " line ", line_no,
+                        " has ", row.size(), " loads, the first layer ", out.front().size());
+    out.push_back(std::move(row));
+  }
+  MOE_PLACEMENT_CHECK(!out.empty(), source, ": no layer (every line is blank or a comment)");
+  return out;
+}
+
+}  // namespace moe::placement
