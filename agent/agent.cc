@@ -7,6 +7,8 @@
 #include <optional>
 #include <thread>
 
+#include "moe/placement/placement_error.h"
+#include "moe/placement/placement_solver.h"
 #include "rpc/log.h"
 #include "spec/job_spec.h"
 
@@ -76,18 +78,28 @@ double median(std::vector<double> v) {
   return v[v.size() / 2];
 }
 
-// The initial placement: each rank hosts experts/R consecutive experts.
-v1::PlacementMap contiguous_map(int layer, int experts, int world, int64_t epoch) {
+// A job's first map of one layer, from the solver: no redundant slots yet, and no
+// measured loads yet (every expert weighs the same), so it is the solver's
+// balanced packing with groups kept on few nodes.
+v1::PlacementMap initial_map(int layer, const v1::JobSpec& spec, int world, int nodes, int64_t epoch) {
+  placement::PlacementSpec ps;
+  ps.num_experts = spec.experts();
+  ps.num_ranks = world;
+  ps.num_nodes = nodes;
+  ps.num_redundant = 0;
+  ps.num_groups = spec.num_groups() > 1 && spec.num_groups() % nodes == 0 ? spec.num_groups() : 0;
+  ps.top_k = spec.top_k();
+  ps.group_top_k = ps.num_groups > 1 ? spec.group_top_k() : 0;
+  const std::vector<double> loads(spec.experts(), 1.0);
+  const placement::LayerMap lm = placement::solve_layer(ps, loads);
   v1::PlacementMap m;
   m.set_epoch(epoch);
   m.set_layer(layer);
-  m.set_num_experts(experts);
-  m.set_num_ranks(world);
-  m.set_slots_per_rank(experts / world);
-  for (int e = 0; e < experts; ++e) {
-    m.add_phy2log(e);
-    m.add_logcnt(1);
-  }
+  m.set_num_experts(lm.num_experts);
+  m.set_num_ranks(lm.num_ranks);
+  m.set_slots_per_rank(lm.slots_per_rank);
+  *m.mutable_phy2log() = {lm.phy2log.begin(), lm.phy2log.end()};
+  *m.mutable_logcnt() = {lm.logcnt.begin(), lm.logcnt.end()};
   return m;
 }
 
@@ -444,8 +456,21 @@ void Agent::start(const std::string& id) {
   rec.set_state(v1::JOB_STATE_RUNNING);
   ++placement_epoch_;
   maps_.clear();
-  for (int l = 0; l < job.spec.layers(); ++l)
-    maps_.push_back(contiguous_map(l, job.spec.experts(), world, placement_epoch_));
+  try {
+    const v1::PlacementMap first = initial_map(0, job.spec, world, static_cast<int>(nodes_.size()), placement_epoch_);
+    for (int l = 0; l < job.spec.layers(); ++l) {
+      maps_.push_back(first);
+      maps_.back().set_layer(l);
+    }
+  } catch (const placement::PlacementError& e) {
+    running_.reset();
+    rec.set_state(v1::JOB_STATE_FAILED);
+    rec.set_message(std::string("placement: ") + e.what());
+    rec.set_finished_unix_ms(unix_ms());
+    job_event_.notify_all();
+    rpc::asio::post(io_, [this] { try_schedule(); });
+    return;
+  }
   log::info("job ", id, " starting on ", world, " ranks (", nodes_.size(), " nodes), placement epoch ",
             placement_epoch_);
 
