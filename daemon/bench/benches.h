@@ -43,7 +43,7 @@ struct PermuteBenchOptions {
   int top_k = 8;
   int experts = 64;
   int threads = 1;
-  int iters = 3;
+  int iters = 5;
   int64_t bytes = 0;  // permuted buffer size; 0 = max(4 x L3, 256 MiB)
 };
 Report run_permute_bench(const PermuteBenchOptions& o);

@@ -36,18 +36,6 @@ void parallel_blocks(ThreadPool& pool, int64_t n, int64_t min_block, Fn&& fn) {
   });
 }
 
-// Runs fn(begin, end, thread) over [0, n) in blocks of exactly `block` items (the
-// last may be shorter), handed out in order: the threads advance through [0, n)
-// side by side. For streaming row movement, where that keeps DRAM accesses close.
-template <typename Fn>
-void parallel_fixed_blocks(ThreadPool& pool, int64_t n, int64_t block, Fn&& fn) {
-  if (n <= 0) return;
-  pool.parallel_for(ceil_div(n, block), [&](int64_t b, int thread) {
-    const int64_t begin = b * block;
-    fn(begin, std::min(n, begin + block), thread);
-  });
-}
-
 // Row-major single-threaded sgemm: C[m,n] = alpha op(A) op(B) + beta C.
 void sgemm(bool trans_a, bool trans_b, int64_t m, int64_t n, int64_t k, float alpha,
            const float* a, int64_t lda, const float* b, int64_t ldb, float beta, float* c,

@@ -10,7 +10,10 @@ namespace moe::kernels::cpu {
 namespace {
 
 constexpr int kMaxUnpermuteK = 64;  // pairs per row the combine handles
-constexpr int64_t kRowBlock = 32;   // source rows per task of permute/unpermute
+constexpr int64_t kMinRowBlock = 64;  // rows per task at least (tasks: about 4 per thread)
+// An unpermute output this large is written with non-temporal stores: it cannot
+// stay in cache anyway, and streaming skips the read-for-ownership of every line.
+constexpr size_t kStreamOutputBytes = size_t{64} << 20;
 
 // memcpy for row-sized blocks: 32-byte vector moves, no library dispatch per row.
 void copy_bytes(uint8_t* d, const uint8_t* s, size_t bytes) {
@@ -47,9 +50,8 @@ void permute(ThreadPool& pool, const PermuteConfig& cfg, const PermuteArgs& a) {
     MOE_CHECK(a.pair_pos[p] >= -1 && a.pair_pos[p] < M, "permute: pair_pos[", p / K, ",", p % K,
               "] = ", a.pair_pos[p], " is out of range [0, ", M, ")");
   // Scatter: each source row is read once (sequentially) and written to each of
-  // its pairs. Small blocks keep both threads in the same stretch of every expert's
-  // segment, which DRAM likes better than far-apart halves.
-  parallel_fixed_blocks(pool, N, kRowBlock, [&](int64_t n0, int64_t n1, int) {
+  // its pairs. (Measured: a few large blocks per thread beat many small ones.)
+  parallel_blocks(pool, N, kMinRowBlock, [&](int64_t n0, int64_t n1, int) {
     for (int64_t n = n0; n < n1; ++n) {
       const uint8_t* s = static_cast<const uint8_t*>(a.rows) + n * in_row;
       for (int k = 0; k < K; ++k) {
@@ -81,20 +83,93 @@ inline float load1(const void* base, int64_t i) {
   else return bf16_to_f32(static_cast<const bf16_t*>(base)[i]);
 }
 
+enum class Store { kF32, kF32Stream, kBF16, kBF16Stream, kAccumulate };
+
+inline void store8(Store mode, uint8_t* out, int64_t i, __m256 acc) {
+  switch (mode) {
+    case Store::kF32:
+      _mm256_storeu_ps(reinterpret_cast<float*>(out) + i, acc);
+      break;
+    case Store::kF32Stream:
+      _mm256_stream_ps(reinterpret_cast<float*>(out) + i, acc);
+      break;
+    case Store::kBF16:
+      store_bf16_ps(reinterpret_cast<bf16_t*>(out) + i, acc);
+      break;
+    case Store::kBF16Stream: {
+      alignas(16) bf16_t tmp[8];
+      store_bf16_ps(tmp, acc);
+      _mm_stream_si128(reinterpret_cast<__m128i*>(reinterpret_cast<bf16_t*>(out) + i),
+                       _mm_load_si128(reinterpret_cast<const __m128i*>(tmp)));
+      break;
+    }
+    case Store::kAccumulate: {
+      float* o = reinterpret_cast<float*>(out) + i;
+      _mm256_storeu_ps(o, _mm256_add_ps(_mm256_loadu_ps(o), acc));
+      break;
+    }
+  }
+}
+
+// out[i] = sum_c w[c] * src[c][i] over one row, in c order. kCount > 0 fixes the
+// number of pairs at compile time (the loop over pairs unrolls); 0 reads `count`.
+template <DType kIn, int kCount>
+void sum_row(const uint8_t* const* src, const float* w, int count, int64_t H, Store mode, uint8_t* out) {
+  const int n = kCount > 0 ? kCount : count;
+  __m256 wv[kMaxUnpermuteK];
+  for (int c = 0; c < n; ++c) wv[c] = _mm256_set1_ps(w[c]);
+  int64_t i = 0;
+  for (; i + 8 <= H; i += 8) {
+    __m256 acc = _mm256_setzero_ps();
+    for (int c = 0; c < n; ++c) acc = _mm256_fmadd_ps(wv[c], load8<kIn>(src[c], i), acc);
+    store8(mode, out, i, acc);
+  }
+  for (; i < H; ++i) {
+    float acc = 0.0f;
+    for (int c = 0; c < n; ++c) acc = std::fma(w[c], load1<kIn>(src[c], i), acc);
+    if (mode == Store::kAccumulate) reinterpret_cast<float*>(out)[i] += acc;
+    else if (mode == Store::kF32 || mode == Store::kF32Stream) reinterpret_cast<float*>(out)[i] = acc;
+    else reinterpret_cast<bf16_t*>(out)[i] = f32_to_bf16(acc);
+  }
+}
+
+template <DType kIn>
+void sum_row_any(const uint8_t* const* src, const float* w, int count, int64_t H, Store mode, uint8_t* out) {
+  switch (count) {
+    case 1: return sum_row<kIn, 1>(src, w, count, H, mode, out);
+    case 2: return sum_row<kIn, 2>(src, w, count, H, mode, out);
+    case 3: return sum_row<kIn, 3>(src, w, count, H, mode, out);
+    case 4: return sum_row<kIn, 4>(src, w, count, H, mode, out);
+    case 6: return sum_row<kIn, 6>(src, w, count, H, mode, out);
+    case 8: return sum_row<kIn, 8>(src, w, count, H, mode, out);
+    default: return sum_row<kIn, 0>(src, w, count, H, mode, out);
+  }
+}
+
 template <DType kIn>
 void unpermute_impl(ThreadPool& pool, const UnpermuteConfig& cfg, const UnpermuteArgs& a) {
   const int K = cfg.top_k, H = cfg.hidden;
   const size_t in_row = dtype_size(kIn) * H, out_row = dtype_size(cfg.out_dtype) * H;
   const auto* perm = static_cast<const uint8_t*>(a.perm);
-  // Small blocks, as in permute: threads walk the expert segments side by side.
-  parallel_fixed_blocks(pool, cfg.num_rows, kRowBlock, [&](int64_t n0, int64_t n1, int) {
+  const bool stream = !cfg.accumulate && cfg.num_rows * out_row >= kStreamOutputBytes && H % 8 == 0 &&
+                      reinterpret_cast<uintptr_t>(a.out) % 32 == 0 && out_row % 32 == 0;
+  const Store mode = cfg.accumulate                     ? Store::kAccumulate
+                     : cfg.out_dtype == DType::kF32     ? (stream ? Store::kF32Stream : Store::kF32)
+                                                        : (stream ? Store::kBF16Stream : Store::kBF16);
+  parallel_blocks(pool, cfg.num_rows, kMinRowBlock, [&](int64_t n0, int64_t n1, int) {
     const uint8_t* src[kMaxUnpermuteK];
     float w[kMaxUnpermuteK];
     for (int64_t n = n0; n < n1; ++n) {
-      if (n + 1 < n1)
+      // The first two lines of the rows of the token two ahead start arriving while
+      // this one is summed; the hardware prefetcher follows from there (measured:
+      // more lines or a longer distance are slower).
+      if (n + 2 < n1)
         for (int k = 0; k < K; ++k) {
-          const int32_t p = a.pair_pos[(n + 1) * K + k];
-          if (p >= 0) _mm_prefetch(reinterpret_cast<const char*>(perm + p * in_row), _MM_HINT_T0);
+          const int32_t p = a.pair_pos[(n + 2) * K + k];
+          if (p < 0) continue;
+          const char* row = reinterpret_cast<const char*>(perm + p * in_row);
+          _mm_prefetch(row, _MM_HINT_T0);
+          _mm_prefetch(row + 64, _MM_HINT_T0);
         }
       int count = 0;
       for (int k = 0; k < K; ++k) {
@@ -103,30 +178,11 @@ void unpermute_impl(ThreadPool& pool, const UnpermuteConfig& cfg, const Unpermut
         src[count] = perm + p * in_row;
         w[count++] = a.pair_weight ? a.pair_weight[n * K + k] : 1.0f;
       }
-      auto* out = static_cast<uint8_t*>(a.out) + n * out_row;
       // All pairs of the row advance together, 8 columns at a time: K concurrent
-      // read streams, one write stream. Each element sums its pairs in k order.
-      int64_t i = 0;
-      for (; i + 8 <= H; i += 8) {
-        __m256 acc = _mm256_setzero_ps();
-        for (int c = 0; c < count; ++c) acc = _mm256_fmadd_ps(_mm256_set1_ps(w[c]), load8<kIn>(src[c], i), acc);
-        if (cfg.accumulate) {
-          float* o = reinterpret_cast<float*>(out) + i;
-          _mm256_storeu_ps(o, _mm256_add_ps(_mm256_loadu_ps(o), acc));
-        } else if (cfg.out_dtype == DType::kF32) {
-          _mm256_storeu_ps(reinterpret_cast<float*>(out) + i, acc);
-        } else {
-          store_bf16_ps(reinterpret_cast<bf16_t*>(out) + i, acc);
-        }
-      }
-      for (; i < H; ++i) {
-        float acc = 0.0f;
-        for (int c = 0; c < count; ++c) acc = std::fma(w[c], load1<kIn>(src[c], i), acc);
-        if (cfg.accumulate) reinterpret_cast<float*>(out)[i] += acc;
-        else if (cfg.out_dtype == DType::kF32) reinterpret_cast<float*>(out)[i] = acc;
-        else reinterpret_cast<bf16_t*>(out)[i] = f32_to_bf16(acc);
-      }
+      // read streams, one write stream.
+      sum_row_any<kIn>(src, w, count, H, mode, static_cast<uint8_t*>(a.out) + n * out_row);
     }
+    if (mode == Store::kF32Stream || mode == Store::kBF16Stream) _mm_sfence();  // visible before we return
   });
 }
 

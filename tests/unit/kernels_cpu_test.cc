@@ -441,6 +441,35 @@ TEST_F(CpuOps, PermuteLayoutIsStableExpertMajorAndInvertible) {
     for (int h = 0; h < H; ++h) ASSERT_EQ(perm32[m * H + h], bf16_to_f32(rows16[src[m] * H + h]));
 }
 
+TEST_F(CpuOps, UnpermuteStreamsLargeOutputsWithTheSameBits) {
+  // 64 MiB of output and more bypasses the cache (non-temporal stores): same sums.
+  const int64_t N = 16384 + 3;
+  const int K = 2, H = 1024;
+  std::vector<int32_t> pos(N * K);
+  for (int64_t p = 0; p < N * K; ++p) pos[p] = static_cast<int32_t>((p * 7919) % (N * K));
+  std::vector<float> perm = normal_vector(N * K * H, 11), w = normal_vector(N * K, 12);
+  for (DType out_dtype : {DType::kF32, DType::kBF16}) {
+    const int64_t rows = out_dtype == DType::kF32 ? N : 2 * N;  // bf16 needs twice the rows for 64 MiB
+    std::vector<int32_t> p2(rows * K);
+    for (int64_t i = 0; i < rows * K; ++i) p2[i] = pos[i % (N * K)];
+    std::vector<uint8_t> big(rows * H * dtype_size(out_dtype) + 64);
+    void* out = big.data() + (32 - reinterpret_cast<uintptr_t>(big.data()) % 32) % 32;
+    std::vector<float> wf(rows * K);
+    for (int64_t i = 0; i < rows * K; ++i) wf[i] = w[i % (N * K)];
+    be->unpermute({rows, K, H, out_dtype, false, DType::kF32}, {perm.data(), p2.data(), wf.data(), out});
+    for (int64_t n : {int64_t{0}, int64_t{1}, N / 2, rows - 1}) {
+      std::vector<float> small(H);
+      be->unpermute({1, K, H, DType::kF32, false, DType::kF32}, {perm.data(), p2.data() + n * K, wf.data() + n * K, small.data()});
+      for (int h = 0; h < H; ++h) {
+        const float got = out_dtype == DType::kF32 ? static_cast<float*>(out)[n * H + h]
+                                                   : bf16_to_f32(static_cast<bf16_t*>(out)[n * H + h]);
+        const float want = out_dtype == DType::kF32 ? small[h] : round_to_bf16(small[h]);
+        ASSERT_EQ(got, want) << dtype_name(out_dtype) << " row " << n << " col " << h;
+      }
+    }
+  }
+}
+
 // ---------------------------------------------------------------------------
 // SwiGLU and grouped GEMM
 
