@@ -77,13 +77,26 @@ class Cluster {
     return c.call(req, 10s).job();
   }
 
+  // Submits a job that runs until stopped and returns its id once `steps` steps
+  // have completed (so what follows lands in the middle of it).
+  std::string start_long_job(int steps) const {
+    const auto [rc, out] = ctl({"job", "submit", "--experts", "4", "--top-k", "2", "--hidden", "32", "--ffn-hidden",
+                                "16", "--tokens-per-rank", "32", "--steps", "1000000"});
+    EXPECT_EQ(rc, 0) << out;
+    const std::string id = out.substr(0, out.find('\n'));
+    const auto until = std::chrono::steady_clock::now() + 60s;
+    while (job(id).steps_completed() < steps && std::chrono::steady_clock::now() < until)
+      std::this_thread::sleep_for(20ms);  // polling the agent for the job's progress
+    EXPECT_EQ(job(id).state(), v1::JOB_STATE_RUNNING);
+    EXPECT_GE(job(id).steps_completed(), steps);
+    return id;
+  }
+
  private:
   static inline int counter_ = 0;
   fs::path dir_;
   bool up_ = false;
 };
-
-std::string first_line(const std::string& s) { return s.substr(0, s.find('\n')); }
 
 // out of layer 0 at step 0 from a dump directory, ranks concatenated in order.
 std::vector<float> dumped_out(const fs::path& dir, int ranks, int64_t T, int H) {
@@ -212,20 +225,11 @@ TEST(Cluster, BadInputGetsExitCodesAndClearErrors) {
 TEST(Cluster, KilledDaemonFailsTheJobNamingItAndARestartRejoins) {
   Cluster c(2, 1);
   ASSERT_TRUE(c.up());
-  auto [rc, out] = c.ctl({"job", "submit", "--experts", "4", "--top-k", "2", "--hidden", "32", "--ffn-hidden", "16",
-                          "--tokens-per-rank", "32", "--steps", "1000000"});
-  ASSERT_EQ(rc, 0) << out;
-  const std::string id = first_line(out);
-  // Wait until steps complete, so the kill lands in the middle of the job.
-  const auto until = std::chrono::steady_clock::now() + 60s;
-  while (c.job(id).steps_completed() < 3 && std::chrono::steady_clock::now() < until)
-    std::this_thread::sleep_for(20ms);  // polling the agent for the job's progress
-  ASSERT_EQ(c.job(id).state(), v1::JOB_STATE_RUNNING);
-  ASSERT_GE(c.job(id).steps_completed(), 3);
+  const std::string id = c.start_long_job(3);
   const pid_t victim = std::stoi(read_text_file(c.dir() / "pids" / "node1.pid"));
   ::kill(victim, SIGKILL);
   const auto killed = std::chrono::steady_clock::now();
-  std::tie(rc, out) = c.ctl({"job", "wait", id}, 30s);
+  auto [rc, out] = c.ctl({"job", "wait", id}, 30s);
   EXPECT_LT(std::chrono::steady_clock::now() - killed, 15s);
   EXPECT_EQ(rc, 1) << out;
   EXPECT_NE(out.find("FAILED"), std::string::npos) << out;
@@ -257,14 +261,8 @@ TEST(Cluster, KilledDaemonFailsTheJobNamingItAndARestartRejoins) {
 TEST(Cluster, CancelStopsARunningJob) {
   Cluster c(1, 2);
   ASSERT_TRUE(c.up());
-  auto [rc, out] = c.ctl({"job", "submit", "--experts", "4", "--top-k", "2", "--hidden", "32", "--ffn-hidden", "16",
-                          "--tokens-per-rank", "32", "--steps", "1000000"});
-  ASSERT_EQ(rc, 0) << out;
-  const std::string id = first_line(out);
-  const auto until = std::chrono::steady_clock::now() + 60s;
-  while (c.job(id).state() != v1::JOB_STATE_RUNNING && std::chrono::steady_clock::now() < until)
-    std::this_thread::sleep_for(20ms);  // polling the agent for the job's state
-  std::tie(rc, out) = c.ctl({"job", "cancel", id});
+  const std::string id = c.start_long_job(1);
+  auto [rc, out] = c.ctl({"job", "cancel", id});
   EXPECT_EQ(rc, 0) << out;
   std::tie(rc, out) = c.ctl({"job", "wait", id}, 30s);
   EXPECT_EQ(rc, 1) << out;

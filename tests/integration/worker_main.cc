@@ -7,6 +7,7 @@
 #include <CLI/CLI.hpp>
 #include <signal.h>
 
+#include <functional>
 #include <iostream>
 
 #include "ep_harness.h"
@@ -36,8 +37,21 @@ int main(int argc, char** argv) {
   ep->add_option("--out", out_path)->required();
   CLI11_PARSE(app, argc, argv);
 
-  if (*ep) {
+  // Runs one rank's body; prints the RESULT line the tests read.
+  auto run = [](const std::function<void()>& body) {
     try {
+      body();
+      std::cout << "RESULT ok" << std::endl;
+      return 0;
+    } catch (const TransportError& e) {
+      std::cout << "RESULT error peer=" << e.peer() << " " << e.what() << std::endl;
+    } catch (const std::exception& e) {
+      std::cout << "RESULT error peer=-1 " << e.what() << std::endl;
+    }
+    return 1;
+  };
+  if (*ep)
+    return run([&] {
       const moe::test::EpCase c = moe::test::EpCase::decode(case_str);
       TcpBootstrap boot("127.0.0.1", port, rank, c.ranks);
       UcxCommunicator comm(rank, c.ranks, boot);
@@ -45,18 +59,8 @@ int main(int argc, char** argv) {
       auto be = moe::kernels::make_cpu_backend(pool);
       moe::test::run_rank(c, comm, *be).save(out_path);
       comm.barrier(deadline_in(std::chrono::seconds(30)));
-      std::cout << "RESULT ok" << std::endl;
-      return 0;
-    } catch (const TransportError& e) {
-      std::cout << "RESULT error peer=" << e.peer() << " " << e.what() << std::endl;
-      return 1;
-    } catch (const std::exception& e) {
-      std::cout << "RESULT error peer=-1 " << e.what() << std::endl;
-      return 1;
-    }
-  }
-
-  try {
+    });
+  return run([&] {
     TcpBootstrap boot("127.0.0.1", port, rank, size);
     UcxCommunicator comm(rank, size, boot);
     std::vector<uint8_t> send(size * bytes, static_cast<uint8_t>(rank)), recv(size * bytes);
@@ -65,19 +69,8 @@ int main(int argc, char** argv) {
       if (i == kill_at) ::raise(SIGKILL);
       comm.all_to_all_v(send.data(), segs, recv.data(), segs, deadline_in(std::chrono::seconds(30)));
       for (int r = 0; r < size; ++r)
-        if (recv[r * bytes] != r) {
-          std::cout << "RESULT error peer=" << r << " wrong payload" << std::endl;
-          return 1;
-        }
+        if (recv[r * bytes] != r) throw TransportError(r, "wrong payload from rank " + std::to_string(r));
     }
     comm.barrier(deadline_in(std::chrono::seconds(30)));
-    std::cout << "RESULT ok" << std::endl;
-    return 0;
-  } catch (const TransportError& e) {
-    std::cout << "RESULT error peer=" << e.peer() << " " << e.what() << std::endl;
-    return 1;
-  } catch (const std::exception& e) {
-    std::cout << "RESULT error peer=-1 " << e.what() << std::endl;
-    return 1;
-  }
+  });
 }
