@@ -152,8 +152,9 @@ void EpLayer::forward(const void* x, int64_t T, int64_t token_begin, void* out) 
   stats_.dispatch = t0 - t1;
 
   // Accounting: rows for ourselves are not transport bytes.
-  std::vector<int32_t> per_slot(static_cast<size_t>(R) * S);
-  be_.copy_to_host(per_slot.data(), num_tokens_per_slot_.get(), 4 * per_slot.size());
+  per_slot_host_.resize(static_cast<size_t>(R) * S);
+  be_.copy_to_host(per_slot_host_.data(), num_tokens_per_slot_.get(), 4 * per_slot_host_.size());
+  const std::vector<int32_t>& per_slot = per_slot_host_;
   for (int r = 0; r < R; ++r) {
     if (r == me) continue;
     stats_.dispatch_bytes += send_counts_[r] * static_cast<int64_t>(row_bytes_ + 8 * K);

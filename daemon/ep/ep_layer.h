@@ -104,6 +104,7 @@ class EpLayer {
   kernels::Buffer recv_rows_, recv_slot_, recv_weight_, combined_, grad_recv_rows_, grad_pair_weight_;
   kernels::Buffer grad_topk_weight_, grad_x32_;
   std::vector<float> reduce_tmp_;
+  std::vector<int32_t> per_slot_host_;  // pairs per physical slot, for the accounting
   EpStats stats_;
 };
 
