@@ -198,8 +198,10 @@ v1::Envelope Agent::on_register(const v1::RegisterNodeRequest& r) {
   }
   Node& n = *it;
   n.state = v1::NODE_STATE_ALIVE;
-  n.busy_job.clear();  // a (re)starting daemon runs nothing
-  n.busy_ranks = 0;
+  // A restarted daemon runs nothing; one we took for dead may still be winding
+  // down a job, and stays busy until its ranks report.
+  n.busy_job = r.running_job();
+  n.busy_ranks = r.running_job().empty() ? 0 : r.devices();
   n.devices = r.devices();
   n.control_address = r.control_address();
   n.metrics_address = r.metrics_address();
@@ -232,6 +234,7 @@ rpc::awaitable<v1::Envelope> Agent::on_bootstrap(const v1::BootstrapPublish& p, 
   Running* job = running_.get();
   if (p.rank() < 0 || p.rank() >= job->world)
     throw RpcError(v1::ERROR_CODE_INVALID_ARGUMENT, "rank: " + std::to_string(p.rank()) + " out of range");
+  job->last_report = Clock::now();
   if (!job->published[p.rank()]) ++job->published_count;
   job->published[p.rank()] = true;
   job->blobs[p.rank()] = p.blob();
@@ -260,6 +263,7 @@ v1::Envelope Agent::on_step(const v1::StepReport& r) {
     auto& by_rank = running_->steps[r.stats().step()];
     by_rank.resize(running_->world);
     by_rank[r.rank()] = r.stats();
+    running_->last_report = Clock::now();
     int reported = 0;
     for (const auto& s : by_rank) reported += s.step_seconds() > 0;
     if (reported == running_->world) {  // progress shows in `job status` while it runs
@@ -290,6 +294,16 @@ v1::Envelope Agent::on_rank_done(const v1::RankDone& d) {
     ++job.done_count;
   }
   job.verify[d.rank()] = d.verify();
+  job.last_report = Clock::now();
+  if (!d.ok() && d.cancelled() && !job.failed && (!job.cancelled || (d.cancel_requested_here() && !job.reason_known))) {
+    // Stopped without our asking (a daemon shutting down): the job is cancelled.
+    // The reason is the one from the rank whose daemon was asked, whichever
+    // rank's report arrives first.
+    if (!job.cancelled) job.failed_at = Clock::now();
+    job.cancelled = true;
+    job.reason_known = d.cancel_requested_here();
+    job.message = describe_rank(d.rank()) + ": " + d.message();
+  }
   if (!d.ok() && !d.cancelled() && !job.failed && !job.cancelled) {
     log::warn("job ", job.id, ": ", describe_rank(d.rank()), " failed: ", d.message());
     // Name the rank (and node) the error blames when the reporter knows it.
@@ -350,6 +364,8 @@ v1::Envelope Agent::on_cancel(const v1::CancelJobRequest& r) {
     job_event_.notify_all();
   } else if (rec.state() == v1::JOB_STATE_RUNNING && running_ && !running_->cancelled && !running_->failed) {
     running_->cancelled = true;
+    running_->reason_known = true;
+    running_->failed_at = Clock::now();
     running_->message = "cancelled";
     log::info("job ", rec.job_id(), ": cancelling");
     cancel_daemons("cancelled by request");
@@ -417,8 +433,13 @@ rpc::awaitable<void> Agent::watchdog() {
       if (running_ && !running_->failed && !running_->cancelled) fail_running(why);
       else if (running_) finish(v1::JOB_STATE_FAILED, running_->message + "; " + why);  // it will never report
     }
-    if (running_ && running_->failed && now - running_->failed_at > opts_.failed_job_grace)
-      finish(v1::JOB_STATE_FAILED, running_->message + " (not every rank reported back)");
+    if (running_ && (running_->failed || running_->cancelled) && now - running_->failed_at > opts_.failed_job_grace)
+      finish(running_->failed ? v1::JOB_STATE_FAILED : v1::JOB_STATE_CANCELLED,
+             running_->message + " (not every rank reported back)");
+    else if (running_ && now - running_->last_report > opts_.stale_job_timeout)
+      fail_running("no rank reported for " +
+                   std::to_string(std::chrono::duration_cast<std::chrono::seconds>(opts_.stale_job_timeout).count()) +
+                   " s");
   }
 }
 
@@ -452,7 +473,7 @@ void Agent::start(const std::string& id) {
   job.published.assign(world, false);
   job.done.assign(world, false);
   job.verify.assign(world, {});
-  job.started = Clock::now();
+  job.started = job.last_report = Clock::now();
   rec.set_state(v1::JOB_STATE_RUNNING);
   ++placement_epoch_;
   maps_.clear();

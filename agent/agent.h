@@ -27,6 +27,9 @@ struct AgentOptions {
   // it records the failure anyway (ranks blocked in a transport wait run into its
   // deadline first).
   std::chrono::milliseconds failed_job_grace{45000};
+  // A running job from which no rank reported anything (bootstrap, step, done)
+  // for this long is failed: a lost report must not hold the queue forever.
+  std::chrono::milliseconds stale_job_timeout{30 * 60 * 1000};
 };
 
 class Outbound;
@@ -70,10 +73,11 @@ class Agent {
     std::vector<bool> done;
     int done_count = 0;
     bool failed = false, cancelled = false;
+    bool reason_known = false;  // the cancel's message names its cause
     std::string message;
     std::map<int, std::vector<v1::StepStats>> steps;  // step -> by rank
     std::vector<v1::Verify> verify;
-    std::chrono::steady_clock::time_point started, failed_at;
+    std::chrono::steady_clock::time_point started, failed_at, last_report;
   };
 
   rpc::awaitable<v1::Envelope> handle(const v1::Envelope& req, const rpc::RequestContext& ctx);

@@ -80,6 +80,10 @@ bool Daemon::register_once(rpc::RpcClient& agent) {
   r->set_control_address(server_->address());
   r->set_metrics_address(metrics_ ? std::to_string(metrics_->port()) : "");
   r->set_host(host_name());
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (runner_ && !runner_->finished()) r->set_running_job(runner_->job_id());
+  }
   const v1::Envelope reply = agent.call(req, std::chrono::seconds(5));
   std::lock_guard<std::mutex> lock(mu_);
   node_index_ = reply.register_node_reply().node_index();

@@ -132,7 +132,15 @@ JobRunner::~JobRunner() {
 }
 
 void JobRunner::cancel(const std::string& reason) {
-  if (!cancel_.exchange(true)) log::info("job ", job_.job_id(), ": cancel requested (", reason, ")");
+  std::lock_guard<std::mutex> lock(cancel_mu_);
+  if (cancel_.exchange(true)) return;
+  cancel_reason_ = reason;
+  log::info("job ", job_.job_id(), ": cancel requested (", reason, ")");
+}
+
+std::string JobRunner::cancel_reason() const {
+  std::lock_guard<std::mutex> lock(cancel_mu_);
+  return cancel_reason_.empty() ? "cancelled by another rank" : cancel_reason_;
 }
 
 void JobRunner::rank_main(int local) {
@@ -259,7 +267,8 @@ void JobRunner::rank_main(int local) {
     if (step < spec.steps()) {
       d->set_ok(false);
       d->set_cancelled(true);
-      d->set_message("cancelled at step " + std::to_string(step));
+      d->set_cancel_requested_here(cancel_.load());
+      d->set_message("cancelled at step " + std::to_string(step) + " (" + cancel_reason() + ")");
     } else {
       d->set_ok(true);
       if (spec.verify()) {
@@ -279,19 +288,26 @@ void JobRunner::rank_main(int local) {
     d->set_ok(false);
     d->set_message(e.what());
     d->set_failed_peer(e.peer());
-    hub_->abort(rank, e.what());
+    hub_->abort(rank, e.what(), e.peer());  // siblings waiting on us blame the same rank
   } catch (const std::exception& e) {
     d->set_ok(false);
     d->set_message(e.what());
     hub_->abort(rank, e.what());
   }
   if (!d->ok() && !d->cancelled()) log::warn("job ", job_.job_id(), ": rank ", rank, " failed: ", d->message());
-  try {
-    agent.call(done, std::chrono::seconds(10));
-  } catch (const std::exception& e) {
-    log::warn("job ", job_.job_id(), ": rank ", rank, " could not report to the agent: ", e.what());
-  }
+  // Finished before the report: once the agent hears from every rank it may start
+  // the next job here, and the daemon must not find this one still running.
   --running_;
+  for (int attempt = 1;; ++attempt) {
+    try {
+      agent.call(done, std::chrono::seconds(10));
+      break;
+    } catch (const std::exception& e) {
+      log::warn("job ", job_.job_id(), ": rank ", rank, " could not report to the agent (attempt ", attempt,
+                "): ", e.what());
+      if (attempt == 3) break;
+    }
+  }
 }
 
 }  // namespace moe::node

@@ -8,6 +8,7 @@
 
 #include <atomic>
 #include <memory>
+#include <mutex>
 #include <string>
 #include <thread>
 #include <vector>
@@ -39,11 +40,14 @@ class JobRunner {
 
  private:
   void rank_main(int local);
+  std::string cancel_reason() const;
 
   v1::StartJob job_;
   RunnerEnv env_;
   std::shared_ptr<transport::LocalHub> hub_;
   std::atomic<bool> cancel_{false};
+  mutable std::mutex cancel_mu_;
+  std::string cancel_reason_;  // guarded by cancel_mu_
   std::atomic<int> running_{0};
   std::vector<std::thread> threads_;
 };

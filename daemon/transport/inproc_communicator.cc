@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <cstring>
+#include <optional>
 
 namespace moe::transport {
 
@@ -23,24 +24,34 @@ class InProcCommunicator final : public Communicator {
       g_.published_[rank_] = {&buffers, nullptr};
     }
     g_.barrier(rank_, deadline, "all_to_all_v (publish)");
-    for (int r = 0; r < R; ++r) {
+    // A mismatch is reported only after the "done" barrier: until every rank passed
+    // it, peers may still be copying from our buffers.
+    std::optional<TransportError> error;
+    for (int r = 0; r < R && !error; ++r) {
       const auto& theirs = *g_.published_[r].buffers;
-      if (theirs.size() != buffers.size())
-        throw TransportError(r, "all_to_all_v: rank " + std::to_string(r) + " passed " +
-                                    std::to_string(theirs.size()) + " buffers, rank " + std::to_string(rank_) +
-                                    " passed " + std::to_string(buffers.size()));
+      if (theirs.size() != buffers.size()) {
+        error.emplace(r, "all_to_all_v: rank " + std::to_string(r) + " passed " + std::to_string(theirs.size()) +
+                             " buffers, rank " + std::to_string(rank_) + " passed " + std::to_string(buffers.size()));
+        break;
+      }
       for (size_t i = 0; i < buffers.size(); ++i) {
         const size_t bytes = theirs[i].send_segs->bytes[rank_];
-        if (bytes != buffers[i].recv_segs->bytes[r])
-          throw TransportError(r, "all_to_all_v: rank " + std::to_string(r) + " sends " + std::to_string(bytes) +
-                                      " bytes to rank " + std::to_string(rank_) + ", which expects " +
-                                      std::to_string(buffers[i].recv_segs->bytes[r]));
+        if (bytes != buffers[i].recv_segs->bytes[r]) {
+          error.emplace(r, "all_to_all_v: rank " + std::to_string(r) + " sends " + std::to_string(bytes) +
+                               " bytes to rank " + std::to_string(rank_) + ", which expects " +
+                               std::to_string(buffers[i].recv_segs->bytes[r]));
+          break;
+        }
         if (bytes)
           std::memcpy(static_cast<uint8_t*>(buffers[i].recv) + buffers[i].recv_segs->offset[r],
                       static_cast<const uint8_t*>(theirs[i].send) + theirs[i].send_segs->offset[rank_], bytes);
       }
     }
     g_.barrier(rank_, deadline, "all_to_all_v (done)");  // peers finished reading our buffers
+    if (error) {
+      g_.abort(error->peer(), error->what());
+      throw *error;
+    }
   }
 
   void all_reduce_sum(float* data, size_t count, Deadline deadline) override {

@@ -37,18 +37,22 @@ static void deliver(const void* src, size_t src_bytes, void* dst, size_t dst_byt
   sc->state.store(1, std::memory_order_release);
 }
 
+// Queues are keyed by (src, dst, tag) and tags carry a sequence number that only
+// grows: a key's entry is erased as soon as its queue empties, or the maps grow by
+// every message ever sent.
 void LocalHub::post_send(int src, int dst, uint64_t tag, const void* data, size_t bytes, Completion* c) {
   std::lock_guard<std::mutex> lock(mu_);
-  auto& waiting = recvs_[{src, dst, tag}];
-  if (waiting.empty()) {
+  const auto waiting = recvs_.find({src, dst, tag});
+  if (waiting == recvs_.end()) {
     const auto* p = static_cast<const uint8_t*>(data);
     sends_[{src, dst, tag}].push_back({std::vector<uint8_t>(p, p + bytes)});
     c->bytes = bytes;
     c->state.store(1, std::memory_order_release);
     return;
   }
-  const Recv r = waiting.front();
-  waiting.pop_front();
+  const Recv r = waiting->second.front();
+  waiting->second.pop_front();
+  if (waiting->second.empty()) recvs_.erase(waiting);
   deliver(data, bytes, r.data, r.bytes, c, r.c);
   wake(dst);
   wake(src);
@@ -56,13 +60,14 @@ void LocalHub::post_send(int src, int dst, uint64_t tag, const void* data, size_
 
 void LocalHub::post_recv(int src, int dst, uint64_t tag, void* data, size_t bytes, Completion* c) {
   std::lock_guard<std::mutex> lock(mu_);
-  auto& waiting = sends_[{src, dst, tag}];
-  if (waiting.empty()) {
+  const auto waiting = sends_.find({src, dst, tag});
+  if (waiting == sends_.end()) {
     recvs_[{src, dst, tag}].push_back({data, bytes, c});
     return;
   }
-  Send s = std::move(waiting.front());
-  waiting.pop_front();
+  Send s = std::move(waiting->second.front());
+  waiting->second.pop_front();
+  if (waiting->second.empty()) sends_.erase(waiting);
   Completion sent;  // the send completed when it was queued
   deliver(s.data.data(), s.data.size(), data, bytes, &sent, c);
   wake(dst);
@@ -70,19 +75,22 @@ void LocalHub::post_recv(int src, int dst, uint64_t tag, void* data, size_t byte
 
 void LocalHub::withdraw(int rank) {
   std::lock_guard<std::mutex> lock(mu_);
-  for (auto& [key, q] : sends_)
-    if (std::get<0>(key) == rank) q.clear();
-  for (auto& [key, q] : recvs_)
-    if (std::get<1>(key) == rank) q.clear();
+  std::erase_if(sends_, [&](const auto& e) { return std::get<0>(e.first) == rank; });
+  std::erase_if(recvs_, [&](const auto& e) { return std::get<1>(e.first) == rank; });
 }
 
-void LocalHub::abort(int rank, const std::string& reason) {
+size_t LocalHub::pending() const {
   std::lock_guard<std::mutex> lock(mu_);
-  failed_.emplace(rank, reason);
+  return sends_.size() + recvs_.size();
+}
+
+void LocalHub::abort(int rank, const std::string& reason, int culprit) {
+  std::lock_guard<std::mutex> lock(mu_);
+  failed_.emplace(rank, Failure{reason, culprit >= 0 ? culprit : rank});
   for (const auto& [r, fd] : wake_fd_) wake(r);
 }
 
-std::optional<std::string> LocalHub::failure_of(int rank) const {
+std::optional<LocalHub::Failure> LocalHub::failure_of(int rank) const {
   std::lock_guard<std::mutex> lock(mu_);
   const auto it = failed_.find(rank);
   if (it == failed_.end()) return std::nullopt;

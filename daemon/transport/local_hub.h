@@ -39,9 +39,16 @@ class LocalHub {
   void post_recv(int src, int dst, uint64_t tag, void* data, size_t bytes, Completion* c);
   // Drops `rank`'s pending posts (after a failure), so nobody touches its buffers.
   void withdraw(int rank);
-  // A local rank failed: its peers' waits fail naming it.
-  void abort(int rank, const std::string& reason);
-  std::optional<std::string> failure_of(int rank) const;
+  // (source, destination, tag) queues holding a message or a receive (tests).
+  size_t pending() const;
+  // A local rank stopped: its peers' waits on it fail. culprit is the rank to blame
+  // (the rank itself, or the remote rank whose failure made it stop).
+  void abort(int rank, const std::string& reason, int culprit = -1);
+  struct Failure {
+    std::string reason;
+    int culprit;
+  };
+  std::optional<Failure> failure_of(int rank) const;
 
  private:
   struct Send {
@@ -60,7 +67,7 @@ class LocalHub {
   std::map<int, int> wake_fd_;
   std::map<Key, std::deque<Send>> sends_;
   std::map<Key, std::deque<Recv>> recvs_;
-  std::map<int, std::string> failed_;
+  std::map<int, Failure> failed_;
 };
 
 }  // namespace moe::transport

@@ -88,17 +88,21 @@ struct UcxCommunicator::Impl {
     if (broken) throw TransportError(broken_peer, "communicator unusable after an earlier failure: " + broken_reason);
   }
 
-  // A failed peer's reason, or nothing.
-  std::optional<std::string> peer_failure(int peer) const {
-    if (peers[peer].failed) return peers[peer].error;
+  // Why a peer failed, and whom to blame: the peer, or (for a local sibling that
+  // stopped because of another rank) that rank.
+  std::optional<LocalHub::Failure> peer_failure(int peer) const {
+    if (peers[peer].failed) return LocalHub::Failure{peers[peer].error, peer};
     if (peers[peer].local) return hub->failure_of(peer);
     return std::nullopt;
   }
 
+  [[noreturn]] void fail_peer(int peer, const char* what, const LocalHub::Failure& why) {
+    fail(why.culprit, std::string(what) + ": rank " + std::to_string(peer) + " failed (" + why.reason + ")");
+  }
+
   void check_peer(int peer, const char* what) {
     MOE_CHECK(peer >= 0 && peer < size && peer != rank, what, ": peer ", peer, " out of range or self");
-    if (const auto why = peer_failure(peer))
-      fail(peer, std::string(what) + ": rank " + std::to_string(peer) + " failed (" + *why + ")");
+    if (const auto why = peer_failure(peer)) fail_peer(peer, what, *why);
   }
 
   void post_send(int peer, const void* buf, size_t bytes, uint64_t tag, const char* what) {
@@ -173,15 +177,64 @@ struct UcxCommunicator::Impl {
     op.status = s;
   }
 
+  // Closes endpoints (force: pending requests on them complete with an error,
+  // which is how UCX lets go of our buffers) and waits a bounded time for the
+  // close requests themselves.
+  void close_endpoints(const std::vector<int>& which, bool force) {
+    std::vector<void*> closing;
+    for (int r : which) {
+      Peer& p = peers[r];
+      if (!p.ep) continue;
+      ucp_request_param_t param{};
+      param.op_attr_mask = UCP_OP_ATTR_FIELD_FLAGS;
+      param.flags = force || p.failed ? UCP_EP_CLOSE_FLAG_FORCE : 0;
+      const ucs_status_ptr_t req = ucp_ep_close_nbx(p.ep, &param);
+      p.ep = nullptr;
+      if (UCS_PTR_IS_PTR(req)) closing.push_back(req);
+    }
+    const auto until = Clock::now() + kDrainTimeout;
+    while (!closing.empty() && Clock::now() < until) {
+      ucp_worker_progress(worker);
+      std::erase_if(closing, [](void* req) {
+        if (ucp_request_check_status(req) == UCS_INPROGRESS) return false;
+        ucp_request_free(req);
+        return true;
+      });
+    }
+  }
+
+  ~Impl() {
+    std::vector<int> all(peers.size());
+    for (size_t r = 0; r < peers.size(); ++r) all[r] = static_cast<int>(r);
+    if (worker) close_endpoints(all, broken);
+    if (hub) {
+      hub->withdraw(rank);
+      hub->detach(rank);
+    }
+    if (epoll_fd >= 0) ::close(epoll_fd);  // the worker's event fd belongs to UCX
+    if (wake_fd >= 0) ::close(wake_fd);
+    if (worker) ucp_worker_destroy(worker);
+    if (context) ucp_cleanup(context);
+  }
+
   [[noreturn]] void fail(int peer, const std::string& msg) {
-    // Cancel what is still posted and give UCX a bounded time to release it, so
-    // no request writes into a caller's buffer after we return.
+    // Cancel what is still posted and make UCX release it, so no request writes
+    // into (or reads from) a caller's buffer after we return: receives are
+    // cancelled; endpoints with requests still pending, and the failed peer's, are
+    // force-closed, which completes their requests with an error.
     if (hub) hub->withdraw(rank);  // the hub forgets our buffers
+    std::vector<int> to_close;
+    if (peer >= 0 && peer < size && peer != rank && !peers[peer].local) to_close.push_back(peer);
     for (Op& op : ops) {
       if (op.done) continue;
-      if (op.local) op.done = true;
-      else if (op.is_recv) ucp_request_cancel(worker, op.req);
+      if (op.local) {
+        op.done = true;
+        continue;
+      }
+      if (op.is_recv) ucp_request_cancel(worker, op.req);
+      if (std::find(to_close.begin(), to_close.end(), op.peer) == to_close.end()) to_close.push_back(op.peer);
     }
+    close_endpoints(to_close, true);
     const auto until = Clock::now() + kDrainTimeout;
     bool pending = true;
     while (pending && Clock::now() < until) {
@@ -217,8 +270,7 @@ struct UcxCommunicator::Impl {
           fail(op.peer, std::string(what) + ": rank " + std::to_string(op.peer) + " sent " +
                             std::to_string(op.info.length) + " bytes, expected " + std::to_string(op.bytes));
         if (!op.done)
-          if (const auto why = peer_failure(op.peer))
-            fail(op.peer, std::string(what) + ": rank " + std::to_string(op.peer) + " failed (" + *why + ")");
+          if (const auto why = peer_failure(op.peer)) fail_peer(op.peer, what, *why);
         all_done &= op.done;
       }
       if (all_done) {
@@ -237,7 +289,7 @@ struct UcxCommunicator::Impl {
       }
       const ucs_status_t armed = ucp_worker_arm(worker);
       if (armed == UCS_ERR_BUSY) continue;  // events arrived meanwhile: progress again
-      MOE_CHECK(armed == UCS_OK, what, ": ucp_worker_arm: ", status_str(armed));
+      if (armed != UCS_OK) fail(-1, std::string(what) + ": ucp_worker_arm: " + status_str(armed));
       const auto left = std::chrono::duration_cast<std::chrono::milliseconds>(deadline - now).count();
       epoll_event ev[2];
       ::epoll_wait(epoll_fd, ev, 2, static_cast<int>(std::clamp<int64_t>(left, 1, 1000)));
@@ -328,39 +380,7 @@ UcxCommunicator::UcxCommunicator(int rank, int size, Bootstrap& bootstrap, const
   m.wait_all(Clock::now() + options.connect_timeout, "connect");
 }
 
-UcxCommunicator::~UcxCommunicator() {
-  Impl& m = *impl_;
-  std::vector<void*> closing;
-  for (auto& p : m.peers) {
-    if (!p.ep) continue;
-    ucp_request_param_t param{};
-    param.op_attr_mask = UCP_OP_ATTR_FIELD_FLAGS;
-    param.flags = (m.broken || p.failed) ? UCP_EP_CLOSE_FLAG_FORCE : 0;
-    const ucs_status_ptr_t r = ucp_ep_close_nbx(p.ep, &param);
-    if (UCS_PTR_IS_PTR(r)) closing.push_back(r);
-  }
-  const auto until = Clock::now() + kDrainTimeout;
-  while (!closing.empty() && Clock::now() < until) {
-    ucp_worker_progress(m.worker);
-    for (size_t i = 0; i < closing.size();) {
-      if (ucp_request_check_status(closing[i]) != UCS_INPROGRESS) {
-        ucp_request_free(closing[i]);
-        closing[i] = closing.back();
-        closing.pop_back();
-      } else {
-        ++i;
-      }
-    }
-  }
-  if (m.epoll_fd >= 0) ::close(m.epoll_fd);  // the worker's event fd belongs to UCX
-  if (m.hub) {
-    m.hub->withdraw(m.rank);
-    m.hub->detach(m.rank);
-  }
-  if (m.wake_fd >= 0) ::close(m.wake_fd);
-  if (m.worker) ucp_worker_destroy(m.worker);
-  if (m.context) ucp_cleanup(m.context);
-}
+UcxCommunicator::~UcxCommunicator() = default;  // Impl::~Impl tears down
 
 void UcxCommunicator::all_to_all_v(const std::vector<AllToAllBuffer>& buffers, Deadline deadline) {
   Impl& m = *impl_;

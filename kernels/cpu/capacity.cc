@@ -1,7 +1,9 @@
 // Capacity dropping: per logical expert keep at most capacity() pairs of this
 // source rank, highest weight first (probs) or lowest token first (position).
 #include <algorithm>
+#include <cmath>
 #include <cstring>
+#include <limits>
 
 #include "cpu_ops.h"
 #include "moe/kernels/check.h"
@@ -50,8 +52,13 @@ void capacity_drop(ThreadPool& pool, const CapacityConfig& cfg, const CapacityAr
     if (cfg.policy == DropPolicy::kProbs) {
       // Highest weight first; equal weights keep the lower (token, k) first. Total
       // order, so std::sort is deterministic.
+      // NaN sorts as -inf: the comparator stays a strict weak order whatever the data.
+      auto key = [&](int32_t p) {
+        const float w = a.topk_weight[p];
+        return std::isnan(w) ? -std::numeric_limits<float>::infinity() : w;
+      };
       std::sort(first, first + count, [&](int32_t x, int32_t y) {
-        const float wx = a.topk_weight[x], wy = a.topk_weight[y];
+        const float wx = key(x), wy = key(y);
         if (wx != wy) return wx > wy;
         return x < y;
       });

@@ -9,7 +9,9 @@
 namespace moe::kernels::cpu {
 namespace {
 
-constexpr int kMaxUnpermuteK = 64;  // pairs per row the combine handles
+// Pairs per row unpermute handles: top_k of a local combine, or the rank count of
+// an EP combine (top_k = R there).
+constexpr int kMaxUnpermuteK = 4096;
 constexpr int64_t kMinRowBlock = 64;  // rows per task at least (tasks: about 4 per thread)
 // An unpermute output this large is written with non-temporal stores: it cannot
 // stay in cache anyway, and streaming skips the read-for-ownership of every line.
@@ -116,12 +118,14 @@ inline void store8(Store mode, uint8_t* out, int64_t i, __m256 acc) {
 template <DType kIn, int kCount>
 void sum_row(const uint8_t* const* src, const float* w, int count, int64_t H, Store mode, uint8_t* out) {
   const int n = kCount > 0 ? kCount : count;
-  __m256 wv[kMaxUnpermuteK];
-  for (int c = 0; c < n; ++c) wv[c] = _mm256_set1_ps(w[c]);
+  __m256 wv[kCount > 0 ? kCount : 1];  // broadcast weights, hoisted when the count is fixed
+  if constexpr (kCount > 0)
+    for (int c = 0; c < kCount; ++c) wv[c] = _mm256_set1_ps(w[c]);
   int64_t i = 0;
   for (; i + 8 <= H; i += 8) {
     __m256 acc = _mm256_setzero_ps();
-    for (int c = 0; c < n; ++c) acc = _mm256_fmadd_ps(wv[c], load8<kIn>(src[c], i), acc);
+    for (int c = 0; c < n; ++c)
+      acc = _mm256_fmadd_ps(kCount > 0 ? wv[c] : _mm256_set1_ps(w[c]), load8<kIn>(src[c], i), acc);
     store8(mode, out, i, acc);
   }
   for (; i < H; ++i) {

@@ -1,5 +1,7 @@
 #include "frame.h"
 
+#include <google/protobuf/stubs/logging.h>
+
 namespace moe::rpc {
 
 std::string encode_frame(const v1::Envelope& env) {
@@ -20,6 +22,9 @@ uint32_t decode_length(const uint8_t h[4]) {
 
 v1::Envelope decode_body(const uint8_t* data, size_t size) {
   v1::Envelope env;
+  // A bad frame is answered with an error naming it; protobuf's own log line
+  // (e.g. about invalid UTF-8) would let any client fill our logs.
+  const google::protobuf::LogSilencer quiet;
   if (!env.ParseFromArray(data, static_cast<int>(size)))
     throw RpcError(v1::ERROR_CODE_BAD_FRAME, "frame of " + std::to_string(size) + " bytes is not a valid Envelope");
   if (env.payload_case() == v1::Envelope::PAYLOAD_NOT_SET)

@@ -12,6 +12,7 @@ using Clock = std::chrono::steady_clock;
 namespace {
 
 constexpr auto kDefaultRequestDeadline = std::chrono::seconds(30);
+constexpr int64_t kMaxRequestDeadlineMs = 3600 * 1000;
 
 awaitable<void> write_frame(tcp::socket& s, const v1::Envelope& env) {
   const std::string frame = encode_frame(env);
@@ -153,8 +154,10 @@ awaitable<void> RpcServer::serve(std::shared_ptr<Connection> conn) {
     }
     // A handler stops waiting a little before the caller gives up, so a wait that
     // runs out ends with a reply, not with silence.
-    const auto allowed = request.deadline_ms() > 0 ? std::chrono::milliseconds(request.deadline_ms())
-                                                   : std::chrono::milliseconds(kDefaultRequestDeadline);
+    // Clamped: an absurd deadline_ms must not overflow the clock arithmetic.
+    const auto allowed = request.deadline_ms() > 0
+                             ? std::chrono::milliseconds(std::min<int64_t>(request.deadline_ms(), kMaxRequestDeadlineMs))
+                             : std::chrono::milliseconds(kDefaultRequestDeadline);
     ctx.deadline = Clock::now() + allowed - std::min<std::chrono::milliseconds>(allowed / 10, std::chrono::milliseconds(500));
     v1::Envelope reply;
     try {
@@ -193,10 +196,11 @@ awaitable<void> RpcClient::connect_and_hello() {
   const auto [host, port] = split_address(opts_.address);
   tcp::resolver resolver(io_);
   const auto endpoints = co_await resolver.async_resolve(host, std::to_string(port), use_awaitable);
-  auto s = std::make_unique<tcp::socket>(io_);
-  co_await asio::async_connect(*s, endpoints, use_awaitable);
-  s->set_option(tcp::no_delay(true));
-  socket_ = std::move(s);
+  // socket_ is set before connecting, so a deadline that closes it also ends a
+  // connect to a host that never answers.
+  socket_ = std::make_unique<tcp::socket>(io_);
+  co_await asio::async_connect(*socket_, endpoints, use_awaitable);
+  socket_->set_option(tcp::no_delay(true));
   v1::Envelope hello;
   hello.set_request_id(next_id_++);
   hello.mutable_hello()->set_token(opts_.token);

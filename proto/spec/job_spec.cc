@@ -82,6 +82,8 @@ void validate(const v1::JobSpec& s, int world_size) {
           "needs more than 64 GB of activations per rank with this hidden/ffn_hidden/top_k");
   if (s.mode() == v1::JobSpec::train)
     invalid("mode", "train jobs are not supported by this cluster version yet (forward only)");
+  if (world_size > 4096)
+    invalid("experts", "the cluster has " + std::to_string(world_size) + " ranks; jobs run on at most 4096");
   if (world_size > 0)
     require(s.experts() % world_size == 0, "experts",
             std::to_string(s.experts()) + " experts do not divide over the " + std::to_string(world_size) +

@@ -258,6 +258,19 @@ TEST(Cluster, KilledDaemonFailsTheJobNamingItAndARestartRejoins) {
   EXPECT_EQ(restarted.wait(30s), 0) << restarted.output();
 }
 
+TEST(Cluster, ADaemonStoppedMidJobCancelsIt) {
+  // SIGTERM: the daemon's ranks stop at a step boundary (so do everyone's); the job
+  // is recorded CANCELLED with the reason, not SUCCEEDED with fewer steps.
+  Cluster c(2, 1);
+  ASSERT_TRUE(c.up());
+  const std::string id = c.start_long_job(2);
+  ::kill(std::stoi(read_text_file((c.dir() / "pids" / "node0.pid").string())), SIGTERM);
+  auto [rc, out] = c.ctl({"job", "wait", id}, 60s);
+  EXPECT_EQ(rc, 1) << out;
+  EXPECT_NE(out.find("CANCELLED"), std::string::npos) << out;
+  EXPECT_NE(out.find("daemon stopping"), std::string::npos) << out;
+}
+
 TEST(Cluster, CancelStopsARunningJob) {
   Cluster c(1, 2);
   ASSERT_TRUE(c.up());

@@ -287,9 +287,10 @@ void check_against_reference(const EpCase& c, const std::vector<RankResult>& res
   for (const RankResult& r : results) topk.insert(topk.end(), r.topk_idx.begin(), r.topk_idx.end());
   ASSERT_EQ(static_cast<int64_t>(topk.size()), Ttot * K);
   const ref::Forward own = ref::forward(rc, rw, x, Ttot, {nullptr, c.tokens});
-  for (int64_t t = 0; t < Ttot; ++t)
-    if (own.selection_margin[t] > 1e-5)
-      for (int k = 0; k < K; ++k) ASSERT_EQ(topk[t * K + k], own.topk_idx[t * K + k]) << "token " << t;
+  for (int64_t t = 0; t < Ttot; ++t) {
+    if (own.selection_margin[t] <= 1e-5) continue;  // a near-tie fp32 cannot break like fp64
+    for (int k = 0; k < K; ++k) ASSERT_EQ(topk[t * K + k], own.topk_idx[t * K + k]) << "token " << t;
+  }
   const ref::Forward f = ref::forward(rc, rw, x, Ttot, {topk.data(), c.tokens});
   const ref::Grads g = ref::backward(rc, rw, x, f, go);
 

@@ -306,9 +306,50 @@ TEST_F(CpuOps, CapacityMatchesReferenceForBothPolicies) {
       }
       EXPECT_EQ(kept, want) << drop_policy_name(policy) << " cf " << cf;
       const int64_t dropped = std::count(kept.begin(), kept.end(), -1);
-      if (cf > 0 && cf < 1.1) EXPECT_GT(dropped, 0) << "cf " << cf;
-      if (cf == 0) EXPECT_EQ(dropped, 0);
+      if (cf > 0 && cf < 1.1) {
+        EXPECT_GT(dropped, 0) << "cf " << cf;
+      }
+      if (cf == 0) {
+        EXPECT_EQ(dropped, 0);
+      }
     }
+}
+
+TEST_F(CpuOps, CapacityWithNaNWeightsDropsThemFirstAndStaysInBounds) {
+  // NaN routing weights (a diverging model) must not break the drop order's sort.
+  const int64_t T = 400;
+  const int E = 2, K = 1;
+  std::vector<int32_t> idx(T, 0);
+  std::vector<float> w(T);
+  for (int64_t t = 0; t < T; ++t) w[t] = t % 3 == 0 ? std::numeric_limits<float>::quiet_NaN() : 0.001f * t;
+  CapacityConfig cfg{T, E, K, 1.0, DropPolicy::kProbs};  // capacity 200 of 400 pairs on expert 0
+  std::vector<int32_t> kept(T);
+  be->capacity_drop(cfg, {idx.data(), w.data(), kept.data(), workspace(be->capacity_workspace_bytes(cfg))});
+  int64_t kept_pairs = 0;
+  for (int64_t t = 0; t < T; ++t) {
+    kept_pairs += kept[t] >= 0;
+    if (t % 3 == 0) {
+      EXPECT_EQ(kept[t], -1) << "a NaN-weight pair outranked a real one at token " << t;
+    }
+  }
+  EXPECT_EQ(kept_pairs, 200);
+}
+
+TEST_F(CpuOps, UnpermuteHandlesManyPairsPerRow) {
+  // An EP combine has top_k = ranks; more than 64 must work.
+  const int64_t N = 3;
+  const int K = 100, H = 24;
+  std::vector<int32_t> pos(N * K);
+  for (int64_t p = 0; p < N * K; ++p) pos[p] = p % 7 == 0 ? -1 : static_cast<int32_t>((p * 13) % (N * K));
+  const std::vector<float> perm = normal_vector(N * K * H, 3), w = normal_vector(N * K, 4);
+  std::vector<float> out(N * H);
+  be->unpermute({N, K, H, DType::kF32, false, DType::kF32}, {perm.data(), pos.data(), w.data(), out.data()});
+  std::vector<double> want(N * H, 0.0);
+  for (int64_t n = 0; n < N; ++n)
+    for (int k = 0; k < K; ++k)
+      if (pos[n * K + k] >= 0)
+        for (int h = 0; h < H; ++h) want[n * H + h] += static_cast<double>(w[n * K + k]) * perm[pos[n * K + k] * H + h];
+  EXPECT_TRUE(close("unpermute with 100 pairs per row", to_double(out), want, 1e-4, 1e-5));
 }
 
 // ---------------------------------------------------------------------------
@@ -398,7 +439,9 @@ TEST_F(CpuOps, PermuteLayoutIsStableExpertMajorAndInvertible) {
   EXPECT_EQ(offset[L], pairs);
   for (int e = 0; e < L; ++e)
     for (int64_t m = offset[e]; m < offset[e + 1]; ++m) {
-      if (m > offset[e]) EXPECT_LT(src[m - 1], src[m]) << "stable row order inside expert " << e;
+      if (m > offset[e]) {
+        EXPECT_LT(src[m - 1], src[m]) << "stable row order inside expert " << e;
+      }
     }
   for (int64_t n = 0; n < N; ++n)
     for (int k = 0; k < K; ++k) {

@@ -176,10 +176,15 @@ TEST_P(LayerVsReference, ForwardAndBackward) {
   int64_t kept_pairs = 0;
   for (int32_t e : kept) kept_pairs += e >= 0;
   EXPECT_EQ(total, kept_pairs);
-  if (c.special == Special::kZeroTokenExperts)
+  if (c.special == Special::kZeroTokenExperts) {
     for (int e = E / 2; e < E; ++e) EXPECT_EQ(counts[e], 0) << "expert " << e;
-  if (c.special == Special::kAllOnOne) EXPECT_EQ(counts[E / 2], T);
-  if (c.cf > 0) EXPECT_LT(kept_pairs, T * K) << "capacity case must drop";
+  }
+  if (c.special == Special::kAllOnOne) {
+    EXPECT_EQ(counts[E / 2], T);
+  }
+  if (c.cf > 0) {
+    EXPECT_LT(kept_pairs, T * K) << "capacity case must drop";
+  }
 }
 
 std::vector<LayerCase> cases() {

@@ -25,7 +25,8 @@ enum class Kind { kInProc, kUcx, kHybrid };
 
 // Runs body(comm) on R threads, one communicator each; returns each rank's error
 // message ("" if it returned normally).
-std::vector<std::string> run_ranks(Kind kind, int R, const std::function<void(Communicator&)>& body) {
+std::vector<std::string> run_ranks(Kind kind, int R, const std::function<void(Communicator&)>& body,
+                                   size_t* hub_pending = nullptr) {
   std::vector<std::string> errors(R);
   std::vector<std::thread> threads;
   InProcGroup group(R);
@@ -55,6 +56,7 @@ std::vector<std::string> run_ranks(Kind kind, int R, const std::function<void(Co
     });
   for (auto& t : threads) t.join();
   if (server) server->wait();
+  if (hub_pending) *hub_pending = hub_a->pending() + hub_b->pending();
   return errors;
 }
 
@@ -79,6 +81,7 @@ uint8_t stamp(int src, int dst, int round, size_t i) {
 
 TEST_P(CommunicatorTest, AllToAllVDeliversRankStampedSegments) {
   const Param p = GetParam();
+  size_t hub_pending = 0;
   const auto errors = run_ranks(p.kind, p.ranks, [&](Communicator& c) {
     const int R = c.size(), me = c.rank();
     for (int round = 0; round < 3; ++round) {
@@ -101,8 +104,9 @@ TEST_P(CommunicatorTest, AllToAllVDeliversRankStampedSegments) {
           ASSERT_EQ(recv[rs.offset[r] + i], stamp(r, me, round, i)) << "from rank " << r << " byte " << i;
       ASSERT_EQ(recv.back(), 0xee) << "wrote past the receive buffer";
     }
-  });
+  }, &hub_pending);
   for (int r = 0; r < p.ranks; ++r) EXPECT_EQ(errors[r], "") << "rank " << r;
+  EXPECT_EQ(hub_pending, 0u) << "the local hub keeps empty queues of finished messages";
 }
 
 TEST_P(CommunicatorTest, SeveralBuffersInOneCall) {
