@@ -74,8 +74,10 @@ void LocalHub::post_recv(int src, int dst, uint64_t tag, void* data, size_t byte
 }
 
 void LocalHub::withdraw(int rank) {
+  // Only receives point into the rank's memory. Queued sends are the hub's own
+  // copies of completed sends: a peer may still receive them after the sender left
+  // (a rank that finished its last collective and tore down first).
   std::lock_guard<std::mutex> lock(mu_);
-  std::erase_if(sends_, [&](const auto& e) { return std::get<0>(e.first) == rank; });
   std::erase_if(recvs_, [&](const auto& e) { return std::get<1>(e.first) == rank; });
 }
 

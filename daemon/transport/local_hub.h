@@ -37,7 +37,8 @@ class LocalHub {
   void detach(int rank);
   void post_send(int src, int dst, uint64_t tag, const void* data, size_t bytes, Completion* c);
   void post_recv(int src, int dst, uint64_t tag, void* data, size_t bytes, Completion* c);
-  // Drops `rank`'s pending posts (after a failure), so nobody touches its buffers.
+  // Drops `rank`'s posted receives (after a failure, or when it leaves), so nobody
+  // writes into its buffers. Its completed sends stay queued for their receivers.
   void withdraw(int rank);
   // (source, destination, tag) queues holding a message or a receive (tests).
   size_t pending() const;
