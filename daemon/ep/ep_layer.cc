@@ -278,6 +278,12 @@ void EpLayer::reduce_replica_grads() {
   }
 }
 
+void EpLayer::optimizer_step(const kernels::OptimizerConfig& cfg, int64_t step) {
+  router_.apply_update(cfg, step);
+  experts_.apply_update(cfg, step);
+  be_.synchronize();
+}
+
 const float* EpLayer::grad_w13(int local_slot) const {
   return experts_.grad_w13() + static_cast<size_t>(local_slot) * 2 * cfg_.ffn_hidden * cfg_.hidden;
 }

@@ -58,6 +58,10 @@ class EpLayer {
   // token_begin + t (replica choice depends on it). x must stay valid until backward.
   void forward(const void* x, int64_t T, int64_t token_begin, void* out);
   void backward(const void* grad_out, void* grad_x);
+  // After backward: one optimizer step (1-based) on the router and the local experts.
+  // Every rank and every replica applies it to the same gradient and state, so
+  // replicated weights stay bitwise identical.
+  void optimizer_step(const kernels::OptimizerConfig& cfg, int64_t step);
 
   // After backward: the router weight's gradient summed over ranks [E, H], and per
   // local slot the expert gradients summed over the expert's replicas.

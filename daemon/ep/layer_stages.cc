@@ -46,6 +46,37 @@ model::LayerWeights weights_as_used(const model::LayerWeights& w, DType dtype) {
 
 // ---------------------------------------------------------------------------
 
+void TrainableTensor::bind(kernels::Backend& be, float* compute, size_t count, DType dtype) {
+  be_ = &be;
+  compute_ = compute;
+  count_ = count;
+  if (dtype == DType::kBF16) master_ = Buffer(be, 4 * count);
+}
+
+void TrainableTensor::sync_master() {
+  if (master_.get()) be_->copy(master_.get(), compute_, 4 * count_);
+}
+
+void TrainableTensor::update(const kernels::OptimizerConfig& cfg, int64_t step, const float* grad) {
+  if (cfg.kind == kernels::OptimizerKind::kAdam && !m_.get() && count_) {
+    m_ = Buffer(*be_, 4 * count_);
+    v_ = Buffer(*be_, 4 * count_);
+    be_->fill_zero(m_.get(), 4 * count_);
+    be_->fill_zero(v_.get(), 4 * count_);
+  }
+  kernels::OptimizerArgs a;
+  a.count = static_cast<int64_t>(count_);
+  a.step = step;
+  a.weight = master_.get() ? master_.as<float>() : compute_;
+  a.grad = grad;
+  a.m = m_.as<float>();
+  a.v = v_.as<float>();
+  a.rounded = master_.get() ? compute_ : nullptr;
+  be_->optimizer_step(cfg, a);
+}
+
+// ---------------------------------------------------------------------------
+
 RouterStage::RouterStage(const MoeLayerConfig& cfg, kernels::Backend& be) : cfg_(cfg), be_(be) {
   cfg_.validate();
   const size_t T = cfg.max_tokens, H = cfg.hidden, E = cfg.num_experts, K = cfg.top_k;
@@ -63,7 +94,13 @@ RouterStage::RouterStage(const MoeLayerConfig& cfg, kernels::Backend& be) : cfg_
   if (cfg.train) {
     grad_logits_ = Buffer(be, 4 * T * E);
     grad_gate_ = Buffer(be, 4 * E * H);
+    gate_param_.bind(be, gate_.as<float>(), E * H, cfg.dtype);
   }
+}
+
+void RouterStage::apply_update(const kernels::OptimizerConfig& cfg, int64_t step) {
+  MOE_CHECK(cfg_.train, "apply_update on a layer built without train = true");
+  gate_param_.update(cfg, step, grad_gate_.as<float>());
 }
 
 void RouterStage::set_weights(const model::LayerWeights& w) {
@@ -74,6 +111,7 @@ void RouterStage::set_weights(const model::LayerWeights& w) {
   MOE_CHECK(w.logit_bias.empty() || w.logit_bias.size() == E, "weights: logit_bias has ", w.logit_bias.size(),
             " values, expected ", E);
   be_.copy_to_device(gate_.get(), w.gate.data(), 4 * E * H);
+  gate_param_.sync_master();
   has_bias_ = !w.selection_bias.empty();
   has_logit_bias_ = !w.logit_bias.empty();
   if (has_bias_) be_.copy_to_device(bias_.get(), w.selection_bias.data(), 4 * E);
@@ -128,6 +166,8 @@ ExpertStage::ExpertStage(const MoeLayerConfig& cfg, int num_local_experts, kerne
   if (cfg.train) {
     grad_w13_ = Buffer(be, 4 * L * 2 * I * H);
     grad_w2_ = Buffer(be, 4 * L * H * I);
+    w13_param_.bind(be, w13_.as<float>(), L * 2 * I * H, cfg.dtype);
+    w2_param_.bind(be, w2_.as<float>(), L * H * I, cfg.dtype);
   }
 }
 
@@ -135,6 +175,14 @@ void ExpertStage::set_weights(const float* w13, const float* w2) {
   const size_t H = cfg_.hidden, I = cfg_.ffn_hidden, L = L_;
   be_.copy_to_device(w13_.get(), w13, 4 * L * 2 * I * H);
   be_.copy_to_device(w2_.get(), w2, 4 * L * H * I);
+  w13_param_.sync_master();
+  w2_param_.sync_master();
+}
+
+void ExpertStage::apply_update(const kernels::OptimizerConfig& cfg, int64_t step) {
+  MOE_CHECK(cfg_.train, "apply_update on a layer built without train = true");
+  w13_param_.update(cfg, step, grad_w13_.as<float>());
+  w2_param_.update(cfg, step, grad_w2_.as<float>());
 }
 
 kernels::ExpertMlpConfig ExpertStage::mlp_config() const {

@@ -41,6 +41,23 @@ struct MoeLayerConfig {
 // Returns w with its values rounded to what a layer of `dtype` computes with.
 model::LayerWeights weights_as_used(const model::LayerWeights& w, DType dtype);
 
+// One trainable tensor of a stage: the values the layer computes with, an fp32
+// master copy (its own buffer only in a bf16 layer, where the compute copy holds
+// bf16-rounded values) and the optimizer's moments, allocated on first update.
+class TrainableTensor {
+ public:
+  // compute: the stage's buffer of `count` values; sync_master() after loading it.
+  void bind(kernels::Backend& be, float* compute, size_t count, DType dtype);
+  void sync_master();
+  void update(const kernels::OptimizerConfig& cfg, int64_t step, const float* grad);
+
+ private:
+  kernels::Backend* be_ = nullptr;
+  float* compute_ = nullptr;
+  size_t count_ = 0;
+  kernels::Buffer master_, m_, v_;  // master_ empty in an fp32 layer
+};
+
 class RouterStage {
  public:
   RouterStage(const MoeLayerConfig& cfg, kernels::Backend& be);
@@ -52,6 +69,9 @@ class RouterStage {
   // grad_topk_weight [T, K] -> grad_gate (this rank's tokens) and grad_x32 += the
   // router path.
   void backward(const void* x, const float* grad_topk_weight, float* grad_x32);
+
+  // One optimizer step on the router weight from grad_gate().
+  void apply_update(const kernels::OptimizerConfig& cfg, int64_t step);
 
   int64_t num_tokens() const { return T_; }
   const int32_t* topk_idx() const { return topk_idx_.as<int32_t>(); }
@@ -66,6 +86,7 @@ class RouterStage {
   int64_t T_ = 0;
   kernels::Buffer gate_, bias_, logit_bias_, logits_, scores_, topk_idx_, topk_weight_, kept_idx_;
   kernels::Buffer grad_logits_, grad_gate_, router_ws_, capacity_ws_;
+  TrainableTensor gate_param_;
 };
 
 // Wall seconds of the last ExpertStage::forward, and the fused MLP's split.
@@ -92,6 +113,9 @@ class ExpertStage {
   // gradients of the local experts (overwritten).
   void backward(const void* grad_combined, void* grad_rows, DType grad_rows_dtype, float* grad_pair_weight);
 
+  // One optimizer step on the local experts' weights from grad_w13()/grad_w2().
+  void apply_update(const kernels::OptimizerConfig& cfg, int64_t step);
+
   int num_local_experts() const { return L_; }
   const float* grad_w13() const { return grad_w13_.as<float>(); }
   float* grad_w13() { return grad_w13_.as<float>(); }
@@ -113,6 +137,7 @@ class ExpertStage {
   kernels::Buffer w13_, w2_, grad_w13_, grad_w2_;
   kernels::Buffer perm_src_row_, perm_weight_, pair_pos_, y_, saved_gu_, grad_perm_x_, grad_perm_weight_;
   kernels::Buffer layout_ws_, mlp_ws_;
+  TrainableTensor w13_param_, w2_param_;
   ExpertStageTimes times_;
 };
 

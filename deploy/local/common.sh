@@ -15,7 +15,7 @@ MOE_PACKAGES=(
   libprotobuf-dev protobuf-compiler
   libcli11-dev prometheus-cpp-dev
   libgtest-dev libgmock-dev
-  iproute2 procps
+  iproute2 procps python3
 )
 
 log() { printf '[%s] %s\n' "$(date +%H:%M:%S)" "$*" >&2; }

@@ -111,6 +111,12 @@ void GroupedGemmConfig::validate() const {
   MOE_CHECK(n > 0 && k > 0, "grouped gemm: n and k must be > 0, got n=", n, " k=", k);
 }
 
+void OptimizerConfig::validate() const {
+  MOE_CHECK(std::isfinite(lr) && lr > 0, "optimizer: lr must be finite and > 0, got ", lr);
+  MOE_CHECK(beta1 >= 0 && beta1 < 1 && beta2 >= 0 && beta2 < 1, "optimizer: betas must be in [0, 1)");
+  MOE_CHECK(eps > 0, "optimizer: eps must be > 0, got ", eps);
+}
+
 void ExpertMlpConfig::validate() const {
   MOE_CHECK(num_experts >= 0, "expert mlp: num_experts must be >= 0, got ", num_experts);
   MOE_CHECK(hidden > 0, "expert mlp: hidden must be > 0, got ", hidden);

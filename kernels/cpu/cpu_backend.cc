@@ -125,6 +125,10 @@ class CpuBackend final : public Backend {
     cpu::grouped_gemm(exec_, c, a);
   }
 
+  void optimizer_step(const OptimizerConfig& c, const OptimizerArgs& a) override {
+    cpu::optimizer_step(pool(), c, a);
+  }
+
   size_t expert_mlp_workspace_bytes(const ExpertMlpConfig& c) const override {
     return cpu::expert_mlp_workspace_bytes(c, threads());
   }

@@ -98,6 +98,8 @@ void plan_wgrad_tiles(CpuExec& exec, const int64_t* offset, int num_groups, int6
 
 void grouped_gemm(CpuExec& exec, const GroupedGemmConfig& cfg, const GroupedGemmArgs& args);
 
+void optimizer_step(ThreadPool& pool, const OptimizerConfig& cfg, const OptimizerArgs& args);
+
 size_t expert_mlp_workspace_bytes(const ExpertMlpConfig& cfg, int num_threads);
 void expert_mlp_forward(CpuExec& exec, const ExpertMlpConfig& cfg,
                         const ExpertMlpForwardArgs& args);

@@ -80,8 +80,6 @@ void validate(const v1::JobSpec& s, int world_size) {
   const double rows = static_cast<double>(s.tokens_per_rank()) * std::max(1, s.top_k());
   require(rows * (s.hidden() + 2.0 * s.ffn_hidden()) * 4 < 64e9, "tokens_per_rank",
           "needs more than 64 GB of activations per rank with this hidden/ffn_hidden/top_k");
-  if (s.mode() == v1::JobSpec::train)
-    invalid("mode", "train jobs are not supported by this cluster version yet (forward only)");
   if (world_size > 4096)
     invalid("experts", "the cluster has " + std::to_string(world_size) + " ranks; jobs run on at most 4096");
   if (world_size > 0)

@@ -541,6 +541,42 @@ TEST_F(CpuOps, SwigluForwardBackwardMatchDoubleFormulas) {
   EXPECT_TRUE(close("grad_scale", to_double(dscale), wds, 1e-5, 1e-6));
 }
 
+TEST_F(CpuOps, OptimizerStepsMatchTheirFormulas) {
+  const int64_t n = 3001;
+  const std::vector<float> w0 = normal_vector(n, 1), g1 = normal_vector(n, 2, 0.01), g2 = normal_vector(n, 3, 0.01);
+  // Adam, two steps, against the bias-corrected formula in double.
+  std::vector<float> w = w0, m(n, 0.0f), v(n, 0.0f), rounded(n);
+  OptimizerConfig cfg;
+  cfg.lr = 0.05f;
+  be->optimizer_step(cfg, {n, 1, w.data(), g1.data(), m.data(), v.data(), nullptr});
+  be->optimizer_step(cfg, {n, 2, w.data(), g2.data(), m.data(), v.data(), rounded.data()});
+  std::vector<double> want(n);
+  for (int64_t i = 0; i < n; ++i) {
+    double wi = w0[i], mi = 0, vi = 0;
+    int t = 0;
+    for (double g : {static_cast<double>(g1[i]), static_cast<double>(g2[i])}) {
+      ++t;
+      mi = 0.9 * mi + 0.1 * g;
+      vi = 0.999 * vi + 0.001 * g * g;
+      wi -= 0.05 * (mi / (1 - std::pow(0.9, t))) / (std::sqrt(vi / (1 - std::pow(0.999, t))) + 1e-8);
+    }
+    want[i] = wi;
+    ASSERT_EQ(rounded[i], round_to_bf16(w[i]));
+  }
+  EXPECT_TRUE(close("adam", to_double(w), want, 1e-5, 1e-6));
+  // The update moved the weights (Adam's first step is about lr in size).
+  double moved = 0;
+  for (int64_t i = 0; i < n; ++i) moved = std::max(moved, std::fabs(static_cast<double>(w[i]) - w0[i]));
+  EXPECT_GT(moved, 0.05);
+  // SGD: w -= lr g exactly.
+  std::vector<float> ws = w0;
+  cfg.kind = OptimizerKind::kSgd;
+  be->optimizer_step(cfg, {n, 1, ws.data(), g1.data(), nullptr, nullptr, nullptr});
+  for (int64_t i = 0; i < n; ++i) ASSERT_EQ(ws[i], w0[i] - 0.05f * g1[i]);
+  cfg.lr = -1;
+  EXPECT_THROW(be->optimizer_step(cfg, {n, 1, ws.data(), g1.data(), nullptr, nullptr, nullptr}), Error);
+}
+
 TEST_F(CpuOps, GroupedGemmAllKindsWithEmptyGroups) {
   // Groups of 0, 5, 0, 1300 (split over several tiles), 64 rows.
   const std::vector<int64_t> off = {0, 0, 5, 5, 1305, 1369};

@@ -331,6 +331,36 @@ struct ExpertMlpBackwardArgs {
 };
 
 // ---------------------------------------------------------------------------
+// Optimizer step on one parameter tensor, fp32 master values (DESIGN 6: adam or
+// sgd, learning rate lr). Adam (bias-corrected, step >= 1):
+//   m = b1 m + (1-b1) g;  v = b2 v + (1-b2) g^2;
+//   w -= lr * (m / (1-b1^step)) / (sqrt(v / (1-b2^step)) + eps)
+// SGD: w -= lr g. Element-wise and deterministic, so replicas fed identical
+// gradients and states stay bitwise identical. If rounded is not null it receives
+// w rounded to bf16 (the copy a bf16 layer computes with).
+enum class OptimizerKind : uint8_t { kAdam, kSgd };
+
+struct OptimizerConfig {
+  OptimizerKind kind = OptimizerKind::kAdam;
+  float lr = 1e-3f;
+  float beta1 = 0.9f;
+  float beta2 = 0.999f;
+  float eps = 1e-8f;
+
+  void validate() const;
+};
+
+struct OptimizerArgs {
+  int64_t count = 0;
+  int64_t step = 1;            // 1-based (Adam's bias correction)
+  float* weight = nullptr;     // [count] master, updated in place
+  const float* grad = nullptr;  // [count]
+  float* m = nullptr;          // [count] Adam first moment (unused by SGD)
+  float* v = nullptr;          // [count] Adam second moment
+  float* rounded = nullptr;    // [count] or null: weight rounded to bf16 values
+};
+
+// ---------------------------------------------------------------------------
 // The operation table. One instance per rank; not thread-safe (a rank issues its
 // ops in order, like a CUDA stream).
 class Backend {
@@ -385,6 +415,8 @@ class Backend {
   virtual void swiglu_backward(const SwigluConfig& cfg, const SwigluBackwardArgs& args) = 0;
 
   virtual void grouped_gemm(const GroupedGemmConfig& cfg, const GroupedGemmArgs& args) = 0;
+
+  virtual void optimizer_step(const OptimizerConfig& cfg, const OptimizerArgs& args) = 0;
 
   virtual size_t expert_mlp_workspace_bytes(const ExpertMlpConfig& cfg) const = 0;
   virtual void expert_mlp_forward(const ExpertMlpConfig& cfg,
