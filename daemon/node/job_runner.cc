@@ -7,11 +7,11 @@
 #include <functional>
 
 #include "ep/ep_layer.h"
+#include "ep/reference.h"
 #include "io/layer_io.h"
 #include "job_model.h"
 #include "moe/kernels/check.h"
 #include "moe/kernels/cpu_backend.h"
-#include "moe_ref.h"
 #include "rpc/log.h"
 #include "rpc/rpc.h"
 #include "spec/job_spec.h"
@@ -63,33 +63,6 @@ struct Snapshot {
   std::vector<float> topk_weight;
   std::vector<uint8_t> grad_out, grad_x;  // train: the gradient reaching out, and the MoE path's grad_x
 };
-
-ref::Config ref_config(const v1::JobSpec& spec) {
-  const ep::MoeLayerConfig lc = layer_config(spec);
-  ref::Config rc;
-  rc.hidden = lc.hidden;
-  rc.ffn_hidden = lc.ffn_hidden;
-  rc.num_experts = lc.num_experts;
-  rc.top_k = lc.top_k;
-  rc.score = lc.score;
-  rc.num_groups = lc.num_groups;
-  rc.group_top_k = lc.group_top_k;
-  rc.norm_topk_prob = lc.norm_topk_prob;
-  rc.routed_scaling_factor = lc.routed_scaling_factor;
-  rc.capacity_factor = lc.capacity_factor;
-  rc.drop_policy = lc.drop_policy;
-  return rc;
-}
-
-ref::Weights ref_weights(const model::LayerWeights& w) {
-  ref::Weights r;
-  r.gate.assign(w.gate.begin(), w.gate.end());
-  r.selection_bias.assign(w.selection_bias.begin(), w.selection_bias.end());
-  r.logit_bias.assign(w.logit_bias.begin(), w.logit_bias.end());
-  r.w13.assign(w.w13.begin(), w.w13.end());
-  r.w2.assign(w.w2.begin(), w.w2.end());
-  return r;
-}
 
 // Folds |got - want| over a tensor into v: max_abs, and max_rel relative to the
 // tensor's scale (max |want|).
@@ -303,7 +276,7 @@ class RankRun {
   // sum over every rank's tokens, by all-reducing each rank's reference share.
   void verify_step0() {
     const int K = spec_.top_k(), E = spec_.experts(), I = spec_.ffn_hidden();
-    const ref::Config rc = ref_config(spec_);
+    const ref::Config rc = ep::reference_config(layer_config(spec_));
     // fp32: accumulation-order noise. bf16: out, grad_x and each rank's partial
     // combine row are rounded once each (2^-9).
     const double tol = dt_ == DType::kF32 ? 1e-4 : 1.0 / 64;
@@ -312,7 +285,7 @@ class RankRun {
       const Snapshot& s = snaps_[l];
       const model::LayerWeights w =
           ep::weights_as_used(layer_weights(spec_, l, std::vector<bool>(E, true)), dt_);
-      const ref::Weights rw = ref_weights(w);
+      const ref::Weights rw = ep::reference_weights(w);
       const std::vector<float> xf = model::from_storage(s.x.data(), T_ * H_, dt_);
       const std::vector<double> x(xf.begin(), xf.end());
       // The reference's own selection must agree except at near-ties fp32 cannot

@@ -10,6 +10,7 @@
 
 #include "io/layer_io.h"
 #include "io/safetensors.h"
+#include "ep/reference.h"
 #include "test_util.h"
 
 #ifndef MOE_BENCH_BIN
@@ -67,14 +68,15 @@ TEST(BenchDump, TrainDumpMatchesReference) {
   rc.score = ScoreFunc::kSigmoid;
   const std::vector<double> x = to_double(r.read_f32("x", {T, H}));
   const std::vector<int32_t> idx = r.read_i32("topk_idx", {T, K});
-  const ref::Forward f = ref::forward(rc, to_ref_weights(w), x, T, {idx.data(), {}});
-  const ref::Forward own = ref::forward(rc, to_ref_weights(w), x, T);
-  for (int64_t t = 0; t < T; ++t)
-    if (own.selection_margin[t] > 1e-5)
-      for (int k = 0; k < K; ++k) EXPECT_EQ(idx[t * K + k], own.topk_idx[t * K + k]);
+  const ref::Forward f = ref::forward(rc, ep::reference_weights(w), x, T, {idx.data(), {}});
+  const ref::Forward own = ref::forward(rc, ep::reference_weights(w), x, T);
+  for (int64_t t = 0; t < T; ++t) {
+    if (own.selection_margin[t] <= 1e-5) continue;  // a near-tie fp32 cannot break like fp64
+    for (int k = 0; k < K; ++k) EXPECT_EQ(idx[t * K + k], own.topk_idx[t * K + k]);
+  }
   EXPECT_TRUE(close("out", to_double(r.read_f32("out", {T, H})), f.out, 1e-4, 1e-5));
   EXPECT_TRUE(close("topk_weight", to_double(r.read_f32("topk_weight", {T, K})), f.topk_weight, 1e-5, 1e-6));
-  const ref::Grads g = ref::backward(rc, to_ref_weights(w), x, f, to_double(r.read_f32("grad_out", {T, H})));
+  const ref::Grads g = ref::backward(rc, ep::reference_weights(w), x, f, to_double(r.read_f32("grad_out", {T, H})));
   EXPECT_TRUE(close("grad_x", to_double(r.read_f32("grad_x", {T, H})), g.grad_x, 1e-4, 1e-5));
   EXPECT_TRUE(close("grad.gate.weight", to_double(r.read_f32("grad.gate.weight", {E, H})), g.grad_gate, 1e-4, 1e-5));
   for (int e = 0; e < E; ++e) {

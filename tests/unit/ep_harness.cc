@@ -7,6 +7,7 @@
 #include "io/safetensors.h"
 #include "moe/kernels/check.h"
 #include "moe/kernels/cpu_backend.h"
+#include "ep/reference.h"
 #include "test_util.h"
 #include "transport/bootstrap.h"
 #include "transport/inproc_communicator.h"
@@ -273,16 +274,10 @@ void check_against_reference(const EpCase& c, const std::vector<RankResult>& res
   const int64_t Ttot = c.total_tokens();
   const int H = c.hidden, I = c.ffn, K = c.top_k, E = c.experts;
   const model::LayerWeights w = ep::weights_as_used(case_weights(c), c.dtype);
-  const ref::Weights rw = to_ref_weights(w);
+  const ref::Weights rw = ep::reference_weights(w);
   const std::vector<double> x = to_double(inputs(c.seed, 0, Ttot, H, c.dtype));
   const std::vector<double> go = to_double(inputs(c.seed ^ kGradSeedTag, 0, Ttot, H, c.dtype));
-  ref::Config rc;
-  rc.hidden = H;
-  rc.ffn_hidden = I;
-  rc.num_experts = E;
-  rc.top_k = K;
-  rc.score = c.score;
-  rc.capacity_factor = c.capacity_factor;
+  const ref::Config rc = ep::reference_config(c.layer_config());
   std::vector<int32_t> topk;
   for (const RankResult& r : results) topk.insert(topk.end(), r.topk_idx.begin(), r.topk_idx.end());
   ASSERT_EQ(static_cast<int64_t>(topk.size()), Ttot * K);

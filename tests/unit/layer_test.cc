@@ -5,6 +5,7 @@
 #include "ep/moe_layer.h"
 #include "moe/kernels/check.h"
 #include "moe/kernels/cpu_backend.h"
+#include "ep/reference.h"
 #include "test_util.h"
 
 namespace moe::test {
@@ -113,19 +114,8 @@ TEST_P(LayerVsReference, ForwardAndBackward) {
   layer.forward(x.data(), T, out.data());
   layer.backward(go.data(), gx.data());
 
-  ref::Config rc;
-  rc.hidden = H;
-  rc.ffn_hidden = c.I;
-  rc.num_experts = E;
-  rc.top_k = K;
-  rc.score = c.score;
-  rc.num_groups = c.groups;
-  rc.group_top_k = c.group_top_k;
-  rc.norm_topk_prob = c.norm;
-  rc.routed_scaling_factor = c.scaling;
-  rc.capacity_factor = c.cf;
-  rc.drop_policy = c.policy;
-  const ref::Weights rw = to_ref_weights(used);
+  const ref::Config rc = ep::reference_config(cfg);
+  const ref::Weights rw = ep::reference_weights(used);
   const std::vector<double> xd = to_double(x.f32);
 
   // Selection: identical to the reference's own except at near-ties that fp32

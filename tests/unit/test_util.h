@@ -49,16 +49,6 @@ inline std::vector<kernels::bf16_t> float_to_bf16(const std::vector<float>& v) {
   return out;
 }
 
-inline ref::Weights to_ref_weights(const model::LayerWeights& w) {
-  ref::Weights r;
-  r.gate = to_double(w.gate);
-  r.selection_bias = to_double(w.selection_bias);
-  r.logit_bias = to_double(w.logit_bias);
-  r.w13 = to_double(w.w13);
-  r.w2 = to_double(w.w2);
-  return r;
-}
-
 inline double max_abs(const std::vector<double>& v) {
   double m = 0;
   for (double x : v) m = std::max(m, std::fabs(x));

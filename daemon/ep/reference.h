@@ -1,0 +1,14 @@
+// The fp64 reference (kernels/ref) set up like a layer: its config from a
+// MoeLayerConfig, its weights from the layer's host weights. Used by verify and by
+// the tests, so the two describe a layer the same way.
+#pragma once
+
+#include "ep/layer_stages.h"
+#include "moe_ref.h"
+
+namespace moe::ep {
+
+ref::Config reference_config(const MoeLayerConfig& cfg);
+ref::Weights reference_weights(const model::LayerWeights& w);
+
+}  // namespace moe::ep
