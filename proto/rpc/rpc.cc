@@ -19,6 +19,16 @@ awaitable<void> write_frame(tcp::socket& s, const v1::Envelope& env) {
   co_await asio::async_write(s, asio::buffer(frame), use_awaitable);
 }
 
+// A server's reply: false when the peer has gone, which ends the connection.
+awaitable<bool> try_write_frame(tcp::socket& s, const v1::Envelope& env) {
+  try {
+    co_await write_frame(s, env);
+  } catch (const std::exception&) {
+    co_return false;
+  }
+  co_return true;
+}
+
 // Reads one frame; throws RpcError(BAD_FRAME) for an oversized or unparsable one.
 awaitable<v1::Envelope> read_frame(tcp::socket& s, size_t max_bytes) {
   uint8_t header[4];
@@ -135,21 +145,12 @@ awaitable<void> RpcServer::serve(std::shared_ptr<Connection> conn) {
         reply.set_request_id(request.request_id());
         reply.mutable_hello_reply()->set_role(opts_.role);
         reply.mutable_hello_reply()->set_version("moe.v1");
-        bool ok = true;
-        try {
-          co_await write_frame(conn->socket, reply);
-        } catch (const std::exception&) {
-          ok = false;
-        }
-        if (!ok) break;
+        if (!co_await try_write_frame(conn->socket, reply)) break;
         continue;
       }
     }
     if (fatal) {
-      try {
-        co_await write_frame(conn->socket, *fatal);
-      } catch (const std::exception&) {
-      }
+      co_await try_write_frame(conn->socket, *fatal);
       break;
     }
     // A handler stops waiting a little before the caller gives up, so a wait that
@@ -168,13 +169,7 @@ awaitable<void> RpcServer::serve(std::shared_ptr<Connection> conn) {
       reply = make_error(v1::ERROR_CODE_INTERNAL, e.what());
     }
     reply.set_request_id(request.request_id());
-    bool ok = true;
-    try {
-      co_await write_frame(conn->socket, reply);
-    } catch (const std::exception&) {
-      ok = false;
-    }
-    if (!ok) break;
+    if (!co_await try_write_frame(conn->socket, reply)) break;
   }
   boost::system::error_code ec;
   conn->socket.close(ec);
