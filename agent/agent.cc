@@ -205,7 +205,6 @@ v1::Envelope Agent::on_register(const v1::RegisterNodeRequest& r) {
   n.devices = r.devices();
   n.control_address = r.control_address();
   n.metrics_address = r.metrics_address();
-  n.host = r.host();
   n.last_heartbeat = Clock::now();
   log::info("node ", n.name, " registered as node ", n.index, " (ranks ", n.index * devices_per_node_, "-",
             (n.index + 1) * devices_per_node_ - 1, "), control ", n.control_address);
@@ -457,11 +456,7 @@ void Agent::start(const std::string& id) {
   try {
     spec::validate(rec.spec(), world);
   } catch (const RpcError& e) {
-    rec.set_state(v1::JOB_STATE_FAILED);
-    rec.set_message(e.what());
-    rec.set_finished_unix_ms(unix_ms());
-    job_event_.notify_all();
-    rpc::asio::post(io_, [this] { try_schedule(); });
+    fail_unstarted(rec, e.what());
     return;
   }
   running_ = std::make_unique<Running>();
@@ -473,7 +468,7 @@ void Agent::start(const std::string& id) {
   job.published.assign(world, false);
   job.done.assign(world, false);
   job.verify.assign(world, {});
-  job.started = job.last_report = Clock::now();
+  job.last_report = Clock::now();
   rec.set_state(v1::JOB_STATE_RUNNING);
   ++placement_epoch_;
   maps_.clear();
@@ -485,11 +480,7 @@ void Agent::start(const std::string& id) {
     }
   } catch (const placement::PlacementError& e) {
     running_.reset();
-    rec.set_state(v1::JOB_STATE_FAILED);
-    rec.set_message(std::string("placement: ") + e.what());
-    rec.set_finished_unix_ms(unix_ms());
-    job_event_.notify_all();
-    rpc::asio::post(io_, [this] { try_schedule(); });
+    fail_unstarted(rec, std::string("placement: ") + e.what());
     return;
   }
   log::info("job ", id, " starting on ", world, " ranks (", nodes_.size(), " nodes), placement epoch ",
@@ -520,6 +511,14 @@ void Agent::start(const std::string& id) {
         });
     });
   }
+}
+
+void Agent::fail_unstarted(v1::JobResult& rec, const std::string& message) {
+  rec.set_state(v1::JOB_STATE_FAILED);
+  rec.set_message(message);
+  rec.set_finished_unix_ms(unix_ms());
+  job_event_.notify_all();
+  rpc::asio::post(io_, [this] { try_schedule(); });
 }
 
 void Agent::cancel_daemons(const std::string& reason) {
@@ -561,7 +560,7 @@ void Agent::finish(v1::JobState state, const std::string& message) {
   rec.set_placement_epoch(static_cast<double>(placement_epoch_));
   const int W = job.world;
   const int layers = job.spec.layers();
-  std::vector<double> step_time, router, dispatch, expert, combine, backward, optimizer, slowest_expert;
+  std::vector<double> step_time, router, dispatch, expert, combine, backward, optimizer;
   double dbytes = 0, nbytes = 0, cbytes = 0;
   std::vector<std::vector<double>> expert_tokens(layers, std::vector<double>(job.spec.experts(), 0.0));
   std::vector<double> rank_tokens(W, 0.0);
@@ -597,7 +596,6 @@ void Agent::finish(v1::JobState state, const std::string& message) {
     combine.push_back(pc);
     backward.push_back(pb);
     optimizer.push_back(po);
-    slowest_expert.push_back(pe);
     if (job.spec.mode() == v1::JobSpec::train) rec.add_loss(loss);
   }
   rec.set_steps_completed(static_cast<double>(step_time.size()));
@@ -607,11 +605,13 @@ void Agent::finish(v1::JobState state, const std::string& message) {
   auto* ph = rec.mutable_phase_seconds();
   ph->set_router(median(router));
   ph->set_dispatch(median(dispatch));
-  ph->set_expert(median(expert));
+  const double expert_p50 = median(expert);
+  ph->set_expert(expert_p50);
   ph->set_combine(median(combine));
   ph->set_backward(median(backward));
   ph->set_optimizer(median(optimizer));
-  rec.set_slowest_rank_expert_seconds(median(slowest_expert));
+  // Each step's expert phase is already its slowest rank's.
+  rec.set_slowest_rank_expert_seconds(expert_p50);
   rec.set_dispatch_bytes(dbytes);
   rec.set_naive_dispatch_bytes(nbytes);
   rec.set_combine_bytes(cbytes);

@@ -56,7 +56,7 @@ class Agent {
     int index = 0;
     v1::NodeState state = v1::NODE_STATE_ALIVE;
     int devices = 0;
-    std::string control_address, metrics_address, host;
+    std::string control_address, metrics_address;
     std::chrono::steady_clock::time_point last_heartbeat;
     // The job whose ranks on this node have not all reported done yet: the daemon
     // is still busy with it even if the agent already recorded its end.
@@ -77,7 +77,7 @@ class Agent {
     std::string message;
     std::map<int, std::vector<v1::StepStats>> steps;  // step -> by rank
     std::vector<v1::Verify> verify;
-    std::chrono::steady_clock::time_point started, failed_at, last_report;
+    std::chrono::steady_clock::time_point failed_at, last_report;
   };
 
   rpc::awaitable<v1::Envelope> handle(const v1::Envelope& req, const rpc::RequestContext& ctx);
@@ -95,6 +95,8 @@ class Agent {
   rpc::awaitable<void> watchdog();
   void try_schedule();
   void start(const std::string& job_id);
+  // Fails a job that could not start and moves on to the next one.
+  void fail_unstarted(v1::JobResult& rec, const std::string& message);
   // Ends the running job: builds its result from the step reports.
   void finish(v1::JobState state, const std::string& message);
   void fail_running(const std::string& message);  // fails the job and tells the daemons to stop

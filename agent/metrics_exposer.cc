@@ -33,8 +33,9 @@ struct MetricsExposer::Impl {
     balanced = &prometheus::BuildGauge().Name("moe_placement_balancedness")
                     .Help("Mean rank load / max rank load of the map under the last measured loads").Register(*registry);
     replicas = &prometheus::BuildGauge().Name("moe_expert_replicas").Help("Replicas of each logical expert").Register(*registry);
-    rebalances = &prometheus::BuildCounter().Name("moe_rebalances_total").Help("Placement maps applied by rebalancing")
-                      .Register(*registry).Add({});
+    // Exposed (at 0) though nothing counts rebalances yet.
+    prometheus::BuildCounter().Name("moe_rebalances_total").Help("Placement maps applied by rebalancing")
+        .Register(*registry).Add({});
     nodes = &prometheus::BuildGauge().Name("moe_nodes").Help("Registered nodes by state").Register(*registry);
     jobs = &prometheus::BuildGauge().Name("moe_jobs").Help("Jobs by state").Register(*registry);
     prometheus::BuildGauge().Name("moe_build_info").Help("moed build").Register(*registry)
@@ -75,7 +76,6 @@ struct MetricsExposer::Impl {
   prometheus::Gauge* epoch;
   prometheus::Family<prometheus::Gauge>* balanced;
   prometheus::Family<prometheus::Gauge>* replicas;
-  prometheus::Counter* rebalances;
   prometheus::Family<prometheus::Gauge>* nodes;
   prometheus::Family<prometheus::Gauge>* jobs;
 };
@@ -84,7 +84,5 @@ MetricsExposer::MetricsExposer(rpc::asio::io_context& io, const Agent& agent, co
     : impl_(std::make_unique<Impl>(io, agent, listen)) {}
 
 MetricsExposer::~MetricsExposer() { impl_->timer.cancel(); }
-
-int MetricsExposer::port() const { return impl_->exposer->GetListeningPorts().at(0); }
 
 }  // namespace moe::agent

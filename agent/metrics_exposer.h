@@ -16,7 +16,6 @@ class MetricsExposer {
   // listen: "PORT" (all interfaces) or "HOST:PORT"; port 0 picks one.
   MetricsExposer(rpc::asio::io_context& io, const Agent& agent, const std::string& listen);
   ~MetricsExposer();
-  int port() const;
 
  private:
   struct Impl;

@@ -235,13 +235,12 @@ void stop_pids(const std::vector<fs::path>& files, std::chrono::milliseconds gra
 Resolved resolve(const Globals& g) {
   Resolved r;
   const char* home = std::getenv("HOME");
-  r.state_dir = !g.state_dir.empty() ? g.state_dir
-                                     : env_or("MOE_STATE_DIR", std::string(home ? home : ".") + "/.local/state/moed");
-  r.agent = !g.agent.empty() ? g.agent : env_or("MOE_AGENT", "");
+  r.state_dir = !g.state_dir.empty() ? g.state_dir : std::string(home ? home : ".") + "/.local/state/moed";
+  r.agent = g.agent;
   if (r.agent.empty() && fs::exists(fs::path(r.state_dir) / "agent_address"))
     r.agent = read_file_trimmed(fs::path(r.state_dir) / "agent_address");
   if (r.agent.empty()) r.agent = kDefaultAgent;
-  std::string token_file = !g.token_file.empty() ? g.token_file : env_or("MOE_TOKEN_FILE", "");
+  std::string token_file = g.token_file;
   if (token_file.empty() && fs::exists(fs::path(r.state_dir) / "token")) token_file = (fs::path(r.state_dir) / "token").string();
   if (!token_file.empty()) r.token = rpc::read_token_file(token_file);
   return r;
@@ -254,9 +253,7 @@ int cluster_up(const Globals& g, const ClusterUpOptions& o, std::ostream& out, s
   }
   Resolved r;
   try {
-    Globals gg = g;
-    gg.agent = "";
-    r = resolve(gg);
+    r = resolve(g);
     const fs::path dir = r.state_dir, pids = dir / "pids", logs = dir / "logs";
     if (alive(fs::exists(pids / "agent.pid") ? read_pid(pids / "agent.pid") : -1)) {
       err << "moectl: a cluster is already up in " << dir.string() << " (moectl cluster down first)\n";
@@ -334,9 +331,7 @@ int cluster_up(const Globals& g, const ClusterUpOptions& o, std::ostream& out, s
 
 int cluster_down(const Globals& g, std::ostream& out, std::ostream& err) {
   try {
-    Globals gg = g;
-    gg.agent = "";
-    const Resolved r = resolve(gg);
+    const Resolved r = resolve(g);
     const fs::path dir = r.state_dir;
     // Daemons first (they stop their job at a step boundary), then the agent.
     std::vector<fs::path> daemons, agent;

@@ -15,14 +15,15 @@ namespace moe::ctl {
 constexpr int kExitOk = 0, kExitJobFailed = 1, kExitUsage = 2, kExitUnreachable = 3;
 
 struct Globals {
-  std::string agent;       // --agent (else MOE_AGENT, state dir, 127.0.0.1:7400)
-  std::string token_file;  // --token-file (else MOE_TOKEN_FILE, state dir)
-  std::string state_dir;   // --state-dir (else MOE_STATE_DIR, ~/.local/state/moed)
+  // Flags, or their environment variables (the main reads both).
+  std::string agent;       // --agent / MOE_AGENT (else the state dir's, 127.0.0.1:7400)
+  std::string token_file;  // --token-file / MOE_TOKEN_FILE (else the state dir's)
+  std::string state_dir;   // --state-dir / MOE_STATE_DIR (else ~/.local/state/moed)
   bool json = false;       // --output json
   std::chrono::milliseconds timeout{10000};
 };
 
-// Fills agent, token and state dir from flags, environment and the state dir.
+// Fills agent, token and state dir from Globals and the state dir.
 struct Resolved {
   std::string agent, token, state_dir;
 };

@@ -1,6 +1,7 @@
 // moectl: the command line of a moed cluster (DESIGN 9). Thin main: flags into
 // the calls of ctl.h, whose return value is the exit code.
 #include <CLI/CLI.hpp>
+#include <google/protobuf/descriptor.h>
 
 #include <fstream>
 #include <iostream>
@@ -88,33 +89,19 @@ struct JobFlags {
       if (*norm_topk_prob != "true" && *norm_topk_prob != "false") bad("norm_topk_prob", *norm_topk_prob);
       s.set_norm_topk_prob(*norm_topk_prob == "true");
     }
-    if (score) {
-      v1::JobSpec::Score v;
-      if (!v1::JobSpec::Score_Parse(*score, &v) || v == v1::JobSpec::SCORE_UNSPECIFIED) bad("score", *score);
-      s.set_score(v);
-    }
-    if (dtype) {
-      v1::JobSpec::DType v;
-      if (!v1::JobSpec::DType_Parse(*dtype, &v) || v == v1::JobSpec::DTYPE_UNSPECIFIED) bad("dtype", *dtype);
-      s.set_dtype(v);
-    }
-    if (drop_policy) {
-      v1::JobSpec::DropPolicy v;
-      if (!v1::JobSpec::DropPolicy_Parse(*drop_policy, &v) || v == v1::JobSpec::DROP_POLICY_UNSPECIFIED)
-        bad("drop_policy", *drop_policy);
-      s.set_drop_policy(v);
-    }
-    if (mode) {
-      v1::JobSpec::Mode v;
-      if (!v1::JobSpec::Mode_Parse(*mode, &v) || v == v1::JobSpec::MODE_UNSPECIFIED) bad("mode", *mode);
-      s.set_mode(v);
-    }
-    if (optimizer) {
-      v1::JobSpec::Optimizer v;
-      if (!v1::JobSpec::Optimizer_Parse(*optimizer, &v) || v == v1::JobSpec::OPTIMIZER_UNSPECIFIED)
-        bad("optimizer", *optimizer);
-      s.set_optimizer(v);
-    }
+    // The enum flags are spelled as the proto's value names; 0 is "unspecified".
+    auto set_enum = [&](const char* field, const std::optional<std::string>& text) {
+      if (!text) return;
+      const google::protobuf::FieldDescriptor* f = v1::JobSpec::descriptor()->FindFieldByName(field);
+      const google::protobuf::EnumValueDescriptor* v = f->enum_type()->FindValueByName(*text);
+      if (!v || v->number() == 0) bad(field, *text);
+      s.GetReflection()->SetEnum(&s, f, v);
+    };
+    set_enum("score", score);
+    set_enum("dtype", dtype);
+    set_enum("drop_policy", drop_policy);
+    set_enum("mode", mode);
+    set_enum("optimizer", optimizer);
     return s;
   }
 };

@@ -1,10 +1,10 @@
 #include "moe/placement/eplb.h"
 
 #include <algorithm>
-#include <cmath>
 #include <numeric>
 
 #include "moe/placement/placement_error.h"
+#include "packing.h"
 
 namespace moe::placement {
 
@@ -69,11 +69,7 @@ std::vector<int> eplb_replicate_experts(std::span<const double> weight, int num_
 LayerMap eplb_rebalance(const PlacementSpec& spec_in, std::span<const double> loads,
                         EplbPolicy policy) {
   spec_in.validate();
-  MOE_PLACEMENT_CHECK(loads.size() == static_cast<size_t>(spec_in.num_experts), "loads have ",
-                      loads.size(), " entries, expected experts (", spec_in.num_experts, ")");
-  for (size_t e = 0; e < loads.size(); ++e)
-    MOE_PLACEMENT_CHECK(std::isfinite(loads[e]) && loads[e] >= 0.0, "load of expert ", e, " (",
-                        loads[e], ") must be finite and non-negative");
+  detail::check_loads(spec_in, loads);
   PlacementSpec spec = spec_in;
   if (policy == EplbPolicy::kGlobal) {
     spec.num_groups = 1;

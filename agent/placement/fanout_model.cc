@@ -78,28 +78,6 @@ class ModelObjective final : public FanoutObjective {
     return swap_delta(a, b) - move_delta(e, n1, n2) - move_delta(f, n2, n1);
   }
 
-  double swap_delta(int a, int b) const override {
-    const int e = packing_.expert_at(a), f = packing_.expert_at(b);
-    const int n1 = node_of_slot(a), n2 = node_of_slot(b);
-    const int g = group(e), h = group(f);
-    LogProduct wg1 = w_[gidx(g, n1)], wg2 = w_[gidx(g, n2)];
-    move(wg1, wg2, e, n1, n2);
-    LogProduct u1 = u_[n1], u2 = u_[n2];
-    if (g == h) {
-      move(wg2, wg1, f, n2, n1);
-      replace(u1, g, w_[gidx(g, n1)], wg1);
-      replace(u2, g, w_[gidx(g, n2)], wg2);
-    } else {
-      LogProduct wh1 = w_[gidx(h, n1)], wh2 = w_[gidx(h, n2)];
-      move(wh2, wh1, f, n2, n1);
-      replace(u1, g, w_[gidx(g, n1)], wg1);
-      replace(u1, h, w_[gidx(h, n1)], wh1);
-      replace(u2, g, w_[gidx(g, n2)], wg2);
-      replace(u2, h, w_[gidx(h, n2)], wh2);
-    }
-    return (u_[n1].value() - u1.value()) + (u_[n2].value() - u2.value());
-  }
-
   void apply_swap(int a, int b) override {
     const int e = packing_.expert_at(a), f = packing_.expert_at(b);
     const int n1 = node_of_slot(a), n2 = node_of_slot(b);
@@ -121,6 +99,30 @@ class ModelObjective final : public FanoutObjective {
   }
 
  private:
+  // Exact change of fan-out if the replicas in slots a and b (on different
+  // nodes, of different experts) traded places.
+  double swap_delta(int a, int b) const {
+    const int e = packing_.expert_at(a), f = packing_.expert_at(b);
+    const int n1 = node_of_slot(a), n2 = node_of_slot(b);
+    const int g = group(e), h = group(f);
+    LogProduct wg1 = w_[gidx(g, n1)], wg2 = w_[gidx(g, n2)];
+    move(wg1, wg2, e, n1, n2);
+    LogProduct u1 = u_[n1], u2 = u_[n2];
+    if (g == h) {
+      move(wg2, wg1, f, n2, n1);
+      replace(u1, g, w_[gidx(g, n1)], wg1);
+      replace(u2, g, w_[gidx(g, n2)], wg2);
+    } else {
+      LogProduct wh1 = w_[gidx(h, n1)], wh2 = w_[gidx(h, n2)];
+      move(wh2, wh1, f, n2, n1);
+      replace(u1, g, w_[gidx(g, n1)], wg1);
+      replace(u1, h, w_[gidx(h, n1)], wh1);
+      replace(u2, g, w_[gidx(g, n2)], wg2);
+      replace(u2, h, w_[gidx(h, n2)], wh2);
+    }
+    return (u_[n1].value() - u1.value()) + (u_[n2].value() - u2.value());
+  }
+
   size_t idx(int e, int n) const { return static_cast<size_t>(e) * num_nodes_ + n; }
   size_t gidx(int g, int n) const { return static_cast<size_t>(g) * num_nodes_ + n; }
   int group(int e) const { return e / model_.group_size; }

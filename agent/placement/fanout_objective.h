@@ -41,11 +41,9 @@ class FanoutObjective {
   virtual double move_delta(int e, int from, int to) const = 0;
   // A bound on |move_delta(e, ., .)|.
   virtual double move_bound(int e) const = 0;
-  // Exact change if the replicas in slots a and b (on different nodes, of
-  // different experts) traded places.
-  virtual double swap_delta(int a, int b) const = 0;
-  // swap_delta(a, b) minus the two single-move deltas: what the tokens that
-  // picked both experts add.
+  // The exact change if the replicas in slots a and b (on different nodes, of
+  // different experts) traded places, minus the two single-move deltas: what
+  // the tokens that picked both experts add.
   virtual double joint_delta(int a, int b) const = 0;
   // Records that swap; call before Packing::swap_slots(a, b).
   virtual void apply_swap(int a, int b) = 0;

@@ -26,7 +26,6 @@ class SampleObjective final : public FanoutObjective {
     miss_.resize(static_cast<size_t>(num_tokens_) * num_nodes_);
     for (int64_t t = 0; t < num_tokens_; ++t)
       for (int n = 0; n < num_nodes_; ++n) miss_[t * num_nodes_ + n] = miss(t, n, {});
-    stamp_.assign(num_tokens_, -1);
   }
 
   double fanout() const override {
@@ -88,23 +87,6 @@ class SampleObjective final : public FanoutObjective {
     return d / num_tokens_;
   }
 
-  double swap_delta(int a, int b) const override {
-    const int e = packing_.expert_at(a), f = packing_.expert_at(b);
-    const int n1 = node_of_slot(a), n2 = node_of_slot(b);
-    const Change changes = {{e, n1, -1}, {e, n2, +1}, {f, n2, -1}, {f, n1, +1}};
-    ++epoch_;
-    double d = 0.0;
-    for (int x : {e, f}) {
-      for (int32_t t : tokens_of_[x]) {
-        if (stamp_[t] == epoch_) continue;
-        stamp_[t] = epoch_;
-        d += miss_[t * num_nodes_ + n1] - miss(t, n1, changes);
-        d += miss_[t * num_nodes_ + n2] - miss(t, n2, changes);
-      }
-    }
-    return d / num_tokens_;
-  }
-
   void apply_swap(int a, int b) override {
     const int e = packing_.expert_at(a), f = packing_.expert_at(b);
     const int n1 = node_of_slot(a), n2 = node_of_slot(b);
@@ -161,8 +143,6 @@ class SampleObjective final : public FanoutObjective {
   std::vector<int> count_;                       // [E, N] replicas of e on node n
   std::vector<std::vector<int32_t>> tokens_of_;  // [E] sample tokens that picked e
   std::vector<double> miss_;                     // [T, N] M(t, n)
-  mutable std::vector<int64_t> stamp_;           // [T] dedup for swap_delta
-  mutable int64_t epoch_ = 0;
 };
 
 }  // namespace

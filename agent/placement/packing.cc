@@ -1,9 +1,20 @@
 #include "packing.h"
 
 #include <algorithm>
+#include <cmath>
 #include <numeric>
 
+#include "moe/placement/placement_error.h"
+
 namespace moe::placement::detail {
+
+void check_loads(const PlacementSpec& spec, std::span<const double> loads) {
+  MOE_PLACEMENT_CHECK(loads.size() == static_cast<size_t>(spec.num_experts), "loads have ",
+                      loads.size(), " entries, expected experts (", spec.num_experts, ")");
+  for (size_t e = 0; e < loads.size(); ++e)
+    MOE_PLACEMENT_CHECK(std::isfinite(loads[e]) && loads[e] >= 0.0, "load of expert ", e, " (",
+                        loads[e], ") must be finite and non-negative");
+}
 
 Packing::Packing(const PlacementSpec& spec, std::span<const double> unit)
     : num_ranks_(spec.num_ranks),
@@ -16,10 +27,6 @@ Packing::Packing(const PlacementSpec& spec, std::span<const double> unit)
       fill_(spec.num_ranks, 0) {}
 
 double Packing::max_load() const { return *std::max_element(load_.begin(), load_.end()); }
-
-int Packing::max_rank() const {
-  return static_cast<int>(std::max_element(load_.begin(), load_.end()) - load_.begin());
-}
 
 int Packing::copies_on(int rank, int expert) const {
   const auto first = phy2log_.begin() + static_cast<size_t>(rank) * slots_per_rank_;
@@ -58,8 +65,6 @@ Locality make_locality(const PlacementSpec& spec, std::span<const double> loads)
   Locality loc;
   const int num_groups = std::max(spec.num_groups, 1);
   const int num_nodes = spec.num_nodes;
-  loc.num_nodes = num_nodes;
-  loc.group_size = spec.num_experts / num_groups;
   loc.home.assign(static_cast<size_t>(num_groups) * num_nodes, 0);
   if (num_groups < num_nodes) {
     // Group g owns nodes [g*N/G, (g+1)*N/G).
@@ -72,7 +77,7 @@ Locality make_locality(const PlacementSpec& spec, std::span<const double> loads)
   // Balanced packing of whole groups: heaviest first onto the lightest node
   // that has fewer than ceil(G/N) groups.
   std::vector<double> group_load(num_groups, 0.0);
-  for (int e = 0; e < spec.num_experts; ++e) group_load[loc.group_of(e)] += loads[e];
+  for (int e = 0; e < spec.num_experts; ++e) group_load[spec.group_of(e)] += loads[e];
   std::vector<int> order(num_groups);
   std::iota(order.begin(), order.end(), 0);
   std::stable_sort(order.begin(), order.end(),
@@ -121,7 +126,7 @@ Packing greedy_pack(const PlacementSpec& spec, std::span<const double> unit,
     return best;
   };
   for (int e : order) {
-    uint8_t* group_nodes = &used[static_cast<size_t>(locality.group_of(e)) * num_nodes];
+    uint8_t* group_nodes = &used[static_cast<size_t>(spec.group_of(e)) * num_nodes];
     for (int i = 0; i < replicas[e]; ++i) {
       int r = best_rank(e, group_nodes);
       if (r < 0 || packing.rank_load(r) + unit[e] > cap) {

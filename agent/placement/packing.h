@@ -10,6 +10,10 @@
 
 namespace moe::placement::detail {
 
+// Throws PlacementError unless loads has one entry per expert of spec, each
+// finite and non-negative.
+void check_loads(const PlacementSpec& spec, std::span<const double> loads);
+
 // Slots of ranks; phy2log[slot] == -1 while a slot is empty. unit[e] is the
 // load one replica of e carries (loads[e] / replicas[e]).
 class Packing {
@@ -27,7 +31,6 @@ class Packing {
   int32_t expert_at(int slot) const { return phy2log_[slot]; }
   const std::vector<int32_t>& phy2log() const { return phy2log_; }
   double max_load() const;
-  int max_rank() const;  // lowest index among the most loaded ranks
 
   // Copies of expert on rank.
   int copies_on(int rank, int expert) const;
@@ -46,12 +49,10 @@ class Packing {
   std::vector<int> fill_;
 };
 
-// Expert groups' home nodes.
+// Expert groups' home nodes (groups as PlacementSpec::group_of numbers them;
+// one group when the spec has none).
 struct Locality {
-  int num_nodes = 1;
-  int group_size = 1;         // experts per group
   std::vector<uint8_t> home;  // [G, N]: 1 where node n is a home of group g
-  int group_of(int expert) const { return expert / group_size; }
 };
 
 // Home nodes for the groups of spec: groups are packed onto nodes by load,

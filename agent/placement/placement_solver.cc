@@ -1,7 +1,6 @@
 #include "moe/placement/placement_solver.h"
 
 #include <algorithm>
-#include <cmath>
 
 #include "fanout_objective.h"
 #include "migration.h"
@@ -28,19 +27,12 @@ constexpr uint64_t kRestartSeed = 0x5EED;
 // Routing-sample tokens x nodes the fan-out search works with.
 constexpr int64_t kSampleBudget = int64_t{1} << 17;
 
-double rank_max_load(const PlacementSpec& spec, std::span<const double> unit,
-                     std::span<const int32_t> phy2log) {
-  std::vector<double> load(spec.num_ranks, 0.0);
-  for (int p = 0; p < spec.num_slots(); ++p) load[p / spec.slots_per_rank()] += unit[phy2log[p]];
-  return *std::max_element(load.begin(), load.end());
-}
-
-void check_loads(const PlacementSpec& spec, std::span<const double> loads) {
-  MOE_PLACEMENT_CHECK(loads.size() == static_cast<size_t>(spec.num_experts), "loads have ",
-                      loads.size(), " entries, expected experts (", spec.num_experts, ")");
-  for (size_t e = 0; e < loads.size(); ++e)
-    MOE_PLACEMENT_CHECK(std::isfinite(loads[e]) && loads[e] >= 0.0, "load of expert ", e, " (",
-                        loads[e], ") must be finite and non-negative");
+// The packing of spec whose slots hold phy2log (every slot filled).
+Packing packing_of(const PlacementSpec& spec, std::span<const double> unit,
+                   std::span<const int32_t> phy2log) {
+  Packing packing(spec, unit);
+  for (int p = 0; p < spec.num_slots(); ++p) packing.place_at(p, phy2log[p]);
+  return packing;
 }
 
 void check_sample(const PlacementSpec& spec, const Trace& sample) {
@@ -130,7 +122,7 @@ bool pack_for_locality(const PlacementSpec& spec, std::span<const double> loads,
 LayerMap solve_layer(const PlacementSpec& spec, std::span<const double> loads,
                      const LayerContext& context, const SolverOptions& options, SolveInfo* info) {
   spec.validate();
-  check_loads(spec, loads);
+  detail::check_loads(spec, loads);
   if (context.current) validate_layer_map(*context.current, spec);
   const Trace* sample = context.routing_sample;
   if (sample) check_sample(spec, *sample);
@@ -152,8 +144,7 @@ LayerMap solve_layer(const PlacementSpec& spec, std::span<const double> loads,
   const std::vector<int> counts(global.logcnt.begin(), global.logcnt.end());
   std::vector<double> unit(loads.size());
   for (size_t e = 0; e < loads.size(); ++e) unit[e] = loads[e] / counts[e];
-  Packing pure(spec, unit);
-  for (int p = 0; p < spec.num_slots(); ++p) pure.place_at(p, global.phy2log[p]);
+  Packing pure = packing_of(spec, unit, global.phy2log);
   detail::reduce_max_load(pure, false, options.max_swaps);
   const double pure_max = pure.max_load();
   std::vector<int32_t> phy2log = pure.phy2log();
@@ -168,11 +159,12 @@ LayerMap solve_layer(const PlacementSpec& spec, std::span<const double> loads,
   const bool use_sample =
       sample && sample->num_tokens() > 0 && spec.num_nodes > 1 && pure_max > 0.0;
   const bool use_model = !use_sample && detail::make_routing_model(spec, loads, &model);
+  // The fan-out objective over packing (when use_sample or use_model).
+  auto make_objective = [&](const Packing& packing) {
+    return use_sample ? detail::make_sample_objective(packing, counts, *sample)
+                      : detail::make_model_objective(packing, counts, model);
+  };
   if (use_sample || use_model) {
-    auto make_objective = [&](const Packing& packing) {
-      return use_sample ? detail::make_sample_objective(packing, counts, *sample)
-                        : detail::make_model_objective(packing, counts, model);
-    };
     const double cap = pure_max * (1.0 + options.locality_slack);
     double total = 0.0;
     for (double l : loads) total += l;
@@ -189,8 +181,7 @@ LayerMap solve_layer(const PlacementSpec& spec, std::span<const double> loads,
       if (packed) break;
     }
     if (packed) {
-      Packing candidate(spec, unit);
-      for (int p = 0; p < spec.num_slots(); ++p) candidate.place_at(p, local[p]);
+      const Packing candidate = packing_of(spec, unit, local);
       if (make_objective(candidate)->fanout() < make_objective(pure)->fanout()) {
         phy2log = std::move(local);
         max_load = candidate.max_load();
@@ -213,10 +204,8 @@ LayerMap solve_layer(const PlacementSpec& spec, std::span<const double> loads,
     if (detail::repair_current(spec, loads, counts, current, cap, options.max_swaps, &repaired)) {
       if (use_sample || use_model) {
         // Win back fan-out, a copy to fetch costing move_weight of it.
-        Packing packing(spec, unit);
-        for (int p = 0; p < spec.num_slots(); ++p) packing.place_at(p, repaired[p]);
-        auto objective = use_sample ? detail::make_sample_objective(packing, counts, *sample)
-                                    : detail::make_model_objective(packing, counts, model);
+        Packing packing = packing_of(spec, unit, repaired);
+        auto objective = make_objective(packing);
         detail::MoveCount moves(packing, current.phy2log, spec.num_experts);
         const double weight = options.move_weight * objective->fanout();
         detail::reduce_fanout(packing, *objective, cap, kHardPenalty, options.max_passes, false,
@@ -228,10 +217,8 @@ LayerMap solve_layer(const PlacementSpec& spec, std::span<const double> loads,
       use_repaired = repaired_moves < aligned_moves;
       if (use_repaired && (use_sample || use_model)) {
         auto fanout_of = [&](const std::vector<int32_t>& map) {
-          Packing packing(spec, unit);
-          for (int p = 0; p < spec.num_slots(); ++p) packing.place_at(p, map[p]);
-          return use_sample ? detail::make_sample_objective(packing, counts, *sample)->fanout()
-                            : detail::make_model_objective(packing, counts, model)->fanout();
+          const Packing packing = packing_of(spec, unit, map);
+          return make_objective(packing)->fanout();
         };
         use_repaired =
             fanout_of(repaired) <= fanout_of(aligned) * (1.0 + options.migration_fanout_slack);
@@ -240,13 +227,17 @@ LayerMap solve_layer(const PlacementSpec& spec, std::span<const double> loads,
     phy2log = use_repaired ? std::move(repaired) : std::move(aligned);
     migration = use_repaired ? "repaired" : "aligned";
   }
+  LayerMap map = make_layer_map(spec.num_experts, spec.num_ranks, std::move(phy2log));
   if (info) {
     info->fanout_objective = objective_name;
     info->migration = migration;
     info->pure_max_load = pure_max;
-    info->max_load = rank_max_load(spec, unit, phy2log);
+    // Every candidate map keeps the replica counts `counts`, so these are the
+    // loads the search worked with (unit = loads / counts, summed slot by slot).
+    const std::vector<double> per_rank = rank_loads(map, loads);
+    info->max_load = *std::max_element(per_rank.begin(), per_rank.end());
   }
-  return make_layer_map(spec.num_experts, spec.num_ranks, std::move(phy2log));
+  return map;
 }
 
 std::vector<LayerMap> solve(const PlacementSpec& spec,

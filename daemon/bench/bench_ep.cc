@@ -116,9 +116,7 @@ EpRankStats run_ep_rank(const EpBenchOptions& o, transport::Communicator& comm) 
   ep::EpOptions eopts;
   eopts.isolate_transport_timing = true;
   ep::EpLayer layer(cfg, map, comm, *be, eopts);
-  std::vector<bool> needed(o.experts, false);
-  for (int s = 0; s < map.slots_per_rank; ++s) needed[map.expert_at(rank, s)] = true;
-  layer.set_weights(model::make_layer_weights(o.seed, 0, {o.hidden, o.ffn, o.experts}, needed));
+  layer.set_weights(model::make_layer_weights(o.seed, 0, {o.hidden, o.ffn, o.experts}, map.hosted(rank)));
 
   const int64_t T = o.tokens, begin = rank * T;
   std::vector<float> x32(T * o.hidden), g32(T * o.hidden);

@@ -1,7 +1,4 @@
-#include <google/protobuf/util/json_util.h>
-
 #include <algorithm>
-#include <chrono>
 #include <filesystem>
 #include <fstream>
 
@@ -12,15 +9,12 @@
 #include "moe/kernels/check.h"
 #include "moe/kernels/cpu_backend.h"
 #include "moe/v1/job.pb.h"
+#include "spec/job_spec.h"
 
 namespace moe::bench {
 namespace {
 
 using kernels::DType;
-
-double now_seconds() {
-  return std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch()).count();
-}
 
 v1::JobSpec spec_of(const LayerBenchOptions& o) {
   v1::JobSpec s;
@@ -47,15 +41,8 @@ v1::JobSpec spec_of(const LayerBenchOptions& o) {
 }
 
 void write_spec_json(const std::string& path, const v1::JobSpec& spec) {
-  google::protobuf::util::JsonPrintOptions opts;
-  opts.preserve_proto_field_names = true;
-  opts.always_print_primitive_fields = true;
-  opts.add_whitespace = true;
-  std::string json;
-  const auto status = google::protobuf::util::MessageToJsonString(spec, &json, opts);
-  MOE_CHECK(status.ok(), "spec.json: cannot print the spec");
   std::ofstream out(path);
-  out << json;
+  out << spec::to_json(spec);
   MOE_CHECK(out.good(), path, ": write failed");
 }
 
@@ -132,9 +119,9 @@ Report run_layer_bench(const LayerBenchOptions& o) {
   };
   std::vector<Sample> samples;
   for (int i = 0; i < o.iters; ++i) {
-    const double t0 = now_seconds();
+    const double t0 = ep::now_seconds();
     step();
-    samples.push_back({now_seconds() - t0, layer.times()});
+    samples.push_back({ep::now_seconds() - t0, layer.times()});
   }
   std::sort(samples.begin(), samples.end(), [](const Sample& a, const Sample& b) { return a.seconds < b.seconds; });
   const Sample& median = samples[samples.size() / 2];

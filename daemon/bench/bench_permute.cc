@@ -1,10 +1,10 @@
 #include <unistd.h>
 
 #include <algorithm>
-#include <chrono>
 #include <cstring>
 
 #include "benches.h"
+#include "ep/layer_stages.h"
 #include "model/counter_rng.h"
 #include "moe/kernels/buffer.h"
 #include "moe/kernels/check.h"
@@ -13,18 +13,14 @@
 namespace moe::bench {
 namespace {
 
-double now_seconds() {
-  return std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch()).count();
-}
-
 template <typename Fn>
 double best_seconds(int iters, Fn&& fn) {
   fn();  // warm: first touch of every page
   double best = 1e30;
   for (int i = 0; i < iters; ++i) {
-    const double t0 = now_seconds();
+    const double t0 = ep::now_seconds();
     fn();
-    best = std::min(best, now_seconds() - t0);
+    best = std::min(best, ep::now_seconds() - t0);
   }
   return best;
 }

@@ -47,9 +47,9 @@ EpLayer::EpLayer(const MoeLayerConfig& cfg, const ExpertMap& map, transport::Com
   num_tokens_per_slot_ = make(4 * R * S);
   in_rank_ = make(T * R);
   token_send_row_ = make(4 * T * R);
-  send_src_token_ = make(4 * T * R);  // dispatch_layout's worst case is T x R rows
-  send_slot_ = make(4 * T * R * K);
-  send_weight_ = make(4 * T * R * K);
+  send_src_token_ = make(4 * max_send_rows);
+  send_slot_ = make(4 * max_send_rows * K);
+  send_weight_ = make(4 * max_send_rows * K);
   send_rows_ = make(max_send_rows * row_bytes_);
   back_rows_ = make(max_send_rows * row_bytes_);
   layout_ws_ = make(be_.dispatch_layout_workspace_bytes({cfg.max_tokens, cfg.top_k, map.num_ranks, map.slots_per_rank}));
@@ -80,26 +80,29 @@ void EpLayer::reserve_rows(int64_t n) {
 }
 
 void EpLayer::set_weights(const model::LayerWeights& w) {
-  const size_t H = cfg_.hidden, I = cfg_.ffn_hidden, E = cfg_.num_experts, S = map_.slots_per_rank;
-  MOE_CHECK(w.w13.size() == E * 2 * I * H, "weights: gate/up projections have ", w.w13.size(), " values, expected ",
-            E * 2 * I * H);
-  MOE_CHECK(w.w2.size() == E * H * I, "weights: down projections have ", w.w2.size(), " values, expected ", E * H * I);
-  const model::LayerWeights used = weights_as_used(w, cfg_.dtype);
-  router_.set_weights(used);
-  std::vector<float> w13(S * 2 * I * H, 0.0f), w2(S * H * I, 0.0f);  // empty slots stay zero
+  check_expert_weights(cfg_, w);
+  const size_t H = cfg_.hidden, I = cfg_.ffn_hidden, S = map_.slots_per_rank;
+  // The router and this rank's slots only (empty slots stay zero), rounded once.
+  model::LayerWeights local;
+  local.gate = w.gate;
+  local.selection_bias = w.selection_bias;
+  local.logit_bias = w.logit_bias;
+  local.w13.assign(S * 2 * I * H, 0.0f);
+  local.w2.assign(S * H * I, 0.0f);
   for (size_t s = 0; s < S; ++s) {
     const int32_t e = map_.expert_at(comm_.rank(), static_cast<int>(s));
     if (e < 0) continue;
-    std::copy_n(used.w13.begin() + e * 2 * I * H, 2 * I * H, w13.begin() + s * 2 * I * H);
-    std::copy_n(used.w2.begin() + e * H * I, H * I, w2.begin() + s * H * I);
+    std::copy_n(w.w13.begin() + e * 2 * I * H, 2 * I * H, local.w13.begin() + s * 2 * I * H);
+    std::copy_n(w.w2.begin() + e * H * I, H * I, local.w2.begin() + s * H * I);
   }
-  experts_.set_weights(w13.data(), w2.data());
+  local = weights_as_used(std::move(local), cfg_.dtype);
+  router_.set_weights(local);
+  experts_.set_weights(local.w13.data(), local.w2.data());
 }
 
 void EpLayer::forward(const void* x, int64_t T, int64_t token_begin, void* out) {
   const int K = cfg_.top_k, H = cfg_.hidden, R = map_.num_ranks, S = map_.slots_per_rank, me = comm_.rank();
   x_ = x;
-  T_ = T;
   has_forward_ = true;
   stats_ = {};
 
@@ -184,10 +187,11 @@ void EpLayer::backward(const void* grad_out, void* grad_x) {
   MOE_CHECK(cfg_.train, "backward on a layer built without train = true");
   MOE_CHECK(has_forward_, "backward called before forward");
   const int K = cfg_.top_k, H = cfg_.hidden, R = map_.num_ranks, S = map_.slots_per_rank;
+  const int64_t T = router_.num_tokens();
   const double t0 = now_seconds();
 
   // combine^T = dispatch: grad_out rows go where x rows went.
-  be_.permute({T_, R, rank_offset_[R], H, cfg_.dtype, cfg_.dtype},
+  be_.permute({T, R, rank_offset_[R], H, cfg_.dtype, cfg_.dtype},
               {grad_out, send_src_token_.as<int32_t>(), token_send_row_.as<int32_t>(), send_rows_.get()});
   be_.synchronize();
   double t = now_seconds();
@@ -203,16 +207,16 @@ void EpLayer::backward(const void* grad_out, void* grad_x) {
                       AllToAllBuffer{grad_pair_weight_.get(), &recv_meta_segs_, back_gw_.get(), &send_meta_segs_}},
                      deadline());
   stats_.backward_combine = now_seconds() - t;
-  be_.unpermute({T_, R, H, DType::kF32, false, cfg_.dtype},
+  be_.unpermute({T, R, H, DType::kF32, false, cfg_.dtype},
                 {back_rows_.get(), token_send_row_.as<int32_t>(), nullptr, grad_x32_.get()});
-  be_.combine_pair_scalars(topk_slot_.as<int32_t>(), token_send_row_.as<int32_t>(), T_, K, R, S,
+  be_.combine_pair_scalars(topk_slot_.as<int32_t>(), token_send_row_.as<int32_t>(), T, K, R, S,
                            back_gw_.as<float>(), grad_topk_weight_.as<float>());
 
   router_.backward(x_, grad_topk_weight_.as<float>(), grad_x32_.as<float>());
   be_.synchronize();
   comm_.all_reduce_sum(router_.grad_gate(), static_cast<size_t>(cfg_.num_experts) * H, deadline());
   reduce_replica_grads();
-  be_.convert(grad_x32_.get(), DType::kF32, grad_x, cfg_.dtype, T_ * H);
+  be_.convert(grad_x32_.get(), DType::kF32, grad_x, cfg_.dtype, T * H);
   be_.synchronize();
   stats_.backward = now_seconds() - t0;
 }
@@ -236,8 +240,8 @@ void EpLayer::reduce_replica_grads() {
                                                   0xffffff);
   };
   for (int e = 0; e < cfg_.num_experts; ++e) {
+    if (map_.logcnt[e] < 2) continue;
     const std::vector<int32_t> reps = map_.replicas(e);
-    if (reps.size() < 2) continue;
     const int primary = map_.rank_of_slot(reps[0]);
     if (me == primary) {
       std::copy_n(g13(reps[0]), n13, acc);

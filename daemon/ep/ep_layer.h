@@ -69,14 +69,9 @@ class EpLayer {
   const float* grad_w13(int local_slot) const;  // [2I, H]
   const float* grad_w2(int local_slot) const;   // [H, I]
 
-  const ExpertMap& map() const { return map_; }
-  int rank() const { return comm_.rank(); }
   const int32_t* topk_idx() const { return router_.topk_idx(); }
   const int32_t* kept_idx() const { return router_.kept_idx(); }
   const float* topk_weight() const { return router_.topk_weight(); }
-  const float* grad_topk_weight() const { return grad_topk_weight_.as<float>(); }
-  // Pairs each local slot processed in the last forward.
-  std::vector<int64_t> slot_rows() const { return experts_.expert_rows(); }
   const EpStats& stats() const { return stats_; }
 
  private:
@@ -95,7 +90,6 @@ class EpLayer {
 
   // Forward state kept for backward.
   const void* x_ = nullptr;
-  int64_t T_ = 0;
   bool has_forward_ = false;
   std::vector<int64_t> send_counts_, recv_counts_;  // rows per peer
   std::vector<int64_t> rank_offset_;                // host [R + 1]

@@ -39,22 +39,16 @@ ExpertMap ExpertMap::contiguous(int E, int R) {
   return make(E, R, E / R, std::move(p));
 }
 
+std::vector<bool> ExpertMap::hosted(int rank) const {
+  std::vector<bool> h(num_experts, false);
+  for (int s = 0; s < slots_per_rank; ++s)
+    if (expert_at(rank, s) >= 0) h[expert_at(rank, s)] = true;
+  return h;
+}
+
 std::vector<int32_t> ExpertMap::replicas(int e) const {
   return {log2phy.begin() + static_cast<int64_t>(e) * max_replicas,
           log2phy.begin() + static_cast<int64_t>(e) * max_replicas + logcnt[e]};
-}
-
-std::string ExpertMap::describe() const {
-  std::string s;
-  for (int r = 0; r < num_ranks; ++r) {
-    s += (r ? " rank " : "rank ") + std::to_string(r) + ": [";
-    for (int i = 0; i < slots_per_rank; ++i) {
-      const int32_t e = expert_at(r, i);
-      s += (i ? " " : "") + (e < 0 ? std::string("-") : std::to_string(e));
-    }
-    s += "]";
-  }
-  return s;
 }
 
 }  // namespace moe::ep

@@ -5,7 +5,6 @@
 #pragma once
 
 #include <cstdint>
-#include <string>
 #include <vector>
 
 namespace moe::ep {
@@ -32,7 +31,8 @@ struct ExpertMap {
   int32_t expert_at(int rank, int local_slot) const { return phy2log[rank * slots_per_rank + local_slot]; }
   // Physical slots of expert e, primary first.
   std::vector<int32_t> replicas(int expert) const;
-  std::string describe() const;  // "rank 0: [0 1 2] rank 1: [3 0 -]" for logs and errors
+  // [E]: whether `rank` hosts a replica of each expert.
+  std::vector<bool> hosted(int rank) const;
 };
 
 }  // namespace moe::ep

@@ -34,14 +34,20 @@ kernels::RouterConfig MoeLayerConfig::router(int64_t T) const {
   return r;
 }
 
-model::LayerWeights weights_as_used(const model::LayerWeights& w, DType dtype) {
-  model::LayerWeights u = w;
+model::LayerWeights weights_as_used(model::LayerWeights w, DType dtype) {
   if (dtype == DType::kBF16) {
-    model::round_to_bf16(u.gate);
-    model::round_to_bf16(u.w13);
-    model::round_to_bf16(u.w2);
+    model::round_to_bf16(w.gate);
+    model::round_to_bf16(w.w13);
+    model::round_to_bf16(w.w2);
   }
-  return u;
+  return w;
+}
+
+void check_expert_weights(const MoeLayerConfig& cfg, const model::LayerWeights& w) {
+  const size_t H = cfg.hidden, I = cfg.ffn_hidden, E = cfg.num_experts;
+  MOE_CHECK(w.w13.size() == E * 2 * I * H, "weights: gate/up projections have ", w.w13.size(), " values, expected ",
+            E * 2 * I * H);
+  MOE_CHECK(w.w2.size() == E * H * I, "weights: down projections have ", w.w2.size(), " values, expected ", E * H * I);
 }
 
 // ---------------------------------------------------------------------------

@@ -39,7 +39,9 @@ struct MoeLayerConfig {
 };
 
 // Returns w with its values rounded to what a layer of `dtype` computes with.
-model::LayerWeights weights_as_used(const model::LayerWeights& w, DType dtype);
+model::LayerWeights weights_as_used(model::LayerWeights w, DType dtype);
+// Throws unless w holds all cfg.num_experts experts' w13 and w2.
+void check_expert_weights(const MoeLayerConfig& cfg, const model::LayerWeights& w);
 
 // One trainable tensor of a stage: the values the layer computes with, an fp32
 // master copy (its own buffer only in a bf16 layer, where the compute copy holds
@@ -62,7 +64,6 @@ class RouterStage {
  public:
   RouterStage(const MoeLayerConfig& cfg, kernels::Backend& be);
   void set_weights(const model::LayerWeights& w);  // gate and biases, as used
-  bool has_weights() const { return has_weights_; }
 
   // Router then capacity on x [T, H].
   void forward(const void* x, int64_t T);
@@ -116,7 +117,6 @@ class ExpertStage {
   // One optimizer step on the local experts' weights from grad_w13()/grad_w2().
   void apply_update(const kernels::OptimizerConfig& cfg, int64_t step);
 
-  int num_local_experts() const { return L_; }
   const float* grad_w13() const { return grad_w13_.as<float>(); }
   float* grad_w13() { return grad_w13_.as<float>(); }
   float* grad_w2() { return grad_w2_.as<float>(); }

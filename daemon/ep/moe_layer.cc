@@ -14,10 +14,7 @@ MoeLayer::MoeLayer(const MoeLayerConfig& cfg, kernels::Backend& backend)
 }
 
 void MoeLayer::set_weights(const model::LayerWeights& w) {
-  const size_t H = cfg_.hidden, I = cfg_.ffn_hidden, E = cfg_.num_experts;
-  MOE_CHECK(w.w13.size() == E * 2 * I * H, "weights: gate/up projections have ", w.w13.size(), " values, expected ",
-            E * 2 * I * H);
-  MOE_CHECK(w.w2.size() == E * H * I, "weights: down projections have ", w.w2.size(), " values, expected ", E * H * I);
+  check_expert_weights(cfg_, w);
   used_ = weights_as_used(w, cfg_.dtype);
   router_.set_weights(used_);
   experts_.set_weights(used_.w13.data(), used_.w2.data());

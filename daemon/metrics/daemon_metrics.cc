@@ -6,7 +6,6 @@
 #include <prometheus/registry.h>
 
 #include <map>
-#include <mutex>
 #include <tuple>
 
 namespace moe::metrics {
@@ -37,16 +36,14 @@ struct DaemonMetrics::Impl {
     step = &BuildHistogram().Name("moe_step_seconds").Help("Wall time of a job step on a rank").Register(*registry);
   }
 
+  // Family::Add is thread-safe and returns the existing child for known labels.
   prometheus::Counter& counter(prometheus::Family<prometheus::Counter>* f, const std::map<std::string, std::string>& l) {
-    std::lock_guard<std::mutex> lock(mu);  // Add() locks too; this keeps our cache consistent
     return f->Add(l);
   }
   prometheus::Histogram& histogram(prometheus::Family<prometheus::Histogram>* f, const std::map<std::string, std::string>& l) {
-    std::lock_guard<std::mutex> lock(mu);
     return f->Add(l, seconds_buckets());
   }
 
-  std::mutex mu;
   std::shared_ptr<prometheus::Registry> registry;
   std::unique_ptr<prometheus::Exposer> exposer;
   prometheus::Family<prometheus::Counter>* expert_tokens;

@@ -71,7 +71,7 @@ void Daemon::stop() {
   rpc::asio::post(io_, [this] { server_->stop(); });
 }
 
-bool Daemon::register_once(rpc::RpcClient& agent) {
+void Daemon::register_once(rpc::RpcClient& agent) {
   v1::Envelope req;
   auto* r = req.mutable_register_node();
   r->set_name(opts_.name);
@@ -91,7 +91,6 @@ bool Daemon::register_once(rpc::RpcClient& agent) {
   log::set_identity(opts_.name + "/node" + std::to_string(node_index_));
   log::info("registered as node ", node_index_, " (ranks ", reply.register_node_reply().rank_base(), "-",
             reply.register_node_reply().rank_base() + opts_.devices - 1, ")");
-  return true;
 }
 
 void Daemon::heartbeat_loop() {
@@ -106,7 +105,8 @@ void Daemon::heartbeat_loop() {
     }
     try {
       if (!registered) {
-        registered = register_once(agent);
+        register_once(agent);
+        registered = true;
       } else {
         v1::Envelope hb;
         hb.mutable_heartbeat()->set_node_index(node_index_);

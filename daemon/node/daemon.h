@@ -37,13 +37,11 @@ class Daemon {
   ~Daemon();
   // Stops heartbeats, cancels and joins a running job, stops serving.
   void stop();
-  std::string control_address() const { return server_->address(); }
-  int metrics_port() const { return metrics_ ? metrics_->port() : 0; }
 
  private:
   rpc::awaitable<v1::Envelope> handle(const v1::Envelope& req, const rpc::RequestContext& ctx);
   void heartbeat_loop();
-  bool register_once(rpc::RpcClient& agent);
+  void register_once(rpc::RpcClient& agent);
 
   rpc::asio::io_context& io_;
   DaemonOptions opts_;

@@ -114,7 +114,7 @@ class RankRun {
       ep::EpOptions eo;
       eo.timeout = env_.transport_timeout;
       eo.tag_base = static_cast<uint32_t>(l) << 24;
-      const std::vector<bool> needed = hosted(l);
+      const std::vector<bool> needed = maps_.back().hosted(rank_);
       layers_.push_back(std::make_unique<ep::EpLayer>(cfg, maps_.back(), comm_, *backend_, eo));
       layers_.back()->set_weights(layer_weights(spec_, l, needed));
       if (train_) {
@@ -174,13 +174,6 @@ class RankRun {
  private:
   transport::Deadline deadline() const { return transport::deadline_in(env_.transport_timeout); }
   int64_t token_begin() const { return static_cast<int64_t>(rank_) * T_; }
-
-  std::vector<bool> hosted(int l) const {
-    std::vector<bool> h(spec_.experts(), false);
-    for (int s = 0; s < maps_[l].slots_per_rank; ++s)
-      if (maps_[l].expert_at(rank_, s) >= 0) h[maps_[l].expert_at(rank_, s)] = true;
-    return h;
-  }
 
   // x_{l+1} = x_l + moe_l(x_l); xs_[l] keeps every layer's input for backward.
   void forward(int step, v1::StepStats* st) {
@@ -345,7 +338,7 @@ class RankRun {
     d.out = s.out.data();
     d.topk_idx = s.kept_idx.data();
     d.topk_weight = s.topk_weight.data();
-    const std::vector<bool> mine = hosted(0);
+    const std::vector<bool> mine = maps_[0].hosted(rank_);
     for (int e = 0; e < spec_.experts(); ++e)
       if (mine[e]) d.experts.push_back(e);
     const model::LayerWeights w = ep::weights_as_used(layer_weights(spec_, 0, mine), dt_);

@@ -51,6 +51,10 @@ struct AllToAllBuffer {
   const Segments* recv_segs = nullptr;
 };
 
+// Throws moe::Error unless b's send and receive segment lists have one entry per
+// rank of a group of `ranks`.
+void check_segments(const AllToAllBuffer& b, int ranks);
+
 class Communicator {
  public:
   virtual ~Communicator() = default;

@@ -16,9 +16,7 @@ class InProcCommunicator final : public Communicator {
   using Communicator::all_to_all_v;
   void all_to_all_v(const std::vector<AllToAllBuffer>& buffers, Deadline deadline) override {
     const int R = size();
-    for (const AllToAllBuffer& b : buffers)
-      MOE_CHECK(static_cast<int>(b.send_segs->bytes.size()) == R && static_cast<int>(b.recv_segs->bytes.size()) == R,
-                "all_to_all_v: segment lists must have one entry per rank (", R, ")");
+    for (const AllToAllBuffer& b : buffers) check_segments(b, R);
     {
       std::lock_guard<std::mutex> lock(g_.mu_);
       g_.published_[rank_] = {&buffers, nullptr};

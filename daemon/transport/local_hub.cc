@@ -40,6 +40,10 @@ static void deliver(const void* src, size_t src_bytes, void* dst, size_t dst_byt
 // Queues are keyed by (src, dst, tag) and tags carry a sequence number that only
 // grows: a key's entry is erased as soon as its queue empties, or the maps grow by
 // every message ever sent.
+//
+// Only the other party is woken: the caller (src of a send, dst of a receive) is
+// the thread driving that rank, which sees its op complete when it next polls,
+// before it ever blocks.
 void LocalHub::post_send(int src, int dst, uint64_t tag, const void* data, size_t bytes, Completion* c) {
   std::lock_guard<std::mutex> lock(mu_);
   const auto waiting = recvs_.find({src, dst, tag});
@@ -55,7 +59,6 @@ void LocalHub::post_send(int src, int dst, uint64_t tag, const void* data, size_
   if (waiting->second.empty()) recvs_.erase(waiting);
   deliver(data, bytes, r.data, r.bytes, c, r.c);
   wake(dst);
-  wake(src);
 }
 
 void LocalHub::post_recv(int src, int dst, uint64_t tag, void* data, size_t bytes, Completion* c) {
@@ -70,7 +73,6 @@ void LocalHub::post_recv(int src, int dst, uint64_t tag, void* data, size_t byte
   if (waiting->second.empty()) sends_.erase(waiting);
   Completion sent;  // the send completed when it was queued
   deliver(s.data.data(), s.data.size(), data, bytes, &sent, c);
-  wake(dst);
 }
 
 void LocalHub::withdraw(int rank) {

@@ -35,6 +35,9 @@ class LocalHub {
 
   void attach(int rank, int wake_fd);
   void detach(int rank);
+  // Called by the thread driving src (post_send) or dst (post_recv). The caller's
+  // own op may complete during the call and is not signalled (it polls its ops
+  // before it blocks); a completed op of the other party wakes that party.
   void post_send(int src, int dst, uint64_t tag, const void* data, size_t bytes, Completion* c);
   void post_recv(int src, int dst, uint64_t tag, void* data, size_t bytes, Completion* c);
   // Drops `rank`'s posted receives (after a failure, or when it leaves), so nobody

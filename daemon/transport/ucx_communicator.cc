@@ -30,8 +30,6 @@ std::string status_str(ucs_status_t s) { return ucs_status_string(s); }
 
 struct UcxCommunicator::Impl {
   struct Peer {
-    Impl* impl = nullptr;
-    int rank = -1;
     bool local = false;  // through the hub, not UCX
     ucp_ep_h ep = nullptr;
     bool failed = false;
@@ -70,6 +68,8 @@ struct UcxCommunicator::Impl {
   // Ops abandoned after a failure whose requests UCX still holds; kept alive so a
   // late callback writes into valid memory.
   std::vector<std::deque<Op>> abandoned;
+  // Rank 0's receive buffer for the other ranks' parts in all_reduce_sum, reused.
+  std::vector<float> reduce_parts;
 
   static void on_recv(void*, ucs_status_t status, const ucp_tag_recv_info_t* info, void* user) {
     auto* op = static_cast<Op*>(user);
@@ -299,6 +299,19 @@ struct UcxCommunicator::Impl {
       }
     }
   }
+
+  // One 1-byte message each way on every pair, under the next collective sequence
+  // number: the wire-up round and barrier().
+  void token_round(Kind kind, Deadline deadline, const char* what) {
+    const uint64_t round_seq = seq++;
+    uint8_t token = 1;
+    std::vector<uint8_t> got(size);
+    for (int r = 0; r < size; ++r)
+      if (r != rank) post_recv(r, &got[r], 1, make_tag(kind, round_seq, r), what);
+    for (int r = 0; r < size; ++r)
+      if (r != rank) post_send(r, &token, 1, make_tag(kind, round_seq, rank), what);
+    wait_all(deadline, what);
+  }
 };
 
 UcxCommunicator::UcxCommunicator(int rank, int size, Bootstrap& bootstrap, const UcxOptions& options)
@@ -354,8 +367,6 @@ UcxCommunicator::UcxCommunicator(int rank, int size, Bootstrap& bootstrap, const
   m.peers.resize(size);
   for (int r = 0; r < size; ++r) {
     Impl::Peer& p = m.peers[r];
-    p.impl = &m;
-    p.rank = r;
     p.local = m.hub && m.hub->is_local(r);
     if (r == rank || p.local) continue;
     ucp_ep_params_t ep{};
@@ -370,14 +381,7 @@ UcxCommunicator::UcxCommunicator(int rank, int size, Bootstrap& bootstrap, const
   }
   // Wire-up: one message each way on every pair, so every connection exists and a
   // peer that dies later is noticed by everyone.
-  uint8_t token = 1;
-  std::vector<uint8_t> got(size);
-  const uint64_t seq = m.seq++;
-  for (int r = 0; r < size; ++r)
-    if (r != rank) m.post_recv(r, &got[r], 1, make_tag(Kind::kWireup, seq, r), "connect");
-  for (int r = 0; r < size; ++r)
-    if (r != rank) m.post_send(r, &token, 1, make_tag(Kind::kWireup, seq, rank), "connect");
-  m.wait_all(Clock::now() + options.connect_timeout, "connect");
+  m.token_round(Kind::kWireup, Clock::now() + options.connect_timeout, "connect");
 }
 
 UcxCommunicator::~UcxCommunicator() = default;  // Impl::~Impl tears down
@@ -386,8 +390,7 @@ void UcxCommunicator::all_to_all_v(const std::vector<AllToAllBuffer>& buffers, D
   Impl& m = *impl_;
   m.check_usable();
   for (const AllToAllBuffer& b : buffers) {
-    MOE_CHECK(static_cast<int>(b.send_segs->bytes.size()) == size_ && static_cast<int>(b.recv_segs->bytes.size()) == size_,
-              "all_to_all_v: segment lists must have one entry per rank (", size_, ")");
+    check_segments(b, size_);
     MOE_CHECK(b.send_segs->bytes[rank_] == b.recv_segs->bytes[rank_], "all_to_all_v: self segment sizes differ (",
               b.send_segs->bytes[rank_], " vs ", b.recv_segs->bytes[rank_], ")");
   }
@@ -428,7 +431,8 @@ void UcxCommunicator::all_reduce_sum(float* data, size_t count, Deadline deadlin
   // Reduce to rank 0 in rank order, then rank 0 sends the sum to everyone: every
   // rank ends with the same bits, summed 0 + 1 + ... + (R-1).
   if (rank_ == 0) {
-    std::vector<float> parts((size_ - 1) * count);
+    std::vector<float>& parts = m.reduce_parts;
+    parts.resize((size_ - 1) * count);
     for (int r = 1; r < size_; ++r)
       m.post_recv(r, parts.data() + (r - 1) * count, bytes, make_tag(Kind::kReduce, seq, r), "all_reduce");
     m.wait_all(deadline, "all_reduce");
@@ -449,14 +453,7 @@ void UcxCommunicator::all_reduce_sum(float* data, size_t count, Deadline deadlin
 void UcxCommunicator::barrier(Deadline deadline) {
   Impl& m = *impl_;
   m.check_usable();
-  const uint64_t seq = m.seq++;
-  uint8_t token = 1;
-  std::vector<uint8_t> got(size_);
-  for (int r = 0; r < size_; ++r)
-    if (r != rank_) m.post_recv(r, &got[r], 1, make_tag(Kind::kBarrier, seq, r), "barrier");
-  for (int r = 0; r < size_; ++r)
-    if (r != rank_) m.post_send(r, &token, 1, make_tag(Kind::kBarrier, seq, rank_), "barrier");
-  m.wait_all(deadline, "barrier");
+  m.token_round(Kind::kBarrier, deadline, "barrier");
 }
 
 void UcxCommunicator::send(int peer, const void* data, size_t bytes, uint32_t tag, Deadline deadline) {

@@ -54,7 +54,7 @@ void validate(const v1::JobSpec& s, int world_size) {
             "exceeds the experts of the kept groups (group_top_k " + std::to_string(s.group_top_k()) + " x " +
                 std::to_string(per_group) + ")");
   } else {
-    require(s.group_top_k() == 0 || s.num_groups() > 1, "group_top_k", "needs num_groups > 1");
+    require(s.group_top_k() == 0, "group_top_k", "needs num_groups > 1");
   }
   require(!s.has_routed_scaling_factor() ||
               (std::isfinite(s.routed_scaling_factor()) && s.routed_scaling_factor() > 0),

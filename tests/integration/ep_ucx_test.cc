@@ -38,32 +38,10 @@ std::vector<RankResult> run_processes(const EpCase& c) {
   return results;
 }
 
-EpCase base(const std::string& name, std::vector<int64_t> tokens, MapKind map) {
-  EpCase c;
-  c.name = name;
-  c.ranks = static_cast<int>(tokens.size());
-  c.tokens = std::move(tokens);
-  c.hidden = 32;
-  c.ffn = 16;
-  c.experts = 24;
-  c.top_k = 4;
-  c.map = map;
-  return c;
-}
-
 std::vector<EpCase> cases() {
-  std::vector<EpCase> v = {base("plain_R1", {37}, MapKind::kContiguous),
-                           base("replicas_R1", {37}, MapKind::kReplicas),
-                           base("plain_R2", {40, 23}, MapKind::kContiguous),
-                           base("replicas_R2", {40, 23}, MapKind::kReplicas),
-                           base("plain_R3", {31, 0, 44}, MapKind::kContiguous),
-                           base("replicas_R3", {31, 0, 44}, MapKind::kReplicas),
-                           base("plain_R4", {20, 35, 1, 28}, MapKind::kContiguous),
-                           base("replicas_R4", {20, 35, 1, 28}, MapKind::kReplicas),
-                           base("plain_R8", {9, 0, 14, 3, 11, 7, 0, 12}, MapKind::kContiguous),
-                           base("replicas_R8", {9, 0, 14, 3, 11, 7, 0, 12}, MapKind::kReplicas),
-                           base("empty_rank_R3", {25, 30, 18}, MapKind::kEmptyRank)};
-  EpCase c = base("bf16_capacity_R2", {30, 41}, MapKind::kReplicas);
+  std::vector<EpCase> v = plain_and_replica_cases();
+  v.push_back(small_case("empty_rank_R3", {25, 30, 18}, MapKind::kEmptyRank));
+  EpCase c = small_case("bf16_capacity_R2", {30, 41}, MapKind::kReplicas);
   c.dtype = kernels::DType::kBF16;
   c.capacity_factor = 0.9;
   v.push_back(c);

@@ -20,7 +20,6 @@ class Process {
   Process(const Process&) = delete;
   ~Process();
 
-  pid_t pid() const { return pid_; }
   // Exit code (or 128 + signal); -1 if still running at the deadline.
   int wait(std::chrono::milliseconds timeout);
   void kill(int sig);

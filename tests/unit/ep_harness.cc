@@ -2,16 +2,13 @@
 
 #include <set>
 #include <sstream>
-#include <thread>
 
 #include "io/safetensors.h"
 #include "moe/kernels/check.h"
 #include "moe/kernels/cpu_backend.h"
 #include "ep/reference.h"
+#include "rank_threads.h"
 #include "test_util.h"
-#include "transport/bootstrap.h"
-#include "transport/inproc_communicator.h"
-#include "transport/ucx_communicator.h"
 
 namespace moe::test {
 namespace {
@@ -32,6 +29,31 @@ model::LayerWeights case_weights(const EpCase& c) {
 }
 
 }  // namespace
+
+EpCase small_case(const std::string& name, std::vector<int64_t> tokens, MapKind map) {
+  EpCase c;
+  c.name = name;
+  c.ranks = static_cast<int>(tokens.size());
+  c.tokens = std::move(tokens);
+  c.hidden = 32;
+  c.ffn = 16;
+  c.experts = 24;
+  c.top_k = 4;
+  c.map = map;
+  return c;
+}
+
+std::vector<EpCase> plain_and_replica_cases() {
+  std::vector<EpCase> v;
+  const std::vector<std::vector<int64_t>> tokens = {{37}, {40, 23}, {31, 0, 44}, {20, 35, 1, 28},
+                                                    {9, 0, 14, 3, 11, 7, 0, 12}};
+  for (const auto& t : tokens)
+    for (MapKind m : {MapKind::kContiguous, MapKind::kReplicas})
+      v.push_back(small_case(std::string(m == MapKind::kContiguous ? "plain" : "replicas") + "_R" +
+                                 std::to_string(t.size()),
+                             t, m));
+  return v;
+}
 
 int64_t EpCase::token_begin(int rank) const {
   int64_t b = 0;
@@ -196,58 +218,29 @@ RankResult run_rank(const EpCase& c, transport::Communicator& comm, kernels::Bac
   return res;
 }
 
-std::vector<RankResult> run_inproc(const EpCase& c, int threads_per_rank) {
-  transport::InProcGroup group(c.ranks);
+namespace {
+
+// run_rank on every rank's thread; a rank's error fails the test, naming the case.
+std::vector<RankResult> run_case(Kind kind, const EpCase& c, int threads_per_rank) {
   std::vector<RankResult> results(c.ranks);
-  std::vector<std::string> errors(c.ranks);
-  std::vector<std::thread> threads;
-  for (int r = 0; r < c.ranks; ++r)
-    threads.emplace_back([&, r] {
-      try {
-        kernels::ThreadPool pool(threads_per_rank);
-        auto be = kernels::make_cpu_backend(pool);
-        auto comm = group.communicator(r);
-        results[r] = run_rank(c, *comm, *be);
-      } catch (const std::exception& e) {
-        errors[r] = e.what();
-        group.abort(r, e.what());
-      }
-    });
-  for (auto& t : threads) t.join();
+  const std::vector<std::string> errors = run_ranks(kind, c.ranks, [&](transport::Communicator& comm) {
+    kernels::ThreadPool pool(threads_per_rank);
+    auto be = kernels::make_cpu_backend(pool);
+    results[comm.rank()] = run_rank(c, comm, *be);
+    // UCX ranks stay until every peer has what it needs from them.
+    if (kind != Kind::kInProc) comm.barrier(transport::deadline_in(std::chrono::seconds(30)));
+  });
   for (int r = 0; r < c.ranks; ++r) EXPECT_EQ(errors[r], "") << c.name << " rank " << r;
   return results;
 }
 
-std::vector<RankResult> run_hybrid(const EpCase& c) {
-  std::vector<int> a, b;
-  for (int r = 0; r < c.ranks; ++r) (r < (c.ranks + 1) / 2 ? a : b).push_back(r);
-  auto hub_a = std::make_shared<transport::LocalHub>(a), hub_b = std::make_shared<transport::LocalHub>(b);
-  transport::TcpRendezvousServer server(c.ranks, std::chrono::seconds(30));
-  std::vector<RankResult> results(c.ranks);
-  std::vector<std::string> errors(c.ranks);
-  std::vector<std::thread> threads;
-  for (int r = 0; r < c.ranks; ++r)
-    threads.emplace_back([&, r] {
-      auto& hub = hub_a->is_local(r) ? hub_a : hub_b;
-      try {
-        kernels::ThreadPool pool(1);
-        auto be = kernels::make_cpu_backend(pool);
-        transport::TcpBootstrap boot("127.0.0.1", server.port(), r, c.ranks);
-        transport::UcxOptions o;
-        o.hub = hub;
-        transport::UcxCommunicator comm(r, c.ranks, boot, o);
-        results[r] = run_rank(c, comm, *be);
-        comm.barrier(transport::deadline_in(std::chrono::seconds(30)));
-      } catch (const std::exception& e) {
-        errors[r] = e.what();
-        hub->abort(r, e.what());
-      }
-    });
-  for (auto& t : threads) t.join();
-  server.wait();
-  for (int r = 0; r < c.ranks; ++r) EXPECT_EQ(errors[r], "") << c.name << " rank " << r;
-  return results;
+}  // namespace
+
+std::vector<RankResult> run_inproc(const EpCase& c, int threads_per_rank) {
+  return run_case(Kind::kInProc, c, threads_per_rank);
 }
+
+std::vector<RankResult> run_hybrid(const EpCase& c) { return run_case(Kind::kHybrid, c, 1); }
 
 int64_t analytic_dispatch_bytes(const EpCase& c, const RankResult& r) {
   const ep::ExpertMap map = c.expert_map();

@@ -41,6 +41,13 @@ struct EpCase {
 
 inline void PrintTo(const EpCase& c, std::ostream* os) { *os << c.name; }
 
+// The small case of the EP tests: H=32, I=16, E=24 (divides over 1, 2, 3, 4 and 8
+// ranks), K=4, one rank per entry of tokens.
+EpCase small_case(const std::string& name, std::vector<int64_t> tokens, MapKind map);
+// plain_R* and replicas_R* for R = 1, 2, 3, 4, 8 with uneven and empty ranks: the
+// equivalence cases of both the in-process and the UCX-process tests.
+std::vector<EpCase> plain_and_replica_cases();
+
 // What one rank produced (host copies, fp32).
 struct RankResult {
   int rank = 0;

@@ -9,36 +9,16 @@
 namespace moe::test {
 namespace {
 
-EpCase base(const std::string& name, int R, std::vector<int64_t> tokens, MapKind map) {
-  EpCase c;
-  c.name = name;
-  c.ranks = R;
-  c.tokens = std::move(tokens);
-  c.hidden = 32;
-  c.ffn = 16;
-  c.experts = 24;  // divides over 1, 2, 3, 4 and 8 ranks
-  c.top_k = 4;
-  c.map = map;
-  return c;
-}
-
 std::vector<EpCase> equivalence_cases() {
-  std::vector<EpCase> v;
-  const std::vector<std::vector<int64_t>> tokens = {{37}, {40, 23}, {31, 0, 44}, {20, 35, 1, 28},
-                                                    {9, 0, 14, 3, 11, 7, 0, 12}};
-  for (const auto& t : tokens)
-    for (MapKind m : {MapKind::kContiguous, MapKind::kReplicas}) {
-      const int R = static_cast<int>(t.size());
-      v.push_back(base(std::string(m == MapKind::kContiguous ? "plain" : "replicas") + "_R" + std::to_string(R), R, t, m));
-    }
-  EpCase c = base("bf16_capacity_sigmoid_R3", 3, {30, 26, 41}, MapKind::kReplicas);
+  std::vector<EpCase> v = plain_and_replica_cases();
+  EpCase c = small_case("bf16_capacity_sigmoid_R3", {30, 26, 41}, MapKind::kReplicas);
   c.dtype = kernels::DType::kBF16;
   c.capacity_factor = 0.9;
   c.score = kernels::ScoreFunc::kSigmoid;
   v.push_back(c);
-  c = base("empty_rank_R3", 3, {25, 30, 18}, MapKind::kEmptyRank);
+  c = small_case("empty_rank_R3", {25, 30, 18}, MapKind::kEmptyRank);
   v.push_back(c);
-  c = base("skewed_R4", 4, {40, 40, 40, 40}, MapKind::kReplicas);
+  c = small_case("skewed_R4", {40, 40, 40, 40}, MapKind::kReplicas);
   c.skew = "zipf:1.5";
   v.push_back(c);
   return v;
@@ -56,12 +36,12 @@ INSTANTIATE_TEST_SUITE_P(Cases, EpEquivalence, ::testing::ValuesIn(equivalence_c
 
 TEST(EpLayer, HybridTransportMatchesReference) {
   // Two "daemons" of two ranks: in-process inside each, UCX between them.
-  const EpCase c = base("hybrid_R4", 4, {22, 31, 0, 17}, MapKind::kReplicas);
+  const EpCase c = small_case("hybrid_R4", {22, 31, 0, 17}, MapKind::kReplicas);
   check_against_reference(c, run_hybrid(c));
 }
 
 TEST(EpLayer, PlacementDoesNotChangeResults) {
-  const EpCase a = base("contiguous", 4, {33, 12, 27, 40}, MapKind::kContiguous);
+  const EpCase a = small_case("contiguous", {33, 12, 27, 40}, MapKind::kContiguous);
   EpCase b = a;
   b.map = MapKind::kReplicas;
   b.name = "replicas";
@@ -76,7 +56,7 @@ TEST(EpLayer, PlacementDoesNotChangeResults) {
 
 TEST(EpLayer, DispatchSendsATokenOncePerRank) {
   // K = 8 over 4 ranks, uniform routing: about 0.46 of the naive bytes.
-  EpCase c = base("dedup", 4, {300, 300, 300, 300}, MapKind::kContiguous);
+  EpCase c = small_case("dedup", {300, 300, 300, 300}, MapKind::kContiguous);
   c.top_k = 8;
   c.experts = 64;
   c.hidden = 64;
@@ -97,7 +77,7 @@ TEST(EpLayer, DispatchSendsATokenOncePerRank) {
 }
 
 TEST(EpLayer, SeveralThreadsPerRankGiveTheSameBits) {
-  const EpCase c = base("threads", 2, {60, 45}, MapKind::kReplicas);
+  const EpCase c = small_case("threads", {60, 45}, MapKind::kReplicas);
   const auto one = run_inproc(c, 1), three = run_inproc(c, 3);
   for (int r = 0; r < c.ranks; ++r) {
     EXPECT_EQ(one[r].out, three[r].out);

@@ -30,33 +30,12 @@ struct LayerCase {
   bool selection_bias = false;
 };
 
-// Layer input in its dtype, plus the fp32 values it represents.
-struct Tensor {
-  std::vector<float> f32;
-  std::vector<kernels::bf16_t> bf16;
-  DType dtype;
-  Tensor(std::vector<float> v, DType t) : dtype(t) {
-    if (t == DType::kBF16) model::round_to_bf16(v);
-    f32 = std::move(v);
-    if (t == DType::kBF16) bf16 = float_to_bf16(f32);
-  }
-  const void* data() const { return dtype == DType::kF32 ? static_cast<const void*>(f32.data()) : bf16.data(); }
-};
-
-// Output buffer in a dtype, read back as doubles.
-struct OutBuf {
-  std::vector<uint8_t> bytes;
-  DType dtype;
-  OutBuf(int64_t n, DType t) : bytes(n * kernels::dtype_size(t) + 1), dtype(t) {}
-  void* data() { return bytes.data(); }
-  std::vector<double> values(int64_t n) const {
-    std::vector<double> v(n);
-    for (int64_t i = 0; i < n; ++i)
-      v[i] = dtype == DType::kF32 ? reinterpret_cast<const float*>(bytes.data())[i]
-                                  : kernels::bf16_to_f32(reinterpret_cast<const kernels::bf16_t*>(bytes.data())[i]);
-    return v;
-  }
-};
+// Seeded values rounded to what a tensor of dtype holds.
+std::vector<float> rounded_normal(int64_t n, uint64_t seed, DType dtype) {
+  std::vector<float> v = normal_vector(n, seed);
+  if (dtype == DType::kBF16) model::round_to_bf16(v);
+  return v;
+}
 
 void PrintTo(const LayerCase& c, std::ostream* os) { *os << c.name; }
 
@@ -108,15 +87,17 @@ TEST_P(LayerVsReference, ForwardAndBackward) {
 
   const int64_t T = c.T;
   const int H = c.H, K = c.K, E = c.E;
-  const Tensor x(normal_vector(T * H, 100), c.dtype);
-  const Tensor go(normal_vector(T * H, 101), c.dtype);
-  OutBuf out(T * H, c.dtype), gx(T * H, c.dtype);
-  layer.forward(x.data(), T, out.data());
-  layer.backward(go.data(), gx.data());
+  const std::vector<float> x32 = rounded_normal(T * H, 100, c.dtype), go32 = rounded_normal(T * H, 101, c.dtype);
+  const std::vector<uint8_t> x = model::to_storage(x32, c.dtype), go = model::to_storage(go32, c.dtype);
+  std::vector<uint8_t> out_buf(x.size()), gx_buf(x.size());
+  layer.forward(x.data(), T, out_buf.data());
+  layer.backward(go.data(), gx_buf.data());
+  const std::vector<double> out = to_double(model::from_storage(out_buf.data(), T * H, c.dtype));
+  const std::vector<double> gx = to_double(model::from_storage(gx_buf.data(), T * H, c.dtype));
 
   const ref::Config rc = ep::reference_config(cfg);
   const ref::Weights rw = ep::reference_weights(used);
-  const std::vector<double> xd = to_double(x.f32);
+  const std::vector<double> xd = to_double(x32);
 
   // Selection: identical to the reference's own except at near-ties that fp32
   // cannot resolve; the numeric comparison then uses the layer's selection.
@@ -132,7 +113,7 @@ TEST_P(LayerVsReference, ForwardAndBackward) {
   }
   EXPECT_LE(near_ties, std::max<int64_t>(1, T / 50));
   const ref::Forward f = ref::forward(rc, rw, xd, T, {idx.data(), {}});
-  const ref::Grads g = ref::backward(rc, rw, xd, f, to_double(go.f32));
+  const ref::Grads g = ref::backward(rc, rw, xd, f, to_double(go32));
 
   const std::vector<int32_t> kept(layer.kept_idx(), layer.kept_idx() + T * K);
   EXPECT_EQ(kept, f.kept_idx);
@@ -141,9 +122,9 @@ TEST_P(LayerVsReference, ForwardAndBackward) {
   // bf16 at the end (relative error <= 2^-9; 2^-8 leaves room for the fp32 noise);
   // everything before that is fp32 on the same bf16 inputs and weights.
   const double rt = c.dtype == DType::kF32 ? 1e-4 : 0x1.0p-8;
-  EXPECT_TRUE(close("out", out.values(T * H), f.out, rt, 1e-5, empty));
+  EXPECT_TRUE(close("out", out, f.out, rt, 1e-5, empty));
   EXPECT_TRUE(close("topk_weight", to_double(layer.topk_weight(), T * K), f.topk_weight, 1e-5, 1e-6, empty));
-  EXPECT_TRUE(close("grad_x", gx.values(T * H), g.grad_x, rt, 1e-5, empty));
+  EXPECT_TRUE(close("grad_x", gx, g.grad_x, rt, 1e-5, empty));
   EXPECT_TRUE(close("grad_topk_weight", to_double(layer.grad_topk_weight(), T * K), g.grad_topk_weight, 1e-4,
                     1e-5, empty));
   const ep::LayerGrads lg = layer.copy_grads();
@@ -153,8 +134,8 @@ TEST_P(LayerVsReference, ForwardAndBackward) {
   EXPECT_TRUE(close("grad_w13", to_double(lg.w13), g.grad_w13, 1e-4, 1e-5, empty));
   EXPECT_TRUE(close("grad_w2", to_double(lg.w2), g.grad_w2, 1e-4, 1e-5, empty));
   if (!empty) {
-    EXPECT_GT(nonzero_fraction(out.values(T * H)), 0.5);
-    EXPECT_GT(nonzero_fraction(gx.values(T * H)), 0.5);
+    EXPECT_GT(nonzero_fraction(out), 0.5);
+    EXPECT_GT(nonzero_fraction(gx), 0.5);
   } else {
     EXPECT_EQ(max_abs(to_double(lg.w13)), 0.0);
     EXPECT_EQ(max_abs(to_double(lg.gate)), 0.0);

@@ -37,12 +37,6 @@ std::vector<double> to_double(const T* p, size_t n) {
   return std::vector<double>(p, p + n);
 }
 
-inline std::vector<float> bf16_to_float(const std::vector<kernels::bf16_t>& v) {
-  std::vector<float> out(v.size());
-  for (size_t i = 0; i < v.size(); ++i) out[i] = kernels::bf16_to_f32(v[i]);
-  return out;
-}
-
 inline std::vector<kernels::bf16_t> float_to_bf16(const std::vector<float>& v) {
   std::vector<kernels::bf16_t> out(v.size());
   for (size_t i = 0; i < v.size(); ++i) out[i] = kernels::f32_to_bf16(v[i]);

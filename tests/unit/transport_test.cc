@@ -12,53 +12,13 @@
 #include "transport/bootstrap.h"
 #include "transport/inproc_communicator.h"
 #include "transport/ucx_communicator.h"
+#include "rank_threads.h"
 
 namespace moe::test {
 namespace {
 
 using namespace moe::transport;
 using namespace std::chrono_literals;
-
-// kHybrid: two "daemons" in this process (ranks split in halves), each half a
-// LocalHub: in-process inside a half, UCX between halves.
-enum class Kind { kInProc, kUcx, kHybrid };
-
-// Runs body(comm) on R threads, one communicator each; returns each rank's error
-// message ("" if it returned normally).
-std::vector<std::string> run_ranks(Kind kind, int R, const std::function<void(Communicator&)>& body,
-                                   size_t* hub_pending = nullptr) {
-  std::vector<std::string> errors(R);
-  std::vector<std::thread> threads;
-  InProcGroup group(R);
-  std::unique_ptr<TcpRendezvousServer> server;
-  if (kind != Kind::kInProc) server = std::make_unique<TcpRendezvousServer>(R, 30s);
-  std::vector<int> first_half, second_half;
-  for (int r = 0; r < R; ++r) (r < (R + 1) / 2 ? first_half : second_half).push_back(r);
-  auto hub_a = std::make_shared<LocalHub>(first_half), hub_b = std::make_shared<LocalHub>(second_half);
-  for (int r = 0; r < R; ++r)
-    threads.emplace_back([&, r] {
-      try {
-        std::unique_ptr<Communicator> comm;
-        if (kind == Kind::kInProc) {
-          comm = group.communicator(r);
-        } else {
-          TcpBootstrap boot("127.0.0.1", server->port(), r, R);
-          UcxOptions o;
-          if (kind == Kind::kHybrid) o.hub = hub_a->is_local(r) ? hub_a : hub_b;
-          comm = std::make_unique<UcxCommunicator>(r, R, boot, o);
-        }
-        body(*comm);
-      } catch (const std::exception& e) {
-        errors[r] = e.what();
-        if (kind == Kind::kInProc) group.abort(r, e.what());
-        if (kind == Kind::kHybrid) (hub_a->is_local(r) ? hub_a : hub_b)->abort(r, e.what());
-      }
-    });
-  for (auto& t : threads) t.join();
-  if (server) server->wait();
-  if (hub_pending) *hub_pending = hub_a->pending() + hub_b->pending();
-  return errors;
-}
 
 struct Param {
   Kind kind;

@@ -152,10 +152,10 @@ struct DispatchLayoutArgs {
   int64_t* rank_offset = nullptr;          // [R + 1] out, HOST memory: exclusive prefix sums
   uint8_t* is_token_in_rank = nullptr;     // [T, R] out
   int32_t* token_send_row = nullptr;       // [T, R] out: send row of (t, r), or -1
-  // Optional outputs sized for the worst case of T * R send rows (null: skipped):
-  int32_t* send_src_token = nullptr;       // [T * R] token of each send row
-  int32_t* send_slot = nullptr;            // [T * R, K] local slot on the row's rank of pair k, or -1
-  float* send_weight = nullptr;            // [T * R, K] weight of pair k where send_slot >= 0, else 0
+  // Optional outputs of rank_offset[R] <= T * min(R, K) send rows (null: skipped):
+  int32_t* send_src_token = nullptr;       // [rows] token of each send row
+  int32_t* send_slot = nullptr;            // [rows, K] local slot on the row's rank of pair k, or -1
+  float* send_weight = nullptr;            // [rows, K] weight of pair k where send_slot >= 0, else 0
   void* workspace = nullptr;               // dispatch_layout_workspace_bytes
 };
 
