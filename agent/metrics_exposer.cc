@@ -1,11 +1,12 @@
 #include "metrics_exposer.h"
 
 #include <prometheus/counter.h>
-#include <prometheus/exposer.h>
 #include <prometheus/gauge.h>
 #include <prometheus/registry.h>
 
 #include <algorithm>
+
+#include "http/metrics_endpoint.h"
 
 namespace moe::agent {
 
@@ -25,10 +26,7 @@ double balancedness(const v1::PlacementMap& m, const std::vector<double>& loads)
 
 struct MetricsExposer::Impl {
   Impl(rpc::asio::io_context& io, const Agent& a, const std::string& listen)
-      : agent(a), timer(io), registry(std::make_shared<prometheus::Registry>()) {
-    const std::string bind = listen.find(':') == std::string::npos ? "0.0.0.0:" + listen : listen;
-    exposer = std::make_unique<prometheus::Exposer>(bind);
-    exposer->RegisterCollectable(registry);
+      : agent(a), timer(io), registry(std::make_shared<prometheus::Registry>()), endpoint(listen, registry) {
     epoch = &prometheus::BuildGauge().Name("moe_placement_epoch").Help("Epoch of the placement map in force").Register(*registry).Add({});
     balanced = &prometheus::BuildGauge().Name("moe_placement_balancedness")
                     .Help("Mean rank load / max rank load of the map under the last measured loads").Register(*registry);
@@ -72,7 +70,7 @@ struct MetricsExposer::Impl {
   const Agent& agent;
   rpc::asio::steady_timer timer;
   std::shared_ptr<prometheus::Registry> registry;
-  std::unique_ptr<prometheus::Exposer> exposer;
+  http::MetricsEndpoint endpoint;
   prometheus::Gauge* epoch;
   prometheus::Family<prometheus::Gauge>* balanced;
   prometheus::Family<prometheus::Gauge>* replicas;

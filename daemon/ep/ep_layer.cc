@@ -219,6 +219,11 @@ void EpLayer::backward(const void* grad_out, void* grad_x) {
   be_.convert(grad_x32_.get(), DType::kF32, grad_x, cfg_.dtype, T * H);
   be_.synchronize();
   stats_.backward = now_seconds() - t0;
+  for (int r = 0; r < R; ++r) {
+    if (r == comm_.rank()) continue;
+    stats_.backward_dispatch_bytes += send_counts_[r] * static_cast<int64_t>(row_bytes_);
+    stats_.backward_combine_bytes += recv_counts_[r] * static_cast<int64_t>(row_bytes_ + 4 * K);
+  }
 }
 
 // Replicas of one expert end with the same gradient bits: the primary (first

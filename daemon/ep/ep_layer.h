@@ -43,6 +43,8 @@ struct EpStats {
   // The all-to-all calls alone (counts excluded), inside dispatch / combine / backward.
   double dispatch_transport = 0, combine_transport = 0;
   double backward_dispatch = 0, backward_combine = 0;
+  // Backward: grad_out rows out like x; grad rows + per-pair weight gradients back.
+  int64_t backward_dispatch_bytes = 0, backward_combine_bytes = 0;
 };
 
 class EpLayer {

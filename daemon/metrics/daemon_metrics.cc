@@ -1,12 +1,13 @@
 #include "daemon_metrics.h"
 
 #include <prometheus/counter.h>
-#include <prometheus/exposer.h>
 #include <prometheus/histogram.h>
 #include <prometheus/registry.h>
 
 #include <map>
 #include <tuple>
+
+#include "http/metrics_endpoint.h"
 
 namespace moe::metrics {
 namespace {
@@ -21,10 +22,8 @@ prometheus::Histogram::BucketBoundaries seconds_buckets() {
 }  // namespace
 
 struct DaemonMetrics::Impl {
-  explicit Impl(const std::string& listen) : registry(std::make_shared<prometheus::Registry>()) {
-    const std::string bind = listen.find(':') == std::string::npos ? "0.0.0.0:" + listen : listen;
-    exposer = std::make_unique<prometheus::Exposer>(bind);
-    exposer->RegisterCollectable(registry);
+  explicit Impl(const std::string& listen)
+      : registry(std::make_shared<prometheus::Registry>()), endpoint(listen, registry) {
     using namespace prometheus;
     expert_tokens = &BuildCounter().Name("moe_expert_tokens_total").Help("Tokens routed to each logical expert, by source rank").Register(*registry);
     rank_tokens = &BuildCounter().Name("moe_rank_tokens_total").Help("Rows each rank's experts processed").Register(*registry);
@@ -45,7 +44,7 @@ struct DaemonMetrics::Impl {
   }
 
   std::shared_ptr<prometheus::Registry> registry;
-  std::unique_ptr<prometheus::Exposer> exposer;
+  http::MetricsEndpoint endpoint;
   prometheus::Family<prometheus::Counter>* expert_tokens;
   prometheus::Family<prometheus::Counter>* rank_tokens;
   prometheus::Family<prometheus::Histogram>* dispatch;
@@ -59,7 +58,7 @@ struct DaemonMetrics::Impl {
 DaemonMetrics::DaemonMetrics(const std::string& listen) : impl_(std::make_unique<Impl>(listen)) {}
 DaemonMetrics::~DaemonMetrics() = default;
 
-int DaemonMetrics::port() const { return impl_->exposer->GetListeningPorts().at(0); }
+int DaemonMetrics::port() const { return impl_->endpoint.port(); }
 
 void DaemonMetrics::record(int rank, const LayerStep& s) {
   Impl& m = *impl_;
@@ -75,12 +74,14 @@ void DaemonMetrics::record(int rank, const LayerStep& s) {
   m.counter(m.bytes, {{"op", "dispatch"}, {"direction", "forward"}}).Increment(static_cast<double>(s.dispatch_bytes));
   m.counter(m.bytes, {{"op", "combine"}, {"direction", "forward"}}).Increment(static_cast<double>(s.combine_bytes));
   m.counter(m.naive, {{"op", "dispatch"}}).Increment(static_cast<double>(s.naive_dispatch_bytes));
-  if (s.backward) {
-    m.histogram(m.dispatch, {{"direction", "backward"}}).Observe(s.backward_dispatch_seconds);
-    m.histogram(m.combine, {{"direction", "backward"}}).Observe(s.backward_combine_seconds);
-    m.counter(m.bytes, {{"op", "dispatch"}, {"direction", "backward"}}).Increment(static_cast<double>(s.backward_dispatch_bytes));
-    m.counter(m.bytes, {{"op", "combine"}, {"direction", "backward"}}).Increment(static_cast<double>(s.backward_combine_bytes));
-  }
+}
+
+void DaemonMetrics::record_backward(int, const LayerBackwardStep& s) {
+  Impl& m = *impl_;
+  m.histogram(m.dispatch, {{"direction", "backward"}}).Observe(s.dispatch_seconds);
+  m.histogram(m.combine, {{"direction", "backward"}}).Observe(s.combine_seconds);
+  m.counter(m.bytes, {{"op", "dispatch"}, {"direction", "backward"}}).Increment(static_cast<double>(s.dispatch_bytes));
+  m.counter(m.bytes, {{"op", "combine"}, {"direction", "backward"}}).Increment(static_cast<double>(s.combine_bytes));
 }
 
 void DaemonMetrics::record_step(int, double seconds) { impl_->histogram(impl_->step, {}).Observe(seconds); }

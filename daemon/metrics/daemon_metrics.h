@@ -19,10 +19,13 @@ struct LayerStep {
   std::vector<int64_t> expert_tokens;  // by logical expert, this rank's kept pairs
   int64_t rows = 0;                    // rows this rank's experts processed
   double dispatch_seconds = 0, combine_seconds = 0, expert_seconds = 0;
-  double backward_dispatch_seconds = 0, backward_combine_seconds = 0;
   int64_t dispatch_bytes = 0, combine_bytes = 0, naive_dispatch_bytes = 0;
-  int64_t backward_dispatch_bytes = 0, backward_combine_bytes = 0;
-  bool backward = false;
+};
+
+// The backward all-to-alls of one rank in one layer of one step.
+struct LayerBackwardStep {
+  double dispatch_seconds = 0, combine_seconds = 0;
+  int64_t dispatch_bytes = 0, combine_bytes = 0;
 };
 
 class DaemonMetrics {
@@ -32,6 +35,7 @@ class DaemonMetrics {
   ~DaemonMetrics();
   int port() const;
   void record(int rank, const LayerStep& s);
+  void record_backward(int rank, const LayerBackwardStep& s);
   void record_step(int rank, double seconds);
 
  private:

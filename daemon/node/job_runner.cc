@@ -247,6 +247,11 @@ class RankRun {
     grad_ = model::to_storage(g, dt_);
     for (int l = L_ - 1; l >= 0; --l) {
       layers_[l]->backward(grad_.data(), grad_x_.data());
+      if (env_.metrics) {
+        const ep::EpStats& es = layers_[l]->stats();
+        env_.metrics->record_backward(rank_, {es.backward_dispatch, es.backward_combine, es.backward_dispatch_bytes,
+                                              es.backward_combine_bytes});
+      }
       if (step == 0) {
         snaps_[l].grad_out = grad_;
         snaps_[l].grad_x = grad_x_;

@@ -153,6 +153,34 @@ TEST(Cluster, TwoByTwoEqualsOneByOneWithFourTimesTheTokens) {
   fs::remove_all(dumps);
 }
 
+// Sends bytes on a fresh TCP connection and returns all the server writes until
+// it closes the connection (5 s receive timeout).
+std::string exchange(const std::string& host, int port, const std::string& bytes) {
+  const int fd = ::socket(AF_INET, SOCK_STREAM, 0);
+  sockaddr_in a{};
+  a.sin_family = AF_INET;
+  a.sin_port = htons(static_cast<uint16_t>(port));
+  ::inet_pton(AF_INET, host.c_str(), &a.sin_addr);
+  EXPECT_EQ(::connect(fd, reinterpret_cast<sockaddr*>(&a), sizeof a), 0);
+  ::send(fd, bytes.data(), bytes.size(), MSG_NOSIGNAL);
+  timeval tv{5, 0};
+  ::setsockopt(fd, SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof tv);
+  std::string reply;
+  char buf[4096];
+  ssize_t n;
+  while ((n = ::recv(fd, buf, sizeof buf, 0)) > 0) reply.append(buf, n);  // until the server closes
+  ::close(fd);
+  return reply;
+}
+
+// The value of one series in a Prometheus text exposition (-1 if absent).
+double series_value(const std::string& text, const std::string& series) {
+  std::istringstream in(text);
+  for (std::string line; std::getline(in, line);)
+    if (line.rfind(series + " ", 0) == 0) return std::stod(line.substr(series.size() + 1));
+  return -1;
+}
+
 v1::JobResult parse_result(const std::string& json) {
   v1::JobResult r;
   const auto st = google::protobuf::util::JsonStringToMessage(json.substr(json.find('{')), &r);
@@ -178,6 +206,25 @@ TEST(Cluster, TrainJobVerifiesGradientsAndHalvesTheLossByStep20) {
   EXPECT_TRUE(r.verify().passed()) << out;  // forward and gradients against the fp64 reference
   EXPECT_GT(r.phase_seconds().backward(), 0.0);
   EXPECT_GT(r.phase_seconds().optimizer(), 0.0);
+
+  // Each daemon's Prometheus endpoint: expert load, and both directions of the
+  // all-to-alls (DESIGN 8).
+  v1::Envelope status;
+  status.mutable_cluster_status();
+  const v1::ClusterStatus st = c.client().call(status, 10s).cluster_status_reply();
+  ASSERT_EQ(st.nodes_size(), 2);
+  for (const v1::NodeInfo& n : st.nodes()) {
+    const std::string text = exchange("127.0.0.1", std::stoi(n.metrics_address()),
+                                      "GET /metrics HTTP/1.0\r\nHost: 127.0.0.1\r\n\r\n");
+    EXPECT_NE(text.find("moe_expert_tokens_total{expert=\"0\",layer=\"0\""), std::string::npos) << text;
+    for (const char* direction : {"forward", "backward"}) {
+      const std::string d = std::string("direction=\"") + direction + "\"";
+      EXPECT_EQ(series_value(text, "moe_dispatch_seconds_count{" + d + "}"), 2 * 21) << n.name() << " " << d;
+      EXPECT_EQ(series_value(text, "moe_combine_seconds_count{" + d + "}"), 2 * 21) << n.name() << " " << d;
+      EXPECT_GT(series_value(text, "moe_transport_bytes_total{" + d + ",op=\"dispatch\"}"), 0) << n.name() << " " << d;
+      EXPECT_GT(series_value(text, "moe_transport_bytes_total{" + d + ",op=\"combine\"}"), 0) << n.name() << " " << d;
+    }
+  }
 }
 
 TEST(Cluster, TwoByTwoTrainGradientsEqualOneByOne) {
@@ -257,23 +304,7 @@ TEST(Cluster, BadInputGetsExitCodesAndClearErrors) {
   ASSERT_EQ(st.nodes_size(), 1);
   for (const std::string& address : {agent, st.nodes(0).control_address()}) {
     const auto [host, port] = rpc::split_address(address);
-    auto raw = [&](const std::string& bytes) {
-      const int fd = ::socket(AF_INET, SOCK_STREAM, 0);
-      sockaddr_in a{};
-      a.sin_family = AF_INET;
-      a.sin_port = htons(static_cast<uint16_t>(port));
-      ::inet_pton(AF_INET, host.c_str(), &a.sin_addr);
-      EXPECT_EQ(::connect(fd, reinterpret_cast<sockaddr*>(&a), sizeof a), 0);
-      ::send(fd, bytes.data(), bytes.size(), MSG_NOSIGNAL);
-      timeval tv{5, 0};
-      ::setsockopt(fd, SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof tv);
-      std::string reply;
-      char buf[4096];
-      ssize_t n;
-      while ((n = ::recv(fd, buf, sizeof buf, 0)) > 0) reply.append(buf, n);  // until the server closes
-      ::close(fd);
-      return reply;
-    };
+    auto raw = [&](const std::string& bytes) { return exchange(host, port, bytes); };
     v1::Envelope hello;
     hello.mutable_hello()->set_token("not-the-token");
     for (const std::string& frame : {rpc::encode_frame(hello),                                 // unauthenticated
