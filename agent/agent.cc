@@ -1,4 +1,4 @@
-#include "agent.h"
+#include "moe/agent/agent.h"
 
 #include <algorithm>
 #include <condition_variable>
@@ -7,10 +7,11 @@
 #include <optional>
 #include <thread>
 
-#include "moe/placement/placement_error.h"
+#include "moe/base/check.h"
 #include "moe/placement/placement_solver.h"
-#include "rpc/log.h"
-#include "spec/job_spec.h"
+#include "moe/base/clock.h"
+#include "moe/base/log.h"
+#include "moe/spec/job_spec.h"
 
 namespace moe::agent {
 
@@ -65,12 +66,6 @@ class Outbound {
 };
 
 namespace {
-
-double unix_ms() {
-  return static_cast<double>(
-      std::chrono::duration_cast<std::chrono::milliseconds>(std::chrono::system_clock::now().time_since_epoch())
-          .count());
-}
 
 double median(std::vector<double> v) {
   if (v.empty()) return 0;
@@ -478,7 +473,7 @@ void Agent::start(const std::string& id) {
       maps_.push_back(first);
       maps_.back().set_layer(l);
     }
-  } catch (const placement::PlacementError& e) {
+  } catch (const moe::Error& e) {
     running_.reset();
     fail_unstarted(rec, std::string("placement: ") + e.what());
     return;

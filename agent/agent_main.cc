@@ -4,9 +4,9 @@
 #include <fstream>
 #include <iostream>
 
-#include "agent.h"
-#include "metrics_exposer.h"
-#include "rpc/log.h"
+#include "moe/agent/agent.h"
+#include "moe/agent/metrics_exposer.h"
+#include "moe/base/log.h"
 
 int main(int argc, char** argv) {
   using namespace moe;

@@ -1,4 +1,4 @@
-#include "metrics_exposer.h"
+#include "moe/agent/metrics_exposer.h"
 
 #include <prometheus/counter.h>
 #include <prometheus/gauge.h>
@@ -6,7 +6,7 @@
 
 #include <algorithm>
 
-#include "http/metrics_endpoint.h"
+#include "moe/http/metrics_endpoint.h"
 
 namespace moe::agent {
 

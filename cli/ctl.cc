@@ -1,4 +1,4 @@
-#include "ctl.h"
+#include "moe/ctl/ctl.h"
 
 #include <fcntl.h>
 #include <signal.h>
@@ -15,8 +15,8 @@
 #include <sstream>
 #include <thread>
 
-#include "rpc/rpc.h"
-#include "spec/job_spec.h"
+#include "moe/rpc/rpc.h"
+#include "moe/spec/job_spec.h"
 
 namespace moe::ctl {
 

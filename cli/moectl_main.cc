@@ -8,9 +8,9 @@
 #include <optional>
 #include <sstream>
 
-#include "ctl.h"
-#include "rpc/frame.h"
-#include "spec/job_spec.h"
+#include "moe/ctl/ctl.h"
+#include "moe/rpc/frame.h"
+#include "moe/spec/job_spec.h"
 
 namespace {
 

@@ -1,8 +1,8 @@
 // moed: the node daemon. Thin main: flags, signals, the Daemon.
 #include <CLI/CLI.hpp>
 
-#include "node/daemon.h"
-#include "rpc/log.h"
+#include "moe/node/daemon.h"
+#include "moe/base/log.h"
 
 int main(int argc, char** argv) {
   using namespace moe;

@@ -3,7 +3,7 @@
 #include <algorithm>
 #include <numeric>
 
-#include "moe/placement/placement_error.h"
+#include "moe/base/check.h"
 #include "packing.h"
 
 namespace moe::placement {
@@ -20,7 +20,7 @@ bool eplb_hierarchical_applicable(const PlacementSpec& spec) {
 std::vector<int> eplb_balanced_packing(std::span<const double> weight, int num_packs,
                                        std::vector<int>* rank_in_pack) {
   const int n = static_cast<int>(weight.size());
-  MOE_PLACEMENT_CHECK(num_packs >= 1 && n % num_packs == 0, "balanced packing: items (", n,
+  MOE_CHECK(num_packs >= 1 && n % num_packs == 0, "balanced packing: items (", n,
                       ") must be divisible by packs (", num_packs, ")");
   const int per_pack = n / num_packs;
   std::vector<int> pack(n), rank(n);
@@ -50,7 +50,7 @@ std::vector<int> eplb_balanced_packing(std::span<const double> weight, int num_p
 std::vector<int> eplb_replicate_experts(std::span<const double> weight, int num_phy,
                                         std::vector<int>* replica_rank, std::vector<int>* logcnt) {
   const int n = static_cast<int>(weight.size());
-  MOE_PLACEMENT_CHECK(num_phy >= n, "replicate: physical experts (", num_phy,
+  MOE_CHECK(num_phy >= n, "replicate: physical experts (", num_phy,
                       ") fewer than logical (", n, ")");
   std::vector<int> phy2log(num_phy), rank(num_phy, 0), count(n, 1);
   std::iota(phy2log.begin(), phy2log.begin() + n, 0);
@@ -75,7 +75,7 @@ LayerMap eplb_rebalance(const PlacementSpec& spec_in, std::span<const double> lo
     spec.num_groups = 1;
     spec.num_nodes = 1;
   } else {
-    MOE_PLACEMENT_CHECK(eplb_hierarchical_applicable(spec), "EPLB hierarchical needs groups (",
+    MOE_CHECK(eplb_hierarchical_applicable(spec), "EPLB hierarchical needs groups (",
                         spec.num_groups, ") divisible by nodes (", spec.num_nodes, ")");
   }
   const int num_log = spec.num_experts;

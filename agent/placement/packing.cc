@@ -4,15 +4,15 @@
 #include <cmath>
 #include <numeric>
 
-#include "moe/placement/placement_error.h"
+#include "moe/base/check.h"
 
 namespace moe::placement::detail {
 
 void check_loads(const PlacementSpec& spec, std::span<const double> loads) {
-  MOE_PLACEMENT_CHECK(loads.size() == static_cast<size_t>(spec.num_experts), "loads have ",
+  MOE_CHECK(loads.size() == static_cast<size_t>(spec.num_experts), "loads have ",
                       loads.size(), " entries, expected experts (", spec.num_experts, ")");
   for (size_t e = 0; e < loads.size(); ++e)
-    MOE_PLACEMENT_CHECK(std::isfinite(loads[e]) && loads[e] >= 0.0, "load of expert ", e, " (",
+    MOE_CHECK(std::isfinite(loads[e]) && loads[e] >= 0.0, "load of expert ", e, " (",
                         loads[e], ") must be finite and non-negative");
 }
 

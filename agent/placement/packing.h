@@ -10,7 +10,7 @@
 
 namespace moe::placement::detail {
 
-// Throws PlacementError unless loads has one entry per expert of spec, each
+// Throws moe::Error unless loads has one entry per expert of spec, each
 // finite and non-negative.
 void check_loads(const PlacementSpec& spec, std::span<const double> loads);
 

@@ -3,12 +3,12 @@
 #include <algorithm>
 #include <unordered_map>
 
-#include "moe/placement/placement_error.h"
+#include "moe/base/check.h"
 
 namespace moe::placement {
 
 std::vector<double> rank_loads(const LayerMap& map, std::span<const double> loads) {
-  MOE_PLACEMENT_CHECK(loads.size() == static_cast<size_t>(map.num_experts), "loads have ",
+  MOE_CHECK(loads.size() == static_cast<size_t>(map.num_experts), "loads have ",
                       loads.size(), " entries, the map ", map.num_experts, " experts");
   std::vector<double> out(map.num_ranks, 0.0);
   for (int p = 0; p < map.num_slots(); ++p) {
@@ -29,9 +29,9 @@ double balancedness(const LayerMap& map, std::span<const double> loads) {
 }
 
 double expected_fanout(const LayerMap& map, int num_nodes, const Trace& trace) {
-  MOE_PLACEMENT_CHECK(num_nodes >= 1 && map.num_ranks % num_nodes == 0, "ranks (", map.num_ranks,
+  MOE_CHECK(num_nodes >= 1 && map.num_ranks % num_nodes == 0, "ranks (", map.num_ranks,
                       ") must be divisible by nodes (", num_nodes, ")");
-  MOE_PLACEMENT_CHECK(trace.num_experts == map.num_experts, "trace has ", trace.num_experts,
+  MOE_CHECK(trace.num_experts == map.num_experts, "trace has ", trace.num_experts,
                       " experts, the map ", map.num_experts);
   const int ranks_per_node = map.num_ranks / num_nodes;
   // Per expert: (node, fraction of its replicas there), each node once.
@@ -76,7 +76,7 @@ double expected_fanout(const LayerMap& map, int num_nodes, const Trace& trace) {
 }
 
 int64_t copies_moved(const LayerMap& before, const LayerMap& after) {
-  MOE_PLACEMENT_CHECK(before.num_experts == after.num_experts &&
+  MOE_CHECK(before.num_experts == after.num_experts &&
                           before.num_ranks == after.num_ranks &&
                           before.slots_per_rank == after.slots_per_rank,
                       "maps differ in size: ", before.num_experts, " experts x ", before.num_ranks,

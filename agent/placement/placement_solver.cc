@@ -5,7 +5,7 @@
 #include "fanout_objective.h"
 #include "migration.h"
 #include "moe/placement/eplb.h"
-#include "moe/placement/placement_error.h"
+#include "moe/base/check.h"
 #include "moe/placement/placement_metrics.h"
 #include "moe/placement/rng.h"
 #include "packing.h"
@@ -36,18 +36,18 @@ Packing packing_of(const PlacementSpec& spec, std::span<const double> unit,
 }
 
 void check_sample(const PlacementSpec& spec, const Trace& sample) {
-  MOE_PLACEMENT_CHECK(sample.num_experts == spec.num_experts, "routing sample has ",
+  MOE_CHECK(sample.num_experts == spec.num_experts, "routing sample has ",
                       sample.num_experts, " experts, the request ", spec.num_experts);
-  MOE_PLACEMENT_CHECK(sample.top_k >= 1 && sample.topk_idx.size() % sample.top_k == 0,
+  MOE_CHECK(sample.top_k >= 1 && sample.topk_idx.size() % sample.top_k == 0,
                       "routing sample: ", sample.topk_idx.size(),
                       " entries is not a multiple of top_k (", sample.top_k, ")");
   std::vector<int64_t> seen(spec.num_experts, -1);  // token that last picked the expert
   for (int64_t t = 0; t < sample.num_tokens(); ++t) {
     const int32_t* row = &sample.topk_idx[t * sample.top_k];
     for (int i = 0; i < sample.top_k; ++i) {
-      MOE_PLACEMENT_CHECK(row[i] >= 0 && row[i] < spec.num_experts, "routing sample token ", t,
+      MOE_CHECK(row[i] >= 0 && row[i] < spec.num_experts, "routing sample token ", t,
                           " picks expert ", row[i], ", outside [0, ", spec.num_experts, ")");
-      MOE_PLACEMENT_CHECK(seen[row[i]] != t, "routing sample token ", t, " picks expert ", row[i],
+      MOE_CHECK(seen[row[i]] != t, "routing sample token ", t, " picks expert ", row[i],
                           " twice");
       seen[row[i]] = t;
     }
@@ -243,7 +243,7 @@ LayerMap solve_layer(const PlacementSpec& spec, std::span<const double> loads,
 std::vector<LayerMap> solve(const PlacementSpec& spec,
                             const std::vector<std::vector<double>>& loads,
                             const std::vector<LayerMap>* current, const SolverOptions& options) {
-  MOE_PLACEMENT_CHECK(!current || current->size() == loads.size(), "current map has ",
+  MOE_CHECK(!current || current->size() == loads.size(), "current map has ",
                       current ? current->size() : 0, " layers, loads have ", loads.size());
   std::vector<LayerMap> maps;
   maps.reserve(loads.size());

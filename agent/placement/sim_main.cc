@@ -7,7 +7,7 @@
 #include <iostream>
 #include <sstream>
 
-#include "moe/placement/placement_error.h"
+#include "moe/base/check.h"
 #include "moe/placement/random_traces.h"
 #include "moe/placement/sim_report.h"
 
@@ -15,10 +15,10 @@ namespace {
 
 std::string read_file(const std::string& path) {
   std::ifstream in(path, std::ios::binary);
-  MOE_PLACEMENT_CHECK(in.good(), "cannot open loads file '", path, "'");
+  MOE_CHECK(in.good(), "cannot open loads file '", path, "'");
   std::ostringstream text;
   text << in.rdbuf();
-  MOE_PLACEMENT_CHECK(!in.bad(), "cannot read loads file '", path, "'");
+  MOE_CHECK(!in.bad(), "cannot read loads file '", path, "'");
   return text.str();
 }
 
@@ -72,7 +72,7 @@ int main(int argc, char** argv) {
   }
   try {
     if (random_traces != 0) {
-      MOE_PLACEMENT_CHECK(random_traces > 0 && random_traces <= 10000, "random traces (",
+      MOE_CHECK(random_traces > 0 && random_traces <= 10000, "random traces (",
                           random_traces, ") must be in [1, 10000]");
       const auto cases = moe::placement::random_trace_cases(random_traces, config.seed);
       const auto results = moe::placement::compare_random_traces(cases, true);
@@ -84,7 +84,7 @@ int main(int argc, char** argv) {
       config.loads =
           moe::placement::parse_loads(read_file(loads_path), "loads file '" + loads_path + "'");
       const int experts = static_cast<int>(config.loads.front().size());
-      MOE_PLACEMENT_CHECK(app.count("--experts") == 0 || experts == config.spec.num_experts,
+      MOE_CHECK(app.count("--experts") == 0 || experts == config.spec.num_experts,
                           "loads file has ", experts, " experts per line, --experts says ",
                           config.spec.num_experts);
       config.spec.num_experts = experts;
@@ -94,12 +94,12 @@ int main(int argc, char** argv) {
         config.prev_loads = moe::placement::parse_loads(
             read_file(prev_loads_path), "previous loads file '" + prev_loads_path + "'");
     } else {
-      MOE_PLACEMENT_CHECK(prev_loads_path.empty(), "--prev-loads needs --loads");
+      MOE_CHECK(prev_loads_path.empty(), "--prev-loads needs --loads");
     }
     const auto report = moe::placement::run_simulation(config);
     std::cout << (output == "json" ? format_json(report) : format_table(report));
     return 0;
-  } catch (const moe::placement::PlacementError& e) {
+  } catch (const moe::Error& e) {
     std::cerr << "moe-placement-sim: " << e.what() << "\n";
     return 2;
   } catch (const std::exception& e) {

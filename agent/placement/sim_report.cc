@@ -8,7 +8,7 @@
 #include <sstream>
 
 #include "moe/placement/eplb.h"
-#include "moe/placement/placement_error.h"
+#include "moe/base/check.h"
 #include "moe/placement/placement_metrics.h"
 #include "moe/placement/placement_solver.h"
 #include "moe/placement/trace.h"
@@ -67,18 +67,18 @@ void SimConfig::validate() const {
   spec.validate();
   if (loads_mode()) {
     for (size_t l = 0; l < loads.size(); ++l)
-      MOE_PLACEMENT_CHECK(loads[l].size() == static_cast<size_t>(spec.num_experts), "loads layer ",
+      MOE_CHECK(loads[l].size() == static_cast<size_t>(spec.num_experts), "loads layer ",
                           l, " has ", loads[l].size(), " experts, expected ", spec.num_experts);
-    MOE_PLACEMENT_CHECK(prev_loads.empty() || prev_loads.size() == loads.size(),
+    MOE_CHECK(prev_loads.empty() || prev_loads.size() == loads.size(),
                         "previous loads have ", prev_loads.size(), " layers, loads ", loads.size());
     for (size_t l = 0; l < prev_loads.size(); ++l)
-      MOE_PLACEMENT_CHECK(prev_loads[l].size() == static_cast<size_t>(spec.num_experts),
+      MOE_CHECK(prev_loads[l].size() == static_cast<size_t>(spec.num_experts),
                           "previous loads layer ", l, " has ", prev_loads[l].size(),
                           " experts, expected ", spec.num_experts);
     return;
   }
-  MOE_PLACEMENT_CHECK(spec.top_k >= 1, "top_k (", spec.top_k, ") must be at least 1 for a trace");
-  MOE_PLACEMENT_CHECK(sample_tokens >= 0 && sample_tokens <= (int64_t{1} << 20), "sample tokens (",
+  MOE_CHECK(spec.top_k >= 1, "top_k (", spec.top_k, ") must be at least 1 for a trace");
+  MOE_CHECK(sample_tokens >= 0 && sample_tokens <= (int64_t{1} << 20), "sample tokens (",
                       sample_tokens, ") must be in [0, 1048576]");
   trace_config(*this, 0, num_tokens, zipf_alpha).validate();
   if (prev_zipf_alpha) trace_config(*this, kPrevWindow, num_tokens, *prev_zipf_alpha).validate();
@@ -270,19 +270,19 @@ std::vector<std::vector<double>> parse_loads(std::string_view text, std::string_
       ++field;
       double v = 0.0;
       const auto [ptr, ec] = std::from_chars(token.data(), token.data() + token.size(), v);
-      MOE_PLACEMENT_CHECK(ec == std::errc() && ptr == token.data() + token.size(), source,
+      MOE_CHECK(ec == std::errc() && ptr == token.data() + token.size(), source,
                           " line ", line_no, ", field ", field, ": '", token, "' is not a number");
-      MOE_PLACEMENT_CHECK(std::isfinite(v) && v >= 0.0, source, " line ", line_no, ", field ",
+      MOE_CHECK(std::isfinite(v) && v >= 0.0, source, " line ", line_no, ", field ",
                           field, ": ", token, " must be finite and non-negative");
       row.push_back(v);
       i = j;
     }
     if (row.empty()) continue;
-    MOE_PLACEMENT_CHECK(out.empty() || row.size() == out.front().size(), source, " line ", line_no,
+    MOE_CHECK(out.empty() || row.size() == out.front().size(), source, " line ", line_no,
                         " has ", row.size(), " loads, the first layer ", out.front().size());
     out.push_back(std::move(row));
   }
-  MOE_PLACEMENT_CHECK(!out.empty(), source, ": no layer (every line is blank or a comment)");
+  MOE_CHECK(!out.empty(), source, ": no layer (every line is blank or a comment)");
   return out;
 }
 

@@ -4,7 +4,7 @@
 #include <cmath>
 #include <numeric>
 
-#include "moe/placement/placement_error.h"
+#include "moe/base/check.h"
 #include "moe/placement/rng.h"
 
 namespace moe::placement {
@@ -26,27 +26,27 @@ void smallest_k(std::vector<std::pair<double, int>>& keys, int k, std::vector<in
 }  // namespace
 
 void TraceConfig::validate() const {
-  MOE_PLACEMENT_CHECK(num_experts >= 1 && num_experts <= (1 << 20), "experts (", num_experts,
+  MOE_CHECK(num_experts >= 1 && num_experts <= (1 << 20), "experts (", num_experts,
                       ") must be in [1, 1048576]");
-  MOE_PLACEMENT_CHECK(top_k >= 1 && top_k <= num_experts, "top_k (", top_k,
+  MOE_CHECK(top_k >= 1 && top_k <= num_experts, "top_k (", top_k,
                       ") must be in [1, experts (", num_experts, ")]");
-  MOE_PLACEMENT_CHECK(num_tokens >= 0 && num_tokens <= (int64_t{1} << 26), "tokens (", num_tokens,
+  MOE_CHECK(num_tokens >= 0 && num_tokens <= (int64_t{1} << 26), "tokens (", num_tokens,
                       ") must be in [0, 67108864]");
-  MOE_PLACEMENT_CHECK(num_tokens * top_k <= (int64_t{1} << 28), "tokens x top_k (",
+  MOE_CHECK(num_tokens * top_k <= (int64_t{1} << 28), "tokens x top_k (",
                       num_tokens * top_k, ") must be at most 268435456");
-  MOE_PLACEMENT_CHECK(std::isfinite(zipf_alpha) && zipf_alpha >= 0.0 && zipf_alpha <= 16.0,
+  MOE_CHECK(std::isfinite(zipf_alpha) && zipf_alpha >= 0.0 && zipf_alpha <= 16.0,
                       "zipf alpha (", zipf_alpha, ") must be in [0, 16]");
-  MOE_PLACEMENT_CHECK(num_groups >= 0, "groups (", num_groups, ") must not be negative");
-  MOE_PLACEMENT_CHECK(num_groups <= 1 || num_experts % num_groups == 0, "experts (", num_experts,
+  MOE_CHECK(num_groups >= 0, "groups (", num_groups, ") must not be negative");
+  MOE_CHECK(num_groups <= 1 || num_experts % num_groups == 0, "experts (", num_experts,
                       ") must be divisible by groups (", num_groups, ")");
-  MOE_PLACEMENT_CHECK(group_top_k >= 0, "group_top_k (", group_top_k, ") must not be negative");
+  MOE_CHECK(group_top_k >= 0, "group_top_k (", group_top_k, ") must not be negative");
   if (group_top_k > 0) {
-    MOE_PLACEMENT_CHECK(num_groups > 1, "group_top_k (", group_top_k,
+    MOE_CHECK(num_groups > 1, "group_top_k (", group_top_k,
                         ") needs more than one group (groups = ", num_groups, ")");
-    MOE_PLACEMENT_CHECK(group_top_k <= num_groups, "group_top_k (", group_top_k,
+    MOE_CHECK(group_top_k <= num_groups, "group_top_k (", group_top_k,
                         ") exceeds groups (", num_groups, ")");
     const int candidates = group_top_k * (num_experts / num_groups);
-    MOE_PLACEMENT_CHECK(top_k <= candidates, "top_k (", top_k, ") exceeds the experts of ",
+    MOE_CHECK(top_k <= candidates, "top_k (", top_k, ") exceeds the experts of ",
                         group_top_k, " groups (", candidates, ")");
   }
 }

@@ -17,12 +17,12 @@
 #include <thread>
 
 #include "benches.h"
-#include "ep/ep_layer.h"
-#include "moe/kernels/check.h"
+#include "moe/ep/ep_layer.h"
+#include "moe/base/check.h"
 #include "moe/kernels/cpu_backend.h"
-#include "transport/bootstrap.h"
-#include "transport/inproc_communicator.h"
-#include "transport/ucx_communicator.h"
+#include "moe/transport/bootstrap.h"
+#include "moe/transport/inproc_communicator.h"
+#include "moe/transport/ucx_communicator.h"
 
 namespace moe::bench {
 namespace {
@@ -129,9 +129,9 @@ EpRankStats run_ep_rank(const EpBenchOptions& o, transport::Communicator& comm) 
   std::vector<double> fwd, train, disp, comb;
   for (int i = 0; i < o.warmup + o.iters; ++i) {
     comm.barrier(transport::deadline_in(std::chrono::seconds(60)));
-    const double t0 = ep::now_seconds();
+    const double t0 = now_seconds();
     layer.forward(x.data(), T, begin, out.data());
-    const double t1 = ep::now_seconds();
+    const double t1 = now_seconds();
     if (i < o.warmup) continue;
     fwd.push_back(t1 - t0);
     disp.push_back(layer.stats().dispatch_transport);
@@ -142,10 +142,10 @@ EpRankStats run_ep_rank(const EpBenchOptions& o, transport::Communicator& comm) 
   st.naive_dispatch_bytes = layer.stats().naive_dispatch_bytes;
   for (int i = 0; i < o.iters; ++i) {
     comm.barrier(transport::deadline_in(std::chrono::seconds(60)));
-    const double t0 = ep::now_seconds();
+    const double t0 = now_seconds();
     layer.forward(x.data(), T, begin, out.data());
     layer.backward(go.data(), gx.data());
-    train.push_back(ep::now_seconds() - t0);
+    train.push_back(now_seconds() - t0);
   }
   st.forward_seconds = median(fwd);
   st.train_seconds = median(train);

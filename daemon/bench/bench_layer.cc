@@ -3,13 +3,13 @@
 #include <fstream>
 
 #include "benches.h"
-#include "ep/moe_layer.h"
-#include "io/layer_io.h"
-#include "model/synthetic.h"
-#include "moe/kernels/check.h"
+#include "moe/ep/moe_layer.h"
+#include "moe/io/layer_io.h"
+#include "moe/model/synthetic.h"
+#include "moe/base/check.h"
 #include "moe/kernels/cpu_backend.h"
 #include "moe/v1/job.pb.h"
-#include "spec/job_spec.h"
+#include "moe/spec/job_spec.h"
 
 namespace moe::bench {
 namespace {
@@ -119,9 +119,9 @@ Report run_layer_bench(const LayerBenchOptions& o) {
   };
   std::vector<Sample> samples;
   for (int i = 0; i < o.iters; ++i) {
-    const double t0 = ep::now_seconds();
+    const double t0 = now_seconds();
     step();
-    samples.push_back({ep::now_seconds() - t0, layer.times()});
+    samples.push_back({now_seconds() - t0, layer.times()});
   }
   std::sort(samples.begin(), samples.end(), [](const Sample& a, const Sample& b) { return a.seconds < b.seconds; });
   const Sample& median = samples[samples.size() / 2];

@@ -4,10 +4,10 @@
 #include <cstring>
 
 #include "benches.h"
-#include "ep/layer_stages.h"
-#include "model/counter_rng.h"
+#include "moe/ep/layer_stages.h"
+#include "moe/model/counter_rng.h"
 #include "moe/kernels/buffer.h"
-#include "moe/kernels/check.h"
+#include "moe/base/check.h"
 #include "moe/kernels/cpu_backend.h"
 
 namespace moe::bench {
@@ -18,9 +18,9 @@ double best_seconds(int iters, Fn&& fn) {
   fn();  // warm: first touch of every page
   double best = 1e30;
   for (int i = 0; i < iters; ++i) {
-    const double t0 = ep::now_seconds();
+    const double t0 = now_seconds();
     fn();
-    best = std::min(best, ep::now_seconds() - t0);
+    best = std::min(best, now_seconds() - t0);
   }
   return best;
 }

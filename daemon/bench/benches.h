@@ -8,7 +8,7 @@
 
 #include "moe/kernels/types.h"
 #include "report.h"
-#include "transport/communicator.h"
+#include "moe/transport/communicator.h"
 
 namespace moe::bench {
 

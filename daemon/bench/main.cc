@@ -8,9 +8,9 @@
 #include <thread>
 
 #include "benches.h"
-#include "moe/kernels/check.h"
-#include "transport/bootstrap.h"
-#include "transport/ucx_communicator.h"
+#include "moe/base/check.h"
+#include "moe/transport/bootstrap.h"
+#include "moe/transport/ucx_communicator.h"
 
 int main(int argc, char** argv) {
   using namespace moe;

@@ -1,9 +1,9 @@
-#include "ep_layer.h"
+#include "moe/ep/ep_layer.h"
 
 #include <algorithm>
 #include <cstring>
 
-#include "moe/kernels/check.h"
+#include "moe/base/check.h"
 
 namespace moe::ep {
 

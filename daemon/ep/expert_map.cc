@@ -1,6 +1,6 @@
-#include "expert_map.h"
+#include "moe/ep/expert_map.h"
 
-#include "moe/kernels/check.h"
+#include "moe/base/check.h"
 
 namespace moe::ep {
 

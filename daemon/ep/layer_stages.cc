@@ -1,16 +1,12 @@
-#include "layer_stages.h"
+#include "moe/ep/layer_stages.h"
 
 #include <chrono>
 
-#include "moe/kernels/check.h"
+#include "moe/base/check.h"
 
 namespace moe::ep {
 
 using kernels::Buffer;
-
-double now_seconds() {
-  return std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch()).count();
-}
 
 void MoeLayerConfig::validate() const {
   MOE_CHECK(max_tokens >= 0, "max_tokens must be >= 0, got ", max_tokens);

@@ -1,6 +1,6 @@
-#include "moe_layer.h"
+#include "moe/ep/moe_layer.h"
 
-#include "moe/kernels/check.h"
+#include "moe/base/check.h"
 
 namespace moe::ep {
 

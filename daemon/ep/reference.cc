@@ -1,4 +1,4 @@
-#include "ep/reference.h"
+#include "moe/ep/reference.h"
 
 namespace moe::ep {
 

@@ -1,6 +1,6 @@
-#include "layer_io.h"
+#include "moe/io/layer_io.h"
 
-#include "moe/kernels/check.h"
+#include "moe/base/check.h"
 
 namespace moe::io {
 namespace {

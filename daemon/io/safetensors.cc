@@ -1,4 +1,4 @@
-#include "safetensors.h"
+#include "moe/io/safetensors.h"
 
 #include <fcntl.h>
 #include <google/protobuf/struct.pb.h>
@@ -13,7 +13,7 @@
 #include <cstring>
 #include <fstream>
 
-#include "moe/kernels/check.h"
+#include "moe/base/check.h"
 #include "moe/kernels/types.h"
 
 namespace moe::io {

@@ -1,4 +1,4 @@
-#include "daemon_metrics.h"
+#include "moe/metrics/daemon_metrics.h"
 
 #include <prometheus/counter.h>
 #include <prometheus/histogram.h>
@@ -7,7 +7,7 @@
 #include <map>
 #include <tuple>
 
-#include "http/metrics_endpoint.h"
+#include "moe/http/metrics_endpoint.h"
 
 namespace moe::metrics {
 namespace {

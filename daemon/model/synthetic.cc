@@ -1,4 +1,4 @@
-#include "synthetic.h"
+#include "moe/model/synthetic.h"
 
 #include <algorithm>
 #include <cmath>
@@ -6,8 +6,8 @@
 #include <cstring>
 #include <numeric>
 
-#include "counter_rng.h"
-#include "moe/kernels/check.h"
+#include "moe/model/counter_rng.h"
+#include "moe/base/check.h"
 
 namespace moe::model {
 namespace {

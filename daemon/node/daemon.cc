@@ -1,12 +1,12 @@
-#include "daemon.h"
+#include "moe/node/daemon.h"
 
 #include <unistd.h>
 
-#include "moe/kernels/check.h"
+#include "moe/base/check.h"
 #ifdef MOE_WITH_CUDA
 #include "moe/kernels/cuda_device.h"
 #endif
-#include "rpc/log.h"
+#include "moe/base/log.h"
 
 namespace moe::node {
 

@@ -1,7 +1,7 @@
-#include "job_model.h"
+#include "moe/node/job_model.h"
 
-#include "io/layer_io.h"
-#include "moe/kernels/check.h"
+#include "moe/io/layer_io.h"
+#include "moe/base/check.h"
 
 namespace moe::node {
 

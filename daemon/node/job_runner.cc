@@ -1,4 +1,4 @@
-#include "job_runner.h"
+#include "moe/node/job_runner.h"
 
 #include <algorithm>
 #include <cmath>
@@ -6,16 +6,16 @@
 #include <fstream>
 #include <functional>
 
-#include "ep/ep_layer.h"
-#include "ep/reference.h"
-#include "io/layer_io.h"
-#include "job_model.h"
-#include "moe/kernels/check.h"
+#include "moe/ep/ep_layer.h"
+#include "moe/ep/reference.h"
+#include "moe/io/layer_io.h"
+#include "moe/node/job_model.h"
+#include "moe/base/check.h"
 #include "moe/kernels/cpu_backend.h"
-#include "rpc/log.h"
-#include "rpc/rpc.h"
-#include "spec/job_spec.h"
-#include "transport/ucx_communicator.h"
+#include "moe/base/log.h"
+#include "moe/rpc/rpc.h"
+#include "moe/spec/job_spec.h"
+#include "moe/transport/ucx_communicator.h"
 
 namespace moe::node {
 namespace {
@@ -149,13 +149,13 @@ class RankRun {
       r->set_rank(rank_);
       v1::StepStats* st = r->mutable_stats();
       st->set_step(step);
-      const double t0 = ep::now_seconds();
+      const double t0 = now_seconds();
       forward(step, st);
       if (train_) {
         train(step, st);
         optimize(step, st);
       }
-      st->set_step_seconds(ep::now_seconds() - t0);
+      st->set_step_seconds(now_seconds() - t0);
       if (env_.metrics) env_.metrics->record_step(rank_, st->step_seconds());
       agent_.call(report, std::chrono::seconds(10));
       // Step 0's snapshots, gradients (the optimizer leaves them) and initial
@@ -243,7 +243,7 @@ class RankRun {
       g[i] = static_cast<float>(2.0 * d / norm);
     }
     st->set_loss(loss / norm);
-    const double t0 = ep::now_seconds();
+    const double t0 = now_seconds();
     grad_ = model::to_storage(g, dt_);
     for (int l = L_ - 1; l >= 0; --l) {
       layers_[l]->backward(grad_.data(), grad_x_.data());
@@ -258,13 +258,13 @@ class RankRun {
       }
       add_into(grad_, grad_x_, n, dt_);
     }
-    st->mutable_phase_seconds()->set_backward(ep::now_seconds() - t0);
+    st->mutable_phase_seconds()->set_backward(now_seconds() - t0);
   }
 
   void optimize(int step, v1::StepStats* st) {
-    const double t0 = ep::now_seconds();
+    const double t0 = now_seconds();
     for (auto& layer : layers_) layer->optimizer_step(opt_, step + 1);
-    st->mutable_phase_seconds()->set_optimizer(ep::now_seconds() - t0);
+    st->mutable_phase_seconds()->set_optimizer(now_seconds() - t0);
   }
 
   // Step 0 recomputed with the fp64 reference, layer by layer, with the weights

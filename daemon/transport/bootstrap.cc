@@ -1,4 +1,4 @@
-#include "bootstrap.h"
+#include "moe/transport/bootstrap.h"
 
 #include <arpa/inet.h>
 #include <netdb.h>
@@ -11,7 +11,7 @@
 #include <cerrno>
 #include <cstring>
 
-#include "moe/kernels/check.h"
+#include "moe/base/check.h"
 
 namespace moe::transport {
 namespace {

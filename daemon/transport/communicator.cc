@@ -1,4 +1,4 @@
-#include "communicator.h"
+#include "moe/transport/communicator.h"
 
 #include <numeric>
 

@@ -1,4 +1,4 @@
-#include "inproc_communicator.h"
+#include "moe/transport/inproc_communicator.h"
 
 #include <algorithm>
 #include <cstring>

@@ -1,4 +1,4 @@
-#include "local_hub.h"
+#include "moe/transport/local_hub.h"
 
 #include <unistd.h>
 

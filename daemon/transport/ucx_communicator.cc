@@ -1,4 +1,4 @@
-#include "ucx_communicator.h"
+#include "moe/transport/ucx_communicator.h"
 
 #include <sys/epoll.h>
 #include <sys/eventfd.h>

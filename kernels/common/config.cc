@@ -2,7 +2,7 @@
 #include <cmath>
 
 #include "moe/kernels/api.h"
-#include "moe/kernels/check.h"
+#include "moe/base/check.h"
 
 namespace moe::kernels {
 

@@ -6,7 +6,7 @@
 #include <limits>
 
 #include "cpu_ops.h"
-#include "moe/kernels/check.h"
+#include "moe/base/check.h"
 
 namespace moe::kernels::cpu {
 

@@ -6,7 +6,7 @@
 
 #include "cpu_ops.h"
 #include "moe/kernels/cpu_backend.h"
-#include "moe/kernels/check.h"
+#include "moe/base/check.h"
 
 namespace moe::kernels {
 namespace {

@@ -7,7 +7,7 @@
 #include <vector>
 
 #include "cpu_ops.h"
-#include "moe/kernels/check.h"
+#include "moe/base/check.h"
 #include "moe/kernels/cpu_backend.h"
 
 extern "C" void openblas_set_num_threads(int num_threads);

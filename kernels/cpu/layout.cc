@@ -5,7 +5,7 @@
 #include <cstring>
 
 #include "cpu_ops.h"
-#include "moe/kernels/check.h"
+#include "moe/base/check.h"
 
 namespace moe::kernels::cpu {
 namespace {

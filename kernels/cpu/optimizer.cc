@@ -4,7 +4,7 @@
 #include <cmath>
 
 #include "cpu_ops.h"
-#include "moe/kernels/check.h"
+#include "moe/base/check.h"
 
 namespace moe::kernels::cpu {
 

@@ -3,7 +3,7 @@
 #include <cstring>
 
 #include "cpu_ops.h"
-#include "moe/kernels/check.h"
+#include "moe/base/check.h"
 #include "vec.h"
 
 namespace moe::kernels::cpu {

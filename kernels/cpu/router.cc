@@ -5,7 +5,7 @@
 #include <limits>
 
 #include "cpu_ops.h"
-#include "moe/kernels/check.h"
+#include "moe/base/check.h"
 #include "vec.h"
 
 namespace moe::kernels::cpu {

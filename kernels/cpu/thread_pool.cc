@@ -1,6 +1,6 @@
 #include "moe/kernels/thread_pool.h"
 
-#include "moe/kernels/check.h"
+#include "moe/base/check.h"
 
 namespace moe::kernels {
 

@@ -1,11 +1,11 @@
-#include "moe_ref.h"
+#include "moe/ref/moe_ref.h"
 
 #include <algorithm>
 #include <cmath>
 #include <limits>
 #include <numeric>
 
-#include "moe/kernels/check.h"
+#include "moe/base/check.h"
 
 namespace moe::ref {
 namespace {

@@ -1,4 +1,4 @@
-#include "http/metrics_endpoint.h"
+#include "moe/http/metrics_endpoint.h"
 
 #include <prometheus/registry.h>
 #include <prometheus/text_serializer.h>
@@ -7,8 +7,8 @@
 #include <istream>
 #include <thread>
 
-#include "rpc/asio.h"
-#include "rpc/rpc.h"
+#include "moe/rpc/asio.h"
+#include "moe/rpc/rpc.h"
 
 namespace moe::http {
 

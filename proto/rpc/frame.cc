@@ -1,4 +1,4 @@
-#include "frame.h"
+#include "moe/rpc/frame.h"
 
 #include <google/protobuf/stubs/logging.h>
 

@@ -1,4 +1,4 @@
-#include "rpc/rpc.h"
+#include "moe/rpc/rpc.h"
 
 #include <fstream>
 #include <optional>

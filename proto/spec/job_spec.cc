@@ -1,11 +1,11 @@
-#include "spec/job_spec.h"
+#include "moe/spec/job_spec.h"
 
 #include <google/protobuf/util/json_util.h>
 
 #include <cmath>
 #include <cstdlib>
 
-#include "rpc/frame.h"
+#include "moe/rpc/frame.h"
 
 namespace moe::spec {
 namespace {

@@ -4,8 +4,8 @@
 #include <string>
 #include <vector>
 
-#include "rpc/frame.h"
-#include "spec/job_spec.h"
+#include "moe/rpc/frame.h"
+#include "moe/spec/job_spec.h"
 
 extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   try {

@@ -8,8 +8,8 @@
 #include <string>
 #include <vector>
 
-#include "io/safetensors.h"
-#include "moe/kernels/check.h"
+#include "moe/io/safetensors.h"
+#include "moe/base/check.h"
 
 extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   static const std::string path = "/tmp/moe_st_fuzz_" + std::to_string(::getpid()) + ".safetensors";

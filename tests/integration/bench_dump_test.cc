@@ -8,9 +8,9 @@
 #include <filesystem>
 #include <sstream>
 
-#include "io/layer_io.h"
-#include "io/safetensors.h"
-#include "ep/reference.h"
+#include "moe/io/layer_io.h"
+#include "moe/io/safetensors.h"
+#include "moe/ep/reference.h"
 #include "process.h"
 #include "test_util.h"
 

@@ -16,11 +16,11 @@
 
 #include <cmath>
 
-#include "io/safetensors.h"
+#include "moe/io/safetensors.h"
 #include "moe/v1/rpc.pb.h"
 #include "process.h"
-#include "rpc/frame.h"
-#include "rpc/rpc.h"
+#include "moe/rpc/frame.h"
+#include "moe/rpc/rpc.h"
 
 #ifndef MOE_BIN_DIR
 #error "MOE_BIN_DIR must name the build directory"

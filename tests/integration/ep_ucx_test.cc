@@ -7,7 +7,7 @@
 
 #include "ep_harness.h"
 #include "process.h"
-#include "transport/bootstrap.h"
+#include "moe/transport/bootstrap.h"
 
 #ifndef MOE_WORKER_BIN
 #error "MOE_WORKER_BIN must name moe-test-worker"

@@ -12,8 +12,8 @@
 
 #include "ep_harness.h"
 #include "moe/kernels/cpu_backend.h"
-#include "transport/bootstrap.h"
-#include "transport/ucx_communicator.h"
+#include "moe/transport/bootstrap.h"
+#include "moe/transport/ucx_communicator.h"
 
 using namespace moe::transport;
 

@@ -3,10 +3,10 @@
 #include <set>
 #include <sstream>
 
-#include "io/safetensors.h"
-#include "moe/kernels/check.h"
+#include "moe/io/safetensors.h"
+#include "moe/base/check.h"
 #include "moe/kernels/cpu_backend.h"
-#include "ep/reference.h"
+#include "moe/ep/reference.h"
 #include "rank_threads.h"
 #include "test_util.h"
 

@@ -10,7 +10,7 @@
 #include <string>
 #include <vector>
 
-#include "ep/ep_layer.h"
+#include "moe/ep/ep_layer.h"
 #include "moe/kernels/api.h"
 
 namespace moe::test {

@@ -8,7 +8,7 @@
 #include <set>
 
 #include "moe/kernels/api.h"
-#include "moe/kernels/check.h"
+#include "moe/base/check.h"
 #include "moe/kernels/cpu_backend.h"
 #include "moe/kernels/thread_pool.h"
 #include "test_util.h"

@@ -2,10 +2,10 @@
 // and the backward through all of it) against the fp64 reference.
 #include <gtest/gtest.h>
 
-#include "ep/moe_layer.h"
-#include "moe/kernels/check.h"
+#include "moe/ep/moe_layer.h"
+#include "moe/base/check.h"
 #include "moe/kernels/cpu_backend.h"
-#include "ep/reference.h"
+#include "moe/ep/reference.h"
 #include "test_util.h"
 
 namespace moe::test {

@@ -9,7 +9,7 @@
 #include <prometheus/counter.h>
 #include <prometheus/registry.h>
 
-#include "http/metrics_endpoint.h"
+#include "moe/http/metrics_endpoint.h"
 
 namespace moe::test {
 namespace {

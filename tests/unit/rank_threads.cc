@@ -4,9 +4,9 @@
 #include <memory>
 #include <thread>
 
-#include "transport/bootstrap.h"
-#include "transport/inproc_communicator.h"
-#include "transport/ucx_communicator.h"
+#include "moe/transport/bootstrap.h"
+#include "moe/transport/inproc_communicator.h"
+#include "moe/transport/ucx_communicator.h"
 
 namespace moe::test {
 

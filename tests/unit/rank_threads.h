@@ -6,7 +6,7 @@
 #include <string>
 #include <vector>
 
-#include "transport/communicator.h"
+#include "moe/transport/communicator.h"
 
 namespace moe::test {
 

@@ -10,7 +10,7 @@
 #include <atomic>
 #include <thread>
 
-#include "rpc/rpc.h"
+#include "moe/rpc/rpc.h"
 
 namespace moe::test {
 namespace {

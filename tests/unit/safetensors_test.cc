@@ -6,9 +6,9 @@
 #include <filesystem>
 #include <fstream>
 
-#include "io/layer_io.h"
-#include "io/safetensors.h"
-#include "moe/kernels/check.h"
+#include "moe/io/layer_io.h"
+#include "moe/io/safetensors.h"
+#include "moe/base/check.h"
 #include "test_util.h"
 
 namespace moe::test {

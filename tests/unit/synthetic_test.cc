@@ -3,8 +3,8 @@
 
 #include <cmath>
 
-#include "model/synthetic.h"
-#include "moe/kernels/check.h"
+#include "moe/model/synthetic.h"
+#include "moe/base/check.h"
 
 namespace moe::test {
 namespace {

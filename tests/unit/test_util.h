@@ -10,10 +10,10 @@
 #include <string>
 #include <vector>
 
-#include "model/counter_rng.h"
-#include "model/synthetic.h"
+#include "moe/model/counter_rng.h"
+#include "moe/model/synthetic.h"
 #include "moe/kernels/types.h"
-#include "moe_ref.h"
+#include "moe/ref/moe_ref.h"
 
 namespace moe::test {
 

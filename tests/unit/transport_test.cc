@@ -8,10 +8,10 @@
 #include <functional>
 #include <thread>
 
-#include "model/counter_rng.h"
-#include "transport/bootstrap.h"
-#include "transport/inproc_communicator.h"
-#include "transport/ucx_communicator.h"
+#include "moe/model/counter_rng.h"
+#include "moe/transport/bootstrap.h"
+#include "moe/transport/inproc_communicator.h"
+#include "moe/transport/ucx_communicator.h"
 #include "rank_threads.h"
 
 namespace moe::test {

@@ -5,7 +5,7 @@
 #include <numeric>
 #include <set>
 
-#include "moe/placement/placement_error.h"
+#include "moe/base/check.h"
 #include "moe/placement/placement_metrics.h"
 #include "placement_test_util.h"
 
@@ -20,7 +20,7 @@ TEST(EplbBalancedPacking, HeaviestFirstIntoLightestPackWithRoom) {
   EXPECT_EQ(rank, (std::vector<int>{0, 0, 1, 1}));
   // One item per pack: identity, as in EPLB.
   EXPECT_EQ(eplb_balanced_packing(std::vector<double>{1, 5, 3}, 3), (std::vector<int>{0, 1, 2}));
-  EXPECT_THROW(eplb_balanced_packing(std::vector<double>{1, 2, 3}, 2), PlacementError);
+  EXPECT_THROW(eplb_balanced_packing(std::vector<double>{1, 2, 3}, 2), moe::Error);
 }
 
 TEST(EplbReplicateExperts, EachExtraSlotToTheLargestLoadPerReplica) {
@@ -61,15 +61,15 @@ TEST(EplbRebalance, MapsAreValidAndHierarchicalKeepsGroupsOnTheirNode) {
 TEST(EplbRebalance, RejectsBadInput) {
   const PlacementSpec spec = test::reference_spec(0);
   EXPECT_THROW(eplb_rebalance(spec, std::vector<double>(255, 1.0), EplbPolicy::kGlobal),
-               PlacementError);
+               moe::Error);
   std::vector<double> loads(256, 1.0);
   loads[3] = -1;
-  EXPECT_THROW(eplb_rebalance(spec, loads, EplbPolicy::kGlobal), PlacementError);
+  EXPECT_THROW(eplb_rebalance(spec, loads, EplbPolicy::kGlobal), moe::Error);
   PlacementSpec ungrouped = spec;
   ungrouped.num_groups = 0;
   EXPECT_FALSE(eplb_hierarchical_applicable(ungrouped));
   EXPECT_THROW(eplb_rebalance(ungrouped, std::vector<double>(256, 1.0), EplbPolicy::kHierarchical),
-               PlacementError);
+               moe::Error);
 }
 
 // EPLB's own figures on the pinned trace: hierarchical about 0.823, global

@@ -4,20 +4,20 @@
 
 #include <cmath>
 
-#include "moe/placement/placement_error.h"
+#include "moe/base/check.h"
 #include "moe/placement/placement_metrics.h"
 #include "placement_test_util.h"
 
 namespace moe::placement {
 namespace {
 
-// Expects fn to throw PlacementError whose message contains every part.
+// Expects fn to throw moe::Error whose message contains every part.
 template <typename F>
 void expect_error(F&& fn, std::initializer_list<const char*> parts) {
   try {
     fn();
-    FAIL() << "no PlacementError";
-  } catch (const PlacementError& e) {
+    FAIL() << "no moe::Error";
+  } catch (const moe::Error& e) {
     for (const char* part : parts)
       EXPECT_NE(std::string(e.what()).find(part), std::string::npos)
           << "message '" << e.what() << "' lacks '" << part << "'";
@@ -83,7 +83,7 @@ TEST(Metrics, RankLoadsAndBalancedness) {
   EXPECT_EQ(rank_loads(map, loads), (std::vector<double>{6, 10}));
   EXPECT_DOUBLE_EQ(balancedness(map, loads), 8.0 / 10.0);
   EXPECT_DOUBLE_EQ(balancedness(map, std::vector<double>{0, 0, 0}), 1.0);
-  EXPECT_THROW(balancedness(map, std::vector<double>{1, 2}), PlacementError);
+  EXPECT_THROW(balancedness(map, std::vector<double>{1, 2}), moe::Error);
 }
 
 TEST(Metrics, ExpectedFanoutIsExact) {
@@ -104,7 +104,7 @@ TEST(Metrics, CopiesMovedCountsCopiesARankMustFetch) {
   EXPECT_EQ(copies_moved(before, make_layer_map(3, 2, {1, 0, 0, 2})), 0);  // slots reordered
   EXPECT_EQ(copies_moved(before, make_layer_map(3, 2, {2, 1, 0, 0})), 2);
   EXPECT_EQ(copies_moved(before, make_layer_map(3, 2, {2, 0, 1, 0})), 2);
-  EXPECT_THROW(copies_moved(before, make_layer_map(3, 1, {0, 1, 2, 0})), PlacementError);
+  EXPECT_THROW(copies_moved(before, make_layer_map(3, 1, {0, 1, 2, 0})), moe::Error);
 }
 
 }  // namespace

@@ -6,7 +6,7 @@
 #include <limits>
 
 #include "moe/placement/eplb.h"
-#include "moe/placement/placement_error.h"
+#include "moe/base/check.h"
 #include "moe/placement/placement_metrics.h"
 #include "placement_test_util.h"
 
@@ -98,7 +98,7 @@ TEST(Solver, RejectsBadInputNamingIt) {
   auto message = [&](auto&& fn) -> std::string {
     try {
       fn();
-    } catch (const PlacementError& e) {
+    } catch (const moe::Error& e) {
       return e.what();
     }
     return "no error";
@@ -163,7 +163,7 @@ TEST(Solver, MultiLayerSolveMatchesPerLayer) {
   ASSERT_EQ(maps.size(), 3u);
   for (int l = 0; l < 3; ++l) EXPECT_EQ(maps[l].phy2log, solve_layer(spec, loads[l]).phy2log);
   std::vector<LayerMap> wrong(2, maps[0]);
-  EXPECT_THROW(solve(spec, loads, &wrong), PlacementError);
+  EXPECT_THROW(solve(spec, loads, &wrong), moe::Error);
 }
 
 }  // namespace

@@ -2,7 +2,7 @@
 
 #include <gtest/gtest.h>
 
-#include "moe/placement/placement_error.h"
+#include "moe/base/check.h"
 
 namespace moe::placement {
 namespace {
@@ -10,7 +10,7 @@ namespace {
 std::string error_of(std::string_view text) {
   try {
     parse_loads(text);
-  } catch (const PlacementError& e) {
+  } catch (const moe::Error& e) {
     return e.what();
   }
   return "no error";
@@ -81,7 +81,7 @@ TEST(Simulation, LoadsModeHasNoFanoutAndMarksHierarchicalNotApplicable) {
   }
   EXPECT_NE(format_json(report).find("\"fanout\": null"), std::string::npos);
   c.loads[1].pop_back();
-  EXPECT_THROW(run_simulation(c), PlacementError);
+  EXPECT_THROW(run_simulation(c), moe::Error);
 }
 
 }  // namespace

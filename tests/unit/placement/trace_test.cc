@@ -7,7 +7,7 @@
 #include <numeric>
 #include <set>
 
-#include "moe/placement/placement_error.h"
+#include "moe/base/check.h"
 #include "placement_test_util.h"
 
 namespace moe::placement {
@@ -76,20 +76,20 @@ TEST(Trace, GroupLimitedTokensStayInTheirGroups) {
 TEST(Trace, RejectsBadConfigNamingTheField) {
   TraceConfig c = test::reference_trace(0);
   c.top_k = 0;
-  EXPECT_THROW(c.validate(), PlacementError);
+  EXPECT_THROW(c.validate(), moe::Error);
   c = test::reference_trace(0);
   c.zipf_alpha = -1;
-  EXPECT_THROW(generate_trace(c), PlacementError);
+  EXPECT_THROW(generate_trace(c), moe::Error);
   c = test::reference_trace(9);
   try {
     c.validate();
     FAIL();
-  } catch (const PlacementError& e) {
+  } catch (const moe::Error& e) {
     EXPECT_NE(std::string(e.what()).find("group_top_k (9)"), std::string::npos) << e.what();
   }
   c = test::reference_trace(1);
   c.top_k = 40;  // more than one group of 32 holds
-  EXPECT_THROW(c.validate(), PlacementError);
+  EXPECT_THROW(c.validate(), moe::Error);
 }
 
 }  // namespace

@@ -24,7 +24,7 @@ const char* eplb_policy_name(EplbPolicy policy);
 // nodes (EPLB's rebalance_experts falls back to global otherwise).
 bool eplb_hierarchical_applicable(const PlacementSpec& spec);
 
-// One layer. Throws PlacementError for an invalid spec, loads of the wrong size
+// One layer. Throws moe::Error for an invalid spec, loads of the wrong size
 // or negative/non-finite loads, and kHierarchical where it is not applicable.
 LayerMap eplb_rebalance(const PlacementSpec& spec, std::span<const double> loads,
                         EplbPolicy policy);

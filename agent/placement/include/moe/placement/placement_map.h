@@ -13,7 +13,7 @@
 
 namespace moe::placement {
 
-// Sizes of one placement request. validate() throws PlacementError naming the
+// Sizes of one placement request. validate() throws moe::Error naming the
 // value that does not fit.
 struct PlacementSpec {
   int num_experts = 0;    // E logical experts, >= 1
@@ -63,7 +63,7 @@ struct LayerMap {
 
 // Builds logcnt and log2phy from phy2log. Replicas are numbered by ascending
 // slot unless replica_rank [R*S] gives each slot's replica number (EPLB keeps
-// the order in which it created replicas). Throws PlacementError when a slot
+// the order in which it created replicas). Throws moe::Error when a slot
 // holds an expert outside [0, E), an expert has no slot, or replica_rank is
 // not a permutation of 0..logcnt-1 per expert.
 LayerMap make_layer_map(int num_experts, int num_ranks, std::vector<int32_t> phy2log,
@@ -71,7 +71,7 @@ LayerMap make_layer_map(int num_experts, int num_ranks, std::vector<int32_t> phy
 
 // Checks that a map fits spec and is self-consistent (every slot filled with a
 // valid expert, every expert at least once, log2phy/logcnt agree with
-// phy2log). Throws PlacementError naming the first inconsistency.
+// phy2log). Throws moe::Error naming the first inconsistency.
 void validate_layer_map(const LayerMap& map, const PlacementSpec& spec);
 
 }  // namespace moe::placement

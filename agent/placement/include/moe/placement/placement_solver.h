@@ -62,7 +62,7 @@ struct SolveInfo {
 // One layer. loads [E] (tokens per expert, finite, >= 0). context.current,
 // when given, must be a valid map for spec (validate_layer_map); the routing
 // sample must have spec's experts and distinct experts per token. Throws
-// PlacementError.
+// moe::Error.
 LayerMap solve_layer(const PlacementSpec& spec, std::span<const double> loads,
                      const LayerContext& context = {}, const SolverOptions& options = {},
                      SolveInfo* info = nullptr);

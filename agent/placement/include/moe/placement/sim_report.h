@@ -37,7 +37,7 @@ struct SimConfig {
   std::vector<std::vector<double>> loads;       // loads mode when not empty: [layer][E]
   std::vector<std::vector<double>> prev_loads;  // optional, same shape
 
-  // Throws PlacementError naming the bad value.
+  // Throws moe::Error naming the bad value.
   void validate() const;
   bool loads_mode() const { return !loads.empty(); }
 };
@@ -72,7 +72,7 @@ std::string format_json(const SimReport& report);
 
 // Parses a loads file's text: one line per layer, whitespace-separated
 // non-negative finite numbers, the same count on every line; blank lines and
-// lines starting with '#' are skipped. Throws PlacementError naming source,
+// lines starting with '#' are skipped. Throws moe::Error naming source,
 // the line and the field.
 std::vector<std::vector<double>> parse_loads(std::string_view text,
                                              std::string_view source = "loads");

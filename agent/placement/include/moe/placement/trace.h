@@ -30,7 +30,7 @@ struct TraceConfig {
   int num_groups = 0;   // 0 or 1: no groups
   int group_top_k = 0;  // 0: routing is not group-limited
 
-  // Throws PlacementError naming the bad field.
+  // Throws moe::Error naming the bad field.
   void validate() const;
   bool group_limited() const { return num_groups > 1 && group_top_k > 0; }
 };

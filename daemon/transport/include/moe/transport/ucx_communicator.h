@@ -16,9 +16,9 @@
 #include <string>
 #include <vector>
 
-#include "bootstrap.h"
-#include "communicator.h"
-#include "local_hub.h"
+#include "moe/transport/bootstrap.h"
+#include "moe/transport/communicator.h"
+#include "moe/transport/local_hub.h"
 
 namespace moe::transport {
 

@@ -19,9 +19,9 @@
 #include <memory>
 #include <vector>
 
-#include "ep/expert_map.h"
-#include "ep/layer_stages.h"
-#include "transport/communicator.h"
+#include "moe/ep/expert_map.h"
+#include "moe/ep/layer_stages.h"
+#include "moe/transport/communicator.h"
 
 namespace moe::ep {
 

@@ -7,7 +7,7 @@
 #include <memory>
 #include <string>
 
-#include "agent.h"
+#include "moe/agent/agent.h"
 
 namespace moe::agent {
 

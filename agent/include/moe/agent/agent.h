@@ -13,7 +13,7 @@
 #include <vector>
 
 #include "moe/v1/rpc.pb.h"
-#include "rpc/rpc.h"
+#include "moe/rpc/rpc.h"
 
 namespace moe::agent {
 

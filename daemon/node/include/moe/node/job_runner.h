@@ -13,9 +13,9 @@
 #include <thread>
 #include <vector>
 
-#include "metrics/daemon_metrics.h"
+#include "moe/metrics/daemon_metrics.h"
 #include "moe/v1/cluster.pb.h"
-#include "transport/local_hub.h"
+#include "moe/transport/local_hub.h"
 
 namespace moe::node {
 

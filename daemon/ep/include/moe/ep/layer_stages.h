@@ -10,9 +10,10 @@
 #include <cstdint>
 #include <vector>
 
+#include "moe/base/clock.h"
 #include "moe/kernels/api.h"
 #include "moe/kernels/buffer.h"
-#include "model/synthetic.h"
+#include "moe/model/synthetic.h"
 
 namespace moe::ep {
 
@@ -140,7 +141,5 @@ class ExpertStage {
   TrainableTensor w13_param_, w2_param_;
   ExpertStageTimes times_;
 };
-
-double now_seconds();
 
 }  // namespace moe::ep

@@ -7,8 +7,8 @@
 #include <string>
 #include <vector>
 
-#include "io/safetensors.h"
-#include "model/synthetic.h"
+#include "moe/io/safetensors.h"
+#include "moe/model/synthetic.h"
 #include "moe/kernels/types.h"
 
 namespace moe::io {

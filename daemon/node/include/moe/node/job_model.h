@@ -6,9 +6,9 @@
 #include <string>
 #include <vector>
 
-#include "ep/expert_map.h"
-#include "ep/layer_stages.h"
-#include "model/synthetic.h"
+#include "moe/ep/expert_map.h"
+#include "moe/ep/layer_stages.h"
+#include "moe/model/synthetic.h"
 #include "moe/v1/cluster.pb.h"
 #include "moe/v1/job.pb.h"
 

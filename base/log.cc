@@ -1,4 +1,4 @@
-#include "log.h"
+#include "moe/base/log.h"
 
 #include <chrono>
 #include <cstdio>

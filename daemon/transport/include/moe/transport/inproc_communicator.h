@@ -10,7 +10,7 @@
 #include <tuple>
 #include <vector>
 
-#include "communicator.h"
+#include "moe/transport/communicator.h"
 
 namespace moe::transport {
 

@@ -3,8 +3,8 @@
 // the tests, so the two describe a layer the same way.
 #pragma once
 
-#include "ep/layer_stages.h"
-#include "moe_ref.h"
+#include "moe/ep/layer_stages.h"
+#include "moe/ref/moe_ref.h"
 
 namespace moe::ep {
 

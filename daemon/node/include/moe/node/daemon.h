@@ -12,9 +12,9 @@
 #include <string>
 #include <thread>
 
-#include "metrics/daemon_metrics.h"
-#include "node/job_runner.h"
-#include "rpc/rpc.h"
+#include "moe/metrics/daemon_metrics.h"
+#include "moe/node/job_runner.h"
+#include "moe/rpc/rpc.h"
 
 namespace moe::node {
 

@@ -9,7 +9,7 @@
 #include <memory>
 #include <vector>
 
-#include "ep/layer_stages.h"
+#include "moe/ep/layer_stages.h"
 
 namespace moe::ep {
 

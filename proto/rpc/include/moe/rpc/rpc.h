@@ -11,8 +11,8 @@
 #include <string>
 #include <thread>
 
-#include "rpc/asio.h"
-#include "rpc/frame.h"
+#include "moe/rpc/asio.h"
+#include "moe/rpc/frame.h"
 
 namespace moe::rpc {
 

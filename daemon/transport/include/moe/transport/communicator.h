@@ -14,7 +14,7 @@
 #include <string>
 #include <vector>
 
-#include "moe/kernels/check.h"
+#include "moe/base/check.h"
 
 namespace moe::transport {
 
