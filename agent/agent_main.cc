@@ -1,24 +1,38 @@
 // moe-agent: the coordinator process. Thin main: flags, signals, the Agent.
-#include <CLI/CLI.hpp>
+#include <unistd.h>
 
-#include <fstream>
-#include <iostream>
+#include <CLI/CLI.hpp>
 
 #include "moe/agent/agent.h"
 #include "moe/agent/metrics_exposer.h"
+#include "moe/base/file.h"
 #include "moe/base/log.h"
+
+namespace {
+
+std::string host_name() {
+  char buf[256] = {};
+  ::gethostname(buf, sizeof buf - 1);
+  return buf;
+}
+
+}  // namespace
 
 int main(int argc, char** argv) {
   using namespace moe;
   CLI::App app{"moe-agent: the moed cluster coordinator"};
   agent::AgentOptions opts;
+  opts.name = host_name();
   std::string token_file, address_file, metrics;
   int64_t hb_timeout_ms = opts.heartbeat_timeout.count();
-  app.add_option("--listen", opts.listen, "HOST:PORT to serve on (port 0: ephemeral)");
+  app.add_option("--listen", opts.listen, "HOST:PORT to serve on (port 0: ephemeral)")->capture_default_str();
   app.add_option("--token-file", token_file, "file holding the cluster token")->check(CLI::ExistingFile);
   app.add_option("--address-file", address_file, "write the bound HOST:PORT here once serving");
-  app.add_option("--heartbeat-timeout-ms", hb_timeout_ms, "a node silent this long is dead");
-  app.add_option("--metrics-port", metrics, "Prometheus metrics on this port (HOST:PORT or PORT)");
+  app.add_option("--heartbeat-timeout-ms", hb_timeout_ms, "a node silent this long is dead")->capture_default_str();
+  app.add_option("--metrics-port", metrics, "Prometheus metrics on this port (HOST:PORT or PORT; default off)");
+  app.add_option("--prometheus-sd-file", opts.prometheus_sd_file,
+                 "keep a Prometheus file_sd file of every process's metrics address here (default none)");
+  app.add_option("--name", opts.name, "the agent's node label in the file_sd file (default: host name)");
   try {
     app.parse(argc, argv);
   } catch (const CLI::ParseError& e) {
@@ -31,12 +45,12 @@ int main(int argc, char** argv) {
     rpc::asio::io_context io;
     agent::Agent agent(io, opts);
     std::unique_ptr<agent::MetricsExposer> exposer;
-    if (!metrics.empty()) exposer = std::make_unique<agent::MetricsExposer>(io, agent, metrics);
-    if (!address_file.empty()) {
-      const std::string tmp = address_file + ".tmp";
-      std::ofstream(tmp) << agent.address() << "\n";
-      std::rename(tmp.c_str(), address_file.c_str());
+    if (!metrics.empty()) {
+      exposer = std::make_unique<agent::MetricsExposer>(io, agent, metrics);
+      agent.set_metrics_address(exposer->address());
+      log::info("metrics on ", exposer->address());
     }
+    if (!address_file.empty()) write_file_atomically(address_file, agent.address() + "\n");
     rpc::asio::signal_set signals(io, SIGTERM, SIGINT);
     signals.async_wait([&](const boost::system::error_code&, int sig) {
       log::info("signal ", sig, ": stopping");

@@ -374,7 +374,7 @@ int cluster_status(const Globals& g, std::ostream& out, std::ostream& err) {
 int job_submit(const Globals& g, const v1::JobSpec& given, bool wait, std::ostream& out, std::ostream& err) {
   v1::JobSpec spec = given;
   try {
-    spec::fill_defaults(spec);
+    spec = spec::with_defaults(spec);
     spec::validate(spec);
   } catch (const RpcError& e) {
     err << "moectl: invalid spec: " << e.what() << "\n";

@@ -134,12 +134,12 @@ EpRankStats run_ep_rank(const EpBenchOptions& o, transport::Communicator& comm) 
     const double t1 = now_seconds();
     if (i < o.warmup) continue;
     fwd.push_back(t1 - t0);
-    disp.push_back(layer.stats().dispatch_transport);
-    comb.push_back(layer.stats().combine_transport);
+    disp.push_back(layer.stats().transfer.dispatch_transport);
+    comb.push_back(layer.stats().transfer.combine_transport);
   }
-  st.dispatch_bytes = layer.stats().dispatch_bytes;
-  st.combine_bytes = layer.stats().combine_bytes;
-  st.naive_dispatch_bytes = layer.stats().naive_dispatch_bytes;
+  st.dispatch_bytes = layer.stats().transfer.dispatch_bytes;
+  st.combine_bytes = layer.stats().transfer.combine_bytes;
+  st.naive_dispatch_bytes = layer.stats().transfer.naive_dispatch_bytes;
   for (int i = 0; i < o.iters; ++i) {
     comm.barrier(transport::deadline_in(std::chrono::seconds(60)));
     const double t0 = now_seconds();

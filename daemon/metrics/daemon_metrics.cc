@@ -1,16 +1,18 @@
 #include "moe/metrics/daemon_metrics.h"
 
 #include <prometheus/counter.h>
+#include <prometheus/gauge.h>
 #include <prometheus/histogram.h>
 #include <prometheus/registry.h>
 
 #include <map>
-#include <tuple>
 
 #include "moe/http/metrics_endpoint.h"
 
 namespace moe::metrics {
 namespace {
+
+using Labels = std::map<std::string, std::string>;
 
 // 100 us to about 100 s, 2x apart.
 prometheus::Histogram::BucketBoundaries seconds_buckets() {
@@ -25,65 +27,72 @@ struct DaemonMetrics::Impl {
   explicit Impl(const std::string& listen)
       : registry(std::make_shared<prometheus::Registry>()), endpoint(listen, registry) {
     using namespace prometheus;
-    expert_tokens = &BuildCounter().Name("moe_expert_tokens_total").Help("Tokens routed to each logical expert, by source rank").Register(*registry);
-    rank_tokens = &BuildCounter().Name("moe_rank_tokens_total").Help("Rows each rank's experts processed").Register(*registry);
-    dispatch = &BuildHistogram().Name("moe_dispatch_seconds").Help("All-to-all time of a dispatch").Register(*registry);
-    combine = &BuildHistogram().Name("moe_combine_seconds").Help("All-to-all time of a combine").Register(*registry);
-    expert = &BuildHistogram().Name("moe_expert_compute_seconds").Help("Expert stage time of a layer").Register(*registry);
-    bytes = &BuildCounter().Name("moe_transport_bytes_total").Help("Bytes handed to the transport for other ranks").Register(*registry);
-    naive = &BuildCounter().Name("moe_naive_transport_bytes_total").Help("Bytes one row per (token, expert) would have sent").Register(*registry);
-    step = &BuildHistogram().Name("moe_step_seconds").Help("Wall time of a job step on a rank").Register(*registry);
+    auto counter = [&](const char* name, const char* help) {
+      return &BuildCounter().Name(name).Help(help).Register(*registry);
+    };
+    auto histogram = [&](const char* name, const char* help) {
+      return &BuildHistogram().Name(name).Help(help).Register(*registry);
+    };
+    expert_tokens = counter("moe_expert_tokens_total", "(token, expert) pairs routed to each logical expert, by source rank");
+    rank_tokens = counter("moe_rank_tokens_total", "(token, expert) pairs each rank's experts computed");
+    dispatch = histogram("moe_dispatch_seconds", "All-to-all time of a dispatch");
+    combine = histogram("moe_combine_seconds", "All-to-all time of a combine");
+    expert = histogram("moe_expert_compute_seconds", "Expert stage time of a layer");
+    sent = counter("moe_transport_bytes_total", "Bytes handed to the transport for other ranks");
+    received = counter("moe_transport_received_bytes_total", "Bytes received from other ranks");
+    naive = counter("moe_naive_transport_bytes_total", "Bytes one row per (token, expert) pair would have moved");
+    step = histogram("moe_step_seconds", "Wall time of a job step on a rank");
+    build = &BuildGauge().Name("moe_build_info").Help("moed build, backend and GEMM engine").Register(*registry);
   }
 
-  // Family::Add is thread-safe and returns the existing child for known labels.
-  prometheus::Counter& counter(prometheus::Family<prometheus::Counter>* f, const std::map<std::string, std::string>& l) {
-    return f->Add(l);
+  void count(prometheus::Family<prometheus::Counter>* f, const Labels& l, double v) { f->Add(l).Increment(v); }
+  void observe(prometheus::Family<prometheus::Histogram>* f, const Labels& l, double v) {
+    f->Add(l, seconds_buckets()).Observe(v);
   }
-  prometheus::Histogram& histogram(prometheus::Family<prometheus::Histogram>* f, const std::map<std::string, std::string>& l) {
-    return f->Add(l, seconds_buckets());
+  // The direction-labelled series both directions record.
+  void record_transfer(const std::string& direction, const LayerStep& s) {
+    observe(dispatch, {{"direction", direction}}, s.dispatch_seconds);
+    observe(combine, {{"direction", direction}}, s.combine_seconds);
+    observe(expert, {{"direction", direction}}, s.expert_seconds);
+    count(sent, {{"op", "dispatch"}, {"direction", direction}}, static_cast<double>(s.dispatch_bytes));
+    count(sent, {{"op", "combine"}, {"direction", direction}}, static_cast<double>(s.combine_bytes));
+    count(received, {{"op", "dispatch"}, {"direction", direction}}, static_cast<double>(s.dispatch_received_bytes));
+    count(received, {{"op", "combine"}, {"direction", direction}}, static_cast<double>(s.combine_received_bytes));
   }
 
   std::shared_ptr<prometheus::Registry> registry;
   http::MetricsEndpoint endpoint;
-  prometheus::Family<prometheus::Counter>* expert_tokens;
-  prometheus::Family<prometheus::Counter>* rank_tokens;
-  prometheus::Family<prometheus::Histogram>* dispatch;
-  prometheus::Family<prometheus::Histogram>* combine;
-  prometheus::Family<prometheus::Histogram>* expert;
-  prometheus::Family<prometheus::Counter>* bytes;
-  prometheus::Family<prometheus::Counter>* naive;
-  prometheus::Family<prometheus::Histogram>* step;
+  prometheus::Family<prometheus::Counter>*expert_tokens, *rank_tokens, *sent, *received, *naive;
+  prometheus::Family<prometheus::Histogram>*dispatch, *combine, *expert, *step;
+  prometheus::Family<prometheus::Gauge>* build;
 };
 
 DaemonMetrics::DaemonMetrics(const std::string& listen) : impl_(std::make_unique<Impl>(listen)) {}
 DaemonMetrics::~DaemonMetrics() = default;
 
 int DaemonMetrics::port() const { return impl_->endpoint.port(); }
+std::string DaemonMetrics::address() const { return impl_->endpoint.address(); }
 
-void DaemonMetrics::record(int rank, const LayerStep& s) {
+void DaemonMetrics::set_build_info(const std::string& version, const std::string& backend,
+                                   const std::string& gemm_engine) {
+  impl_->build->Add({{"version", version}, {"backend", backend}, {"gemm_engine", gemm_engine}}).Set(1);
+}
+
+void DaemonMetrics::record_forward(int rank, const LayerStep& s) {
   Impl& m = *impl_;
   const std::string r = std::to_string(rank), layer = std::to_string(s.layer);
   for (size_t e = 0; e < s.expert_tokens.size(); ++e)
     if (s.expert_tokens[e] > 0)
-      m.counter(m.expert_tokens, {{"layer", layer}, {"expert", std::to_string(e)}, {"rank", r}})
-          .Increment(static_cast<double>(s.expert_tokens[e]));
-  m.counter(m.rank_tokens, {{"rank", r}}).Increment(static_cast<double>(s.rows));
-  m.histogram(m.dispatch, {{"direction", "forward"}}).Observe(s.dispatch_seconds);
-  m.histogram(m.combine, {{"direction", "forward"}}).Observe(s.combine_seconds);
-  m.histogram(m.expert, {}).Observe(s.expert_seconds);
-  m.counter(m.bytes, {{"op", "dispatch"}, {"direction", "forward"}}).Increment(static_cast<double>(s.dispatch_bytes));
-  m.counter(m.bytes, {{"op", "combine"}, {"direction", "forward"}}).Increment(static_cast<double>(s.combine_bytes));
-  m.counter(m.naive, {{"op", "dispatch"}}).Increment(static_cast<double>(s.naive_dispatch_bytes));
+      m.count(m.expert_tokens, {{"layer", layer}, {"expert", std::to_string(e)}, {"rank", r}},
+              static_cast<double>(s.expert_tokens[e]));
+  m.count(m.rank_tokens, {{"layer", layer}, {"rank", r}}, static_cast<double>(s.computed_pairs));
+  m.record_transfer("forward", s);
+  m.count(m.naive, {{"op", "dispatch"}}, static_cast<double>(s.naive_dispatch_bytes));
+  m.count(m.naive, {{"op", "combine"}}, static_cast<double>(s.naive_combine_bytes));
 }
 
-void DaemonMetrics::record_backward(int, const LayerBackwardStep& s) {
-  Impl& m = *impl_;
-  m.histogram(m.dispatch, {{"direction", "backward"}}).Observe(s.dispatch_seconds);
-  m.histogram(m.combine, {{"direction", "backward"}}).Observe(s.combine_seconds);
-  m.counter(m.bytes, {{"op", "dispatch"}, {"direction", "backward"}}).Increment(static_cast<double>(s.dispatch_bytes));
-  m.counter(m.bytes, {{"op", "combine"}, {"direction", "backward"}}).Increment(static_cast<double>(s.combine_bytes));
-}
+void DaemonMetrics::record_backward(int, const LayerStep& s) { impl_->record_transfer("backward", s); }
 
-void DaemonMetrics::record_step(int, double seconds) { impl_->histogram(impl_->step, {}).Observe(seconds); }
+void DaemonMetrics::record_step(int, double seconds) { impl_->observe(impl_->step, {}, seconds); }
 
 }  // namespace moe::metrics

@@ -3,6 +3,7 @@
 #include <unistd.h>
 
 #include "moe/base/check.h"
+#include "moe/kernels/cpu_backend.h"
 #ifdef MOE_WITH_CUDA
 #include "moe/kernels/cuda_device.h"
 #endif
@@ -22,17 +23,6 @@ int visible_cuda_devices() {
 #endif
 }
 
-// What --backend resolves to on this machine; throws naming the problem.
-std::string resolve_backend(const std::string& requested) {
-  if (requested == "cpu") return "cpu";
-  if (requested == "auto") return "cpu";  // the CUDA backend's kernels are not built yet
-  if (requested == "cuda")
-    throw RpcError(v1::ERROR_CODE_INVALID_ARGUMENT,
-                   "--backend cuda: this build has no CUDA kernels yet (devices seen: " +
-                       std::to_string(visible_cuda_devices()) + "); use cpu");
-  throw RpcError(v1::ERROR_CODE_INVALID_ARGUMENT, "--backend must be auto, cpu or cuda, got '" + requested + "'");
-}
-
 std::string host_name() {
   char buf[256] = {};
   ::gethostname(buf, sizeof buf - 1);
@@ -41,21 +31,47 @@ std::string host_name() {
 
 }  // namespace
 
+BackendChoice resolve_backend(const std::string& requested, BackendFactory override_factory) {
+  if (requested == "cuda")
+    throw RpcError(v1::ERROR_CODE_INVALID_ARGUMENT,
+                   "--backend cuda: this build has no CUDA kernels yet (devices seen: " +
+                       std::to_string(visible_cuda_devices()) + "); use cpu");
+  if (requested != "cpu" && requested != "auto")
+    throw RpcError(v1::ERROR_CODE_INVALID_ARGUMENT, "--backend must be auto, cpu or cuda, got '" + requested + "'");
+  // auto: the CPU backend, the only one built yet.
+  BackendChoice c;
+  c.kind = v1::BACKEND_CPU;
+  c.make = override_factory ? std::move(override_factory)
+                            : [](kernels::ThreadPool& pool) { return kernels::make_cpu_backend(pool); };
+  // What runs is what registers: ask a backend of the factory itself.
+  kernels::ThreadPool probe(1);
+  const std::unique_ptr<kernels::Backend> be = c.make(probe);
+  c.name = be->name();
+  c.gemm_engine = be->gemm_engine();
+  return c;
+}
+
 Daemon::Daemon(rpc::asio::io_context& io, DaemonOptions options) : io_(io), opts_(std::move(options)) {
   MOE_CHECK(opts_.devices >= 1, "--devices must be >= 1, got ", opts_.devices);
-  opts_.backend = resolve_backend(opts_.backend);
+  backend_ = resolve_backend(opts_.backend, opts_.make_backend);
   if (opts_.threads <= 0) opts_.threads = static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
   server_ = std::make_unique<rpc::RpcServer>(
       io_, rpc::ServerOptions::make(opts_.listen, opts_.token, "moed"), [this](const v1::Envelope& req, const rpc::RequestContext& ctx) { return handle(req, ctx); });
   if (opts_.name.empty()) opts_.name = host_name() + ":" + std::to_string(server_->port());
-  if (!opts_.metrics.empty()) metrics_ = std::make_unique<metrics::DaemonMetrics>(opts_.metrics);
+  if (!opts_.metrics.empty()) {
+    metrics_ = std::make_unique<metrics::DaemonMetrics>(opts_.metrics);
+    metrics_->set_build_info(MOE_VERSION, backend_.name, backend_.gemm_engine);
+  }
   log::init("moed", opts_.name);
-  log::info("serving the agent on ", server_->address(), ", ", opts_.devices, " ", opts_.backend, " device(s), ",
-            opts_.threads, " threads", metrics_ ? ", metrics on port " + std::to_string(metrics_->port()) : "");
+  log::info("serving the agent on ", server_->address(), ", ", opts_.devices, " ", backend_.name, " device(s) (",
+            backend_.gemm_engine, "), ", opts_.threads, " threads",
+            metrics_ ? ", metrics on " + metrics_->address() : "");
   heartbeat_ = std::thread([this] { heartbeat_loop(); });
 }
 
 Daemon::~Daemon() { stop(); }
+
+std::string Daemon::metrics_address() const { return metrics_ ? metrics_->address() : ""; }
 
 void Daemon::stop() {
   std::unique_ptr<JobRunner> runner;
@@ -76,9 +92,10 @@ void Daemon::register_once(rpc::RpcClient& agent) {
   auto* r = req.mutable_register_node();
   r->set_name(opts_.name);
   r->set_devices(opts_.devices);
-  r->set_backend(v1::BACKEND_CPU);
+  r->set_backend(backend_.kind);
+  r->set_gemm_engine(backend_.gemm_engine);
   r->set_control_address(server_->address());
-  r->set_metrics_address(metrics_ ? std::to_string(metrics_->port()) : "");
+  r->set_metrics_address(metrics_address());
   r->set_host(host_name());
   {
     std::lock_guard<std::mutex> lock(mu_);
@@ -130,27 +147,32 @@ void Daemon::heartbeat_loop() {
   }
 }
 
+void Daemon::start_job(const v1::StartJob& start) {
+  std::lock_guard<std::mutex> lock(mu_);
+  if (stopping_) throw RpcError(v1::ERROR_CODE_UNAVAILABLE, "daemon " + opts_.name + " is stopping");
+  if (runner_ && !runner_->finished())
+    throw RpcError(v1::ERROR_CODE_FAILED_PRECONDITION, "daemon " + opts_.name + " is running " + runner_->job_id());
+  if (node_index_ < 0) throw RpcError(v1::ERROR_CODE_FAILED_PRECONDITION, "daemon " + opts_.name + " is not registered");
+  runner_.reset();  // joins the finished previous job's threads
+  RunnerEnv env;
+  env.agent_address = opts_.agent;
+  env.token = opts_.token;
+  env.node_name = opts_.name;
+  env.node_index = node_index_;
+  env.devices = opts_.devices;
+  env.threads_per_rank = std::max(1, opts_.threads / opts_.devices);
+  env.make_backend = backend_.make;
+  env.metrics = metrics_.get();
+  env.transport_timeout = opts_.transport_timeout;
+  log::info("starting ", start.job_id(), " as ranks ", node_index_ * opts_.devices, "-",
+            (node_index_ + 1) * opts_.devices - 1, " of ", start.world_size());
+  runner_ = std::make_unique<JobRunner>(start, env);
+}
+
 rpc::awaitable<v1::Envelope> Daemon::handle(const v1::Envelope& req, const rpc::RequestContext&) {
   v1::Envelope reply;
   if (req.has_start_job()) {
-    std::lock_guard<std::mutex> lock(mu_);
-    if (stopping_) throw RpcError(v1::ERROR_CODE_UNAVAILABLE, "daemon " + opts_.name + " is stopping");
-    if (runner_ && !runner_->finished())
-      throw RpcError(v1::ERROR_CODE_FAILED_PRECONDITION, "daemon " + opts_.name + " is running " + runner_->job_id());
-    if (node_index_ < 0) throw RpcError(v1::ERROR_CODE_FAILED_PRECONDITION, "daemon " + opts_.name + " is not registered");
-    runner_.reset();  // joins the finished previous job's threads
-    RunnerEnv env;
-    env.agent_address = opts_.agent;
-    env.token = opts_.token;
-    env.node_name = opts_.name;
-    env.node_index = node_index_;
-    env.devices = opts_.devices;
-    env.threads_per_rank = std::max(1, opts_.threads / opts_.devices);
-    env.metrics = metrics_.get();
-    env.transport_timeout = opts_.transport_timeout;
-    log::info("starting ", req.start_job().job_id(), " as ranks ", node_index_ * opts_.devices, "-",
-              (node_index_ + 1) * opts_.devices - 1, " of ", req.start_job().world_size());
-    runner_ = std::make_unique<JobRunner>(req.start_job(), env);
+    start_job(req.start_job());
     reply.mutable_ack();
   } else if (req.has_cancel_job()) {
     std::lock_guard<std::mutex> lock(mu_);

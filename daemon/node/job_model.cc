@@ -18,14 +18,29 @@ ep::MoeLayerConfig layer_config(const v1::JobSpec& s) {
   c.score = s.score() == v1::JobSpec::sigmoid ? kernels::ScoreFunc::kSigmoid : kernels::ScoreFunc::kSoftmax;
   c.num_groups = s.num_groups();
   c.group_top_k = s.group_top_k();
-  c.norm_topk_prob = !s.has_norm_topk_prob() || s.norm_topk_prob();
-  c.routed_scaling_factor = s.has_routed_scaling_factor() ? static_cast<float>(s.routed_scaling_factor()) : 1.0f;
+  c.norm_topk_prob = s.norm_topk_prob();
+  c.routed_scaling_factor = static_cast<float>(s.routed_scaling_factor());
   c.capacity_factor = s.capacity_factor();
   c.drop_policy = s.drop_policy() == v1::JobSpec::position ? kernels::DropPolicy::kPosition : kernels::DropPolicy::kProbs;
   c.dtype = job_dtype(s);
   c.max_tokens = s.tokens_per_rank();
   c.train = s.mode() == v1::JobSpec::train;
   return c;
+}
+
+v1::JobSpec teacher_of(const v1::JobSpec& s) {
+  v1::JobSpec t = s;
+  t.set_seed(s.seed() + 1);
+  t.clear_weights();
+  t.clear_weights_prefix();
+  return t;
+}
+
+kernels::OptimizerConfig optimizer_config(const v1::JobSpec& s) {
+  kernels::OptimizerConfig o;
+  o.kind = s.optimizer() == v1::JobSpec::sgd ? kernels::OptimizerKind::kSgd : kernels::OptimizerKind::kAdam;
+  o.lr = static_cast<float>(s.lr());
+  return o;
 }
 
 model::LayerShape layer_shape(const v1::JobSpec& s) { return {s.hidden(), s.ffn_hidden(), s.experts()}; }

@@ -20,6 +20,8 @@ class CpuBackend final : public Backend {
   }
 
   std::string name() const override { return "cpu"; }
+  // bf16 panels are converted to fp32 for the same sgemm.
+  std::string gemm_engine() const override { return "fp32=openblas bf16=openblas"; }
   ThreadPool& pool() { return exec_.pool; }
   int threads() const { return exec_.pool.num_threads(); }
 

@@ -7,6 +7,8 @@
 #include <istream>
 #include <thread>
 
+#include <unistd.h>
+
 #include "moe/rpc/asio.h"
 #include "moe/rpc/rpc.h"
 
@@ -106,5 +108,16 @@ MetricsEndpoint::MetricsEndpoint(const std::string& listen, std::shared_ptr<prom
 MetricsEndpoint::~MetricsEndpoint() = default;
 
 int MetricsEndpoint::port() const { return impl_->acceptor.local_endpoint().port(); }
+
+std::string MetricsEndpoint::address() const {
+  const asio::ip::address host = impl_->acceptor.local_endpoint().address();
+  std::string name = host.to_string();
+  if (host.is_unspecified()) {  // every interface: the host's name is what a scraper can use
+    char buf[256] = {};
+    ::gethostname(buf, sizeof buf - 1);
+    name = buf;
+  }
+  return name + ":" + std::to_string(port());
+}
 
 }  // namespace moe::http

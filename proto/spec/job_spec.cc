@@ -20,7 +20,7 @@ void require(bool ok, const std::string& field, const std::string& reason) {
 
 }  // namespace
 
-void fill_defaults(v1::JobSpec& s) {
+v1::JobSpec with_defaults(v1::JobSpec s) {
   if (!s.has_layers()) s.set_layers(1);
   if (!s.has_norm_topk_prob()) s.set_norm_topk_prob(true);
   if (!s.has_routed_scaling_factor()) s.set_routed_scaling_factor(1.0);
@@ -31,6 +31,7 @@ void fill_defaults(v1::JobSpec& s) {
   if (s.mode() == v1::JobSpec::MODE_UNSPECIFIED) s.set_mode(v1::JobSpec::forward);
   if (s.optimizer() == v1::JobSpec::OPTIMIZER_UNSPECIFIED) s.set_optimizer(v1::JobSpec::adam);
   if (s.skew().empty()) s.set_skew("uniform");
+  return s;
 }
 
 void validate(const v1::JobSpec& s, int world_size) {

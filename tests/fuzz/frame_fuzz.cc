@@ -16,7 +16,7 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
         (void)moe::rpc::payload_name(env);
         if (env.has_submit_job()) {
           moe::v1::JobSpec s = env.submit_job().spec();
-          moe::spec::fill_defaults(s);
+          s = moe::spec::with_defaults(s);
           moe::spec::validate(s, 4);
         }
       }
@@ -25,7 +25,7 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   }
   try {
     moe::v1::JobSpec s = moe::spec::spec_from_json(std::string(reinterpret_cast<const char*>(data), size));
-    moe::spec::fill_defaults(s);
+    s = moe::spec::with_defaults(s);
     moe::spec::validate(s, 3);
   } catch (const moe::rpc::RpcError&) {
   }

@@ -214,17 +214,42 @@ TEST(Cluster, TrainJobVerifiesGradientsAndHalvesTheLossByStep20) {
   const v1::ClusterStatus st = c.client().call(status, 10s).cluster_status_reply();
   ASSERT_EQ(st.nodes_size(), 2);
   for (const v1::NodeInfo& n : st.nodes()) {
-    const std::string text = exchange("127.0.0.1", std::stoi(n.metrics_address()),
+    // Registered as HOST:PORT, so a scraper can find it (DESIGN 8).
+    const auto colon = n.metrics_address().rfind(':');
+    ASSERT_NE(colon, std::string::npos) << n.metrics_address();
+    const std::string text = exchange(n.metrics_address().substr(0, colon), std::stoi(n.metrics_address().substr(colon + 1)),
                                       "GET /metrics HTTP/1.0\r\nHost: 127.0.0.1\r\n\r\n");
     EXPECT_NE(text.find("moe_expert_tokens_total{expert=\"0\",layer=\"0\""), std::string::npos) << text;
+    EXPECT_NE(text.find("moe_build_info{backend=\"cpu\",gemm_engine=\""), std::string::npos) << text;
+    // A rank's load is the pairs its experts computed, per layer; over both
+    // layers and every step it equals what the job's result reports.
+    for (int l = 0; l < 2; ++l) {
+      const std::string rank = std::to_string(n.node_index());
+      EXPECT_EQ(series_value(text, "moe_rank_tokens_total{layer=\"" + std::to_string(l) + "\",rank=\"" + rank + "\"}"),
+                r.layer_rank_tokens(l).tokens(n.node_index()))
+          << n.name() << " layer " << l;
+    }
+    EXPECT_GT(series_value(text, "moe_naive_transport_bytes_total{op=\"combine\"}"), 0) << n.name();
     for (const char* direction : {"forward", "backward"}) {
       const std::string d = std::string("direction=\"") + direction + "\"";
       EXPECT_EQ(series_value(text, "moe_dispatch_seconds_count{" + d + "}"), 2 * 21) << n.name() << " " << d;
       EXPECT_EQ(series_value(text, "moe_combine_seconds_count{" + d + "}"), 2 * 21) << n.name() << " " << d;
-      EXPECT_GT(series_value(text, "moe_transport_bytes_total{" + d + ",op=\"dispatch\"}"), 0) << n.name() << " " << d;
-      EXPECT_GT(series_value(text, "moe_transport_bytes_total{" + d + ",op=\"combine\"}"), 0) << n.name() << " " << d;
+      EXPECT_EQ(series_value(text, "moe_expert_compute_seconds_count{" + d + "}"), 2 * 21) << n.name() << " " << d;
+      for (const char* op : {"dispatch", "combine"}) {
+        const std::string labels = d + ",op=\"" + op + "\"}";
+        EXPECT_GT(series_value(text, "moe_transport_bytes_total{" + labels), 0) << n.name() << " " << labels;
+        EXPECT_GT(series_value(text, "moe_transport_received_bytes_total{" + labels), 0) << n.name() << " " << labels;
+      }
     }
   }
+  // The load is (token, expert) pairs: K per token per layer and step in all,
+  // which deduplicated rows are not (DESIGN 7).
+  double pairs = 0;
+  for (double v : r.rank_tokens()) pairs += v;
+  EXPECT_EQ(pairs, 2.0 * 1024 * 4 * 2 * 21) << out;
+  double rows = 0;
+  for (double v : r.rank_received_rows()) rows += v;
+  EXPECT_LT(rows, pairs) << out;
 }
 
 TEST(Cluster, TwoByTwoTrainGradientsEqualOneByOne) {

@@ -212,9 +212,9 @@ RankResult run_rank(const EpCase& c, transport::Communicator& comm, kernels::Bac
     res.grad_w13.insert(res.grad_w13.end(), layer.grad_w13(s), layer.grad_w13(s) + 2 * I * H);
     res.grad_w2.insert(res.grad_w2.end(), layer.grad_w2(s), layer.grad_w2(s) + H * I);
   }
-  res.dispatch_bytes = layer.stats().dispatch_bytes;
-  res.combine_bytes = layer.stats().combine_bytes;
-  res.naive_dispatch_bytes = layer.stats().naive_dispatch_bytes;
+  res.dispatch_bytes = layer.stats().transfer.dispatch_bytes;
+  res.combine_bytes = layer.stats().transfer.combine_bytes;
+  res.naive_dispatch_bytes = layer.stats().transfer.naive_dispatch_bytes;
   return res;
 }
 

@@ -366,7 +366,10 @@ struct OptimizerArgs {
 class Backend {
  public:
   virtual ~Backend() = default;
-  virtual std::string name() const = 0;
+  virtual std::string name() const = 0;  // "cpu", "cuda"
+  // The GEMM engine per storage dtype, e.g. "fp32=openblas bf16=openblas"
+  // (moed's moe_build_info label and registration).
+  virtual std::string gemm_engine() const = 0;
 
   // Memory in the backend's address space.
   virtual void* alloc(size_t bytes) = 0;  // 64-byte aligned; throws on failure

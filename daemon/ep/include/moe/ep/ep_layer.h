@@ -1,24 +1,23 @@
 // One MoE layer across R ranks with expert parallelism (DESIGN 3), one instance per
 // rank, all ranks calling forward/backward together:
 //
-//   router + capacity (local tokens) -> replica choice -> dispatch layout
-//   -> dispatch: counts, then one all-to-all of token rows + metadata (local slots,
-//      weights); a token goes to a rank once however many of its experts live there
-//   -> ExpertStage on the received rows (permute, experts, weighted local combine:
-//      one row back per (source rank, token))
-//   -> combine: the reverse all-to-all, then a per-token sum in rank order.
+//   RouterStage (router + capacity on the local tokens) -> replica choice
+//   -> Dispatcher::dispatch -> ExpertStage on the received rows (permute,
+//      experts, weighted local combine: one row back per (source rank, token))
+//   -> Dispatcher::combine.
 //
-// Backward mirrors it through the same layout (combine^T = dispatch): grad_out goes
-// out like x, grad rows and per-pair routing-weight gradients come back like the
-// combine. The router weight's gradient is summed over ranks; the gradients of an
-// expert's replicas are summed at the primary replica in replica order and sent
-// back, so replicas stay bitwise identical.
+// Backward mirrors it through the forward's dispatch handle (combine_backward,
+// ExpertStage::backward, dispatch_backward, RouterStage::backward). The router
+// weight's gradient is summed over ranks; the gradients of an expert's replicas
+// are summed at the primary replica in replica order and sent back, so replicas
+// stay bitwise identical.
 #pragma once
 
 #include <cstdint>
 #include <memory>
 #include <vector>
 
+#include "moe/ep/dispatcher.h"
 #include "moe/ep/expert_map.h"
 #include "moe/ep/layer_stages.h"
 #include "moe/transport/communicator.h"
@@ -33,18 +32,13 @@ struct EpOptions {
   bool isolate_transport_timing = false;
 };
 
-// Per-step accounting (DESIGN 4) and wall seconds of the last forward/backward.
+// Wall seconds of the last forward/backward by phase, this rank's load, and the
+// dispatcher's bytes and transport seconds.
 struct EpStats {
-  int64_t dispatch_bytes = 0;        // bytes handed to the transport for OTHER ranks
-  int64_t combine_bytes = 0;
-  int64_t naive_dispatch_bytes = 0;  // one row + one slot + one weight per remote pair
-  int64_t received_rows = 0;         // rows this rank's experts processed (N)
-  double router = 0, dispatch = 0, expert = 0, combine = 0, backward = 0;
-  // The all-to-all calls alone (counts excluded), inside dispatch / combine / backward.
-  double dispatch_transport = 0, combine_transport = 0;
-  double backward_dispatch = 0, backward_combine = 0;
-  // Backward: grad_out rows out like x; grad rows + per-pair weight gradients back.
-  int64_t backward_dispatch_bytes = 0, backward_combine_bytes = 0;
+  double router = 0, dispatch = 0, expert = 0, combine = 0;  // forward phases
+  double backward = 0, expert_backward = 0;                  // the whole backward, and its expert part
+  int64_t computed_pairs = 0;  // (token, expert) pairs this rank's experts computed (DESIGN 7 load)
+  DispatchStats transfer;
 };
 
 class EpLayer {
@@ -80,6 +74,7 @@ class EpLayer {
   transport::Deadline deadline() const { return transport::deadline_in(opts_.timeout); }
   void reserve_rows(int64_t recv_rows);
   void reduce_replica_grads();
+  void reduce_replica_grad(int expert, float* acc, float* msg);
 
   MoeLayerConfig cfg_;
   ExpertMap map_;
@@ -87,24 +82,15 @@ class EpLayer {
   kernels::Backend& be_;
   EpOptions opts_;
   RouterStage router_;
+  Dispatcher dispatcher_;
   ExpertStage experts_;
-  size_t row_bytes_;
-
-  // Forward state kept for backward.
+  const DispatchHandle* handle_ = nullptr;  // of the last forward, for backward
   const void* x_ = nullptr;
-  bool has_forward_ = false;
-  std::vector<int64_t> send_counts_, recv_counts_;  // rows per peer
-  std::vector<int64_t> rank_offset_;                // host [R + 1]
-  transport::Segments send_rows_segs_, recv_rows_segs_, send_meta_segs_, recv_meta_segs_;
   int64_t recv_capacity_ = -1;
 
-  kernels::Buffer log2phy_, logcnt_;
-  kernels::Buffer topk_slot_, num_tokens_per_rank_, num_tokens_per_slot_, in_rank_, token_send_row_;
-  kernels::Buffer send_src_token_, send_slot_, send_weight_, send_rows_, back_rows_, back_gw_, layout_ws_;
-  kernels::Buffer recv_rows_, recv_slot_, recv_weight_, combined_, grad_recv_rows_, grad_pair_weight_;
-  kernels::Buffer grad_topk_weight_, grad_x32_;
+  kernels::Buffer log2phy_, logcnt_, topk_slot_;
+  kernels::Buffer combined_, grad_pair_weight_, grad_topk_weight_, grad_x32_;
   std::vector<float> reduce_tmp_;
-  std::vector<int32_t> per_slot_host_;  // pairs per physical slot, for the accounting
   EpStats stats_;
 };
 

@@ -1,9 +1,11 @@
 // moed's Prometheus metrics (DESIGN 8), served on --metrics-port:
-//   moe_expert_tokens_total{layer,expert,rank}, moe_rank_tokens_total{rank},
-//   moe_dispatch_seconds{direction}, moe_combine_seconds{direction},
-//   moe_expert_compute_seconds, moe_transport_bytes_total{op,direction},
-//   moe_naive_transport_bytes_total{op}, moe_step_seconds.
-// Rank threads record into it concurrently.
+//   moe_expert_tokens_total{layer,expert,rank}  pairs routed to each logical expert, by source rank
+//   moe_rank_tokens_total{layer,rank}           pairs each rank's experts computed (its load)
+//   moe_dispatch_seconds / moe_combine_seconds / moe_expert_compute_seconds {direction}
+//   moe_transport_bytes_total{op,direction}, moe_transport_received_bytes_total{op,direction}
+//   moe_naive_transport_bytes_total{op}, moe_step_seconds, moe_build_info{version,backend,gemm_engine}
+// direction = forward | backward, op = dispatch | combine. Rank threads record
+// into it concurrently.
 #pragma once
 
 #include <cstdint>
@@ -13,19 +15,17 @@
 
 namespace moe::metrics {
 
-// What one rank did in one layer of one step.
+// What one rank did in one layer of one step, in one direction. In backward,
+// "dispatch" is the grad_out rows going out (combine^T) and "combine" the grad
+// rows coming back (dispatch^T).
 struct LayerStep {
   int layer = 0;
-  std::vector<int64_t> expert_tokens;  // by logical expert, this rank's kept pairs
-  int64_t rows = 0;                    // rows this rank's experts processed
+  std::vector<int64_t> expert_tokens;  // forward: this rank's kept pairs by logical expert
+  int64_t computed_pairs = 0;          // forward: pairs this rank's experts computed
   double dispatch_seconds = 0, combine_seconds = 0, expert_seconds = 0;
-  int64_t dispatch_bytes = 0, combine_bytes = 0, naive_dispatch_bytes = 0;
-};
-
-// The backward all-to-alls of one rank in one layer of one step.
-struct LayerBackwardStep {
-  double dispatch_seconds = 0, combine_seconds = 0;
-  int64_t dispatch_bytes = 0, combine_bytes = 0;
+  int64_t dispatch_bytes = 0, dispatch_received_bytes = 0;
+  int64_t combine_bytes = 0, combine_received_bytes = 0;
+  int64_t naive_dispatch_bytes = 0, naive_combine_bytes = 0;  // forward
 };
 
 class DaemonMetrics {
@@ -34,8 +34,10 @@ class DaemonMetrics {
   explicit DaemonMetrics(const std::string& listen);
   ~DaemonMetrics();
   int port() const;
-  void record(int rank, const LayerStep& s);
-  void record_backward(int rank, const LayerBackwardStep& s);
+  std::string address() const;  // HOST:PORT a scraper can reach
+  void set_build_info(const std::string& version, const std::string& backend, const std::string& gemm_engine);
+  void record_forward(int rank, const LayerStep& s);
+  void record_backward(int rank, const LayerStep& s);
   void record_step(int rank, double seconds);
 
  private:

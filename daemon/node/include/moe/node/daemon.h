@@ -24,6 +24,8 @@ struct DaemonOptions {
   std::string name;               // stable node name (default: host name + control port)
   int devices = 1;
   std::string backend = "auto";   // auto | cpu | cuda
+  // Makes the ranks' backends; empty: the one --backend names. (Tests pass their own.)
+  BackendFactory make_backend;
   std::string listen = "127.0.0.1:0";
   std::string metrics;            // "" (off), "PORT" or "HOST:PORT"
   int threads = 0;                // cores to use; 0 = all
@@ -31,20 +33,36 @@ struct DaemonOptions {
   std::chrono::milliseconds transport_timeout{30000};
 };
 
+// What --backend resolved to on this machine.
+struct BackendChoice {
+  v1::Backend kind = v1::BACKEND_UNSPECIFIED;
+  std::string name;         // "cpu", "cuda"
+  std::string gemm_engine;  // the backend's GEMM engine per dtype
+  BackendFactory make;
+};
+
+// Resolves auto | cpu | cuda; throws rpc::RpcError(INVALID_ARGUMENT) naming why
+// the backend cannot run here (a CUDA request without a CUDA build or device).
+BackendChoice resolve_backend(const std::string& requested, BackendFactory override_factory = {});
+
 class Daemon {
  public:
   Daemon(rpc::asio::io_context& io, DaemonOptions options);
   ~Daemon();
   // Stops heartbeats, cancels and joins a running job, stops serving.
   void stop();
+  const BackendChoice& backend() const { return backend_; }
+  std::string metrics_address() const;  // "" when off
 
  private:
   rpc::awaitable<v1::Envelope> handle(const v1::Envelope& req, const rpc::RequestContext& ctx);
+  void start_job(const v1::StartJob& start);
   void heartbeat_loop();
   void register_once(rpc::RpcClient& agent);
 
   rpc::asio::io_context& io_;
   DaemonOptions opts_;
+  BackendChoice backend_;
   std::unique_ptr<metrics::DaemonMetrics> metrics_;
   std::unique_ptr<rpc::RpcServer> server_;
   std::mutex mu_;  // guards runner_, node_index_, stopping_

@@ -1,6 +1,7 @@
 // From a JobSpec to the things a rank runs (DESIGN 6): the layer config, the
 // expert map of a placement message, the weights of a layer (synthetic from the
-// seed, or read from a safetensors file), the inputs of a step.
+// seed, or read from a safetensors file), the inputs of a step, the teacher and
+// the optimizer. Specs have their defaults filled (spec::with_defaults).
 #pragma once
 
 #include <string>
@@ -17,6 +18,9 @@ namespace moe::node {
 ep::MoeLayerConfig layer_config(const v1::JobSpec& spec);
 kernels::DType job_dtype(const v1::JobSpec& spec);
 model::LayerShape layer_shape(const v1::JobSpec& spec);
+// The teacher of a train job: the same architecture built from seed + 1.
+v1::JobSpec teacher_of(const v1::JobSpec& spec);
+kernels::OptimizerConfig optimizer_config(const v1::JobSpec& spec);
 ep::ExpertMap expert_map(const v1::PlacementMap& m);
 
 // Weights of `layer` for the experts with needed[e] (the router always). From

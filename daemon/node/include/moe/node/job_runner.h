@@ -1,23 +1,28 @@
-// Runs one job on a daemon's local ranks: a thread per rank, each with its pool,
-// backend, communicator (UCX to other daemons, in-process to its siblings through
-// a LocalHub, bootstrapped through the agent), and a stack of EpLayers. Every step
-// is reported to the agent; at the end each rank reports done (with verify errors)
-// or the error that stopped it. Cancellation is agreed on at step boundaries (an
-// all-reduce of the flag), so every rank stops at the same step.
+// Runs one job on a daemon's local ranks: a thread per rank (RankRun), each with
+// its pool, backend (from the daemon's factory), communicator (UCX to other
+// daemons, in-process to its siblings through a LocalHub, bootstrapped through
+// the agent) and model stack. At the end each rank reports done (with verify
+// errors) or the error that stopped it.
 #pragma once
 
 #include <atomic>
+#include <functional>
 #include <memory>
 #include <mutex>
 #include <string>
 #include <thread>
 #include <vector>
 
+#include "moe/kernels/api.h"
+#include "moe/kernels/thread_pool.h"
 #include "moe/metrics/daemon_metrics.h"
-#include "moe/v1/cluster.pb.h"
 #include "moe/transport/local_hub.h"
+#include "moe/v1/cluster.pb.h"
 
 namespace moe::node {
+
+// Makes one rank's backend on the rank's pool (the pool outlives it).
+using BackendFactory = std::function<std::unique_ptr<kernels::Backend>(kernels::ThreadPool&)>;
 
 struct RunnerEnv {
   std::string agent_address;
@@ -26,6 +31,7 @@ struct RunnerEnv {
   int node_index = 0;
   int devices = 1;
   int threads_per_rank = 1;
+  BackendFactory make_backend;
   metrics::DaemonMetrics* metrics = nullptr;  // may be null
   std::chrono::milliseconds transport_timeout{30000};
 };
@@ -33,7 +39,7 @@ struct RunnerEnv {
 class JobRunner {
  public:
   JobRunner(v1::StartJob job, RunnerEnv env);
-  ~JobRunner();  // waits for the ranks
+  ~JobRunner();  // cancels and waits for the ranks
   const std::string& job_id() const { return job_.job_id(); }
   bool finished() const { return running_.load() == 0; }
   void cancel(const std::string& reason);

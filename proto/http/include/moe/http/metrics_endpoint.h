@@ -27,6 +27,9 @@ class MetricsEndpoint {
   MetricsEndpoint& operator=(const MetricsEndpoint&) = delete;
 
   int port() const;
+  // HOST:PORT a scraper can reach: the bound address, or the host name when
+  // bound to every interface.
+  std::string address() const;
 
  private:
   struct Impl;

@@ -8,9 +8,11 @@
 
 namespace moe::spec {
 
-// Fills every defaulted field (layers 1, norm_topk_prob true, scaling 1, lr 1e-3,
-// skew "uniform", and the enums' first real value).
-void fill_defaults(v1::JobSpec& spec);
+// The spec with every defaulted field filled (layers 1, norm_topk_prob true,
+// scaling 1, lr 1e-3, skew "uniform", and the enums' first real value). The one
+// place JobSpec defaults live: the agent fills them at submit, so daemons read
+// every field as given.
+v1::JobSpec with_defaults(v1::JobSpec spec);
 
 // Throws rpc::RpcError(INVALID_ARGUMENT) with "FIELD: reason". world_size > 0 adds
 // the checks that depend on the cluster (experts divide over the ranks).

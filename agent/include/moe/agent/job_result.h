@@ -1,0 +1,34 @@
+// A job's result (DESIGN 6) from what its ranks reported: a pure function,
+// tested without processes.
+#pragma once
+
+#include <map>
+#include <vector>
+
+#include "moe/v1/cluster.pb.h"
+#include "moe/v1/job.pb.h"
+
+namespace moe::agent {
+
+// What the ranks of one job reported.
+struct JobReports {
+  v1::JobSpec spec;  // defaults filled
+  int world = 0;
+  std::map<int, std::vector<v1::StepStats>> steps;  // step -> by rank (world entries once all reported)
+  std::vector<v1::Verify> verify;                   // by rank
+};
+
+// Fills rec's measured fields: steps_completed, tokens/s, step and phase
+// medians, bytes, loss, expert and rank loads, balancedness and verify. A step
+// counts once every rank reported it. Per step, a phase takes its slowest
+// rank's time; the result takes the median over steps. A rank's load is the
+// (token, expert) pairs its experts computed (DESIGN 7); balancedness is, per
+// layer, mean rank load / max rank load over the job's steps, and the job's
+// figure is the mean over layers. Verify passes only if every rank's did and
+// the job succeeded.
+void fill_result(const JobReports& reports, v1::JobState state, v1::JobResult& rec);
+
+// Mean / max of loads; 0 when every load is 0 or there is none.
+double balancedness_of(const std::vector<double>& loads);
+
+}  // namespace moe::agent

@@ -1,0 +1,73 @@
+// Membership: the nodes that registered, their global ranks, liveness by
+// heartbeat, and which job each node is still busy with. Node i holds global
+// ranks [i x D, (i + 1) x D) for the cluster's D devices per node (DESIGN 1). A
+// node keeps its index by name across restarts. No I/O: the agent feeds it
+// requests and the clock.
+#pragma once
+
+#include <chrono>
+#include <map>
+#include <string>
+#include <vector>
+
+#include "moe/v1/cluster.pb.h"
+
+namespace moe::agent {
+
+using Clock = std::chrono::steady_clock;
+
+struct NodeRecord {
+  std::string name;
+  int index = 0;
+  v1::NodeState state = v1::NODE_STATE_ALIVE;
+  int devices = 0;
+  v1::Backend backend = v1::BACKEND_UNSPECIFIED;
+  std::string control_address, metrics_address;  // HOST:PORT
+  Clock::time_point last_heartbeat;
+  // The job whose ranks on this node have not all reported done: the daemon is
+  // still busy with it even if the agent already recorded its end.
+  std::string busy_job;
+  int busy_ranks = 0;
+};
+
+class Membership {
+ public:
+  explicit Membership(Clock::duration heartbeat_timeout) : heartbeat_timeout_(heartbeat_timeout) {}
+
+  // Registers a node, or re-registers one by name. A new name is refused while a
+  // job runs (job_running). Throws rpc::RpcError naming the field.
+  const NodeRecord& register_node(const v1::RegisterNodeRequest& r, bool job_running, Clock::time_point now);
+  // True when the heartbeat names a live node under its index.
+  bool heartbeat(const v1::HeartbeatRequest& r, Clock::time_point now);
+  // Marks nodes whose last heartbeat is older than the timeout dead (a dead
+  // daemon runs nothing) and returns their indices.
+  std::vector<int> expire(Clock::time_point now);
+
+  // Every node is busy with job_id until each of its ranks reports done.
+  void mark_busy(const std::string& job_id);
+  // A rank reported done; true when its node has no rank left busy.
+  bool rank_done(const std::string& job_id, int rank);
+  // At least one node, every node alive and idle: a job may start.
+  bool ready_for_job() const;
+  bool any_dead() const;
+
+  int world_size() const { return static_cast<int>(nodes_.size()) * devices_per_node_; }
+  int alive_ranks() const;
+  int devices_per_node() const { return devices_per_node_; }
+  int num_nodes() const { return static_cast<int>(nodes_.size()); }
+  const std::vector<NodeRecord>& nodes() const { return nodes_; }
+
+  // "rank 3 (node node1)"; "node node1 (ranks 2-3)".
+  std::string describe_rank(int rank) const;
+  std::string describe_node(const NodeRecord& n) const;
+  // Nodes by state, every state present (for metrics).
+  std::map<v1::NodeState, int> counts() const;
+  void fill_status(v1::ClusterStatus& s, Clock::time_point now) const;
+
+ private:
+  Clock::duration heartbeat_timeout_;
+  std::vector<NodeRecord> nodes_;  // by node index
+  int devices_per_node_ = 0;
+};
+
+}  // namespace moe::agent

@@ -1,0 +1,110 @@
+// The scheduler: the job queue and the job state machine, every transition in
+// one place:
+//
+//   submit -> QUEUED -> (every node alive and idle) RUNNING -> SUCCEEDED
+//                 \                                   \-> FAILED (a rank failed, a node died,
+//                  \-> CANCELLED (cancel)               a start call failed, silence)
+//                                                      \-> CANCELLED (cancel, a daemon stopping)
+//   QUEUED -> FAILED when the job cannot start (spec vs cluster, placement).
+//
+// One job runs at a time, on every rank. No I/O and no clock of its own: the
+// agent passes `now`, and what must reach the daemons goes through
+// SchedulerActions, so the whole machine is unit-tested without processes.
+#pragma once
+
+#include <chrono>
+#include <deque>
+#include <map>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "moe/agent/job_result.h"
+#include "moe/agent/membership.h"
+#include "moe/agent/placement_service.h"
+#include "moe/v1/cluster.pb.h"
+
+namespace moe::agent {
+
+struct SchedulerOptions {
+  // After a job failed, how long to wait for every rank to report before the
+  // failure is recorded anyway (ranks blocked in a transport wait run into its
+  // deadline first).
+  std::chrono::milliseconds failed_job_grace{45000};
+  // A running job from which no rank reported anything (bootstrap, step, done)
+  // for this long is failed: a lost report must not hold the queue forever.
+  std::chrono::milliseconds stale_job_timeout{30 * 60 * 1000};
+};
+
+// What the scheduler needs done outside itself.
+class SchedulerActions {
+ public:
+  virtual ~SchedulerActions() = default;
+  // Ask every node's daemon to start the job.
+  virtual void start_job(const v1::StartJob& start) = 0;
+  // Ask every live node's daemon to stop the job.
+  virtual void cancel_job(const std::string& job_id, const std::string& reason) = 0;
+  // The job reached a final state.
+  virtual void job_ended(const v1::JobResult& result) = 0;
+};
+
+// The job that runs, and what its ranks reported so far.
+struct RunningJob {
+  std::string id;
+  JobReports reports;
+  std::vector<bool> done;  // by rank
+  int done_count = 0;
+  bool failed = false, cancelled = false;
+  bool reason_known = false;  // the cancel's message names its cause
+  std::string message;
+  Clock::time_point failed_at, last_report;
+  bool ending() const { return failed || cancelled; }
+};
+
+class Scheduler {
+ public:
+  Scheduler(SchedulerOptions options, Membership& members, PlacementService& placement, SchedulerActions& actions);
+
+  // Validates the spec (defaults filled) against the cluster and queues it.
+  // Throws rpc::RpcError(INVALID_ARGUMENT) naming the field.
+  const v1::JobResult& submit(v1::JobSpec spec);
+  // Cancels a queued job at once, a running one through its daemons.
+  const v1::JobResult& cancel(const std::string& id, Clock::time_point now);
+  const v1::JobResult& record(const std::string& id) const;  // throws rpc::RpcError(NOT_FOUND)
+  const std::map<std::string, v1::JobResult>& jobs() const { return jobs_; }
+  const RunningJob* running() const { return running_.get(); }
+  int queued() const { return static_cast<int>(queue_.size()); }
+  std::map<v1::JobState, int> counts() const;  // every state present
+  static bool finished(v1::JobState s);
+
+  // Starts the queue's head when every node is alive and idle.
+  void try_start(Clock::time_point now);
+  void on_step(const v1::StepReport& r, Clock::time_point now);
+  // A rank of the job showed it is alive without a step (a bootstrap publish).
+  void on_activity(const std::string& job_id, Clock::time_point now);
+  void on_rank_done(const v1::RankDone& d, Clock::time_point now);
+  void on_start_failed(const std::string& job_id, const std::string& node, const std::string& error,
+                       Clock::time_point now);
+  // A node stopped responding (why names it).
+  void on_node_dead(const std::string& why, Clock::time_point now);
+  // Grace and silence deadlines of the running job.
+  void tick(Clock::time_point now);
+
+ private:
+  bool start(v1::JobResult& rec, Clock::time_point now);
+  void fail_unstarted(v1::JobResult& rec, const std::string& message);
+  void note_cancelled_rank(const v1::RankDone& d, Clock::time_point now);
+  void fail_running(const std::string& message, Clock::time_point now);
+  void finish(v1::JobState state, const std::string& message);
+
+  SchedulerOptions opts_;
+  Membership& members_;
+  PlacementService& placement_;
+  SchedulerActions& actions_;
+  std::map<std::string, v1::JobResult> jobs_;
+  std::deque<std::string> queue_;
+  int64_t next_job_ = 1;
+  std::unique_ptr<RunningJob> running_;
+};
+
+}  // namespace moe::agent

@@ -1,0 +1,141 @@
+#include "moe/agent/job_result.h"
+
+#include <algorithm>
+
+namespace moe::agent {
+namespace {
+
+double median(std::vector<double> v) {
+  if (v.empty()) return 0;
+  std::sort(v.begin(), v.end());
+  return v[v.size() / 2];
+}
+
+// Steps every rank reported, in step order.
+std::vector<const std::vector<v1::StepStats>*> complete_steps(const JobReports& r) {
+  std::vector<const std::vector<v1::StepStats>*> out;
+  for (const auto& [step, by_rank] : r.steps) {
+    if (static_cast<int>(by_rank.size()) < r.world) continue;
+    const bool complete = std::all_of(by_rank.begin(), by_rank.end(), [&](const v1::StepStats& s) {
+      return s.step() == step && s.step_seconds() > 0;
+    });
+    if (complete) out.push_back(&by_rank);
+  }
+  return out;
+}
+
+// Per step, each phase's slowest rank; the result is the median over steps.
+void fill_times(const std::vector<const std::vector<v1::StepStats>*>& steps, int64_t tokens_per_step,
+                v1::JobResult& rec) {
+  std::vector<double> step_time, router, dispatch, expert, combine, backward, optimizer;
+  for (const auto* by_rank : steps) {
+    double t = 0, pr = 0, pd = 0, pe = 0, pc = 0, pb = 0, po = 0;
+    for (const v1::StepStats& s : *by_rank) {
+      const v1::PhaseSeconds& p = s.phase_seconds();
+      t = std::max(t, s.step_seconds());
+      pr = std::max(pr, p.router());
+      pd = std::max(pd, p.dispatch());
+      pe = std::max(pe, p.expert());
+      pc = std::max(pc, p.combine());
+      pb = std::max(pb, p.backward());
+      po = std::max(po, p.optimizer());
+    }
+    step_time.push_back(t);
+    router.push_back(pr);
+    dispatch.push_back(pd);
+    expert.push_back(pe);
+    combine.push_back(pc);
+    backward.push_back(pb);
+    optimizer.push_back(po);
+  }
+  const double p50 = median(step_time);
+  rec.set_steps_completed(static_cast<double>(steps.size()));
+  rec.set_step_seconds_p50(p50);
+  rec.set_tokens_per_second(p50 > 0 ? static_cast<double>(tokens_per_step) / p50 : 0.0);
+  v1::PhaseSeconds* ph = rec.mutable_phase_seconds();
+  ph->set_router(median(router));
+  ph->set_dispatch(median(dispatch));
+  ph->set_expert(median(expert));
+  ph->set_combine(median(combine));
+  ph->set_backward(median(backward));
+  ph->set_optimizer(median(optimizer));
+  // Each step's expert phase is already its slowest rank's.
+  rec.set_slowest_rank_expert_seconds(ph->expert());
+}
+
+// Sums over steps and ranks: bytes, loss per step, received rows, expert tokens
+// per layer, pairs per layer and rank.
+void fill_sums(const std::vector<const std::vector<v1::StepStats>*>& steps, const JobReports& r,
+               v1::JobResult& rec) {
+  const int L = r.spec.layers(), E = r.spec.experts(), W = r.world;
+  std::vector<std::vector<double>> expert_tokens(L, std::vector<double>(E, 0.0));
+  std::vector<std::vector<double>> layer_rank(L, std::vector<double>(W, 0.0));
+  std::vector<double> received(W, 0.0);
+  double dbytes = 0, nbytes = 0, cbytes = 0;
+  for (const auto* by_rank : steps) {
+    double loss = 0;
+    for (int rank = 0; rank < W; ++rank) {
+      const v1::StepStats& s = (*by_rank)[rank];
+      dbytes += s.dispatch_bytes();
+      nbytes += s.naive_dispatch_bytes();
+      cbytes += s.combine_bytes();
+      loss += s.loss();
+      received[rank] += s.received_rows();
+      for (int l = 0; l < std::min(L, s.layer_pairs_size()); ++l) layer_rank[l][rank] += s.layer_pairs(l);
+      for (int l = 0; l < std::min(L, s.expert_tokens_size()); ++l)
+        for (int e = 0; e < std::min(E, s.expert_tokens(l).tokens_size()); ++e)
+          expert_tokens[l][e] += s.expert_tokens(l).tokens(e);
+    }
+    if (r.spec.mode() == v1::JobSpec::train) rec.add_loss(loss);
+  }
+  rec.set_dispatch_bytes(dbytes);
+  rec.set_naive_dispatch_bytes(nbytes);
+  rec.set_combine_bytes(cbytes);
+  for (const auto& layer : expert_tokens) *rec.add_expert_tokens()->mutable_tokens() = {layer.begin(), layer.end()};
+  *rec.mutable_rank_received_rows() = {received.begin(), received.end()};
+  std::vector<double> rank_tokens(W, 0.0);
+  double balance_sum = 0;
+  for (const auto& layer : layer_rank) {
+    *rec.add_layer_rank_tokens()->mutable_tokens() = {layer.begin(), layer.end()};
+    for (int rank = 0; rank < W; ++rank) rank_tokens[rank] += layer[rank];
+    rec.add_layer_balancedness(balancedness_of(layer));
+    balance_sum += rec.layer_balancedness(rec.layer_balancedness_size() - 1);
+  }
+  *rec.mutable_rank_tokens() = {rank_tokens.begin(), rank_tokens.end()};
+  rec.set_balancedness(L > 0 ? balance_sum / L : 0.0);
+}
+
+void fill_verify(const JobReports& r, v1::JobState state, v1::JobResult& rec) {
+  if (!r.spec.verify()) return;
+  v1::Verify v;
+  v.set_passed(state == v1::JOB_STATE_SUCCEEDED);
+  for (const v1::Verify& rv : r.verify) {
+    v.set_max_abs_error(std::max(v.max_abs_error(), rv.max_abs_error()));
+    v.set_max_rel_error(std::max(v.max_rel_error(), rv.max_rel_error()));
+    v.set_passed(v.passed() && rv.passed());
+  }
+  *rec.mutable_verify() = v;
+}
+
+}  // namespace
+
+double balancedness_of(const std::vector<double>& loads) {
+  if (loads.empty()) return 0;
+  const double mx = *std::max_element(loads.begin(), loads.end());
+  double mean = 0;
+  for (double v : loads) mean += v / static_cast<double>(loads.size());
+  return mx > 0 ? mean / mx : 0.0;
+}
+
+void fill_result(const JobReports& r, v1::JobState state, v1::JobResult& rec) {
+  rec.clear_loss();
+  rec.clear_expert_tokens();
+  rec.clear_layer_rank_tokens();
+  rec.clear_layer_balancedness();
+  const auto steps = complete_steps(r);
+  fill_times(steps, r.spec.tokens_per_rank() * r.world, rec);
+  fill_sums(steps, r, rec);
+  fill_verify(r, state, rec);
+}
+
+}  // namespace moe::agent

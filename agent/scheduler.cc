@@ -1,0 +1,228 @@
+#include "moe/agent/scheduler.h"
+
+#include <algorithm>
+
+#include "moe/base/check.h"
+#include "moe/base/clock.h"
+#include "moe/base/log.h"
+#include "moe/rpc/frame.h"
+#include "moe/spec/job_spec.h"
+
+namespace moe::agent {
+
+using rpc::RpcError;
+
+Scheduler::Scheduler(SchedulerOptions options, Membership& members, PlacementService& placement,
+                     SchedulerActions& actions)
+    : opts_(options), members_(members), placement_(placement), actions_(actions) {}
+
+bool Scheduler::finished(v1::JobState s) {
+  return s == v1::JOB_STATE_SUCCEEDED || s == v1::JOB_STATE_FAILED || s == v1::JOB_STATE_CANCELLED;
+}
+
+const v1::JobResult& Scheduler::record(const std::string& id) const {
+  const auto it = jobs_.find(id);
+  if (it == jobs_.end()) throw RpcError(v1::ERROR_CODE_NOT_FOUND, "no job '" + id + "'");
+  return it->second;
+}
+
+std::map<v1::JobState, int> Scheduler::counts() const {
+  std::map<v1::JobState, int> c;
+  for (int s = v1::JOB_STATE_QUEUED; s <= v1::JOB_STATE_CANCELLED; ++s) c[static_cast<v1::JobState>(s)] = 0;
+  for (const auto& [id, j] : jobs_) ++c[j.state()];
+  return c;
+}
+
+const v1::JobResult& Scheduler::submit(v1::JobSpec spec) {
+  spec = spec::with_defaults(std::move(spec));
+  spec::validate(spec, members_.world_size());
+  const std::string id = "job-" + std::to_string(next_job_++);
+  v1::JobResult& rec = jobs_[id];
+  rec.set_job_id(id);
+  rec.set_state(v1::JOB_STATE_QUEUED);
+  *rec.mutable_spec() = spec;
+  rec.set_submitted_unix_ms(unix_ms());
+  queue_.push_back(id);
+  log::info("job ", id, " queued (", spec.experts(), " experts, top-", spec.top_k(), ", ", spec.layers(), " layers, ",
+            spec.steps(), " steps)");
+  return rec;
+}
+
+const v1::JobResult& Scheduler::cancel(const std::string& id, Clock::time_point now) {
+  v1::JobResult& rec = jobs_.at(record(id).job_id());
+  if (rec.state() == v1::JOB_STATE_QUEUED) {
+    queue_.erase(std::remove(queue_.begin(), queue_.end(), id), queue_.end());
+    rec.set_state(v1::JOB_STATE_CANCELLED);
+    rec.set_message("cancelled before it started");
+    rec.set_finished_unix_ms(unix_ms());
+    actions_.job_ended(rec);
+  } else if (rec.state() == v1::JOB_STATE_RUNNING && running_ && !running_->ending()) {
+    running_->cancelled = true;
+    running_->reason_known = true;
+    running_->failed_at = now;
+    running_->message = "cancelled";
+    log::info("job ", id, ": cancelling");
+    actions_.cancel_job(id, "cancelled by request");
+  }
+  return rec;
+}
+
+void Scheduler::try_start(Clock::time_point now) {
+  while (!running_ && !queue_.empty() && members_.ready_for_job()) {
+    v1::JobResult& rec = jobs_.at(queue_.front());
+    queue_.pop_front();
+    if (start(rec, now)) return;
+  }
+}
+
+// QUEUED -> RUNNING, or -> FAILED when the cluster cannot run the spec.
+bool Scheduler::start(v1::JobResult& rec, Clock::time_point now) {
+  const int world = members_.world_size();
+  v1::StartJob msg;
+  try {
+    spec::validate(rec.spec(), world);
+    for (const auto& m : placement_.maps_for_job(rec.spec(), world, members_.num_nodes())) *msg.add_maps() = m;
+  } catch (const RpcError& e) {
+    fail_unstarted(rec, e.what());
+    return false;
+  } catch (const moe::Error& e) {
+    fail_unstarted(rec, std::string("placement: ") + e.what());
+    return false;
+  }
+  running_ = std::make_unique<RunningJob>();
+  running_->id = rec.job_id();
+  running_->reports.spec = rec.spec();
+  running_->reports.world = world;
+  running_->reports.verify.assign(world, {});
+  running_->done.assign(world, false);
+  running_->last_report = now;
+  rec.set_state(v1::JOB_STATE_RUNNING);
+  members_.mark_busy(rec.job_id());
+  log::info("job ", rec.job_id(), " starting on ", world, " ranks (", members_.num_nodes(), " nodes), placement epoch ",
+            placement_.epoch());
+  msg.set_job_id(rec.job_id());
+  *msg.mutable_spec() = rec.spec();
+  msg.set_world_size(world);
+  msg.set_devices_per_node(members_.devices_per_node());
+  actions_.start_job(msg);
+  return true;
+}
+
+void Scheduler::fail_unstarted(v1::JobResult& rec, const std::string& message) {
+  rec.set_state(v1::JOB_STATE_FAILED);
+  rec.set_message(message);
+  rec.set_finished_unix_ms(unix_ms());
+  log::warn("job ", rec.job_id(), " cannot start: ", message);
+  actions_.job_ended(rec);
+}
+
+void Scheduler::on_step(const v1::StepReport& r, Clock::time_point now) {
+  if (!running_ || running_->id != r.job_id() || r.rank() < 0 || r.rank() >= running_->reports.world) return;
+  auto& by_rank = running_->reports.steps[r.stats().step()];
+  by_rank.resize(running_->reports.world);
+  by_rank[r.rank()] = r.stats();
+  running_->last_report = now;
+  const bool all = std::all_of(by_rank.begin(), by_rank.end(), [](const v1::StepStats& s) { return s.step_seconds() > 0; });
+  if (all) {  // progress shows in `job status` while it runs
+    v1::JobResult& rec = jobs_.at(r.job_id());
+    rec.set_steps_completed(std::max(rec.steps_completed(), static_cast<double>(r.stats().step() + 1)));
+  }
+}
+
+void Scheduler::on_activity(const std::string& job_id, Clock::time_point now) {
+  if (running_ && running_->id == job_id) running_->last_report = now;
+}
+
+// A rank stopped because the job was cancelled. The reason is the one from the
+// rank whose daemon was asked, whichever rank's report arrives first.
+void Scheduler::note_cancelled_rank(const v1::RankDone& d, Clock::time_point now) {
+  RunningJob& job = *running_;
+  if (job.failed || (job.cancelled && (!d.cancel_requested_here() || job.reason_known))) return;
+  if (!job.cancelled) job.failed_at = now;
+  job.cancelled = true;
+  job.reason_known = d.cancel_requested_here();
+  job.message = members_.describe_rank(d.rank()) + ": " + d.message();
+}
+
+void Scheduler::on_rank_done(const v1::RankDone& d, Clock::time_point now) {
+  if (!running_ || running_->id != d.job_id() || d.rank() < 0 || d.rank() >= running_->reports.world) return;
+  RunningJob& job = *running_;
+  if (!job.done[d.rank()]) {
+    job.done[d.rank()] = true;
+    ++job.done_count;
+  }
+  job.reports.verify[d.rank()] = d.verify();
+  job.last_report = now;
+  if (!d.ok() && d.cancelled()) note_cancelled_rank(d, now);
+  if (!d.ok() && !d.cancelled() && !job.ending()) {
+    log::warn("job ", job.id, ": ", members_.describe_rank(d.rank()), " failed: ", d.message());
+    // Name the rank (and node) the error blames when the reporter knows it.
+    if (d.has_failed_peer() && d.failed_peer() >= 0 && d.failed_peer() != d.rank())
+      fail_running(members_.describe_rank(d.failed_peer()) + " failed (reported by " +
+                       members_.describe_rank(d.rank()) + "): " + d.message(),
+                   now);
+    else
+      fail_running(members_.describe_rank(d.rank()) + ": " + d.message(), now);
+    return;
+  }
+  if (job.done_count < job.reports.world) return;
+  if (job.cancelled) finish(v1::JOB_STATE_CANCELLED, job.message);
+  else if (job.failed) finish(v1::JOB_STATE_FAILED, job.message);
+  else finish(v1::JOB_STATE_SUCCEEDED, "");
+}
+
+void Scheduler::on_start_failed(const std::string& job_id, const std::string& node, const std::string& error,
+                                Clock::time_point now) {
+  if (running_ && running_->id == job_id && !running_->failed)
+    fail_running("cannot start on node " + node + ": " + error, now);
+}
+
+void Scheduler::on_node_dead(const std::string& why, Clock::time_point now) {
+  if (!running_) return;
+  if (!running_->ending()) fail_running(why, now);
+  else finish(v1::JOB_STATE_FAILED, running_->message + "; " + why);  // it will never report
+}
+
+void Scheduler::tick(Clock::time_point now) {
+  if (!running_) return;
+  if (running_->ending() && now - running_->failed_at > opts_.failed_job_grace)
+    finish(running_->failed ? v1::JOB_STATE_FAILED : v1::JOB_STATE_CANCELLED,
+           running_->message + " (not every rank reported back)");
+  else if (!running_->ending() && now - running_->last_report > opts_.stale_job_timeout)
+    fail_running("no rank reported for " +
+                     std::to_string(std::chrono::duration_cast<std::chrono::seconds>(opts_.stale_job_timeout).count()) +
+                     " s",
+                 now);
+}
+
+// RUNNING -> failing: the daemons are told to stop; the job ends when every rank
+// reported, at once if a node is dead (it never will), or after the grace.
+void Scheduler::fail_running(const std::string& message, Clock::time_point now) {
+  if (!running_) return;
+  running_->failed = true;
+  running_->failed_at = now;
+  running_->message = message;
+  actions_.cancel_job(running_->id, message);
+  if (members_.any_dead() || running_->done_count == running_->reports.world) finish(v1::JOB_STATE_FAILED, message);
+}
+
+// RUNNING -> a final state, with the result built from the step reports.
+void Scheduler::finish(v1::JobState state, const std::string& message) {
+  const std::unique_ptr<RunningJob> job = std::move(running_);
+  v1::JobResult& rec = jobs_.at(job->id);
+  rec.set_state(state);
+  rec.set_message(message);
+  rec.set_finished_unix_ms(unix_ms());
+  rec.set_placement_epoch(static_cast<double>(placement_.epoch()));
+  fill_result(job->reports, state, rec);
+  if (rec.steps_completed() > 0) {
+    std::vector<std::vector<double>> loads;
+    for (const auto& layer : rec.expert_tokens()) loads.emplace_back(layer.tokens().begin(), layer.tokens().end());
+    placement_.record_loads(std::move(loads));
+  }
+  log::info("job ", job->id, " ", v1::JobState_Name(state), message.empty() ? "" : ": " + message, " (",
+            rec.steps_completed(), " steps, ", static_cast<int64_t>(rec.tokens_per_second()), " tokens/s)");
+  actions_.job_ended(rec);
+}
+
+}  // namespace moe::agent

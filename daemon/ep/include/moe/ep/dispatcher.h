@@ -1,0 +1,129 @@
+// Dispatch and combine (DESIGN 3 steps 4-5, 8-9) across the ranks of a
+// Communicator: a paired operation with a handle, as DeepEP's dispatch/combine
+// and Megatron's token dispatcher are.
+//
+//   dispatch(x, topk_slot, topk_weight) -> handle: the rows this rank received,
+//       each with its local expert slots and routing weights. A token goes to a
+//       rank ONCE however many of its experts live there (seed 003).
+//   combine(handle, y, out): each received row's result goes back to its source,
+//       which sums a token's rows in rank order.
+// Backward reuses the forward's handle (seed 000): combine^T = dispatch, so
+//   combine_backward(handle, grad_out) sends grad_out rows where x rows went;
+//   dispatch_backward(handle, grad_rows, grad_pair_weight) brings the grad rows
+//       and per-pair routing-weight gradients back like a combine.
+//
+// Wire sizes (DESIGN 4's accounting counts bytes for OTHER ranks only):
+//   a dispatched row  = row_bytes + K x (int32 slot + fp32 weight)
+//   a combined row    = row_bytes
+//   a backward row    = row_bytes (+ K fp32 weight gradients on the way back)
+//   the naive scheme  = one row + one slot + one weight per (token, expert) pair
+#pragma once
+
+#include <cstdint>
+#include <vector>
+
+#include "moe/ep/expert_map.h"
+#include "moe/kernels/api.h"
+#include "moe/kernels/buffer.h"
+#include "moe/transport/communicator.h"
+
+namespace moe::ep {
+
+using kernels::DType;
+
+struct DispatcherOptions {
+  std::chrono::milliseconds timeout{30000};  // deadline of every transport wait
+  // Benchmarks: a barrier before each timed all-to-all, so transport times do not
+  // include waiting for a slower rank's compute. Off in production.
+  bool isolate_transport_timing = false;
+};
+
+struct DispatcherConfig {
+  int hidden = 0;
+  int top_k = 0;
+  DType dtype = DType::kF32;
+  int64_t max_tokens = 0;  // per rank
+  int num_ranks = 0;
+  int slots_per_rank = 0;
+  bool train = false;  // keep what the backward pair needs
+};
+
+// Bytes and seconds of the last dispatch/combine pair (forward) and of its
+// backward pair. Bytes count what this rank hands to (sent) or takes from
+// (received) the transport for other ranks.
+struct DispatchStats {
+  int64_t received_rows = 0;  // N: rows this rank received, its own included
+  int64_t dispatch_bytes = 0, dispatch_received_bytes = 0;
+  int64_t combine_bytes = 0, combine_received_bytes = 0;
+  int64_t naive_dispatch_bytes = 0, naive_combine_bytes = 0;
+  double dispatch_transport = 0, combine_transport = 0;  // the all-to-alls alone
+  int64_t backward_dispatch_bytes = 0, backward_dispatch_received_bytes = 0;
+  int64_t backward_combine_bytes = 0, backward_combine_received_bytes = 0;
+  double backward_dispatch_transport = 0, backward_combine_transport = 0;
+};
+
+class Dispatcher;
+
+// What dispatch leaves for combine and the backward pair. Owned by its
+// Dispatcher and valid until the next dispatch.
+class DispatchHandle {
+ public:
+  int64_t num_tokens() const { return num_tokens_; }
+  int64_t num_recv_rows() const { return num_recv_rows_; }
+  const void* recv_rows() const { return recv_rows_.get(); }                 // [N, H] dtype
+  const int32_t* recv_slot() const { return recv_slot_.as<int32_t>(); }     // [N, K] local slot or -1
+  const float* recv_weight() const { return recv_weight_.as<float>(); }     // [N, K]
+
+ private:
+  friend class Dispatcher;
+  int64_t num_tokens_ = 0, num_recv_rows_ = 0, recv_capacity_ = -1;
+  const int32_t* topk_slot_ = nullptr;             // [T, K], the caller's
+  std::vector<int64_t> send_counts_, recv_counts_;  // rows per peer
+  std::vector<int64_t> rank_offset_;                // [R + 1] host
+  transport::Segments send_rows_, recv_rows_segs_, send_meta_, recv_meta_;
+  kernels::Buffer token_send_row_, send_src_token_;  // the layout, [T, R] and [rows]
+  kernels::Buffer recv_rows_, recv_slot_, recv_weight_;
+};
+
+class Dispatcher {
+ public:
+  Dispatcher(const DispatcherConfig& cfg, transport::Communicator& comm, kernels::Backend& be,
+             const DispatcherOptions& options = {});
+
+  // x [T, H] dtype; topk_slot [T, K] physical slots or -1 (select_replicas);
+  // topk_weight [T, K]. topk_slot must stay valid until dispatch_backward.
+  const DispatchHandle& dispatch(const void* x, int64_t T, const int32_t* topk_slot, const float* topk_weight);
+  // y [N, H] dtype, one row per received row -> out [T, H] dtype.
+  void combine(const DispatchHandle& h, const void* y, void* out);
+  // grad_out [T, H] dtype -> the grad rows [N, H] dtype each receiver gets.
+  const void* combine_backward(const DispatchHandle& h, const void* grad_out);
+  // grad_rows [N, H] dtype, grad_pair_weight [N, K] -> grad_x32 [T, H] (=, rank
+  // order) and grad_topk_weight [T, K] at the source.
+  void dispatch_backward(const DispatchHandle& h, const void* grad_rows, const float* grad_pair_weight,
+                         float* grad_x32, float* grad_topk_weight);
+
+  const DispatchStats& stats() const { return stats_; }
+  size_t row_bytes() const { return row_bytes_; }
+  size_t meta_bytes_per_row() const { return meta_bytes_; }
+
+ private:
+  transport::Deadline deadline() const { return transport::deadline_in(opts_.timeout); }
+  void build_layout(const void* x, int64_t T, const float* topk_weight);
+  void exchange(int64_t T);
+  void count_bytes();
+  void reserve(int64_t rows);
+  void check(const DispatchHandle& h) const;
+
+  DispatcherConfig cfg_;
+  transport::Communicator& comm_;
+  kernels::Backend& be_;
+  DispatcherOptions opts_;
+  const size_t row_bytes_, meta_bytes_;
+  DispatchHandle h_;
+  kernels::Buffer num_tokens_per_rank_, num_tokens_per_slot_, in_rank_, layout_ws_;
+  kernels::Buffer send_slot_, send_weight_, send_rows_, back_rows_, back_gw_, grad_recv_rows_;
+  std::vector<int32_t> per_slot_host_;  // pairs per physical slot, for the naive figures
+  DispatchStats stats_;
+};
+
+}  // namespace moe::ep

@@ -1,0 +1,54 @@
+#include "moe/node/dump.h"
+
+#include <filesystem>
+
+#include "moe/base/file.h"
+#include "moe/ep/reference.h"
+#include "moe/io/layer_io.h"
+#include "moe/node/job_model.h"
+#include "moe/spec/job_spec.h"
+
+namespace moe::node {
+
+void dump_step(const v1::JobSpec& spec, const ModelStack& stack, int rank) {
+  std::filesystem::create_directories(spec.dump_dir());
+  const LayerSnapshot& s = stack.snapshot(0);
+  const ep::ExpertMap& map = stack.map(0);
+  const ep::EpLayer& layer = stack.layer(0);
+  io::LayerDump d;
+  d.dtype = job_dtype(spec);
+  d.shape = layer_shape(spec);
+  d.top_k = spec.top_k();
+  d.num_tokens = spec.tokens_per_rank();
+  d.x = s.x.data();
+  d.out = s.out.data();
+  d.topk_idx = s.kept_idx.data();
+  d.topk_weight = s.topk_weight.data();
+  const std::vector<bool> mine = map.hosted(rank);
+  for (int e = 0; e < spec.experts(); ++e)
+    if (mine[e]) d.experts.push_back(e);
+  const model::LayerWeights w = ep::weights_as_used(layer_weights(spec, 0, mine), d.dtype);
+  d.weights = &w;
+  // Expert gradients indexed by logical expert, from this rank's slots.
+  std::vector<float> g13, g2;
+  if (spec.mode() == v1::JobSpec::train) {
+    const size_t H = spec.hidden(), I = spec.ffn_hidden(), n13 = 2 * I * H, n2 = H * I;
+    g13.assign(spec.experts() * n13, 0.0f);
+    g2.assign(spec.experts() * n2, 0.0f);
+    for (int slot = 0; slot < map.slots_per_rank; ++slot) {
+      const int e = map.expert_at(rank, slot);
+      if (e < 0) continue;
+      std::copy_n(layer.grad_w13(slot), n13, g13.begin() + e * n13);
+      std::copy_n(layer.grad_w2(slot), n2, g2.begin() + e * n2);
+    }
+    d.grad_out = s.grad_out.data();
+    d.grad_x = s.grad_x.data();
+    d.grad_gate = layer.grad_gate();
+    d.grad_w13 = g13.data();
+    d.grad_w2 = g2.data();
+  }
+  io::write_layer_dump(spec.dump_dir() + "/rank" + std::to_string(rank) + ".safetensors", d);
+  if (rank == 0) write_file_atomically(spec.dump_dir() + "/spec.json", spec::to_json(spec));
+}
+
+}  // namespace moe::node

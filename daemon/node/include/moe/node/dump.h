@@ -1,0 +1,14 @@
+// The dump (DESIGN 6): rank{r}.safetensors of layer 0 at the covered step, and
+// spec.json from rank 0.
+#pragma once
+
+#include "moe/node/model_stack.h"
+#include "moe/v1/job.pb.h"
+
+namespace moe::node {
+
+// Writes spec.dump_dir/rank{rank}.safetensors (and spec.json on rank 0).
+// Throws moe::Error naming the file when it cannot be written.
+void dump_step(const v1::JobSpec& spec, const ModelStack& stack, int rank);
+
+}  // namespace moe::node

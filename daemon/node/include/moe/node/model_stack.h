@@ -1,0 +1,66 @@
+// The model a job runs on one rank (DESIGN 6): a stack of MoE layers,
+// x_{l+1} = x_l + moe_l(x_l); in train mode also the teacher (the same
+// architecture built from seed + 1), the loss L = sum ||y - y_teacher||^2 /
+// (T_global x H) and the backward through the residual stack,
+// dL/dx_l = g + moe_l^T(g) with g = dL/dx_{l+1}, then the optimizer step.
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <vector>
+
+#include "moe/ep/ep_layer.h"
+#include "moe/node/step_report.h"
+#include "moe/v1/job.pb.h"
+
+namespace moe::node {
+
+// What one layer saw at the step verify and the dump cover.
+struct LayerSnapshot {
+  std::vector<uint8_t> x, out;  // [T, H] dtype; out before the residual add
+  std::vector<int32_t> topk_idx, kept_idx;
+  std::vector<float> topk_weight;
+  std::vector<uint8_t> grad_out, grad_x;  // train: the gradient reaching out, and the MoE path's grad_x
+};
+
+class ModelStack {
+ public:
+  // spec: defaults filled. maps: one per layer. The stack builds its layers' and
+  // the teacher's weights for the experts this rank hosts.
+  ModelStack(const v1::JobSpec& spec, const std::vector<ep::ExpertMap>& maps, int rank, int world,
+             transport::Communicator& comm, kernels::Backend& be, std::chrono::milliseconds timeout);
+
+  // The forward of `step` on this rank's tokens; with capture, every layer's
+  // snapshot is kept.
+  void forward(int step, StepReport& report, bool capture);
+  // Train mode, after forward: the teacher's targets, the loss (this rank's
+  // share) and the backward through the stack.
+  void backward(StepReport& report, bool capture);
+  // One optimizer step (1-based: step + 1) on every layer.
+  void optimize(int step, StepReport& report);
+
+  int num_layers() const { return static_cast<int>(layers_.size()); }
+  const ep::EpLayer& layer(int l) const { return *layers_[l]; }
+  const ep::ExpertMap& map(int l) const { return maps_[l]; }
+  const LayerSnapshot& snapshot(int l) const { return snaps_[l]; }
+
+ private:
+  int64_t token_begin() const { return static_cast<int64_t>(rank_) * T_; }
+
+  const v1::JobSpec& spec_;
+  const std::vector<ep::ExpertMap> maps_;
+  const int rank_, world_;
+  const int64_t T_;
+  const int H_;
+  const kernels::DType dt_;
+  std::vector<std::unique_ptr<ep::EpLayer>> layers_, teacher_;
+  std::vector<std::vector<uint8_t>> xs_;  // xs_[l]: input of layer l; xs_[L]: the stack's output
+  std::vector<uint8_t> out_, grad_, grad_x_;
+  std::vector<LayerSnapshot> snaps_;
+  kernels::OptimizerConfig opt_;
+};
+
+// a <- a + b element-wise in fp32, stored in dtype (n elements).
+void add_into(std::vector<uint8_t>& a, const std::vector<uint8_t>& b, size_t n, kernels::DType dtype);
+
+}  // namespace moe::node

@@ -1,0 +1,58 @@
+// One rank of one job: its pool, backend, communicator and model stack, and the
+// step loop. Cancellation is agreed on at step boundaries (an all-reduce of the
+// flag), so every rank stops before the same step. Every step is reported to the
+// agent; the step DESIGN 6 names (step 0) is verified and dumped when asked.
+#pragma once
+
+#include <functional>
+#include <memory>
+
+#include "moe/node/job_runner.h"
+#include "moe/node/model_stack.h"
+#include "moe/rpc/rpc.h"
+#include "moe/transport/ucx_communicator.h"
+
+namespace moe::node {
+
+// The transport bootstrap through the agent: publish our bytes, get everyone's.
+class AgentBootstrap final : public transport::Bootstrap {
+ public:
+  AgentBootstrap(rpc::RpcClient& agent, std::string job_id, int rank)
+      : agent_(agent), job_id_(std::move(job_id)), rank_(rank) {}
+  std::vector<std::string> all_gather(const std::string& mine) override;
+
+ private:
+  rpc::RpcClient& agent_;
+  std::string job_id_;
+  int rank_;
+};
+
+class RankRun {
+ public:
+  RankRun(const v1::StartJob& job, const RunnerEnv& env, int rank, std::shared_ptr<transport::LocalHub> hub,
+          rpc::RpcClient& agent);
+
+  // Runs the steps until done or a cancel agreed by every rank; returns the
+  // number of steps completed.
+  int run(const std::function<bool()>& cancel_requested);
+  const v1::Verify& verification() const { return verify_; }
+
+ private:
+  transport::Deadline deadline() const { return transport::deadline_in(env_.transport_timeout); }
+  bool agree_to_stop(bool requested);
+  void run_step(int step);
+
+  const v1::StartJob& job_;
+  const v1::JobSpec& spec_;
+  const RunnerEnv& env_;
+  const int rank_;
+  kernels::ThreadPool pool_;
+  std::unique_ptr<kernels::Backend> backend_;
+  AgentBootstrap boot_;
+  transport::UcxCommunicator comm_;
+  rpc::RpcClient& agent_;
+  ModelStack stack_;
+  v1::Verify verify_;
+};
+
+}  // namespace moe::node

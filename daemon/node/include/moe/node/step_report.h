@@ -1,0 +1,36 @@
+// One rank's figures of one step, in one place: the layers' stats go into the
+// StepStats proto the agent aggregates and into the daemon's Prometheus metrics.
+#pragma once
+
+#include <vector>
+
+#include "moe/ep/ep_layer.h"
+#include "moe/metrics/daemon_metrics.h"
+#include "moe/v1/cluster.pb.h"
+
+namespace moe::node {
+
+class StepReport {
+ public:
+  StepReport(int step, int num_experts);
+
+  // After layer l's forward on T tokens with top-k K.
+  void add_forward(int layer, const ep::EpLayer& l, int64_t T, int K);
+  // After layer l's backward.
+  void add_backward(int layer, const ep::EpLayer& l);
+  void set_loss(double loss) { stats_.set_loss(loss); }
+  void set_backward_seconds(double s) { stats_.mutable_phase_seconds()->set_backward(s); }
+  void set_optimizer_seconds(double s) { stats_.mutable_phase_seconds()->set_optimizer(s); }
+  void set_step_seconds(double s) { stats_.set_step_seconds(s); }
+
+  const v1::StepStats& stats() const { return stats_; }
+  // Records the step in the daemon's metrics (m may be null).
+  void record(metrics::DaemonMetrics* m, int rank) const;
+
+ private:
+  int num_experts_;
+  v1::StepStats stats_;
+  std::vector<metrics::LayerStep> forward_, backward_;
+};
+
+}  // namespace moe::node

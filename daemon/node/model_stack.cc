@@ -1,0 +1,114 @@
+#include "moe/node/model_stack.h"
+
+#include "moe/base/clock.h"
+#include "moe/node/job_model.h"
+
+namespace moe::node {
+
+using kernels::DType;
+
+void add_into(std::vector<uint8_t>& a, const std::vector<uint8_t>& b, size_t n, DType t) {
+  if (t == DType::kF32) {
+    auto* x = reinterpret_cast<float*>(a.data());
+    const auto* y = reinterpret_cast<const float*>(b.data());
+    for (size_t i = 0; i < n; ++i) x[i] += y[i];
+  } else {
+    auto* x = reinterpret_cast<kernels::bf16_t*>(a.data());
+    const auto* y = reinterpret_cast<const kernels::bf16_t*>(b.data());
+    for (size_t i = 0; i < n; ++i) x[i] = kernels::f32_to_bf16(kernels::bf16_to_f32(x[i]) + kernels::bf16_to_f32(y[i]));
+  }
+}
+
+ModelStack::ModelStack(const v1::JobSpec& spec, const std::vector<ep::ExpertMap>& maps, int rank, int world,
+                       transport::Communicator& comm, kernels::Backend& be, std::chrono::milliseconds timeout)
+    : spec_(spec),
+      maps_(maps),
+      rank_(rank),
+      world_(world),
+      T_(spec.tokens_per_rank()),
+      H_(spec.hidden()),
+      dt_(job_dtype(spec)) {
+  const int L = spec.layers();
+  MOE_CHECK(static_cast<int>(maps.size()) == L, "start: ", maps.size(), " placement maps for ", L, " layers");
+  const bool train = spec.mode() == v1::JobSpec::train;
+  const ep::MoeLayerConfig cfg = layer_config(spec);
+  ep::MoeLayerConfig teacher_cfg = cfg;
+  teacher_cfg.train = false;
+  const v1::JobSpec teacher_spec = teacher_of(spec);
+  for (int l = 0; l < L; ++l) {
+    const ep::EpOptions eo{.timeout = timeout, .tag_base = static_cast<uint32_t>(l) << 24};
+    const std::vector<bool> needed = maps_[l].hosted(rank_);
+    layers_.push_back(std::make_unique<ep::EpLayer>(cfg, maps_[l], comm, be, eo));
+    layers_.back()->set_weights(layer_weights(spec, l, needed));
+    if (!train) continue;
+    teacher_.push_back(std::make_unique<ep::EpLayer>(teacher_cfg, maps_[l], comm, be, eo));
+    teacher_.back()->set_weights(layer_weights(teacher_spec, l, needed));
+  }
+  const size_t bytes = T_ * H_ * kernels::dtype_size(dt_) + 1;
+  xs_.assign(L + 1, std::vector<uint8_t>(bytes));
+  out_.resize(bytes);
+  grad_.resize(bytes);
+  grad_x_.resize(bytes);
+  snaps_.resize(L);
+  opt_ = optimizer_config(spec);
+}
+
+void ModelStack::forward(int step, StepReport& report, bool capture) {
+  const int K = spec_.top_k();
+  xs_[0] = model::to_storage(step_inputs(spec_, rank_, step), dt_);
+  for (int l = 0; l < num_layers(); ++l) {
+    ep::EpLayer& layer = *layers_[l];
+    layer.forward(xs_[l].data(), T_, token_begin(), out_.data());
+    report.add_forward(l, layer, T_, K);
+    if (capture) {
+      LayerSnapshot& s = snaps_[l];
+      s.x = xs_[l];
+      s.out = out_;
+      s.topk_idx.assign(layer.topk_idx(), layer.topk_idx() + T_ * K);
+      s.kept_idx.assign(layer.kept_idx(), layer.kept_idx() + T_ * K);
+      s.topk_weight.assign(layer.topk_weight(), layer.topk_weight() + T_ * K);
+    }
+    xs_[l + 1] = xs_[l];
+    add_into(xs_[l + 1], out_, T_ * H_, dt_);
+  }
+}
+
+void ModelStack::backward(StepReport& report, bool capture) {
+  const size_t n = T_ * H_;
+  std::vector<uint8_t> xt = xs_[0];
+  for (auto& teacher : teacher_) {
+    teacher->forward(xt.data(), T_, token_begin(), out_.data());
+    add_into(xt, out_, n, dt_);
+  }
+  const std::vector<float> y = model::from_storage(xs_.back().data(), n, dt_);
+  const std::vector<float> yt = model::from_storage(xt.data(), n, dt_);
+  const double norm = static_cast<double>(T_) * world_ * H_;
+  double loss = 0;
+  std::vector<float> g(n);
+  for (size_t i = 0; i < n; ++i) {
+    const double d = static_cast<double>(y[i]) - yt[i];
+    loss += d * d;
+    g[i] = static_cast<float>(2.0 * d / norm);
+  }
+  report.set_loss(loss / norm);
+  const double t0 = now_seconds();
+  grad_ = model::to_storage(g, dt_);
+  for (int l = num_layers() - 1; l >= 0; --l) {
+    layers_[l]->backward(grad_.data(), grad_x_.data());
+    report.add_backward(l, *layers_[l]);
+    if (capture) {
+      snaps_[l].grad_out = grad_;
+      snaps_[l].grad_x = grad_x_;
+    }
+    add_into(grad_, grad_x_, n, dt_);
+  }
+  report.set_backward_seconds(now_seconds() - t0);
+}
+
+void ModelStack::optimize(int step, StepReport& report) {
+  const double t0 = now_seconds();
+  for (auto& layer : layers_) layer->optimizer_step(opt_, step + 1);
+  report.set_optimizer_seconds(now_seconds() - t0);
+}
+
+}  // namespace moe::node

@@ -1,0 +1,114 @@
+#include "moe/node/verify.h"
+
+#include <algorithm>
+#include <cmath>
+
+#include "moe/ep/reference.h"
+#include "moe/node/job_model.h"
+
+namespace moe::node {
+namespace {
+
+using kernels::DType;
+
+// Folds |got - want| over a tensor into v: max_abs, and max_rel relative to the
+// tensor's scale (max |want|).
+template <typename Got>
+void compare(v1::Verify& v, const Got& got, const std::vector<double>& want) {
+  double max_abs = 0, scale = 0;
+  for (size_t i = 0; i < want.size(); ++i) {
+    const double d = std::fabs(static_cast<double>(got[i]) - want[i]);
+    max_abs = std::isnan(d) ? INFINITY : std::max(max_abs, d);
+    scale = std::max(scale, std::fabs(want[i]));
+  }
+  v.set_max_abs_error(std::max(v.max_abs_error(), max_abs));
+  v.set_max_rel_error(std::max(v.max_rel_error(), scale > 0 ? max_abs / scale : max_abs));
+}
+
+void fold(v1::Verify& into, const v1::Verify& v) {
+  into.set_max_abs_error(std::max(into.max_abs_error(), v.max_abs_error()));
+  into.set_max_rel_error(std::max(into.max_rel_error(), v.max_rel_error()));
+}
+
+std::vector<double> to_double(const std::vector<float>& v) { return {v.begin(), v.end()}; }
+
+// What one layer's check needs.
+struct LayerCase {
+  const v1::JobSpec& spec;
+  const ModelStack& stack;
+  int layer, rank;
+  ref::Config rc;
+  ref::Weights rw;
+  std::vector<double> x;
+};
+
+// The reference's own selection must agree except at near-ties fp32 cannot
+// break; the numbers are then compared on our selection. Returns the forward.
+ref::Forward check_forward(const LayerCase& c, v1::Verify& lv, bool& ok) {
+  const LayerSnapshot& s = c.stack.snapshot(c.layer);
+  const int64_t T = c.spec.tokens_per_rank();
+  const int K = c.spec.top_k();
+  const ref::Forward own = ref::forward(c.rc, c.rw, c.x, T);
+  for (int64_t t = 0; t < T; ++t) {
+    if (own.selection_margin[t] <= 1e-5) continue;
+    for (int k = 0; k < K; ++k) ok &= own.topk_idx[t * K + k] == s.topk_idx[t * K + k];
+  }
+  ref::Forward f = ref::forward(c.rc, c.rw, c.x, T, {s.topk_idx.data(), {}});
+  ok &= f.kept_idx == s.kept_idx;
+  compare(lv, model::from_storage(s.out.data(), T * c.spec.hidden(), job_dtype(c.spec)), f.out);
+  return f;
+}
+
+// grad_x on our tokens into lv; the weight gradients, all-reduced, into gv.
+void check_backward(const LayerCase& c, const ref::Forward& f, transport::Communicator& comm,
+                    transport::Deadline deadline, v1::Verify& lv, v1::Verify& gv) {
+  const LayerSnapshot& s = c.stack.snapshot(c.layer);
+  const size_t n = c.spec.tokens_per_rank() * c.spec.hidden();
+  const DType dt = job_dtype(c.spec);
+  const ref::Grads g = ref::backward(c.rc, c.rw, c.x, f, to_double(model::from_storage(s.grad_out.data(), n, dt)));
+  compare(lv, model::from_storage(s.grad_x.data(), n, dt), g.grad_x);
+  std::vector<float> gate(g.grad_gate.begin(), g.grad_gate.end());
+  std::vector<float> w13(g.grad_w13.begin(), g.grad_w13.end()), w2(g.grad_w2.begin(), g.grad_w2.end());
+  comm.all_reduce_sum(gate.data(), gate.size(), deadline);
+  comm.all_reduce_sum(w13.data(), w13.size(), deadline);
+  comm.all_reduce_sum(w2.data(), w2.size(), deadline);
+  const ep::EpLayer& layer = c.stack.layer(c.layer);
+  compare(gv, layer.grad_gate(), to_double(gate));
+  const size_t H = c.spec.hidden(), I = c.spec.ffn_hidden(), n13 = 2 * I * H, n2 = H * I;
+  const ep::ExpertMap& map = c.stack.map(c.layer);
+  for (int slot = 0; slot < map.slots_per_rank; ++slot) {
+    const int e = map.expert_at(c.rank, slot);
+    if (e < 0) continue;
+    compare(gv, layer.grad_w13(slot), std::vector<double>(w13.begin() + e * n13, w13.begin() + (e + 1) * n13));
+    compare(gv, layer.grad_w2(slot), std::vector<double>(w2.begin() + e * n2, w2.begin() + (e + 1) * n2));
+  }
+}
+
+}  // namespace
+
+v1::Verify verify_step(const v1::JobSpec& spec, const ModelStack& stack, int rank, transport::Communicator& comm,
+                       transport::Deadline deadline) {
+  const DType dt = job_dtype(spec);
+  const double tol = dt == DType::kF32 ? 1e-4 : 1.0 / 64, grad_tol = 1e-3;
+  const bool train = spec.mode() == v1::JobSpec::train;
+  const ref::Config rc = ep::reference_config(layer_config(spec));
+  v1::Verify out;
+  bool ok = true;
+  for (int l = 0; l < stack.num_layers(); ++l) {
+    const model::LayerWeights w =
+        ep::weights_as_used(layer_weights(spec, l, std::vector<bool>(spec.experts(), true)), dt);
+    const LayerSnapshot& s = stack.snapshot(l);
+    LayerCase c{spec, stack, l, rank, rc, ep::reference_weights(w),
+                to_double(model::from_storage(s.x.data(), spec.tokens_per_rank() * spec.hidden(), dt))};
+    v1::Verify lv, gv;  // out and grad_x (held to tol); weight gradients (grad_tol)
+    const ref::Forward f = check_forward(c, lv, ok);
+    if (train) check_backward(c, f, comm, deadline, lv, gv);
+    ok &= lv.max_rel_error() <= tol && gv.max_rel_error() <= grad_tol;
+    fold(out, lv);
+    fold(out, gv);
+  }
+  out.set_passed(ok && std::isfinite(out.max_abs_error()));
+  return out;
+}
+
+}  // namespace moe::node
