@@ -17,15 +17,9 @@ void MoeLayerConfig::validate() const {
 
 kernels::RouterConfig MoeLayerConfig::router(int64_t T) const {
   kernels::RouterConfig r;
+  static_cast<kernels::RoutingParams&>(r) = routing();
   r.num_tokens = T;
   r.hidden = hidden;
-  r.num_experts = num_experts;
-  r.top_k = top_k;
-  r.score = score;
-  r.num_groups = num_groups;
-  r.group_top_k = group_top_k;
-  r.norm_topk_prob = norm_topk_prob;
-  r.routed_scaling_factor = routed_scaling_factor;
   r.x_dtype = dtype;
   return r;
 }

@@ -4,15 +4,9 @@ namespace moe::ep {
 
 ref::Config reference_config(const MoeLayerConfig& c) {
   ref::Config rc;
+  static_cast<kernels::RoutingParams&>(rc) = c.routing();
   rc.hidden = c.hidden;
   rc.ffn_hidden = c.ffn_hidden;
-  rc.num_experts = c.num_experts;
-  rc.top_k = c.top_k;
-  rc.score = c.score;
-  rc.num_groups = c.num_groups;
-  rc.group_top_k = c.group_top_k;
-  rc.norm_topk_prob = c.norm_topk_prob;
-  rc.routed_scaling_factor = c.routed_scaling_factor;
   rc.capacity_factor = c.capacity_factor;
   rc.drop_policy = c.drop_policy;
   return rc;

@@ -30,26 +30,28 @@ DropPolicy parse_drop_policy(std::string_view s) {
   detail::fail("drop_policy: unknown value '", s, "' (expected probs or position)");
 }
 
+void RoutingParams::validate(const char* who) const {
+  MOE_CHECK(num_experts > 0, who, ": num_experts must be > 0, got ", num_experts);
+  MOE_CHECK(top_k >= 1 && top_k <= num_experts, who, ": top_k must be in [1, num_experts=", num_experts, "], got ",
+            top_k);
+  MOE_CHECK(std::isfinite(routed_scaling_factor) && routed_scaling_factor > 0, who,
+            ": routed_scaling_factor must be finite and > 0, got ", routed_scaling_factor);
+  MOE_CHECK(num_groups >= 0, who, ": num_groups must be >= 0, got ", num_groups);
+  if (group_limited()) {
+    MOE_CHECK(num_experts % num_groups == 0, who, ": num_experts (", num_experts,
+              ") must be divisible by num_groups (", num_groups, ")");
+    MOE_CHECK(group_top_k >= 1 && group_top_k <= num_groups, who, ": group_top_k must be in [1, num_groups=",
+              num_groups, "], got ", group_top_k);
+    const int per_group = num_experts / num_groups;
+    MOE_CHECK(top_k <= group_top_k * per_group, who, ": top_k (", top_k,
+              ") exceeds the experts in the kept groups (group_top_k ", group_top_k, " x ", per_group, ")");
+  }
+}
+
 void RouterConfig::validate() const {
   MOE_CHECK(num_tokens >= 0, "router: num_tokens must be >= 0, got ", num_tokens);
   MOE_CHECK(hidden > 0, "router: hidden must be > 0, got ", hidden);
-  MOE_CHECK(num_experts > 0, "router: num_experts must be > 0, got ", num_experts);
-  MOE_CHECK(top_k >= 1 && top_k <= num_experts, "router: top_k must be in [1, num_experts=",
-            num_experts, "], got ", top_k);
-  MOE_CHECK(std::isfinite(routed_scaling_factor) && routed_scaling_factor > 0,
-            "router: routed_scaling_factor must be finite and > 0, got ", routed_scaling_factor);
-  MOE_CHECK(num_groups >= 0, "router: num_groups must be >= 0, got ", num_groups);
-  if (group_limited()) {
-    MOE_CHECK(num_experts % num_groups == 0, "router: num_experts (", num_experts,
-              ") must be divisible by num_groups (", num_groups, ")");
-    MOE_CHECK(group_top_k >= 1 && group_top_k <= num_groups,
-              "router: group_top_k must be in [1, num_groups=", num_groups, "], got ",
-              group_top_k);
-    const int per_group = num_experts / num_groups;
-    MOE_CHECK(top_k <= group_top_k * per_group, "router: top_k (", top_k,
-              ") exceeds the experts in the kept groups (group_top_k ", group_top_k, " x ",
-              per_group, ")");
-  }
+  RoutingParams::validate("router");
 }
 
 void CapacityConfig::validate() const {

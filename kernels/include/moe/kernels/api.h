@@ -38,20 +38,12 @@ namespace moe::kernels {
 // lower expert (and group) index. topk_idx is ordered by biased score, best
 // first. Weights are the unbiased s of the selected experts, divided by their sum
 // when norm_topk_prob, times routed_scaling_factor.
-struct RouterConfig {
+struct RouterConfig : RoutingParams {
   int64_t num_tokens = 0;  // T; may be 0
   int hidden = 0;
-  int num_experts = 0;
-  int top_k = 0;
-  ScoreFunc score = ScoreFunc::kSoftmax;
-  int num_groups = 0;  // 0 or 1: no group limit
-  int group_top_k = 0;
-  bool norm_topk_prob = true;
-  float routed_scaling_factor = 1.0f;
   DType x_dtype = DType::kF32;
 
   void validate() const;
-  bool group_limited() const { return num_groups > 1; }
 };
 
 struct RouterForwardArgs {

@@ -15,6 +15,24 @@ enum class ScoreFunc : uint8_t { kSoftmax, kSigmoid };
 // lowest token index first. Ties go to the lower token index in both.
 enum class DropPolicy : uint8_t { kProbs, kPosition };
 
+// How tokens choose experts (DESIGN 3.1): the one description of routing that
+// the layer config, the router op's config and the fp64 reference's config
+// share (each derives from it). Group-limited routing when num_groups > 1.
+struct RoutingParams {
+  int num_experts = 0;  // E logical experts
+  int top_k = 0;        // K
+  ScoreFunc score = ScoreFunc::kSoftmax;
+  int num_groups = 0;  // 0 or 1: no group limit
+  int group_top_k = 0;
+  bool norm_topk_prob = true;
+  float routed_scaling_factor = 1.0f;
+
+  // Throws moe::Error naming the field (prefixed by `who`, e.g. "router").
+  void validate(const char* who) const;
+  bool group_limited() const { return num_groups > 1; }
+  const RoutingParams& routing() const { return *this; }
+};
+
 inline size_t dtype_size(DType t) { return t == DType::kF32 ? 4 : 2; }
 const char* dtype_name(DType t);            // "fp32" | "bf16"
 DType parse_dtype(std::string_view s);      // throws moe::Error naming s

@@ -19,16 +19,11 @@ namespace moe::ep {
 
 using kernels::DType;
 
-struct MoeLayerConfig {
+// One layer: its routing (shared with the router op and the reference), sizes,
+// capacity, storage dtype, and whether it keeps what backward needs.
+struct MoeLayerConfig : kernels::RoutingParams {
   int hidden = 0;
   int ffn_hidden = 0;
-  int num_experts = 0;
-  int top_k = 0;
-  kernels::ScoreFunc score = kernels::ScoreFunc::kSoftmax;
-  int num_groups = 0;
-  int group_top_k = 0;
-  bool norm_topk_prob = true;
-  float routed_scaling_factor = 1.0f;
   double capacity_factor = 0.0;
   kernels::DropPolicy drop_policy = kernels::DropPolicy::kProbs;
   DType dtype = DType::kF32;

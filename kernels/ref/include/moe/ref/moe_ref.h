@@ -15,16 +15,10 @@ namespace moe::ref {
 using kernels::DropPolicy;
 using kernels::ScoreFunc;
 
-struct Config {
+// Routing as the backends see it (kernels::RoutingParams), plus the layer's sizes.
+struct Config : kernels::RoutingParams {
   int hidden = 0;
   int ffn_hidden = 0;
-  int num_experts = 0;
-  int top_k = 0;
-  ScoreFunc score = ScoreFunc::kSoftmax;
-  int num_groups = 0;
-  int group_top_k = 0;
-  bool norm_topk_prob = true;
-  double routed_scaling_factor = 1.0;
   double capacity_factor = 0.0;
   DropPolicy drop_policy = DropPolicy::kProbs;
 };
