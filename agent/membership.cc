@@ -34,6 +34,7 @@ const NodeRecord& Membership::register_node(const v1::RegisterNodeRequest& r, bo
   n.busy_ranks = r.running_job().empty() ? 0 : r.devices();
   n.devices = r.devices();
   n.backend = r.backend();
+  n.gemm_engine = r.gemm_engine();
   n.control_address = r.control_address();
   n.metrics_address = r.metrics_address();
   n.last_heartbeat = now;
@@ -117,6 +118,7 @@ void Membership::fill_status(v1::ClusterStatus& s, Clock::time_point now) const 
     i->set_state(n.state);
     i->set_devices(n.devices);
     i->set_backend(n.backend);
+    i->set_gemm_engine(n.gemm_engine);
     i->set_rank_base(n.index * devices_per_node_);
     i->set_control_address(n.control_address);
     i->set_metrics_address(n.metrics_address);

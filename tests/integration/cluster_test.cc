@@ -18,6 +18,7 @@
 
 #include "moe/io/safetensors.h"
 #include "moe/v1/rpc.pb.h"
+#include "local_cluster.h"
 #include "process.h"
 #include "moe/rpc/frame.h"
 #include "moe/rpc/rpc.h"
@@ -32,75 +33,7 @@ namespace {
 using namespace std::chrono_literals;
 namespace fs = std::filesystem;
 
-const std::string kMoectl = std::string(MOE_BIN_DIR) + "/cli/moectl";
 const std::string kMoed = std::string(MOE_BIN_DIR) + "/daemon/moed";
-
-// A local cluster in its own state directory, torn down by the destructor.
-class Cluster {
- public:
-  Cluster(int nodes, int devices) : dir_(fs::temp_directory_path() / ("moe_cluster_" + std::to_string(::getpid()) + "_" +
-                                                                       std::to_string(counter_++))) {
-    fs::remove_all(dir_);
-    const auto [rc, out] = ctl({"cluster", "up", "--nodes", std::to_string(nodes), "--devices-per-node",
-                                std::to_string(devices)},
-                               90s);
-    up_ = rc == 0;
-    EXPECT_EQ(rc, 0) << out << logs();
-  }
-  ~Cluster() {
-    ctl({"cluster", "down"}, 60s);
-    fs::remove_all(dir_);
-  }
-  bool up() const { return up_; }
-  const fs::path& dir() const { return dir_; }
-  std::string agent() const { return read_text_file(dir_ / "agent_address"); }
-  std::string token() const { return read_text_file(dir_ / "token"); }
-
-  // Runs moectl with this cluster's state dir; returns (exit code, output).
-  std::pair<int, std::string> ctl(const std::vector<std::string>& args, std::chrono::milliseconds timeout = 60s) const {
-    std::vector<std::string> argv = {kMoectl, "--state-dir", dir_.string()};
-    argv.insert(argv.end(), args.begin(), args.end());
-    Process p = Process::spawn(argv);
-    const int rc = p.wait(timeout);
-    return {rc, p.output()};
-  }
-
-  std::string logs() const {
-    std::string s;
-    if (fs::exists(dir_ / "logs"))
-      for (const auto& f : fs::directory_iterator(dir_ / "logs")) s += "\n--- " + f.path().filename().string() + "\n" + read_text_file(f.path());
-    return s;
-  }
-
-  rpc::RpcClient client() const { return rpc::RpcClient(rpc::ClientOptions::make(agent(), token(), "test", "test")); }
-
-  v1::JobResult job(const std::string& id) const {
-    v1::Envelope req;
-    req.mutable_get_job()->set_job_id(id);
-    auto c = client();
-    return c.call(req, 10s).job();
-  }
-
-  // Submits a job that runs until stopped and returns its id once `steps` steps
-  // have completed (so what follows lands in the middle of it).
-  std::string start_long_job(int steps) const {
-    const auto [rc, out] = ctl({"job", "submit", "--experts", "4", "--top-k", "2", "--hidden", "32", "--ffn-hidden",
-                                "16", "--tokens-per-rank", "32", "--steps", "1000000"});
-    EXPECT_EQ(rc, 0) << out;
-    const std::string id = out.substr(0, out.find('\n'));
-    const auto until = std::chrono::steady_clock::now() + 60s;
-    while (job(id).steps_completed() < steps && std::chrono::steady_clock::now() < until)
-      std::this_thread::sleep_for(20ms);  // polling the agent for the job's progress
-    EXPECT_EQ(job(id).state(), v1::JOB_STATE_RUNNING);
-    EXPECT_GE(job(id).steps_completed(), steps);
-    return id;
-  }
-
- private:
-  static inline int counter_ = 0;
-  fs::path dir_;
-  bool up_ = false;
-};
 
 // out of layer 0 at step 0 from a dump directory, ranks concatenated in order.
 std::vector<float> dumped_out(const fs::path& dir, int ranks, int64_t T, int H) {
@@ -153,41 +86,6 @@ TEST(Cluster, TwoByTwoEqualsOneByOneWithFourTimesTheTokens) {
   fs::remove_all(dumps);
 }
 
-// Sends bytes on a fresh TCP connection and returns all the server writes until
-// it closes the connection (5 s receive timeout).
-std::string exchange(const std::string& host, int port, const std::string& bytes) {
-  const int fd = ::socket(AF_INET, SOCK_STREAM, 0);
-  sockaddr_in a{};
-  a.sin_family = AF_INET;
-  a.sin_port = htons(static_cast<uint16_t>(port));
-  ::inet_pton(AF_INET, host.c_str(), &a.sin_addr);
-  EXPECT_EQ(::connect(fd, reinterpret_cast<sockaddr*>(&a), sizeof a), 0);
-  ::send(fd, bytes.data(), bytes.size(), MSG_NOSIGNAL);
-  timeval tv{5, 0};
-  ::setsockopt(fd, SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof tv);
-  std::string reply;
-  char buf[4096];
-  ssize_t n;
-  while ((n = ::recv(fd, buf, sizeof buf, 0)) > 0) reply.append(buf, n);  // until the server closes
-  ::close(fd);
-  return reply;
-}
-
-// The value of one series in a Prometheus text exposition (-1 if absent).
-double series_value(const std::string& text, const std::string& series) {
-  std::istringstream in(text);
-  for (std::string line; std::getline(in, line);)
-    if (line.rfind(series + " ", 0) == 0) return std::stod(line.substr(series.size() + 1));
-  return -1;
-}
-
-v1::JobResult parse_result(const std::string& json) {
-  v1::JobResult r;
-  const auto st = google::protobuf::util::JsonStringToMessage(json.substr(json.find('{')), &r);
-  EXPECT_TRUE(st.ok()) << json;
-  return r;
-}
-
 TEST(Cluster, TrainJobVerifiesGradientsAndHalvesTheLossByStep20) {
   // DESIGN 6: the student learns a teacher built from seed + 1; the step-20 loss is
   // at most half the step-0 loss. A small hidden size, so that 20 Adam steps can
@@ -214,11 +112,7 @@ TEST(Cluster, TrainJobVerifiesGradientsAndHalvesTheLossByStep20) {
   const v1::ClusterStatus st = c.client().call(status, 10s).cluster_status_reply();
   ASSERT_EQ(st.nodes_size(), 2);
   for (const v1::NodeInfo& n : st.nodes()) {
-    // Registered as HOST:PORT, so a scraper can find it (DESIGN 8).
-    const auto colon = n.metrics_address().rfind(':');
-    ASSERT_NE(colon, std::string::npos) << n.metrics_address();
-    const std::string text = exchange(n.metrics_address().substr(0, colon), std::stoi(n.metrics_address().substr(colon + 1)),
-                                      "GET /metrics HTTP/1.0\r\nHost: 127.0.0.1\r\n\r\n");
+    const std::string text = scrape(n.metrics_address());  // registered as HOST:PORT (DESIGN 8)
     EXPECT_NE(text.find("moe_expert_tokens_total{expert=\"0\",layer=\"0\""), std::string::npos) << text;
     EXPECT_NE(text.find("moe_build_info{backend=\"cpu\",gemm_engine=\""), std::string::npos) << text;
     // A rank's load is the pairs its experts computed, per layer; over both

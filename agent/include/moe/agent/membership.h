@@ -22,6 +22,7 @@ struct NodeRecord {
   v1::NodeState state = v1::NODE_STATE_ALIVE;
   int devices = 0;
   v1::Backend backend = v1::BACKEND_UNSPECIFIED;
+  std::string gemm_engine;
   std::string control_address, metrics_address;  // HOST:PORT
   Clock::time_point last_heartbeat;
   // The job whose ranks on this node have not all reported done: the daemon is

@@ -1,0 +1,58 @@
+#include "agent_call.h"
+
+#include <cstdlib>
+#include <filesystem>
+#include <fstream>
+#include <sstream>
+
+namespace moe::ctl {
+
+namespace fs = std::filesystem;
+using rpc::RpcError;
+
+namespace {
+
+constexpr const char* kDefaultAgent = "127.0.0.1:7400";
+
+}  // namespace
+
+std::string read_trimmed(const std::string& path) {
+  std::ifstream in(path);
+  std::stringstream ss;
+  ss << in.rdbuf();
+  std::string s = ss.str();
+  while (!s.empty() && (s.back() == '\n' || s.back() == ' ' || s.back() == '\r')) s.pop_back();
+  return s;
+}
+
+int exit_code_of(const RpcError& e) {
+  switch (e.code()) {
+    case v1::ERROR_CODE_UNAVAILABLE:
+    case v1::ERROR_CODE_DEADLINE_EXCEEDED:
+      return kExitUnreachable;
+    case v1::ERROR_CODE_INTERNAL:
+      return kExitJobFailed;
+    default:
+      return kExitUsage;
+  }
+}
+
+rpc::RpcClient client(const Resolved& r) {
+  return rpc::RpcClient(rpc::ClientOptions::make(r.agent, r.token, "moectl", "moectl"));
+}
+
+Resolved resolve(const Globals& g) {
+  Resolved r;
+  const char* home = std::getenv("HOME");
+  r.state_dir = !g.state_dir.empty() ? g.state_dir : std::string(home ? home : ".") + "/.local/state/moed";
+  r.agent = g.agent;
+  if (r.agent.empty() && fs::exists(fs::path(r.state_dir) / "agent_address"))
+    r.agent = read_trimmed((fs::path(r.state_dir) / "agent_address").string());
+  if (r.agent.empty()) r.agent = kDefaultAgent;
+  std::string token_file = g.token_file;
+  if (token_file.empty() && fs::exists(fs::path(r.state_dir) / "token")) token_file = (fs::path(r.state_dir) / "token").string();
+  if (!token_file.empty()) r.token = rpc::read_token_file(token_file);
+  return r;
+}
+
+}  // namespace moe::ctl

@@ -1,0 +1,66 @@
+// moectl cluster status and placement show.
+#include "agent_call.h"
+#include "format.h"
+#include "moe/spec/job_spec.h"
+
+namespace moe::ctl {
+namespace {
+
+// "cpu (fp32=openblas bf16=openblas)"
+std::string backend_name(const v1::NodeInfo& n) {
+  std::string s = n.backend() == v1::BACKEND_CUDA ? "cuda" : n.backend() == v1::BACKEND_CPU ? "cpu" : "?";
+  return n.gemm_engine().empty() ? s : s + " (" + n.gemm_engine() + ")";
+}
+
+}  // namespace
+
+int cluster_status(const Globals& g, std::ostream& out, std::ostream& err) {
+  return with_agent(g, err, [&](rpc::RpcClient& c, const Resolved& r) {
+    v1::Envelope req;
+    req.mutable_cluster_status();
+    const v1::ClusterStatus st = c.call(req, g.timeout).cluster_status_reply();
+    if (g.json) {
+      out << spec::to_json(st) << "\n";
+      return kExitOk;
+    }
+    out << "agent " << r.agent << " (metrics " << (st.agent_metrics_address().empty() ? "off" : st.agent_metrics_address())
+        << "), world " << st.world_size() << " ranks, "
+        << (st.running_job().empty() ? "idle" : "running " + st.running_job()) << ", " << st.queued_jobs()
+        << " queued\n";
+    if (st.nodes_size() == 0) out << "no node has registered yet\n";
+    std::vector<std::vector<std::string>> rows = {
+        {"NODE", "NAME", "STATE", "RANKS", "BACKEND", "CONTROL", "METRICS", "HEARTBEAT"}};
+    for (const auto& n : st.nodes())
+      rows.push_back({std::to_string(n.node_index()), n.name(), v1::NodeState_Name(n.state()).substr(11),
+                      std::to_string(n.rank_base()) + "-" + std::to_string(n.rank_base() + n.devices() - 1),
+                      backend_name(n), n.control_address(), n.metrics_address().empty() ? "off" : n.metrics_address(),
+                      fmt(n.last_heartbeat_age_seconds(), 2) + "s ago"});
+    print_table(out, rows);
+    return kExitOk;
+  });
+}
+
+int placement_show(const Globals& g, std::ostream& out, std::ostream& err) {
+  return with_agent(g, err, [&](rpc::RpcClient& c, const Resolved&) {
+    v1::Envelope req;
+    req.mutable_placement();
+    const v1::PlacementReply p = c.call(req, g.timeout).placement_reply();
+    if (g.json) {
+      out << spec::to_json(p) << "\n";
+      return kExitOk;
+    }
+    if (p.maps_size() == 0) out << "no placement yet (no job has run)\n";
+    for (const auto& m : p.maps()) {
+      out << "layer " << m.layer() << ", epoch " << m.epoch() << ", " << m.num_ranks() << " ranks x "
+          << m.slots_per_rank() << " slots\n";
+      for (int r = 0; r < m.num_ranks(); ++r) {
+        out << "  rank " << r << ":";
+        for (int s = 0; s < m.slots_per_rank(); ++s) out << " " << m.phy2log(r * m.slots_per_rank() + s);
+        out << "\n";
+      }
+    }
+    return kExitOk;
+  });
+}
+
+}  // namespace moe::ctl

@@ -1,0 +1,187 @@
+#include "moe/ctl/job_flags.h"
+
+#include <google/protobuf/descriptor.h>
+
+#include <CLI/CLI.hpp>
+#include <cerrno>
+#include <cstdlib>
+
+#include "moe/base/check.h"
+#include "moe/base/file.h"
+#include "moe/rpc/frame.h"
+#include "moe/spec/job_spec.h"
+
+namespace moe::ctl {
+namespace {
+
+using google::protobuf::FieldDescriptor;
+
+[[noreturn]] void bad(const std::string& field, const std::string& text, const std::string& why) {
+  throw rpc::RpcError(v1::ERROR_CODE_INVALID_ARGUMENT, field + ": " + why + ", got '" + text + "'");
+}
+
+const FieldDescriptor& field_of(const std::string& name) {
+  const FieldDescriptor* f = v1::JobSpec::descriptor()->FindFieldByName(name);
+  MOE_CHECK(f != nullptr, "JobSpec has no field '", name, "'");
+  return *f;
+}
+
+int64_t parse_int(const std::string& field, const std::string& text, int64_t lo, int64_t hi) {
+  char* end = nullptr;
+  errno = 0;
+  const long long v = std::strtoll(text.c_str(), &end, 10);
+  if (text.empty() || *end != '\0' || errno == ERANGE || v < lo || v > hi) bad(field, text, "expects an integer");
+  return v;
+}
+
+double parse_double(const std::string& field, const std::string& text) {
+  char* end = nullptr;
+  const double v = std::strtod(text.c_str(), &end);
+  if (text.empty() || *end != '\0') bad(field, text, "expects a number");
+  return v;
+}
+
+// The default of a field as with_defaults fills it, for help texts.
+std::string default_text(const FieldDescriptor& f) {
+  static const v1::JobSpec defaults = spec::with_defaults(v1::JobSpec());
+  const auto* r = defaults.GetReflection();
+  switch (f.cpp_type()) {
+    case FieldDescriptor::CPPTYPE_INT32: return std::to_string(r->GetInt32(defaults, &f));
+    case FieldDescriptor::CPPTYPE_INT64: return std::to_string(r->GetInt64(defaults, &f));
+    case FieldDescriptor::CPPTYPE_UINT64: return std::to_string(r->GetUInt64(defaults, &f));
+    case FieldDescriptor::CPPTYPE_DOUBLE: {
+      std::ostringstream os;
+      os << r->GetDouble(defaults, &f);
+      return os.str();
+    }
+    case FieldDescriptor::CPPTYPE_BOOL: return r->GetBool(defaults, &f) ? "true" : "false";
+    case FieldDescriptor::CPPTYPE_ENUM: return r->GetEnum(defaults, &f)->name();
+    case FieldDescriptor::CPPTYPE_STRING: {
+      const std::string s = r->GetString(defaults, &f);
+      return s.empty() ? "none" : s;
+    }
+    default: return "?";
+  }
+}
+
+// "softmax | sigmoid" for an enum field (its real values, not *_UNSPECIFIED).
+std::string enum_choices(const FieldDescriptor& f) {
+  std::string out;
+  for (int i = 0; i < f.enum_type()->value_count(); ++i) {
+    const auto* v = f.enum_type()->value(i);
+    if (v->number() == 0) continue;
+    out += (out.empty() ? "" : " | ") + v->name();
+  }
+  return out;
+}
+
+// What --help shows for the value of a field's flag.
+std::string type_name(const FieldDescriptor& f) {
+  switch (f.cpp_type()) {
+    case FieldDescriptor::CPPTYPE_INT32:
+    case FieldDescriptor::CPPTYPE_INT64: return "INT";
+    case FieldDescriptor::CPPTYPE_UINT64: return "UINT";
+    case FieldDescriptor::CPPTYPE_DOUBLE: return "FLOAT";
+    case FieldDescriptor::CPPTYPE_ENUM: return "NAME";
+    case FieldDescriptor::CPPTYPE_BOOL: return "[=true|false]";
+    default: return "TEXT";
+  }
+}
+
+}  // namespace
+
+const std::vector<JobFieldDoc>& job_field_docs() {
+  static const std::vector<JobFieldDoc> docs = {
+      {"experts", "logical experts per layer (E)", true},
+      {"top_k", "experts each token is routed to (K)", true},
+      {"hidden", "hidden size H, elements", true},
+      {"ffn_hidden", "expert FFN width I, elements", true},
+      {"layers", "MoE layers in the residual stack", false},
+      {"score", "router score function", false},
+      {"num_groups", "expert groups of group-limited routing (0: none)", false},
+      {"group_top_k", "groups kept per token under group-limited routing", false},
+      {"norm_topk_prob", "divide the selected routing weights by their sum", false},
+      {"routed_scaling_factor", "factor on the routing weights", false},
+      {"dtype", "storage dtype of activations and weights", false},
+      {"capacity_factor", "cf: ceil(cf x T x K / E) pairs kept per expert per source rank (0: dropless)", false},
+      {"drop_policy", "which pairs capacity drops first", false},
+      {"tokens_per_rank", "tokens per rank per step (T)", true},
+      {"steps", "steps to run", true},
+      {"mode", "forward only, or train against a teacher", false},
+      {"skew", "routing skew: uniform or zipf:ALPHA", false},
+      {"seed", "seed of the synthetic inputs and weights", false},
+      {"lr", "learning rate of the optimizer (train)", false},
+      {"optimizer", "optimizer of the train mode", false},
+      {"verify", "check step 0 against the fp64 reference", false},
+      {"dump_dir", "folder for layer 0's step-0 tensors (rank{r}.safetensors, spec.json)", false},
+      {"weights", "safetensors file to read the weights from (none: synthetic from the seed)", false},
+      {"weights_prefix", "tensor name prefix of the weights, may hold {layer}", false},
+  };
+  return docs;
+}
+
+std::string flag_name(const std::string& field) {
+  std::string s = "--" + field;
+  for (char& c : s)
+    if (c == '_') c = '-';
+  return s;
+}
+
+std::string flag_help(const JobFieldDoc& doc) {
+  const FieldDescriptor& f = field_of(doc.field);
+  std::string help = doc.help;
+  if (f.cpp_type() == FieldDescriptor::CPPTYPE_ENUM) help += ": " + enum_choices(f);
+  if (f.cpp_type() == FieldDescriptor::CPPTYPE_BOOL) help += ": true | false";
+  return help + (doc.required ? " (required)" : " (default: " + default_text(f) + ")");
+}
+
+void set_field(v1::JobSpec& s, const std::string& field, const std::string& text) {
+  const FieldDescriptor& f = field_of(field);
+  const auto* r = s.GetReflection();
+  switch (f.cpp_type()) {
+    case FieldDescriptor::CPPTYPE_INT32:
+      return r->SetInt32(&s, &f, static_cast<int32_t>(parse_int(field, text, INT32_MIN, INT32_MAX)));
+    case FieldDescriptor::CPPTYPE_INT64:
+      return r->SetInt64(&s, &f, parse_int(field, text, INT64_MIN, INT64_MAX));
+    case FieldDescriptor::CPPTYPE_UINT64:
+      return r->SetUInt64(&s, &f, static_cast<uint64_t>(parse_int(field, text, 0, INT64_MAX)));
+    case FieldDescriptor::CPPTYPE_DOUBLE: return r->SetDouble(&s, &f, parse_double(field, text));
+    case FieldDescriptor::CPPTYPE_BOOL:
+      if (text != "true" && text != "false") bad(field, text, "expects true or false");
+      return r->SetBool(&s, &f, text == "true");
+    case FieldDescriptor::CPPTYPE_ENUM: {
+      const auto* v = f.enum_type()->FindValueByName(text);
+      if (!v || v->number() == 0) bad(field, text, "expects " + enum_choices(f));
+      return r->SetEnum(&s, &f, v);
+    }
+    case FieldDescriptor::CPPTYPE_STRING: return r->SetString(&s, &f, text);
+    default: bad(field, text, "has a type moectl cannot set");
+  }
+}
+
+void JobFlags::add(CLI::App* c) {
+  c->add_option("-f,--file", file_, "a JobSpec as JSON; flags given override it")->check(CLI::ExistingFile);
+  const auto* d = v1::JobSpec::descriptor();
+  for (int i = 0; i < d->field_count(); ++i) {
+    const std::string field = d->field(i)->name();
+    const auto& docs = job_field_docs();
+    const auto doc = std::find_if(docs.begin(), docs.end(), [&](const JobFieldDoc& x) { return field == x.field; });
+    MOE_CHECK(doc != docs.end(), "moectl: JobSpec field '", field, "' has no flag documentation");
+    std::string& value = values_[field];
+    const std::string help = flag_help(*doc);
+    const FieldDescriptor& f = *d->field(i);
+    CLI::Option* o = f.cpp_type() == FieldDescriptor::CPPTYPE_BOOL ? c->add_flag(flag_name(field), value, help)
+                                                                    : c->add_option(flag_name(field), value, help);
+    o->type_name(type_name(f));
+    o->each([this, field](const std::string& v) { given_[field] = v; });
+  }
+}
+
+v1::JobSpec JobFlags::build() const {
+  v1::JobSpec s;
+  if (!file_.empty()) s = spec::spec_from_json(read_file(file_));
+  for (const auto& [field, text] : given_) set_field(s, field, text);
+  return s;
+}
+
+}  // namespace moe::ctl

@@ -1,0 +1,266 @@
+// moectl cluster up / down: a local cluster on loopback (DESIGN 5), the agent
+// and one moed per node as background processes of their own session, with
+// their logs, pids, token and the agent's address in the state directory.
+#include <fcntl.h>
+#include <signal.h>
+#include <sys/stat.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <cstdlib>
+#include <filesystem>
+#include <fstream>
+#include <iomanip>
+#include <sstream>
+#include <thread>
+
+#include "agent_call.h"
+#include "moe/base/file.h"
+
+namespace moe::ctl {
+
+namespace fs = std::filesystem;
+using rpc::RpcError;
+using Clock = std::chrono::steady_clock;
+
+namespace {
+
+std::string env_or(const char* name, const std::string& fallback) {
+  const char* v = std::getenv(name);
+  return v && *v ? v : fallback;
+}
+
+fs::path self_dir() { return fs::read_symlink("/proc/self/exe").parent_path(); }
+
+// moe-agent and moed next to moectl (installed), in the build tree, or on PATH.
+std::string find_binary(const std::string& name, const std::string& build_subdir) {
+  for (const fs::path& p : {self_dir() / name, self_dir().parent_path() / build_subdir / name})
+    if (::access(p.c_str(), X_OK) == 0) return p.string();
+  const std::string path = env_or("PATH", "");
+  std::stringstream ss(path);
+  std::string dir;
+  while (std::getline(ss, dir, ':'))
+    if (!dir.empty() && ::access((fs::path(dir) / name).c_str(), X_OK) == 0) return (fs::path(dir) / name).string();
+  throw std::runtime_error("cannot find " + name + " next to moectl or on PATH");
+}
+
+// Starts a background process in its own session, output appended to log.
+pid_t spawn(const std::vector<std::string>& argv, const fs::path& log) {
+  const pid_t pid = ::fork();
+  if (pid < 0) throw std::runtime_error("fork failed");
+  if (pid == 0) {
+    ::setsid();
+    const int fd = ::open(log.c_str(), O_WRONLY | O_CREAT | O_APPEND | O_CLOEXEC, 0644);
+    const int null = ::open("/dev/null", O_RDONLY);
+    if (fd >= 0) {
+      ::dup2(fd, 1);
+      ::dup2(fd, 2);
+    }
+    if (null >= 0) ::dup2(null, 0);
+    std::vector<char*> args;
+    for (const auto& a : argv) args.push_back(const_cast<char*>(a.c_str()));
+    args.push_back(nullptr);
+    ::execv(args[0], args.data());
+    ::_exit(127);
+  }
+  return pid;
+}
+
+// Running, and not a zombie waiting for a parent (ours exited long ago) to reap it.
+bool alive(pid_t pid) {
+  if (pid <= 0 || ::kill(pid, 0) != 0) return false;
+  std::ifstream stat("/proc/" + std::to_string(pid) + "/stat");
+  std::string line;
+  std::getline(stat, line);
+  const auto paren = line.rfind(')');
+  return paren == std::string::npos || paren + 2 >= line.size() || line[paren + 2] != 'Z';
+}
+
+pid_t read_pid(const fs::path& p) {
+  const std::string s = read_trimmed(p.string());
+  return s.empty() ? -1 : static_cast<pid_t>(std::stol(s));
+}
+
+std::string random_token() {
+  std::ifstream in("/dev/urandom", std::ios::binary);
+  unsigned char b[24];
+  in.read(reinterpret_cast<char*>(b), sizeof b);
+  std::ostringstream os;
+  for (unsigned char c : b) os << std::hex << std::setw(2) << std::setfill('0') << static_cast<int>(c);
+  return os.str();
+}
+
+// Stops the processes of these pid files: SIGTERM, then SIGKILL after the grace.
+void stop_pids(const std::vector<fs::path>& files, std::chrono::milliseconds grace) {
+  std::vector<pid_t> pids;
+  for (const auto& f : files) {
+    const pid_t pid = read_pid(f);
+    if (alive(pid)) {
+      ::kill(pid, SIGTERM);
+      pids.push_back(pid);
+    }
+    fs::remove(f);
+  }
+  const auto until = Clock::now() + grace;
+  for (pid_t pid : pids) {
+    while (alive(pid) && Clock::now() < until) {
+      ::waitpid(pid, nullptr, WNOHANG);  // reap if it is our child
+      std::this_thread::sleep_for(std::chrono::milliseconds(20));  // polling another process's exit
+    }
+    if (alive(pid)) ::kill(pid, SIGKILL);
+  }
+}
+
+// The state directory of a local cluster.
+struct StateDir {
+  fs::path dir;
+  fs::path pids() const { return dir / "pids"; }
+  fs::path logs() const { return dir / "logs"; }
+  fs::path token() const { return dir / "token"; }
+  fs::path agent_address() const { return dir / "agent_address"; }
+  fs::path scrape_targets() const { return dir / "prometheus" / "targets.json"; }
+};
+
+// cluster up stops with this exit code and message.
+struct UpFailure {
+  int code;
+  std::string message;
+};
+
+// The text of the last ERROR line of a process log ("" if none).
+std::string last_error(const fs::path& log) {
+  std::istringstream in(fs::exists(log) ? read_file(log.string()) : "");
+  std::string last;
+  for (std::string line; std::getline(in, line);) {
+    const auto at = line.find(" ERROR ");
+    if (at != std::string::npos) last = line.substr(at + 7);
+  }
+  return last;
+}
+
+// A child that stopped before it was ready: its own reason, and exit code 2 when
+// it exited 2 (it refused its configuration), else 3.
+UpFailure exited(const std::string& who, pid_t pid, const fs::path& log) {
+  int status = 0;
+  const bool reaped = ::waitpid(pid, &status, WNOHANG) == pid;
+  const int code = reaped && WIFEXITED(status) ? WEXITSTATUS(status) : -1;
+  std::string why = last_error(log);
+  if (why.empty()) why = "see " + log.string();
+  const std::string how = code >= 0 ? "exited with status " + std::to_string(code) : "stopped";
+  return {code == kExitUsage ? kExitUsage : kExitUnreachable, who + " " + how + ": " + why};
+}
+
+void write_token(const StateDir& s, const std::string& token) {
+  write_file_atomically(s.token().string(), token + "\n");
+  ::chmod(s.token().c_str(), 0600);
+}
+
+// Starts the agent and waits for its address file; returns its address.
+std::string start_agent(const StateDir& s, Clock::time_point until) {
+  fs::create_directories(s.scrape_targets().parent_path());
+  const pid_t pid = spawn({find_binary("moe-agent", "agent"), "--listen", "127.0.0.1:0", "--token-file",
+                           s.token().string(), "--address-file", s.agent_address().string(), "--metrics-port",
+                           "127.0.0.1:0", "--prometheus-sd-file", s.scrape_targets().string()},
+                          s.logs() / "agent.log");
+  write_file_atomically((s.pids() / "agent.pid").string(), std::to_string(pid) + "\n");
+  while (!fs::exists(s.agent_address())) {
+    if (!alive(pid)) throw exited("moe-agent", pid, s.logs() / "agent.log");
+    if (Clock::now() > until) throw UpFailure{kExitUnreachable, "moe-agent did not start; see " + (s.logs() / "agent.log").string()};
+    std::this_thread::sleep_for(std::chrono::milliseconds(20));  // polling for the address file
+  }
+  return read_trimmed(s.agent_address().string());
+}
+
+int alive_nodes(rpc::RpcClient& agent) {
+  v1::Envelope req;
+  req.mutable_cluster_status();
+  int ready = 0;
+  try {
+    const v1::Envelope reply = agent.call(req, std::chrono::seconds(5));
+    for (const auto& n : reply.cluster_status_reply().nodes()) ready += n.state() == v1::NODE_STATE_ALIVE;
+  } catch (const RpcError&) {
+  }
+  return ready;
+}
+
+// Starts node i's daemon and waits until it registered: one at a time, so node i
+// gets node index i (and ranks i*D .. i*D+D-1).
+void start_daemon(const StateDir& s, const ClusterUpOptions& o, int i, const Resolved& r, Clock::time_point until) {
+  const int cores = static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
+  const std::string name = "node" + std::to_string(i);
+  const fs::path log = s.logs() / (name + ".log");
+  const pid_t pid = spawn({find_binary("moed", "daemon"), "--agent", r.agent, "--devices",
+                           std::to_string(o.devices_per_node), "--backend", o.backend, "--token-file",
+                           s.token().string(), "--name", name, "--listen", "127.0.0.1:0", "--metrics-port",
+                           "127.0.0.1:0", "--threads", std::to_string(std::max(1, cores / o.nodes))},
+                          log);
+  write_file_atomically((s.pids() / (name + ".pid")).string(), std::to_string(pid) + "\n");
+  auto agent = client(r);
+  while (alive_nodes(agent) < i + 1) {
+    if (!alive(pid)) throw exited(name + " (moed)", pid, log);
+    if (Clock::now() > until)
+      throw UpFailure{kExitUnreachable, name + " did not register within " +
+                                            std::to_string(o.ready_timeout.count() / 1000) + " s; see " + log.string()};
+    std::this_thread::sleep_for(std::chrono::milliseconds(20));  // polling for the registration
+  }
+}
+
+}  // namespace
+
+int cluster_up(const Globals& g, const ClusterUpOptions& o, std::ostream& out, std::ostream& err) {
+  if (o.nodes < 1 || o.devices_per_node < 1) {
+    err << "moectl: --nodes and --devices-per-node must be >= 1\n";
+    return kExitUsage;
+  }
+  try {
+    Resolved r = resolve(g);
+    const StateDir s{r.state_dir};
+    if (alive(fs::exists(s.pids() / "agent.pid") ? read_pid(s.pids() / "agent.pid") : -1)) {
+      err << "moectl: a cluster is already up in " << s.dir.string() << " (moectl cluster down first)\n";
+      return kExitUsage;
+    }
+    fs::create_directories(s.pids());
+    fs::create_directories(s.logs());
+    fs::remove(s.agent_address());
+    r.token = random_token();
+    write_token(s, r.token);
+    const auto until = Clock::now() + o.ready_timeout;
+    r.agent = start_agent(s, until);
+    for (int i = 0; i < o.nodes; ++i) start_daemon(s, o, i, r, until);
+    if (!g.json)
+      out << "cluster up: " << o.nodes << " node(s) x " << o.devices_per_node << " device(s), agent " << r.agent
+          << ", state " << s.dir.string() << "\n";
+    Globals gs = g;
+    gs.agent = r.agent;
+    gs.state_dir = r.state_dir;
+    return cluster_status(gs, out, err);
+  } catch (const UpFailure& f) {
+    err << "moectl: cluster up: " << f.message << "\n";
+    return f.code;
+  } catch (const std::exception& e) {
+    err << "moectl: cluster up: " << e.what() << "\n";
+    return kExitUsage;
+  }
+}
+
+int cluster_down(const Globals& g, std::ostream& out, std::ostream& err) {
+  try {
+    const Resolved r = resolve(g);
+    const fs::path dir = r.state_dir;
+    // Daemons first (they stop their job at a step boundary), then the agent.
+    std::vector<fs::path> daemons, agent;
+    if (fs::exists(dir / "pids"))
+      for (const auto& f : fs::directory_iterator(dir / "pids"))
+        (f.path().filename() == "agent.pid" ? agent : daemons).push_back(f.path());
+    stop_pids(daemons, std::chrono::seconds(10));
+    stop_pids(agent, std::chrono::seconds(10));
+    fs::remove(dir / "agent_address");
+    if (!g.json) out << "cluster down: " << dir.string() << "\n";
+    return kExitOk;
+  } catch (const std::exception& e) {
+    err << "moectl: cluster down: " << e.what() << "\n";
+    return kExitUsage;
+  }
+}
+
+}  // namespace moe::ctl

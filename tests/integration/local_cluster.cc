@@ -1,0 +1,135 @@
+#include "local_cluster.h"
+
+#include <arpa/inet.h>
+#include <gtest/gtest.h>
+#include <sys/socket.h>
+#include <unistd.h>
+
+#include <google/protobuf/util/json_util.h>
+
+#include <sstream>
+#include <thread>
+
+#include "process.h"
+
+#ifndef MOE_BIN_DIR
+#error "MOE_BIN_DIR must name the build directory"
+#endif
+
+namespace moe::test {
+
+namespace fs = std::filesystem;
+using namespace std::chrono_literals;
+
+namespace {
+const std::string kMoectl = std::string(MOE_BIN_DIR) + "/cli/moectl";
+}
+
+Cluster::Cluster(int nodes, int devices, const std::vector<std::string>& extra)
+    : dir_(fs::temp_directory_path() / ("moe_cluster_" + std::to_string(::getpid()) + "_" + std::to_string(counter_++))) {
+  fs::remove_all(dir_);
+  std::vector<std::string> args = {"cluster", "up", "--nodes", std::to_string(nodes), "--devices-per-node",
+                                   std::to_string(devices)};
+  args.insert(args.end(), extra.begin(), extra.end());
+  const auto [rc, out] = ctl(args, 90s);
+  up_ = rc == 0;
+  EXPECT_EQ(rc, 0) << out << logs();
+}
+
+Cluster::~Cluster() {
+  ctl({"cluster", "down"}, 60s);
+  fs::remove_all(dir_);
+}
+
+std::string Cluster::agent() const { return read_text_file(dir_ / "agent_address"); }
+std::string Cluster::token() const { return read_text_file(dir_ / "token"); }
+
+std::pair<int, std::string> Cluster::ctl(const std::vector<std::string>& args, std::chrono::milliseconds timeout) const {
+  std::vector<std::string> argv = {kMoectl, "--state-dir", dir_.string()};
+  argv.insert(argv.end(), args.begin(), args.end());
+  Process p = Process::spawn(argv);
+  const int rc = p.wait(timeout);
+  return {rc, p.output()};
+}
+
+std::string Cluster::logs() const {
+  std::string s;
+  if (fs::exists(dir_ / "logs"))
+    for (const auto& f : fs::directory_iterator(dir_ / "logs"))
+      s += "\n--- " + f.path().filename().string() + "\n" + read_text_file(f.path());
+  return s;
+}
+
+rpc::RpcClient Cluster::client() const {
+  return rpc::RpcClient(rpc::ClientOptions::make(agent(), token(), "test", "test"));
+}
+
+v1::JobResult Cluster::job(const std::string& id) const {
+  v1::Envelope req;
+  req.mutable_get_job()->set_job_id(id);
+  auto c = client();
+  return c.call(req, 10s).job();
+}
+
+v1::ClusterStatus Cluster::status() const {
+  v1::Envelope req;
+  req.mutable_cluster_status();
+  auto c = client();
+  return c.call(req, 10s).cluster_status_reply();
+}
+
+std::string Cluster::start_long_job(int steps) const {
+  const auto [rc, out] = ctl({"job", "submit", "--experts", "4", "--top-k", "2", "--hidden", "32", "--ffn-hidden",
+                              "16", "--tokens-per-rank", "32", "--steps", "1000000"});
+  EXPECT_EQ(rc, 0) << out;
+  const std::string id = out.substr(0, out.find('\n'));
+  const auto until = std::chrono::steady_clock::now() + 60s;
+  while (job(id).steps_completed() < steps && std::chrono::steady_clock::now() < until)
+    std::this_thread::sleep_for(20ms);  // polling the agent for the job's progress
+  EXPECT_EQ(job(id).state(), v1::JOB_STATE_RUNNING);
+  EXPECT_GE(job(id).steps_completed(), steps);
+  return id;
+}
+
+std::string exchange(const std::string& host, int port, const std::string& bytes) {
+  const int fd = ::socket(AF_INET, SOCK_STREAM, 0);
+  sockaddr_in a{};
+  a.sin_family = AF_INET;
+  a.sin_port = htons(static_cast<uint16_t>(port));
+  ::inet_pton(AF_INET, host.c_str(), &a.sin_addr);
+  EXPECT_EQ(::connect(fd, reinterpret_cast<sockaddr*>(&a), sizeof a), 0) << host << ":" << port;
+  ::send(fd, bytes.data(), bytes.size(), MSG_NOSIGNAL);
+  timeval tv{5, 0};
+  ::setsockopt(fd, SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof tv);
+  std::string reply;
+  char buf[4096];
+  ssize_t n;
+  while ((n = ::recv(fd, buf, sizeof buf, 0)) > 0) reply.append(buf, n);  // until the server closes
+  ::close(fd);
+  return reply;
+}
+
+std::string scrape(const std::string& address) {
+  const auto colon = address.rfind(':');
+  EXPECT_NE(colon, std::string::npos) << address;
+  if (colon == std::string::npos) return "";
+  return exchange(address.substr(0, colon), std::stoi(address.substr(colon + 1)),
+                  "GET /metrics HTTP/1.0\r\nHost: " + address + "\r\n\r\n");
+}
+
+double series_value(const std::string& text, const std::string& series) {
+  std::istringstream in(text);
+  for (std::string line; std::getline(in, line);)
+    if (line.rfind(series + " ", 0) == 0) return std::stod(line.substr(series.size() + 1));
+  return -1;
+}
+
+v1::JobResult parse_result(const std::string& json) {
+  v1::JobResult r;
+  const auto at = json.find('{');
+  const auto st = google::protobuf::util::JsonStringToMessage(at == std::string::npos ? json : json.substr(at), &r);
+  EXPECT_TRUE(st.ok()) << json;
+  return r;
+}
+
+}  // namespace moe::test

@@ -1,0 +1,57 @@
+// A local cluster as a user runs it, for integration tests: moectl, moe-agent
+// and moed as real processes on loopback, in a state directory of its own,
+// torn down by the destructor. And small helpers to read what they serve.
+#pragma once
+
+#include <chrono>
+#include <filesystem>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "moe/rpc/rpc.h"
+#include "moe/v1/rpc.pb.h"
+
+namespace moe::test {
+
+class Cluster {
+ public:
+  // Runs `moectl cluster up`; up() tells whether it succeeded.
+  Cluster(int nodes, int devices, const std::vector<std::string>& extra_up_args = {});
+  ~Cluster();
+  Cluster(const Cluster&) = delete;
+  Cluster& operator=(const Cluster&) = delete;
+
+  bool up() const { return up_; }
+  const std::filesystem::path& dir() const { return dir_; }
+  std::string agent() const;
+  std::string token() const;
+
+  // Runs moectl with this cluster's state dir; returns (exit code, output).
+  std::pair<int, std::string> ctl(const std::vector<std::string>& args,
+                                  std::chrono::milliseconds timeout = std::chrono::seconds(60)) const;
+  std::string logs() const;  // every process log, for failure messages
+  rpc::RpcClient client() const;
+  v1::JobResult job(const std::string& id) const;
+  v1::ClusterStatus status() const;
+  // Submits a job that runs until stopped and returns its id once `steps` steps
+  // have completed (so what follows lands in the middle of it).
+  std::string start_long_job(int steps) const;
+
+ private:
+  static inline int counter_ = 0;
+  std::filesystem::path dir_;
+  bool up_ = false;
+};
+
+// Sends bytes on a fresh TCP connection and returns all the server writes until
+// it closes the connection (5 s receive timeout).
+std::string exchange(const std::string& host, int port, const std::string& bytes);
+// GET /metrics of HOST:PORT.
+std::string scrape(const std::string& address);
+// The value of one series in a Prometheus text exposition (-1 if absent).
+double series_value(const std::string& text, const std::string& series);
+// The JobResult in moectl's JSON output (text before the first '{' skipped).
+v1::JobResult parse_result(const std::string& json);
+
+}  // namespace moe::test

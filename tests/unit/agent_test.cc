@@ -1,0 +1,263 @@
+// The agent's rooms without processes: the result of a job from its step reports,
+// and the scheduler's state machine driven by hand (membership, placement and a
+// recorder of the actions it asks for).
+#include <gtest/gtest.h>
+
+#include "moe/agent/job_result.h"
+#include "moe/agent/scheduler.h"
+#include "moe/rpc/frame.h"
+
+namespace moe::agent {
+namespace {
+
+using namespace std::chrono_literals;
+
+v1::StepStats step_stats(int step, double seconds, double pairs_l0, double pairs_l1) {
+  v1::StepStats s;
+  s.set_step(step);
+  s.set_step_seconds(seconds);
+  s.mutable_phase_seconds()->set_expert(seconds / 2);
+  s.set_dispatch_bytes(100);
+  s.set_naive_dispatch_bytes(300);
+  s.set_combine_bytes(50);
+  s.set_loss(0.25);
+  s.set_received_rows(10);
+  s.add_layer_pairs(pairs_l0);
+  s.add_layer_pairs(pairs_l1);
+  for (int l = 0; l < 2; ++l) {
+    s.add_expert_tokens()->add_tokens(1.0);
+    s.mutable_expert_tokens(l)->add_tokens(2.0);
+  }
+  return s;
+}
+
+JobReports two_rank_reports() {
+  JobReports r;
+  r.spec.set_experts(2);
+  r.spec.set_layers(2);
+  r.spec.set_tokens_per_rank(8);
+  r.spec.set_mode(v1::JobSpec::train);
+  r.spec.set_verify(true);
+  r.world = 2;
+  r.steps[0] = {step_stats(0, 1.0, 30, 10), step_stats(0, 3.0, 10, 10)};
+  r.steps[1] = {step_stats(1, 2.0, 30, 10), step_stats(1, 2.0, 10, 10)};
+  r.steps[2] = {step_stats(2, 9.0, 30, 10)};  // rank 1 never reported step 2
+  v1::Verify ok, loose;
+  ok.set_passed(true);
+  ok.set_max_rel_error(1e-6);
+  loose.set_passed(true);
+  loose.set_max_rel_error(2e-6);
+  r.verify = {ok, loose};
+  return r;
+}
+
+TEST(JobResult, StepsEveryRankReportedMakeTheResult) {
+  v1::JobResult rec;
+  fill_result(two_rank_reports(), v1::JOB_STATE_SUCCEEDED, rec);
+  EXPECT_EQ(rec.steps_completed(), 2);
+  EXPECT_EQ(rec.step_seconds_p50(), 3.0);  // per step the slowest rank: 3, 2 -> median of two is the upper
+  EXPECT_DOUBLE_EQ(rec.tokens_per_second(), 16 / 3.0);
+  EXPECT_EQ(rec.slowest_rank_expert_seconds(), 1.5);
+  EXPECT_EQ(rec.dispatch_bytes(), 4 * 100);
+  EXPECT_EQ(rec.naive_dispatch_bytes(), 4 * 300);
+  ASSERT_EQ(rec.loss_size(), 2);
+  EXPECT_EQ(rec.loss(0), 0.5);  // ranks' shares summed
+  ASSERT_EQ(rec.expert_tokens_size(), 2);
+  EXPECT_EQ(rec.expert_tokens(0).tokens(1), 2.0 * 2 * 2);
+}
+
+TEST(JobResult, LoadIsPairsPerRankAndBalancednessIsPerLayer) {
+  v1::JobResult rec;
+  fill_result(two_rank_reports(), v1::JOB_STATE_SUCCEEDED, rec);
+  ASSERT_EQ(rec.layer_rank_tokens_size(), 2);
+  EXPECT_EQ(rec.layer_rank_tokens(0).tokens(0), 60);
+  EXPECT_EQ(rec.layer_rank_tokens(0).tokens(1), 20);
+  ASSERT_EQ(rec.rank_tokens_size(), 2);
+  EXPECT_EQ(rec.rank_tokens(0), 80);
+  EXPECT_EQ(rec.rank_tokens(1), 40);
+  ASSERT_EQ(rec.layer_balancedness_size(), 2);
+  EXPECT_DOUBLE_EQ(rec.layer_balancedness(0), 40.0 / 60.0);
+  EXPECT_DOUBLE_EQ(rec.layer_balancedness(1), 1.0);
+  EXPECT_DOUBLE_EQ(rec.balancedness(), (40.0 / 60.0 + 1.0) / 2);
+  EXPECT_EQ(rec.rank_received_rows(0), 20);  // communication, kept apart from load
+}
+
+TEST(JobResult, VerifyPassesOnlyIfEveryRankAndTheJobDid) {
+  JobReports r = two_rank_reports();
+  v1::JobResult rec;
+  fill_result(r, v1::JOB_STATE_SUCCEEDED, rec);
+  EXPECT_TRUE(rec.verify().passed());
+  EXPECT_EQ(rec.verify().max_rel_error(), 2e-6);
+  fill_result(r, v1::JOB_STATE_FAILED, rec);
+  EXPECT_FALSE(rec.verify().passed());
+  r.verify[1].set_passed(false);
+  fill_result(r, v1::JOB_STATE_SUCCEEDED, rec);
+  EXPECT_FALSE(rec.verify().passed());
+}
+
+// ---------------------------------------------------------------------------
+
+struct Recorder : SchedulerActions {
+  std::vector<v1::StartJob> started;
+  std::vector<std::pair<std::string, std::string>> cancelled;
+  std::vector<v1::JobResult> ended;
+  void start_job(const v1::StartJob& s) override { started.push_back(s); }
+  void cancel_job(const std::string& id, const std::string& why) override { cancelled.push_back({id, why}); }
+  void job_ended(const v1::JobResult& r) override { ended.push_back(r); }
+};
+
+class SchedulerTest : public ::testing::Test {
+ protected:
+  SchedulerTest() : members(3s), scheduler({.failed_job_grace = 45s, .stale_job_timeout = 600s}, members, placement, rec) {}
+
+  void add_nodes(int n, int devices) {
+    for (int i = 0; i < n; ++i) {
+      v1::RegisterNodeRequest r;
+      r.set_name("node" + std::to_string(i));
+      r.set_devices(devices);
+      members.register_node(r, false, now);
+    }
+  }
+  v1::JobSpec spec(int experts = 8) {
+    v1::JobSpec s;
+    s.set_experts(experts);
+    s.set_top_k(2);
+    s.set_hidden(16);
+    s.set_ffn_hidden(8);
+    s.set_tokens_per_rank(4);
+    s.set_steps(2);
+    s.set_layers(2);
+    return s;
+  }
+  v1::RankDone done(const std::string& id, int rank, bool ok = true) {
+    v1::RankDone d;
+    d.set_job_id(id);
+    d.set_rank(rank);
+    d.set_ok(ok);
+    return d;
+  }
+  void report_steps(const std::string& id, int world, int steps) {
+    for (int s = 0; s < steps; ++s)
+      for (int r = 0; r < world; ++r) {
+        v1::StepReport sr;
+        sr.set_job_id(id);
+        sr.set_rank(r);
+        sr.mutable_stats()->set_step(s);
+        sr.mutable_stats()->set_step_seconds(0.1);
+        scheduler.on_step(sr, now);
+      }
+  }
+  // Every rank reports done, through the membership as the agent does.
+  void finish_ranks(const std::string& id, int world) {
+    for (int r = 0; r < world; ++r) {
+      members.rank_done(id, r);
+      scheduler.on_rank_done(done(id, r), now);
+    }
+  }
+
+  Clock::time_point now = Clock::now();
+  Membership members;
+  PlacementService placement;
+  Recorder rec;
+  Scheduler scheduler;
+};
+
+TEST_F(SchedulerTest, AJobWaitsForNodesThenRunsOnEveryRankAndSucceeds) {
+  const std::string id = scheduler.submit(spec()).job_id();
+  EXPECT_EQ(scheduler.record(id).state(), v1::JOB_STATE_QUEUED);
+  scheduler.try_start(now);
+  EXPECT_TRUE(rec.started.empty()) << "no node has registered";
+  add_nodes(2, 2);
+  scheduler.try_start(now);
+  ASSERT_EQ(rec.started.size(), 1u);
+  EXPECT_EQ(rec.started[0].world_size(), 4);
+  EXPECT_EQ(rec.started[0].maps_size(), 2);  // one map per layer
+  EXPECT_EQ(rec.started[0].spec().layers(), 2);
+  EXPECT_EQ(scheduler.record(id).state(), v1::JOB_STATE_RUNNING);
+  EXPECT_FALSE(members.ready_for_job()) << "nodes are busy with the job";
+  report_steps(id, 4, 2);
+  EXPECT_EQ(scheduler.record(id).steps_completed(), 2) << "progress shows while it runs";
+  finish_ranks(id, 4);
+  EXPECT_EQ(scheduler.record(id).state(), v1::JOB_STATE_SUCCEEDED);
+  ASSERT_EQ(rec.ended.size(), 1u);
+  EXPECT_EQ(rec.ended[0].job_id(), id);
+  EXPECT_TRUE(members.ready_for_job());
+  EXPECT_EQ(scheduler.record(id).placement_epoch(), 1);
+}
+
+TEST_F(SchedulerTest, ASpecTheClusterCannotRunIsRefusedNamingTheField) {
+  add_nodes(3, 1);
+  try {
+    scheduler.submit(spec(8));
+    FAIL() << "8 experts over 3 ranks";
+  } catch (const rpc::RpcError& e) {
+    EXPECT_EQ(e.code(), v1::ERROR_CODE_INVALID_ARGUMENT);
+    EXPECT_NE(std::string(e.what()).find("experts: 8 experts do not divide over the 3 ranks"), std::string::npos)
+        << e.what();
+  }
+}
+
+TEST_F(SchedulerTest, ARankFailureFailsTheJobBlamingThePeerAndStopsTheOthers) {
+  add_nodes(2, 1);
+  const std::string id = scheduler.submit(spec()).job_id();
+  scheduler.try_start(now);
+  v1::RankDone d = done(id, 0, false);
+  d.set_message("all_to_all_v: receive from rank 1 failed");
+  d.set_failed_peer(1);
+  scheduler.on_rank_done(d, now);
+  ASSERT_EQ(rec.cancelled.size(), 1u);
+  EXPECT_EQ(scheduler.record(id).state(), v1::JOB_STATE_RUNNING) << "waits for rank 1's report";
+  scheduler.on_rank_done(done(id, 1, false), now);
+  const v1::JobResult& r = scheduler.record(id);
+  EXPECT_EQ(r.state(), v1::JOB_STATE_FAILED);
+  EXPECT_EQ(r.message(), "rank 1 (node node1) failed (reported by rank 0 (node node0)): all_to_all_v: receive from "
+                         "rank 1 failed");
+}
+
+TEST_F(SchedulerTest, ADeadNodeEndsTheJobAtOnce) {
+  add_nodes(2, 1);
+  const std::string id = scheduler.submit(spec()).job_id();
+  scheduler.try_start(now);
+  EXPECT_EQ(members.expire(now + 4s).size(), 2u);
+  scheduler.on_node_dead("node node1 (ranks 1-1) stopped responding", now + 4s);
+  EXPECT_EQ(scheduler.record(id).state(), v1::JOB_STATE_FAILED);
+  EXPECT_EQ(scheduler.record(id).message(), "node node1 (ranks 1-1) stopped responding");
+}
+
+TEST_F(SchedulerTest, CancelEndsAQueuedJobAtOnceAndARunningOneThroughItsRanks) {
+  add_nodes(1, 1);
+  const std::string first = scheduler.submit(spec()).job_id();
+  const std::string second = scheduler.submit(spec()).job_id();
+  scheduler.try_start(now);
+  scheduler.cancel(second, now);
+  EXPECT_EQ(scheduler.record(second).state(), v1::JOB_STATE_CANCELLED);
+  EXPECT_EQ(scheduler.record(second).message(), "cancelled before it started");
+  scheduler.cancel(first, now);
+  ASSERT_EQ(rec.cancelled.size(), 1u);
+  EXPECT_EQ(rec.cancelled[0].first, first);
+  v1::RankDone d = done(first, 0, false);
+  d.set_cancelled(true);
+  d.set_cancel_requested_here(true);
+  d.set_message("cancelled at step 1 (cancelled by request)");
+  members.rank_done(first, 0);
+  scheduler.on_rank_done(d, now);
+  EXPECT_EQ(scheduler.record(first).state(), v1::JOB_STATE_CANCELLED);
+  EXPECT_EQ(scheduler.queued(), 0);
+  EXPECT_EQ(scheduler.running(), nullptr);
+}
+
+TEST_F(SchedulerTest, SilenceAndAnUnansweredFailureHaveDeadlines) {
+  add_nodes(2, 1);
+  const std::string id = scheduler.submit(spec()).job_id();
+  scheduler.try_start(now);
+  scheduler.tick(now + 601s);
+  ASSERT_EQ(rec.cancelled.size(), 1u) << "no rank reported for the stale timeout";
+  EXPECT_EQ(rec.cancelled[0].second, "no rank reported for 600 s");
+  EXPECT_EQ(scheduler.record(id).state(), v1::JOB_STATE_RUNNING);
+  scheduler.tick(now + 601s + 46s);
+  EXPECT_EQ(scheduler.record(id).state(), v1::JOB_STATE_FAILED);
+  EXPECT_EQ(scheduler.record(id).message(), "no rank reported for 600 s (not every rank reported back)");
+}
+
+}  // namespace
+}  // namespace moe::agent
