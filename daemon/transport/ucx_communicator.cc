@@ -15,14 +15,21 @@ namespace {
 
 // Tag layout: kind (8 bits) | sequence (40 bits) | source rank (16 bits). Every
 // receive matches the full tag, so messages of different operations never mix.
-enum class Kind : uint64_t { kWireup = 1, kAllToAll = 2, kBarrier = 3, kReduce = 4, kBroadcast = 5, kP2P = 6 };
+enum class Kind : uint64_t { kWireup = 1, kAllToAll = 2, kBarrier = 3, kReduce = 4, kBroadcast = 5, kP2P = 6, kAbort = 7 };
 
 uint64_t make_tag(Kind kind, uint64_t seq, int src) {
   return static_cast<uint64_t>(kind) << 56 | (seq & ((uint64_t{1} << 40) - 1)) << 16 | static_cast<uint64_t>(src);
 }
 
 constexpr uint64_t kFullMask = ~uint64_t{0};
+constexpr uint64_t kKindMask = uint64_t{0xff} << 56;
 constexpr auto kDrainTimeout = std::chrono::seconds(2);
+// A failing rank tells its remote peers whom it blames before it closes its
+// endpoints (an abort notice), so a peer that sees that rank's connection drop
+// blames the real culprit. How long the failing rank waits for its notices to
+// leave, and how long a peer whose endpoint failed waits for a notice to arrive:
+constexpr auto kNoticeSendTimeout = std::chrono::milliseconds(200);
+constexpr auto kNoticeGrace = std::chrono::milliseconds(100);
 
 std::string status_str(ucs_status_t s) { return ucs_status_string(s); }
 
@@ -71,6 +78,82 @@ struct UcxCommunicator::Impl {
   // Rank 0's receive buffer for the other ranks' parts in all_reduce_sum, reused.
   std::vector<float> reduce_parts;
 
+  // The posted receive of abort notices from any peer (re-posted after each), and
+  // the culprit each peer named (-1: no notice).
+  struct NoticeRecv {
+    void* req = nullptr;
+    int32_t culprit = -1;
+    bool completed = false;
+    ucs_status_t status = UCS_OK;
+    ucp_tag_recv_info_t info{};
+  } notice;
+  std::vector<int> blamed_by;
+  int32_t notice_payload = -1;
+
+  static void on_notice(void*, ucs_status_t status, const ucp_tag_recv_info_t* info, void* user) {
+    auto* n = static_cast<NoticeRecv*>(user);
+    n->status = status;
+    if (info) n->info = *info;
+    n->completed = true;
+  }
+
+  void post_notice_recv() {
+    ucp_request_param_t p{};
+    p.op_attr_mask = UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA | UCP_OP_ATTR_FLAG_NO_IMM_CMPL;
+    p.cb.recv = &Impl::on_notice;
+    p.user_data = &notice;
+    notice.completed = false;
+    const ucs_status_ptr_t r =
+        ucp_tag_recv_nbx(worker, &notice.culprit, sizeof notice.culprit, make_tag(Kind::kAbort, 0, 0), kKindMask, &p);
+    notice.req = UCS_PTR_IS_PTR(r) ? r : nullptr;
+  }
+
+  // Takes in a notice that arrived; true if one did.
+  bool take_notice() {
+    if (!notice.req || !notice.completed) return false;
+    ucp_request_free(notice.req);
+    notice.req = nullptr;
+    const int from = static_cast<int>(notice.info.sender_tag & 0xffff);
+    if (notice.status == UCS_OK && from >= 0 && from < size && notice.culprit >= 0 && notice.culprit < size)
+      blamed_by[from] = notice.culprit;
+    if (notice.status != UCS_ERR_CANCELED) post_notice_recv();
+    return true;
+  }
+
+  // Sends the notice "I stop because of `culprit`" to every remote peer whose
+  // endpoint still works, and waits a bounded time for the sends to leave.
+  void send_notices(int culprit) {
+    notice_payload = culprit;  // a member: a send still pending reads it until its endpoint closes
+    std::vector<void*> sending;
+    for (int r = 0; r < size; ++r) {
+      if (r == rank || peers[r].local || !peers[r].ep || peers[r].failed || r == culprit) continue;
+      ucp_request_param_t p{};
+      const ucs_status_ptr_t req = ucp_tag_send_nbx(peers[r].ep, &notice_payload, sizeof notice_payload, make_tag(Kind::kAbort, 0, rank), &p);
+      if (UCS_PTR_IS_PTR(req)) sending.push_back(req);
+    }
+    const auto until = Clock::now() + kNoticeSendTimeout;
+    while (!sending.empty() && Clock::now() < until) {
+      ucp_worker_progress(worker);
+      std::erase_if(sending, [](void* req) {
+        if (ucp_request_check_status(req) == UCS_INPROGRESS) return false;
+        ucp_request_free(req);
+        return true;
+      });
+    }
+    for (void* req : sending) ucp_request_free(req);  // UCX completes it when the endpoint closes
+  }
+
+  // A remote peer's endpoint failed: give its abort notice, sent before it closed,
+  // a moment to arrive, so we blame whom it blamed.
+  int culprit_behind(int peer) {
+    const auto until = Clock::now() + kNoticeGrace;
+    while (blamed_by[peer] < 0 && Clock::now() < until) {
+      ucp_worker_progress(worker);
+      take_notice();
+    }
+    return blamed_by[peer] >= 0 ? blamed_by[peer] : peer;
+  }
+
   static void on_recv(void*, ucs_status_t status, const ucp_tag_recv_info_t* info, void* user) {
     auto* op = static_cast<Op*>(user);
     op->recv_status = status;
@@ -90,9 +173,12 @@ struct UcxCommunicator::Impl {
 
   // Why a peer failed, and whom to blame: the peer, or (for a local sibling that
   // stopped because of another rank) that rank.
-  std::optional<LocalHub::Failure> peer_failure(int peer) const {
-    if (peers[peer].failed) return LocalHub::Failure{peers[peer].error, peer};
+  std::optional<LocalHub::Failure> peer_failure(int peer) {
+    take_notice();
     if (peers[peer].local) return hub->failure_of(peer);
+    if (blamed_by[peer] >= 0)
+      return LocalHub::Failure{"it stopped because rank " + std::to_string(blamed_by[peer]) + " failed", blamed_by[peer]};
+    if (peers[peer].failed) return LocalHub::Failure{peers[peer].error, culprit_behind(peer)};
     return std::nullopt;
   }
 
@@ -204,6 +290,13 @@ struct UcxCommunicator::Impl {
   }
 
   ~Impl() {
+    if (notice.req) {  // cancel the notice receive; its callback runs in progress
+      ucp_request_cancel(worker, notice.req);
+      const auto until = Clock::now() + kDrainTimeout;
+      while (!notice.completed && Clock::now() < until) ucp_worker_progress(worker);
+      if (notice.completed) ucp_request_free(notice.req);
+      notice.req = nullptr;
+    }
     std::vector<int> all(peers.size());
     for (size_t r = 0; r < peers.size(); ++r) all[r] = static_cast<int>(r);
     if (worker) close_endpoints(all, broken);
@@ -223,6 +316,7 @@ struct UcxCommunicator::Impl {
     // cancelled; endpoints with requests still pending, and the failed peer's, are
     // force-closed, which completes their requests with an error.
     if (hub) hub->withdraw(rank);  // the hub forgets our buffers
+    send_notices(peer);
     std::vector<int> to_close;
     if (peer >= 0 && peer < size && peer != rank && !peers[peer].local) to_close.push_back(peer);
     for (Op& op : ops) {
@@ -264,8 +358,9 @@ struct UcxCommunicator::Impl {
       for (Op& op : ops) {
         poll(op);
         if (op.done && op.status != UCS_OK)
-          fail(op.peer, std::string(what) + ": " + (op.is_recv ? "receive from" : "send to") + " rank " +
-                            std::to_string(op.peer) + " failed: " + status_str(op.status));
+          fail(op.local ? op.peer : culprit_behind(op.peer),
+               std::string(what) + ": " + (op.is_recv ? "receive from" : "send to") + " rank " +
+                   std::to_string(op.peer) + " failed: " + status_str(op.status));
         if (op.done && op.is_recv && op.info.length != op.bytes)
           fail(op.peer, std::string(what) + ": rank " + std::to_string(op.peer) + " sent " +
                             std::to_string(op.info.length) + " bytes, expected " + std::to_string(op.bytes));
@@ -365,6 +460,8 @@ UcxCommunicator::UcxCommunicator(int rank, int size, Bootstrap& bootstrap, const
             " ranks");
 
   m.peers.resize(size);
+  m.blamed_by.assign(size, -1);
+  m.post_notice_recv();
   for (int r = 0; r < size; ++r) {
     Impl::Peer& p = m.peers[r];
     p.local = m.hub && m.hub->is_local(r);

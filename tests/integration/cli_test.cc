@@ -35,17 +35,20 @@ std::vector<std::string> with_output(const char* output, const std::vector<std::
   return a;
 }
 
+// The command exits 0 with table output, and with JSON output that parses.
+void expect_ok_in_both_outputs(const Cluster& c, const std::vector<std::string>& cmd) {
+  const auto [rc, out] = c.ctl(with_output("table", cmd));
+  EXPECT_EQ(rc, 0) << cmd[0] << " " << cmd[1] << ": " << out;
+  const auto [jrc, json] = c.ctl(with_output("json", cmd));
+  EXPECT_EQ(jrc, 0) << cmd[0] << " " << cmd[1] << ": " << json;
+  expect_json(json, cmd[0] + " " + cmd[1]);
+}
+
 TEST(Cli, EveryCommandOnAFreshClusterAndAfterAJob) {
   Cluster c(1, 1);
   ASSERT_TRUE(c.up());
   // Before any job: every read-only command answers, in both outputs.
-  for (const auto& cmd : kReadOnly) {
-    const auto [rc, out] = c.ctl(with_output("table", cmd));
-    EXPECT_EQ(rc, 0) << cmd[0] << " " << cmd[1] << ": " << out;
-    const auto [jrc, json] = c.ctl(with_output("json", cmd));
-    EXPECT_EQ(jrc, 0) << cmd[0] << " " << cmd[1] << ": " << json;
-    expect_json(json, cmd[0] + " " + cmd[1]);
-  }
+  for (const auto& cmd : kReadOnly) expect_ok_in_both_outputs(c, cmd);
   EXPECT_TRUE(has(c.ctl({"job", "list"}).second, "no jobs yet"));
   EXPECT_TRUE(has(c.ctl({"placement", "show"}).second, "no placement yet"));
   for (const std::string verb : {"status", "wait", "cancel"}) {
@@ -70,13 +73,7 @@ TEST(Cli, EveryCommandOnAFreshClusterAndAfterAJob) {
   // With a job: every command again, table and JSON.
   std::vector<std::vector<std::string>> all = kReadOnly;
   for (const std::string verb : {"status", "wait", "cancel"}) all.push_back({"job", verb, queued.job_id()});
-  for (const auto& cmd : all) {
-    const auto [rc, out] = c.ctl(with_output("table", cmd));
-    EXPECT_EQ(rc, 0) << cmd[0] << " " << cmd[1] << ": " << out;
-    const auto [jrc, json] = c.ctl(with_output("json", cmd));
-    EXPECT_EQ(jrc, 0) << cmd[0] << " " << cmd[1] << ": " << json;
-    expect_json(json, cmd[0] + " " + cmd[1]);
-  }
+  for (const auto& cmd : all) expect_ok_in_both_outputs(c, cmd);
   EXPECT_TRUE(has(c.ctl({"job", "list"}).second, queued.job_id()));
   EXPECT_TRUE(has(c.ctl({"placement", "show"}).second, "epoch 1"));
 
