@@ -58,7 +58,7 @@ for u in moe-agent.service moed.service; do
   need_line "$u" "LoadCredential=token:/etc/moed/token"
   grep -qE -- '--token-file %d/token' "$units/$u" || fail "$u does not read the token from its credentials (%d/token)"
 done
-need_line moe-agent.service "StateDirectory=moe-agent"
+need_line moe-agent.service "StateDirectory=moe-agent moe-agent/prometheus"
 need_line moed.service "StateDirectory=moed"
 
 # 3. Run the command lines. ExecStart= with its continuation lines joined.
@@ -75,7 +75,12 @@ env[MOE_AGENT_METRICS]=127.0.0.1:0
 env[MOE_AGENT_ARGS]="--address-file $TMP/agent_address"
 env[MOED_LISTEN]=127.0.0.1:0
 env[MOED_METRICS]=127.0.0.1:0
-mkdir -p "$TMP/credentials" "$TMP/state/moe-agent" "$TMP/state/moed"
+mkdir -p "$TMP/credentials"
+# The StateDirectory= folders systemd would create under %S.
+for u in moe-agent.service moed.service; do
+  read -r -a dirs < <(sed -n 's/^StateDirectory=//p' "$units/$u")
+  for d in "${dirs[@]}"; do mkdir -p "$TMP/state/$d"; done
+done
 cp "$root/etc/moed/token" "$TMP/credentials/token"
 # expand LINE: systemd's specifiers and variables; sets argv (split on white space, as $VAR is).
 expand() {
