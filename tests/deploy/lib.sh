@@ -35,7 +35,7 @@ need_packages() {
       DEBIAN_FRONTEND=noninteractive "${sudo[@]}" apt-get install -y -qq --no-install-recommends \
         -o DPkg::Lock::Timeout=300 "${missing[@]}" >"$MOE_DEPLOY_CACHE/apt.log" 2>&1
   ) 9>"$MOE_DEPLOY_CACHE/apt.lock"; then
-    tail -5 "$MOE_DEPLOY_CACHE/apt.log" >&2
+    tail -n 5 "$MOE_DEPLOY_CACHE/apt.log" >&2
     skip "cannot install ${missing[*]} with apt-get (see $MOE_DEPLOY_CACHE/apt.log)"
   fi
 }
@@ -55,7 +55,7 @@ need_node_modules() {
       cp "$MOE_SRC/tests/deploy/node/package.json" "$MOE_SRC/tests/deploy/node/package-lock.json" "$NODE_DIR/"
       log "npm ci in $NODE_DIR"
       if ! (cd "$NODE_DIR" && npm ci --no-audit --no-fund --loglevel=error >npm.log 2>&1); then
-        tail -5 "$NODE_DIR/npm.log" >&2
+        tail -n 5 "$NODE_DIR/npm.log" >&2
         exit 77
       fi
       cp "$NODE_DIR/package-lock.json" "$NODE_DIR/installed-lock.json"

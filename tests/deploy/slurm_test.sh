@@ -96,7 +96,7 @@ for _ in $(seq 300); do
   sleep 0.1 # polling sinfo until the node is idle
 done
 if [ "$state" != idle ]; then
-  tail -5 "$TMP/slurm/slurmctld.log" "$TMP/slurm/slurmd.log" >&2 || true
+  tail -n 5 "$TMP/slurm/slurmctld.log" "$TMP/slurm/slurmd.log" >&2 || true
   skip "slurmd did not come up idle within 30 s (node state: ${state:-none})"
 fi
 log "Slurm $(sinfo -V | awk '{print $2}') up: node $host idle"
@@ -119,7 +119,7 @@ done
 echo "--- slurm-$job.out"
 cat "$TMP/run/slurm-$job.out" || true
 [ "$done_state" = COMPLETED ] || {
-  tail -20 "$TMP/run/logs/"*.log >&2 || true
+  tail -n 20 "$TMP/run/logs/"*.log >&2 || true
   fail "Slurm job $job ended $done_state (expected COMPLETED)"
 }
 [ -s "$TMP/run/result.json" ] || fail "the script left no result.json"
