@@ -9,7 +9,6 @@ set -euo pipefail
 source "$(dirname "$0")/lib.sh"
 moed=$(realpath "${1:?usage: k8s_test.sh MOED MOE_AGENT}")
 agent=$(realpath "${2:?usage: k8s_test.sh MOED MOE_AGENT}")
-need_node_modules
 make_tmp
 trap cleanup_tmp EXIT
 
@@ -18,6 +17,7 @@ for f in grafana-dashboard.yaml prometheusrule.yaml; do
   diff -u "$MOE_SRC/deploy/k8s/$f" "$TMP/$f" >/dev/null ||
     fail "deploy/k8s/$f is not what deploy/k8s/generate.sh makes from its source: run it"
 done
+need_node_modules
 
 "$moed" --help >"$TMP/moed.help"
 "$agent" --help >"$TMP/moe-agent.help"
