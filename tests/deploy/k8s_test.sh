@@ -21,6 +21,9 @@ need_node_modules
 
 "$moed" --help >"$TMP/moed.help"
 "$agent" --help >"$TMP/moe-agent.help"
+# Flags the binaries do not accept yet (MOE_PENDING_FLAGS) pass the flag check, with a NOTE.
+pending_flags moed "$moed" | sed 's/^/  /' >>"$TMP/moed.help"
+pending_flags moe-agent "$agent" | sed 's/^/  /' >>"$TMP/moe-agent.help"
 work=$NODE_DIR/k8s
 rm -rf "$work"
 mkdir -p "$work"

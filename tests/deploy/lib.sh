@@ -73,3 +73,25 @@ make_tmp() {
 cleanup_tmp() {
   [ -n "${TMP:-}" ] && rm -rf "$TMP"
 }
+
+# Flags the deployment files pass that the C++ side has announced (issue 12) but the binaries do
+# not accept yet, as BINARY:--flag. The tests that run or check command lines leave them out and
+# say so (a NOTE line); once a binary's --help lists one, those tests fail until it is taken off
+# this list, so the exception cannot outlive its reason.
+MOE_PENDING_FLAGS=(moe-agent:--state-dir)
+
+# pending_flags NAME PATH: prints the pending flags of binary NAME that PATH --help lacks, one a
+# line (with a NOTE on stderr); fails the test if --help lists one of them.
+pending_flags() {
+  local name=$1 path=$2 entry flag help
+  help=$("$path" --help 2>&1 || true)
+  for entry in "${MOE_PENDING_FLAGS[@]}"; do
+    [ "${entry%%:*}" = "$name" ] || continue
+    flag=${entry#*:}
+    if grep -qE -- "(^|[[:space:],])$flag([[:space:]=]|$)" <<<"$help"; then
+      fail "$name now accepts $flag: take it off MOE_PENDING_FLAGS in tests/deploy/lib.sh"
+    fi
+    log "NOTE: $name does not accept $flag yet (MOE_PENDING_FLAGS in tests/deploy/lib.sh): left out here"
+    echo "$flag"
+  done
+}

@@ -95,8 +95,23 @@ expand() {
   [[ $s != *'$'* && $s != *%* ]] || fail "unexpanded variable or specifier in: $s"
   read -r -a argv <<<"$s"
 }
+# without_flags FLAG...: removes each FLAG (with its value: FLAG VALUE or FLAG=VALUE) from argv.
+without_flags() {
+  local out=() i=0 f skip
+  while [ $i -lt ${#argv[@]} ]; do
+    skip=""
+    for f in "$@"; do
+      if [ "${argv[$i]}" = "$f" ]; then skip=2; elif [[ ${argv[$i]} == "$f="* ]]; then skip=1; fi
+    done
+    if [ -n "$skip" ]; then i=$((i + skip)); else out+=("${argv[$i]}") && i=$((i + 1)); fi
+  done
+  argv=("${out[@]}")
+}
 expand "$(exec_start "$units/moe-agent.service")"
 [ "${argv[0]}" = /usr/local/bin/moe-agent ] || fail "moe-agent.service runs ${argv[0]}"
+pending_out=$(pending_flags moe-agent "$agent")
+read -r -d '' -a pending <<<"$pending_out" || true
+without_flags "${pending[@]}"
 log "moe-agent ${argv[*]:1}"
 "$agent" "${argv[@]:1}" >"$TMP/agent.log" 2>&1 &
 pids+=($!)
@@ -110,6 +125,9 @@ env[MOE_AGENT]=$(cat "$TMP/agent_address")
 
 expand "$(exec_start "$units/moed.service")"
 [ "${argv[0]}" = /usr/local/bin/moed ] || fail "moed.service runs ${argv[0]}"
+pending_out=$(pending_flags moed "$moed")
+read -r -d '' -a pending <<<"$pending_out" || true
+without_flags "${pending[@]}"
 log "moed ${argv[*]:1}"
 (cd "$TMP/state/moed" && exec "$moed" "${argv[@]:1}") >"$TMP/moed.log" 2>&1 &
 pids+=($!)
