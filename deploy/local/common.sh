@@ -1,3 +1,4 @@
+# shellcheck shell=bash
 # Shared by demo.sh and test.sh: install what is missing, configure, build.
 # Sourced, not run. Honours MOE_BUILD_DIR (default: build/ in the checkout) and
 # MOE_JOBS (default: the core count, at most 2 on the 2-core machines we target).
@@ -17,12 +18,21 @@ MOE_PACKAGES=(
   libgtest-dev libgmock-dev
   iproute2 procps python3
 )
+# What the deploy tests (tests/deploy, ctest label `deploy`) run: promtool, shellcheck,
+# systemd-analyze, a one-machine Slurm with munge, and the dashboard lint's YAML reader. test.sh
+# installs them where it can (a test whose package is missing installs it or skips); demo.sh does
+# not: on a machine with systemd as init, prometheus, munge and slurm-wlm start their services
+# when installed. node 20 and npm come with the base image; the tests fetch their npm packages.
+MOE_TEST_PACKAGES=(
+  prometheus shellcheck systemd slurm-wlm munge python3-yaml
+)
 
 log() { printf '[%s] %s\n' "$(date +%H:%M:%S)" "$*" >&2; }
 
-moe_install_deps() {
+# Installs the packages of "$@" that are missing; fails if apt-get does.
+moe_apt_install() {
   local missing=()
-  for p in "${MOE_PACKAGES[@]}"; do
+  for p in "$@"; do
     dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")
   done
   if [ ${#missing[@]} -eq 0 ]; then
@@ -33,6 +43,14 @@ moe_install_deps() {
   [ "$(id -u)" -eq 0 ] || sudo="sudo"
   $sudo apt-get update -qq
   DEBIAN_FRONTEND=noninteractive $sudo apt-get install -y -qq --no-install-recommends "${missing[@]}" >/dev/null
+}
+
+moe_install_deps() {
+  moe_apt_install "${MOE_PACKAGES[@]}"
+  if [ "$(basename "$0")" = test.sh ]; then
+    moe_apt_install "${MOE_TEST_PACKAGES[@]}" ||
+      log "could not install all of ${MOE_TEST_PACKAGES[*]}: the deploy tests that need them skip"
+  fi
 }
 
 moe_build() {
