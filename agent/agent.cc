@@ -1,5 +1,6 @@
 #include "moe/agent/agent.h"
 
+#include <filesystem>
 #include <optional>
 
 #include "moe/agent/scrape_targets.h"
@@ -193,6 +194,8 @@ void Agent::write_scrape_targets() const {
   std::vector<ScrapeTarget> targets = {{opts_.metrics_address, "agent", opts_.name}};
   for (const NodeRecord& n : members_.nodes()) targets.push_back({n.metrics_address, "moed", n.name});
   try {
+    const auto dir = std::filesystem::path(opts_.prometheus_sd_file).parent_path();
+    if (!dir.empty()) std::filesystem::create_directories(dir);
     write_file_atomically(opts_.prometheus_sd_file, file_sd_json(targets));
   } catch (const moe::Error& e) {
     log::warn("prometheus file_sd: ", e.what());

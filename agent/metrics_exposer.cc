@@ -33,7 +33,7 @@ struct MetricsExposer::Impl {
     nodes = &BuildGauge().Name("moe_nodes").Help("Registered nodes by state").Register(*registry);
     jobs = &BuildGauge().Name("moe_jobs").Help("Jobs by state").Register(*registry);
     BuildGauge().Name("moe_build_info").Help("moed build").Register(*registry)
-        .Add({{"version", MOE_VERSION}, {"role", "moe-agent"}}).Set(1);
+        .Add({{"version", MOE_VERSION}}).Set(1);  // no "role": the scrape target's label
     refresh();
   }
 

@@ -94,7 +94,7 @@ void Daemon::register_once(rpc::RpcClient& agent) {
   r->set_devices(opts_.devices);
   r->set_backend(backend_.kind);
   r->set_gemm_engine(backend_.gemm_engine);
-  r->set_control_address(server_->address());
+  r->set_control_address(server_->advertised_address());
   r->set_metrics_address(metrics_address());
   r->set_host(host_name());
   {

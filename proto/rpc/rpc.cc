@@ -1,5 +1,7 @@
 #include "moe/rpc/rpc.h"
 
+#include <unistd.h>
+
 #include <fstream>
 #include <optional>
 #include <sstream>
@@ -91,6 +93,13 @@ RpcServer::RpcServer(asio::io_context& io, ServerOptions options, Handler handle
 RpcServer::~RpcServer() { stop(); }
 
 std::string RpcServer::address() const { return opts_.host + ":" + std::to_string(port_); }
+
+std::string RpcServer::advertised_address() const {
+  if (opts_.host != "0.0.0.0" && opts_.host != "::" && !opts_.host.empty()) return address();
+  char name[256] = {};
+  ::gethostname(name, sizeof name - 1);  // bound to every interface: the host's name reaches it
+  return std::string(name) + ":" + std::to_string(port_);
+}
 
 void RpcServer::stop() {
   if (stopped_) return;

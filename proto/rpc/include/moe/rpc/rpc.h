@@ -59,7 +59,10 @@ class RpcServer {
   RpcServer(asio::io_context& io, ServerOptions options, Handler handler);
   ~RpcServer();
   int port() const { return port_; }
-  std::string address() const;  // "host:port"
+  std::string address() const;  // "host:port" as bound
+  // What peers should dial: the bound address, or the host name when bound to
+  // every interface (0.0.0.0).
+  std::string advertised_address() const;
   void stop();                  // stop accepting and close every connection
 
  private:
