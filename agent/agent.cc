@@ -17,10 +17,13 @@ Agent::Agent(rpc::asio::io_context& io, AgentOptions options)
     : io_(io),
       opts_(std::move(options)),
       members_(opts_.heartbeat_timeout),
+      placement_(opts_.load_window),
       scheduler_(opts_.scheduler, members_, placement_, *this),
+      rebalancer_(opts_.rebalance, placement_, scheduler_, members_, *this),
       outbound_(std::make_unique<Outbound>(opts_.token)),
       job_event_(io),
-      bootstrap_event_(io) {
+      bootstrap_event_(io),
+      rebalance_event_(io) {
   server_ = std::make_unique<rpc::RpcServer>(
       io_, rpc::ServerOptions::make(opts_.listen, opts_.token, "moe-agent"),
       [this](const v1::Envelope& req, const rpc::RequestContext& ctx) { return handle(req, ctx); });
@@ -86,10 +89,23 @@ rpc::awaitable<v1::Envelope> Agent::handle(const v1::Envelope& req, const rpc::R
     case E::kClusterStatus:
       co_return cluster_status();
     case E::kPlacement: {
-      auto* maps = reply.mutable_placement_reply();  // no maps before the first job
-      for (const auto& m : placement_.maps()) *maps->add_maps() = m;
+      const v1::PlacementRequest& p = req.placement();
+      // No map before the first job: an empty reply is the answer.
+      *reply.mutable_placement_reply() =
+          placement_.describe(ShapeKey::of(p.shape()), p.has_layer() ? std::optional<int>(p.layer()) : std::nullopt);
       co_return reply;
     }
+    case E::kPlacementImport:
+      co_return on_import(req.placement_import());
+    case E::kRebalance:
+      co_return co_await on_rebalance(req.rebalance(), ctx);
+    case E::kRebalanceReady:
+      rebalancer_.on_ready(req.rebalance_ready(), Clock::now());
+      reply.mutable_ack();
+      co_return reply;
+    case E::kPlacementLoads:
+      *reply.mutable_placement_loads_reply() = placement_.loads(ShapeKey::of(req.placement_loads().shape()));
+      co_return reply;
     default:
       throw RpcError(v1::ERROR_CODE_INVALID_ARGUMENT, "moe-agent does not serve " + rpc::payload_name(req));
   }
@@ -141,6 +157,21 @@ rpc::awaitable<v1::Envelope> Agent::on_bootstrap(const v1::BootstrapPublish& p, 
   co_return reply;
 }
 
+// Installs imported maps as a new epoch of their shape; the next job of the shape
+// starts on them. A running job of the shape keeps its maps (rebalance moves it).
+v1::Envelope Agent::on_import(const v1::PlacementImport& imp) {
+  const ShapeKey shape = ShapeKey::of(imp.shape());
+  if (const RunningJob* job = scheduler_.running(); job && job->shape == shape)
+    throw RpcError(v1::ERROR_CODE_FAILED_PRECONDITION,
+                   "job " + job->id + " runs on the shape " + shape.name() +
+                       "; import when it ends, or move it with placement rebalance");
+  const int64_t epoch = placement_.install(shape, {imp.maps().begin(), imp.maps().end()});
+  log::info("placement: imported ", imp.maps_size(), " map(s) of ", shape.name(), " as epoch ", epoch);
+  v1::Envelope reply;
+  *reply.mutable_placement_reply() = placement_.describe(shape, std::nullopt);
+  return reply;
+}
+
 v1::Envelope Agent::on_rank_done(const v1::RankDone& d) {
   // The node may still be busy with a job the agent already ended.
   if (members_.rank_done(d.job_id(), d.rank())) schedule_soon();
@@ -186,6 +217,7 @@ rpc::awaitable<void> Agent::watchdog() {
       scheduler_.on_node_dead(members_.describe_node(n) + " stopped responding", now);
     }
     scheduler_.tick(now);
+    rebalancer_.tick(now);
   }
 }
 
@@ -201,6 +233,90 @@ void Agent::write_scrape_targets() const {
     log::warn("prometheus file_sd: ", e.what());
   }
 }
+
+rpc::awaitable<v1::Envelope> Agent::on_rebalance(const v1::RebalanceRequest& r, const rpc::RequestContext& ctx) {
+  const uint64_t id = rebalancer_.start(r, Clock::now());
+  while (!rebalancer_.result(id) && Clock::now() < ctx.deadline) co_await rebalance_event_.wait(ctx.deadline);
+  const v1::RebalanceReply* done = rebalancer_.result(id);
+  if (!done) throw RpcError(v1::ERROR_CODE_DEADLINE_EXCEEDED, "the rebalance is still running; see placement show");
+  v1::Envelope reply;
+  *reply.mutable_rebalance_reply() = *done;
+  co_return reply;
+}
+
+// Auto-rebalance (agent flags): at most once every rebalance_every steps of a
+// job, when the window is below the threshold and the solver predicts at least
+// 0.05 more (mean over layers).
+void Agent::maybe_auto_rebalance(const std::string& job_id, int step) {
+  if (opts_.rebalance_every <= 0 || rebalancer_.in_flight()) return;
+  if (last_auto_job_ != job_id) {
+    last_auto_job_ = job_id;
+    last_auto_step_ = 0;
+  }
+  if (step + 1 - last_auto_step_ < opts_.rebalance_every) return;
+  last_auto_step_ = step + 1;
+  const RunningJob* job = scheduler_.running();
+  if (!job) return;
+  try {
+    const RebalancePlan plan = placement_.plan(job->shape, opts_.redundant_experts, std::nullopt);
+    double before = 0, after = 0;
+    for (size_t l = 0; l < plan.maps.size(); ++l) {
+      before += plan.before[l] / plan.maps.size();
+      after += plan.predicted[l] / plan.maps.size();
+    }
+    if (before >= opts_.balancedness_threshold || after - before < 0.05) return;
+    log::info("auto-rebalance: job ", job_id, " at step ", step, ": balancedness ", before, ", predicted ", after);
+    v1::RebalanceRequest req;
+    if (opts_.redundant_experts) req.set_redundant_experts(*opts_.redundant_experts);
+    rebalancer_.start(req, Clock::now());
+  } catch (const std::exception& e) {
+    log::warn("auto-rebalance: ", e.what());
+  }
+}
+
+void Agent::step_completed(const std::string& job_id, int step) {
+  rpc::asio::post(io_, [this, job_id, step] { maybe_auto_rebalance(job_id, step); });
+}
+
+void Agent::to_every_node(const v1::Envelope& req,
+                          std::function<void(const std::string&, const std::string&)> on_error) {
+  for (const NodeRecord& n : members_.nodes()) {
+    if (n.state != v1::NODE_STATE_ALIVE) continue;
+    const std::string name = n.name;
+    outbound_->post(n.control_address, [this, req, name, on_error](rpc::RpcClient& daemon) {
+      try {
+        daemon.call(req, opts_.daemon_call_timeout);
+      } catch (const std::exception& e) {
+        const std::string error = e.what();
+        log::warn(rpc::payload_name(req), " to ", name, ": ", error);
+        if (on_error) rpc::asio::post(io_, [on_error, name, error] { on_error(name, error); });
+      }
+    });
+  }
+}
+
+void Agent::prepare(const v1::PrepareRebalance& p) {
+  v1::Envelope req;
+  *req.mutable_prepare_rebalance() = p;
+  const int64_t epoch = p.epoch();
+  to_every_node(req, [this, epoch](const std::string& node, const std::string& error) {
+    rebalancer_.on_prepare_failed(epoch, node, error, Clock::now());
+  });
+}
+
+void Agent::commit(const v1::CommitRebalance& c) {
+  v1::Envelope req;
+  *req.mutable_commit_rebalance() = c;
+  to_every_node(req, nullptr);  // a node that misses it dies with the job
+}
+
+void Agent::abort(const v1::AbortRebalance& a) {
+  v1::Envelope req;
+  *req.mutable_abort_rebalance() = a;
+  to_every_node(req, nullptr);
+}
+
+void Agent::rebalance_done(const v1::RebalanceReply&) { rebalance_event_.notify_all(); }
 
 void Agent::start_job(const v1::StartJob& start) {
   relay_.begin(start.job_id(), start.world_size());
@@ -237,7 +353,9 @@ void Agent::cancel_job(const std::string& job_id, const std::string& reason) {
   }
 }
 
-void Agent::job_ended(const v1::JobResult&) {
+void Agent::job_ended(const v1::JobResult& result) {
+  rebalancer_.on_job_ended(result.job_id(), result.message().empty() ? v1::JobState_Name(result.state()) : result.message(),
+                           Clock::now());
   if (scheduler_.running() == nullptr) relay_.clear();
   job_event_.notify_all();
   bootstrap_event_.notify_all();

@@ -32,6 +32,24 @@ int main(int argc, char** argv) {
   app.add_option("--metrics-port", metrics, "Prometheus metrics on this port (HOST:PORT or PORT; default off)");
   app.add_option("--prometheus-sd-file", opts.prometheus_sd_file,
                  "keep a Prometheus file_sd file of every process's metrics address here (default none)");
+  app.add_option("--load-window", opts.load_window, "steps of measured load kept per shape and layer")
+      ->check(CLI::Range(1, 100000))
+      ->capture_default_str();
+  int64_t rebalance_timeout_ms = opts.rebalance.timeout.count();
+  app.add_option("--rebalance-timeout-ms", rebalance_timeout_ms,
+                 "a live rebalance whose copies are not all READY by then aborts")
+      ->check(CLI::Range(int64_t{1}, int64_t{3600000}))
+      ->capture_default_str();
+  app.add_option("--rebalance-every", opts.rebalance_every,
+                 "auto-rebalance at most once every N steps of a job (0: off)")
+      ->check(CLI::NonNegativeNumber)
+      ->capture_default_str();
+  app.add_option("--balancedness-threshold", opts.balancedness_threshold,
+                 "auto-rebalance when the window's balancedness is below this")
+      ->check(CLI::Range(0.0, 1.0))
+      ->capture_default_str();
+  app.add_option("--redundant-experts", opts.redundant_experts,
+                 "redundant slots of an auto-rebalance (default: the shape's current count)");
   app.add_option("--name", opts.name, "the agent's node label in the file_sd file (default: host name)");
   try {
     app.parse(argc, argv);
@@ -42,6 +60,7 @@ int main(int argc, char** argv) {
   try {
     if (!token_file.empty()) opts.token = rpc::read_token_file(token_file);
     opts.heartbeat_timeout = std::chrono::milliseconds(hb_timeout_ms);
+    opts.rebalance.timeout = std::chrono::milliseconds(rebalance_timeout_ms);
     rpc::asio::io_context io;
     agent::Agent agent(io, opts);
     std::unique_ptr<agent::MetricsExposer> exposer;

@@ -105,6 +105,48 @@ void fill_sums(const std::vector<const std::vector<v1::StepStats>*>& steps, cons
   rec.set_balancedness(L > 0 ? balance_sum / L : 0.0);
 }
 
+// The epoch a step ran under: the newest of its layers' maps.
+int64_t step_epoch(const std::vector<v1::StepStats>& by_rank) {
+  int64_t epoch = 0;
+  for (const v1::StepStats& s : by_rank)
+    for (int64_t e : s.layer_epoch()) epoch = std::max(epoch, e);
+  return epoch;
+}
+
+// Each epoch the job ran under (DESIGN 7): its steps, balancedness over them,
+// and the medians of its step and slowest-rank expert times.
+void fill_epochs(const std::vector<const std::vector<v1::StepStats>*>& steps, const JobReports& r,
+                 v1::JobResult& rec) {
+  const int L = r.spec.layers(), W = r.world;
+  size_t i = 0;
+  while (i < steps.size()) {
+    const int64_t epoch = step_epoch(*steps[i]);
+    std::vector<std::vector<double>> load(L, std::vector<double>(W, 0.0));
+    std::vector<double> step_time, expert;
+    v1::EpochRun* run = rec.add_epochs();
+    run->set_epoch(epoch);
+    run->set_first_step((*steps[i])[0].step());
+    for (; i < steps.size() && step_epoch(*steps[i]) == epoch; ++i) {
+      double t = 0, pe = 0;
+      for (int rank = 0; rank < W; ++rank) {
+        const v1::StepStats& s = (*steps[i])[rank];
+        t = std::max(t, s.step_seconds());
+        pe = std::max(pe, s.phase_seconds().expert());
+        for (int l = 0; l < std::min(L, s.layer_pairs_size()); ++l) load[l][rank] += s.layer_pairs(l);
+      }
+      step_time.push_back(t);
+      expert.push_back(pe);
+    }
+    run->set_steps(static_cast<int32_t>(step_time.size()));
+    double balance = 0;
+    for (const auto& layer : load) balance += balancedness_of(layer) / std::max(1, L);
+    run->set_balancedness(balance);
+    run->set_step_seconds_p50(median(step_time));
+    run->set_slowest_rank_expert_seconds(median(expert));
+  }
+  if (rec.epochs_size() > 0) rec.set_placement_epoch(static_cast<double>(rec.epochs(rec.epochs_size() - 1).epoch()));
+}
+
 void fill_verify(const JobReports& r, v1::JobState state, v1::JobResult& rec) {
   if (!r.spec.verify()) return;
   v1::Verify v;
@@ -132,9 +174,11 @@ void fill_result(const JobReports& r, v1::JobState state, v1::JobResult& rec) {
   rec.clear_expert_tokens();
   rec.clear_layer_rank_tokens();
   rec.clear_layer_balancedness();
+  rec.clear_epochs();
   const auto steps = complete_steps(r);
   fill_times(steps, r.spec.tokens_per_rank() * r.world, rec);
   fill_sums(steps, r, rec);
+  fill_epochs(steps, r, rec);
   fill_verify(r, state, rec);
 }
 

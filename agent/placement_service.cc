@@ -1,38 +1,31 @@
 #include "moe/agent/placement_service.h"
 
+#include <algorithm>
+#include <set>
+
 #include "moe/base/check.h"
 #include "moe/placement/placement_metrics.h"
 #include "moe/placement/placement_solver.h"
+#include "moe/rpc/frame.h"
 
 namespace moe::agent {
 
-const std::vector<v1::PlacementMap>& PlacementService::maps_for_job(const v1::JobSpec& spec, int world,
-                                                                    int num_nodes) {
-  placement::PlacementSpec ps;
-  ps.num_experts = spec.experts();
-  ps.num_ranks = world;
-  ps.num_nodes = num_nodes;
-  ps.num_redundant = 0;
-  // Groups kept on few nodes only where they divide over the nodes.
-  ps.num_groups = spec.num_groups() > 1 && spec.num_groups() % num_nodes == 0 ? spec.num_groups() : 0;
-  ps.top_k = spec.top_k();
-  ps.group_top_k = ps.num_groups > 1 ? spec.group_top_k() : 0;
-  const placement::LayerMap first = placement::solve_layer(ps, std::vector<double>(spec.experts(), 1.0));
-  ++epoch_;
-  maps_.clear();
-  for (int l = 0; l < spec.layers(); ++l) maps_.push_back(to_proto(first, l, epoch_));
-  return maps_;
+using rpc::RpcError;
+
+ShapeKey ShapeKey::of(const v1::PlacementShape& s) { return {s.experts(), s.layers(), s.nodes(), s.devices_per_node()}; }
+
+v1::PlacementShape ShapeKey::proto() const {
+  v1::PlacementShape s;
+  s.set_experts(experts);
+  s.set_layers(layers);
+  s.set_nodes(nodes);
+  s.set_devices_per_node(devices_per_node);
+  return s;
 }
 
-void PlacementService::record_loads(std::vector<std::vector<double>> expert_tokens) {
-  loads_ = std::move(expert_tokens);
-}
-
-double PlacementService::balancedness(int layer) const {
-  if (layer < 0 || layer >= static_cast<int>(maps_.size()) || layer >= static_cast<int>(loads_.size())) return 0;
-  const v1::PlacementMap& m = maps_[layer];
-  if (static_cast<int>(loads_[layer].size()) != m.num_experts()) return 0;
-  return placement::balancedness(from_proto(m), loads_[layer]);
+std::string ShapeKey::name() const {
+  return std::to_string(experts) + " experts x " + std::to_string(layers) + " layers on " + std::to_string(nodes) +
+         "x" + std::to_string(devices_per_node);
 }
 
 v1::PlacementMap PlacementService::to_proto(const placement::LayerMap& lm, int layer, int64_t epoch) {
@@ -53,6 +46,258 @@ placement::LayerMap PlacementService::from_proto(const v1::PlacementMap& m) {
   MOE_CHECK(m.phy2log_size() == m.num_ranks() * m.slots_per_rank(), "placement map of layer ", m.layer(), ": ",
             m.phy2log_size(), " slots, expected ", m.num_ranks() * m.slots_per_rank());
   return placement::make_layer_map(m.num_experts(), m.num_ranks(), {m.phy2log().begin(), m.phy2log().end()});
+}
+
+const PlacementService::Shape& PlacementService::find(const ShapeKey& shape) const {
+  const auto it = shapes_.find(shape);
+  if (it == shapes_.end())
+    throw RpcError(v1::ERROR_CODE_NOT_FOUND, "no placement for the shape " + shape.name() + " (no job has run on it)");
+  return it->second;
+}
+
+placement::PlacementSpec PlacementService::solver_spec(const ShapeKey& key, const Shape& s, int redundant) const {
+  placement::PlacementSpec ps;
+  ps.num_experts = key.experts;
+  ps.num_ranks = key.ranks();
+  ps.num_nodes = key.nodes;
+  ps.num_redundant = redundant;
+  // Groups kept on few nodes only where they divide over the nodes.
+  ps.num_groups = s.num_groups > 1 && s.num_groups % key.nodes == 0 ? s.num_groups : 0;
+  ps.top_k = s.top_k;
+  ps.group_top_k = ps.num_groups > 1 ? s.group_top_k : 0;
+  return ps;
+}
+
+std::vector<v1::PlacementMap> PlacementService::maps_for_job(const v1::JobSpec& spec, const ShapeKey& key) {
+  last_shape_ = key;
+  Shape& s = shapes_[key];
+  s.num_groups = spec.num_groups();
+  s.top_k = spec.top_k();
+  s.group_top_k = spec.group_top_k();
+  if (s.maps.empty()) {
+    const placement::LayerMap first =
+        placement::solve_layer(solver_spec(key, s, 0), std::vector<double>(key.experts, 1.0));
+    ++epoch_;
+    for (int l = 0; l < key.layers; ++l) s.maps.push_back(to_proto(first, l, epoch_));
+    s.windows.assign(key.layers, LoadWindow(window_steps_));
+  }
+  return s.maps;
+}
+
+void PlacementService::record_step(const ShapeKey& key, const std::vector<std::vector<double>>& expert,
+                                   const std::vector<std::vector<double>>& rank, const std::vector<int64_t>& epochs) {
+  const auto it = shapes_.find(key);
+  if (it == shapes_.end()) return;
+  Shape& s = it->second;
+  for (size_t l = 0; l < s.windows.size() && l < expert.size() && l < rank.size() && l < epochs.size(); ++l)
+    s.windows[l].add(expert[l], rank[l], epochs[l]);
+}
+
+v1::LayerPlacement PlacementService::describe_layer(const Shape& s, int l) const {
+  v1::LayerPlacement lp;
+  *lp.mutable_map() = s.maps[l];
+  const LoadWindow& w = s.windows[l];
+  const std::vector<double> expert = w.expert_loads(), rank = w.rank_loads();
+  *lp.mutable_expert_loads() = {expert.begin(), expert.end()};
+  *lp.mutable_rank_loads() = {rank.begin(), rank.end()};
+  lp.set_window_steps(w.expert_steps());
+  lp.set_rank_window_steps(w.rank_steps());
+  lp.set_balancedness(w.balancedness());
+  if (static_cast<int>(expert.size()) == s.maps[l].num_experts())
+    lp.set_predicted_balancedness(placement::balancedness(from_proto(s.maps[l]), expert));
+  return lp;
+}
+
+v1::PlacementReply PlacementService::describe(ShapeKey key, std::optional<int> layer) const {
+  v1::PlacementReply reply;
+  for (const auto& [k, s] : shapes_) *reply.add_shapes() = k.proto();
+  key = resolve(key);
+  if (key.empty()) return reply;  // no job has run: nothing is placed yet
+  const Shape& s = find(key);
+  *reply.mutable_shape() = key.proto();
+  if (layer && (*layer < 0 || *layer >= key.layers))
+    throw RpcError(v1::ERROR_CODE_INVALID_ARGUMENT,
+                   "layer: must be in [0, " + std::to_string(key.layers) + "), got " + std::to_string(*layer));
+  for (int l = 0; l < key.layers; ++l) {
+    if (layer && l != *layer) continue;
+    *reply.add_maps() = s.maps[l];
+    *reply.add_layers() = describe_layer(s, l);
+  }
+  return reply;
+}
+
+v1::PlacementLoads PlacementService::loads(ShapeKey key) const {
+  key = resolve(key);
+  if (key.empty()) throw RpcError(v1::ERROR_CODE_NOT_FOUND, "no loads yet: no job has run");
+  const Shape& s = find(key);
+  v1::PlacementLoads out;
+  *out.mutable_shape() = key.proto();
+  int steps = 0;
+  for (const LoadWindow& w : s.windows) {
+    const std::vector<double> e = w.expert_loads();
+    *out.add_layers()->mutable_tokens() = {e.begin(), e.end()};
+    steps = std::max(steps, w.expert_steps());
+  }
+  out.set_steps(steps);
+  return out;
+}
+
+RebalancePlan PlacementService::plan(ShapeKey key, std::optional<int> redundant, std::optional<int> layer) const {
+  key = resolve(key);
+  if (key.empty()) throw RpcError(v1::ERROR_CODE_NOT_FOUND, "nothing to rebalance: no job has run yet");
+  const Shape& s = find(key);
+  const int current = s.maps[0].num_ranks() * s.maps[0].slots_per_rank() - key.experts;
+  const int n = redundant.value_or(current);
+  if (n < 0 || (key.experts + n) % key.ranks() != 0)
+    throw RpcError(v1::ERROR_CODE_INVALID_ARGUMENT,
+                   "redundant_experts: experts + redundant (" + std::to_string(key.experts) + " + " +
+                       std::to_string(n) + ") must be divisible by the ranks (" + std::to_string(key.ranks()) + ")");
+  if (layer && (*layer < 0 || *layer >= key.layers))
+    throw RpcError(v1::ERROR_CODE_INVALID_ARGUMENT,
+                   "layer: must be in [0, " + std::to_string(key.layers) + "), got " + std::to_string(*layer));
+  RebalancePlan p{.shape = key, .redundant = n};
+  const placement::PlacementSpec spec = solver_spec(key, s, n);
+  for (int l = 0; l < key.layers; ++l) {
+    if (layer && l != *layer) continue;
+    std::vector<double> loads = s.windows[l].expert_loads();
+    if (static_cast<int>(loads.size()) != key.experts) loads.assign(key.experts, 1.0);  // nothing measured yet
+    const placement::LayerMap old = from_proto(s.maps[l]);
+    placement::LayerContext ctx;
+    if (n == current) ctx.current = &old;  // keep copies in place
+    const placement::LayerMap next = placement::solve_layer(spec, loads, ctx);
+    p.maps.push_back(to_proto(next, l, 0));
+    p.before.push_back(s.windows[l].rank_steps() > 0 ? s.windows[l].balancedness()
+                                                     : placement::balancedness(old, loads));
+    p.predicted.push_back(placement::balancedness(next, loads));
+    for (auto& c : copies_between(s.maps[l], p.maps.back(), key.devices_per_node)) p.copies.push_back(std::move(c));
+  }
+  return p;
+}
+
+int64_t PlacementService::install(ShapeKey key, std::vector<v1::PlacementMap> maps, int64_t epoch) {
+  key = resolve(key);
+  find(key);  // NOT_FOUND for a shape never placed
+  Shape& s = shapes_.at(key);
+  for (const v1::PlacementMap& m : maps) {
+    const std::string where = "layer " + std::to_string(m.layer()) + ": ";
+    if (m.layer() < 0 || m.layer() >= key.layers)
+      throw RpcError(v1::ERROR_CODE_INVALID_ARGUMENT, where + "no such layer in the shape " + key.name());
+    if (m.num_experts() != key.experts || m.num_ranks() != key.ranks())
+      throw RpcError(v1::ERROR_CODE_INVALID_ARGUMENT,
+                     where + "the map has " + std::to_string(m.num_experts()) + " experts on " +
+                         std::to_string(m.num_ranks()) + " ranks, the shape " + key.name());
+    if ((m.num_ranks() * m.slots_per_rank()) % key.ranks() != 0 || m.num_ranks() * m.slots_per_rank() < key.experts)
+      throw RpcError(v1::ERROR_CODE_INVALID_ARGUMENT, where + "experts + redundant must fill every rank's slots");
+    try {
+      const placement::LayerMap lm = from_proto(m);
+      placement::validate_layer_map(lm, solver_spec(key, s, lm.num_slots() - key.experts));
+    } catch (const moe::Error& e) {
+      throw RpcError(v1::ERROR_CODE_INVALID_ARGUMENT, where + e.what());
+    }
+  }
+  if (epoch <= 0) epoch = ++epoch_;
+  for (v1::PlacementMap& m : maps) {
+    const int l = m.layer();
+    m.set_epoch(epoch);
+    s.maps[l] = std::move(m);
+    s.windows[l].restart_ranks(epoch);
+  }
+  return epoch;
+}
+
+const std::vector<v1::PlacementMap>* PlacementService::maps(const ShapeKey& key) const {
+  const auto it = shapes_.find(key);
+  return it == shapes_.end() ? nullptr : &it->second.maps;
+}
+
+std::vector<double> PlacementService::live_balancedness() const {
+  std::vector<double> out;
+  const auto it = shapes_.find(last_shape_);
+  if (it != shapes_.end())
+    for (const LoadWindow& w : it->second.windows) out.push_back(w.balancedness());
+  return out;
+}
+
+std::vector<double> PlacementService::live_predicted() const {
+  std::vector<double> out;
+  const auto it = shapes_.find(last_shape_);
+  if (it == shapes_.end()) return out;
+  for (size_t l = 0; l < it->second.maps.size(); ++l) out.push_back(describe_layer(it->second, static_cast<int>(l)).predicted_balancedness());
+  return out;
+}
+
+std::vector<v1::ExpertCopy> copies_between(const v1::PlacementMap& before, const v1::PlacementMap& after,
+                                           int devices_per_node) {
+  std::vector<v1::ExpertCopy> copies;
+  const int R = after.num_ranks(), S0 = before.slots_per_rank(), S1 = after.slots_per_rank();
+  auto holders = [&](int e) {
+    std::vector<int> ranks;
+    for (int p = 0; p < before.phy2log_size(); ++p)
+      if (before.phy2log(p) == e) ranks.push_back(p / S0);
+    return ranks;
+  };
+  for (int r = 0; r < R; ++r) {
+    std::set<int> had;  // a rank fills every slot of an expert it hosts from its own copy
+    for (int s = 0; s < S0; ++s) had.insert(before.phy2log(r * S0 + s));
+    for (int s = 0; s < S1; ++s) {
+      const int e = after.phy2log(r * S1 + s);
+      if (had.count(e)) continue;
+      const std::vector<int> from = holders(e);
+      MOE_CHECK(!from.empty(), "placement: expert ", e, " has no holder in the map in force");
+      const auto same_node = std::find_if(from.begin(), from.end(), [&](int h) {
+        return devices_per_node > 0 && h / devices_per_node == r / devices_per_node;
+      });
+      v1::ExpertCopy c;
+      c.set_layer(after.layer());
+      c.set_expert(e);
+      c.set_from_rank(same_node != from.end() ? *same_node : from.front());
+      c.set_to_rank(r);
+      c.set_to_slot(s);
+      copies.push_back(c);
+    }
+  }
+  return copies;
+}
+
+v1::PlacementState PlacementService::state() const {
+  v1::PlacementState st;
+  st.set_epoch(epoch_);
+  *st.mutable_last_shape() = last_shape_.proto();
+  for (const auto& [key, s] : shapes_) {
+    v1::ShapePlacement* sp = st.add_shapes();
+    *sp->mutable_shape() = key.proto();
+    for (const auto& m : s.maps) *sp->add_maps() = m;
+    sp->set_num_groups(s.num_groups);
+    sp->set_top_k(s.top_k);
+    sp->set_group_top_k(s.group_top_k);
+    for (const LoadWindow& w : s.windows) {
+      v1::LoadWindowState* ws = sp->add_windows();
+      for (const auto& e : w.expert_steps_data()) *ws->add_expert_steps()->mutable_tokens() = {e.begin(), e.end()};
+      for (const auto& r : w.rank_steps_data()) *ws->add_rank_steps()->mutable_tokens() = {r.begin(), r.end()};
+      ws->set_rank_epoch(w.rank_epoch());
+    }
+  }
+  return st;
+}
+
+void PlacementService::restore(const v1::PlacementState& st) {
+  epoch_ = st.epoch();
+  last_shape_ = ShapeKey::of(st.last_shape());
+  shapes_.clear();
+  for (const v1::ShapePlacement& sp : st.shapes()) {
+    Shape& s = shapes_[ShapeKey::of(sp.shape())];
+    s.maps.assign(sp.maps().begin(), sp.maps().end());
+    s.num_groups = sp.num_groups();
+    s.top_k = sp.top_k();
+    s.group_top_k = sp.group_top_k();
+    s.windows.assign(s.maps.size(), LoadWindow(window_steps_));
+    for (int l = 0; l < sp.windows_size() && l < static_cast<int>(s.windows.size()); ++l) {
+      std::deque<std::vector<double>> expert, rank;
+      for (const auto& e : sp.windows(l).expert_steps()) expert.emplace_back(e.tokens().begin(), e.tokens().end());
+      for (const auto& r : sp.windows(l).rank_steps()) rank.emplace_back(r.tokens().begin(), r.tokens().end());
+      s.windows[l].restore(std::move(expert), std::move(rank), sp.windows(l).rank_epoch());
+    }
+  }
 }
 
 }  // namespace moe::agent

@@ -81,7 +81,8 @@ bool Scheduler::start(v1::JobResult& rec, Clock::time_point now) {
   v1::StartJob msg;
   try {
     spec::validate(rec.spec(), world);
-    for (const auto& m : placement_.maps_for_job(rec.spec(), world, members_.num_nodes())) *msg.add_maps() = m;
+    const ShapeKey shape{rec.spec().experts(), rec.spec().layers(), members_.num_nodes(), members_.devices_per_node()};
+    for (const auto& m : placement_.maps_for_job(rec.spec(), shape)) *msg.add_maps() = m;
   } catch (const RpcError& e) {
     fail_unstarted(rec, e.what());
     return false;
@@ -91,12 +92,14 @@ bool Scheduler::start(v1::JobResult& rec, Clock::time_point now) {
   }
   running_ = std::make_unique<RunningJob>();
   running_->id = rec.job_id();
+  running_->shape = {rec.spec().experts(), rec.spec().layers(), members_.num_nodes(), members_.devices_per_node()};
   running_->reports.spec = rec.spec();
   running_->reports.world = world;
   running_->reports.verify.assign(world, {});
   running_->done.assign(world, false);
   running_->last_report = now;
   rec.set_state(v1::JOB_STATE_RUNNING);
+  for (const auto& m : msg.maps()) rec.set_placement_epoch(std::max(rec.placement_epoch(), static_cast<double>(m.epoch())));
   members_.mark_busy(rec.job_id());
   log::info("job ", rec.job_id(), " starting on ", world, " ranks (", members_.num_nodes(), " nodes), placement epoch ",
             placement_.epoch());
@@ -123,10 +126,27 @@ void Scheduler::on_step(const v1::StepReport& r, Clock::time_point now) {
   by_rank[r.rank()] = r.stats();
   running_->last_report = now;
   const bool all = std::all_of(by_rank.begin(), by_rank.end(), [](const v1::StepStats& s) { return s.step_seconds() > 0; });
-  if (all) {  // progress shows in `job status` while it runs
-    v1::JobResult& rec = jobs_.at(r.job_id());
-    rec.set_steps_completed(std::max(rec.steps_completed(), static_cast<double>(r.stats().step() + 1)));
+  if (!all) return;
+  // progress shows in `job status` while it runs
+  v1::JobResult& rec = jobs_.at(r.job_id());
+  rec.set_steps_completed(std::max(rec.steps_completed(), static_cast<double>(r.stats().step() + 1)));
+  record_load(by_rank);
+  actions_.step_completed(r.job_id(), r.stats().step());
+}
+
+// A complete step's measured load into the placement window (DESIGN 7).
+void Scheduler::record_load(const std::vector<v1::StepStats>& by_rank) {
+  const int L = running_->reports.spec.layers(), E = running_->reports.spec.experts(), W = running_->reports.world;
+  std::vector<std::vector<double>> expert(L, std::vector<double>(E, 0.0)), rank(L, std::vector<double>(W, 0.0));
+  std::vector<int64_t> epochs(L, 0);
+  for (int r = 0; r < W; ++r) {
+    const v1::StepStats& s = by_rank[r];
+    for (int l = 0; l < std::min(L, s.expert_tokens_size()); ++l)
+      for (int e = 0; e < std::min(E, s.expert_tokens(l).tokens_size()); ++e) expert[l][e] += s.expert_tokens(l).tokens(e);
+    for (int l = 0; l < std::min(L, s.layer_pairs_size()); ++l) rank[l][r] = s.layer_pairs(l);
+    for (int l = 0; l < std::min(L, s.layer_epoch_size()); ++l) epochs[l] = std::max(epochs[l], s.layer_epoch(l));
   }
+  placement_.record_step(running_->shape, expert, rank, epochs);
 }
 
 void Scheduler::on_activity(const std::string& job_id, Clock::time_point now) {
@@ -213,13 +233,7 @@ void Scheduler::finish(v1::JobState state, const std::string& message) {
   rec.set_state(state);
   rec.set_message(message);
   rec.set_finished_unix_ms(unix_ms());
-  rec.set_placement_epoch(static_cast<double>(placement_.epoch()));
   fill_result(job->reports, state, rec);
-  if (rec.steps_completed() > 0) {
-    std::vector<std::vector<double>> loads;
-    for (const auto& layer : rec.expert_tokens()) loads.emplace_back(layer.tokens().begin(), layer.tokens().end());
-    placement_.record_loads(std::move(loads));
-  }
   log::info("job ", job->id, " ", v1::JobState_Name(state), message.empty() ? "" : ": " + message, " (",
             rec.steps_completed(), " steps, ", static_cast<int64_t>(rec.tokens_per_second()), " tokens/s)");
   actions_.job_ended(rec);

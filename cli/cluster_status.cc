@@ -1,4 +1,4 @@
-// moectl cluster status and placement show.
+// moectl cluster status.
 #include "agent_call.h"
 #include "format.h"
 #include "moe/spec/job_spec.h"
@@ -36,29 +36,6 @@ int cluster_status(const Globals& g, std::ostream& out, std::ostream& err) {
                       backend_name(n), n.control_address(), n.metrics_address().empty() ? "off" : n.metrics_address(),
                       fmt(n.last_heartbeat_age_seconds(), 2) + "s ago"});
     print_table(out, rows);
-    return kExitOk;
-  });
-}
-
-int placement_show(const Globals& g, std::ostream& out, std::ostream& err) {
-  return with_agent(g, err, [&](rpc::RpcClient& c, const Resolved&) {
-    v1::Envelope req;
-    req.mutable_placement();
-    const v1::PlacementReply p = c.call(req, g.timeout).placement_reply();
-    if (g.json) {
-      out << spec::to_json(p) << "\n";
-      return kExitOk;
-    }
-    if (p.maps_size() == 0) out << "no placement yet (no job has run)\n";
-    for (const auto& m : p.maps()) {
-      out << "layer " << m.layer() << ", epoch " << m.epoch() << ", " << m.num_ranks() << " ranks x "
-          << m.slots_per_rank() << " slots\n";
-      for (int r = 0; r < m.num_ranks(); ++r) {
-        out << "  rank " << r << ":";
-        for (int s = 0; s < m.slots_per_rank(); ++s) out << " " << m.phy2log(r * m.slots_per_rank() + s);
-        out << "\n";
-      }
-    }
     return kExitOk;
   });
 }

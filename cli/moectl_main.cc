@@ -1,85 +1,132 @@
-// moectl: the command line of a moed cluster (DESIGN 9). Thin main: flags into
-// the calls of ctl.h, whose return value is the exit code.
+// moectl: the command line of a moed cluster (DESIGN 9). Thin main: each command
+// group registers its subcommands with the function that runs them (the calls of
+// ctl.h, whose return value is the exit code).
 #include <CLI/CLI.hpp>
 
+#include <functional>
 #include <iostream>
+#include <memory>
 
 #include "moe/ctl/ctl.h"
 #include "moe/ctl/job_flags.h"
 
-int main(int argc, char** argv) {
-  using namespace moe;
-  CLI::App app{"moectl: run and inspect a moed cluster"};
-  app.require_subcommand(1);
-  ctl::Globals g;
-  std::string output = "table";
-  app.add_option("--agent", g.agent, "HOST:PORT of moe-agent")->envname("MOE_AGENT");
-  app.add_option("--token-file", g.token_file, "cluster token file")->envname("MOE_TOKEN_FILE");
-  app.add_option("--state-dir", g.state_dir, "local cluster state")->envname("MOE_STATE_DIR");
-  app.add_option("--output", output, "table or json")->check(CLI::IsMember({"table", "json"}));
+namespace {
 
+using namespace moe;
+
+// Subcommands and what each runs once parsed.
+struct Commands {
+  ctl::Globals g;
+  std::vector<std::pair<CLI::App*, std::function<int()>>> run;
+  void add(CLI::App* cmd, std::function<int()> fn) { run.emplace_back(cmd, std::move(fn)); }
+};
+
+void add_cluster(CLI::App& app, Commands& c) {
   CLI::App* cluster = app.add_subcommand("cluster", "a local cluster on loopback")->require_subcommand(1);
-  ctl::ClusterUpOptions up;
+  auto up = std::make_shared<ctl::ClusterUpOptions>();
   CLI::App* cup = cluster->add_subcommand("up", "start an agent and daemons in the background");
-  cup->add_option("--nodes", up.nodes, "daemons to start")->check(CLI::Range(1, 64))->capture_default_str();
-  cup->add_option("--devices-per-node", up.devices_per_node, "EP ranks per daemon")
+  cup->add_option("--nodes", up->nodes, "daemons to start")->check(CLI::Range(1, 64))->capture_default_str();
+  cup->add_option("--devices-per-node", up->devices_per_node, "EP ranks per daemon")
       ->check(CLI::Range(1, 64))
       ->capture_default_str();
-  cup->add_option("--backend", up.backend, "auto, cpu or cuda")
+  cup->add_option("--backend", up->backend, "auto, cpu or cuda")
       ->check(CLI::IsMember({"auto", "cpu", "cuda"}))
       ->capture_default_str();
-  CLI::App* cdown = cluster->add_subcommand("down", "stop the local cluster");
-  CLI::App* cstatus = cluster->add_subcommand("status", "nodes, ranks and metrics addresses");
+  c.add(cup, [&c, up] { return ctl::cluster_up(c.g, *up, std::cout, std::cerr); });
+  c.add(cluster->add_subcommand("down", "stop the local cluster"),
+        [&c] { return ctl::cluster_down(c.g, std::cout, std::cerr); });
+  c.add(cluster->add_subcommand("status", "nodes, ranks and metrics addresses"),
+        [&c] { return ctl::cluster_status(c.g, std::cout, std::cerr); });
+}
 
+void add_job(CLI::App& app, Commands& c) {
   CLI::App* job = app.add_subcommand("job", "jobs")->require_subcommand(1);
-  ctl::JobFlags jf;
-  bool wait = false;
-  CLI::App* jsubmit = job->add_subcommand("submit", "submit a job (flags are JobSpec fields in kebab-case)");
-  try {
-    jf.add(jsubmit);
-  } catch (const std::exception& e) {
-    std::cerr << e.what() << "\n";
-    return ctl::kExitUsage;
+  auto flags = std::make_shared<ctl::JobFlags>();
+  auto wait = std::make_shared<bool>(false);
+  CLI::App* submit = job->add_subcommand("submit", "submit a job (flags are JobSpec fields in kebab-case)");
+  flags->add(submit);
+  submit->add_flag("--wait", *wait, "wait for the result (exit 1 if it fails)");
+  c.add(submit, [&c, flags, wait] {
+    v1::JobSpec spec;
+    try {
+      spec = flags->build();
+    } catch (const std::exception& e) {
+      std::cerr << "moectl: invalid spec: " << e.what() << "\n";
+      return ctl::kExitUsage;
+    }
+    return ctl::job_submit(c.g, spec, *wait, std::cout, std::cerr);
+  });
+  auto id = std::make_shared<std::string>();
+  using Fn = int (*)(const ctl::Globals&, const std::string&, std::ostream&, std::ostream&);
+  for (const auto& [name, help, fn] : std::vector<std::tuple<const char*, const char*, Fn>>{
+           {"status", "a job's record", &ctl::job_status},
+           {"wait", "wait for a job to end", &ctl::job_wait},
+           {"cancel", "cancel a queued or running job", &ctl::job_cancel}}) {
+    CLI::App* cmd = job->add_subcommand(name, help);
+    cmd->add_option("id", *id)->required();
+    c.add(cmd, [&c, id, fn = fn] { return fn(c.g, *id, std::cout, std::cerr); });
   }
-  jsubmit->add_flag("--wait", wait, "wait for the result (exit 1 if it fails)");
-  std::string job_id;
-  CLI::App* jstatus = job->add_subcommand("status", "a job's record");
-  jstatus->add_option("id", job_id)->required();
-  CLI::App* jwait = job->add_subcommand("wait", "wait for a job to end");
-  jwait->add_option("id", job_id)->required();
-  CLI::App* jlist = job->add_subcommand("list", "all jobs");
-  CLI::App* jcancel = job->add_subcommand("cancel", "cancel a queued or running job");
-  jcancel->add_option("id", job_id)->required();
+  c.add(job->add_subcommand("list", "all jobs"), [&c] { return ctl::job_list(c.g, std::cout, std::cerr); });
+}
 
+// --shape and --layer of a placement command.
+void add_target(CLI::App* cmd, ctl::PlacementTarget& t, bool layer) {
+  cmd->add_option("--shape", t.shape, "EXPERTSxLAYERS@NODESxDEVICES, e.g. 64x2@2x2 (default: the last job's)");
+  if (layer) cmd->add_option("--layer", t.layer, "only this layer");
+}
+
+void add_placement(CLI::App& app, Commands& c) {
   CLI::App* placement = app.add_subcommand("placement", "expert placement")->require_subcommand(1);
-  CLI::App* pshow = placement->add_subcommand("show", "the map in force");
+  auto t = std::make_shared<ctl::PlacementTarget>();
+  auto file = std::make_shared<std::string>();
+  CLI::App* show = placement->add_subcommand("show", "per layer: epoch, balancedness, rank and expert loads, the map");
+  add_target(show, *t, true);
+  c.add(show, [&c, t] { return ctl::placement_show(c.g, *t, std::cout, std::cerr); });
+  CLI::App* exp = placement->add_subcommand("export", "write the maps as EPLB's phy2log/log2phy/logcnt JSON");
+  exp->add_option("file", *file)->required();
+  add_target(exp, *t, false);
+  c.add(exp, [&c, t, file] { return ctl::placement_export(c.g, *t, *file, std::cout, std::cerr); });
+  CLI::App* imp = placement->add_subcommand("import", "install maps from an export file as a new epoch");
+  imp->add_option("file", *file)->required()->check(CLI::ExistingFile);
+  c.add(imp, [&c, file] { return ctl::placement_import(c.g, *file, std::cout, std::cerr); });
+  CLI::App* loads = placement->add_subcommand("loads", "write the load window as a moe-placement-sim --loads file");
+  loads->add_option("file", *file)->required();
+  add_target(loads, *t, false);
+  c.add(loads, [&c, t, file] { return ctl::placement_loads(c.g, *t, *file, std::cout, std::cerr); });
+  auto r = std::make_shared<ctl::RebalanceOptions>();
+  CLI::App* reb = placement->add_subcommand("rebalance", "new maps from the measured load, applied live");
+  reb->add_option("--redundant-experts", r->redundant_experts,
+                  "redundant slots (default: the shape's current count); experts + N must divide over the ranks");
+  reb->add_flag("--dry-run", r->dry_run, "print the new maps, the predicted balancedness and the copies only");
+  add_target(reb, r->target, true);
+  c.add(reb, [&c, r] { return ctl::placement_rebalance(c.g, *r, std::cout, std::cerr); });
+}
 
+}  // namespace
+
+int main(int argc, char** argv) {
+  CLI::App app{"moectl: run and inspect a moed cluster"};
+  app.require_subcommand(1);
+  Commands c;
+  std::string output = "table";
+  app.add_option("--agent", c.g.agent, "HOST:PORT of moe-agent")->envname("MOE_AGENT");
+  app.add_option("--token-file", c.g.token_file, "cluster token file")->envname("MOE_TOKEN_FILE");
+  app.add_option("--state-dir", c.g.state_dir, "local cluster state")->envname("MOE_STATE_DIR");
+  app.add_option("--output", output, "table or json")->check(CLI::IsMember({"table", "json"}));
   try {
+    add_cluster(app, c);
+    add_job(app, c);
+    add_placement(app, c);
     app.parse(argc, argv);
   } catch (const CLI::ParseError& e) {
     const int rc = app.exit(e);
     return rc == 0 ? 0 : ctl::kExitUsage;
+  } catch (const std::exception& e) {
+    std::cerr << "moectl: " << e.what() << "\n";
+    return ctl::kExitUsage;
   }
-  g.json = output == "json";
-  std::ostream& out = std::cout;
-  std::ostream& err = std::cerr;
-  if (*cup) return ctl::cluster_up(g, up, out, err);
-  if (*cdown) return ctl::cluster_down(g, out, err);
-  if (*cstatus) return ctl::cluster_status(g, out, err);
-  if (*jsubmit) {
-    v1::JobSpec spec;
-    try {
-      spec = jf.build();
-    } catch (const std::exception& e) {
-      err << "moectl: invalid spec: " << e.what() << "\n";
-      return ctl::kExitUsage;
-    }
-    return ctl::job_submit(g, spec, wait, out, err);
-  }
-  if (*jstatus) return ctl::job_status(g, job_id, out, err);
-  if (*jwait) return ctl::job_wait(g, job_id, out, err);
-  if (*jlist) return ctl::job_list(g, out, err);
-  if (*jcancel) return ctl::job_cancel(g, job_id, out, err);
-  if (*pshow) return ctl::placement_show(g, out, err);
+  c.g.json = output == "json";
+  for (const auto& [cmd, fn] : c.run)
+    if (*cmd) return fn();
   return ctl::kExitUsage;
 }

@@ -31,22 +31,29 @@ EpLayer::EpLayer(const MoeLayerConfig& cfg, const ExpertMap& map, transport::Com
       be_(be),
       opts_(options),
       router_(cfg, be),
-      dispatcher_(dispatcher_config(cfg, map), comm, be,
-                  {.timeout = options.timeout, .isolate_transport_timing = options.isolate_transport_timing}),
-      experts_(cfg, map.slots_per_rank, be) {
+      dispatcher_(std::make_unique<Dispatcher>(
+          dispatcher_config(cfg, map), comm, be,
+          DispatcherOptions{.timeout = options.timeout, .isolate_transport_timing = options.isolate_transport_timing})),
+      experts_(std::make_unique<ExpertStage>(cfg, map.slots_per_rank, be)) {
   MOE_CHECK(map.num_experts == cfg.num_experts, "ep layer: the map places ", map.num_experts,
             " experts, the layer has ", cfg.num_experts);
   const size_t T = cfg.max_tokens, K = cfg.top_k, H = cfg.hidden;
-  log2phy_ = Buffer(be_, 4 * map.log2phy.size());
-  logcnt_ = Buffer(be_, 4 * map.logcnt.size());
-  be_.copy_to_device(log2phy_.get(), map.log2phy.data(), 4 * map.log2phy.size());
-  be_.copy_to_device(logcnt_.get(), map.logcnt.data(), 4 * map.logcnt.size());
+  install_map(map);
   topk_slot_ = Buffer(be_, 4 * T * K);
   if (cfg.train) {
     grad_topk_weight_ = Buffer(be_, 4 * T * K);
     grad_x32_ = Buffer(be_, 4 * T * H);
   }
   reserve_rows(T);  // a first guess; grows when a step receives more
+}
+
+// The replica tables the router's replica choice reads.
+void EpLayer::install_map(const ExpertMap& map) {
+  map_ = map;
+  log2phy_ = Buffer(be_, 4 * map.log2phy.size());
+  logcnt_ = Buffer(be_, 4 * map.logcnt.size());
+  be_.copy_to_device(log2phy_.get(), map.log2phy.data(), 4 * map.log2phy.size());
+  be_.copy_to_device(logcnt_.get(), map.logcnt.data(), 4 * map.logcnt.size());
 }
 
 // Buffers of the received rows' results: combined rows, and in train mode the
@@ -57,7 +64,7 @@ void EpLayer::reserve_rows(int64_t n) {
   const size_t N = n, K = cfg_.top_k;
   combined_ = Buffer(be_, N * kernels::dtype_size(cfg_.dtype) * cfg_.hidden);
   if (cfg_.train) grad_pair_weight_ = Buffer(be_, 4 * N * K);
-  experts_.reserve(n);
+  experts_->reserve(n);
 }
 
 void EpLayer::set_weights(const model::LayerWeights& w) {
@@ -78,7 +85,7 @@ void EpLayer::set_weights(const model::LayerWeights& w) {
   }
   local = weights_as_used(std::move(local), cfg_.dtype);
   router_.set_weights(local);
-  experts_.set_weights(local.w13.data(), local.w2.data());
+  experts_->set_weights(local.w13.data(), local.w2.data());
 }
 
 void EpLayer::forward(const void* x, int64_t T, int64_t token_begin, void* out) {
@@ -96,21 +103,21 @@ void EpLayer::forward(const void* x, int64_t T, int64_t token_begin, void* out) 
                       {.topk_idx = router_.kept_idx(), .token_begin = token_begin, .log2phy = log2phy_.as<int32_t>(),
                        .logcnt = logcnt_.as<int32_t>(), .max_replicas = map_.max_replicas,
                        .topk_slot = topk_slot_.as<int32_t>()});
-  const DispatchHandle& h = dispatcher_.dispatch(x, T, topk_slot_.as<int32_t>(), router_.topk_weight());
+  const DispatchHandle& h = dispatcher_->dispatch(x, T, topk_slot_.as<int32_t>(), router_.topk_weight());
   handle_ = &h;
   reserve_rows(h.num_recv_rows());
   t0 = now_seconds();
   stats_.dispatch = t0 - t1;
 
-  experts_.forward(h.recv_rows(), h.num_recv_rows(), h.recv_slot(), h.recv_weight(), combined_.get());
-  for (int64_t n : experts_.expert_rows()) stats_.computed_pairs += n;
+  experts_->forward(h.recv_rows(), h.num_recv_rows(), h.recv_slot(), h.recv_weight(), combined_.get());
+  for (int64_t n : experts_->expert_rows()) stats_.computed_pairs += n;
   t1 = now_seconds();
   stats_.expert = t1 - t0;
 
-  dispatcher_.combine(h, combined_.get(), out);
+  dispatcher_->combine(h, combined_.get(), out);
   be_.synchronize();
   stats_.combine = now_seconds() - t1;
-  stats_.transfer = dispatcher_.stats();
+  stats_.transfer = dispatcher_->stats();
 }
 
 void EpLayer::backward(const void* grad_out, void* grad_x) {
@@ -118,13 +125,13 @@ void EpLayer::backward(const void* grad_out, void* grad_x) {
   MOE_CHECK(handle_, "backward called before forward");
   const int64_t T = router_.num_tokens();
   const double t0 = now_seconds();
-  const void* grad_rows = dispatcher_.combine_backward(*handle_, grad_out);
+  const void* grad_rows = dispatcher_->combine_backward(*handle_, grad_out);
   const double t1 = now_seconds();
   // The received rows' gradients overwrite their combined outputs (no longer needed).
-  experts_.backward(grad_rows, combined_.get(), cfg_.dtype, grad_pair_weight_.as<float>());
+  experts_->backward(grad_rows, combined_.get(), cfg_.dtype, grad_pair_weight_.as<float>());
   be_.synchronize();
   stats_.expert_backward = now_seconds() - t1;
-  dispatcher_.dispatch_backward(*handle_, combined_.get(), grad_pair_weight_.as<float>(), grad_x32_.as<float>(),
+  dispatcher_->dispatch_backward(*handle_, combined_.get(), grad_pair_weight_.as<float>(), grad_x32_.as<float>(),
                                 grad_topk_weight_.as<float>());
   router_.backward(x_, grad_topk_weight_.as<float>(), grad_x32_.as<float>());
   be_.synchronize();
@@ -133,39 +140,45 @@ void EpLayer::backward(const void* grad_out, void* grad_x) {
   be_.convert(grad_x32_.get(), DType::kF32, grad_x, cfg_.dtype, T * cfg_.hidden);
   be_.synchronize();
   stats_.backward = now_seconds() - t0;
-  stats_.transfer = dispatcher_.stats();
+  stats_.transfer = dispatcher_->stats();
 }
 
 // Replicas of one expert end with the same gradient bits: the primary (first
-// replica) sums g_0 + g_1 + ... in replica order and sends the sum back. Experts
-// are handled in increasing id on every rank, and within an expert all traffic is
-// between the primary and its replicas, so the blocking sends and receives cannot
+// replica) sums g_0 + g_1 + ... in replica order and sends the sum back, and to
+// the expert's shadows while a rebalance is staged. Experts are handled in
+// increasing id on every rank, and within an expert all traffic is between the
+// primary and its replicas and shadows, so the blocking sends and receives cannot
 // wait on each other in a cycle.
 void EpLayer::reduce_replica_grads() {
   const size_t n = 2 * static_cast<size_t>(cfg_.ffn_hidden) * cfg_.hidden + static_cast<size_t>(cfg_.hidden) * cfg_.ffn_hidden;
   reduce_tmp_.resize(2 * n);
-  for (int e = 0; e < cfg_.num_experts; ++e)
-    if (map_.logcnt[e] >= 2) reduce_replica_grad(e, reduce_tmp_.data(), reduce_tmp_.data() + n);
+  for (int e = 0; e < cfg_.num_experts; ++e) {
+    const bool shadows = staged_ && !staged_->shadows_of(e).empty();
+    if (map_.logcnt[e] >= 2 || shadows) reduce_replica_grad(e, reduce_tmp_.data(), reduce_tmp_.data() + n);
+  }
 }
 
 // One expert: acc and msg hold [w13 grad | w2 grad] of one replica each.
+// Recipient k of the expert (tags): replicas 0 .. X-1, then its shadows.
 void EpLayer::reduce_replica_grad(int e, float* acc, float* msg) {
   const size_t H = cfg_.hidden, I = cfg_.ffn_hidden;
   const size_t n13 = 2 * I * H, n2 = H * I, n = n13 + n2;
   const int me = comm_.rank(), S = map_.slots_per_rank;
+  const int recipients = map_.max_replicas + (staged_ ? staged_->max_shadows() : 0);
   auto load = [&](int32_t slot, float* dst) {
-    std::copy_n(experts_.grad_w13() + static_cast<size_t>(slot % S) * n13, n13, dst);
-    std::copy_n(experts_.grad_w2() + static_cast<size_t>(slot % S) * n2, n2, dst + n13);
+    std::copy_n(experts_->grad_w13() + static_cast<size_t>(slot % S) * n13, n13, dst);
+    std::copy_n(experts_->grad_w2() + static_cast<size_t>(slot % S) * n2, n2, dst + n13);
   };
   auto store = [&](const float* src, int32_t slot) {
-    std::copy_n(src, n13, experts_.grad_w13() + static_cast<size_t>(slot % S) * n13);
-    std::copy_n(src + n13, n2, experts_.grad_w2() + static_cast<size_t>(slot % S) * n2);
+    std::copy_n(src, n13, experts_->grad_w13() + static_cast<size_t>(slot % S) * n13);
+    std::copy_n(src + n13, n2, experts_->grad_w2() + static_cast<size_t>(slot % S) * n2);
   };
-  auto tag = [&](size_t i, int phase) {
-    return opts_.tag_base +
-           static_cast<uint32_t>(((static_cast<uint64_t>(e) * map_.max_replicas + i) * 2 + phase) & 0xffffff);
+  auto tag = [&](size_t k, int phase) {
+    return opts_.tag_base + static_cast<uint32_t>(((static_cast<uint64_t>(e) * recipients + k) * 2 + phase) & 0xffffff);
   };
   const std::vector<int32_t> reps = map_.replicas(e);
+  const std::vector<int> no_shadows;
+  const std::vector<int>& shadows = staged_ ? staged_->shadows_of(e) : no_shadows;
   const int primary = map_.rank_of_slot(reps[0]);
   if (me == primary) {
     load(reps[0], acc);
@@ -180,6 +193,10 @@ void EpLayer::reduce_replica_grad(int e, float* acc, float* msg) {
       if (owner == me) store(acc, reps[i]);
       else comm_.send(owner, acc, 4 * n, tag(i, 1), deadline());
     }
+    for (size_t j = 0; j < shadows.size(); ++j) {  // a shadow never sits on a rank that hosts its expert
+      const int to = staged_->copies()[shadows[j]].to_rank;
+      comm_.send(to, acc, 4 * n, tag(map_.max_replicas + j, 1), deadline());
+    }
     return;
   }
   for (size_t i = 1; i < reps.size(); ++i) {
@@ -192,20 +209,70 @@ void EpLayer::reduce_replica_grad(int e, float* acc, float* msg) {
     comm_.recv(primary, msg, 4 * n, tag(i, 1), deadline());
     store(msg, reps[i]);
   }
+  for (size_t j = 0; j < shadows.size(); ++j)
+    if (staged_->gains(shadows[j]))
+      comm_.recv(primary, staged_->shadow_gradient(shadows[j]), 4 * n, tag(map_.max_replicas + j, 1), deadline());
+}
+
+void EpLayer::stage(const ExpertMap& next, std::vector<ExpertCopyPlan> copies, bool adam) {
+  MOE_CHECK(next.num_experts == cfg_.num_experts && next.num_ranks == map_.num_ranks, "rebalance: the new map places ",
+            next.num_experts, " experts on ", next.num_ranks, " ranks, the layer ", cfg_.num_experts, " on ",
+            map_.num_ranks);
+  adam_ = adam && cfg_.train;
+  staged_ = std::make_unique<StagedExperts>(next, std::move(copies), comm_.rank(), cfg_, adam_, opts_.tag_base);
+  staged_->start(*experts_, map_, comm_);
+}
+
+bool EpLayer::staged_ready() {
+  MOE_CHECK(staged_, "rebalance: nothing is staged");
+  return staged_->ready(comm_, be_);
+}
+
+// The layer moves onto the staged map: every new slot takes its expert from the
+// slot this rank already had (the same state, bit for bit) or from the staged
+// copy; the dispatcher follows the new slot count.
+void EpLayer::switch_to_staged() {
+  MOE_CHECK(staged_, "rebalance: nothing is staged");
+  const ExpertMap& next = staged_->next();
+  const int me = comm_.rank();
+  auto stage = std::make_unique<ExpertStage>(cfg_, next.slots_per_rank, be_);
+  stage->reserve(std::max<int64_t>(recv_capacity_, cfg_.max_tokens));
+  ExpertState state;
+  state.resize(cfg_.hidden, cfg_.ffn_hidden, adam_);
+  for (int s = 0; s < next.slots_per_rank; ++s) {
+    const int e = next.expert_at(me, s);
+    if (e < 0) continue;
+    int old = 0;
+    while (old < map_.slots_per_rank && map_.expert_at(me, old) != e) ++old;
+    if (old < map_.slots_per_rank) {
+      experts_->export_slot(old, state);
+      stage->import_slot(s, state);
+    } else {
+      stage->import_slot(s, staged_->gained_state(s));
+    }
+  }
+  experts_ = std::move(stage);
+  if (next.slots_per_rank != map_.slots_per_rank)
+    dispatcher_ = std::make_unique<Dispatcher>(
+        dispatcher_config(cfg_, next), comm_, be_,
+        DispatcherOptions{.timeout = opts_.timeout, .isolate_transport_timing = opts_.isolate_transport_timing});
+  install_map(next);
+  staged_.reset();
 }
 
 void EpLayer::optimizer_step(const kernels::OptimizerConfig& cfg, int64_t step) {
   router_.apply_update(cfg, step);
-  experts_.apply_update(cfg, step);
+  experts_->apply_update(cfg, step);
+  if (staged_) staged_->optimizer_step(cfg, step, be_);
   be_.synchronize();
 }
 
 const float* EpLayer::grad_w13(int local_slot) const {
-  return experts_.grad_w13() + static_cast<size_t>(local_slot) * 2 * cfg_.ffn_hidden * cfg_.hidden;
+  return experts_->grad_w13() + static_cast<size_t>(local_slot) * 2 * cfg_.ffn_hidden * cfg_.hidden;
 }
 
 const float* EpLayer::grad_w2(int local_slot) const {
-  return experts_.grad_w2() + static_cast<size_t>(local_slot) * cfg_.hidden * cfg_.ffn_hidden;
+  return experts_->grad_w2() + static_cast<size_t>(local_slot) * cfg_.hidden * cfg_.ffn_hidden;
 }
 
 }  // namespace moe::ep

@@ -53,13 +53,40 @@ void TrainableTensor::sync_master() {
   if (master_.get()) be_->copy(master_.get(), compute_, 4 * count_);
 }
 
-void TrainableTensor::update(const kernels::OptimizerConfig& cfg, int64_t step, const float* grad) {
-  if (cfg.kind == kernels::OptimizerKind::kAdam && !m_.get() && count_) {
-    m_ = Buffer(*be_, 4 * count_);
-    v_ = Buffer(*be_, 4 * count_);
-    be_->fill_zero(m_.get(), 4 * count_);
-    be_->fill_zero(v_.get(), 4 * count_);
+void TrainableTensor::ensure_moments() {
+  if (m_.get() || !count_) return;
+  m_ = Buffer(*be_, 4 * count_);
+  v_ = Buffer(*be_, 4 * count_);
+  be_->fill_zero(m_.get(), 4 * count_);
+  be_->fill_zero(v_.get(), 4 * count_);
+}
+
+void TrainableTensor::read(size_t begin, size_t n, float* master, float* m, float* v) const {
+  const float* src = master_.get() ? master_.as<float>() : compute_;
+  be_->copy_to_host(master, src + begin, 4 * n);
+  if (m && m_.get()) be_->copy_to_host(m, m_.as<float>() + begin, 4 * n);
+  else if (m) std::fill_n(m, n, 0.0f);
+  if (v && v_.get()) be_->copy_to_host(v, v_.as<float>() + begin, 4 * n);
+  else if (v) std::fill_n(v, n, 0.0f);
+}
+
+void TrainableTensor::write(size_t begin, size_t n, const float* master, const float* m, const float* v) {
+  if (master_.get()) {
+    be_->copy_to_device(master_.as<float>() + begin, master, 4 * n);
+    std::vector<float> rounded(master, master + n);
+    model::round_to_bf16(rounded);
+    be_->copy_to_device(compute_ + begin, rounded.data(), 4 * n);
+  } else {
+    be_->copy_to_device(compute_ + begin, master, 4 * n);
   }
+  if (!m || !v) return;
+  ensure_moments();
+  be_->copy_to_device(m_.as<float>() + begin, m, 4 * n);
+  be_->copy_to_device(v_.as<float>() + begin, v, 4 * n);
+}
+
+void TrainableTensor::update(const kernels::OptimizerConfig& cfg, int64_t step, const float* grad) {
+  if (cfg.kind == kernels::OptimizerKind::kAdam) ensure_moments();
   kernels::OptimizerArgs a;
   a.count = static_cast<int64_t>(count_);
   a.step = step;
@@ -179,6 +206,43 @@ void ExpertStage::apply_update(const kernels::OptimizerConfig& cfg, int64_t step
   MOE_CHECK(cfg_.train, "apply_update on a layer built without train = true");
   w13_param_.update(cfg, step, grad_w13_.as<float>());
   w2_param_.update(cfg, step, grad_w2_.as<float>());
+}
+
+void ExpertState::resize(int hidden, int ffn_hidden, bool moments) {
+  const size_t n = 3 * static_cast<size_t>(hidden) * ffn_hidden;
+  weights.assign(n, 0.0f);
+  m.assign(moments ? n : 0, 0.0f);
+  v.assign(moments ? n : 0, 0.0f);
+}
+
+void ExpertStage::export_slot(int s, ExpertState& out) const {
+  MOE_CHECK(s >= 0 && s < L_, "expert stage: no local slot ", s);
+  const size_t H = cfg_.hidden, I = cfg_.ffn_hidden, n13 = 2 * I * H, n2 = H * I;
+  float* m = out.m.empty() ? nullptr : out.m.data();
+  float* v = out.v.empty() ? nullptr : out.v.data();
+  if (!cfg_.train) {  // the weights it computes with
+    be_.copy_to_host(out.weights.data(), w13_.as<float>() + s * n13, 4 * n13);
+    be_.copy_to_host(out.weights.data() + n13, w2_.as<float>() + s * n2, 4 * n2);
+    return;
+  }
+  w13_param_.read(s * n13, n13, out.weights.data(), m, v);
+  w2_param_.read(s * n2, n2, out.weights.data() + n13, m ? m + n13 : nullptr, v ? v + n13 : nullptr);
+}
+
+void ExpertStage::import_slot(int s, const ExpertState& in) {
+  MOE_CHECK(s >= 0 && s < L_, "expert stage: no local slot ", s);
+  const size_t H = cfg_.hidden, I = cfg_.ffn_hidden, n13 = 2 * I * H, n2 = H * I;
+  MOE_CHECK(in.weights.size() == n13 + n2, "expert stage: an expert state of ", in.weights.size(), " values, expected ",
+            n13 + n2);
+  if (!cfg_.train) {
+    be_.copy_to_device(w13_.as<float>() + s * n13, in.weights.data(), 4 * n13);
+    be_.copy_to_device(w2_.as<float>() + s * n2, in.weights.data() + n13, 4 * n2);
+    return;
+  }
+  const float* m = in.m.empty() ? nullptr : in.m.data();
+  const float* v = in.v.empty() ? nullptr : in.v.data();
+  w13_param_.write(s * n13, n13, in.weights.data(), m, v);
+  w2_param_.write(s * n2, n2, in.weights.data() + n13, m ? m + n13 : nullptr, v ? v + n13 : nullptr);
 }
 
 kernels::ExpertMlpConfig ExpertStage::mlp_config() const {

@@ -42,6 +42,11 @@ struct DaemonMetrics::Impl {
     received = counter("moe_transport_received_bytes_total", "Bytes received from other ranks");
     naive = counter("moe_naive_transport_bytes_total", "Bytes one row per (token, expert) pair would have moved");
     step = histogram("moe_step_seconds", "Wall time of a job step on a rank");
+    copy_bytes = &BuildCounter()
+                      .Name("moe_rebalance_copy_bytes_total")
+                      .Help("Expert state this daemon's ranks received in live rebalances")
+                      .Register(*registry)
+                      .Add({});
     build = &BuildGauge().Name("moe_build_info").Help("moed build, backend and GEMM engine").Register(*registry);
   }
 
@@ -65,6 +70,7 @@ struct DaemonMetrics::Impl {
   prometheus::Family<prometheus::Counter>*expert_tokens, *rank_tokens, *sent, *received, *naive;
   prometheus::Family<prometheus::Histogram>*dispatch, *combine, *expert, *step;
   prometheus::Family<prometheus::Gauge>* build;
+  prometheus::Counter* copy_bytes;
 };
 
 DaemonMetrics::DaemonMetrics(const std::string& listen) : impl_(std::make_unique<Impl>(listen)) {}
@@ -94,5 +100,7 @@ void DaemonMetrics::record_forward(int rank, const LayerStep& s) {
 void DaemonMetrics::record_backward(int, const LayerStep& s) { impl_->record_transfer("backward", s); }
 
 void DaemonMetrics::record_step(int, double seconds) { impl_->observe(impl_->step, {}, seconds); }
+
+void DaemonMetrics::record_rebalance_copy(int64_t bytes) { impl_->copy_bytes->Increment(static_cast<double>(bytes)); }
 
 }  // namespace moe::metrics

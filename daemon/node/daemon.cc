@@ -2,6 +2,8 @@
 
 #include <unistd.h>
 
+#include <cstdlib>
+
 #include "moe/base/check.h"
 #include "moe/kernels/cpu_backend.h"
 #ifdef MOE_WITH_CUDA
@@ -58,6 +60,7 @@ Daemon::Daemon(rpc::asio::io_context& io, DaemonOptions options) : io_(io), opts
   server_ = std::make_unique<rpc::RpcServer>(
       io_, rpc::ServerOptions::make(opts_.listen, opts_.token, "moed"), [this](const v1::Envelope& req, const rpc::RequestContext& ctx) { return handle(req, ctx); });
   if (opts_.name.empty()) opts_.name = host_name() + ":" + std::to_string(server_->port());
+  if (const char* f = std::getenv("MOE_FAULT_INJECT")) faults_ = FaultInjection::parse(f, opts_.name);
   if (!opts_.metrics.empty()) {
     metrics_ = std::make_unique<metrics::DaemonMetrics>(opts_.metrics);
     metrics_->set_build_info(MOE_VERSION, backend_.name, backend_.gemm_engine);
@@ -164,6 +167,7 @@ void Daemon::start_job(const v1::StartJob& start) {
   env.make_backend = backend_.make;
   env.metrics = metrics_.get();
   env.transport_timeout = opts_.transport_timeout;
+  env.faults = faults_;
   log::info("starting ", start.job_id(), " as ranks ", node_index_ * opts_.devices, "-",
             (node_index_ + 1) * opts_.devices - 1, " of ", start.world_size());
   runner_ = std::make_unique<JobRunner>(start, env);
@@ -173,6 +177,17 @@ rpc::awaitable<v1::Envelope> Daemon::handle(const v1::Envelope& req, const rpc::
   v1::Envelope reply;
   if (req.has_start_job()) {
     start_job(req.start_job());
+    reply.mutable_ack();
+  } else if (req.has_prepare_rebalance() || req.has_commit_rebalance() || req.has_abort_rebalance()) {
+    std::lock_guard<std::mutex> lock(mu_);
+    const std::string& job = req.has_prepare_rebalance() ? req.prepare_rebalance().job_id()
+                             : req.has_commit_rebalance() ? req.commit_rebalance().job_id()
+                                                          : req.abort_rebalance().job_id();
+    if (!runner_ || runner_->job_id() != job)
+      throw RpcError(v1::ERROR_CODE_FAILED_PRECONDITION, "job " + job + " is not running on " + opts_.name);
+    if (req.has_prepare_rebalance()) runner_->prepare(req.prepare_rebalance());
+    if (req.has_commit_rebalance()) runner_->commit(req.commit_rebalance());
+    if (req.has_abort_rebalance()) runner_->abort(req.abort_rebalance());
     reply.mutable_ack();
   } else if (req.has_cancel_job()) {
     std::lock_guard<std::mutex> lock(mu_);

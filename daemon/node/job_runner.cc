@@ -6,7 +6,8 @@
 
 namespace moe::node {
 
-JobRunner::JobRunner(v1::StartJob job, RunnerEnv env) : job_(std::move(job)), env_(std::move(env)) {
+JobRunner::JobRunner(v1::StartJob job, RunnerEnv env)
+    : job_(std::move(job)), env_(std::move(env)), mailbox_(env_.devices) {
   std::vector<int> local;
   for (int i = 0; i < env_.devices; ++i) local.push_back(env_.node_index * env_.devices + i);
   hub_ = std::make_shared<transport::LocalHub>(local);
@@ -26,6 +27,25 @@ void JobRunner::cancel(const std::string& reason) {
   log::info("job ", job_.job_id(), ": cancel requested (", reason, ")");
 }
 
+void JobRunner::prepare(const v1::PrepareRebalance& p) {
+  if (p.job_id() != job_id() || finished())
+    throw rpc::RpcError(v1::ERROR_CODE_FAILED_PRECONDITION, "job " + p.job_id() + " is not running here");
+  log::info("job ", job_id(), ": PREPARE epoch ", p.epoch(), " (", p.copies_size(), " copies)");
+  mailbox_.prepare(p);
+}
+
+void JobRunner::commit(const v1::CommitRebalance& c) {
+  if (c.job_id() != job_id()) return;
+  log::info("job ", job_id(), ": COMMIT epoch ", c.epoch());
+  mailbox_.commit(c.epoch());
+}
+
+void JobRunner::abort(const v1::AbortRebalance& a) {
+  if (a.job_id() != job_id()) return;
+  log::info("job ", job_id(), ": ABORT epoch ", a.epoch(), " (", a.reason(), ")");
+  mailbox_.abort(a.epoch());
+}
+
 std::string JobRunner::cancel_reason() const {
   std::lock_guard<std::mutex> lock(cancel_mu_);
   return cancel_reason_.empty() ? "cancelled by another rank" : cancel_reason_;
@@ -40,7 +60,7 @@ void JobRunner::rank_main(int local) {
   d->set_job_id(job_.job_id());
   d->set_rank(rank);
   try {
-    RankRun run(job_, env_, rank, hub_, agent);
+    RankRun run(job_, env_, rank, hub_, agent, mailbox_);
     const int steps = run.run([this] { return cancel_.load(); });
     if (steps < job_.spec().steps()) {
       d->set_ok(false);

@@ -22,7 +22,9 @@ void add_into(std::vector<uint8_t>& a, const std::vector<uint8_t>& b, size_t n, 
 ModelStack::ModelStack(const v1::JobSpec& spec, const std::vector<ep::ExpertMap>& maps, int rank, int world,
                        transport::Communicator& comm, kernels::Backend& be, std::chrono::milliseconds timeout)
     : spec_(spec),
-      maps_(maps),
+      comm_(comm),
+      be_(be),
+      timeout_(timeout),
       rank_(rank),
       world_(world),
       T_(spec.tokens_per_rank()),
@@ -36,12 +38,11 @@ ModelStack::ModelStack(const v1::JobSpec& spec, const std::vector<ep::ExpertMap>
   teacher_cfg.train = false;
   const v1::JobSpec teacher_spec = teacher_of(spec);
   for (int l = 0; l < L; ++l) {
-    const ep::EpOptions eo{.timeout = timeout, .tag_base = static_cast<uint32_t>(l) << 24};
-    const std::vector<bool> needed = maps_[l].hosted(rank_);
-    layers_.push_back(std::make_unique<ep::EpLayer>(cfg, maps_[l], comm, be, eo));
+    const std::vector<bool> needed = maps[l].hosted(rank_);
+    layers_.push_back(std::make_unique<ep::EpLayer>(cfg, maps[l], comm, be, layer_options(l)));
     layers_.back()->set_weights(layer_weights(spec, l, needed));
     if (!train) continue;
-    teacher_.push_back(std::make_unique<ep::EpLayer>(teacher_cfg, maps_[l], comm, be, eo));
+    teacher_.push_back(std::make_unique<ep::EpLayer>(teacher_cfg, maps[l], comm, be, layer_options(l)));
     teacher_.back()->set_weights(layer_weights(teacher_spec, l, needed));
   }
   const size_t bytes = T_ * H_ * kernels::dtype_size(dt_) + 1;
@@ -51,6 +52,54 @@ ModelStack::ModelStack(const v1::JobSpec& spec, const std::vector<ep::ExpertMap>
   grad_x_.resize(bytes);
   snaps_.resize(L);
   opt_ = optimizer_config(spec);
+}
+
+ep::EpOptions ModelStack::layer_options(int l) const {
+  return {.timeout = timeout_, .tag_base = static_cast<uint32_t>(l) << 24};
+}
+
+void ModelStack::stage(const v1::PrepareRebalance& p) {
+  MOE_CHECK(p.maps_size() == num_layers(), "rebalance: ", p.maps_size(), " maps for ", num_layers(), " layers");
+  const bool adam = spec_.mode() == v1::JobSpec::train && spec_.optimizer() != v1::JobSpec::sgd;
+  for (int l = 0; l < num_layers(); ++l) {
+    std::vector<ep::ExpertCopyPlan> copies;
+    for (const v1::ExpertCopy& c : p.copies())
+      if (c.layer() == l) copies.push_back({c.expert(), c.from_rank(), c.to_rank(), c.to_slot()});
+    layers_[l]->stage(expert_map(p.maps(l)), std::move(copies), adam);
+  }
+  if (teacher_.empty()) return;
+  ep::MoeLayerConfig teacher_cfg = layer_config(spec_);
+  teacher_cfg.train = false;
+  const v1::JobSpec teacher_spec = teacher_of(spec_);
+  staged_teacher_.clear();
+  for (int l = 0; l < num_layers(); ++l) {
+    const ep::ExpertMap next = expert_map(p.maps(l));
+    staged_teacher_.push_back(std::make_unique<ep::EpLayer>(teacher_cfg, next, comm_, be_, layer_options(l)));
+    staged_teacher_.back()->set_weights(layer_weights(teacher_spec, l, next.hosted(rank_)));
+  }
+}
+
+bool ModelStack::staged_ready() {
+  bool all = true;
+  for (auto& layer : layers_) all &= layer->staged_ready();  // every layer progresses
+  return all;
+}
+
+void ModelStack::switch_to_staged() {
+  for (auto& layer : layers_) layer->switch_to_staged();
+  if (!staged_teacher_.empty()) teacher_ = std::move(staged_teacher_);
+  staged_teacher_.clear();
+}
+
+void ModelStack::drop_staged() {
+  for (auto& layer : layers_) layer->drop_staged();
+  staged_teacher_.clear();
+}
+
+int64_t ModelStack::staged_bytes_received() const {
+  int64_t bytes = 0;
+  for (const auto& layer : layers_) bytes += layer->staged_bytes_received();
+  return bytes;
 }
 
 void ModelStack::forward(int step, StepReport& report, bool capture) {

@@ -1,5 +1,7 @@
 #include "moe/node/rank_run.h"
 
+#include <algorithm>
+
 #include "moe/base/clock.h"
 #include "moe/base/log.h"
 #include "moe/node/dump.h"
@@ -34,7 +36,7 @@ std::vector<std::string> AgentBootstrap::all_gather(const std::string& mine) {
 }
 
 RankRun::RankRun(const v1::StartJob& job, const RunnerEnv& env, int rank, std::shared_ptr<transport::LocalHub> hub,
-                 rpc::RpcClient& agent)
+                 rpc::RpcClient& agent, RebalanceMailbox& mailbox)
     : job_(job),
       spec_(job.spec()),
       env_(env),
@@ -44,17 +46,86 @@ RankRun::RankRun(const v1::StartJob& job, const RunnerEnv& env, int rank, std::s
       boot_(agent, job.job_id(), rank),
       comm_(rank, job.world_size(), boot_, ucx_options(std::move(hub))),
       agent_(agent),
-      stack_(spec_, expert_maps(job), rank, job.world_size(), comm_, *backend_, env.transport_timeout) {
+      stack_(spec_, expert_maps(job), rank, job.world_size(), comm_, *backend_, env.transport_timeout),
+      mailbox_(mailbox) {
   verify_.set_passed(true);
   log::info("job ", job_.job_id(), ": rank ", rank_, " of ", job.world_size(), " ready (", spec_.layers(),
             " layers, ", spec_.tokens_per_rank(), " tokens, ", v1::JobSpec::Mode_Name(spec_.mode()), ", ",
             backend_->name(), " backend)");
 }
 
-bool RankRun::agree_to_stop(bool requested) {
-  float stop = requested ? 1.0f : 0.0f;
-  comm_.all_reduce_sum(&stop, 1, deadline());
-  return stop > 0;
+RankRun::Boundary RankRun::agree(bool cancel_requested) {
+  const RebalanceMailbox::View v = mailbox_.view();
+  const int64_t world = job_.world_size();
+  // [cancel, holds a PREPARE, its epoch (low 20 bits, exact in fp32), committed, aborted]
+  float x[5] = {cancel_requested ? 1.0f : 0.0f, 0, 0, 0, 0};
+  if (!staged_ && v.prepare) {
+    x[1] = 1;
+    x[2] = static_cast<float>(v.prepare->epoch() & 0xfffff);
+  }
+  if (staged_) {
+    x[3] = v.committed == staged_->epoch() ? 1.0f : 0.0f;
+    x[4] = v.aborted == staged_->epoch() ? 1.0f : 0.0f;
+  }
+  comm_.all_reduce_sum(x, 5, deadline());
+  Boundary b;
+  b.stop = x[0] > 0;
+  b.stage = !staged_ && x[1] == static_cast<float>(world) && v.prepare &&
+            x[2] == static_cast<float>(world * (v.prepare->epoch() & 0xfffff));
+  b.abort = staged_ && x[4] > 0;
+  b.commit = staged_ && !b.abort && x[3] == static_cast<float>(world);
+  return b;
+}
+
+// Acts on the boundary's rebalance decision, before step `step` runs.
+void RankRun::act(const Boundary& b, int step) {
+  if (b.stage) {
+    staged_ = mailbox_.view().prepare;
+    staged_ready_ = false;
+    stack_.stage(*staged_);
+    log::info("job ", job_.job_id(), ": rank ", rank_, " staging epoch ", staged_->epoch(), " from step ", step);
+    const bool gains = std::any_of(staged_->copies().begin(), staged_->copies().end(),
+                                   [&](const v1::ExpertCopy& c) { return c.to_rank() == rank_; });
+    if (env_.faults.refuse_copy && gains && mailbox_.claim_refusal(staged_->epoch())) {
+      const auto c = std::find_if(staged_->copies().begin(), staged_->copies().end(),
+                                  [&](const v1::ExpertCopy& c) { return c.to_rank() == rank_; });
+      tell_agent_ready(false, "rank " + std::to_string(rank_) + " refuses the copy of layer " +
+                                  std::to_string(c->layer()) + " expert " + std::to_string(c->expert()) +
+                                  " from rank " + std::to_string(c->from_rank()) + " (injected fault)");
+    }
+  } else if (b.abort) {
+    log::info("job ", job_.job_id(), ": rank ", rank_, " drops staged epoch ", staged_->epoch(), " before step ", step);
+    stack_.drop_staged();
+    mailbox_.done(staged_->epoch());
+    staged_.reset();
+  } else if (b.commit) {
+    stack_.switch_to_staged();
+    log::info("job ", job_.job_id(), ": rank ", rank_, " switched to epoch ", staged_->epoch(), " before step ", step);
+    if (env_.metrics) env_.metrics->record_rebalance_copy(stack_.staged_bytes_received());
+    mailbox_.done(staged_->epoch());
+    staged_.reset();
+  }
+}
+
+// After a step: the staged copies progressed with the step's transfers; once
+// this rank has all of its, it counts itself ready (the node's last one tells
+// the agent).
+void RankRun::check_staged() {
+  if (!staged_ || staged_ready_ || !stack_.staged_ready()) return;
+  staged_ready_ = true;
+  if (env_.faults.stall_copy) return;  // test hook: this node's copies never complete
+  if (mailbox_.rank_ready(staged_->epoch())) tell_agent_ready(true, "");
+}
+
+void RankRun::tell_agent_ready(bool ok, const std::string& reason) {
+  v1::Envelope msg;
+  v1::RebalanceReady* r = msg.mutable_rebalance_ready();
+  r->set_job_id(job_.job_id());
+  r->set_epoch(staged_->epoch());
+  r->set_node(env_.node_name);
+  r->set_ok(ok);
+  r->set_reason(reason);
+  agent_.call(msg, std::chrono::seconds(10));
 }
 
 void RankRun::run_step(int step) {
@@ -85,8 +156,11 @@ void RankRun::run_step(int step) {
 int RankRun::run(const std::function<bool()>& cancel_requested) {
   int step = 0;
   for (; step < spec_.steps(); ++step) {
-    if (agree_to_stop(cancel_requested())) break;
+    const Boundary b = agree(cancel_requested());
+    if (b.stop) break;
+    act(b, step);
     run_step(step);
+    check_staged();
   }
   comm_.barrier(deadline());  // nobody tears down endpoints a peer still uses
   return step;

@@ -17,6 +17,7 @@ void StepReport::add_forward(int layer, const ep::EpLayer& l, int64_t T, int K) 
   stats_.set_combine_bytes(stats_.combine_bytes() + tr.combine_bytes);
   stats_.set_received_rows(stats_.received_rows() + tr.received_rows);
   stats_.add_layer_pairs(static_cast<double>(es.computed_pairs));
+  stats_.add_layer_epoch(l.map().epoch);
 
   metrics::LayerStep m{.layer = layer,
                        .expert_tokens = std::vector<int64_t>(num_experts_, 0),

@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <cstring>
+#include <map>
 #include <optional>
 
 namespace moe::transport {
@@ -101,9 +102,53 @@ class InProcCommunicator final : public Communicator {
     if (bytes) std::memcpy(data, msg.data(), bytes);
   }
 
+  // Background transfers go through the mailbox too, with the top tag bit set
+  // (their own tag space); a send is a copy at once, a receive completes in test().
+  TransferId isend(int peer, const void* data, size_t bytes, uint32_t tag, std::shared_ptr<const void>) override {
+    MOE_CHECK(tag < kBackgroundTag, "isend: tag ", tag, " out of range");
+    send(peer, data, bytes, tag | kBackgroundTag, {});
+    pending_[next_] = {true, peer, nullptr, bytes, tag};
+    return next_++;
+  }
+  // Copies happen inside test(), on this thread: a dropped receive writes nothing.
+  TransferId irecv(int peer, void* data, size_t bytes, uint32_t tag, std::shared_ptr<const void>) override {
+    MOE_CHECK(peer >= 0 && peer < size() && tag < kBackgroundTag, "irecv: peer ", peer, " or tag ", tag, " out of range");
+    pending_[next_] = {false, peer, data, bytes, tag};
+    return next_++;
+  }
+  bool test(TransferId id) override {
+    const auto it = pending_.find(id);
+    MOE_CHECK(it != pending_.end(), "test: no transfer ", id);
+    const Pending p = it->second;
+    if (!p.is_send) {
+      std::lock_guard<std::mutex> lock(g_.mu_);
+      g_.check_failed_locked();
+      auto& box = g_.mailbox_[{p.peer, rank_, p.tag | kBackgroundTag}];
+      if (box.empty()) return false;
+      if (box.front().size() != p.bytes)
+        throw TransportError(p.peer, "irecv: rank " + std::to_string(p.peer) + " sent " +
+                                         std::to_string(box.front().size()) + " bytes, expected " +
+                                         std::to_string(p.bytes));
+      if (p.bytes) std::memcpy(p.data, box.front().data(), p.bytes);
+      box.pop_front();
+    }
+    pending_.erase(it);
+    return true;
+  }
+
  private:
+  static constexpr uint32_t kBackgroundTag = 1u << 31;
+  struct Pending {
+    bool is_send;
+    int peer;
+    void* data;
+    size_t bytes;
+    uint32_t tag;
+  };
   InProcGroup& g_;
   const int rank_;
+  std::map<TransferId, Pending> pending_;
+  TransferId next_ = 1;
 };
 
 InProcGroup::InProcGroup(int size) : size_(size), arrived_gen_(size, 0), published_(size) {

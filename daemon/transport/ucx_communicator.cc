@@ -8,6 +8,7 @@
 #include <algorithm>
 #include <cstring>
 #include <deque>
+#include <map>
 #include <optional>
 
 namespace moe::transport {
@@ -15,7 +16,7 @@ namespace {
 
 // Tag layout: kind (8 bits) | sequence (40 bits) | source rank (16 bits). Every
 // receive matches the full tag, so messages of different operations never mix.
-enum class Kind : uint64_t { kWireup = 1, kAllToAll = 2, kBarrier = 3, kReduce = 4, kBroadcast = 5, kP2P = 6, kAbort = 7 };
+enum class Kind : uint64_t { kWireup = 1, kAllToAll = 2, kBarrier = 3, kReduce = 4, kBroadcast = 5, kP2P = 6, kAbort = 7, kBackground = 8 };
 
 uint64_t make_tag(Kind kind, uint64_t seq, int src) {
   return static_cast<uint64_t>(kind) << 56 | (seq & ((uint64_t{1} << 40) - 1)) << 16 | static_cast<uint64_t>(src);
@@ -57,6 +58,7 @@ struct UcxCommunicator::Impl {
     ucs_status_t recv_status = UCS_OK;
     bool local = false;
     LocalHub::Completion local_done;  // completion of a hub op
+    std::shared_ptr<const void> keep;  // a background transfer's buffer owner
   };
 
   int rank, size;
@@ -72,6 +74,9 @@ struct UcxCommunicator::Impl {
   std::string broken_reason;
   int broken_peer = -1;
   std::deque<Op> ops;
+  // Background transfers (isend/irecv), by id; map nodes keep their addresses.
+  std::map<uint64_t, Op> background;
+  uint64_t next_transfer = 1;
   // Ops abandoned after a failure whose requests UCX still holds; kept alive so a
   // late callback writes into valid memory.
   std::vector<std::deque<Op>> abandoned;
@@ -192,8 +197,14 @@ struct UcxCommunicator::Impl {
   }
 
   void post_send(int peer, const void* buf, size_t bytes, uint64_t tag, const char* what) {
+    post_send(ops.emplace_back(), peer, buf, bytes, tag, what);
+  }
+  void post_recv(int peer, void* buf, size_t bytes, uint64_t tag, const char* what) {
+    post_recv(ops.emplace_back(), peer, buf, bytes, tag, what);
+  }
+
+  void post_send(Op& op, int peer, const void* buf, size_t bytes, uint64_t tag, const char* what) {
     check_peer(peer, what);
-    Op& op = ops.emplace_back();
     op.peer = peer;
     op.bytes = bytes;
     if (peers[peer].local) {
@@ -206,9 +217,8 @@ struct UcxCommunicator::Impl {
     settle_posted(op, r);
   }
 
-  void post_recv(int peer, void* buf, size_t bytes, uint64_t tag, const char* what) {
+  void post_recv(Op& op, int peer, void* buf, size_t bytes, uint64_t tag, const char* what) {
     check_peer(peer, what);
-    Op& op = ops.emplace_back();
     op.peer = peer;
     op.is_recv = true;
     op.bytes = bytes;
@@ -299,7 +309,17 @@ struct UcxCommunicator::Impl {
     }
     std::vector<int> all(peers.size());
     for (size_t r = 0; r < peers.size(); ++r) all[r] = static_cast<int>(r);
-    if (worker) close_endpoints(all, broken);
+    // Background transfers still in flight: cancel the receives and force-close,
+    // so UCX lets go of their buffers before they are freed.
+    bool pending = false;
+    std::vector<int> unused;
+    for (auto& [id, op] : background) {
+      pending |= !op.done;
+      if (worker) release(op, unused);
+    }
+    if (worker) close_endpoints(all, broken || pending);
+    if (worker)
+      for (auto& [id, op] : background) poll(op);
     if (hub) {
       hub->withdraw(rank);
       hub->detach(rank);
@@ -308,6 +328,18 @@ struct UcxCommunicator::Impl {
     if (wake_fd >= 0) ::close(wake_fd);
     if (worker) ucp_worker_destroy(worker);
     if (context) ucp_cleanup(context);
+  }
+
+  // After a failure: local ops are done; a pending UCX receive is cancelled, and
+  // the endpoint of any pending op is to be force-closed.
+  void release(Op& op, std::vector<int>& to_close) {
+    if (op.done) return;
+    if (op.local) {
+      op.done = true;
+      return;
+    }
+    if (op.is_recv) ucp_request_cancel(worker, op.req);
+    if (std::find(to_close.begin(), to_close.end(), op.peer) == to_close.end()) to_close.push_back(op.peer);
   }
 
   [[noreturn]] void fail(int peer, const std::string& msg) {
@@ -319,15 +351,8 @@ struct UcxCommunicator::Impl {
     send_notices(peer);
     std::vector<int> to_close;
     if (peer >= 0 && peer < size && peer != rank && !peers[peer].local) to_close.push_back(peer);
-    for (Op& op : ops) {
-      if (op.done) continue;
-      if (op.local) {
-        op.done = true;
-        continue;
-      }
-      if (op.is_recv) ucp_request_cancel(worker, op.req);
-      if (std::find(to_close.begin(), to_close.end(), op.peer) == to_close.end()) to_close.push_back(op.peer);
-    }
+    for (Op& op : ops) release(op, to_close);
+    for (auto& [id, op] : background) release(op, to_close);
     close_endpoints(to_close, true);
     const auto until = Clock::now() + kDrainTimeout;
     bool pending = true;
@@ -339,6 +364,7 @@ struct UcxCommunicator::Impl {
         pending |= !op.done;
       }
     }
+    for (auto& [id, op] : background) poll(op);  // background ops stay where they are until teardown
     bool any_pending = false;
     for (const Op& op : ops) any_pending |= !op.done;
     if (any_pending) abandoned.push_back(std::move(ops));  // elements keep their addresses
@@ -565,6 +591,56 @@ void UcxCommunicator::recv(int peer, void* data, size_t bytes, uint32_t tag, Dea
   m.check_usable();
   m.post_recv(peer, data, bytes, make_tag(Kind::kP2P, tag, peer), "recv");
   m.wait_all(deadline, "recv");
+}
+
+Communicator::TransferId UcxCommunicator::isend(int peer, const void* data, size_t bytes, uint32_t tag,
+                                                std::shared_ptr<const void> keep) {
+  Impl& m = *impl_;
+  m.check_usable();
+  const TransferId id = m.next_transfer++;
+  Impl::Op& op = m.background[id];
+  op.keep = std::move(keep);
+  op.peer = peer;
+  op.bytes = bytes;
+  m.post_send(op, peer, data, bytes, make_tag(Kind::kBackground, tag, rank_), "isend");
+  return id;
+}
+
+Communicator::TransferId UcxCommunicator::irecv(int peer, void* data, size_t bytes, uint32_t tag,
+                                                std::shared_ptr<const void> keep) {
+  Impl& m = *impl_;
+  m.check_usable();
+  const TransferId id = m.next_transfer++;
+  Impl::Op& op = m.background[id];
+  op.keep = std::move(keep);
+  op.peer = peer;
+  op.bytes = bytes;
+  op.is_recv = true;
+  m.post_recv(op, peer, data, bytes, make_tag(Kind::kBackground, tag, peer), "irecv");
+  return id;
+}
+
+bool UcxCommunicator::test(TransferId id) {
+  Impl& m = *impl_;
+  m.check_usable();
+  const auto it = m.background.find(id);
+  MOE_CHECK(it != m.background.end(), "test: no transfer ", id);
+  ucp_worker_progress(m.worker);
+  Impl::Op& op = it->second;
+  m.poll(op);
+  const char* what = op.is_recv ? "irecv" : "isend";
+  if (op.done && op.status != UCS_OK)
+    m.fail(op.local ? op.peer : m.culprit_behind(op.peer), std::string(what) + ": rank " + std::to_string(op.peer) +
+                                                             " failed: " + status_str(op.status));
+  if (op.done && op.is_recv && op.info.length != op.bytes)
+    m.fail(op.peer, std::string(what) + ": rank " + std::to_string(op.peer) + " sent " +
+                        std::to_string(op.info.length) + " bytes, expected " + std::to_string(op.bytes));
+  if (!op.done) {
+    if (const auto why = m.peer_failure(op.peer)) m.fail_peer(op.peer, what, *why);
+    return false;
+  }
+  m.background.erase(it);
+  return true;
 }
 
 }  // namespace moe::transport

@@ -104,6 +104,8 @@ struct Recorder : SchedulerActions {
   void start_job(const v1::StartJob& s) override { started.push_back(s); }
   void cancel_job(const std::string& id, const std::string& why) override { cancelled.push_back({id, why}); }
   void job_ended(const v1::JobResult& r) override { ended.push_back(r); }
+  void step_completed(const std::string&, int step) override { completed_steps.push_back(step); }
+  std::vector<int> completed_steps;
 };
 
 class SchedulerTest : public ::testing::Test {

@@ -138,6 +138,42 @@ TEST_P(CommunicatorPeersTest, PointToPointMatchesByTag) {
   for (int r = 0; r < p.ranks; ++r) EXPECT_EQ(errors[r], "") << "rank " << r;
 }
 
+// Background transfers move while the ranks run collectives (how expert copies
+// ride along with steps): every rank sends a rank-stamped 1 MiB block to its right
+// neighbour, does all-reduces until the receive completes, and checks the bytes.
+TEST_P(CommunicatorPeersTest, BackgroundTransfersCompleteAlongsideCollectives) {
+  const Param p = GetParam();
+  const size_t n = 1 << 18;
+  const auto errors = run_ranks(p.kind, p.ranks, [&](Communicator& c) {
+    const int right = (c.rank() + 1) % c.size(), left = (c.rank() + c.size() - 1) % c.size();
+    std::vector<float> out(n), in(n, -1.0f);
+    for (size_t i = 0; i < n; ++i) out[i] = static_cast<float>(c.rank() * 1000003 + i);
+    const auto recv = c.irecv(left, in.data(), n * 4, 42);
+    const auto send = c.isend(right, out.data(), n * 4, 42);
+    // A blocking message of the same tag is a different message (its own tag space).
+    int token = c.rank();
+    c.send(right, &token, sizeof token, 42, deadline_in(10s));
+    int got = -1;
+    c.recv(left, &got, sizeof got, 42, deadline_in(10s));
+    ASSERT_EQ(got, left);
+    bool recv_done = false, send_done = false;
+    for (int round = 0; round < 100000; ++round) {
+      float x = 1.0f;
+      c.all_reduce_sum(&x, 1, deadline_in(10s));  // progresses the transfers
+      if (!recv_done) recv_done = c.test(recv);
+      if (!send_done) send_done = c.test(send);
+      // Every rank keeps calling collectives until all are done.
+      float all = recv_done && send_done ? 0.0f : 1.0f;
+      c.all_reduce_sum(&all, 1, deadline_in(10s));
+      if (all == 0.0f) break;
+    }
+    ASSERT_TRUE(recv_done && send_done);
+    for (size_t i = 0; i < n; ++i) ASSERT_EQ(in[i], static_cast<float>(left * 1000003 + i)) << "element " << i;
+    c.barrier(deadline_in(10s));  // nobody tears down endpoints a peer still uses
+  });
+  for (int r = 0; r < p.ranks; ++r) EXPECT_EQ(errors[r], "") << "rank " << r;
+}
+
 TEST_P(CommunicatorPeersTest, AMissingRankTimesOutNamingIt) {
   const Param p = GetParam();
   const int absent = p.ranks - 1;

@@ -3,12 +3,15 @@
 //   Membership       registration, heartbeats, ranks, busy nodes
 //   BootstrapRelay   the running job's transport bootstrap bytes
 //   Scheduler        the queue and the job state machine (results via job_result)
-//   PlacementService the per-layer expert maps and their epochs
+//   PlacementService the per-layer expert maps, their epochs and load windows
+//   Rebalancer       live rebalancing of a running job (PREPARE/READY/COMMIT/ABORT)
 //   Outbound         blocking calls to daemons, off the io thread
 // All state lives on one io_context thread; outbound results are posted back.
 #pragma once
 
 #include <chrono>
+#include <functional>
+#include <optional>
 #include <map>
 #include <memory>
 #include <string>
@@ -17,6 +20,7 @@
 #include "moe/agent/bootstrap_relay.h"
 #include "moe/agent/membership.h"
 #include "moe/agent/placement_service.h"
+#include "moe/agent/rebalancer.h"
 #include "moe/agent/scheduler.h"
 #include "moe/rpc/rpc.h"
 #include "moe/v1/rpc.pb.h"
@@ -32,12 +36,20 @@ struct AgentOptions {
   std::chrono::milliseconds heartbeat_interval{500};
   std::chrono::milliseconds heartbeat_timeout{3000};
   std::chrono::milliseconds daemon_call_timeout{10000};
+  int load_window = 32;  // steps of measured load per (shape, layer) (DESIGN 7)
+  RebalanceOptions rebalance;
+  // Auto-rebalance: at most once every this many steps of a job (0: off), when the
+  // window's balancedness is below the threshold and the solver predicts at
+  // least 0.05 more, with this many redundant experts (unset: the shape's count).
+  int rebalance_every = 0;
+  double balancedness_threshold = 0.9;
+  std::optional<int> redundant_experts;
   SchedulerOptions scheduler;
 };
 
 class Outbound;
 
-class Agent : private SchedulerActions {
+class Agent : private SchedulerActions, private RebalanceActions {
  public:
   Agent(rpc::asio::io_context& io, AgentOptions options);
   ~Agent() override;
@@ -51,12 +63,16 @@ class Agent : private SchedulerActions {
   const Membership& membership() const { return members_; }
   const Scheduler& scheduler() const { return scheduler_; }
   const PlacementService& placement() const { return placement_; }
+  const Rebalancer& rebalancer() const { return rebalancer_; }
 
  private:
   rpc::awaitable<v1::Envelope> handle(const v1::Envelope& req, const rpc::RequestContext& ctx);
   v1::Envelope on_register(const v1::RegisterNodeRequest& r);
   rpc::awaitable<v1::Envelope> on_bootstrap(const v1::BootstrapPublish& p, const rpc::RequestContext& ctx);
   v1::Envelope on_rank_done(const v1::RankDone& d);
+  v1::Envelope on_import(const v1::PlacementImport& imp);
+  rpc::awaitable<v1::Envelope> on_rebalance(const v1::RebalanceRequest& r, const rpc::RequestContext& ctx);
+  void maybe_auto_rebalance(const std::string& job_id, int step);
   rpc::awaitable<v1::Envelope> on_wait(const v1::WaitJobRequest& r, const rpc::RequestContext& ctx);
   v1::Envelope cluster_status() const;
   rpc::awaitable<void> watchdog();
@@ -67,16 +83,28 @@ class Agent : private SchedulerActions {
   void start_job(const v1::StartJob& start) override;
   void cancel_job(const std::string& job_id, const std::string& reason) override;
   void job_ended(const v1::JobResult& result) override;
+  void step_completed(const std::string& job_id, int step) override;
+
+  // RebalanceActions
+  void prepare(const v1::PrepareRebalance& p) override;
+  void commit(const v1::CommitRebalance& c) override;
+  void abort(const v1::AbortRebalance& a) override;
+  void rebalance_done(const v1::RebalanceReply& r) override;
+  // Sends req to every live node's daemon; on_error(node, error) on the io thread.
+  void to_every_node(const v1::Envelope& req, std::function<void(const std::string&, const std::string&)> on_error);
 
   rpc::asio::io_context& io_;
   AgentOptions opts_;
   Membership members_;
   PlacementService placement_;
   Scheduler scheduler_;
+  Rebalancer rebalancer_;
   BootstrapRelay relay_;
   std::unique_ptr<rpc::RpcServer> server_;
   std::unique_ptr<Outbound> outbound_;
-  rpc::AsyncEvent job_event_, bootstrap_event_;
+  rpc::AsyncEvent job_event_, bootstrap_event_, rebalance_event_;
+  int last_auto_step_ = -1;
+  std::string last_auto_job_;
   bool stopped_ = false;
 };
 

@@ -1,39 +1,113 @@
-// The placement service: the per-layer, epoch-numbered expert maps (DESIGN 7)
-// the agent hands to jobs, and the one place that converts between the solver's
-// maps (moe/placement) and their protos. Epochs only grow.
+// The placement service: expert placement as cluster state (DESIGN 7), like
+// Ceph's OSDMap. Per shape (experts, layers, nodes, devices per node) and layer it
+// keeps the epoch-numbered map in force and the sliding window of measured load;
+// a job starts on its shape's current maps; a rebalance plans new maps from the
+// window and installs them under a new epoch. Epochs only grow, cluster-wide.
+// The one place that converts between the solver's maps and their protos. No I/O.
 #pragma once
 
+#include <compare>
 #include <cstdint>
+#include <map>
+#include <optional>
+#include <string>
 #include <vector>
 
+#include "moe/agent/load_window.h"
 #include "moe/placement/placement_map.h"
 #include "moe/v1/cluster.pb.h"
 #include "moe/v1/job.pb.h"
 
 namespace moe::agent {
 
+struct ShapeKey {
+  int experts = 0, layers = 0, nodes = 0, devices_per_node = 0;
+  auto operator<=>(const ShapeKey&) const = default;
+  int ranks() const { return nodes * devices_per_node; }
+  bool empty() const { return experts == 0; }
+  static ShapeKey of(const v1::PlacementShape& s);
+  v1::PlacementShape proto() const;
+  std::string name() const;  // "64 experts x 2 layers on 2x2"
+};
+
+// What a rebalance would install: the changed layers' new maps (epoch 0 until
+// installed), the window's balancedness before and the prediction after, and
+// the expert copies ranks need (bytes 0: they depend on the job).
+struct RebalancePlan {
+  ShapeKey shape;
+  int redundant = 0;
+  std::vector<v1::PlacementMap> maps;
+  std::vector<double> before, predicted;
+  std::vector<v1::ExpertCopy> copies;
+};
+
 class PlacementService {
  public:
-  // The maps a job starts on, one per layer, under a new epoch: the solver's map
-  // for uniform loads (no measured loads, no redundant experts yet). Throws
-  // moe::Error when the solver refuses the sizes.
-  const std::vector<v1::PlacementMap>& maps_for_job(const v1::JobSpec& spec, int world, int num_nodes);
-  // Per layer, tokens per logical expert measured by the last job.
-  void record_loads(std::vector<std::vector<double>> expert_tokens);
+  explicit PlacementService(int window_steps = 32) : window_steps_(window_steps) {}
 
+  // The maps a job of `shape` starts on, one per layer: the shape's current
+  // maps; for a shape seen the first time, the solver's map for uniform load
+  // under a new epoch. Throws moe::Error when the solver refuses the sizes.
+  std::vector<v1::PlacementMap> maps_for_job(const v1::JobSpec& spec, const ShapeKey& shape);
+  // One complete step of a job: per layer, pairs per logical expert (summed
+  // over ranks), pairs per rank, and the epoch the layer ran under.
+  void record_step(const ShapeKey& shape, const std::vector<std::vector<double>>& expert,
+                   const std::vector<std::vector<double>>& rank, const std::vector<int64_t>& epochs);
+
+  // `placement show`: an empty shape means the last job's (an empty reply before
+  // any job). Throws rpc::RpcError(NOT_FOUND) for a shape never placed, and
+  // INVALID_ARGUMENT for a layer out of range.
+  v1::PlacementReply describe(ShapeKey shape, std::optional<int> layer) const;
+  v1::PlacementLoads loads(ShapeKey shape) const;
+  // New maps from the window's expert loads, keeping copies in place where the
+  // slot count stays (pure). redundant defaults to the shape's current count.
+  // Throws rpc::RpcError(INVALID_ARGUMENT) naming the rule a request breaks.
+  RebalancePlan plan(ShapeKey shape, std::optional<int> redundant, std::optional<int> layer) const;
+  // Installs maps (each with its layer set) under a new epoch (or `epoch`, one
+  // reserve_epoch() returned) and returns it. Throws rpc::RpcError
+  // (INVALID_ARGUMENT) naming what does not fit the shape.
+  int64_t install(ShapeKey shape, std::vector<v1::PlacementMap> maps, int64_t epoch = 0);
+  // The next epoch number, for a live rebalance that installs it only if it
+  // commits (an aborted one leaves a gap: epochs only grow).
+  int64_t reserve_epoch() { return ++epoch_; }
+
+  ShapeKey resolve(ShapeKey shape) const { return shape.empty() ? last_shape_ : shape; }
+  ShapeKey last_shape() const { return last_shape_; }
   int64_t epoch() const { return epoch_; }
-  const std::vector<v1::PlacementMap>& maps() const { return maps_; }
-  // Balancedness of layer l's map under the last measured loads (0 before any).
-  double balancedness(int layer) const;
+  // The shape's maps in force (null for a shape never placed).
+  const std::vector<v1::PlacementMap>* maps(const ShapeKey& shape) const;
+  // Of the last job's shape, per layer: measured and predicted balancedness.
+  std::vector<double> live_balancedness() const;
+  std::vector<double> live_predicted() const;
+
+  v1::PlacementState state() const;
+  void restore(const v1::PlacementState& s);
 
   static v1::PlacementMap to_proto(const placement::LayerMap& m, int layer, int64_t epoch);
   // Throws moe::Error naming the first inconsistency of the message.
   static placement::LayerMap from_proto(const v1::PlacementMap& m);
 
  private:
+  struct Shape {
+    std::vector<v1::PlacementMap> maps;
+    std::vector<LoadWindow> windows;
+    int num_groups = 0, top_k = 0, group_top_k = 0;  // the last job's routing, for the solver
+  };
+  const Shape& find(const ShapeKey& shape) const;  // throws NOT_FOUND
+  placement::PlacementSpec solver_spec(const ShapeKey& key, const Shape& s, int redundant) const;
+  v1::LayerPlacement describe_layer(const Shape& s, int layer) const;
+
+  int window_steps_;
+  std::map<ShapeKey, Shape> shapes_;
+  ShapeKey last_shape_;
   int64_t epoch_ = 0;
-  std::vector<v1::PlacementMap> maps_;
-  std::vector<std::vector<double>> loads_;
 };
+
+// The copies ranks need to go from `before` to `after`: one per slot of an expert
+// its rank did not host before (a rank fills further slots of an expert it hosts
+// from its own copy), each from a holder on the gaining rank's node if there is
+// one, else the expert's first replica. bytes are left 0.
+std::vector<v1::ExpertCopy> copies_between(const v1::PlacementMap& before, const v1::PlacementMap& after,
+                                           int devices_per_node);
 
 }  // namespace moe::agent

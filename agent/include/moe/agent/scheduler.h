@@ -46,11 +46,14 @@ class SchedulerActions {
   virtual void cancel_job(const std::string& job_id, const std::string& reason) = 0;
   // The job reached a final state.
   virtual void job_ended(const v1::JobResult& result) = 0;
+  // Every rank reported this step of the running job (its load is recorded).
+  virtual void step_completed(const std::string& job_id, int step) = 0;
 };
 
 // The job that runs, and what its ranks reported so far.
 struct RunningJob {
   std::string id;
+  ShapeKey shape;
   JobReports reports;
   std::vector<bool> done;  // by rank
   int done_count = 0;
@@ -79,6 +82,8 @@ class Scheduler {
 
   // Starts the queue's head when every node is alive and idle.
   void try_start(Clock::time_point now);
+  // A step report; once every rank reported a step, its load goes to the
+  // placement window and the job's progress shows.
   void on_step(const v1::StepReport& r, Clock::time_point now);
   // A rank of the job showed it is alive without a step (a bootstrap publish).
   void on_activity(const std::string& job_id, Clock::time_point now);
@@ -94,6 +99,7 @@ class Scheduler {
   bool start(v1::JobResult& rec, Clock::time_point now);
   void fail_unstarted(v1::JobResult& rec, const std::string& message);
   void note_cancelled_rank(const v1::RankDone& d, Clock::time_point now);
+  void record_load(const std::vector<v1::StepStats>& by_rank);
   void fail_running(const std::string& message, Clock::time_point now);
   void finish(v1::JobState state, const std::string& message);
 

@@ -6,6 +6,7 @@
 
 #include <chrono>
 #include <iosfwd>
+#include <optional>
 #include <string>
 
 #include "moe/v1/rpc.pb.h"
@@ -46,6 +47,28 @@ int job_status(const Globals& g, const std::string& id, std::ostream& out, std::
 int job_wait(const Globals& g, const std::string& id, std::ostream& out, std::ostream& err);
 int job_list(const Globals& g, std::ostream& out, std::ostream& err);
 int job_cancel(const Globals& g, const std::string& id, std::ostream& out, std::ostream& err);
-int placement_show(const Globals& g, std::ostream& out, std::ostream& err);
+// Which placement a command is about (DESIGN 7): a shape "EXPERTSxLAYERS@NODESxDEVICES"
+// (empty: the last job's) and optionally one layer.
+struct PlacementTarget {
+  std::string shape;
+  std::optional<int> layer;
+};
+int placement_show(const Globals& g, const PlacementTarget& t, std::ostream& out, std::ostream& err);
+// EPLB's phy2log / log2phy / logcnt of a shape as JSON, and back (a new epoch).
+int placement_export(const Globals& g, const PlacementTarget& t, const std::string& file, std::ostream& out,
+                     std::ostream& err);
+int placement_import(const Globals& g, const std::string& file, std::ostream& out, std::ostream& err);
+// The load window as a loads file of moe-placement-sim --loads.
+int placement_loads(const Globals& g, const PlacementTarget& t, const std::string& file, std::ostream& out,
+                    std::ostream& err);
+
+struct RebalanceOptions {
+  PlacementTarget target;
+  std::optional<int> redundant_experts;
+  bool dry_run = false;
+};
+// Exit 0 committed (or a dry run), 1 aborted or failed (the message names the
+// copy), 2 a request that breaks the slot rule, 3 unreachable.
+int placement_rebalance(const Globals& g, const RebalanceOptions& o, std::ostream& out, std::ostream& err);
 
 }  // namespace moe::ctl

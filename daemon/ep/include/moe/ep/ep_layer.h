@@ -20,6 +20,7 @@
 #include "moe/ep/dispatcher.h"
 #include "moe/ep/expert_map.h"
 #include "moe/ep/layer_stages.h"
+#include "moe/ep/staged_experts.h"
 #include "moe/transport/communicator.h"
 
 namespace moe::ep {
@@ -63,7 +64,23 @@ class EpLayer {
   // local slot the expert gradients summed over the expert's replicas.
   const float* grad_gate() const { return router_.grad_gate(); }
   const float* grad_w13(int local_slot) const;  // [2I, H]
+  // Local slot s's weights as the layer computes with them, or in a train layer
+  // its fp32 masters and optimizer state.
+  void export_slot(int local_slot, ExpertState& out) const { experts_->export_slot(local_slot, out); }
   const float* grad_w2(int local_slot) const;   // [H, I]
+
+  // Live rebalance (DESIGN 7), called by every rank at the same step boundaries:
+  // stage() starts filling the slots `next` gives this rank (copies: the layer's,
+  // in the same order everywhere; the optimizer's Adam state travels when adam);
+  // staged_ready() progresses them; switch_to_staged() moves the layer onto
+  // `next` (every rank's copies must be ready); drop_staged() abandons it.
+  void stage(const ExpertMap& next, std::vector<ExpertCopyPlan> copies, bool adam);
+  bool staged_ready();
+  void switch_to_staged();
+  void drop_staged() { staged_.reset(); }
+  bool staging() const { return staged_ != nullptr; }
+  int64_t staged_bytes_received() const { return staged_ ? staged_->bytes_received() : 0; }
+  const ExpertMap& map() const { return map_; }
 
   const int32_t* topk_idx() const { return router_.topk_idx(); }
   const int32_t* kept_idx() const { return router_.kept_idx(); }
@@ -75,6 +92,7 @@ class EpLayer {
   void reserve_rows(int64_t recv_rows);
   void reduce_replica_grads();
   void reduce_replica_grad(int expert, float* acc, float* msg);
+  void install_map(const ExpertMap& map);
 
   MoeLayerConfig cfg_;
   ExpertMap map_;
@@ -82,9 +100,11 @@ class EpLayer {
   kernels::Backend& be_;
   EpOptions opts_;
   RouterStage router_;
-  Dispatcher dispatcher_;
-  ExpertStage experts_;
+  std::unique_ptr<Dispatcher> dispatcher_;
+  std::unique_ptr<ExpertStage> experts_;
+  std::unique_ptr<StagedExperts> staged_;
   const DispatchHandle* handle_ = nullptr;  // of the last forward, for backward
+  bool adam_ = false;                        // staged copies carry Adam moments
   const void* x_ = nullptr;
   int64_t recv_capacity_ = -1;
 

@@ -39,6 +39,17 @@ model::LayerWeights weights_as_used(model::LayerWeights w, DType dtype);
 // Throws unless w holds all cfg.num_experts experts' w13 and w2.
 void check_expert_weights(const MoeLayerConfig& cfg, const model::LayerWeights& w);
 
+// One expert's state as it moves between ranks (a live rebalance): [gate_up |
+// down] = 2IH + HI floats per array. weights: the fp32 masters in a train
+// stage, the values it computes with otherwise; m, v: Adam moments (empty for
+// forward and SGD).
+struct ExpertState {
+  std::vector<float> weights, m, v;
+  // Resizes for H, I; moments only when `moments`.
+  void resize(int hidden, int ffn_hidden, bool moments);
+  size_t floats() const { return weights.size() + m.size() + v.size(); }
+};
+
 // One trainable tensor of a stage: the values the layer computes with, an fp32
 // master copy (its own buffer only in a bf16 layer, where the compute copy holds
 // bf16-rounded values) and the optimizer's moments, allocated on first update.
@@ -49,7 +60,15 @@ class TrainableTensor {
   void sync_master();
   void update(const kernels::OptimizerConfig& cfg, int64_t step, const float* grad);
 
+  // Elements [begin, begin + n) as they cross the wire: the fp32 master values
+  // and the Adam moments (zeros before the first update).
+  void read(size_t begin, size_t n, float* master, float* m, float* v) const;
+  // The inverse: sets master, the compute copy (bf16-rounded in a bf16 layer)
+  // and, given m and v, the moments.
+  void write(size_t begin, size_t n, const float* master, const float* m, const float* v);
+
  private:
+  void ensure_moments();
   kernels::Backend* be_ = nullptr;
   float* compute_ = nullptr;
   size_t count_ = 0;
@@ -112,6 +131,13 @@ class ExpertStage {
 
   // One optimizer step on the local experts' weights from grad_w13()/grad_w2().
   void apply_update(const kernels::OptimizerConfig& cfg, int64_t step);
+
+  // One local expert's state, packed [w13 | w2] per array (ExpertState): in a
+  // train stage the fp32 masters and Adam moments, in a forward stage the
+  // weights it computes with.
+  void export_slot(int slot, struct ExpertState& out) const;
+  void import_slot(int slot, const struct ExpertState& in);
+  int num_local_experts() const { return L_; }
 
   const float* grad_w13() const { return grad_w13_.as<float>(); }
   float* grad_w13() { return grad_w13_.as<float>(); }

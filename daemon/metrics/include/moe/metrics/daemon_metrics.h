@@ -3,7 +3,8 @@
 //   moe_rank_tokens_total{layer,rank}           pairs each rank's experts computed (its load)
 //   moe_dispatch_seconds / moe_combine_seconds / moe_expert_compute_seconds {direction}
 //   moe_transport_bytes_total{op,direction}, moe_transport_received_bytes_total{op,direction}
-//   moe_naive_transport_bytes_total{op}, moe_step_seconds, moe_build_info{version,backend,gemm_engine}
+//   moe_naive_transport_bytes_total{op}, moe_step_seconds, moe_build_info{version,backend,gemm_engine},
+//   moe_rebalance_copy_bytes_total (expert state received by live rebalances)
 // direction = forward | backward, op = dispatch | combine. Rank threads record
 // into it concurrently.
 #pragma once
@@ -39,6 +40,7 @@ class DaemonMetrics {
   void record_forward(int rank, const LayerStep& s);
   void record_backward(int rank, const LayerStep& s);
   void record_step(int rank, double seconds);
+  void record_rebalance_copy(int64_t bytes_received);  // moe_rebalance_copy_bytes_total
 
  private:
   struct Impl;

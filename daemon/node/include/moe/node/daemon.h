@@ -63,6 +63,7 @@ class Daemon {
   rpc::asio::io_context& io_;
   DaemonOptions opts_;
   BackendChoice backend_;
+  FaultInjection faults_;  // test hooks
   std::unique_ptr<metrics::DaemonMetrics> metrics_;
   std::unique_ptr<rpc::RpcServer> server_;
   std::mutex mu_;  // guards runner_, node_index_, stopping_

@@ -16,6 +16,7 @@
 #include "moe/kernels/api.h"
 #include "moe/kernels/thread_pool.h"
 #include "moe/metrics/daemon_metrics.h"
+#include "moe/node/rebalance_mailbox.h"
 #include "moe/transport/local_hub.h"
 #include "moe/v1/cluster.pb.h"
 
@@ -34,6 +35,7 @@ struct RunnerEnv {
   BackendFactory make_backend;
   metrics::DaemonMetrics* metrics = nullptr;  // may be null
   std::chrono::milliseconds transport_timeout{30000};
+  FaultInjection faults;  // test hooks (MOE_FAULT_INJECT)
 };
 
 class JobRunner {
@@ -43,6 +45,10 @@ class JobRunner {
   const std::string& job_id() const { return job_.job_id(); }
   bool finished() const { return running_.load() == 0; }
   void cancel(const std::string& reason);
+  // The rebalance protocol (DESIGN 7); throws rpc::RpcError for another job.
+  void prepare(const v1::PrepareRebalance& p);
+  void commit(const v1::CommitRebalance& c);
+  void abort(const v1::AbortRebalance& a);
 
  private:
   void rank_main(int local);
@@ -51,6 +57,7 @@ class JobRunner {
   v1::StartJob job_;
   RunnerEnv env_;
   std::shared_ptr<transport::LocalHub> hub_;
+  RebalanceMailbox mailbox_;
   std::atomic<bool> cancel_{false};
   mutable std::mutex cancel_mu_;
   std::string cancel_reason_;  // guarded by cancel_mu_

@@ -39,21 +39,37 @@ class ModelStack {
   // One optimizer step (1-based: step + 1) on every layer.
   void optimize(int step, StepReport& report);
 
+  // Live rebalance (DESIGN 7), at step boundaries every rank agreed on: stage()
+  // starts filling the slots the new maps give this rank (and builds the
+  // teacher's layers on them from the RNG: teacher weights are never copied);
+  // staged_ready() progresses the copies; switch_to_staged() moves every layer
+  // onto its new map; drop_staged() abandons the rebalance.
+  void stage(const v1::PrepareRebalance& p);
+  bool staged_ready();
+  void switch_to_staged();
+  void drop_staged();
+  int64_t staged_bytes_received() const;
+
   int num_layers() const { return static_cast<int>(layers_.size()); }
   const ep::EpLayer& layer(int l) const { return *layers_[l]; }
-  const ep::ExpertMap& map(int l) const { return maps_[l]; }
+  const ep::ExpertMap& map(int l) const { return layers_[l]->map(); }
   const LayerSnapshot& snapshot(int l) const { return snaps_[l]; }
 
  private:
   int64_t token_begin() const { return static_cast<int64_t>(rank_) * T_; }
 
+  ep::EpOptions layer_options(int l) const;
+
   const v1::JobSpec& spec_;
-  const std::vector<ep::ExpertMap> maps_;
+  transport::Communicator& comm_;
+  kernels::Backend& be_;
+  const std::chrono::milliseconds timeout_;
   const int rank_, world_;
   const int64_t T_;
   const int H_;
   const kernels::DType dt_;
   std::vector<std::unique_ptr<ep::EpLayer>> layers_, teacher_;
+  std::vector<std::unique_ptr<ep::EpLayer>> staged_teacher_;  // on the staged maps
   std::vector<std::vector<uint8_t>> xs_;  // xs_[l]: input of layer l; xs_[L]: the stack's output
   std::vector<uint8_t> out_, grad_, grad_x_;
   std::vector<LayerSnapshot> snaps_;

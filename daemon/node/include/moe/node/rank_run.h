@@ -6,6 +6,7 @@
 
 #include <functional>
 #include <memory>
+#include <optional>
 
 #include "moe/node/job_runner.h"
 #include "moe/node/model_stack.h"
@@ -30,7 +31,7 @@ class AgentBootstrap final : public transport::Bootstrap {
 class RankRun {
  public:
   RankRun(const v1::StartJob& job, const RunnerEnv& env, int rank, std::shared_ptr<transport::LocalHub> hub,
-          rpc::RpcClient& agent);
+          rpc::RpcClient& agent, RebalanceMailbox& mailbox);
 
   // Runs the steps until done or a cancel agreed by every rank; returns the
   // number of steps completed.
@@ -38,8 +39,20 @@ class RankRun {
   const v1::Verify& verification() const { return verify_; }
 
  private:
+  // What every rank decided together at a step boundary.
+  struct Boundary {
+    bool stop = false;    // cancel
+    bool stage = false;   // every rank holds the same PREPARE: start staging
+    bool abort = false;   // some rank got ABORT for the staged epoch
+    bool commit = false;  // every rank got COMMIT for the staged epoch: switch
+  };
   transport::Deadline deadline() const { return transport::deadline_in(env_.transport_timeout); }
-  bool agree_to_stop(bool requested);
+  // The step's own collective: one all-reduce carries the cancel flag and the
+  // rebalance state, so every rank acts before the same step.
+  Boundary agree(bool cancel_requested);
+  void act(const Boundary& b, int step);
+  void check_staged();
+  void tell_agent_ready(bool ok, const std::string& reason);
   void run_step(int step);
 
   const v1::StartJob& job_;
@@ -52,6 +65,9 @@ class RankRun {
   transport::UcxCommunicator comm_;
   rpc::RpcClient& agent_;
   ModelStack stack_;
+  RebalanceMailbox& mailbox_;
+  std::optional<v1::PrepareRebalance> staged_;  // the epoch being staged
+  bool staged_ready_ = false;
   v1::Verify verify_;
 };
 

@@ -10,6 +10,7 @@
 #include <chrono>
 #include <cstddef>
 #include <cstdint>
+#include <memory>
 #include <stdexcept>
 #include <string>
 #include <vector>
@@ -85,6 +86,20 @@ class Communicator {
   // Point-to-point. A message matches on (source, tag); tags < 2^32.
   virtual void send(int peer, const void* data, size_t bytes, uint32_t tag, Deadline deadline) = 0;
   virtual void recv(int peer, void* data, size_t bytes, uint32_t tag, Deadline deadline) = 0;
+
+  // Background point-to-point (expert copies while steps go on): posted now,
+  // moved while the rank makes its other transport calls, or when test()
+  // progresses it. Its tags are apart from send/recv's. The buffer must stay
+  // valid until test() returns true or the communicator is destroyed: `keep`
+  // (the buffer's owner, optional) is held until then, so a caller may drop a
+  // transfer it no longer wants.
+  using TransferId = uint64_t;
+  virtual TransferId isend(int peer, const void* data, size_t bytes, uint32_t tag,
+                           std::shared_ptr<const void> keep = {}) = 0;
+  virtual TransferId irecv(int peer, void* data, size_t bytes, uint32_t tag, std::shared_ptr<const void> keep = {}) = 0;
+  // Progresses; true once the transfer completed (the id is then forgotten).
+  // Throws TransportError naming the peer when it failed, like any wait.
+  virtual bool test(TransferId id) = 0;
 };
 
 }  // namespace moe::transport

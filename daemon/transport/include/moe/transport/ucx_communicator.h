@@ -47,6 +47,9 @@ class UcxCommunicator final : public Communicator {
   void barrier(Deadline deadline) override;
   void send(int peer, const void* data, size_t bytes, uint32_t tag, Deadline deadline) override;
   void recv(int peer, void* data, size_t bytes, uint32_t tag, Deadline deadline) override;
+  TransferId isend(int peer, const void* data, size_t bytes, uint32_t tag, std::shared_ptr<const void> keep) override;
+  TransferId irecv(int peer, void* data, size_t bytes, uint32_t tag, std::shared_ptr<const void> keep) override;
+  bool test(TransferId id) override;
 
  private:
   struct Impl;

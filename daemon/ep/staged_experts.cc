@@ -1,0 +1,136 @@
+#include "moe/ep/staged_experts.h"
+
+#include <algorithm>
+
+#include "moe/base/check.h"
+
+namespace moe::ep {
+namespace {
+
+// On the wire one state is [weights | m | v] (moments in train jobs with Adam).
+std::vector<float> pack(const ExpertState& s) {
+  std::vector<float> w(s.weights);
+  w.insert(w.end(), s.m.begin(), s.m.end());
+  w.insert(w.end(), s.v.begin(), s.v.end());
+  return w;
+}
+
+}  // namespace
+
+StagedExperts::StagedExperts(ExpertMap next, std::vector<ExpertCopyPlan> copies, int rank, const MoeLayerConfig& cfg,
+                             bool adam, uint32_t tag_base)
+    : next_(std::move(next)),
+      copies_(std::move(copies)),
+      rank_(rank),
+      cfg_(cfg),
+      adam_(adam && cfg.train),
+      tag_base_(tag_base),
+      shadows_(cfg.num_experts) {
+  for (size_t c = 0; c < copies_.size(); ++c) {
+    const ExpertCopyPlan& p = copies_[c];
+    MOE_CHECK(p.expert >= 0 && p.expert < cfg.num_experts && p.to_slot >= 0 && p.to_slot < next_.slots_per_rank &&
+                  next_.expert_at(p.to_rank, p.to_slot) == p.expert,
+              "rebalance: copy ", c, " (expert ", p.expert, " to rank ", p.to_rank, " slot ", p.to_slot,
+              ") does not match the new map");
+    shadows_[p.expert].push_back(static_cast<int>(c));
+    max_shadows_ = std::max<int>(max_shadows_, shadows_[p.expert].size());
+  }
+}
+
+void StagedExperts::start(const ExpertStage& stage, const ExpertMap& current, transport::Communicator& comm) {
+  const int H = cfg_.hidden, I = cfg_.ffn_hidden;
+  for (size_t c = 0; c < copies_.size(); ++c) {
+    const ExpertCopyPlan& p = copies_[c];
+    const uint32_t tag = tag_base_ + static_cast<uint32_t>(c);
+    if (p.from_rank == rank_) {
+      int slot = 0;
+      while (slot < current.slots_per_rank && current.expert_at(rank_, slot) != p.expert) ++slot;
+      MOE_CHECK(slot < current.slots_per_rank, "rebalance: rank ", rank_, " sends expert ", p.expert,
+                " but does not host it");
+      ExpertState snapshot;
+      snapshot.resize(H, I, adam_);
+      stage.export_slot(slot, snapshot);
+      Sent s{.wire = std::make_shared<std::vector<float>>(pack(snapshot))};
+      s.transfer = comm.isend(p.to_rank, s.wire->data(), 4 * s.wire->size(), tag, s.wire);
+      sent_.push_back(std::move(s));
+    }
+    if (p.to_rank == rank_) {
+      Gained g{.copy = static_cast<int>(c), .state = std::make_shared<ExpertState>()};
+      g.state->resize(H, I, adam_);
+      g.wire = std::make_shared<std::vector<float>>(g.state->floats());
+      g.transfer = comm.irecv(p.from_rank, g.wire->data(), 4 * g.wire->size(), tag, g.wire);
+      gained_.push_back(std::move(g));
+    }
+  }
+}
+
+void StagedExperts::unpack(Gained& g) {
+  ExpertState& s = *g.state;
+  const float* w = g.wire->data();
+  std::copy_n(w, s.weights.size(), s.weights.begin());
+  std::copy_n(w + s.weights.size(), s.m.size(), s.m.begin());
+  std::copy_n(w + s.weights.size() + s.m.size(), s.v.size(), s.v.begin());
+  bytes_received_ += 4 * static_cast<int64_t>(g.wire->size());
+  g.wire.reset();
+  g.arrived = true;
+}
+
+bool StagedExperts::ready(transport::Communicator& comm, kernels::Backend& be) {
+  for (Sent& s : sent_)
+    if (!s.done) s.done = comm.test(s.transfer);
+  bool all = true;
+  for (Gained& g : gained_) {
+    if (!g.arrived && comm.test(g.transfer)) {
+      unpack(g);
+      for (; !g.pending.empty(); g.pending.pop_front())  // the steps since the snapshot, in order
+        apply(g, g.pending.front().grad.data(), g.pending.front().cfg, g.pending.front().step, be);
+    }
+    all &= g.arrived;
+  }
+  return all;
+}
+
+// One optimizer step on a shadow's fp32 master (and moments): the same op, on the
+// same inputs, as its holders' TrainableTensor::update.
+void StagedExperts::apply(Gained& g, const float* grad, const kernels::OptimizerConfig& cfg, int64_t step,
+                          kernels::Backend& be) {
+  ExpertState& s = *g.state;
+  kernels::OptimizerArgs a;
+  a.count = static_cast<int64_t>(s.weights.size());
+  a.step = step;
+  a.weight = s.weights.data();
+  a.grad = grad;
+  a.m = s.m.empty() ? nullptr : s.m.data();
+  a.v = s.v.empty() ? nullptr : s.v.data();
+  be.optimizer_step(cfg, a);
+}
+
+float* StagedExperts::shadow_gradient(int copy) {
+  const auto it = std::find_if(gained_.begin(), gained_.end(), [&](const Gained& g) { return g.copy == copy; });
+  MOE_ASSERT(it != gained_.end());
+  it->grad.resize(it->state->weights.size());
+  return it->grad.data();
+}
+
+void StagedExperts::optimizer_step(const kernels::OptimizerConfig& cfg, int64_t step, kernels::Backend& be) {
+  for (Gained& g : gained_) {
+    MOE_CHECK(g.grad.size() == g.state->weights.size(), "rebalance: shadow of expert ", copies_[g.copy].expert,
+              " got no gradient this step");
+    if (g.arrived) apply(g, g.grad.data(), cfg, step, be);
+    else g.pending.push_back({g.grad, cfg, step});
+    g.grad.clear();
+  }
+}
+
+const ExpertState& StagedExperts::gained_state(int slot) const {
+  for (const Gained& g : gained_)
+    if (copies_[g.copy].to_slot == slot) {
+      MOE_CHECK(g.arrived && g.pending.empty(), "rebalance: the copy of expert ", copies_[g.copy].expert,
+                " to slot ", slot, " is not complete");
+      return *g.state;
+    }
+  MOE_CHECK(false, "rebalance: rank ", rank_, " gains nothing at slot ", slot);
+  throw;  // unreachable
+}
+
+}  // namespace moe::ep
