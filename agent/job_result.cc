@@ -144,7 +144,8 @@ void fill_epochs(const std::vector<const std::vector<v1::StepStats>*>& steps, co
     run->set_step_seconds_p50(median(step_time));
     run->set_slowest_rank_expert_seconds(median(expert));
   }
-  if (rec.epochs_size() > 0) rec.set_placement_epoch(static_cast<double>(rec.epochs(rec.epochs_size() - 1).epoch()));
+  if (rec.epochs_size() > 0 && rec.epochs(rec.epochs_size() - 1).epoch() > 0)
+    rec.set_placement_epoch(static_cast<double>(rec.epochs(rec.epochs_size() - 1).epoch()));
 }
 
 void fill_verify(const JobReports& r, v1::JobState state, v1::JobResult& rec) {

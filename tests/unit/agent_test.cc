@@ -146,6 +146,7 @@ class SchedulerTest : public ::testing::Test {
         sr.set_rank(r);
         sr.mutable_stats()->set_step(s);
         sr.mutable_stats()->set_step_seconds(0.1);
+        for (int l = 0; l < 2; ++l) sr.mutable_stats()->add_layer_epoch(1);
         scheduler.on_step(sr, now);
       }
   }
@@ -179,8 +180,11 @@ TEST_F(SchedulerTest, AJobWaitsForNodesThenRunsOnEveryRankAndSucceeds) {
   EXPECT_FALSE(members.ready_for_job()) << "nodes are busy with the job";
   report_steps(id, 4, 2);
   EXPECT_EQ(scheduler.record(id).steps_completed(), 2) << "progress shows while it runs";
+  EXPECT_EQ(rec.completed_steps, (std::vector<int>{0, 1}));
   finish_ranks(id, 4);
   EXPECT_EQ(scheduler.record(id).state(), v1::JOB_STATE_SUCCEEDED);
+  ASSERT_EQ(scheduler.record(id).epochs_size(), 1);
+  EXPECT_EQ(scheduler.record(id).epochs(0).steps(), 2);
   ASSERT_EQ(rec.ended.size(), 1u);
   EXPECT_EQ(rec.ended[0].job_id(), id);
   EXPECT_TRUE(members.ready_for_job());
