@@ -116,6 +116,8 @@ const std::vector<JobFieldDoc>& job_field_docs() {
       {"dump_dir", "folder for layer 0's step-0 tensors (rank{r}.safetensors, spec.json)", false},
       {"weights", "safetensors file to read the weights from (none: synthetic from the seed)", false},
       {"weights_prefix", "tensor name prefix of the weights, may hold {layer}", false},
+      {"verify_step", "the step verify checks, with the weights that step used", false},
+      {"dump_step", "the step the dump covers", false},
   };
   return docs;
 }

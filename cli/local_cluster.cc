@@ -156,12 +156,13 @@ void write_token(const StateDir& s, const std::string& token) {
 }
 
 // Starts the agent and waits for its address file; returns its address.
-std::string start_agent(const StateDir& s, Clock::time_point until) {
+std::string start_agent(const StateDir& s, const ClusterUpOptions& o, Clock::time_point until) {
   fs::create_directories(s.scrape_targets().parent_path());
-  const pid_t pid = spawn({find_binary("moe-agent", "agent"), "--listen", "127.0.0.1:0", "--token-file",
-                           s.token().string(), "--address-file", s.agent_address().string(), "--metrics-port",
-                           "127.0.0.1:0", "--prometheus-sd-file", s.scrape_targets().string()},
-                          s.logs() / "agent.log");
+  std::vector<std::string> argv = {find_binary("moe-agent", "agent"), "--listen", "127.0.0.1:0", "--token-file",
+                                   s.token().string(), "--address-file", s.agent_address().string(), "--metrics-port",
+                                   "127.0.0.1:0", "--prometheus-sd-file", s.scrape_targets().string()};
+  argv.insert(argv.end(), o.agent_args.begin(), o.agent_args.end());
+  const pid_t pid = spawn(argv, s.logs() / "agent.log");
   write_file_atomically((s.pids() / "agent.pid").string(), std::to_string(pid) + "\n");
   while (!fs::exists(s.agent_address())) {
     if (!alive(pid)) throw exited("moe-agent", pid, s.logs() / "agent.log");
@@ -225,7 +226,7 @@ int cluster_up(const Globals& g, const ClusterUpOptions& o, std::ostream& out, s
     r.token = random_token();
     write_token(s, r.token);
     const auto until = Clock::now() + o.ready_timeout;
-    r.agent = start_agent(s, until);
+    r.agent = start_agent(s, o, until);
     for (int i = 0; i < o.nodes; ++i) start_daemon(s, o, i, r, until);
     if (!g.json)
       out << "cluster up: " << o.nodes << " node(s) x " << o.devices_per_node << " device(s), agent " << r.agent

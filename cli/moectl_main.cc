@@ -32,7 +32,23 @@ void add_cluster(CLI::App& app, Commands& c) {
   cup->add_option("--backend", up->backend, "auto, cpu or cuda")
       ->check(CLI::IsMember({"auto", "cpu", "cuda"}))
       ->capture_default_str();
-  c.add(cup, [&c, up] { return ctl::cluster_up(c.g, *up, std::cout, std::cerr); });
+  // moe-agent's placement flags, passed through when given.
+  auto agent_flags = std::make_shared<std::vector<std::pair<std::string, std::string>>>();
+  agent_flags->reserve(8);  // CLI11 keeps references to the values: no reallocation
+  for (const auto& [flag, help] : std::vector<std::pair<std::string, std::string>>{
+           {"--load-window", "steps of measured load the agent keeps (default 32)"},
+           {"--rebalance-timeout-ms", "a live rebalance not READY by then aborts (default 60000)"},
+           {"--rebalance-every", "auto-rebalance at most once every N steps of a job (default 0: off)"},
+           {"--balancedness-threshold", "auto-rebalance below this balancedness (default 0.9)"},
+           {"--redundant-experts", "redundant slots of an auto-rebalance (default: the shape's count)"}}) {
+    agent_flags->emplace_back(flag, "");
+    cup->add_option(flag, agent_flags->back().second, help);
+  }
+  c.add(cup, [&c, up, agent_flags] {
+    for (const auto& [flag, value] : *agent_flags)
+      if (!value.empty()) up->agent_args.insert(up->agent_args.end(), {flag, value});
+    return ctl::cluster_up(c.g, *up, std::cout, std::cerr);
+  });
   c.add(cluster->add_subcommand("down", "stop the local cluster"),
         [&c] { return ctl::cluster_down(c.g, std::cout, std::cerr); });
   c.add(cluster->add_subcommand("status", "nodes, ranks and metrics addresses"),

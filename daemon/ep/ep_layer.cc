@@ -214,6 +214,22 @@ void EpLayer::reduce_replica_grad(int e, float* acc, float* msg) {
       comm_.recv(primary, staged_->shadow_gradient(shadows[j]), 4 * n, tag(map_.max_replicas + j, 1), deadline());
 }
 
+model::LayerWeights EpLayer::primary_weights() const {
+  const size_t H = cfg_.hidden, I = cfg_.ffn_hidden, E = cfg_.num_experts, n13 = 2 * I * H, n2 = H * I;
+  model::LayerWeights w;
+  w.gate.resize(E * H);
+  router_.copy_gate(w.gate.data());
+  w.w13.assign(E * n13, 0.0f);
+  w.w2.assign(E * n2, 0.0f);
+  const int me = comm_.rank();
+  for (int e = 0; e < static_cast<int>(E); ++e) {
+    const int32_t primary = map_.replicas(e)[0];
+    if (map_.rank_of_slot(primary) == me)
+      experts_->copy_weights(primary % map_.slots_per_rank, w.w13.data() + e * n13, w.w2.data() + e * n2);
+  }
+  return w;
+}
+
 void EpLayer::stage(const ExpertMap& next, std::vector<ExpertCopyPlan> copies, bool adam) {
   MOE_CHECK(next.num_experts == cfg_.num_experts && next.num_ranks == map_.num_ranks, "rebalance: the new map places ",
             next.num_experts, " experts on ", next.num_ranks, " ranks, the layer ", cfg_.num_experts, " on ",

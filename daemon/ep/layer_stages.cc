@@ -121,6 +121,10 @@ RouterStage::RouterStage(const MoeLayerConfig& cfg, kernels::Backend& be) : cfg_
   }
 }
 
+void RouterStage::copy_gate(float* out) const {
+  be_.copy_to_host(out, gate_.get(), 4 * static_cast<size_t>(cfg_.num_experts) * cfg_.hidden);
+}
+
 void RouterStage::apply_update(const kernels::OptimizerConfig& cfg, int64_t step) {
   MOE_CHECK(cfg_.train, "apply_update on a layer built without train = true");
   gate_param_.update(cfg, step, grad_gate_.as<float>());
@@ -213,6 +217,13 @@ void ExpertState::resize(int hidden, int ffn_hidden, bool moments) {
   weights.assign(n, 0.0f);
   m.assign(moments ? n : 0, 0.0f);
   v.assign(moments ? n : 0, 0.0f);
+}
+
+void ExpertStage::copy_weights(int s, float* w13, float* w2) const {
+  MOE_CHECK(s >= 0 && s < L_, "expert stage: no local slot ", s);
+  const size_t H = cfg_.hidden, I = cfg_.ffn_hidden, n13 = 2 * I * H, n2 = H * I;
+  be_.copy_to_host(w13, w13_.as<float>() + s * n13, 4 * n13);
+  be_.copy_to_host(w2, w2_.as<float>() + s * n2, 4 * n2);
 }
 
 void ExpertStage::export_slot(int s, ExpertState& out) const {

@@ -10,7 +10,7 @@
 
 namespace moe::node {
 
-void dump_step(const v1::JobSpec& spec, const ModelStack& stack, int rank) {
+void dump_step(const v1::JobSpec& spec, const ModelStack& stack, const model::LayerWeights& layer0, int rank) {
   std::filesystem::create_directories(spec.dump_dir());
   const LayerSnapshot& s = stack.snapshot(0);
   const ep::ExpertMap& map = stack.map(0);
@@ -27,8 +27,7 @@ void dump_step(const v1::JobSpec& spec, const ModelStack& stack, int rank) {
   const std::vector<bool> mine = map.hosted(rank);
   for (int e = 0; e < spec.experts(); ++e)
     if (mine[e]) d.experts.push_back(e);
-  const model::LayerWeights w = ep::weights_as_used(layer_weights(spec, 0, mine), d.dtype);
-  d.weights = &w;
+  d.weights = &layer0;
   // Expert gradients indexed by logical expert, from this rank's slots.
   std::vector<float> g13, g2;
   if (spec.mode() == v1::JobSpec::train) {

@@ -102,6 +102,25 @@ int64_t ModelStack::staged_bytes_received() const {
   return bytes;
 }
 
+std::vector<model::LayerWeights> ModelStack::weights_in_use(int step, transport::Deadline deadline) const {
+  std::vector<model::LayerWeights> all;
+  const bool trained = spec_.mode() == v1::JobSpec::train && step > 0;
+  for (int l = 0; l < num_layers(); ++l) {
+    const model::LayerWeights spec_w = layer_weights(spec_, l, std::vector<bool>(spec_.experts(), !trained));
+    if (!trained) {
+      all.push_back(ep::weights_as_used(spec_w, dt_));
+      continue;
+    }
+    model::LayerWeights w = layers_[l]->primary_weights();
+    comm_.all_reduce_sum(w.w13.data(), w.w13.size(), deadline);  // x + 0 = x: each expert's bits
+    comm_.all_reduce_sum(w.w2.data(), w.w2.size(), deadline);
+    w.selection_bias = spec_w.selection_bias;
+    w.logit_bias = spec_w.logit_bias;
+    all.push_back(std::move(w));
+  }
+  return all;
+}
+
 void ModelStack::forward(int step, StepReport& report, bool capture) {
   const int K = spec_.top_k();
   xs_[0] = model::to_storage(step_inputs(spec_, rank_, step), dt_);

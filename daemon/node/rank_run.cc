@@ -129,11 +129,16 @@ void RankRun::tell_agent_ready(bool ok, const std::string& reason) {
 }
 
 void RankRun::run_step(int step) {
-  const bool covered = step == 0;  // the step verify and the dump cover
+  const bool verify = spec_.verify() && step == spec_.verify_step();
+  const bool dump = !spec_.dump_dir().empty() && step == spec_.dump_step();
+  const bool covered = verify || dump;
   const bool train = spec_.mode() == v1::JobSpec::train;
   StepReport report(step, spec_.experts());
   const double t0 = now_seconds();
   stack_.forward(step, report, covered);
+  // The weights this step uses, before its optimizer step changes them.
+  std::vector<model::LayerWeights> weights;
+  if (covered) weights = stack_.weights_in_use(step, deadline());
   if (train) {
     stack_.backward(report, covered);
     stack_.optimize(step, report);
@@ -147,10 +152,9 @@ void RankRun::run_step(int step) {
   *r->mutable_stats() = report.stats();
   agent_.call(msg, std::chrono::seconds(10));
   // The covered step's snapshots, gradients (the optimizer leaves them) and
-  // initial weights (rebuilt from the spec) are what verify and the dump need.
-  if (!covered) return;
-  if (spec_.verify()) verify_ = verify_step(spec_, stack_, rank_, comm_, deadline());
-  if (!spec_.dump_dir().empty()) dump_step(spec_, stack_, rank_);
+  // weights are what verify and the dump need.
+  if (verify) verify_ = verify_step(spec_, stack_, weights, rank_, comm_, deadline());
+  if (dump) dump_step(spec_, stack_, weights[0], rank_);
 }
 
 int RankRun::run(const std::function<bool()>& cancel_requested) {

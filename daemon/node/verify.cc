@@ -86,8 +86,8 @@ void check_backward(const LayerCase& c, const ref::Forward& f, transport::Commun
 
 }  // namespace
 
-v1::Verify verify_step(const v1::JobSpec& spec, const ModelStack& stack, int rank, transport::Communicator& comm,
-                       transport::Deadline deadline) {
+v1::Verify verify_step(const v1::JobSpec& spec, const ModelStack& stack, const std::vector<model::LayerWeights>& weights,
+                       int rank, transport::Communicator& comm, transport::Deadline deadline) {
   const DType dt = job_dtype(spec);
   const double tol = dt == DType::kF32 ? 1e-4 : 1.0 / 64, grad_tol = 1e-3;
   const bool train = spec.mode() == v1::JobSpec::train;
@@ -95,10 +95,8 @@ v1::Verify verify_step(const v1::JobSpec& spec, const ModelStack& stack, int ran
   v1::Verify out;
   bool ok = true;
   for (int l = 0; l < stack.num_layers(); ++l) {
-    const model::LayerWeights w =
-        ep::weights_as_used(layer_weights(spec, l, std::vector<bool>(spec.experts(), true)), dt);
     const LayerSnapshot& s = stack.snapshot(l);
-    LayerCase c{spec, stack, l, rank, rc, ep::reference_weights(w),
+    LayerCase c{spec, stack, l, rank, rc, ep::reference_weights(weights[l]),
                 to_double(model::from_storage(s.x.data(), spec.tokens_per_rank() * spec.hidden(), dt))};
     v1::Verify lv, gv;  // out and grad_x (held to tol); weight gradients (grad_tol)
     const ref::Forward f = check_forward(c, lv, ok);

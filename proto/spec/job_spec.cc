@@ -66,6 +66,10 @@ void validate(const v1::JobSpec& s, int world_size) {
           "must be in [1, 16777216], got " + std::to_string(s.tokens_per_rank()));
   require(s.steps() >= 1, "steps", "must be >= 1, got " + std::to_string(s.steps()));
   require(!s.has_lr() || (std::isfinite(s.lr()) && s.lr() > 0), "lr", "must be finite and > 0");
+  require(s.verify_step() >= 0 && s.verify_step() < std::max(1, s.steps()), "verify_step",
+          "must be in [0, steps=" + std::to_string(s.steps()) + "), got " + std::to_string(s.verify_step()));
+  require(s.dump_step() >= 0 && s.dump_step() < std::max(1, s.steps()), "dump_step",
+          "must be in [0, steps=" + std::to_string(s.steps()) + "), got " + std::to_string(s.dump_step()));
   if (!s.skew().empty() && s.skew() != "uniform") {
     const std::string prefix = "zipf:";
     require(s.skew().rfind(prefix, 0) == 0, "skew", "must be uniform or zipf:ALPHA, got '" + s.skew() + "'");

@@ -35,6 +35,9 @@ struct ClusterUpOptions {
   int devices_per_node = 1;
   std::string backend = "auto";
   std::chrono::milliseconds ready_timeout{60000};
+  // moe-agent flags passed through ("--load-window", "32", ...): placement and
+  // auto-rebalance settings.
+  std::vector<std::string> agent_args;
 };
 
 int cluster_up(const Globals& g, const ClusterUpOptions& o, std::ostream& out, std::ostream& err);

@@ -67,6 +67,10 @@ class EpLayer {
   // Local slot s's weights as the layer computes with them, or in a train layer
   // its fp32 masters and optimizer state.
   void export_slot(int local_slot, ExpertState& out) const { experts_->export_slot(local_slot, out); }
+  // The weights this layer computes with: the router [E, H] and, for each expert
+  // this rank is the primary of, its w13/w2; every other expert stays zero.
+  // (An all-reduce over the ranks then yields every expert, bit for bit.)
+  model::LayerWeights primary_weights() const;
   const float* grad_w2(int local_slot) const;   // [H, I]
 
   // Live rebalance (DESIGN 7), called by every rank at the same step boundaries:

@@ -94,6 +94,8 @@ class RouterStage {
   const int32_t* kept_idx() const { return kept_idx_.as<int32_t>(); }
   const float* topk_weight() const { return topk_weight_.as<float>(); }
   float* grad_gate() const { return grad_gate_.as<float>(); }
+  // The router weight [E, H] as the layer computes with it, to host memory.
+  void copy_gate(float* out) const;
 
  private:
   MoeLayerConfig cfg_;
@@ -136,6 +138,8 @@ class ExpertStage {
   // train stage the fp32 masters and Adam moments, in a forward stage the
   // weights it computes with.
   void export_slot(int slot, struct ExpertState& out) const;
+  // Slot s's weights as the stage computes with them: w13 [2I, H], w2 [H, I].
+  void copy_weights(int slot, float* w13, float* w2) const;
   void import_slot(int slot, const struct ExpertState& in);
   int num_local_experts() const { return L_; }
 

@@ -1,5 +1,5 @@
-// The dump (DESIGN 6): rank{r}.safetensors of layer 0 at the covered step, and
-// spec.json from rank 0.
+// The dump (DESIGN 6): rank{r}.safetensors of layer 0 at the covered step
+// (dump_step), and spec.json from rank 0.
 #pragma once
 
 #include "moe/node/model_stack.h"
@@ -9,6 +9,7 @@ namespace moe::node {
 
 // Writes spec.dump_dir/rank{rank}.safetensors (and spec.json on rank 0).
 // Throws moe::Error naming the file when it cannot be written.
-void dump_step(const v1::JobSpec& spec, const ModelStack& stack, int rank);
+// layer0: layer 0's weights as the step used them.
+void dump_step(const v1::JobSpec& spec, const ModelStack& stack, const model::LayerWeights& layer0, int rank);
 
 }  // namespace moe::node

@@ -50,6 +50,12 @@ class ModelStack {
   void drop_staged();
   int64_t staged_bytes_received() const;
 
+  // Every layer's weights as the current step uses them (DESIGN 6: verify and the
+  // dump use "the weights that step used"). Before any optimizer step they are
+  // rebuilt from the spec; after, the ranks assemble them from each expert's
+  // primary replica with an all-reduce (collective: every rank calls it).
+  std::vector<model::LayerWeights> weights_in_use(int step, transport::Deadline deadline) const;
+
   int num_layers() const { return static_cast<int>(layers_.size()); }
   const ep::EpLayer& layer(int l) const { return *layers_[l]; }
   const ep::ExpertMap& map(int l) const { return layers_[l]->map(); }
