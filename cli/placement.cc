@@ -3,6 +3,7 @@
 #include <google/protobuf/util/json_util.h>
 
 #include <algorithm>
+#include <functional>
 #include <iomanip>
 #include <sstream>
 
@@ -75,56 +76,47 @@ void print_layer(std::ostream& out, const v1::LayerPlacement& lp) {
   out << "\n";
 }
 
-Value number(double v) {
-  Value x;
-  x.set_number_value(v);
-  return x;
-}
-
 template <typename Range>
-Value list_of(const Range& values) {
-  Value v;
-  for (const auto& x : values) *v.mutable_list_value()->add_values() = number(x);
-  return v;
+std::string json_list(const Range& values) {
+  std::string out = "[";
+  for (const auto& x : values) out += (out.size() > 1 ? ", " : "") + std::to_string(x);
+  return out + "]";
 }
 
-// EPLB's tensors: phy2log [layers, slots], log2phy [layers, E, max replicas]
-// (-1 padded), logcnt [layers, E]; plus the shape and each layer's epoch.
+// EPLB's tensors, one row per layer: phy2log [layers, slots], log2phy [layers,
+// E, max replicas] (-1 padded), logcnt [layers, E]; plus the shape and each
+// layer's epoch. Written in this order, so exports diff cleanly.
 std::string eplb_json(const v1::PlacementReply& p) {
-  Struct root;
-  auto& f = *root.mutable_fields();
-  Value shape;
-  auto& sf = *shape.mutable_struct_value()->mutable_fields();
-  sf["experts"] = number(p.shape().experts());
-  sf["layers"] = number(p.shape().layers());
-  sf["nodes"] = number(p.shape().nodes());
-  sf["devices_per_node"] = number(p.shape().devices_per_node());
-  f["shape"] = shape;
-  Value phy2log, log2phy, logcnt, epochs;
-  for (const v1::PlacementMap& m : p.maps()) {
-    *phy2log.mutable_list_value()->add_values() = list_of(m.phy2log());
-    *logcnt.mutable_list_value()->add_values() = list_of(m.logcnt());
-    *epochs.mutable_list_value()->add_values() = number(static_cast<double>(m.epoch()));
+  std::ostringstream os;
+  const v1::PlacementShape& s = p.shape();
+  os << "{\n  \"shape\": {\"experts\": " << s.experts() << ", \"layers\": " << s.layers() << ", \"nodes\": " << s.nodes()
+     << ", \"devices_per_node\": " << s.devices_per_node() << "},\n";
+  std::vector<int64_t> epochs;
+  for (const auto& m : p.maps()) epochs.push_back(m.epoch());
+  os << "  \"epoch\": " << json_list(epochs) << ",\n";
+  auto rows = [&](const char* name, const std::function<std::string(const v1::PlacementMap&)>& row) {
+    os << "  \"" << name << "\": [";
+    for (int l = 0; l < p.maps_size(); ++l) os << (l ? ",\n    " : "\n    ") << row(p.maps(l));
+    os << "\n  ]";
+  };
+  rows("phy2log", [](const v1::PlacementMap& m) { return json_list(m.phy2log()); });
+  os << ",\n";
+  rows("log2phy", [](const v1::PlacementMap& m) {
     const int X = *std::max_element(m.logcnt().begin(), m.logcnt().end());
-    Value layer;
+    std::string layer = "[";
     for (int e = 0; e < m.num_experts(); ++e) {
       std::vector<int> slots;
       for (int s = 0; s < m.phy2log_size(); ++s)
         if (m.phy2log(s) == e) slots.push_back(s);
       slots.resize(X, -1);
-      *layer.mutable_list_value()->add_values() = list_of(slots);
+      layer += (e ? ", " : "") + json_list(slots);
     }
-    *log2phy.mutable_list_value()->add_values() = layer;
-  }
-  f["phy2log"] = phy2log;
-  f["log2phy"] = log2phy;
-  f["logcnt"] = logcnt;
-  f["epoch"] = epochs;
-  std::string out;
-  google::protobuf::util::JsonPrintOptions o;
-  o.add_whitespace = true;
-  (void)google::protobuf::util::MessageToJsonString(root, &out, o);
-  return out;
+    return layer + "]";
+  });
+  os << ",\n";
+  rows("logcnt", [](const v1::PlacementMap& m) { return json_list(m.logcnt()); });
+  os << "\n}\n";
+  return os.str();
 }
 
 int as_int(const Value& v, const std::string& where) {

@@ -1,5 +1,7 @@
 #include "moe/agent/rebalancer.h"
 
+#include <sstream>
+
 #include "moe/base/log.h"
 #include "moe/rpc/frame.h"
 
@@ -135,9 +137,11 @@ void Rebalancer::tick(Clock::time_point now) {
                 std::to_string(c.expert()) + " rank " + std::to_string(c.from_rank()) + " -> " +
                 std::to_string(c.to_rank());
   }
+  std::ostringstream within;
+  within << opts_.timeout.count() / 1000.0;
   finish(v1::REBALANCE_RESULT_ABORTED,
-         "copies did not complete within " + std::to_string(opts_.timeout.count() / 1000.0).substr(0, 5) +
-             " s on node(s) " + who + (copies.empty() ? "" : " (" + copies + ")"),
+         "copies did not complete within " + within.str() + " s on node(s) " + who +
+             (copies.empty() ? "" : " (" + copies + ")"),
          now);
 }
 
