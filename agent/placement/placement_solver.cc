@@ -1,6 +1,7 @@
 #include "moe/placement/placement_solver.h"
 
 #include <algorithm>
+#include <memory>
 
 #include "fanout_objective.h"
 #include "migration.h"
@@ -54,15 +55,75 @@ void check_sample(const PlacementSpec& spec, const Trace& sample) {
   }
 }
 
+// The fan-out objective of a layer over a packing: on the routing sample when
+// there is one (and more than one node and some load), else on the model of
+// the loads and routing hints where there is one (DESIGN 3); inactive when
+// neither. counts [E] (replica counts) and sample must outlive it.
+class ObjectiveMaker {
+ public:
+  ObjectiveMaker(const PlacementSpec& spec, std::span<const double> loads,
+                 std::span<const int> counts, const Trace* sample, double pure_max)
+      : counts_(counts),
+        sample_(sample),
+        use_sample_(sample && sample->num_tokens() > 0 && spec.num_nodes > 1 && pure_max > 0.0),
+        use_model_(!use_sample_ && detail::make_routing_model(spec, loads, &model_)) {}
+
+  bool active() const { return use_sample_ || use_model_; }
+  // SolveInfo::fanout_objective of an active objective.
+  const char* name() const { return use_sample_ ? "sample" : "model"; }
+  // Only when active().
+  std::unique_ptr<detail::FanoutObjective> operator()(const Packing& packing) const {
+    return use_sample_ ? detail::make_sample_objective(packing, counts_, *sample_)
+                       : detail::make_model_objective(packing, counts_, model_);
+  }
+
+ private:
+  std::span<const int> counts_;
+  const Trace* sample_;
+  detail::RoutingModel model_;
+  bool use_sample_, use_model_;
+};
+
+// Iterated local search on a node packing: `rounds` times, perturb the best
+// packing with a few random swaps and search again, keeping the result if J
+// (fan-out plus the overload penalty over node_cap) fell.
+void perturb_and_search(const PlacementSpec& spec, double node_cap, int rounds, int max_passes,
+                        const ObjectiveMaker& make_objective, Packing* nodes) {
+  const int node_slots = static_cast<int>(nodes->phy2log().size());
+  auto node_j = [&](const Packing& p, detail::FanoutObjective& objective) {
+    double over = 0.0;
+    for (int n = 0; n < spec.num_nodes; ++n)
+      over += std::max(0.0, p.rank_load(n) - node_cap) / node_cap;
+    return objective.fanout() + kOverloadPenalty * over;
+  };
+  double best_j = node_j(*nodes, *make_objective(*nodes));
+  SplitMix64 rng(kRestartSeed);
+  const int kick = std::max(4, node_slots / 32);
+  for (int round = 0; round < rounds; ++round) {
+    Packing trial = *nodes;
+    for (int i = 0; i < kick; ++i) {
+      const int a = static_cast<int>(rng.next_below(node_slots));
+      const int b = static_cast<int>(rng.next_below(node_slots));
+      if (trial.rank_of_slot(a) != trial.rank_of_slot(b)) trial.swap_slots(a, b);
+    }
+    auto objective = make_objective(trial);
+    detail::reduce_fanout(trial, *objective, node_cap, kOverloadPenalty, max_passes, true);
+    const double j = node_j(trial, *objective);
+    if (j < best_j) {
+      best_j = j;
+      *nodes = std::move(trial);
+    }
+  }
+}
+
 // Packs for few nodes per token: every group on its home nodes, swaps
 // between nodes that even out node loads (to node_cap) where that costs the
 // least fan-out, then each node spread over its ranks and the same search on
 // ranks (to cap). False if it cannot get every rank under cap.
-template <typename MakeObjective>
 bool pack_for_locality(const PlacementSpec& spec, std::span<const double> loads,
                        std::span<const double> unit, std::span<const int> counts, double node_cap,
-                       double cap, const SolverOptions& options, MakeObjective make_objective,
-                       std::vector<int32_t>* phy2log) {
+                       double cap, const SolverOptions& options,
+                       const ObjectiveMaker& make_objective, std::vector<int32_t>* phy2log) {
   const PlacementSpec node_spec = detail::node_level_spec(spec);
   const detail::Locality locality = detail::make_locality(spec, loads);
   Packing nodes = detail::greedy_pack(node_spec, unit, counts, locality, node_cap, true);
@@ -70,39 +131,13 @@ bool pack_for_locality(const PlacementSpec& spec, std::span<const double> loads,
     auto objective = make_objective(nodes);
     detail::reduce_fanout(nodes, *objective, node_cap, kOverloadPenalty, options.max_passes, true);
   }
-  // Iterated local search: perturb the best node packing with a few random
-  // swaps and search again, keeping the result if J fell. Only on small
-  // problems, where a search is cheap.
-  const int node_slots = node_spec.num_slots();
+  // Perturbation rounds only on small problems, where a search is cheap.
   const int rounds =
-      static_cast<int64_t>(node_slots) * spec.num_nodes <= kRestartLimit ? options.restarts : 0;
-  if (rounds > 0) {
-    auto node_j = [&](const Packing& p, detail::FanoutObjective& objective) {
-      double over = 0.0;
-      for (int n = 0; n < spec.num_nodes; ++n)
-        over += std::max(0.0, p.rank_load(n) - node_cap) / node_cap;
-      return objective.fanout() + kOverloadPenalty * over;
-    };
-    double best_j = node_j(nodes, *make_objective(nodes));
-    SplitMix64 rng(kRestartSeed);
-    const int kick = std::max(4, node_slots / 32);
-    for (int round = 0; round < rounds; ++round) {
-      Packing trial = nodes;
-      for (int i = 0; i < kick; ++i) {
-        const int a = static_cast<int>(rng.next_below(node_slots));
-        const int b = static_cast<int>(rng.next_below(node_slots));
-        if (trial.rank_of_slot(a) != trial.rank_of_slot(b)) trial.swap_slots(a, b);
-      }
-      auto objective = make_objective(trial);
-      detail::reduce_fanout(trial, *objective, node_cap, kOverloadPenalty, options.max_passes,
-                            true);
-      const double j = node_j(trial, *objective);
-      if (j < best_j) {
-        best_j = j;
-        nodes = std::move(trial);
-      }
-    }
-  }
+      static_cast<int64_t>(node_spec.num_slots()) * spec.num_nodes <= kRestartLimit
+          ? options.restarts
+          : 0;
+  if (rounds > 0)
+    perturb_and_search(spec, node_cap, rounds, options.max_passes, make_objective, &nodes);
   Packing ranks = detail::unfold_nodes(spec, nodes, unit);
   detail::reduce_max_load(ranks, true, options.max_swaps);
   {
@@ -117,6 +152,175 @@ bool pack_for_locality(const PlacementSpec& spec, std::span<const double> loads,
   return true;
 }
 
+// The routing sample the search works with: the sample objective's work
+// grows with tokens x nodes, so at most kSampleBudget / nodes tokens of it
+// (the first ones, copied into *trimmed). sample may be null.
+const Trace* trim_sample(const Trace* sample, int num_nodes, Trace* trimmed) {
+  if (!sample || sample->num_tokens() * num_nodes <= kSampleBudget) return sample;
+  trimmed->num_experts = sample->num_experts;
+  trimmed->top_k = sample->top_k;
+  const int64_t keep = std::max<int64_t>(1, kSampleBudget / num_nodes);
+  trimmed->topk_idx.assign(sample->topk_idx.begin(),
+                           sample->topk_idx.begin() + keep * sample->top_k);
+  return trimmed;
+}
+
+// One layer's solve, step by step: the balance-only map (constructor), then
+// fewer nodes per token (lower_fanout, when make_objective is active), then
+// copies kept where the current map has them (keep_copies), then the map
+// (finish, once). Every candidate keeps the replica counts of EPLB's global
+// map. spec, loads, sample and options must outlive it.
+class LayerSolver {
+ public:
+  LayerSolver(const PlacementSpec& spec, std::span<const double> loads, const Trace* sample,
+              const SolverOptions& options);
+
+  bool has_objective() const { return make_objective_.active(); }
+  void lower_fanout();
+  void keep_copies(const LayerMap& current);
+  LayerMap finish(SolveInfo* info);
+
+ private:
+  static std::vector<double> unit_loads(std::span<const double> loads,
+                                        const std::vector<int>& counts);
+  static Packing balance_only(const PlacementSpec& spec, std::span<const double> unit,
+                              const LayerMap& global, int max_swaps);
+  void win_back_fanout(const LayerMap& current, double cap, std::vector<int32_t>* repaired) const;
+  int64_t moves_from(const LayerMap& current, const std::vector<int32_t>& phy2log) const;
+  double fanout_of(const std::vector<int32_t>& phy2log) const;
+
+  const PlacementSpec& spec_;
+  const std::span<const double> loads_;
+  const SolverOptions& options_;
+  const LayerMap global_;           // EPLB's global map of loads_
+  const std::vector<int> counts_;   // [E] replica counts (global_'s)
+  const std::vector<double> unit_;  // [E] load of one replica: loads / counts
+  // Balance-only candidate: EPLB's global map, then local search, so the
+  // result can only improve on EPLB global.
+  const Packing pure_;
+  const double pure_max_;
+  const ObjectiveMaker make_objective_;
+  std::vector<int32_t> phy2log_;  // the map so far
+  double max_load_;               // its max rank load
+  const char* objective_name_ = "none";
+  const char* migration_ = "none";
+};
+
+LayerSolver::LayerSolver(const PlacementSpec& spec, std::span<const double> loads,
+                         const Trace* sample, const SolverOptions& options)
+    : spec_(spec),
+      loads_(loads),
+      options_(options),
+      global_(eplb_rebalance(spec, loads, EplbPolicy::kGlobal)),
+      counts_(global_.logcnt.begin(), global_.logcnt.end()),
+      unit_(unit_loads(loads, counts_)),
+      pure_(balance_only(spec, unit_, global_, options.max_swaps)),
+      pure_max_(pure_.max_load()),
+      make_objective_(spec, loads, counts_, sample, pure_max_),
+      phy2log_(pure_.phy2log()),
+      max_load_(pure_max_) {}
+
+std::vector<double> LayerSolver::unit_loads(std::span<const double> loads,
+                                            const std::vector<int>& counts) {
+  std::vector<double> unit(loads.size());
+  for (size_t e = 0; e < loads.size(); ++e) unit[e] = loads[e] / counts[e];
+  return unit;
+}
+
+Packing LayerSolver::balance_only(const PlacementSpec& spec, std::span<const double> unit,
+                                  const LayerMap& global, int max_swaps) {
+  Packing pure = packing_of(spec, unit, global.phy2log);
+  detail::reduce_max_load(pure, false, max_swaps);
+  return pure;
+}
+
+// Fewer nodes per token, measured by make_objective_ (nothing to do on one
+// node or without load): the locality packing replaces the map if it has a
+// lower fan-out than the balance-only one.
+void LayerSolver::lower_fanout() {
+  const double cap = pure_max_ * (1.0 + options_.locality_slack);
+  double total = 0.0;
+  for (double l : loads_) total += l;
+  // Node loads get half the ranks' slack over their mean, which leaves the
+  // ranks room for coarse replicas; where the ranks still cannot all get
+  // under cap, none.
+  std::vector<int32_t> local;
+  bool packed = false;
+  for (double share : {0.5, 0.0}) {
+    const double node_cap =
+        total / spec_.num_nodes * (1.0 + (cap / (total / spec_.num_ranks) - 1.0) * share);
+    packed = pack_for_locality(spec_, loads_, unit_, counts_, node_cap, cap, options_,
+                               make_objective_, &local);
+    if (packed) break;
+  }
+  if (!packed) return;
+  const Packing candidate = packing_of(spec_, unit_, local);
+  if (make_objective_(candidate)->fanout() < make_objective_(pure_)->fanout()) {
+    phy2log_ = std::move(local);
+    max_load_ = candidate.max_load();
+    objective_name_ = make_objective_.name();
+  }
+}
+
+// Keep copies in place: the map so far with nodes and ranks renumbered to
+// match the current one, or the current map repaired, whichever moves fewer
+// copies without a higher max rank load (and, with a fan-out objective,
+// without more than migration_fanout_slack more fan-out).
+void LayerSolver::keep_copies(const LayerMap& current) {
+  std::vector<int32_t> aligned = detail::align_to_current(spec_, phy2log_, current);
+  const int64_t aligned_moves = moves_from(current, aligned);
+  std::vector<int32_t> repaired;
+  const double cap = max_load_ * (1.0 + options_.migration_slack);
+  bool use_repaired = false;
+  if (detail::repair_current(spec_, loads_, counts_, current, cap, options_.max_swaps,
+                             &repaired)) {
+    if (has_objective()) win_back_fanout(current, cap, &repaired);
+    use_repaired = moves_from(current, repaired) < aligned_moves;
+    if (use_repaired && has_objective())
+      use_repaired =
+          fanout_of(repaired) <= fanout_of(aligned) * (1.0 + options_.migration_fanout_slack);
+  }
+  phy2log_ = use_repaired ? std::move(repaired) : std::move(aligned);
+  migration_ = use_repaired ? "repaired" : "aligned";
+}
+
+// Win back fan-out on the repaired map, under cap, a copy to fetch costing
+// move_weight of it.
+void LayerSolver::win_back_fanout(const LayerMap& current, double cap,
+                                  std::vector<int32_t>* repaired) const {
+  Packing packing = packing_of(spec_, unit_, *repaired);
+  auto objective = make_objective_(packing);
+  detail::MoveCount moves(packing, current.phy2log, spec_.num_experts);
+  const double weight = options_.move_weight * objective->fanout();
+  detail::reduce_fanout(packing, *objective, cap, kHardPenalty, options_.max_passes, false,
+                        &moves, weight);
+  *repaired = packing.phy2log();
+}
+
+int64_t LayerSolver::moves_from(const LayerMap& current,
+                                const std::vector<int32_t>& phy2log) const {
+  return copies_moved(current, make_layer_map(spec_.num_experts, spec_.num_ranks, phy2log));
+}
+
+double LayerSolver::fanout_of(const std::vector<int32_t>& phy2log) const {
+  const Packing packing = packing_of(spec_, unit_, phy2log);
+  return make_objective_(packing)->fanout();
+}
+
+LayerMap LayerSolver::finish(SolveInfo* info) {
+  LayerMap map = make_layer_map(spec_.num_experts, spec_.num_ranks, std::move(phy2log_));
+  if (info) {
+    info->fanout_objective = objective_name_;
+    info->migration = migration_;
+    info->pure_max_load = pure_max_;
+    // Every candidate map keeps the replica counts `counts_`, so these are the
+    // loads the search worked with (unit = loads / counts, summed slot by slot).
+    const std::vector<double> per_rank = rank_loads(map, loads_);
+    info->max_load = *std::max_element(per_rank.begin(), per_rank.end());
+  }
+  return map;
+}
+
 }  // namespace
 
 LayerMap solve_layer(const PlacementSpec& spec, std::span<const double> loads,
@@ -124,120 +328,13 @@ LayerMap solve_layer(const PlacementSpec& spec, std::span<const double> loads,
   spec.validate();
   detail::check_loads(spec, loads);
   if (context.current) validate_layer_map(*context.current, spec);
-  const Trace* sample = context.routing_sample;
-  if (sample) check_sample(spec, *sample);
-  // The sample objective's work grows with tokens x nodes: use at most
-  // kSampleBudget / nodes tokens of the sample (the first ones).
+  if (context.routing_sample) check_sample(spec, *context.routing_sample);
   Trace trimmed;
-  if (sample && sample->num_tokens() * spec.num_nodes > kSampleBudget) {
-    trimmed.num_experts = sample->num_experts;
-    trimmed.top_k = sample->top_k;
-    const int64_t keep = std::max<int64_t>(1, kSampleBudget / spec.num_nodes);
-    trimmed.topk_idx.assign(sample->topk_idx.begin(),
-                            sample->topk_idx.begin() + keep * sample->top_k);
-    sample = &trimmed;
-  }
-
-  // Replica counts and the balance-only candidate: EPLB's global map, then
-  // local search, so the result can only improve on EPLB global.
-  const LayerMap global = eplb_rebalance(spec, loads, EplbPolicy::kGlobal);
-  const std::vector<int> counts(global.logcnt.begin(), global.logcnt.end());
-  std::vector<double> unit(loads.size());
-  for (size_t e = 0; e < loads.size(); ++e) unit[e] = loads[e] / counts[e];
-  Packing pure = packing_of(spec, unit, global.phy2log);
-  detail::reduce_max_load(pure, false, options.max_swaps);
-  const double pure_max = pure.max_load();
-  std::vector<int32_t> phy2log = pure.phy2log();
-  double max_load = pure_max;
-  const char* objective_name = "none";
-  const char* migration = "none";
-
-  // Fewer nodes per token, measured on the routing sample when there is one,
-  // else on the model of the loads and routing hints.
-  // (Nothing to do on one node or without load.)
-  detail::RoutingModel model;
-  const bool use_sample =
-      sample && sample->num_tokens() > 0 && spec.num_nodes > 1 && pure_max > 0.0;
-  const bool use_model = !use_sample && detail::make_routing_model(spec, loads, &model);
-  // The fan-out objective over packing (when use_sample or use_model).
-  auto make_objective = [&](const Packing& packing) {
-    return use_sample ? detail::make_sample_objective(packing, counts, *sample)
-                      : detail::make_model_objective(packing, counts, model);
-  };
-  if (use_sample || use_model) {
-    const double cap = pure_max * (1.0 + options.locality_slack);
-    double total = 0.0;
-    for (double l : loads) total += l;
-    // Node loads get half the ranks' slack over their mean, which leaves the
-    // ranks room for coarse replicas; where the ranks still cannot all get
-    // under cap, none.
-    std::vector<int32_t> local;
-    bool packed = false;
-    for (double share : {0.5, 0.0}) {
-      const double node_cap =
-          total / spec.num_nodes * (1.0 + (cap / (total / spec.num_ranks) - 1.0) * share);
-      packed = pack_for_locality(spec, loads, unit, counts, node_cap, cap, options, make_objective,
-                                 &local);
-      if (packed) break;
-    }
-    if (packed) {
-      const Packing candidate = packing_of(spec, unit, local);
-      if (make_objective(candidate)->fanout() < make_objective(pure)->fanout()) {
-        phy2log = std::move(local);
-        max_load = candidate.max_load();
-        objective_name = use_sample ? "sample" : "model";
-      }
-    }
-  }
-  if (context.current) {
-    // Keep copies in place: the map above with nodes and ranks renumbered to
-    // match the current one, or the current map repaired, whichever moves
-    // fewer copies without a higher max rank load (and, with a fan-out
-    // objective, without more than migration_fanout_slack more fan-out).
-    const LayerMap& current = *context.current;
-    std::vector<int32_t> aligned = detail::align_to_current(spec, phy2log, current);
-    const int64_t aligned_moves =
-        copies_moved(current, make_layer_map(spec.num_experts, spec.num_ranks, aligned));
-    std::vector<int32_t> repaired;
-    const double cap = max_load * (1.0 + options.migration_slack);
-    bool use_repaired = false;
-    if (detail::repair_current(spec, loads, counts, current, cap, options.max_swaps, &repaired)) {
-      if (use_sample || use_model) {
-        // Win back fan-out, a copy to fetch costing move_weight of it.
-        Packing packing = packing_of(spec, unit, repaired);
-        auto objective = make_objective(packing);
-        detail::MoveCount moves(packing, current.phy2log, spec.num_experts);
-        const double weight = options.move_weight * objective->fanout();
-        detail::reduce_fanout(packing, *objective, cap, kHardPenalty, options.max_passes, false,
-                              &moves, weight);
-        repaired = packing.phy2log();
-      }
-      const int64_t repaired_moves =
-          copies_moved(current, make_layer_map(spec.num_experts, spec.num_ranks, repaired));
-      use_repaired = repaired_moves < aligned_moves;
-      if (use_repaired && (use_sample || use_model)) {
-        auto fanout_of = [&](const std::vector<int32_t>& map) {
-          const Packing packing = packing_of(spec, unit, map);
-          return make_objective(packing)->fanout();
-        };
-        use_repaired =
-            fanout_of(repaired) <= fanout_of(aligned) * (1.0 + options.migration_fanout_slack);
-      }
-    }
-    phy2log = use_repaired ? std::move(repaired) : std::move(aligned);
-    migration = use_repaired ? "repaired" : "aligned";
-  }
-  LayerMap map = make_layer_map(spec.num_experts, spec.num_ranks, std::move(phy2log));
-  if (info) {
-    info->fanout_objective = objective_name;
-    info->migration = migration;
-    info->pure_max_load = pure_max;
-    // Every candidate map keeps the replica counts `counts`, so these are the
-    // loads the search worked with (unit = loads / counts, summed slot by slot).
-    const std::vector<double> per_rank = rank_loads(map, loads);
-    info->max_load = *std::max_element(per_rank.begin(), per_rank.end());
-  }
-  return map;
+  const Trace* sample = trim_sample(context.routing_sample, spec.num_nodes, &trimmed);
+  LayerSolver solver(spec, loads, sample, options);
+  if (solver.has_objective()) solver.lower_fanout();
+  if (context.current) solver.keep_copies(*context.current);
+  return solver.finish(info);
 }
 
 std::vector<LayerMap> solve(const PlacementSpec& spec,

@@ -75,51 +75,72 @@ std::vector<RandomTraceResult> compare_random_traces(const std::vector<RandomTra
   return results;
 }
 
-std::string format_random_comparison(const std::vector<RandomTraceCase>& cases,
-                                     const std::vector<RandomTraceResult>& results, bool json) {
-  struct Summary {
-    int not_below = 0, above = 0;
-    double min_diff = 1e9, mean_diff = 0.0, max_diff = -1e9;
-  };
-  auto summarize = [&](auto field) {
-    Summary s;
-    for (const RandomTraceResult& r : results) {
-      double d = field(r) - r.eplb_global;
-      if (std::abs(d) < 1e-12) d = 0.0;
-      s.not_below += d >= -1e-12;
-      s.above += d > 1e-9;
-      s.min_diff = std::min(s.min_diff, d);
-      s.max_diff = std::max(s.max_diff, d);
-      s.mean_diff += d / results.size();
-    }
-    return s;
-  };
-  const Summary loads_only =
-      summarize([](const RandomTraceResult& r) { return r.moed_loads_only; });
-  const Summary full = summarize([](const RandomTraceResult& r) { return r.moed; });
-  double fanout_ratio = 0.0, min_global = 1.0;
+namespace {
+
+// Balancedness of one moed variant minus EPLB global's over all traces
+// (differences under 1e-12 count as 0).
+struct Summary {
+  int not_below = 0, above = 0;
+  double min_diff = 1e9, mean_diff = 0.0, max_diff = -1e9;
+};
+
+// field(result): the moed variant's balancedness.
+template <typename Field>
+Summary summarize(const std::vector<RandomTraceResult>& results, Field field) {
+  Summary s;
+  for (const RandomTraceResult& r : results) {
+    double d = field(r) - r.eplb_global;
+    if (std::abs(d) < 1e-12) d = 0.0;
+    s.not_below += d >= -1e-12;
+    s.above += d > 1e-9;
+    s.min_diff = std::min(s.min_diff, d);
+    s.max_diff = std::max(s.max_diff, d);
+    s.mean_diff += d / results.size();
+  }
+  return s;
+}
+
+// moed's fan-out over EPLB global's, mean over the multi-node traces (0
+// without any).
+struct FanoutRatio {
+  double mean = 0.0;
   int multi_node = 0;
+};
+
+FanoutRatio fanout_ratio(const std::vector<RandomTraceCase>& cases,
+                         const std::vector<RandomTraceResult>& results) {
+  FanoutRatio ratio;
   for (size_t i = 0; i < results.size(); ++i) {
-    min_global = std::min(min_global, results[i].eplb_global);
     if (cases[i].spec.num_nodes == 1) continue;
-    ++multi_node;
-    fanout_ratio += results[i].moed_fanout / results[i].eplb_global_fanout;
+    ++ratio.multi_node;
+    ratio.mean += results[i].moed_fanout / results[i].eplb_global_fanout;
   }
-  if (multi_node) fanout_ratio /= multi_node;
+  if (ratio.multi_node) ratio.mean /= ratio.multi_node;
+  return ratio;
+}
+
+std::string comparison_json(int n, const Summary& loads_only, const Summary& full,
+                            const FanoutRatio& ratio) {
   char buf[1024];
+  std::snprintf(buf, sizeof(buf),
+                "{\"traces\": %d, \"loads_only\": {\"not_below_eplb_global\": %d, \"above\": %d, "
+                "\"min_diff\": %.6f, \"mean_diff\": %.6f, \"max_diff\": %.6f}, "
+                "\"with_sample\": {\"not_below_eplb_global\": %d, \"above\": %d, "
+                "\"min_diff\": %.6f, \"mean_diff\": %.6f, \"max_diff\": %.6f, "
+                "\"mean_fanout_vs_eplb_global\": %.6f, \"multi_node_traces\": %d}}\n",
+                n, loads_only.not_below, loads_only.above, loads_only.min_diff,
+                loads_only.mean_diff, loads_only.max_diff, full.not_below, full.above,
+                full.min_diff, full.mean_diff, full.max_diff, ratio.mean, ratio.multi_node);
+  return buf;
+}
+
+std::string comparison_text(const std::vector<RandomTraceCase>& cases,
+                            const std::vector<RandomTraceResult>& results,
+                            const Summary& loads_only, const Summary& full,
+                            const FanoutRatio& ratio) {
   const int n = static_cast<int>(results.size());
-  if (json) {
-    std::snprintf(buf, sizeof(buf),
-                  "{\"traces\": %d, \"loads_only\": {\"not_below_eplb_global\": %d, \"above\": %d, "
-                  "\"min_diff\": %.6f, \"mean_diff\": %.6f, \"max_diff\": %.6f}, "
-                  "\"with_sample\": {\"not_below_eplb_global\": %d, \"above\": %d, "
-                  "\"min_diff\": %.6f, \"mean_diff\": %.6f, \"max_diff\": %.6f, "
-                  "\"mean_fanout_vs_eplb_global\": %.6f, \"multi_node_traces\": %d}}\n",
-                  n, loads_only.not_below, loads_only.above, loads_only.min_diff,
-                  loads_only.mean_diff, loads_only.max_diff, full.not_below, full.above,
-                  full.min_diff, full.mean_diff, full.max_diff, fanout_ratio, multi_node);
-    return buf;
-  }
+  double min_global = 1.0;
+  for (const RandomTraceResult& r : results) min_global = std::min(min_global, r.eplb_global);
   int max_ranks = 0, max_experts = 0, min_experts = 1 << 30, max_nodes = 0;
   for (const RandomTraceCase& c : cases) {
     max_ranks = std::max(max_ranks, c.spec.num_ranks);
@@ -132,6 +153,7 @@ std::string format_random_comparison(const std::vector<RandomTraceCase>& cases,
      << " ranks, " << min_experts << "-" << max_experts
      << " experts); balancedness of moed minus EPLB global (lowest EPLB global: " << min_global
      << "):\n";
+  char buf[1024];
   std::snprintf(buf, sizeof(buf),
                 "  moed, loads only:          not below on %d/%d, above on %d; min %+.4f mean "
                 "%+.4f max %+.4f\n"
@@ -141,9 +163,21 @@ std::string format_random_comparison(const std::vector<RandomTraceCase>& cases,
                 "multi-node traces)\n",
                 loads_only.not_below, n, loads_only.above, loads_only.min_diff,
                 loads_only.mean_diff, loads_only.max_diff, full.not_below, n, full.above,
-                full.min_diff, full.mean_diff, full.max_diff, fanout_ratio, multi_node);
+                full.min_diff, full.mean_diff, full.max_diff, ratio.mean, ratio.multi_node);
   os << buf;
   return os.str();
+}
+
+}  // namespace
+
+std::string format_random_comparison(const std::vector<RandomTraceCase>& cases,
+                                     const std::vector<RandomTraceResult>& results, bool json) {
+  const Summary loads_only =
+      summarize(results, [](const RandomTraceResult& r) { return r.moed_loads_only; });
+  const Summary full = summarize(results, [](const RandomTraceResult& r) { return r.moed; });
+  const FanoutRatio ratio = fanout_ratio(cases, results);
+  if (json) return comparison_json(static_cast<int>(results.size()), loads_only, full, ratio);
+  return comparison_text(cases, results, loads_only, full, ratio);
 }
 
 }  // namespace moe::placement

@@ -22,15 +22,20 @@ std::string read_file(const std::string& path) {
   return text.str();
 }
 
-}  // namespace
-
-int main(int argc, char** argv) {
-  using moe::placement::SimConfig;
-  CLI::App app{"moe-placement-sim: compare moed's expert placement with deepseek-ai/EPLB"};
-  SimConfig config;
-  config.spec = {256, 32, 4, 32, 8, 8, 0};
+// The flags' values; defaults are the reference setting (issue 3).
+struct SimFlags {
+  moe::placement::SimConfig config;
   std::string loads_path, prev_loads_path, output = "table";
   double prev_zipf = 0.0;
+  CLI::Option* prev_zipf_opt = nullptr;  // set: --prev-zipf was given
+  int random_traces = 0;                 // 0: one simulation
+};
+
+// Defines moe-placement-sim's flags on app (in --help order), each writing
+// into flags.
+void add_flags(CLI::App& app, SimFlags& flags) {
+  moe::placement::SimConfig& config = flags.config;
+  config.spec = {256, 32, 4, 32, 8, 8, 0};
   app.add_option("--experts", config.spec.num_experts, "logical experts E")->capture_default_str();
   app.add_option("--ranks", config.spec.num_ranks, "EP ranks R")->capture_default_str();
   app.add_option("--nodes", config.spec.num_nodes, "nodes N (R % N == 0)")->capture_default_str();
@@ -51,53 +56,66 @@ int main(int argc, char** argv) {
   app.add_option("--sample-tokens", config.sample_tokens,
                  "routing sample moed gets (another window; 0: none)")
       ->capture_default_str();
-  auto* prev_zipf_opt =
-      app.add_option("--prev-zipf", prev_zipf, "alpha of the previous window (default --zipf)");
-  app.add_option("--loads", loads_path,
+  flags.prev_zipf_opt = app.add_option("--prev-zipf", flags.prev_zipf,
+                                       "alpha of the previous window (default --zipf)");
+  app.add_option("--loads", flags.loads_path,
                  "per-layer loads: one line per layer, whitespace-separated per-expert loads");
-  app.add_option("--prev-loads", prev_loads_path, "loads of the previous window (copies moved)");
-  int random_traces = 0;
-  app.add_option("--random-traces", random_traces,
+  app.add_option("--prev-loads", flags.prev_loads_path,
+                 "loads of the previous window (copies moved)");
+  app.add_option("--random-traces", flags.random_traces,
                  "instead: compare with EPLB global on N random traces (from --seed)");
-  app.add_option("--output", output, "table or json")
+  app.add_option("--output", flags.output, "table or json")
       ->check(CLI::IsMember({"table", "json"}))
       ->capture_default_str();
-  try {
-    app.parse(argc, argv);
-  } catch (const CLI::CallForHelp& e) {
-    return app.exit(e);
-  } catch (const CLI::ParseError& e) {
-    std::cerr << "moe-placement-sim: " << e.what() << "\n";
-    return 2;
+}
+
+// --random-traces N: moed against EPLB global on N random traces from --seed.
+void print_random_traces(const SimFlags& flags) {
+  MOE_CHECK(flags.random_traces > 0 && flags.random_traces <= 10000, "random traces (",
+            flags.random_traces, ") must be in [1, 10000]");
+  const auto cases = moe::placement::random_trace_cases(flags.random_traces, flags.config.seed);
+  const auto results = moe::placement::compare_random_traces(cases, true);
+  std::cout << moe::placement::format_random_comparison(cases, results, flags.output == "json");
+}
+
+// --loads (and --prev-loads) into config: loads mode, experts from the file
+// (an explicit --experts must agree), no top-k hint unless --top-k is given.
+void read_loads(const CLI::App& app, SimFlags& flags) {
+  moe::placement::SimConfig& config = flags.config;
+  const std::string& path = flags.loads_path;
+  config.loads = moe::placement::parse_loads(read_file(path), "loads file '" + path + "'");
+  const int experts = static_cast<int>(config.loads.front().size());
+  MOE_CHECK(app.count("--experts") == 0 || experts == config.spec.num_experts, "loads file has ",
+            experts, " experts per line, --experts says ", config.spec.num_experts);
+  config.spec.num_experts = experts;
+  // Routing hints only when given: loads carry no top-k.
+  if (app.count("--top-k") == 0) config.spec.top_k = 0;
+  if (!flags.prev_loads_path.empty())
+    config.prev_loads = moe::placement::parse_loads(
+        read_file(flags.prev_loads_path), "previous loads file '" + flags.prev_loads_path + "'");
+}
+
+// One simulation of the flags, printed as a table or JSON.
+void print_simulation(const CLI::App& app, SimFlags& flags) {
+  if (*flags.prev_zipf_opt) flags.config.prev_zipf_alpha = flags.prev_zipf;
+  if (!flags.loads_path.empty()) {
+    read_loads(app, flags);
+  } else {
+    MOE_CHECK(flags.prev_loads_path.empty(), "--prev-loads needs --loads");
   }
+  const auto report = moe::placement::run_simulation(flags.config);
+  std::cout << (flags.output == "json" ? format_json(report) : format_table(report));
+}
+
+// Runs what the parsed flags ask for; returns the exit code (0 ok, 2 invalid
+// input, 1 internal error), the message on stderr.
+int dispatch(const CLI::App& app, SimFlags& flags) {
   try {
-    if (random_traces != 0) {
-      MOE_CHECK(random_traces > 0 && random_traces <= 10000, "random traces (",
-                          random_traces, ") must be in [1, 10000]");
-      const auto cases = moe::placement::random_trace_cases(random_traces, config.seed);
-      const auto results = moe::placement::compare_random_traces(cases, true);
-      std::cout << moe::placement::format_random_comparison(cases, results, output == "json");
-      return 0;
-    }
-    if (*prev_zipf_opt) config.prev_zipf_alpha = prev_zipf;
-    if (!loads_path.empty()) {
-      config.loads =
-          moe::placement::parse_loads(read_file(loads_path), "loads file '" + loads_path + "'");
-      const int experts = static_cast<int>(config.loads.front().size());
-      MOE_CHECK(app.count("--experts") == 0 || experts == config.spec.num_experts,
-                          "loads file has ", experts, " experts per line, --experts says ",
-                          config.spec.num_experts);
-      config.spec.num_experts = experts;
-      // Routing hints only when given: loads carry no top-k.
-      if (app.count("--top-k") == 0) config.spec.top_k = 0;
-      if (!prev_loads_path.empty())
-        config.prev_loads = moe::placement::parse_loads(
-            read_file(prev_loads_path), "previous loads file '" + prev_loads_path + "'");
+    if (flags.random_traces != 0) {
+      print_random_traces(flags);
     } else {
-      MOE_CHECK(prev_loads_path.empty(), "--prev-loads needs --loads");
+      print_simulation(app, flags);
     }
-    const auto report = moe::placement::run_simulation(config);
-    std::cout << (output == "json" ? format_json(report) : format_table(report));
     return 0;
   } catch (const moe::Error& e) {
     std::cerr << "moe-placement-sim: " << e.what() << "\n";
@@ -106,4 +124,21 @@ int main(int argc, char** argv) {
     std::cerr << "moe-placement-sim: internal error: " << e.what() << "\n";
     return 1;
   }
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  CLI::App app{"moe-placement-sim: compare moed's expert placement with deepseek-ai/EPLB"};
+  SimFlags flags;
+  add_flags(app, flags);
+  try {
+    app.parse(argc, argv);
+  } catch (const CLI::CallForHelp& e) {
+    return app.exit(e);
+  } catch (const CLI::ParseError& e) {
+    std::cerr << "moe-placement-sim: " << e.what() << "\n";
+    return 2;
+  }
+  return dispatch(app, flags);
 }

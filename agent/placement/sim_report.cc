@@ -61,6 +61,111 @@ std::string json_string(std::string_view s) {
   return out + "\"";
 }
 
+// What a simulation measures. Loads mode: the config's loads and previous
+// loads. Trace mode: window 0 of the pinned trace, its loads, the previous
+// window's loads and, with sample_tokens, moed's routing samples of both.
+struct Workload {
+  std::vector<std::vector<double>> loads, prev_loads;  // [layer][E]
+  Trace trace, sample, prev_sample;
+  bool trace_mode = false;
+  bool has_samples = false;
+
+  // moed's routing samples for this window and the previous one, or null.
+  const Trace* routing_sample() const { return has_samples ? &sample : nullptr; }
+  const Trace* prev_routing_sample() const { return has_samples ? &prev_sample : nullptr; }
+};
+
+Workload make_workload(const SimConfig& config) {
+  Workload w;
+  w.loads = config.loads;
+  w.prev_loads = config.prev_loads;
+  w.trace_mode = !config.loads_mode();
+  w.has_samples = w.trace_mode && config.sample_tokens > 0;
+  if (!w.trace_mode) return w;
+  w.trace = generate_trace(trace_config(config, 0, config.num_tokens, config.zipf_alpha));
+  w.loads = {w.trace.expert_loads()};
+  const double prev_alpha = config.prev_zipf_alpha.value_or(config.zipf_alpha);
+  w.prev_loads = {generate_trace(trace_config(config, kPrevWindow, config.num_tokens, prev_alpha))
+                      .expert_loads()};
+  if (config.sample_tokens > 0) {
+    w.sample = generate_trace(
+        trace_config(config, kSampleWindow, config.sample_tokens, config.zipf_alpha));
+    w.prev_sample =
+        generate_trace(trace_config(config, kPrevSampleWindow, config.sample_tokens, prev_alpha));
+  }
+  return w;
+}
+
+// One layer's rows: each policy's map solved (and timed) and measured.
+class LayerRun {
+ public:
+  LayerRun(const PlacementSpec& spec, const Workload& workload, size_t layer)
+      : spec_(spec),
+        loads_(workload.loads[layer]),
+        prev_loads_(workload.prev_loads.empty() ? nullptr : &workload.prev_loads[layer]),
+        workload_(workload) {}
+
+  // moed given its map for the previous loads (when there are any) as the
+  // current map, then moed-from-scratch (only with previous loads).
+  void add_moed(LayerResult* layer) const;
+  // EPLB hierarchical (n/a unless groups are a positive multiple of nodes),
+  // then EPLB global.
+  void add_eplb(LayerResult* layer) const;
+
+ private:
+  // Balancedness; fan-out in trace mode; copies moved from prev when given.
+  void measure(PolicyResult& r, const LayerMap& map, const LayerMap* prev) const {
+    r.balancedness = balancedness(map, loads_);
+    if (workload_.trace_mode) r.fanout = expected_fanout(map, spec_.num_nodes, workload_.trace);
+    if (prev) r.copies_moved = copies_moved(*prev, map);
+  }
+
+  const PlacementSpec& spec_;
+  const std::vector<double>& loads_;
+  const std::vector<double>* prev_loads_;  // null without previous loads
+  const Workload& workload_;
+};
+
+void LayerRun::add_moed(LayerResult* layer) const {
+  std::optional<LayerMap> moed_prev;
+  if (prev_loads_)
+    moed_prev = solve_layer(spec_, *prev_loads_, {nullptr, workload_.prev_routing_sample()});
+  PolicyResult moed = policy_result("moed");
+  const LayerMap moed_map = timed(&moed.solve_seconds, [&] {
+    return solve_layer(spec_, loads_,
+                       {moed_prev ? &*moed_prev : nullptr, workload_.routing_sample()});
+  });
+  measure(moed, moed_map, moed_prev ? &*moed_prev : nullptr);
+  layer->policies.push_back(moed);
+  if (!prev_loads_) return;
+  PolicyResult scratch = policy_result("moed-from-scratch");
+  const LayerMap map = timed(&scratch.solve_seconds, [&] {
+    return solve_layer(spec_, loads_, {nullptr, workload_.routing_sample()});
+  });
+  measure(scratch, map, &*moed_prev);
+  layer->policies.push_back(scratch);
+}
+
+void LayerRun::add_eplb(LayerResult* layer) const {
+  const bool hierarchical = eplb_hierarchical_applicable(spec_);
+  for (EplbPolicy policy : {EplbPolicy::kHierarchical, EplbPolicy::kGlobal}) {
+    PolicyResult r = policy_result(eplb_policy_name(policy));
+    if (policy == EplbPolicy::kHierarchical && !hierarchical) {
+      r.available = false;
+      r.note = "needs groups (" + std::to_string(spec_.num_groups) +
+               ") to be a positive multiple of nodes (" + std::to_string(spec_.num_nodes) + ")";
+      layer->policies.push_back(r);
+      continue;
+    }
+    std::optional<LayerMap> prev;
+    if (prev_loads_) prev = eplb_rebalance(spec_, *prev_loads_, policy);
+    const LayerMap map =
+        timed(&r.solve_seconds, [&] { return eplb_rebalance(spec_, loads_, policy); });
+    measure(r, map, prev ? &*prev : nullptr);
+    layer->policies.push_back(r);
+  }
+}
+
 }  // namespace
 
 void SimConfig::validate() const {
@@ -86,7 +191,6 @@ void SimConfig::validate() const {
 
 SimReport run_simulation(const SimConfig& config) {
   config.validate();
-  const PlacementSpec& spec = config.spec;
   SimReport report;
   report.config = config;
   report.loads_mode = config.loads_mode();
@@ -94,70 +198,13 @@ SimReport run_simulation(const SimConfig& config) {
   report.has_prev_loads = !config.prev_loads.empty();
   report.config.prev_loads.clear();
 
-  std::vector<std::vector<double>> loads = config.loads, prev_loads = config.prev_loads;
-  Trace trace, sample, prev_sample;
-  if (!config.loads_mode()) {
-    trace = generate_trace(trace_config(config, 0, config.num_tokens, config.zipf_alpha));
-    loads = {trace.expert_loads()};
-    const double prev_alpha = config.prev_zipf_alpha.value_or(config.zipf_alpha);
-    prev_loads = {generate_trace(trace_config(config, kPrevWindow, config.num_tokens, prev_alpha))
-                      .expert_loads()};
-    if (config.sample_tokens > 0) {
-      sample = generate_trace(
-          trace_config(config, kSampleWindow, config.sample_tokens, config.zipf_alpha));
-      prev_sample =
-          generate_trace(trace_config(config, kPrevSampleWindow, config.sample_tokens, prev_alpha));
-    }
-  }
-  const bool trace_mode = !config.loads_mode();
-  const Trace* sample_ptr = trace_mode && config.sample_tokens > 0 ? &sample : nullptr;
-  const Trace* prev_sample_ptr = trace_mode && config.sample_tokens > 0 ? &prev_sample : nullptr;
-  const bool hierarchical = eplb_hierarchical_applicable(spec);
-  report.num_layers = static_cast<int>(loads.size());
-
-  for (size_t l = 0; l < loads.size(); ++l) {
-    const bool has_prev = !prev_loads.empty();
+  const Workload workload = make_workload(config);
+  report.num_layers = static_cast<int>(workload.loads.size());
+  for (size_t l = 0; l < workload.loads.size(); ++l) {
+    const LayerRun run(config.spec, workload, l);
     LayerResult layer;
-    auto measure = [&](PolicyResult& r, const LayerMap& map, const LayerMap* prev) {
-      r.balancedness = balancedness(map, loads[l]);
-      if (trace_mode) r.fanout = expected_fanout(map, spec.num_nodes, trace);
-      if (prev) r.copies_moved = copies_moved(*prev, map);
-    };
-
-    // moed, given its previous map, and from scratch.
-    std::optional<LayerMap> moed_prev;
-    if (has_prev) moed_prev = solve_layer(spec, prev_loads[l], {nullptr, prev_sample_ptr});
-    PolicyResult moed = policy_result("moed");
-    const LayerMap moed_map = timed(&moed.solve_seconds, [&] {
-      return solve_layer(spec, loads[l], {moed_prev ? &*moed_prev : nullptr, sample_ptr});
-    });
-    measure(moed, moed_map, moed_prev ? &*moed_prev : nullptr);
-    layer.policies.push_back(moed);
-    if (has_prev) {
-      PolicyResult scratch = policy_result("moed-from-scratch");
-      const LayerMap map = timed(&scratch.solve_seconds, [&] {
-        return solve_layer(spec, loads[l], {nullptr, sample_ptr});
-      });
-      measure(scratch, map, &*moed_prev);
-      layer.policies.push_back(scratch);
-    }
-
-    for (EplbPolicy policy : {EplbPolicy::kHierarchical, EplbPolicy::kGlobal}) {
-      PolicyResult r = policy_result(eplb_policy_name(policy));
-      if (policy == EplbPolicy::kHierarchical && !hierarchical) {
-        r.available = false;
-        r.note = "needs groups (" + std::to_string(spec.num_groups) +
-                 ") to be a positive multiple of nodes (" + std::to_string(spec.num_nodes) + ")";
-        layer.policies.push_back(r);
-        continue;
-      }
-      std::optional<LayerMap> prev;
-      if (has_prev) prev = eplb_rebalance(spec, prev_loads[l], policy);
-      const LayerMap map =
-          timed(&r.solve_seconds, [&] { return eplb_rebalance(spec, loads[l], policy); });
-      measure(r, map, prev ? &*prev : nullptr);
-      layer.policies.push_back(r);
-    }
+    run.add_moed(&layer);
+    run.add_eplb(&layer);
     report.layers.push_back(std::move(layer));
   }
   return report;
