@@ -1,5 +1,6 @@
 #include "moe/agent/agent.h"
 
+#include <algorithm>
 #include <filesystem>
 #include <optional>
 
@@ -304,10 +305,27 @@ void Agent::prepare(const v1::PrepareRebalance& p) {
   });
 }
 
+// A committed epoch is never aborted: a COMMIT that does not reach a live node is
+// sent again (its ranks wait for it before they switch).
 void Agent::commit(const v1::CommitRebalance& c) {
+  for (const NodeRecord& n : members_.nodes())
+    if (n.state == v1::NODE_STATE_ALIVE) send_commit(c, n.name, 1);
+}
+
+void Agent::send_commit(const v1::CommitRebalance& c, const std::string& node, int attempt) {
+  const auto n = std::find_if(members_.nodes().begin(), members_.nodes().end(),
+                              [&](const NodeRecord& r) { return r.name == node; });
+  if (n == members_.nodes().end() || n->state != v1::NODE_STATE_ALIVE || attempt > 5) return;
   v1::Envelope req;
   *req.mutable_commit_rebalance() = c;
-  to_every_node(req, nullptr);  // a node that misses it dies with the job
+  outbound_->post(n->control_address, [this, req, c, node, attempt](rpc::RpcClient& daemon) {
+    try {
+      daemon.call(req, opts_.daemon_call_timeout);
+    } catch (const std::exception& e) {
+      log::warn("COMMIT of epoch ", c.epoch(), " to ", node, " (attempt ", attempt, "): ", e.what());
+      rpc::asio::post(io_, [this, c, node, attempt] { send_commit(c, node, attempt + 1); });
+    }
+  });
 }
 
 void Agent::abort(const v1::AbortRebalance& a) {

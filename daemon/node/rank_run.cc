@@ -72,6 +72,7 @@ RankRun::Boundary RankRun::agree(bool cancel_requested) {
   b.stop = x[0] > 0;
   b.stage = !staged_ && x[1] == static_cast<float>(world) && v.prepare &&
             x[2] == static_cast<float>(world * (v.prepare->epoch() & 0xfffff));
+  if (b.stage) b.prepare = v.prepare;  // the mailbox may change after the vote
   b.abort = staged_ && x[4] > 0;
   b.commit = staged_ && !b.abort && x[3] == static_cast<float>(world);
   return b;
@@ -80,7 +81,7 @@ RankRun::Boundary RankRun::agree(bool cancel_requested) {
 // Acts on the boundary's rebalance decision, before step `step` runs.
 void RankRun::act(const Boundary& b, int step) {
   if (b.stage) {
-    staged_ = mailbox_.view().prepare;
+    staged_ = b.prepare;
     staged_ready_ = false;
     stack_.stage(*staged_);
     log::info("job ", job_.job_id(), ": rank ", rank_, " staging epoch ", staged_->epoch(), " from step ", step);
@@ -99,9 +100,11 @@ void RankRun::act(const Boundary& b, int step) {
     mailbox_.done(staged_->epoch());
     staged_.reset();
   } else if (b.commit) {
+    const int64_t copied = stack_.staged_bytes_received();
     stack_.switch_to_staged();
-    log::info("job ", job_.job_id(), ": rank ", rank_, " switched to epoch ", staged_->epoch(), " before step ", step);
-    if (env_.metrics) env_.metrics->record_rebalance_copy(stack_.staged_bytes_received());
+    log::info("job ", job_.job_id(), ": rank ", rank_, " switched to epoch ", staged_->epoch(), " before step ", step,
+              " (", copied, " bytes copied in)");
+    if (env_.metrics) env_.metrics->record_rebalance_copy(copied);
     mailbox_.done(staged_->epoch());
     staged_.reset();
   }

@@ -197,6 +197,42 @@ TEST(RebalanceFaults, ADaemonKilledDuringPrepareFailsTheJobAndTheOldMapStays) {
   EXPECT_TRUE(has(c.ctl({"placement", "show"}).second, "epoch 1,"));
 }
 
+// The agent's own trigger (agent flags): a skewed job is rebalanced without a
+// command, and the metrics of DESIGN 8 show it.
+TEST(AutoRebalance, TheAgentRebalancesASkewedJobAndTheMetricsShowIt) {
+  Cluster c(2, 1, {"--rebalance-every", "5", "--balancedness-threshold", "0.95", "--redundant-experts", "2"});
+  ASSERT_TRUE(c.up());
+  const v1::JobResult j = wait_job(c, submit(c, {"--experts", "8", "--top-k", "2", "--hidden", "32", "--ffn-hidden",
+                                                 "16", "--tokens-per-rank", "128", "--steps", "120", "--skew",
+                                                 "zipf:1.5"}));
+  ASSERT_EQ(j.state(), v1::JOB_STATE_SUCCEEDED) << j.message() << c.logs();
+  ASSERT_GE(j.epochs_size(), 2) << j.DebugString();
+  EXPECT_GT(j.epochs(1).balancedness(), j.epochs(0).balancedness());
+  const v1::ClusterStatus st = c.status();
+  const auto until = std::chrono::steady_clock::now() + 10s;
+  std::string agent;
+  while (std::chrono::steady_clock::now() < until) {  // the agent refreshes its gauges once a second
+    agent = scrape(st.agent_metrics_address());
+    if (series_value(agent, "moe_placement_epoch{layer=\"0\"}") == j.placement_epoch()) break;
+    std::this_thread::sleep_for(100ms);
+  }
+  EXPECT_EQ(series_value(agent, "moe_placement_epoch{layer=\"0\"}"), j.placement_epoch()) << agent;
+  EXPECT_GE(series_value(agent, "moe_rebalances_total{result=\"committed\"}"), j.epochs_size() - 1) << agent;
+  EXPECT_EQ(series_value(agent, "moe_rebalances_total{result=\"aborted\"}"), 0) << agent;
+  EXPECT_GT(series_value(agent, "moe_placement_balancedness{layer=\"0\"}"), 0) << agent;
+  double replicas = 0, load = 0;
+  for (int e = 0; e < 8; ++e) {
+    const std::string l = "{expert=\"" + std::to_string(e) + "\",layer=\"0\"}";
+    replicas += series_value(agent, "moe_expert_replicas" + l);
+    load += series_value(agent, "moe_expert_load" + l);
+  }
+  EXPECT_EQ(replicas, 8 + 2) << agent;
+  EXPECT_GT(load, 0) << agent;
+  double copied = 0;
+  for (const v1::NodeInfo& n : st.nodes()) copied += series_value(scrape(n.metrics_address()), "moe_rebalance_copy_bytes_total");
+  EXPECT_GT(copied, 0);
+}
+
 // Rebalance with no job, twice in one job, a dry run, export/import and loads.
 TEST(PlacementCommands, WithoutAJobTwiceInAJobDryRunExportImportAndLoads) {
   Cluster c(2, 1);

@@ -88,6 +88,7 @@ class Agent : private SchedulerActions, private RebalanceActions {
   // RebalanceActions
   void prepare(const v1::PrepareRebalance& p) override;
   void commit(const v1::CommitRebalance& c) override;
+  void send_commit(const v1::CommitRebalance& c, const std::string& node, int attempt);
   void abort(const v1::AbortRebalance& a) override;
   void rebalance_done(const v1::RebalanceReply& r) override;
   // Sends req to every live node's daemon; on_error(node, error) on the io thread.

@@ -45,6 +45,7 @@ class RankRun {
     bool stage = false;   // every rank holds the same PREPARE: start staging
     bool abort = false;   // some rank got ABORT for the staged epoch
     bool commit = false;  // every rank got COMMIT for the staged epoch: switch
+    std::optional<v1::PrepareRebalance> prepare;  // what this rank contributed (stage)
   };
   transport::Deadline deadline() const { return transport::deadline_in(env_.transport_timeout); }
   // The step's own collective: one all-reduce carries the cancel flag and the
