@@ -142,6 +142,7 @@ void fill_epochs(const std::vector<const std::vector<v1::StepStats>*>& steps, co
     for (const auto& layer : load) balance += balancedness_of(layer) / std::max(1, L);
     run->set_balancedness(balance);
     run->set_step_seconds_p50(median(step_time));
+    run->set_first_step_seconds(step_time.front());
     run->set_slowest_rank_expert_seconds(median(expert));
   }
   if (rec.epochs_size() > 0 && rec.epochs(rec.epochs_size() - 1).epoch() > 0)

@@ -1,9 +1,13 @@
 #!/usr/bin/env bash
-# The main demo: installs missing Debian packages, configures, builds, then brings
-# up a local cluster on loopback (CPU backend: this build has no CUDA kernels yet)
-# and runs the main job, a train job whose step-20 loss must be at most half its
-# step-0 loss (DESIGN 6), then a verified forward job and a larger forward job, and
-# takes the cluster down. Last, the single-rank layer benchmark.
+# The main demo: installs missing Debian packages, configures, builds, then tells
+# the story a user came for on a local 2x2 cluster (CPU backend):
+#   1. a zipf-skewed train job starts; a few experts get most of the tokens;
+#   2. `moectl placement show`: per-expert and per-rank load and balancedness;
+#   3. `moectl placement rebalance --redundant-experts 4` while it trains: hot
+#      experts are replicated and moved live (no step skipped, no restart);
+#   4. the load again, each epoch's balancedness and slowest-rank expert time,
+#      the loss curve (the step-20 loss at most half the step-0 loss, DESIGN 6)
+#      and verify (fp64 reference, at a step after the switch).
 set -euo pipefail
 source "$(dirname "$0")/common.sh"
 
@@ -14,30 +18,42 @@ export MOE_STATE_DIR="${MOE_STATE_DIR:-$(mktemp -d /tmp/moed-demo.XXXXXX)}"
 moectl="$bin/cli/moectl"
 trap '"$moectl" cluster down >/dev/null 2>&1 || true' EXIT
 
-log "demo: a 2-node x 1-device cluster on loopback (state in $MOE_STATE_DIR)"
-"$moectl" cluster up --nodes 2 --devices-per-node 1
-log "demo: the main job: train a 2-layer MoE (16 experts, top-4) to match a teacher, gradients verified"
-"$moectl" --output json job submit --wait --mode train --experts 16 --top-k 4 --hidden 16 --ffn-hidden 16 \
-  --tokens-per-rank 1024 --layers 2 --steps 21 --lr 0.05 --verify > "$MOE_STATE_DIR/train.json"
+log "demo: a 2-node x 2-device cluster on loopback (state in $MOE_STATE_DIR)"
+"$moectl" cluster up --nodes 2 --devices-per-node 2
+
+log "demo: a zipf-skewed train job: 16 experts, top-4, 2 layers, 4 ranks, learning a teacher"
+id=$("$moectl" job submit --mode train --experts 16 --top-k 4 --hidden 64 --ffn-hidden 64 \
+  --tokens-per-rank 1024 --layers 2 --steps 60 --lr 0.03 --skew zipf:1.2 --verify --verify-step 50)
+steps_done() {
+  "$moectl" --output json job status "$id" | python3 -c 'import json,sys; print(int(json.load(sys.stdin)["steps_completed"]))'
+}
+until [ "$(steps_done)" -ge 15 ]; do sleep 0.2; done
+
+log "demo: the load after 15 steps (pairs per rank and per expert over the window)"
+"$moectl" placement show --layer 0
+
+log "demo: rebalance live, with 4 redundant experts (hot experts replicated, copies staged in the background)"
+"$moectl" placement rebalance --redundant-experts 4
+"$moectl" --output json job wait "$id" > "$MOE_STATE_DIR/train.json"
+
+log "demo: the load after the rebalance"
+"$moectl" placement show --layer 0
+
 python3 - "$MOE_STATE_DIR/train.json" <<'PY'
 import json, sys
 r = json.load(open(sys.argv[1]))
+print(f"{'epoch':>5} {'steps':>11} {'balancedness':>12} {'slowest-rank expert s':>22} {'step s (p50)':>13}")
+for e in r["epochs"]:
+    first = e["first_step"]
+    print(f"{e['epoch']:>5} {first:>5}-{first + e['steps'] - 1:<5} {e['balancedness']:>12.3f} "
+          f"{e['slowest_rank_expert_seconds']:>22.5f} {e['step_seconds_p50']:>13.4f}")
 loss = r["loss"]
-print("state", r["state"], "| verify passed:", r["verify"]["passed"])
 print("loss by step:", " ".join(f"{x:.4f}" for x in loss))
 ratio = loss[20] / loss[0]
-print(f"step-20 / step-0 loss = {ratio:.3f} (must be <= 0.5)")
-sys.exit(0 if r["state"] == "JOB_STATE_SUCCEEDED" and ratio <= 0.5 and r["verify"]["passed"] else 1)
+print(f"state {r['state']} | verify at step 50 (after the switch): {'passed' if r['verify']['passed'] else 'FAILED'}"
+      f" | step-20 / step-0 loss = {ratio:.3f} (must be <= 0.5)")
+ok = (r["state"] == "JOB_STATE_SUCCEEDED" and ratio <= 0.5 and r["verify"]["passed"]
+      and len(r["epochs"]) == 2 and r["epochs"][1]["balancedness"] > r["epochs"][0]["balancedness"])
+sys.exit(0 if ok else 1)
 PY
-log "demo: a verified forward job (small, checked against the fp64 reference)"
-"$moectl" job submit --wait --experts 16 --top-k 4 --hidden 256 --ffn-hidden 128 \
-  --tokens-per-rank 256 --layers 2 --steps 3 --skew zipf:1.0 --verify
-log "demo: a larger forward job (E=64, top-8, H=1024, I=512, 2048 tokens per rank, 2 layers)"
-"$moectl" job submit --wait --experts 64 --top-k 8 --hidden 1024 --ffn-hidden 512 \
-  --tokens-per-rank 2048 --layers 2 --steps 5 --skew zipf:1.0
-"$moectl" placement show | head -5
 "$moectl" cluster down
-
-log "demo: the single-rank layer benchmark (fraction of the same-run GEMM peak)"
-"$bin/daemon/bench/moe-bench" layer --tokens 4096 --hidden 1024 --ffn 512 --experts 64 --top-k 8 \
-  --mode forward --threads "$(nproc)"
