@@ -166,6 +166,7 @@ RebalancePlan PlacementService::plan(ShapeKey key, std::optional<int> redundant,
     if (n == current) ctx.current = &old;  // keep copies in place
     const placement::LayerMap next = placement::solve_layer(spec, loads, ctx);
     p.maps.push_back(to_proto(next, l, 0));
+    keep_local_slots(s.maps[l], p.maps.back());
     p.before.push_back(s.windows[l].rank_steps() > 0 ? s.windows[l].balancedness()
                                                      : placement::balancedness(old, loads));
     p.predicted.push_back(placement::balancedness(next, loads));
@@ -224,6 +225,22 @@ std::vector<double> PlacementService::live_predicted() const {
   if (it == shapes_.end()) return out;
   for (size_t l = 0; l < it->second.maps.size(); ++l) out.push_back(describe_layer(it->second, static_cast<int>(l)).predicted_balancedness());
   return out;
+}
+
+void keep_local_slots(const v1::PlacementMap& before, v1::PlacementMap& after) {
+  const int S0 = before.slots_per_rank(), S1 = after.slots_per_rank();
+  for (int r = 0; r < after.num_ranks(); ++r) {
+    std::vector<int> left(after.phy2log().begin() + r * S1, after.phy2log().begin() + (r + 1) * S1);
+    std::vector<int> slots(S1, -1);
+    for (int s = 0; s < std::min(S0, S1); ++s) {  // an expert that stays keeps its slot
+      const auto it = std::find(left.begin(), left.end(), before.phy2log(r * S0 + s));
+      if (it == left.end()) continue;
+      slots[s] = *it;
+      left.erase(it);
+    }
+    auto next = left.begin();
+    for (int s = 0; s < S1; ++s) after.set_phy2log(r * S1 + s, slots[s] >= 0 ? slots[s] : *next++);
+  }
 }
 
 std::vector<v1::ExpertCopy> copies_between(const v1::PlacementMap& before, const v1::PlacementMap& after,

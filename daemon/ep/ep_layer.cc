@@ -237,6 +237,15 @@ void EpLayer::stage(const ExpertMap& next, std::vector<ExpertCopyPlan> copies, b
   adam_ = adam && cfg_.train;
   staged_ = std::make_unique<StagedExperts>(next, std::move(copies), comm_.rank(), cfg_, adam_, opts_.tag_base);
   staged_->start(*experts_, map_, comm_);
+  if (next.slots_per_rank == map_.slots_per_rank) return;
+  // Another slot count: the new stage and dispatcher are built (and their pages
+  // faulted in) now, while copies stream, not at the switch.
+  next_experts_ = std::make_unique<ExpertStage>(cfg_, next.slots_per_rank, be_);
+  next_experts_->reserve(std::max<int64_t>(recv_capacity_, cfg_.max_tokens));
+  next_experts_->touch(adam_);
+  next_dispatcher_ = std::make_unique<Dispatcher>(
+      dispatcher_config(cfg_, next), comm_, be_,
+      DispatcherOptions{.timeout = opts_.timeout, .isolate_transport_timing = opts_.isolate_transport_timing});
 }
 
 bool EpLayer::staged_ready() {
@@ -244,36 +253,62 @@ bool EpLayer::staged_ready() {
   return staged_->ready(comm_, be_);
 }
 
+void EpLayer::drop_staged() {
+  staged_.reset();
+  next_experts_.reset();
+  next_dispatcher_.reset();
+}
+
+int EpLayer::old_slot_of(int expert) const {
+  for (int s = 0; s < map_.slots_per_rank; ++s)
+    if (map_.expert_at(comm_.rank(), s) == expert) return s;
+  return -1;
+}
+
 // The layer moves onto the staged map: every new slot takes its expert from the
 // slot this rank already had (the same state, bit for bit) or from the staged
-// copy; the dispatcher follows the new slot count.
+// copy.
 void EpLayer::switch_to_staged() {
   MOE_CHECK(staged_, "rebalance: nothing is staged");
-  const ExpertMap& next = staged_->next();
+  const ExpertMap next = staged_->next();
+  if (next_experts_) switch_to_new_stage(next);
+  else switch_in_place(next);
+  install_map(next);
+  staged_.reset();
+}
+
+// Same slot count: only the slots whose expert changes are written; an expert
+// moving between this rank's slots is read before any slot is overwritten.
+void EpLayer::switch_in_place(const ExpertMap& next) {
   const int me = comm_.rank();
-  auto stage = std::make_unique<ExpertStage>(cfg_, next.slots_per_rank, be_);
-  stage->reserve(std::max<int64_t>(recv_capacity_, cfg_.max_tokens));
-  ExpertState state;
-  state.resize(cfg_.hidden, cfg_.ffn_hidden, adam_);
+  std::vector<std::pair<int, ExpertState>> moves;
+  for (int s = 0; s < next.slots_per_rank; ++s) {
+    const int e = next.expert_at(me, s);
+    if (e < 0 || e == map_.expert_at(me, s) || old_slot_of(e) < 0) continue;
+    ExpertState st;
+    st.resize(cfg_.hidden, cfg_.ffn_hidden, adam_);
+    experts_->export_slot(old_slot_of(e), st);
+    moves.emplace_back(s, std::move(st));
+  }
+  for (const auto& [s, st] : moves) experts_->import_slot(s, st);
+  for (int s = 0; s < next.slots_per_rank; ++s) {
+    const int e = next.expert_at(me, s);
+    if (e >= 0 && e != map_.expert_at(me, s) && old_slot_of(e) < 0) experts_->import_slot(s, staged_->gained_state(s));
+  }
+}
+
+// Another slot count: the stage built at staging takes every slot.
+void EpLayer::switch_to_new_stage(const ExpertMap& next) {
+  const int me = comm_.rank();
   for (int s = 0; s < next.slots_per_rank; ++s) {
     const int e = next.expert_at(me, s);
     if (e < 0) continue;
-    int old = 0;
-    while (old < map_.slots_per_rank && map_.expert_at(me, old) != e) ++old;
-    if (old < map_.slots_per_rank) {
-      experts_->export_slot(old, state);
-      stage->import_slot(s, state);
-    } else {
-      stage->import_slot(s, staged_->gained_state(s));
-    }
+    const int old = old_slot_of(e);
+    if (old >= 0) next_experts_->copy_slot(*experts_, old, s);
+    else next_experts_->import_slot(s, staged_->gained_state(s));
   }
-  experts_ = std::move(stage);
-  if (next.slots_per_rank != map_.slots_per_rank)
-    dispatcher_ = std::make_unique<Dispatcher>(
-        dispatcher_config(cfg_, next), comm_, be_,
-        DispatcherOptions{.timeout = opts_.timeout, .isolate_transport_timing = opts_.isolate_transport_timing});
-  install_map(next);
-  staged_.reset();
+  experts_ = std::move(next_experts_);
+  dispatcher_ = std::move(next_dispatcher_);
 }
 
 void EpLayer::optimizer_step(const kernels::OptimizerConfig& cfg, int64_t step) {

@@ -85,6 +85,21 @@ void TrainableTensor::write(size_t begin, size_t n, const float* master, const f
   be_->copy_to_device(v_.as<float>() + begin, v, 4 * n);
 }
 
+void TrainableTensor::copy_range(const TrainableTensor& src, size_t from, size_t to, size_t n) {
+  be_->copy(compute_ + to, src.compute_ + from, 4 * n);
+  if (master_.get()) be_->copy(master_.as<float>() + to, src.master_.as<float>() + from, 4 * n);
+  if (!src.m_.get()) {
+    if (m_.get()) {  // the source has taken no Adam step yet: zero moments
+      be_->fill_zero(m_.as<float>() + to, 4 * n);
+      be_->fill_zero(v_.as<float>() + to, 4 * n);
+    }
+    return;
+  }
+  ensure_moments();
+  be_->copy(m_.as<float>() + to, src.m_.as<float>() + from, 4 * n);
+  be_->copy(v_.as<float>() + to, src.v_.as<float>() + from, 4 * n);
+}
+
 void TrainableTensor::update(const kernels::OptimizerConfig& cfg, int64_t step, const float* grad) {
   if (cfg.kind == kernels::OptimizerKind::kAdam) ensure_moments();
   kernels::OptimizerArgs a;
@@ -217,6 +232,27 @@ void ExpertState::resize(int hidden, int ffn_hidden, bool moments) {
   weights.assign(n, 0.0f);
   m.assign(moments ? n : 0, 0.0f);
   v.assign(moments ? n : 0, 0.0f);
+}
+
+void ExpertStage::copy_slot(const ExpertStage& src, int from, int to) {
+  MOE_CHECK(from >= 0 && from < src.L_ && to >= 0 && to < L_, "expert stage: copy of slot ", from, " to slot ", to);
+  const size_t H = cfg_.hidden, I = cfg_.ffn_hidden, n13 = 2 * I * H, n2 = H * I;
+  if (!cfg_.train) {
+    be_.copy(w13_.as<float>() + to * n13, src.w13_.as<float>() + from * n13, 4 * n13);
+    be_.copy(w2_.as<float>() + to * n2, src.w2_.as<float>() + from * n2, 4 * n2);
+    return;
+  }
+  w13_param_.copy_range(src.w13_param_, from * n13, to * n13, n13);
+  w2_param_.copy_range(src.w2_param_, from * n2, to * n2, n2);
+}
+
+void ExpertStage::touch(bool moments) {
+  for (kernels::Buffer* b : {&w13_, &w2_, &grad_w13_, &grad_w2_, &y_, &saved_gu_, &grad_perm_x_, &mlp_ws_})
+    if (b->get()) be_.fill_zero(b->get(), b->bytes());
+  if (moments && cfg_.train) {
+    w13_param_.ensure_moments();
+    w2_param_.ensure_moments();
+  }
 }
 
 void ExpertStage::copy_weights(int s, float* w13, float* w2) const {

@@ -101,9 +101,10 @@ void RankRun::act(const Boundary& b, int step) {
     staged_.reset();
   } else if (b.commit) {
     const int64_t copied = stack_.staged_bytes_received();
+    const double t0 = now_seconds();
     stack_.switch_to_staged();
     log::info("job ", job_.job_id(), ": rank ", rank_, " switched to epoch ", staged_->epoch(), " before step ", step,
-              " (", copied, " bytes copied in)");
+              " in ", now_seconds() - t0, " s (", copied, " bytes copied in)");
     if (env_.metrics) env_.metrics->record_rebalance_copy(copied);
     mailbox_.done(staged_->epoch());
     staged_.reset();

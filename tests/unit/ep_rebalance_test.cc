@@ -22,7 +22,7 @@ namespace {
 using kernels::DType;
 using namespace std::chrono_literals;
 
-constexpr int kRanks = 4, kE = 8, kH = 32, kI = 16, kK = 2, kT = 24, kSteps = 8;
+constexpr int kRanks = 4, kE = 8, kH = 32, kI = 16, kK = 2, kT = 24, kSteps = 12;
 
 ep::MoeLayerConfig config(DType dtype) {
   ep::MoeLayerConfig c;
@@ -36,9 +36,12 @@ ep::MoeLayerConfig config(DType dtype) {
   return c;
 }
 
-// A: contiguous, 2 slots per rank. B: 3 slots per rank, experts 0, 1, 4, 6 twice.
+// A: contiguous, 2 slots per rank. B: 3 slots per rank, experts 0, 1, 4, 6 twice
+// (a new stage at the switch). C: 3 slots again, 2, 3, 5, 7 twice and experts
+// moving between a rank's slots (the switch works in place).
 ep::ExpertMap map_a() { return ep::ExpertMap::contiguous(kE, kRanks); }
 ep::ExpertMap map_b() { return ep::ExpertMap::make(kE, kRanks, 3, {0, 1, 4, 2, 3, 0, 4, 5, 6, 7, 1, 6}, 2); }
+ep::ExpertMap map_c() { return ep::ExpertMap::make(kE, kRanks, 3, {2, 0, 1, 3, 5, 7, 4, 2, 6, 7, 3, 5}, 3); }
 
 // A rank gains each expert it did not host, from that expert's first holder.
 std::vector<ep::ExpertCopyPlan> copies(const ep::ExpertMap& from, const ep::ExpertMap& to) {
@@ -63,11 +66,12 @@ struct TrainRun {
   std::vector<std::vector<std::vector<float>>> out;  // [step][rank] -> [T, H]
   // After the last step: per expert, each hosting rank's [weights | m | v].
   std::vector<std::vector<std::vector<float>>> state;
-  int switched_before = -1;
+  std::vector<int> switched_before;
 };
 
-// Trains kSteps steps; with `rebalance`, every rank stages B before step 2 and
-// switches at the first boundary where every rank's copies are in.
+// Trains kSteps steps; with `rebalance`, every rank stages B before step 2, C
+// before step 7, and switches at the first boundary where every rank's copies
+// are in.
 TrainRun train(Kind kind, DType dtype, bool rebalance) {
   TrainRun run;
   run.out.assign(kSteps, std::vector<std::vector<float>>(kRanks));
@@ -85,13 +89,14 @@ TrainRun train(Kind kind, DType dtype, bool rebalance) {
     std::vector<uint8_t> out(kT * kH * 4 + 1), gx(out.size());
     for (int step = 0; step < kSteps; ++step) {
       if (rebalance && step == 2) layer.stage(map_b(), copies(map_a(), map_b()), true);
-      if (rebalance && layer.staging() && step > 2) {
+      if (rebalance && step == 7) layer.stage(map_c(), copies(map_b(), map_c()), true);
+      if (rebalance && layer.staging() && step != 2 && step != 7) {
         float ready = layer.staged_ready() ? 1.0f : 0.0f;
         comm.all_reduce_sum(&ready, 1, transport::deadline_in(30s));
         if (ready == kRanks) {
           layer.switch_to_staged();
           std::lock_guard<std::mutex> lock(mu);
-          run.switched_before = step;
+          if (me == 0) run.switched_before.push_back(step);
         }
       }
       const auto x = storage(9, step, me, dtype);
@@ -123,7 +128,7 @@ TEST_P(EpRebalance, TrainingGoesOnAcrossTheSwitchAndReplicasAreBitwiseIdentical)
   const auto [kind, dtype] = GetParam();
   const TrainRun plain = train(kind, dtype, false);
   const TrainRun moved = train(kind, dtype, true);
-  ASSERT_GT(moved.switched_before, 2) << "the ranks never switched";
+  ASSERT_EQ(moved.switched_before.size(), 2u) << "the ranks did not switch twice";
   // Placement changes only the order of sums: fp32 rtol 1e-5; bf16 outputs are
   // rounded to 2^-9 once more per partial combine row (rtol 2^-7).
   const double rtol = dtype == DType::kF32 ? 1e-5 : 1.0 / 128;
@@ -139,7 +144,7 @@ TEST_P(EpRebalance, TrainingGoesOnAcrossTheSwitchAndReplicasAreBitwiseIdentical)
   }
   for (int e = 0; e < kE; ++e) {
     const auto& copies_of_e = moved.state[e];
-    ASSERT_EQ(copies_of_e.size(), static_cast<size_t>(map_b().logcnt[e])) << "expert " << e;
+    ASSERT_EQ(copies_of_e.size(), static_cast<size_t>(map_c().logcnt[e])) << "expert " << e;
     for (size_t i = 1; i < copies_of_e.size(); ++i)
       EXPECT_EQ(copies_of_e[i], copies_of_e[0]) << "expert " << e << ": replica " << i << " differs";
   }

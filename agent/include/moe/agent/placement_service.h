@@ -103,6 +103,11 @@ class PlacementService {
   int64_t epoch_ = 0;
 };
 
+// Reorders each rank's slots of `after` so an expert the rank keeps stays in the
+// local slot it had in `before` (the switch then leaves it untouched). The same
+// experts on the same ranks: balance and fan-out do not change.
+void keep_local_slots(const v1::PlacementMap& before, v1::PlacementMap& after);
+
 // The copies ranks need to go from `before` to `after`: one per slot of an expert
 // its rank did not host before (a rank fills further slots of an expert it hosts
 // from its own copy), each from a holder on the gaining rank's node if there is

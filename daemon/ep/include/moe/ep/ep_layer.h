@@ -81,7 +81,7 @@ class EpLayer {
   void stage(const ExpertMap& next, std::vector<ExpertCopyPlan> copies, bool adam);
   bool staged_ready();
   void switch_to_staged();
-  void drop_staged() { staged_.reset(); }
+  void drop_staged();
   bool staging() const { return staged_ != nullptr; }
   int64_t staged_bytes_received() const { return staged_ ? staged_->bytes_received() : 0; }
   const ExpertMap& map() const { return map_; }
@@ -97,6 +97,9 @@ class EpLayer {
   void reduce_replica_grads();
   void reduce_replica_grad(int expert, float* acc, float* msg);
   void install_map(const ExpertMap& map);
+  int old_slot_of(int expert) const;  // this rank's first slot of expert, or -1
+  void switch_in_place(const ExpertMap& next);
+  void switch_to_new_stage(const ExpertMap& next);
 
   MoeLayerConfig cfg_;
   ExpertMap map_;
@@ -107,6 +110,9 @@ class EpLayer {
   std::unique_ptr<Dispatcher> dispatcher_;
   std::unique_ptr<ExpertStage> experts_;
   std::unique_ptr<StagedExperts> staged_;
+  // Built at staging when the slot count changes, so the switch only copies.
+  std::unique_ptr<ExpertStage> next_experts_;
+  std::unique_ptr<Dispatcher> next_dispatcher_;
   const DispatchHandle* handle_ = nullptr;  // of the last forward, for backward
   bool adam_ = false;                        // staged copies carry Adam moments
   const void* x_ = nullptr;

@@ -66,9 +66,12 @@ class TrainableTensor {
   // The inverse: sets master, the compute copy (bf16-rounded in a bf16 layer)
   // and, given m and v, the moments.
   void write(size_t begin, size_t n, const float* master, const float* m, const float* v);
+  // Elements [from, from + n) of src (compute, master, moments) into [to, to + n)
+  // of this tensor, bit for bit. Both in the same backend and dtype.
+  void copy_range(const TrainableTensor& src, size_t from, size_t to, size_t n);
+  void ensure_moments();  // allocates zero Adam moments (else on the first update)
 
  private:
-  void ensure_moments();
   kernels::Backend* be_ = nullptr;
   float* compute_ = nullptr;
   size_t count_ = 0;
@@ -141,6 +144,12 @@ class ExpertStage {
   // Slot s's weights as the stage computes with them: w13 [2I, H], w2 [H, I].
   void copy_weights(int slot, float* w13, float* w2) const;
   void import_slot(int slot, const struct ExpertState& in);
+  // Slot `from` of src (weights, and in a train stage masters and moments) into
+  // slot `to` of this stage, bit for bit.
+  void copy_slot(const ExpertStage& src, int from, int to);
+  // Touches every buffer once (with `moments`, the Adam moments too), so a stage
+  // built ahead of use faults its pages in then rather than in its first step.
+  void touch(bool moments);
   int num_local_experts() const { return L_; }
 
   const float* grad_w13() const { return grad_w13_.as<float>(); }
