@@ -177,8 +177,10 @@ void Scheduler::on_rank_done(const v1::RankDone& d, Clock::time_point now) {
   }
   job.reports.verify[d.rank()] = d.verify();
   heard_from(d.rank(), now);
-  if (!d.ok() && d.agent_unreachable() && !job.ending()) {
-    // Its daemon stopped the job: the agent was away longer than its grace.
+  if (!d.ok() && d.agent_unreachable() && !job.failed) {
+    // Its daemon stopped the job: the agent was away longer than its grace. The
+    // peers it stopped may have reported first, as "cancelled by another rank".
+    job.cancelled = false;
     log::warn("job ", job.id, ": ", members_.describe_rank(d.rank()), " stopped without the agent: ", d.message());
     return fail_running((job.restored ? "agent restarted: " : "") + members_.describe_rank(d.rank()) + ": " + d.message(),
                         now);

@@ -10,7 +10,7 @@ JobRunner::JobRunner(v1::StartJob job, RunnerEnv env)
     : job_(std::move(job)), env_(std::move(env)), mailbox_(env_.devices) {
   reports_ = std::make_unique<ReportSender>(
       rpc::ClientOptions::make(env_.agent_address, env_.token, "moed", env_.node_name + "/reports"), *env_.link,
-      job_.job_id());
+      job_.job_id(), env_.devices);
   env_.reports = reports_.get();
   std::vector<int> local;
   for (int i = 0; i < env_.devices; ++i) local.push_back(env_.node_index * env_.devices + i);

@@ -11,8 +11,12 @@ constexpr auto kCallTimeout = std::chrono::seconds(10);
 
 }  // namespace
 
-ReportSender::ReportSender(rpc::ClientOptions agent, AgentLink& link, std::string job_id)
-    : agent_(std::move(agent)), link_(link), job_id_(std::move(job_id)), under_(link.incarnation()) {
+ReportSender::ReportSender(rpc::ClientOptions agent, AgentLink& link, std::string job_id, int local_ranks)
+    : agent_(std::move(agent)),
+      link_(link),
+      job_id_(std::move(job_id)),
+      local_ranks_(local_ranks),
+      under_(link.incarnation()) {
   thread_ = std::thread([this] { run(); });
 }
 
@@ -28,6 +32,7 @@ ReportSender::~ReportSender() {
 void ReportSender::send(v1::Envelope msg) {
   {
     std::lock_guard<std::mutex> lock(mu_);
+    dones_ += msg.has_rank_done();
     log_.push_back(std::move(msg));
   }
   cv_.notify_all();
@@ -65,7 +70,12 @@ void ReportSender::run() {
       cv_.wait_for(lock, kRetryInterval);
       continue;
     }
-    failing_ = !deliver_next(lock);
+    if (ended_ && !log_[next_].has_rank_done()) {
+      ++next_;  // moot: the agent has the job's end
+    } else {
+      failing_ = !deliver_next(lock);
+    }
+    settled_ = ended_ && dones_ == local_ranks_ && next_ == log_.size();
     cv_.notify_all();  // flush
   }
 }
@@ -100,7 +110,7 @@ bool ReportSender::deliver_next(std::unique_lock<std::mutex>& lock) {
     return true;
   }
   ++next_;
-  if (ack.job_ended()) settled_ = true;
+  ended_ = ended_ || ack.job_ended();
   return true;
 }
 

@@ -304,18 +304,15 @@ TEST_F(RestoredJob, ANodeBackWithoutItFailsItAgentRestarted) {
 TEST_F(RestoredJob, ARankStoppedPastTheGraceFailsItAgentRestarted) {
   come_back(now + 500ms);
   report_steps(after.scheduler, "job-2", 4, 0, 3, now + 1s);
-  v1::RankDone d = done("job-2", 2);
-  d.set_ok(false);
-  d.set_cancelled(true);
-  d.set_agent_unreachable(true);
-  d.set_message("cancelled at step 3 (agent unreachable for 2.1 s)");
-  after.scheduler.on_rank_done(d, now + 1s);
-  for (int r : {0, 1, 3}) {
-    v1::RankDone o = done("job-2", r);
-    o.set_ok(false);
-    o.set_cancelled(true);
-    o.set_message("cancelled at step 3 (cancelled by another rank)");
-    after.scheduler.on_rank_done(o, now + 1s);
+  // node0 stopped because node1's daemon did; its report may come first.
+  for (int r : {0, 2, 1, 3}) {
+    v1::RankDone d = done("job-2", r);
+    d.set_ok(false);
+    d.set_cancelled(true);
+    d.set_agent_unreachable(r >= 2);
+    d.set_message(r >= 2 ? "cancelled at step 3 (agent unreachable for 2.1 s)"
+                         : "cancelled at step 3 (cancelled by another rank)");
+    after.scheduler.on_rank_done(d, now + 1s);
   }
   const v1::JobResult& rec = after.scheduler.record("job-2");
   EXPECT_EQ(rec.state(), v1::JOB_STATE_FAILED);
