@@ -24,12 +24,12 @@ Agent::Agent(rpc::asio::io_context& io, AgentOptions options)
       outbound_(std::make_unique<Outbound>(opts_.token)),
       job_event_(io),
       bootstrap_event_(io),
-      rebalance_event_(io) {
-  server_ = std::make_unique<rpc::RpcServer>(
-      io_, rpc::ServerOptions::make(opts_.listen, opts_.token, "moe-agent"),
-      [this](const v1::Envelope& req, const rpc::RequestContext& ctx) { return handle(req, ctx); });
+      rebalance_event_(io),
+      persist_timer_(io) {
+  serve(load_state());
   rpc::asio::co_spawn(io_, watchdog(), rpc::asio::detached);
   write_scrape_targets();
+  persist();
   log::info("listening on ", server_->address(), opts_.token.empty() ? " (no token)" : "");
 }
 
@@ -37,7 +37,9 @@ Agent::~Agent() { stop(); }
 
 void Agent::stop() {
   if (stopped_) return;
+  persist();
   stopped_ = true;
+  persist_timer_.cancel();
   server_->stop();
   outbound_.reset();  // joins: no task touches the agent after this
 }
@@ -61,17 +63,19 @@ rpc::awaitable<v1::Envelope> Agent::handle(const v1::Envelope& req, const rpc::R
       co_return on_register(req.register_node());
     case E::kHeartbeat:
       reply.mutable_heartbeat_reply()->set_known(members_.heartbeat(req.heartbeat(), Clock::now()));
+      reply.mutable_heartbeat_reply()->set_agent_incarnation(incarnation_);
       co_return reply;
     case E::kBootstrapPublish:
       co_return co_await on_bootstrap(req.bootstrap_publish(), ctx);
     case E::kStepReport:
       scheduler_.on_step(req.step_report(), Clock::now());
-      reply.mutable_ack();
-      co_return reply;
+      persist_soon();
+      co_return report_ack(req.step_report().job_id());
     case E::kRankDone:
       co_return on_rank_done(req.rank_done());
     case E::kSubmitJob:
       *reply.mutable_job() = scheduler_.submit(req.submit_job().spec());
+      persist();
       schedule_soon();
       co_return reply;
     case E::kGetJob:
@@ -114,6 +118,7 @@ rpc::awaitable<v1::Envelope> Agent::handle(const v1::Envelope& req, const rpc::R
 
 v1::Envelope Agent::on_register(const v1::RegisterNodeRequest& r) {
   const NodeRecord& n = members_.register_node(r, scheduler_.running() != nullptr, Clock::now());
+  scheduler_.on_node_registered(n, r.running_job(), Clock::now());
   log::info(members_.describe_node(n), " registered as node ", n.index, ", control ", n.control_address,
             ", metrics ", n.metrics_address.empty() ? "off" : n.metrics_address);
   v1::Envelope reply;
@@ -122,7 +127,9 @@ v1::Envelope Agent::on_register(const v1::RegisterNodeRequest& r) {
   rr->set_rank_base(n.index * members_.devices_per_node());
   rr->set_devices_per_node(members_.devices_per_node());
   rr->set_heartbeat_interval_ms(opts_.heartbeat_interval.count());
+  rr->set_agent_incarnation(incarnation_);
   write_scrape_targets();
+  persist();
   schedule_soon();
   return reply;
 }
@@ -168,6 +175,7 @@ v1::Envelope Agent::on_import(const v1::PlacementImport& imp) {
                        "; import when it ends, or move it with placement rebalance");
   const int64_t epoch = placement_.install(shape, {imp.maps().begin(), imp.maps().end()});
   log::info("placement: imported ", imp.maps_size(), " map(s) of ", shape.name(), " as epoch ", epoch);
+  persist();
   v1::Envelope reply;
   *reply.mutable_placement_reply() = placement_.describe(shape, std::nullopt);
   return reply;
@@ -177,9 +185,8 @@ v1::Envelope Agent::on_rank_done(const v1::RankDone& d) {
   // The node may still be busy with a job the agent already ended.
   if (members_.rank_done(d.job_id(), d.rank())) schedule_soon();
   scheduler_.on_rank_done(d, Clock::now());
-  v1::Envelope reply;
-  reply.mutable_ack();
-  return reply;
+  persist_soon();
+  return report_ack(d.job_id());
 }
 
 rpc::awaitable<v1::Envelope> Agent::on_wait(const v1::WaitJobRequest& r, const rpc::RequestContext& ctx) {
@@ -213,6 +220,12 @@ rpc::awaitable<void> Agent::watchdog() {
     const auto now = Clock::now();
     for (const int index : members_.expire(now)) {
       const NodeRecord& n = members_.nodes()[index];
+      if (n.restored) {  // read back from the state dir, never heard from since
+        log::warn(members_.describe_node(n), " did not re-register within ", opts_.heartbeat_timeout.count(),
+                  " ms of the agent's start: dead");
+        scheduler_.on_node_dead(members_.describe_node(n) + " did not re-register", now);
+        continue;
+      }
       log::warn(members_.describe_node(n), " missed heartbeats for ",
                 std::chrono::duration_cast<std::chrono::milliseconds>(now - n.last_heartbeat).count(), " ms: dead");
       scheduler_.on_node_dead(members_.describe_node(n) + " stopped responding", now);
@@ -300,6 +313,7 @@ void Agent::prepare(const v1::PrepareRebalance& p) {
   v1::Envelope req;
   *req.mutable_prepare_rebalance() = p;
   const int64_t epoch = p.epoch();
+  persist();  // the reserved epoch: epochs only grow, across restarts too
   to_every_node(req, [this, epoch](const std::string& node, const std::string& error) {
     rebalancer_.on_prepare_failed(epoch, node, error, Clock::now());
   });
@@ -308,6 +322,7 @@ void Agent::prepare(const v1::PrepareRebalance& p) {
 // A committed epoch is never aborted: a COMMIT that does not reach a live node is
 // sent again (its ranks wait for it before they switch).
 void Agent::commit(const v1::CommitRebalance& c) {
+  persist();  // the new epoch
   for (const NodeRecord& n : members_.nodes())
     if (n.state == v1::NODE_STATE_ALIVE) send_commit(c, n.name, 1);
 }
@@ -334,10 +349,14 @@ void Agent::abort(const v1::AbortRebalance& a) {
   to_every_node(req, nullptr);
 }
 
-void Agent::rebalance_done(const v1::RebalanceReply&) { rebalance_event_.notify_all(); }
+void Agent::rebalance_done(const v1::RebalanceReply&) {
+  persist();
+  rebalance_event_.notify_all();
+}
 
 void Agent::start_job(const v1::StartJob& start) {
   relay_.begin(start.job_id(), start.world_size());
+  persist();
   v1::Envelope req;
   *req.mutable_start_job() = start;
   for (const NodeRecord& n : members_.nodes()) {
@@ -375,6 +394,7 @@ void Agent::job_ended(const v1::JobResult& result) {
   rebalancer_.on_job_ended(result.job_id(), result.message().empty() ? v1::JobState_Name(result.state()) : result.message(),
                            Clock::now());
   if (scheduler_.running() == nullptr) relay_.clear();
+  persist();
   job_event_.notify_all();
   bootstrap_event_.notify_all();
   schedule_soon();

@@ -51,6 +51,17 @@ int main(int argc, char** argv) {
   app.add_option("--redundant-experts", opts.redundant_experts,
                  "redundant slots of an auto-rebalance (default: the shape's current count)");
   app.add_option("--name", opts.name, "the agent's node label in the file_sd file (default: host name)");
+  app.add_option("--state-dir", opts.state_dir,
+                 "keep membership, the bound address, the maps and the job history here and read them back on "
+                 "start (default: none)");
+  app.add_flag("--forget-nodes", opts.forget_nodes,
+               "with --state-dir: keep the job history and maps but no nodes (a new cluster)");
+  double agent_grace_s = 30;
+  app.add_option("--agent-grace", agent_grace_s,
+                 "seconds the daemons hold a job's reports while the agent is away (their --agent-grace): a job "
+                 "restored as running fails when no rank reports within this plus the heartbeat timeout")
+      ->check(CLI::Range(0.0, 86400.0))
+      ->capture_default_str();
   try {
     app.parse(argc, argv);
   } catch (const CLI::ParseError& e) {
@@ -61,6 +72,8 @@ int main(int argc, char** argv) {
     if (!token_file.empty()) opts.token = rpc::read_token_file(token_file);
     opts.heartbeat_timeout = std::chrono::milliseconds(hb_timeout_ms);
     opts.rebalance.timeout = std::chrono::milliseconds(rebalance_timeout_ms);
+    opts.scheduler.restored_job_timeout =
+        std::chrono::milliseconds(static_cast<int64_t>(agent_grace_s * 1000)) + opts.heartbeat_timeout;
     rpc::asio::io_context io;
     agent::Agent agent(io, opts);
     std::unique_ptr<agent::MetricsExposer> exposer;
@@ -79,6 +92,9 @@ int main(int argc, char** argv) {
     io.run();
     log::info("stopped");
     return 0;
+  } catch (const agent::StateFileError& e) {
+    log::error(e.what());  // the operator must look at the file: a usage error, not a crash
+    return 2;
   } catch (const std::exception& e) {
     log::error(e.what());
     return 1;

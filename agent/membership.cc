@@ -2,6 +2,7 @@
 
 #include <algorithm>
 
+#include "moe/base/check.h"
 #include "moe/rpc/frame.h"
 
 namespace moe::agent {
@@ -28,10 +29,13 @@ const NodeRecord& Membership::register_node(const v1::RegisterNodeRequest& r, bo
   }
   NodeRecord& n = *it;
   n.state = v1::NODE_STATE_ALIVE;
+  n.restored = false;
   // A restarted daemon runs nothing; one we took for dead may still be winding
   // down a job, and stays busy until its ranks report.
   n.busy_job = r.running_job();
-  n.busy_ranks = r.running_job().empty() ? 0 : r.devices();
+  n.busy_ranks.clear();
+  if (!r.running_job().empty())
+    for (int i = 0; i < r.devices(); ++i) n.busy_ranks.insert(n.index * r.devices() + i);
   n.devices = r.devices();
   n.backend = r.backend();
   n.gemm_engine = r.gemm_engine();
@@ -51,10 +55,11 @@ bool Membership::heartbeat(const v1::HeartbeatRequest& r, Clock::time_point now)
 std::vector<int> Membership::expire(Clock::time_point now) {
   std::vector<int> dead;
   for (NodeRecord& n : nodes_) {
-    if (n.state != v1::NODE_STATE_ALIVE || now - n.last_heartbeat <= heartbeat_timeout_) continue;
+    const bool waited = n.state == v1::NODE_STATE_ALIVE || n.state == v1::NODE_STATE_UNHEARD;
+    if (!waited || now - n.last_heartbeat <= heartbeat_timeout_) continue;
     n.state = v1::NODE_STATE_DEAD;
     n.busy_job.clear();
-    n.busy_ranks = 0;
+    n.busy_ranks.clear();
     dead.push_back(n.index);
   }
   return dead;
@@ -63,17 +68,17 @@ std::vector<int> Membership::expire(Clock::time_point now) {
 void Membership::mark_busy(const std::string& job_id) {
   for (NodeRecord& n : nodes_) {
     n.busy_job = job_id;
-    n.busy_ranks = devices_per_node_;
+    n.busy_ranks.clear();
+    for (int i = 0; i < devices_per_node_; ++i) n.busy_ranks.insert(n.index * devices_per_node_ + i);
   }
 }
 
 bool Membership::rank_done(const std::string& job_id, int rank) {
   if (devices_per_node_ <= 0 || rank < 0) return false;
   const int node = rank / devices_per_node_;
-  if (node >= num_nodes() || nodes_[node].busy_job != job_id) return false;
-  if (--nodes_[node].busy_ranks > 0) return false;
+  if (node >= num_nodes() || nodes_[node].busy_job != job_id || !nodes_[node].busy_ranks.erase(rank)) return false;
+  if (!nodes_[node].busy_ranks.empty()) return false;
   nodes_[node].busy_job.clear();
-  nodes_[node].busy_ranks = 0;
   return true;
 }
 
@@ -105,7 +110,7 @@ std::string Membership::describe_node(const NodeRecord& n) const {
 }
 
 std::map<v1::NodeState, int> Membership::counts() const {
-  std::map<v1::NodeState, int> c = {{v1::NODE_STATE_ALIVE, 0}, {v1::NODE_STATE_DEAD, 0}};
+  std::map<v1::NodeState, int> c = {{v1::NODE_STATE_ALIVE, 0}, {v1::NODE_STATE_DEAD, 0}, {v1::NODE_STATE_UNHEARD, 0}};
   for (const NodeRecord& n : nodes_) ++c[n.state];
   return c;
 }
@@ -126,6 +131,50 @@ void Membership::fill_status(v1::ClusterStatus& s, Clock::time_point now) const 
   }
   s.set_devices_per_node(devices_per_node_);
   s.set_world_size(alive_ranks());
+}
+
+v1::MembershipState Membership::state() const {
+  v1::MembershipState s;
+  s.set_devices_per_node(devices_per_node_);
+  for (const NodeRecord& n : nodes_) {
+    v1::MemberState* m = s.add_nodes();
+    m->set_name(n.name);
+    m->set_node_index(n.index);
+    m->set_devices(n.devices);
+    m->set_backend(n.backend);
+    m->set_gemm_engine(n.gemm_engine);
+    m->set_control_address(n.control_address);
+    m->set_metrics_address(n.metrics_address);
+  }
+  return s;
+}
+
+void Membership::restore(const v1::MembershipState& s, Clock::time_point now) {
+  MOE_CHECK(s.nodes().empty() || s.devices_per_node() >= 1, "membership.devices_per_node: must be >= 1, got ",
+            s.devices_per_node());
+  std::vector<NodeRecord> nodes;
+  for (const v1::MemberState& m : s.nodes()) {
+    const std::string at = "membership.nodes[" + std::to_string(nodes.size()) + "]";
+    MOE_CHECK(m.node_index() == static_cast<int>(nodes.size()), at, ".node_index: ", m.node_index(), ", expected ",
+              nodes.size());
+    MOE_CHECK(!m.name().empty(), at, ".name: empty");
+    MOE_CHECK(m.devices() == s.devices_per_node(), at, ".devices: ", m.devices(), ", the cluster's nodes have ",
+              s.devices_per_node());
+    NodeRecord n;
+    n.name = m.name();
+    n.index = m.node_index();
+    n.state = v1::NODE_STATE_UNHEARD;
+    n.restored = true;
+    n.devices = m.devices();
+    n.backend = m.backend();
+    n.gemm_engine = m.gemm_engine();
+    n.control_address = m.control_address();
+    n.metrics_address = m.metrics_address();
+    n.last_heartbeat = now;  // the heartbeat timeout runs from the restore
+    nodes.push_back(std::move(n));
+  }
+  nodes_ = std::move(nodes);
+  devices_per_node_ = nodes_.empty() ? 0 : s.devices_per_node();
 }
 
 }  // namespace moe::agent

@@ -123,13 +123,17 @@ void Scheduler::on_step(const v1::StepReport& r, Clock::time_point now) {
   if (!running_ || running_->id != r.job_id() || r.rank() < 0 || r.rank() >= running_->reports.world) return;
   auto& by_rank = running_->reports.steps[r.stats().step()];
   by_rank.resize(running_->reports.world);
-  by_rank[r.rank()] = r.stats();
-  running_->last_report = now;
+  by_rank[r.rank()] = r.stats();  // a re-sent report replaces its first copy
+  heard_from(r.rank(), now);
   const bool all = std::all_of(by_rank.begin(), by_rank.end(), [](const v1::StepStats& s) { return s.step_seconds() > 0; });
   if (!all) return;
   // progress shows in `job status` while it runs
   v1::JobResult& rec = jobs_.at(r.job_id());
   rec.set_steps_completed(std::max(rec.steps_completed(), static_cast<double>(r.stats().step() + 1)));
+  // Steps complete in order (each rank reports in order); a re-sent one, after
+  // a failed call or an agent restart, is in the window already.
+  if (r.stats().step() < running_->steps_recorded) return;
+  running_->steps_recorded = r.stats().step() + 1;
   record_load(by_rank);
   actions_.step_completed(r.job_id(), r.stats().step());
 }
@@ -172,7 +176,15 @@ void Scheduler::on_rank_done(const v1::RankDone& d, Clock::time_point now) {
     ++job.done_count;
   }
   job.reports.verify[d.rank()] = d.verify();
-  job.last_report = now;
+  heard_from(d.rank(), now);
+  if (!d.ok() && d.agent_unreachable() && !job.failed) {
+    // Its daemon stopped the job: the agent was away longer than its grace. The
+    // peers it stopped may have reported first, as "cancelled by another rank".
+    job.cancelled = false;
+    log::warn("job ", job.id, ": ", members_.describe_rank(d.rank()), " stopped without the agent: ", d.message());
+    return fail_running((job.restored ? "agent restarted: " : "") + members_.describe_rank(d.rank()) + ": " + d.message(),
+                        now);
+  }
   if (!d.ok() && d.cancelled()) note_cancelled_rank(d, now);
   if (!d.ok() && !d.cancelled() && !job.ending()) {
     log::warn("job ", job.id, ": ", members_.describe_rank(d.rank()), " failed: ", d.message());
@@ -199,7 +211,7 @@ void Scheduler::on_start_failed(const std::string& job_id, const std::string& no
 
 void Scheduler::on_node_dead(const std::string& why, Clock::time_point now) {
   if (!running_) return;
-  if (!running_->ending()) fail_running(why, now);
+  if (!running_->ending()) fail_running(after_restart(why), now);
   else finish(v1::JOB_STATE_FAILED, running_->message + "; " + why);  // it will never report
 }
 
@@ -213,6 +225,13 @@ void Scheduler::tick(Clock::time_point now) {
                      std::to_string(std::chrono::duration_cast<std::chrono::seconds>(opts_.stale_job_timeout).count()) +
                      " s",
                  now);
+  else if (!running_->ending() && running_->awaiting_ranks() && now - running_->restored_at > opts_.restored_job_timeout) {
+    const int rank = static_cast<int>(std::find(running_->heard.begin(), running_->heard.end(), false) - running_->heard.begin());
+    fail_running("agent restarted: " + members_.describe_rank(rank) + " did not report within " +
+                     std::to_string(std::chrono::duration_cast<std::chrono::seconds>(opts_.restored_job_timeout).count()) +
+                     " s",
+                 now);
+  }
 }
 
 // RUNNING -> failing: the daemons are told to stop; the job ends when every rank

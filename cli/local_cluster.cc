@@ -119,6 +119,8 @@ struct StateDir {
   fs::path token() const { return dir / "token"; }
   fs::path agent_address() const { return dir / "agent_address"; }
   fs::path scrape_targets() const { return dir / "prometheus" / "targets.json"; }
+  fs::path agent_state() const { return dir / "agent"; }
+  fs::path agent_argv() const { return dir / "agent.argv"; }  // restarts it on its state, one argument a line
 };
 
 // cluster up stops with this exit code and message.
@@ -155,13 +157,20 @@ void write_token(const StateDir& s, const std::string& token) {
   ::chmod(s.token().c_str(), 0600);
 }
 
-// Starts the agent and waits for its address file; returns its address.
+// Starts the agent and waits for its address file; returns its address. The
+// agent keeps its history and maps in <state-dir>/agent; a new cluster forgets
+// the previous one's nodes (agent.argv restarts it without forgetting).
 std::string start_agent(const StateDir& s, const ClusterUpOptions& o, Clock::time_point until) {
   fs::create_directories(s.scrape_targets().parent_path());
   std::vector<std::string> argv = {find_binary("moe-agent", "agent"), "--listen", "127.0.0.1:0", "--token-file",
                                    s.token().string(), "--address-file", s.agent_address().string(), "--metrics-port",
-                                   "127.0.0.1:0", "--prometheus-sd-file", s.scrape_targets().string()};
+                                   "127.0.0.1:0", "--prometheus-sd-file", s.scrape_targets().string(), "--state-dir",
+                                   s.agent_state().string(), "--agent-grace", std::to_string(o.agent_grace)};
   argv.insert(argv.end(), o.agent_args.begin(), o.agent_args.end());
+  std::string lines;
+  for (const std::string& a : argv) lines += a + "\n";
+  write_file_atomically(s.agent_argv().string(), lines);
+  argv.push_back("--forget-nodes");
   const pid_t pid = spawn(argv, s.logs() / "agent.log");
   write_file_atomically((s.pids() / "agent.pid").string(), std::to_string(pid) + "\n");
   while (!fs::exists(s.agent_address())) {
@@ -193,7 +202,8 @@ void start_daemon(const StateDir& s, const ClusterUpOptions& o, int i, const Res
   const pid_t pid = spawn({find_binary("moed", "daemon"), "--agent", r.agent, "--devices",
                            std::to_string(o.devices_per_node), "--backend", o.backend, "--token-file",
                            s.token().string(), "--name", name, "--listen", "127.0.0.1:0", "--metrics-port",
-                           "127.0.0.1:0", "--threads", std::to_string(std::max(1, cores / o.nodes))},
+                           "127.0.0.1:0", "--threads", std::to_string(std::max(1, cores / o.nodes)),
+                           "--agent-grace", std::to_string(o.agent_grace)},
                           log);
   write_file_atomically((s.pids() / (name + ".pid")).string(), std::to_string(pid) + "\n");
   auto agent = client(r);

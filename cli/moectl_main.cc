@@ -32,6 +32,10 @@ void add_cluster(CLI::App& app, Commands& c) {
   cup->add_option("--backend", up->backend, "auto, cpu or cuda")
       ->check(CLI::IsMember({"auto", "cpu", "cuda"}))
       ->capture_default_str();
+  cup->add_option("--agent-grace", up->agent_grace,
+                  "seconds a job runs on while the agent is away (moed and moe-agent --agent-grace)")
+      ->check(CLI::Range(0.0, 86400.0))
+      ->capture_default_str();
   // moe-agent's placement flags, passed through when given.
   auto agent_flags = std::make_shared<std::vector<std::pair<std::string, std::string>>>();
   agent_flags->reserve(8);  // CLI11 keeps references to the values: no reallocation

@@ -17,6 +17,11 @@ int main(int argc, char** argv) {
   app.add_option("--listen", o.listen, "HOST:PORT for the agent's calls (port 0: ephemeral)");
   app.add_option("--name", o.name, "node name, stable across restarts (default: host:port)");
   app.add_option("--threads", o.threads, "cores this daemon uses (0: all)");
+  double agent_grace_s = 30;
+  app.add_option("--agent-grace", agent_grace_s,
+                 "seconds a job runs on, its reports held, while the agent cannot be reached; then it stops")
+      ->check(CLI::Range(0.0, 86400.0))
+      ->capture_default_str();
   try {
     app.parse(argc, argv);
   } catch (const CLI::ParseError& e) {
@@ -25,6 +30,7 @@ int main(int argc, char** argv) {
   log::init("moed", o.name.empty() ? "starting" : o.name);
   try {
     if (!token_file.empty()) o.token = rpc::read_token_file(token_file);
+    o.agent_grace = std::chrono::milliseconds(static_cast<int64_t>(agent_grace_s * 1000));
     rpc::asio::io_context io;
     node::Daemon daemon(io, o);
     rpc::asio::signal_set signals(io, SIGTERM, SIGINT);

@@ -2,6 +2,7 @@
 
 #include <unistd.h>
 
+#include <cstdio>
 #include <cstdlib>
 
 #include "moe/base/check.h"
@@ -101,10 +102,13 @@ void Daemon::register_once(rpc::RpcClient& agent) {
   r->set_metrics_address(metrics_address());
   r->set_host(host_name());
   {
+    // Until the agent recorded the job's end, its reports (re-sent after this)
+    // keep the node busy with it.
     std::lock_guard<std::mutex> lock(mu_);
-    if (runner_ && !runner_->finished()) r->set_running_job(runner_->job_id());
+    if (runner_ && (!runner_->finished() || !runner_->settled())) r->set_running_job(runner_->job_id());
   }
   const v1::Envelope reply = agent.call(req, std::chrono::seconds(5));
+  link_.registered(reply.register_node_reply().agent_incarnation());
   std::lock_guard<std::mutex> lock(mu_);
   node_index_ = reply.register_node_reply().node_index();
   heartbeat_ms_ = std::max<int64_t>(50, reply.register_node_reply().heartbeat_interval_ms());
@@ -131,14 +135,21 @@ void Daemon::heartbeat_loop() {
         v1::Envelope hb;
         hb.mutable_heartbeat()->set_node_index(node_index_);
         hb.mutable_heartbeat()->set_name(opts_.name);
-        if (!agent.call(hb, std::chrono::seconds(2)).heartbeat_reply().known()) {
-          log::warn("the agent does not know this node: registering again");
+        const v1::HeartbeatReply reply = agent.call(hb, std::chrono::seconds(2)).heartbeat_reply();
+        link_.reached();
+        if (!reply.known() || reply.agent_incarnation() != link_.incarnation()) {
+          log::warn(reply.known() ? "the agent restarted" : "the agent does not know this node",
+                    ": registering again");
           registered = false;
           continue;
         }
       }
       last_error.clear();
     } catch (const RpcError& e) {
+      if (e.code() == v1::ERROR_CODE_UNAVAILABLE || e.code() == v1::ERROR_CODE_DEADLINE_EXCEEDED) {
+        link_.unreachable(std::chrono::steady_clock::now());
+        check_agent_grace();
+      }
       if (e.what() != last_error) log::warn("agent ", opts_.agent, ": ", e.what());
       last_error = e.what();
       if (!registered && std::chrono::steady_clock::now() - started > opts_.register_timeout &&
@@ -148,6 +159,16 @@ void Daemon::heartbeat_loop() {
     std::unique_lock<std::mutex> lock(mu_);
     stop_cv_.wait_for(lock, std::chrono::milliseconds(heartbeat_ms_), [&] { return stopping_; });
   }
+}
+
+void Daemon::check_agent_grace() {
+  const auto away = link_.unreachable_for(std::chrono::steady_clock::now());
+  if (away <= opts_.agent_grace) return;
+  std::lock_guard<std::mutex> lock(mu_);
+  if (!runner_ || runner_->finished()) return;
+  char seconds[32];
+  std::snprintf(seconds, sizeof seconds, "%.1f", std::chrono::duration<double>(away).count());
+  runner_->stop_for_agent("agent unreachable for " + std::string(seconds) + " s");
 }
 
 void Daemon::start_job(const v1::StartJob& start) {
@@ -168,6 +189,7 @@ void Daemon::start_job(const v1::StartJob& start) {
   env.metrics = metrics_.get();
   env.transport_timeout = opts_.transport_timeout;
   env.faults = faults_;
+  env.link = &link_;
   log::info("starting ", start.job_id(), " as ranks ", node_index_ * opts_.devices, "-",
             (node_index_ + 1) * opts_.devices - 1, " of ", start.world_size());
   runner_ = std::make_unique<JobRunner>(start, env);

@@ -8,6 +8,10 @@ namespace moe::node {
 
 JobRunner::JobRunner(v1::StartJob job, RunnerEnv env)
     : job_(std::move(job)), env_(std::move(env)), mailbox_(env_.devices) {
+  reports_ = std::make_unique<ReportSender>(
+      rpc::ClientOptions::make(env_.agent_address, env_.token, "moed", env_.node_name + "/reports"), *env_.link,
+      job_.job_id(), env_.devices);
+  env_.reports = reports_.get();
   std::vector<int> local;
   for (int i = 0; i < env_.devices; ++i) local.push_back(env_.node_index * env_.devices + i);
   hub_ = std::make_shared<transport::LocalHub>(local);
@@ -18,6 +22,12 @@ JobRunner::JobRunner(v1::StartJob job, RunnerEnv env)
 JobRunner::~JobRunner() {
   cancel("daemon stopping");
   for (auto& t : threads_) t.join();
+  reports_->flush(std::chrono::steady_clock::now() + std::chrono::seconds(10));
+}
+
+void JobRunner::stop_for_agent(const std::string& reason) {
+  agent_lost_ = true;
+  cancel(reason);
 }
 
 void JobRunner::cancel(const std::string& reason) {
@@ -66,6 +76,7 @@ void JobRunner::rank_main(int local) {
       d->set_ok(false);
       d->set_cancelled(true);
       d->set_cancel_requested_here(cancel_.load());
+      d->set_agent_unreachable(agent_lost_.load());
       d->set_message("cancelled at step " + std::to_string(steps) + " (" + cancel_reason() + ")");
     } else {
       d->set_ok(true);
@@ -85,16 +96,7 @@ void JobRunner::rank_main(int local) {
   // Finished before the report: once the agent hears from every rank it may start
   // the next job here, and the daemon must not find this one still running.
   --running_;
-  for (int attempt = 1;; ++attempt) {
-    try {
-      agent.call(done, std::chrono::seconds(10));
-      break;
-    } catch (const std::exception& e) {
-      log::warn("job ", job_.job_id(), ": rank ", rank, " could not report to the agent (attempt ", attempt,
-                "): ", e.what());
-      if (attempt == 3) break;
-    }
-  }
+  reports_->send(std::move(done));
 }
 
 }  // namespace moe::node

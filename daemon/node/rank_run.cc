@@ -154,7 +154,7 @@ void RankRun::run_step(int step) {
   r->set_job_id(job_.job_id());
   r->set_rank(rank_);
   *r->mutable_stats() = report.stats();
-  agent_.call(msg, std::chrono::seconds(10));
+  env_.reports->send(std::move(msg));  // held while the agent is away
   // The covered step's snapshots, gradients (the optimizer leaves them) and
   // weights are what verify and the dump need.
   if (verify) verify_ = verify_step(spec_, stack_, weights, rank_, comm_, deadline());

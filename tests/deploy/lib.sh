@@ -78,7 +78,7 @@ cleanup_tmp() {
 # not accept yet, as BINARY:--flag. The tests that run or check command lines leave them out and
 # say so (a NOTE line); once a binary's --help lists one, those tests fail until it is taken off
 # this list, so the exception cannot outlive its reason.
-MOE_PENDING_FLAGS=(moe-agent:--state-dir)
+MOE_PENDING_FLAGS=()
 
 # pending_flags NAME PATH: prints the pending flags of binary NAME that PATH --help lacks, one a
 # line (with a NOTE on stderr); fails the test if --help lists one of them.

@@ -24,6 +24,7 @@ class Process {
   int wait(std::chrono::milliseconds timeout);
   void kill(int sig);
   std::string output() const;  // everything the child wrote so far
+  pid_t pid() const { return pid_; }
 
  private:
   Process() = default;

@@ -6,6 +6,7 @@
 //   PlacementService the per-layer expert maps, their epochs and load windows
 //   Rebalancer       live rebalancing of a running job (PREPARE/READY/COMMIT/ABORT)
 //   Outbound         blocking calls to daemons, off the io thread
+//   StateStore       the state directory a restarted agent reads back
 // All state lives on one io_context thread; outbound results are posted back.
 #pragma once
 
@@ -22,6 +23,7 @@
 #include "moe/agent/placement_service.h"
 #include "moe/agent/rebalancer.h"
 #include "moe/agent/scheduler.h"
+#include "moe/agent/state_store.h"
 #include "moe/rpc/rpc.h"
 #include "moe/v1/rpc.pb.h"
 
@@ -45,6 +47,12 @@ struct AgentOptions {
   double balancedness_threshold = 0.9;
   std::optional<int> redundant_experts;
   SchedulerOptions scheduler;
+  // Persist membership, the bound address, the maps with their epochs and
+  // windows, and the job history here, and read them back on start ("": off).
+  std::string state_dir;
+  // With state_dir: keep the history and maps but none of the nodes (a new
+  // cluster; a job that was running fails).
+  bool forget_nodes = false;
 };
 
 class Outbound;
@@ -79,6 +87,17 @@ class Agent : private SchedulerActions, private RebalanceActions {
   void schedule_soon();
   void write_scrape_targets() const;
 
+  // The state directory (agent_state.cc). load_state reads it back into the
+  // rooms and returns what it held (throws StateFileError naming the file);
+  // serve binds the address of the previous run when --listen's port is 0.
+  std::optional<v1::AgentState> load_state();
+  void serve(const std::optional<v1::AgentState>& saved);
+  v1::AgentState snapshot() const;
+  // Writes the state now; persist_soon at most once a second (step reports).
+  void persist();
+  void persist_soon();
+  v1::Envelope report_ack(const std::string& job_id) const;
+
   // SchedulerActions
   void start_job(const v1::StartJob& start) override;
   void cancel_job(const std::string& job_id, const std::string& reason) override;
@@ -107,6 +126,12 @@ class Agent : private SchedulerActions, private RebalanceActions {
   int last_auto_step_ = -1;
   std::string last_auto_job_;
   bool stopped_ = false;
+  std::unique_ptr<StateStore> store_;
+  int64_t incarnation_ = 0;  // changes on every start; daemons re-send their reports when it does
+  rpc::asio::steady_timer persist_timer_;
+  bool persist_pending_ = false;
+  Clock::time_point last_persist_{};
+  std::string persist_error_;  // the last write error, logged once
 };
 
 }  // namespace moe::agent

@@ -7,6 +7,7 @@
 
 #include <chrono>
 #include <map>
+#include <set>
 #include <string>
 #include <vector>
 
@@ -28,7 +29,10 @@ struct NodeRecord {
   // The job whose ranks on this node have not all reported done: the daemon is
   // still busy with it even if the agent already recorded its end.
   std::string busy_job;
-  int busy_ranks = 0;
+  std::set<int> busy_ranks;  // global ranks; a repeated RankDone counts once
+  // Read back by a restarted agent and not re-registered since (UNHEARD, then
+  // DEAD if it never comes back).
+  bool restored = false;
 };
 
 class Membership {
@@ -40,8 +44,8 @@ class Membership {
   const NodeRecord& register_node(const v1::RegisterNodeRequest& r, bool job_running, Clock::time_point now);
   // True when the heartbeat names a live node under its index.
   bool heartbeat(const v1::HeartbeatRequest& r, Clock::time_point now);
-  // Marks nodes whose last heartbeat is older than the timeout dead (a dead
-  // daemon runs nothing) and returns their indices.
+  // Marks nodes whose last heartbeat (or restore) is older than the timeout dead
+  // (a dead daemon runs nothing) and returns their indices.
   std::vector<int> expire(Clock::time_point now);
 
   // Every node is busy with job_id until each of its ranks reports done.
@@ -64,6 +68,12 @@ class Membership {
   // Nodes by state, every state present (for metrics).
   std::map<v1::NodeState, int> counts() const;
   void fill_status(v1::ClusterStatus& s, Clock::time_point now) const;
+
+  // The nodes for the agent's state directory, and back: restored nodes are
+  // UNHEARD until they re-register, and dead if they do not within the
+  // heartbeat timeout from `now`. Throws moe::Error naming the bad field.
+  v1::MembershipState state() const;
+  void restore(const v1::MembershipState& s, Clock::time_point now);
 
  private:
   Clock::duration heartbeat_timeout_;

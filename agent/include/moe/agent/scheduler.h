@@ -34,6 +34,10 @@ struct SchedulerOptions {
   // A running job from which no rank reported anything (bootstrap, step, done)
   // for this long is failed: a lost report must not hold the queue forever.
   std::chrono::milliseconds stale_job_timeout{30 * 60 * 1000};
+  // A job restored as running by a restarted agent fails ("agent restarted")
+  // when none of its ranks reports within this long: the daemons' --agent-grace
+  // plus the heartbeat timeout.
+  std::chrono::milliseconds restored_job_timeout{33000};
 };
 
 // What the scheduler needs done outside itself.
@@ -61,7 +65,14 @@ struct RunningJob {
   bool reason_known = false;  // the cancel's message names its cause
   std::string message;
   Clock::time_point failed_at, last_report;
+  int steps_recorded = 0;  // complete steps whose load is in the placement window
+  // Read back by a restarted agent: its daemons re-send every report. Until
+  // each rank was heard from again, a failure is the restart's.
+  bool restored = false;
+  std::vector<bool> heard;  // by rank, since the restore
+  Clock::time_point restored_at;
   bool ending() const { return failed || cancelled; }
+  bool awaiting_ranks() const;
 };
 
 class Scheduler {
@@ -94,6 +105,15 @@ class Scheduler {
   void on_node_dead(const std::string& why, Clock::time_point now);
   // Grace and silence deadlines of the running job.
   void tick(Clock::time_point now);
+  // A node (re-)registered, running `running_job` ("" for none). A job restored
+  // as running fails when one of its nodes comes back without it.
+  void on_node_registered(const NodeRecord& node, const std::string& running_job, Clock::time_point now);
+
+  // Every job record, the queue and the running job, for the agent's state
+  // directory; and back, where a running job waits for its daemons' reports.
+  // restore throws moe::Error naming the inconsistent field.
+  v1::SchedulerState state() const;
+  void restore(const v1::SchedulerState& s, Clock::time_point now);
 
  private:
   bool start(v1::JobResult& rec, Clock::time_point now);
@@ -101,6 +121,9 @@ class Scheduler {
   void note_cancelled_rank(const v1::RankDone& d, Clock::time_point now);
   void record_load(const std::vector<v1::StepStats>& by_rank);
   void fail_running(const std::string& message, Clock::time_point now);
+  // why, prefixed "agent restarted: " while a restored job waits for its ranks.
+  std::string after_restart(const std::string& why) const;
+  void heard_from(int rank, Clock::time_point now);
   void finish(v1::JobState state, const std::string& message);
 
   SchedulerOptions opts_;

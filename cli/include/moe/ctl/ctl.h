@@ -38,6 +38,7 @@ struct ClusterUpOptions {
   // moe-agent flags passed through ("--load-window", "32", ...): placement and
   // auto-rebalance settings.
   std::vector<std::string> agent_args;
+  double agent_grace = 30;  // seconds: moed's and the agent's --agent-grace
 };
 
 int cluster_up(const Globals& g, const ClusterUpOptions& o, std::ostream& out, std::ostream& err);

@@ -1,7 +1,8 @@
 // moed, the node daemon: serves the agent on a control port (start/cancel a job,
 // status), registers with the agent and sends heartbeats (re-registering when the
-// agent forgets it), runs at most one job at a time on its devices, and exposes
-// Prometheus metrics. Stops cleanly on SIGTERM (the job's ranks stop at the next
+// agent forgets it or restarted), runs at most one job at a time on its devices,
+// and exposes Prometheus metrics. While the agent is away the job runs on and its
+// reports are held; past --agent-grace the job stops at the next step boundary. Stops cleanly on SIGTERM (the job's ranks stop at the next
 // step boundary).
 #pragma once
 
@@ -31,6 +32,8 @@ struct DaemonOptions {
   int threads = 0;                // cores to use; 0 = all
   std::chrono::milliseconds register_timeout{30000};
   std::chrono::milliseconds transport_timeout{30000};
+  // How long a job runs on while the agent cannot be reached (its reports held).
+  std::chrono::milliseconds agent_grace{30000};
 };
 
 // What --backend resolved to on this machine.
@@ -59,11 +62,14 @@ class Daemon {
   void start_job(const v1::StartJob& start);
   void heartbeat_loop();
   void register_once(rpc::RpcClient& agent);
+  // Past the grace without the agent, the running job stops.
+  void check_agent_grace();
 
   rpc::asio::io_context& io_;
   DaemonOptions opts_;
   BackendChoice backend_;
   FaultInjection faults_;  // test hooks
+  AgentLink link_;
   std::unique_ptr<metrics::DaemonMetrics> metrics_;
   std::unique_ptr<rpc::RpcServer> server_;
   std::mutex mu_;  // guards runner_, node_index_, stopping_

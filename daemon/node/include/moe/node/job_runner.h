@@ -1,8 +1,9 @@
 // Runs one job on a daemon's local ranks: a thread per rank (RankRun), each with
 // its pool, backend (from the daemon's factory), communicator (UCX to other
 // daemons, in-process to its siblings through a LocalHub, bootstrapped through
-// the agent) and model stack. At the end each rank reports done (with verify
-// errors) or the error that stopped it.
+// the agent) and model stack. Step reports and, at the end, each rank's done
+// (with verify errors) or the error that stopped it reach the agent through the
+// job's ReportSender, which holds them while the agent is away.
 #pragma once
 
 #include <atomic>
@@ -16,7 +17,9 @@
 #include "moe/kernels/api.h"
 #include "moe/kernels/thread_pool.h"
 #include "moe/metrics/daemon_metrics.h"
+#include "moe/node/agent_link.h"
 #include "moe/node/rebalance_mailbox.h"
+#include "moe/node/report_sender.h"
 #include "moe/transport/local_hub.h"
 #include "moe/v1/cluster.pb.h"
 
@@ -36,6 +39,8 @@ struct RunnerEnv {
   metrics::DaemonMetrics* metrics = nullptr;  // may be null
   std::chrono::milliseconds transport_timeout{30000};
   FaultInjection faults;  // test hooks (MOE_FAULT_INJECT)
+  AgentLink* link = nullptr;       // the daemon's; outlives the job
+  ReportSender* reports = nullptr;  // the job's, set by JobRunner
 };
 
 class JobRunner {
@@ -45,6 +50,11 @@ class JobRunner {
   const std::string& job_id() const { return job_.job_id(); }
   bool finished() const { return running_.load() == 0; }
   void cancel(const std::string& reason);
+  // The agent stayed unreachable past the daemon's grace: stop at the next step
+  // boundary, the ranks' RankDones saying so.
+  void stop_for_agent(const std::string& reason);
+  // The agent recorded the job's end (until then a re-registration names it).
+  bool settled() const { return reports_->settled(); }
   // The rebalance protocol (DESIGN 7); throws rpc::RpcError for another job.
   void prepare(const v1::PrepareRebalance& p);
   void commit(const v1::CommitRebalance& c);
@@ -58,7 +68,9 @@ class JobRunner {
   RunnerEnv env_;
   std::shared_ptr<transport::LocalHub> hub_;
   RebalanceMailbox mailbox_;
+  std::unique_ptr<ReportSender> reports_;
   std::atomic<bool> cancel_{false};
+  std::atomic<bool> agent_lost_{false};
   mutable std::mutex cancel_mu_;
   std::string cancel_reason_;  // guarded by cancel_mu_
   std::atomic<int> running_{0};

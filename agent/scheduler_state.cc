@@ -1,0 +1,101 @@
+// The scheduler across agent restarts (DESIGN 7): its records, queue and running
+// job to and from the agent's state, and how a job restored as running resumes
+// (its daemons re-send every report) or fails ("agent restarted").
+#include <algorithm>
+#include <set>
+
+#include "moe/agent/scheduler.h"
+#include "moe/base/check.h"
+#include "moe/base/log.h"
+
+namespace moe::agent {
+
+bool RunningJob::awaiting_ranks() const {
+  return restored && std::find(heard.begin(), heard.end(), false) != heard.end();
+}
+
+std::string Scheduler::after_restart(const std::string& why) const {
+  return running_ && running_->awaiting_ranks() ? "agent restarted: " + why : why;
+}
+
+void Scheduler::heard_from(int rank, Clock::time_point now) {
+  running_->last_report = now;
+  if (running_->restored) running_->heard[rank] = true;
+}
+
+void Scheduler::on_node_registered(const NodeRecord& node, const std::string& running_job, Clock::time_point now) {
+  if (!running_ || running_->ending() || !running_->awaiting_ranks() || running_job == running_->id) return;
+  fail_running("agent restarted: " + members_.describe_node(node) + " came back " +
+                   (running_job.empty() ? "running no job" : "running " + running_job),
+               now);
+}
+
+v1::SchedulerState Scheduler::state() const {
+  v1::SchedulerState s;
+  for (const auto& [id, rec] : jobs_) *s.add_jobs() = rec;
+  for (const std::string& id : queue_) s.add_queue(id);
+  s.set_next_job(next_job_);
+  if (running_) {
+    v1::RunningJobState* r = s.mutable_running();
+    r->set_job_id(running_->id);
+    *r->mutable_shape() = running_->shape.proto();
+    r->set_world_size(running_->reports.world);
+  }
+  return s;
+}
+
+namespace {
+
+// The running job of a restored state: it waits for its ranks to report again.
+std::unique_ptr<RunningJob> restored_job(const v1::RunningJobState& r, const v1::JobResult& rec, Clock::time_point now) {
+  auto job = std::make_unique<RunningJob>();
+  job->id = r.job_id();
+  job->shape = ShapeKey::of(r.shape());
+  job->reports.spec = rec.spec();
+  job->reports.world = r.world_size();
+  job->reports.verify.assign(r.world_size(), {});
+  job->done.assign(r.world_size(), false);
+  job->last_report = now;
+  job->steps_recorded = static_cast<int>(rec.steps_completed());
+  job->restored = true;
+  job->heard.assign(r.world_size(), false);
+  job->restored_at = now;
+  return job;
+}
+
+}  // namespace
+
+void Scheduler::restore(const v1::SchedulerState& s, Clock::time_point now) {
+  std::map<std::string, v1::JobResult> jobs;
+  for (const v1::JobResult& rec : s.jobs()) {
+    MOE_CHECK(!rec.job_id().empty(), "scheduler.jobs[", jobs.size(), "].job_id: empty");
+    MOE_CHECK(jobs.emplace(rec.job_id(), rec).second, "scheduler.jobs: ", rec.job_id(), " appears twice");
+  }
+  const std::set<std::string> queued(s.queue().begin(), s.queue().end());
+  const std::string& running = s.running().job_id();
+  for (const auto& [id, rec] : jobs) {
+    MOE_CHECK((rec.state() == v1::JOB_STATE_QUEUED) == (queued.count(id) > 0), "scheduler.queue: job ", id, " is ",
+              v1::JobState_Name(rec.state()), (queued.count(id) ? " but queued" : " but not queued"));
+    MOE_CHECK((rec.state() == v1::JOB_STATE_RUNNING) == (id == running), "scheduler.running.job_id: '", running,
+              "', but job ", id, " is ", v1::JobState_Name(rec.state()));
+  }
+  MOE_CHECK(queued.size() == static_cast<size_t>(s.queue_size()), "scheduler.queue: a job appears twice");
+  MOE_CHECK(s.next_job() > static_cast<int64_t>(jobs.size()), "scheduler.next_job: ", s.next_job(), " with ",
+            jobs.size(), " jobs recorded");
+  std::unique_ptr<RunningJob> job;
+  if (!running.empty()) {
+    MOE_CHECK(jobs.count(running), "scheduler.running.job_id: no record of ", running);
+    MOE_CHECK(s.running().world_size() >= 1, "scheduler.running.world_size: ", s.running().world_size());
+    MOE_CHECK(s.running().world_size() == members_.world_size(), "scheduler.running.world_size: ",
+              s.running().world_size(), ", but the membership has ", members_.world_size(), " ranks");
+    job = restored_job(s.running(), jobs.at(running), now);
+    log::info("job ", running, " was running when the agent stopped (", job->steps_recorded,
+              " steps recorded): waiting for its daemons");
+  }
+  jobs_ = std::move(jobs);
+  queue_.assign(s.queue().begin(), s.queue().end());
+  next_job_ = s.next_job();
+  running_ = std::move(job);
+}
+
+}  // namespace moe::agent

@@ -1,0 +1,214 @@
+// The agent remembers (DESIGN 7): moe-agent SIGKILLed and started again on its
+// state directory, as real processes on loopback. Between jobs it keeps the
+// history and the maps and the daemons re-register; mid-job within the daemons'
+// grace the job completes with every step; past the grace it ends FAILED
+// ("agent restarted"); a damaged state file is refused naming the file.
+#include <gtest/gtest.h>
+
+#include <signal.h>
+#include <unistd.h>
+
+#include <filesystem>
+#include <fstream>
+#include <sstream>
+#include <thread>
+
+#include "local_cluster.h"
+#include "moe/rpc/rpc.h"
+#include "process.h"
+
+#ifndef MOE_BIN_DIR
+#error "MOE_BIN_DIR must name the build directory"
+#endif
+
+namespace moe::test {
+namespace {
+
+using namespace std::chrono_literals;
+namespace fs = std::filesystem;
+using Clock = std::chrono::steady_clock;
+
+const std::string kAgent = std::string(MOE_BIN_DIR) + "/agent/moe-agent";
+
+// Running and not a zombie.
+bool alive(pid_t pid) {
+  if (::kill(pid, 0) != 0) return false;
+  std::istringstream stat(read_text_file("/proc/" + std::to_string(pid) + "/stat"));
+  std::string line;
+  std::getline(stat, line);
+  const auto paren = line.rfind(')');
+  return paren == std::string::npos || paren + 2 >= line.size() || line[paren + 2] != 'Z';
+}
+
+// Polls `done` until it holds or the deadline passes; returns whether it held.
+template <typename F>
+bool poll_until(F done, std::chrono::milliseconds timeout) {
+  const auto until = Clock::now() + timeout;
+  while (!done()) {
+    if (Clock::now() > until) return false;
+    std::this_thread::sleep_for(20ms);  // polling another process's progress
+  }
+  return true;
+}
+
+// SIGKILLs the cluster's agent; returns once it is gone.
+void kill_agent(const Cluster& c) {
+  const pid_t pid = std::stoi(read_text_file(c.dir() / "pids" / "agent.pid"));
+  ::kill(pid, SIGKILL);
+  ASSERT_TRUE(poll_until([&] { return !alive(pid); }, 10s)) << "the agent outlived SIGKILL";
+}
+
+// Starts the agent again with the command line cluster up recorded (its state
+// dir, the same flags) and returns once it serves; `cluster down` stops it.
+Process start_agent_again(const Cluster& c) {
+  std::vector<std::string> argv;
+  std::istringstream lines(read_text_file(c.dir() / "agent.argv"));
+  for (std::string a; std::getline(lines, a);) argv.push_back(a);
+  EXPECT_GT(argv.size(), 1u);
+  Process agent = Process::spawn(argv);
+  std::ofstream(c.dir() / "pids" / "agent.pid") << agent.pid() << "\n";
+  const bool serving = poll_until(
+      [&] {
+        try {
+          c.status();
+          return true;
+        } catch (const std::exception&) {
+          return false;
+        }
+      },
+      20s);
+  EXPECT_TRUE(serving) << agent.output();
+  return agent;
+}
+
+bool every_node_alive(const Cluster& c, int nodes) {
+  const v1::ClusterStatus s = c.status();
+  int alive = 0;
+  for (const auto& n : s.nodes()) alive += n.state() == v1::NODE_STATE_ALIVE;
+  return s.nodes_size() == nodes && alive == nodes;
+}
+
+std::string running_on(const std::string& daemon, const std::string& token) {
+  rpc::RpcClient d(rpc::ClientOptions::make(daemon, token, "test", "test"));
+  v1::Envelope req;
+  req.mutable_daemon_status();
+  return d.call(req, 5s).daemon_status_reply().running_job();
+}
+
+const std::vector<std::string> kSmallJob = {"--experts", "4", "--top-k", "2", "--hidden", "32", "--ffn-hidden", "16",
+                                            "--tokens-per-rank", "32"};
+
+std::vector<std::string> job(std::vector<std::string> head, const std::vector<std::string>& tail) {
+  head.insert(head.end(), kSmallJob.begin(), kSmallJob.end());
+  head.insert(head.end(), tail.begin(), tail.end());
+  return head;
+}
+
+TEST(AgentRestart, BetweenJobsItKeepsHistoryAndMapsAndTheDaemonsReRegister) {
+  Cluster c(2, 1);
+  ASSERT_TRUE(c.up());
+  auto [rc, out] = c.ctl(job({"job", "submit", "--wait"}, {"--steps", "3", "--mode", "train"}), 60s);
+  ASSERT_EQ(rc, 0) << out << c.logs();
+  const auto [list_rc, history] = c.ctl({"--output", "json", "job", "list"});
+  const auto [show_rc, maps] = c.ctl({"--output", "json", "placement", "show"});
+  ASSERT_EQ(list_rc, 0);
+  ASSERT_EQ(show_rc, 0);
+  ASSERT_NE(maps.find("\"epoch\": \"1\""), std::string::npos) << maps;
+  const std::string address = c.agent();
+
+  kill_agent(c);
+  Process agent = start_agent_again(c);
+  EXPECT_TRUE(poll_until([&] { return every_node_alive(c, 2); }, 20s)) << agent.output() << c.logs();
+  EXPECT_EQ(c.status().agent_address(), address) << "daemons dial the address they know";
+  EXPECT_EQ(c.ctl({"--output", "json", "job", "list"}).second, history);
+  EXPECT_EQ(c.ctl({"--output", "json", "placement", "show"}).second, maps) << "the maps, epochs and windows";
+
+  // The job counter goes on and the re-registered daemons run the next job.
+  std::tie(rc, out) = c.ctl(job({"job", "submit", "--wait"}, {"--steps", "2"}), 60s);
+  EXPECT_EQ(rc, 0) << out << agent.output() << c.logs();
+  EXPECT_NE(out.find("job-2"), std::string::npos) << out;
+}
+
+TEST(AgentRestart, MidJobWithinTheGraceTheJobCompletesWithEveryStep) {
+  Cluster c(2, 1);
+  ASSERT_TRUE(c.up());
+  const int steps = 1500;
+  auto [rc, out] = c.ctl(job({"job", "submit"}, {"--steps", std::to_string(steps), "--mode", "train"}));
+  ASSERT_EQ(rc, 0) << out;
+  const std::string id = out.substr(0, out.find('\n'));
+  ASSERT_TRUE(poll_until([&] { return c.job(id).steps_completed() >= 5; }, 60s)) << c.logs();
+
+  kill_agent(c);
+  // The daemons notice and hold their reports while their steps go on.
+  EXPECT_TRUE(poll_until([&] { return c.logs().find("holding its reports") != std::string::npos; }, 20s)) << c.logs();
+  Process agent = start_agent_again(c);
+
+  std::tie(rc, out) = c.ctl({"--output", "json", "job", "wait", id}, 120s);
+  EXPECT_EQ(rc, 0) << out << agent.output() << c.logs();
+  const v1::JobResult r = parse_result(out);
+  EXPECT_EQ(r.state(), v1::JOB_STATE_SUCCEEDED) << r.message();
+  EXPECT_EQ(r.steps_completed(), steps);
+  ASSERT_EQ(r.loss_size(), steps) << "every step's loss, the ones reported to the first agent too";
+  for (int s = 0; s < steps; ++s) ASSERT_GT(r.loss(s), 0) << "step " << s;
+  EXPECT_LT(r.loss(steps - 1), r.loss(0)) << "it trained";
+  EXPECT_NE(agent.output().find(id + " was running when the agent stopped"), std::string::npos)
+      << "the agent died mid-job\n"
+      << agent.output();
+}
+
+TEST(AgentRestart, PastTheGraceTheDaemonsStopAndTheJobFailsAgentRestarted) {
+  Cluster c(2, 1, {"--agent-grace", "2"});
+  ASSERT_TRUE(c.up());
+  const std::string id = c.start_long_job(3);
+  std::vector<std::string> daemons;
+  const v1::ClusterStatus before = c.status();
+  for (const auto& n : before.nodes()) daemons.push_back(n.control_address());
+  const std::string token = c.token();
+
+  kill_agent(c);
+  const auto killed = Clock::now();
+  for (const std::string& d : daemons)
+    EXPECT_TRUE(poll_until([&] { return running_on(d, token).empty(); }, 30s)) << d << " still runs the job\n" << c.logs();
+  EXPECT_GT(Clock::now() - killed, 2s) << "stopped before the grace";
+  Process agent = start_agent_again(c);
+
+  auto [rc, out] = c.ctl({"--output", "json", "job", "wait", id}, 60s);
+  EXPECT_EQ(rc, 1) << out << agent.output() << c.logs();
+  const v1::JobResult r = parse_result(out);
+  EXPECT_EQ(r.state(), v1::JOB_STATE_FAILED);
+  EXPECT_EQ(r.message().rfind("agent restarted: ", 0), 0u) << r.message();
+  EXPECT_NE(r.message().find("agent unreachable for"), std::string::npos) << r.message();
+  EXPECT_GE(r.steps_completed(), 3);
+
+  // The cluster takes the next job.
+  std::tie(rc, out) = c.ctl(job({"job", "submit", "--wait"}, {"--steps", "2"}), 60s);
+  EXPECT_EQ(rc, 0) << out << agent.output() << c.logs();
+}
+
+TEST(AgentRestart, ADamagedStateFileIsRefusedNamingTheFile) {
+  const fs::path dir = fs::temp_directory_path() / ("moe_agent_state_" + std::to_string(::getpid()));
+  fs::remove_all(dir);
+  const fs::path address = dir / "address", file = dir / "state" / "agent_state.pb";
+  const std::vector<std::string> argv = {kAgent, "--listen", "127.0.0.1:0", "--state-dir", (dir / "state").string(),
+                                         "--address-file", address.string()};
+  {  // A fresh state dir: the agent writes its state and serves.
+    Process agent = Process::spawn(argv);
+    ASSERT_TRUE(poll_until([&] { return fs::exists(address); }, 20s)) << agent.output();
+    agent.kill(SIGTERM);
+    ASSERT_EQ(agent.wait(20s), 0) << agent.output();
+  }
+  ASSERT_TRUE(fs::exists(file));
+  const std::string good = read_text_file(file);
+  for (const auto& [bytes, why] : std::vector<std::pair<std::string, std::string>>{
+           {good.substr(0, good.size() / 2), "truncated"}, {"not a state file\n", "not an agent state file"}}) {
+    std::ofstream(file, std::ios::binary | std::ios::trunc) << bytes;
+    Process agent = Process::spawn(argv);
+    EXPECT_EQ(agent.wait(20s), 2) << agent.output();
+    EXPECT_NE(agent.output().find(file.string()), std::string::npos) << agent.output();
+    EXPECT_NE(agent.output().find(why), std::string::npos) << agent.output();
+  }
+  fs::remove_all(dir);
+}
+
+}  // namespace
+}  // namespace moe::test
