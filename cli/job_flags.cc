@@ -118,6 +118,16 @@ const std::vector<JobFieldDoc>& job_field_docs() {
       {"weights_prefix", "tensor name prefix of the weights, may hold {layer}", false},
       {"verify_step", "the step verify checks, with the weights that step used", false},
       {"dump_step", "the step the dump covers", false},
+      {"weights_first_layer", "job layer l reads checkpoint layer weights_first_layer + l", false},
+      {"aux_loss_coeff", "load-balancing loss coefficient (Switch/Megatron aux loss over the global batch)", false},
+      {"z_loss_coeff", "router z-loss coefficient: mean logsumexp(logits)^2", false},
+      {"bias_update_rate", "aux-loss-free balancing: selection bias += rate x sign(mean load - load) per step", false},
+      {"shared_experts", "dense SwiGLU shared experts every token runs on its own rank", false},
+      {"shared_ffn_hidden", "width of one shared expert, elements", false},
+      {"shared_expert_gate", "Qwen2-MoE gate: out = routed + sigmoid(x . w_g) x shared", false},
+      {"checkpoint_dir", "train: write step-{s:06d}/ checkpoints here", false},
+      {"checkpoint_every", "steps between checkpoints (0: only at the end)", false},
+      {"resume", "a checkpoint folder (or a checkpoint_dir: its latest complete step) to start from", false},
   };
   return docs;
 }

@@ -80,6 +80,19 @@ void validate(const v1::JobSpec& s, int world_size) {
             "ALPHA in '" + s.skew() + "' must be a finite number >= 0");
   }
   require(s.weights_prefix().empty() || !s.weights().empty(), "weights_prefix", "needs weights");
+  require(s.weights_first_layer() >= 0, "weights_first_layer", "must be >= 0");
+  require(s.weights_first_layer() == 0 || !s.weights().empty(), "weights_first_layer", "needs weights");
+  for (const auto& [field, v] : {std::pair<const char*, double>{"aux_loss_coeff", s.aux_loss_coeff()},
+                                 {"z_loss_coeff", s.z_loss_coeff()},
+                                 {"bias_update_rate", s.bias_update_rate()}})
+    require(std::isfinite(v) && v >= 0, field, "must be finite and >= 0");
+  require(s.shared_experts() >= 0, "shared_experts", "must be >= 0, got " + std::to_string(s.shared_experts()));
+  require(s.shared_experts() == 0 || s.shared_ffn_hidden() >= 1, "shared_ffn_hidden",
+          "must be >= 1 with shared_experts, got " + std::to_string(s.shared_ffn_hidden()));
+  require(!s.shared_expert_gate() || s.shared_experts() > 0, "shared_expert_gate", "needs shared_experts > 0");
+  require(s.checkpoint_every() >= 0, "checkpoint_every", "must be >= 0");
+  require(s.checkpoint_dir().empty() || s.mode() != v1::JobSpec::forward, "checkpoint_dir",
+          "checkpoints are for train jobs");
   // Per-rank working memory of one layer's buffers (rows x hidden, fp32), a guard
   // against specs that would only fail deep inside a daemon.
   const double rows = static_cast<double>(s.tokens_per_rank()) * std::max(1, s.top_k());

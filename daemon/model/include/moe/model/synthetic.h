@@ -19,12 +19,19 @@ struct LayerWeights {
   std::vector<float> logit_bias;      // [E] or empty (skew; no gradient)
   std::vector<float> w13;             // [E, 2I, H]
   std::vector<float> w2;              // [E, H, I]
+  // Shared experts (DESIGN 3), stored as one SwiGLU of width Is = shared
+  // experts x shared_ffn_hidden; empty without them.
+  std::vector<float> shared_w13;      // [2Is, H]: gate_proj rows, then up_proj rows
+  std::vector<float> shared_w2;       // [H, Is]
+  std::vector<float> shared_gate;     // [H] (shared_expert_gate.weight) or empty
 };
 
 struct LayerShape {
   int hidden = 0;
   int ffn_hidden = 0;
   int num_experts = 0;
+  int shared_ffn_hidden = 0;  // Is, all shared experts together; 0: none
+  bool shared_gate = false;
 };
 
 // Inputs: x[t, h] ~ N(0, 1) for global tokens [token_begin, token_begin + T).
