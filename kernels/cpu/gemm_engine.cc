@@ -22,16 +22,17 @@ struct EngineRow {
 };
 constexpr GemmEngine kBlas = GemmEngine::kOpenBlas, kDnn = GemmEngine::kOneDnn;
 constexpr EngineRow kEngineTable[] = {
-    // bf16 dot products: oneDNN's bf16 matmul; its fp32 matmul also beats
-    // OpenBLAS 0.3.21 there (measured on avx512_core_bf16; AMX follows that row).
+    // bf16 dot products: oneDNN's bf16 matmul. Its fp32 matmul measured faster
+    // than OpenBLAS 0.3.21 there too (which runs its Haswell kernels on Zen 5);
+    // AMX follows the avx512_core_bf16 row (not measured).
     {"avx512_core_amx", {kDnn, kDnn}},
     {"avx512_core_bf16", {kDnn, kDnn}},
-    // AVX-512 without bf16 dot products: oneDNN emulates bf16 dot products more
-    // slowly than converting to fp32; its fp32 matmul beats OpenBLAS's SkylakeX sgemm.
-    {"avx512_core_vnni", {kDnn, kBlas}},
-    {"avx512_core", {kDnn, kBlas}},
-    // AVX2 and below: oneDNN 2.6 has no bf16 matmul; fp32 measures the same as
-    // OpenBLAS, which stays.
+    // AVX-512 without bf16 dot products: oneDNN emulates them, slower than
+    // converting to fp32 for OpenBLAS; fp32 measured the same on both: OpenBLAS stays.
+    {"avx512_core_vnni", {kBlas, kBlas}},
+    {"avx512_core", {kBlas, kBlas}},
+    // AVX2 and below (every other ISA): oneDNN 2.6 has no bf16 matmul; its fp32
+    // matmul measured slower than OpenBLAS.
 };
 
 std::string trim(std::string_view s) {
