@@ -220,7 +220,9 @@ ExpertStage::ExpertStage(const MoeLayerConfig& cfg, int num_local_experts, kerne
   packed_ = be.make_expert_weights(shape);
 }
 
-void ExpertStage::pack_weights() { be_.pack_expert_weights(*packed_, w13_.as<float>(), w2_.as<float>()); }
+void ExpertStage::pack_weights(int first, int count) {
+  be_.pack_expert_weights(*packed_, w13_.as<float>(), w2_.as<float>(), first, count);
+}
 
 void ExpertStage::set_weights(const float* w13, const float* w2) {
   const size_t H = cfg_.hidden, I = cfg_.ffn_hidden, L = L_;
@@ -228,14 +230,14 @@ void ExpertStage::set_weights(const float* w13, const float* w2) {
   be_.copy_to_device(w2_.get(), w2, 4 * L * H * I);
   w13_param_.sync_master();
   w2_param_.sync_master();
-  pack_weights();
+  pack_weights(0, L_);
 }
 
 void ExpertStage::apply_update(const kernels::OptimizerConfig& cfg, int64_t step) {
   MOE_CHECK(cfg_.train, "apply_update on a layer built without train = true");
   w13_param_.update(cfg, step, grad_w13_.as<float>());
   w2_param_.update(cfg, step, grad_w2_.as<float>());
-  pack_weights();
+  pack_weights(0, L_);
 }
 
 void ExpertState::resize(int hidden, int ffn_hidden, bool moments) {

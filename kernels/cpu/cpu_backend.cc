@@ -74,8 +74,8 @@ class CpuBackend final : public Backend {
   std::unique_ptr<PackedWeights> make_expert_weights(const ExpertMlpConfig& c) override {
     return cpu::make_expert_weights(c, exec_.engines.of(c.x_dtype));
   }
-  void pack_expert_weights(PackedWeights& p, const float* w13, const float* w2) override {
-    cpu::pack_expert_weights(pool(), p, w13, w2);
+  void pack_expert_weights(PackedWeights& p, const float* w13, const float* w2, int first, int count) override {
+    cpu::pack_expert_weights(pool(), p, w13, w2, first, count);
   }
 
   size_t router_workspace_bytes(const RouterConfig& c) const override {

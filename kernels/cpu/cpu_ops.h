@@ -117,7 +117,8 @@ void optimizer_step(ThreadPool& pool, const OptimizerConfig& cfg, const Optimize
 
 size_t expert_mlp_workspace_bytes(const ExpertMlpConfig& cfg, int num_threads, GemmEngine engine);
 std::unique_ptr<PackedWeights> make_expert_weights(const ExpertMlpConfig& cfg, GemmEngine engine);
-void pack_expert_weights(ThreadPool& pool, PackedWeights& packed, const float* w13, const float* w2);
+void pack_expert_weights(ThreadPool& pool, PackedWeights& packed, const float* w13, const float* w2, int first,
+                         int count);
 void expert_mlp_forward(CpuExec& exec, const ExpertMlpConfig& cfg,
                         const ExpertMlpForwardArgs& args);
 void expert_mlp_backward(CpuExec& exec, const ExpertMlpConfig& cfg,

@@ -2,6 +2,8 @@
 // SwiGLU x routing weight -> GEMM (down), with the tile's intermediates in
 // per-thread panels. Backward runs the dgrad chain per row tile, then the
 // weight gradients per expert (tiles over W's rows, so no two tasks share output).
+// This file holds the OpenBLAS path (fp32 panels) and the entry points, which run
+// the path of the packed weights' engine (the oneDNN one is expert_mlp_onednn.cc).
 #include <cstring>
 
 #include "cpu_ops.h"

@@ -83,11 +83,13 @@ std::unique_ptr<PackedWeights> make_expert_weights(const ExpertMlpConfig& c, Gem
   return p;
 }
 
-void pack_expert_weights(ThreadPool& pool, PackedWeights& packed, const float* w13, const float* w2) {
+void pack_expert_weights(ThreadPool& pool, PackedWeights& packed, const float* w13, const float* w2, int first,
+                         int count) {
   auto* p = dynamic_cast<CpuExpertWeights*>(&packed);
   MOE_CHECK(p, "pack_expert_weights: the packed weights are not the CPU backend's expert weights");
-  if (p->gate_up) {
-    const int L = p->cfg.num_experts;
+  MOE_CHECK(first >= 0 && count >= 0 && first + count <= p->cfg.num_experts, "pack_expert_weights: experts [", first,
+            ", ", first + count, ") are not within the ", p->cfg.num_experts, " the weights were made for");
+  if (p->gate_up && count > 0) {
     const int64_t n13 = 2 * static_cast<int64_t>(p->cfg.ffn_hidden) * p->cfg.hidden;
     const int64_t n2 = static_cast<int64_t>(p->cfg.hidden) * p->cfg.ffn_hidden;
     struct Job {
@@ -101,9 +103,9 @@ void pack_expert_weights(ThreadPool& pool, PackedWeights& packed, const float* w
       jobs.push_back({p->gate_up_dgrad.get(), &p->w13_dgrad, w13, n13});
       jobs.push_back({p->down_dgrad.get(), &p->w2_dgrad, w2, n2});
     }
-    pool.parallel_for(static_cast<int64_t>(jobs.size()) * L, [&](int64_t task, int) {
-      const Job& j = jobs[task / L];
-      const int e = static_cast<int>(task % L);
+    pool.parallel_for(static_cast<int64_t>(jobs.size()) * count, [&](int64_t task, int) {
+      const Job& j = jobs[task / count];
+      const int e = first + static_cast<int>(task % count);
       j.mm->pack_b(j.from + j.count * e, j.to->expert(e));
     });
   }

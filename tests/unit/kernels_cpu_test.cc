@@ -672,7 +672,8 @@ TEST_P(ExpertMlpOp, ForwardBackwardMatchComposition) {
   const std::vector<uint8_t> rows_s = model::to_storage(rows, dtype), grad_rows_s = model::to_storage(grad_rows, dtype);
   ExpertMlpConfig cfg{L, H, I, M, N, dtype, true};
   const std::unique_ptr<PackedWeights> packed = be->make_expert_weights(cfg);
-  be->pack_expert_weights(*packed, w13.data(), w2.data());
+  be->pack_expert_weights(*packed, w13.data(), w2.data(), 0, 1);  // in two ranges: each packs only its own
+  be->pack_expert_weights(*packed, w13.data(), w2.data(), 1, L - 1);
   std::vector<float> y(M * H), gu(M * 2 * I), gx(M * H), gpw(M), g13(L * 2 * I * H, 7.0f), g2(L * H * I, 7.0f);
   void* ws = workspace(be->expert_mlp_workspace_bytes(cfg));
   ExpertMlpStats stats;
@@ -777,7 +778,8 @@ TEST_F(CpuOps, ExpertMlpRejectsMissingOrMismatchedPackedWeights) {
   const std::unique_ptr<PackedWeights> packed = be->make_expert_weights(cfg);
   f.packed = packed.get();
   EXPECT_NE(message_of(cfg).find("pack_expert_weights was not called"), std::string::npos) << message_of(cfg);
-  be->pack_expert_weights(*packed, w13.data(), w2.data());
+  EXPECT_THROW(be->pack_expert_weights(*packed, w13.data(), w2.data(), 1, L), Error);  // past the last expert
+  be->pack_expert_weights(*packed, w13.data(), w2.data(), 0, L);
   ExpertMlpConfig wider = cfg;
   wider.hidden = 2 * H;
   EXPECT_NE(message_of(wider).find("hidden"), std::string::npos) << message_of(wider);
@@ -844,7 +846,7 @@ TEST(CpuEngineTable, OneDnnRunsOnTheCallingThreadAlone) {
   std::vector<float> y(512 * 64);
   std::vector<uint8_t> ws(be->expert_mlp_workspace_bytes(cfg));
   const std::unique_ptr<PackedWeights> packed = be->make_expert_weights(cfg);
-  be->pack_expert_weights(*packed, w13.data(), w2.data());
+  be->pack_expert_weights(*packed, w13.data(), w2.data(), 0, 4);
   ExpertMlpForwardArgs f{rows.data(), off.data(), src.data(), nullptr, w13.data(), w2.data(), packed.get(),
                          y.data(), nullptr, ws.data(), nullptr};
   for (int i = 0; i < 3; ++i) be->expert_mlp_forward(cfg, f);

@@ -405,7 +405,10 @@ class Backend {
   virtual std::unique_ptr<PackedWeights> make_router_weights(const RouterConfig& cfg) = 0;
   virtual void pack_router_weights(PackedWeights& packed, const float* weight) = 0;
   virtual std::unique_ptr<PackedWeights> make_expert_weights(const ExpertMlpConfig& cfg) = 0;
-  virtual void pack_expert_weights(PackedWeights& packed, const float* w13, const float* w2) = 0;
+  // Packs experts [first, first + count) from the full arrays w13 and w2; the
+  // others keep what they hold (set_weights packs all, a moved slot only itself).
+  virtual void pack_expert_weights(PackedWeights& packed, const float* w13, const float* w2, int first,
+                                   int count) = 0;
 
   virtual size_t router_workspace_bytes(const RouterConfig& cfg) const = 0;
   virtual void router_forward(const RouterConfig& cfg, const RouterForwardArgs& args) = 0;

@@ -163,7 +163,7 @@ class ExpertStage {
 
  private:
   kernels::ExpertMlpConfig mlp_config() const;
-  void pack_weights();  // w13_, w2_ -> packed_, after every change
+  void pack_weights(int first, int count);  // experts' w13_, w2_ -> packed_, after every change
   MoeLayerConfig cfg_;
   int L_;
   kernels::Backend& be_;
