@@ -297,12 +297,13 @@ void ExpertStage::import_slot(int s, const ExpertState& in) {
   if (!cfg_.train) {
     be_.copy_to_device(w13_.as<float>() + s * n13, in.weights.data(), 4 * n13);
     be_.copy_to_device(w2_.as<float>() + s * n2, in.weights.data() + n13, 4 * n2);
-    return;
+  } else {
+    const float* m = in.m.empty() ? nullptr : in.m.data();
+    const float* v = in.v.empty() ? nullptr : in.v.data();
+    w13_param_.write(s * n13, n13, in.weights.data(), m, v);
+    w2_param_.write(s * n2, n2, in.weights.data() + n13, m ? m + n13 : nullptr, v ? v + n13 : nullptr);
   }
-  const float* m = in.m.empty() ? nullptr : in.m.data();
-  const float* v = in.v.empty() ? nullptr : in.v.data();
-  w13_param_.write(s * n13, n13, in.weights.data(), m, v);
-  w2_param_.write(s * n2, n2, in.weights.data() + n13, m ? m + n13 : nullptr, v ? v + n13 : nullptr);
+  pack_weights(s, 1);
 }
 
 kernels::ExpertMlpConfig ExpertStage::mlp_config() const {
