@@ -253,10 +253,11 @@ void ExpertStage::copy_slot(const ExpertStage& src, int from, int to) {
   if (!cfg_.train) {
     be_.copy(w13_.as<float>() + to * n13, src.w13_.as<float>() + from * n13, 4 * n13);
     be_.copy(w2_.as<float>() + to * n2, src.w2_.as<float>() + from * n2, 4 * n2);
-    return;
+  } else {
+    w13_param_.copy_range(src.w13_param_, from * n13, to * n13, n13);
+    w2_param_.copy_range(src.w2_param_, from * n2, to * n2, n2);
   }
-  w13_param_.copy_range(src.w13_param_, from * n13, to * n13, n13);
-  w2_param_.copy_range(src.w2_param_, from * n2, to * n2, n2);
+  pack_weights(to, 1);
 }
 
 void ExpertStage::touch(bool moments) {
