@@ -126,7 +126,15 @@ Report run_layer_bench(const LayerBenchOptions& o) {
   std::sort(samples.begin(), samples.end(), [](const Sample& a, const Sample& b) { return a.seconds < b.seconds; });
   const Sample& median = samples[samples.size() / 2];
 
-  const double peak = kernels::measure_sgemm_gflops(o.threads, o.peak_n, 3);
+  // The peak is the GEMM the layer ran on: its engine, in its dtype (a bf16 oneDNN
+  // matmul for bf16 on oneDNN), same threads, same process; the OpenBLAS sgemm peak
+  // beside it for comparison with fp32 figures.
+  const kernels::CpuBackendInfo info = kernels::cpu_backend_info();
+  const kernels::GemmEngine engine = info.engines.of(o.dtype);
+  const double peak = kernels::measure_gemm_gflops(engine, o.dtype, o.threads, o.peak_n, 3);
+  const double sgemm_peak = engine == kernels::GemmEngine::kOpenBlas
+                                ? peak
+                                : kernels::measure_sgemm_gflops(o.threads, o.peak_n, 3);
   const double fwd_flops = 2.0 * T * o.experts * H + 6.0 * T * o.top_k * H * static_cast<double>(o.ffn);
   const double flops = o.train ? 3 * fwd_flops : fwd_flops;
   const double gflops = flops / median.seconds / 1e9;
@@ -134,6 +142,9 @@ Report run_layer_bench(const LayerBenchOptions& o) {
   Report r;
   r.add("bench", "layer");
   r.add("backend", be->name());
+  r.add("gemm_engine", be->gemm_engine(o.dtype));
+  r.add("isa", info.isa);
+  r.add("cpu", info.cpu_model);
   r.add("mode", o.train ? "train" : "forward");
   r.add("dtype", kernels::dtype_name(o.dtype));
   r.add("threads", static_cast<int64_t>(o.threads));
@@ -146,6 +157,7 @@ Report run_layer_bench(const LayerBenchOptions& o) {
   r.add("gflops", gflops);
   r.add("gemm_peak_gflops", peak);
   r.add("fraction_of_gemm_peak", gflops / peak);
+  r.add("fp32_sgemm_peak_gflops", sgemm_peak);
   Report& ph = r.section("phase_seconds");
   ph.add("router", median.phases.router);
   ph.add("permute", median.phases.permute);

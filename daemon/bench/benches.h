@@ -32,7 +32,7 @@ struct LayerBenchOptions {
   kernels::DropPolicy drop_policy = kernels::DropPolicy::kProbs;
   std::string skew = "uniform";
   std::string dump_dir;  // writes rank0.safetensors and spec.json of step 0
-  int peak_n = 4096;     // size of the sgemm that defines the peak
+  int peak_n = 4096;     // size of the GEMM (the layer's engine and dtype) that defines the peak
 };
 Report run_layer_bench(const LayerBenchOptions& o);
 

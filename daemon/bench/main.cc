@@ -42,7 +42,7 @@ int main(int argc, char** argv) {
   layer->add_option("--drop-policy", drop, "probs or position")->check(CLI::IsMember({"probs", "position"}));
   layer->add_option("--skew", lo.skew, "uniform or zipf:ALPHA");
   layer->add_option("--dump", lo.dump_dir, "write DIR/rank0.safetensors and DIR/spec.json of step 0");
-  layer->add_option("--peak-n", lo.peak_n, "size of the square sgemm that defines the peak");
+  layer->add_option("--peak-n", lo.peak_n, "size of the square GEMM that defines the peak (the layer's engine and dtype)");
   layer->add_option("--output", output, "table or json")->check(CLI::IsMember({"table", "json"}));
 
   bench::PermuteBenchOptions po;

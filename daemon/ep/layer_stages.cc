@@ -134,6 +134,7 @@ RouterStage::RouterStage(const MoeLayerConfig& cfg, kernels::Backend& be) : cfg_
     grad_gate_ = Buffer(be, 4 * E * H);
     gate_param_.bind(be, gate_.as<float>(), E * H, cfg.dtype);
   }
+  packed_gate_ = be.make_router_weights(cfg.router(cfg.max_tokens));
 }
 
 void RouterStage::copy_gate(float* out) const {
@@ -143,6 +144,7 @@ void RouterStage::copy_gate(float* out) const {
 void RouterStage::apply_update(const kernels::OptimizerConfig& cfg, int64_t step) {
   MOE_CHECK(cfg_.train, "apply_update on a layer built without train = true");
   gate_param_.update(cfg, step, grad_gate_.as<float>());
+  be_.pack_router_weights(*packed_gate_, gate_.as<float>());
 }
 
 void RouterStage::set_weights(const model::LayerWeights& w) {
@@ -154,6 +156,7 @@ void RouterStage::set_weights(const model::LayerWeights& w) {
             " values, expected ", E);
   be_.copy_to_device(gate_.get(), w.gate.data(), 4 * E * H);
   gate_param_.sync_master();
+  be_.pack_router_weights(*packed_gate_, gate_.as<float>());
   has_bias_ = !w.selection_bias.empty();
   has_logit_bias_ = !w.logit_bias.empty();
   if (has_bias_) be_.copy_to_device(bias_.get(), w.selection_bias.data(), 4 * E);
@@ -168,6 +171,7 @@ void RouterStage::forward(const void* x, int64_t T) {
   kernels::RouterForwardArgs a;
   a.x = x;
   a.weight = gate_.as<float>();
+  a.packed_weight = packed_gate_.get();
   a.selection_bias = has_bias_ ? bias_.as<float>() : nullptr;
   a.logit_bias = has_logit_bias_ ? logit_bias_.as<float>() : nullptr;
   a.logits = logits_.as<float>();
@@ -211,6 +215,13 @@ ExpertStage::ExpertStage(const MoeLayerConfig& cfg, int num_local_experts, kerne
     w13_param_.bind(be, w13_.as<float>(), L * 2 * I * H, cfg.dtype);
     w2_param_.bind(be, w2_.as<float>(), L * H * I, cfg.dtype);
   }
+  kernels::ExpertMlpConfig shape = mlp_config();  // only the weights' shape matters here
+  shape.max_rows = shape.max_src_rows = 0;
+  packed_ = be.make_expert_weights(shape);
+}
+
+void ExpertStage::pack_weights(int first, int count) {
+  be_.pack_expert_weights(*packed_, w13_.as<float>(), w2_.as<float>(), first, count);
 }
 
 void ExpertStage::set_weights(const float* w13, const float* w2) {
@@ -219,12 +230,14 @@ void ExpertStage::set_weights(const float* w13, const float* w2) {
   be_.copy_to_device(w2_.get(), w2, 4 * L * H * I);
   w13_param_.sync_master();
   w2_param_.sync_master();
+  pack_weights(0, L_);
 }
 
 void ExpertStage::apply_update(const kernels::OptimizerConfig& cfg, int64_t step) {
   MOE_CHECK(cfg_.train, "apply_update on a layer built without train = true");
   w13_param_.update(cfg, step, grad_w13_.as<float>());
   w2_param_.update(cfg, step, grad_w2_.as<float>());
+  pack_weights(0, L_);
 }
 
 void ExpertState::resize(int hidden, int ffn_hidden, bool moments) {
@@ -240,10 +253,11 @@ void ExpertStage::copy_slot(const ExpertStage& src, int from, int to) {
   if (!cfg_.train) {
     be_.copy(w13_.as<float>() + to * n13, src.w13_.as<float>() + from * n13, 4 * n13);
     be_.copy(w2_.as<float>() + to * n2, src.w2_.as<float>() + from * n2, 4 * n2);
-    return;
+  } else {
+    w13_param_.copy_range(src.w13_param_, from * n13, to * n13, n13);
+    w2_param_.copy_range(src.w2_param_, from * n2, to * n2, n2);
   }
-  w13_param_.copy_range(src.w13_param_, from * n13, to * n13, n13);
-  w2_param_.copy_range(src.w2_param_, from * n2, to * n2, n2);
+  pack_weights(to, 1);
 }
 
 void ExpertStage::touch(bool moments) {
@@ -284,12 +298,13 @@ void ExpertStage::import_slot(int s, const ExpertState& in) {
   if (!cfg_.train) {
     be_.copy_to_device(w13_.as<float>() + s * n13, in.weights.data(), 4 * n13);
     be_.copy_to_device(w2_.as<float>() + s * n2, in.weights.data() + n13, 4 * n2);
-    return;
+  } else {
+    const float* m = in.m.empty() ? nullptr : in.m.data();
+    const float* v = in.v.empty() ? nullptr : in.v.data();
+    w13_param_.write(s * n13, n13, in.weights.data(), m, v);
+    w2_param_.write(s * n2, n2, in.weights.data() + n13, m ? m + n13 : nullptr, v ? v + n13 : nullptr);
   }
-  const float* m = in.m.empty() ? nullptr : in.m.data();
-  const float* v = in.v.empty() ? nullptr : in.v.data();
-  w13_param_.write(s * n13, n13, in.weights.data(), m, v);
-  w2_param_.write(s * n2, n2, in.weights.data() + n13, m ? m + n13 : nullptr, v ? v + n13 : nullptr);
+  pack_weights(s, 1);
 }
 
 kernels::ExpertMlpConfig ExpertStage::mlp_config() const {
@@ -353,6 +368,7 @@ void ExpertStage::forward(const void* rows, int64_t N, const int32_t* row_expert
   a.perm_weight = perm_weight_.as<float>();
   a.w13 = w13_.as<float>();
   a.w2 = w2_.as<float>();
+  a.packed = packed_.get();
   a.y = y_.as<float>();
   a.saved_gu = cfg_.train ? saved_gu_.as<float>() : nullptr;
   a.workspace = mlp_ws_.get();
@@ -381,6 +397,7 @@ void ExpertStage::backward(const void* grad_combined, void* grad_rows, DType gra
   m.perm_weight = perm_weight_.as<float>();
   m.w13 = w13_.as<float>();
   m.w2 = w2_.as<float>();
+  m.packed = packed_.get();
   m.saved_gu = saved_gu_.as<float>();
   m.grad_perm_x = grad_perm_x_.as<float>();
   m.grad_perm_weight = grad_perm_weight_.as<float>();

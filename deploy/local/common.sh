@@ -10,7 +10,7 @@ MOE_JOBS=${MOE_JOBS:-$(nproc)}
 # Debian 12 packages the build and the tests need.
 MOE_PACKAGES=(
   cmake ninja-build g++ pkg-config
-  libopenblas-dev
+  libopenblas-dev libdnnl-dev
   libucx-dev ucx-utils
   libboost-dev libboost-system-dev
   libprotobuf-dev protobuf-compiler

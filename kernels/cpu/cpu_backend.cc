@@ -7,36 +7,50 @@
 #include "cpu_ops.h"
 #include "moe/kernels/cpu_backend.h"
 #include "moe/base/check.h"
+#include "onednn_matmul.h"
 
 namespace moe::kernels {
+
+namespace cpu {
+
+// Buffers of 2 MiB and more are 2 MiB aligned and asked to use transparent huge
+// pages: permutes touch rows all over them, and 4 KiB pages cost a TLB miss per row.
+void* host_alloc(size_t bytes) {
+  constexpr size_t kHuge = size_t{2} << 20;
+  const size_t align = bytes >= kHuge ? kHuge : 64;
+  const size_t size = (std::max<size_t>(bytes, 1) + align - 1) / align * align;
+  void* p = std::aligned_alloc(align, size);
+  MOE_CHECK(p != nullptr, "cpu backend: out of memory allocating ", bytes, " bytes");
+  if (align == kHuge) ::madvise(p, size, MADV_HUGEPAGE);  // advisory; failure is harmless
+  return p;
+}
+
+void host_free(void* p) { std::free(p); }
+
+}  // namespace cpu
+
 namespace {
 
 class CpuBackend final : public Backend {
  public:
-  explicit CpuBackend(ThreadPool& pool) : exec_{pool, {}} {
+  CpuBackend(ThreadPool& pool, const CpuEngines& engines) : exec_{pool, engines, {}} {
     MOE_CHECK(__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma"),
               "the CPU backend needs AVX2 and FMA, which this processor lacks");
     cpu::init_blas_single_threaded();
+    // oneDNN primitives are built on this thread: a team of one, as they run.
+    cpu::set_onednn_team(1);
   }
 
   std::string name() const override { return "cpu"; }
-  // bf16 panels are converted to fp32 for the same sgemm.
-  std::string gemm_engine() const override { return "fp32=openblas bf16=openblas"; }
+  std::string gemm_engine() const override {
+    return std::string("fp32=") + gemm_engine_name(exec_.engines.fp32) + " bf16=" + gemm_engine_name(exec_.engines.bf16);
+  }
+  std::string gemm_engine(DType d) const override { return gemm_engine_name(exec_.engines.of(d)); }
   ThreadPool& pool() { return exec_.pool; }
   int threads() const { return exec_.pool.num_threads(); }
 
-  // Buffers of 2 MiB and more are 2 MiB aligned and asked to use transparent huge
-  // pages: permutes touch rows all over them, and 4 KiB pages cost a TLB miss per row.
-  void* alloc(size_t bytes) override {
-    constexpr size_t kHuge = size_t{2} << 20;
-    const size_t align = bytes >= kHuge ? kHuge : 64;
-    const size_t size = (std::max<size_t>(bytes, 1) + align - 1) / align * align;
-    void* p = std::aligned_alloc(align, size);
-    MOE_CHECK(p != nullptr, "cpu backend: out of memory allocating ", bytes, " bytes");
-    if (align == kHuge) ::madvise(p, size, MADV_HUGEPAGE);  // advisory; failure is harmless
-    return p;
-  }
-  void free(void* p) override { std::free(p); }
+  void* alloc(size_t bytes) override { return cpu::host_alloc(bytes); }
+  void free(void* p) override { cpu::host_free(p); }
   void copy_to_device(void* dst, const void* src, size_t bytes) override { copy(dst, src, bytes); }
   void copy_to_host(void* dst, const void* src, size_t bytes) override { copy(dst, src, bytes); }
   void copy(void* dst, const void* src, size_t bytes) override {
@@ -49,6 +63,19 @@ class CpuBackend final : public Backend {
 
   void convert(const void* src, DType sd, void* dst, DType dd, int64_t count) override {
     cpu::convert(pool(), src, sd, dst, dd, count);
+  }
+
+  std::unique_ptr<PackedWeights> make_router_weights(const RouterConfig& c) override {
+    return cpu::make_router_weights(c, exec_.engines.of(c.x_dtype));
+  }
+  void pack_router_weights(PackedWeights& p, const float* weight) override {
+    cpu::pack_router_weights(pool(), p, weight);
+  }
+  std::unique_ptr<PackedWeights> make_expert_weights(const ExpertMlpConfig& c) override {
+    return cpu::make_expert_weights(c, exec_.engines.of(c.x_dtype));
+  }
+  void pack_expert_weights(PackedWeights& p, const float* w13, const float* w2, int first, int count) override {
+    cpu::pack_expert_weights(pool(), p, w13, w2, first, count);
   }
 
   size_t router_workspace_bytes(const RouterConfig& c) const override {
@@ -132,7 +159,7 @@ class CpuBackend final : public Backend {
   }
 
   size_t expert_mlp_workspace_bytes(const ExpertMlpConfig& c) const override {
-    return cpu::expert_mlp_workspace_bytes(c, threads());
+    return cpu::expert_mlp_workspace_bytes(c, threads(), exec_.engines.of(c.x_dtype));
   }
   void expert_mlp_forward(const ExpertMlpConfig& c, const ExpertMlpForwardArgs& a) override {
     cpu::expert_mlp_forward(exec_, c, a);
@@ -148,7 +175,12 @@ class CpuBackend final : public Backend {
 }  // namespace
 
 std::unique_ptr<Backend> make_cpu_backend(ThreadPool& pool) {
-  return std::make_unique<CpuBackend>(pool);
+  return std::make_unique<CpuBackend>(pool, cpu_backend_info().engines);
+}
+
+std::unique_ptr<Backend> make_cpu_backend(ThreadPool& pool, const CpuEngines& engines) {
+  cpu::check_engines_run_here(engines, "make_cpu_backend");
+  return std::make_unique<CpuBackend>(pool, engines);
 }
 
 }  // namespace moe::kernels

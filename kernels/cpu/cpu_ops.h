@@ -7,6 +7,7 @@
 #include <vector>
 
 #include "moe/kernels/api.h"
+#include "moe/kernels/cpu_backend.h"
 #include "moe/kernels/thread_pool.h"
 
 namespace moe::kernels::cpu {
@@ -44,10 +45,21 @@ void sgemm(bool trans_a, bool trans_b, int64_t m, int64_t n, int64_t k, float al
 // Makes every BLAS call single-threaded (the pool provides the parallelism).
 void init_blas_single_threaded();
 
+// Throws unless this CPU can run `engines` (oneDNN bf16 needs AVX-512); `source`
+// names where they came from in the message.
+void check_engines_run_here(const CpuEngines& engines, const std::string& source);
+
+// Host memory of the CPU backend: 64-byte aligned; 2 MiB and more are 2 MiB
+// aligned and asked to use transparent huge pages. Throws on failure.
+void* host_alloc(size_t bytes);
+void host_free(void* p);
+
 void convert(ThreadPool& pool, const void* src, DType src_dtype, void* dst, DType dst_dtype,
              int64_t count);
 
 size_t router_workspace_bytes(const RouterConfig& cfg, int num_threads);
+std::unique_ptr<PackedWeights> make_router_weights(const RouterConfig& cfg, GemmEngine engine);
+void pack_router_weights(ThreadPool& pool, PackedWeights& packed, const float* weight);
 void router_forward(ThreadPool& pool, const RouterConfig& cfg, const RouterForwardArgs& args);
 void router_backward(ThreadPool& pool, const RouterConfig& cfg, const RouterBackwardArgs& args);
 
@@ -64,12 +76,14 @@ void permute_layout(ThreadPool& pool, const PermuteLayoutConfig& cfg,
 void permute(ThreadPool& pool, const PermuteConfig& cfg, const PermuteArgs& args);
 void unpermute(ThreadPool& pool, const UnpermuteConfig& cfg, const UnpermuteArgs& args);
 
-// Row-range kernels of SwiGLU, used by the op and by the fused expert MLP.
-void swiglu_forward_rows(const float* gu, const float* row_scale, float* h, int64_t rows,
-                         int ffn_hidden);
-void swiglu_backward_rows(const float* gu, const float* grad_h, const float* row_scale,
-                          float* grad_gu, float* grad_row_scale, float* h, int64_t rows,
-                          int ffn_hidden);
+// Row-range kernels of SwiGLU, used by the op and by the fused expert MLP. Out is
+// float or bf16_t: the outputs h and grad_gu are stored rounded to it (computed in
+// fp32 either way; grad_row_scale is always fp32).
+template <typename Out>
+void swiglu_forward_rows(const float* gu, const float* row_scale, Out* h, int64_t rows, int ffn_hidden);
+template <typename Out>
+void swiglu_backward_rows(const float* gu, const float* grad_h, const float* row_scale, Out* grad_gu,
+                          float* grad_row_scale, Out* h, int64_t rows, int ffn_hidden);
 void swiglu_forward(ThreadPool& pool, const SwigluConfig& cfg, const SwigluForwardArgs& args);
 void swiglu_backward(ThreadPool& pool, const SwigluConfig& cfg, const SwigluBackwardArgs& args);
 
@@ -81,10 +95,11 @@ struct GemmTile {
   int64_t end;
 };
 
-// What the GEMM-driving ops share: the pool and a tile list reused across calls
-// (it only grows, so steady-state steps do not allocate).
+// What the GEMM-driving ops share: the pool, the engines and a tile list reused
+// across calls (it only grows, so steady-state steps do not allocate).
 struct CpuExec {
   ThreadPool& pool;
+  CpuEngines engines;
   std::vector<GemmTile> tiles;
 };
 
@@ -100,7 +115,10 @@ void grouped_gemm(CpuExec& exec, const GroupedGemmConfig& cfg, const GroupedGemm
 
 void optimizer_step(ThreadPool& pool, const OptimizerConfig& cfg, const OptimizerArgs& args);
 
-size_t expert_mlp_workspace_bytes(const ExpertMlpConfig& cfg, int num_threads);
+size_t expert_mlp_workspace_bytes(const ExpertMlpConfig& cfg, int num_threads, GemmEngine engine);
+std::unique_ptr<PackedWeights> make_expert_weights(const ExpertMlpConfig& cfg, GemmEngine engine);
+void pack_expert_weights(ThreadPool& pool, PackedWeights& packed, const float* w13, const float* w2, int first,
+                         int count);
 void expert_mlp_forward(CpuExec& exec, const ExpertMlpConfig& cfg,
                         const ExpertMlpForwardArgs& args);
 void expert_mlp_backward(CpuExec& exec, const ExpertMlpConfig& cfg,

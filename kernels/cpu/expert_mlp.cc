@@ -2,18 +2,18 @@
 // SwiGLU x routing weight -> GEMM (down), with the tile's intermediates in
 // per-thread panels. Backward runs the dgrad chain per row tile, then the
 // weight gradients per expert (tiles over W's rows, so no two tasks share output).
-#include <atomic>
-#include <chrono>
+// This file holds the OpenBLAS path (fp32 panels) and the entry points, which run
+// the path of the packed weights' engine (the oneDNN one is expert_mlp_onednn.cc).
 #include <cstring>
 
 #include "cpu_ops.h"
+#include "expert_mlp_common.h"
 #include "moe/base/check.h"
+#include "packed_weights.h"
 #include "vec.h"
 
 namespace moe::kernels::cpu {
 namespace {
-
-constexpr int64_t kMlpMaxTileRows = 512;
 
 // Workspace layout:
 //   per thread: xp [tile, H] | gup [tile, 2I] | hp [tile, I]
@@ -61,52 +61,15 @@ void gather_rows(const void* rows, DType dtype, int H, const int32_t* src, int64
   }
 }
 
-void check_offsets(const ExpertMlpConfig& c, const int64_t* off) {
-  MOE_CHECK(off[0] == 0, "expert mlp: expert_offset[0] must be 0, got ", off[0]);
-  for (int e = 0; e < c.num_experts; ++e)
-    MOE_CHECK(off[e + 1] >= off[e], "expert mlp: expert_offset decreases at expert ", e);
-  MOE_CHECK(off[c.num_experts] <= c.max_rows, "expert mlp: ", off[c.num_experts],
-            " permuted rows exceed max_rows (", c.max_rows, ")");
-}
-
-// Thread-seconds per phase, summed over tiles; flushed into ExpertMlpStats.
-class PhaseClock {
- public:
-  using Clock = std::chrono::steady_clock;
-  void start() { t_ = Clock::now(); }
-  // Adds the time since the last start()/lap() to `slot` and restarts.
-  void lap(std::atomic<double>& slot) {
-    const auto now = Clock::now();
-    slot.fetch_add(std::chrono::duration<double>(now - t_).count(), std::memory_order_relaxed);
-    t_ = now;
-  }
-
- private:
-  Clock::time_point t_;
-};
-
-struct PhaseTotals {
-  std::atomic<double> gather{0}, gemm{0}, swiglu{0};
-  void flush(ExpertMlpStats* stats) const {
-    if (!stats) return;
-    stats->gather_seconds += gather.load();
-    stats->gemm_seconds += gemm.load();
-    stats->swiglu_seconds += swiglu.load();
-  }
-};
-
-}  // namespace
-
-size_t expert_mlp_workspace_bytes(const ExpertMlpConfig& c, int num_threads) {
+size_t blas_workspace_bytes(const ExpertMlpConfig& c, int num_threads) {
   size_t floats = thread_floats(c) * num_threads;
   if (c.train)
     floats += static_cast<size_t>(c.max_rows) * (2 * c.hidden + 3 * static_cast<size_t>(c.ffn_hidden));
   return floats * 4;
 }
 
-void expert_mlp_forward(CpuExec& exec, const ExpertMlpConfig& c, const ExpertMlpForwardArgs& a) {
-  c.validate();
-  check_offsets(c, a.expert_offset);
+// OpenBLAS: every panel fp32 (bf16 rows converted as they are gathered).
+void forward_blas(CpuExec& exec, const ExpertMlpConfig& c, const ExpertMlpForwardArgs& a) {
   const int64_t H = c.hidden, I = c.ffn_hidden;
   const MlpWorkspace ws = carve(c, a.workspace, exec.pool.num_threads());
   PhaseTotals totals;
@@ -133,10 +96,7 @@ void expert_mlp_forward(CpuExec& exec, const ExpertMlpConfig& c, const ExpertMlp
   totals.flush(a.stats);
 }
 
-void expert_mlp_backward(CpuExec& exec, const ExpertMlpConfig& c, const ExpertMlpBackwardArgs& a) {
-  c.validate();
-  MOE_CHECK(c.train, "expert mlp backward needs a config with train = true (workspace)");
-  check_offsets(c, a.expert_offset);
+void backward_blas(CpuExec& exec, const ExpertMlpConfig& c, const ExpertMlpBackwardArgs& a) {
   const int64_t H = c.hidden, I = c.ffn_hidden;
   const MlpWorkspace ws = carve(c, a.workspace, exec.pool.num_threads());
 
@@ -174,6 +134,47 @@ void expert_mlp_backward(CpuExec& exec, const ExpertMlpConfig& c, const ExpertMl
   grouped_gemm(exec, w2cfg, {a.expert_offset, ws.g_perm, ws.h_perm, a.grad_w2});
   GroupedGemmConfig w13cfg{GemmKind::kWgrad, c.num_experts, 2 * I, H, false};
   grouped_gemm(exec, w13cfg, {a.expert_offset, ws.dgu, ws.x_perm, a.grad_w13});
+}
+
+}  // namespace
+
+size_t expert_mlp_workspace_bytes(const ExpertMlpConfig& c, int num_threads, GemmEngine engine) {
+  return engine == GemmEngine::kOneDnn ? onednn_mlp_workspace_bytes(c, num_threads) : blas_workspace_bytes(c, num_threads);
+}
+
+namespace {
+
+// The packed weights say which path runs; they must be this backend's engine's.
+const CpuExpertWeights& checked_for(const CpuExec& exec, const ExpertMlpConfig& c, const PackedWeights* packed,
+                                    bool backward) {
+  const CpuExpertWeights& p = checked_expert_weights(packed, c, backward);
+  MOE_CHECK(p.engine == exec.engines.of(c.x_dtype), "expert mlp: packed weights were made for the ",
+            gemm_engine_name(p.engine), " engine, the backend runs ", gemm_engine_name(exec.engines.of(c.x_dtype)),
+            " for ", dtype_name(c.x_dtype));
+  return p;
+}
+
+}  // namespace
+
+void expert_mlp_forward(CpuExec& exec, const ExpertMlpConfig& c, const ExpertMlpForwardArgs& a) {
+  c.validate();
+  const CpuExpertWeights& p = checked_for(exec, c, a.packed, false);
+  check_offsets(c, a.expert_offset);
+  if (p.engine == GemmEngine::kOneDnn)
+    forward_onednn(exec, c, a, p);
+  else
+    forward_blas(exec, c, a);
+}
+
+void expert_mlp_backward(CpuExec& exec, const ExpertMlpConfig& c, const ExpertMlpBackwardArgs& a) {
+  c.validate();
+  MOE_CHECK(c.train, "expert mlp backward needs a config with train = true (workspace)");
+  const CpuExpertWeights& p = checked_for(exec, c, a.packed, true);
+  check_offsets(c, a.expert_offset);
+  if (p.engine == GemmEngine::kOneDnn)
+    backward_onednn(exec, c, a, p);
+  else
+    backward_blas(exec, c, a);
 }
 
 }  // namespace moe::kernels::cpu

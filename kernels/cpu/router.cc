@@ -6,6 +6,7 @@
 
 #include "cpu_ops.h"
 #include "moe/base/check.h"
+#include "packed_weights.h"
 #include "vec.h"
 
 namespace moe::kernels::cpu {
@@ -110,16 +111,34 @@ size_t router_workspace_bytes(const RouterConfig& cfg, int num_threads) {
   return router_x32_bytes(cfg) + router_scratch_bytes(cfg) * num_threads;
 }
 
-void router_forward(ThreadPool& pool, const RouterConfig& cfg, const RouterForwardArgs& a) {
-  cfg.validate();
+// logits [T, E] = x gate^T in fp32: oneDNN on x as it is stored (bf16 operands,
+// fp32 accumulation), or OpenBLAS on x converted to fp32. Both multiply the same
+// values exactly (bf16 products are exact in fp32) and differ only in summation order.
+void router_logits(ThreadPool& pool, const RouterConfig& cfg, const RouterForwardArgs& a,
+                   const CpuRouterWeights& packed) {
   const int64_t T = cfg.num_tokens;
-  const int H = cfg.hidden, E = cfg.num_experts, K = cfg.top_k;
-  if (T == 0) return;
+  const int H = cfg.hidden, E = cfg.num_experts;
+  if (packed.logits) {
+    const size_t row_bytes = dtype_size(cfg.x_dtype) * H;
+    parallel_blocks(pool, T, kRowsPerGemmBlock, [&](int64_t t0, int64_t t1, int) {
+      packed.logits->run(static_cast<const uint8_t*>(a.x) + t0 * row_bytes, packed.gate.expert(0),
+                         a.logits + t0 * E, t1 - t0);
+    });
+    return;
+  }
   const float* x = x_as_f32(pool, cfg, a.x, a.workspace);
-
   parallel_blocks(pool, T, kRowsPerGemmBlock, [&](int64_t t0, int64_t t1, int) {
     sgemm(false, true, t1 - t0, E, H, 1.0f, x + t0 * H, H, a.weight, H, 0.0f, a.logits + t0 * E, E);
   });
+}
+
+void router_forward(ThreadPool& pool, const RouterConfig& cfg, const RouterForwardArgs& a) {
+  cfg.validate();
+  const CpuRouterWeights& packed = checked_router_weights(a.packed_weight, cfg);
+  const int64_t T = cfg.num_tokens;
+  const int E = cfg.num_experts, K = cfg.top_k;
+  if (T == 0) return;
+  router_logits(pool, cfg, a, packed);
 
   const int G = cfg.group_limited() ? cfg.num_groups : 1;
   const int per_group = E / G;

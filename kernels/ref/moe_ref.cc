@@ -168,6 +168,7 @@ Grads backward(const Config& cfg, const Weights& w, const std::vector<double>& x
   g.grad_w2.assign(static_cast<size_t>(E) * H * I, 0.0);
   g.grad_topk_weight.assign(T * K, 0.0);
   g.grad_logits.assign(T * E, 0.0);
+  g.grad_gu.assign(T * K * 2 * I, 0.0);
 
   for (int64_t t = 0; t < T; ++t) {
     const double* go = &grad_out[t * H];
@@ -191,6 +192,8 @@ Grads backward(const Config& cfg, const Weights& w, const std::vector<double>& x
       for (int i = 0; i < I; ++i) {
         const double dg = dh[i] * gu[I + i] * silu_grad(gu[i]);
         const double du = dh[i] * silu(gu[i]);
+        g.grad_gu[(t * K + k) * 2 * I + i] = dg;
+        g.grad_gu[(t * K + k) * 2 * I + I + i] = du;
         for (int h = 0; h < H; ++h) {
           const int64_t gate_row = (static_cast<int64_t>(e) * 2 * I + i) * H;
           const int64_t up_row = (static_cast<int64_t>(e) * 2 * I + I + i) * H;

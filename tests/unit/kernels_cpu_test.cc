@@ -3,6 +3,8 @@
 
 #include <atomic>
 #include <cmath>
+#include <cstdlib>
+#include <fstream>
 #include <limits>
 #include <numeric>
 #include <set>
@@ -90,10 +92,27 @@ struct RouterCase {
 
 void PrintTo(const RouterCase& c, std::ostream* os) { *os << c.name; }
 
-class RouterOp : public CpuOps, public ::testing::WithParamInterface<RouterCase> {};
+// A backend running `engine` for `dtype` (the table's choice for the other), or
+// null with the reason in *skip when this CPU cannot run it.
+std::unique_ptr<Backend> backend_with(ThreadPool& pool, DType dtype, GemmEngine engine, std::string* skip) {
+  if (engine == GemmEngine::kOneDnn && !onednn_supports(dtype)) {
+    *skip = std::string("oneDNN has no ") + dtype_name(dtype) + " matmul on this CPU (ISA " + cpu_backend_info().isa + ")";
+    return nullptr;
+  }
+  CpuEngines e = cpu_backend_info().engines;
+  (dtype == DType::kF32 ? e.fp32 : e.bf16) = engine;
+  return make_cpu_backend(pool, e);
+}
+
+std::string engine_suffix(GemmEngine e) { return std::string("_") + gemm_engine_name(e); }
+
+class RouterOp : public CpuOps, public ::testing::WithParamInterface<std::tuple<RouterCase, GemmEngine>> {};
 
 TEST_P(RouterOp, ForwardAndBackwardMatchReference) {
-  const RouterCase& c = GetParam();
+  const RouterCase& c = std::get<0>(GetParam());
+  std::string skip;
+  std::unique_ptr<Backend> be = backend_with(pool, c.dtype, std::get<1>(GetParam()), &skip);
+  if (!be) GTEST_SKIP() << skip;
   RouterConfig cfg;
   cfg.num_tokens = 300;
   cfg.hidden = 48;
@@ -114,14 +133,18 @@ TEST_P(RouterOp, ForwardAndBackwardMatchReference) {
   const void* xp = c.dtype == DType::kF32 ? static_cast<const void*>(x.data()) : x16.data();
   model::LayerWeights w;
   w.gate = normal_vector(E * H, 2, 1.0 / std::sqrt(H));
+  if (c.dtype == DType::kBF16) model::round_to_bf16(w.gate);  // a bf16 router's weight holds bf16 values
   if (c.selection_bias) w.selection_bias = normal_vector(E, 3, 0.05);
   if (c.logit_bias) w.logit_bias = normal_vector(E, 4, 1.0);
 
   std::vector<float> logits(T * E), scores(T * E), weight(T * K);
   std::vector<int32_t> idx(T * K);
+  const std::unique_ptr<PackedWeights> packed = be->make_router_weights(cfg);
+  be->pack_router_weights(*packed, w.gate.data());
   RouterForwardArgs a;
   a.x = xp;
   a.weight = w.gate.data();
+  a.packed_weight = packed.get();
   a.selection_bias = c.selection_bias ? w.selection_bias.data() : nullptr;
   a.logit_bias = c.logit_bias ? w.logit_bias.data() : nullptr;
   a.logits = logits.data();
@@ -212,14 +235,17 @@ TEST_P(RouterOp, ForwardAndBackwardMatchReference) {
 
 INSTANTIATE_TEST_SUITE_P(
     Cases, RouterOp,
-    ::testing::Values(
+    ::testing::Combine(::testing::Values(
         RouterCase{"softmax_norm", ScoreFunc::kSoftmax, true, 1.0f, 0, 0, false, false, DType::kF32},
         RouterCase{"softmax_nonorm", ScoreFunc::kSoftmax, false, 2.5f, 0, 0, false, true, DType::kF32},
         RouterCase{"sigmoid_norm_bias", ScoreFunc::kSigmoid, true, 2.5f, 0, 0, true, false, DType::kF32},
         RouterCase{"sigmoid_nonorm", ScoreFunc::kSigmoid, false, 1.0f, 0, 0, false, false, DType::kF32},
         RouterCase{"sigmoid_grouped", ScoreFunc::kSigmoid, true, 2.5f, 8, 3, true, false, DType::kF32},
         RouterCase{"softmax_grouped_bf16", ScoreFunc::kSoftmax, true, 1.0f, 4, 2, false, true, DType::kBF16}),
-    [](const ::testing::TestParamInfo<RouterCase>& info) { return std::string(info.param.name); });
+        ::testing::Values(GemmEngine::kOpenBlas, GemmEngine::kOneDnn)),
+    [](const ::testing::TestParamInfo<std::tuple<RouterCase, GemmEngine>>& info) {
+      return std::string(std::get<0>(info.param).name) + engine_suffix(std::get<1>(info.param));
+    });
 
 TEST_F(CpuOps, RouterTiesGoToTheLowerIndex) {
   RouterConfig cfg;
@@ -233,7 +259,9 @@ TEST_F(CpuOps, RouterTiesGoToTheLowerIndex) {
   const std::vector<float> bias = {0.0f, 0.2f, 0.0f, 0.1f, 0.1f, 0.0f, 0.2f, 0.0f};
   std::vector<float> logits(24), scores(24), weight(9);
   std::vector<int32_t> idx(9);
-  RouterForwardArgs a{x.data(), zero_gate.data(), nullptr, nullptr, logits.data(), scores.data(),
+  const std::unique_ptr<PackedWeights> packed = be->make_router_weights(cfg);
+  be->pack_router_weights(*packed, zero_gate.data());
+  RouterForwardArgs a{x.data(), zero_gate.data(), packed.get(), nullptr, nullptr, logits.data(), scores.data(),
                       idx.data(), weight.data(), workspace(be->router_workspace_bytes(cfg))};
   be->router_forward(cfg, a);
   for (int t = 0; t < 3; ++t) EXPECT_EQ(std::vector<int32_t>(idx.begin() + 3 * t, idx.begin() + 3 * t + 3),
@@ -613,28 +641,55 @@ TEST_F(CpuOps, GroupedGemmAllKindsWithEmptyGroups) {
     }
 }
 
-TEST_F(CpuOps, ExpertMlpForwardBackwardMatchComposition) {
+// The fused expert MLP of each (dtype, engine) against a plain double
+// composition. fp32, and bf16 on OpenBLAS (fp32 panels of exact bf16 values),
+// compute in fp32: accumulation-order noise only. bf16 on oneDNN rounds h and dgu
+// to bf16 before the GEMMs that read them (expert_mlp_onednn.cc): an output with
+// such an operand moves by at most 2^-8 (bf16 roundoff) of its sum of |terms|;
+// 2^-7 of that sum leaves as much again for the fp32 accumulation behind them.
+class ExpertMlpOp : public CpuOps, public ::testing::WithParamInterface<std::tuple<DType, GemmEngine>> {};
+
+TEST_P(ExpertMlpOp, ForwardBackwardMatchComposition) {
+  const auto [dtype, engine] = GetParam();
+  std::string skip;
+  std::unique_ptr<Backend> be = backend_with(pool, dtype, engine, &skip);
+  if (!be) GTEST_SKIP() << skip;
+  ASSERT_EQ(be->gemm_engine(dtype), gemm_engine_name(engine));
+  const bool bf16 = dtype == DType::kBF16;
+  auto as_used = [&](std::vector<float> v) {
+    if (bf16) model::round_to_bf16(v);
+    return v;
+  };
   // Expert 1 gets 1100 rows (three tiles), expert 0 gets 3, expert 2 none.
   const int L = 3, H = 20, I = 12;
   const int64_t N = 700, M = 1103;
   const std::vector<int64_t> off = {0, 3, 1103, 1103};
   std::vector<int32_t> src(M);
   for (int64_t m = 0; m < M; ++m) src[m] = static_cast<int32_t>((m * 37) % N);
-  const std::vector<float> rows = normal_vector(N * H, 1), pw = normal_vector(M, 2);
-  const std::vector<float> w13 = normal_vector(L * 2 * I * H, 3, 0.3), w2 = normal_vector(L * H * I, 4, 0.3);
-  const std::vector<float> grad_rows = normal_vector(N * H, 5);
-  ExpertMlpConfig cfg{L, H, I, M, N, DType::kF32, true};
+  const std::vector<float> rows = as_used(normal_vector(N * H, 1)), pw = normal_vector(M, 2);
+  const std::vector<float> w13 = as_used(normal_vector(L * 2 * I * H, 3, 0.3)), w2 = as_used(normal_vector(L * H * I, 4, 0.3));
+  const std::vector<float> grad_rows = as_used(normal_vector(N * H, 5));
+  const std::vector<uint8_t> rows_s = model::to_storage(rows, dtype), grad_rows_s = model::to_storage(grad_rows, dtype);
+  ExpertMlpConfig cfg{L, H, I, M, N, dtype, true};
+  const std::unique_ptr<PackedWeights> packed = be->make_expert_weights(cfg);
+  be->pack_expert_weights(*packed, w13.data(), w2.data(), 0, 1);  // in two ranges: each packs only its own
+  be->pack_expert_weights(*packed, w13.data(), w2.data(), 1, L - 1);
   std::vector<float> y(M * H), gu(M * 2 * I), gx(M * H), gpw(M), g13(L * 2 * I * H, 7.0f), g2(L * H * I, 7.0f);
   void* ws = workspace(be->expert_mlp_workspace_bytes(cfg));
   ExpertMlpStats stats;
-  ExpertMlpForwardArgs f{rows.data(), off.data(), src.data(), pw.data(), w13.data(), w2.data(), y.data(), gu.data(), ws, &stats};
+  ExpertMlpForwardArgs f{rows_s.data(), off.data(), src.data(), pw.data(), w13.data(), w2.data(), packed.get(),
+                         y.data(), gu.data(), ws, &stats};
   be->expert_mlp_forward(cfg, f);
   EXPECT_GT(stats.gemm_seconds, 0.0);
-  ExpertMlpBackwardArgs b{grad_rows.data(), rows.data(), off.data(), src.data(), pw.data(), w13.data(), w2.data(),
-                          gu.data(), gx.data(), gpw.data(), g13.data(), g2.data(), ws, nullptr};
+  ExpertMlpBackwardArgs b{grad_rows_s.data(), rows_s.data(), off.data(), src.data(), pw.data(), w13.data(),
+                          w2.data(), packed.get(), gu.data(), gx.data(), gpw.data(), g13.data(), g2.data(), ws,
+                          nullptr};
   be->expert_mlp_backward(cfg, b);
 
+  // want: the composition in double; sum: the |terms| behind each element that
+  // reads a bf16-rounded operand (h for y and grad_w2, dgu for grad_x and grad_w13).
   std::vector<double> wy(M * H, 0), wgx(M * H, 0), wgpw(M, 0), wg13(L * 2 * I * H, 0), wg2(L * H * I, 0);
+  std::vector<double> sy(M * H, 0), sgx(M * H, 0), sg13(L * 2 * I * H, 0), sg2(L * H * I, 0);
   for (int e = 0; e < L; ++e)
     for (int64_t m = off[e]; m < off[e + 1]; ++m) {
       const float* x = &rows[src[m] * H];
@@ -649,31 +704,154 @@ TEST_F(CpuOps, ExpertMlpForwardBackwardMatchComposition) {
       }
       for (int j = 0; j < H; ++j) {
         double yu = 0;
-        for (int i = 0; i < I; ++i) yu += static_cast<double>(w2[(e * H + j) * I + i]) * hh[i];
+        for (int i = 0; i < I; ++i) {
+          yu += static_cast<double>(w2[(e * H + j) * I + i]) * hh[i];
+          sy[m * H + j] += std::fabs(pw[m] * hh[i] * w2[(e * H + j) * I + i]);
+        }
         wy[m * H + j] = pw[m] * yu;
         wgpw[m] += go[j] * yu;
         for (int i = 0; i < I; ++i) {
           dh[i] += pw[m] * go[j] * w2[(e * H + j) * I + i];
           wg2[(e * H + j) * I + i] += pw[m] * go[j] * hh[i];
+          sg2[(e * H + j) * I + i] += std::fabs(pw[m] * go[j] * hh[i]);
         }
       }
       for (int i = 0; i < I; ++i) {
         const double s = 1 / (1 + std::exp(-g[i]));
         const double dg = dh[i] * u[i] * s * (1 + g[i] * (1 - s)), du = dh[i] * g[i] * s;
         for (int j = 0; j < H; ++j) {
+          const double wg = w13[(e * 2 * I + i) * H + j], wu = w13[(e * 2 * I + I + i) * H + j];
           wg13[(e * 2 * I + i) * H + j] += dg * x[j];
           wg13[(e * 2 * I + I + i) * H + j] += du * x[j];
-          wgx[m * H + j] += dg * w13[(e * 2 * I + i) * H + j] + du * w13[(e * 2 * I + I + i) * H + j];
+          sg13[(e * 2 * I + i) * H + j] += std::fabs(dg * x[j]);
+          sg13[(e * 2 * I + I + i) * H + j] += std::fabs(du * x[j]);
+          wgx[m * H + j] += dg * wg + du * wu;
+          sgx[m * H + j] += std::fabs(dg * wg) + std::fabs(du * wu);
         }
       }
     }
-  EXPECT_TRUE(close("y", to_double(y), wy, 1e-4, 1e-5));
-  EXPECT_TRUE(close("grad_perm_x", to_double(gx), wgx, 1e-4, 1e-5));
-  EXPECT_TRUE(close("grad_perm_weight", to_double(gpw), wgpw, 1e-4, 1e-5));
-  EXPECT_TRUE(close("grad_w13", to_double(g13), wg13, 1e-4, 1e-5));
-  EXPECT_TRUE(close("grad_w2", to_double(g2), wg2, 1e-4, 1e-5));
+  const double coef = bf16 && engine == GemmEngine::kOneDnn ? 0x1.0p-7 : 0.0;
+  EXPECT_TRUE(close_bounded("y", to_double(y), wy, sy, coef, 1e-4, 1e-5));
+  EXPECT_TRUE(close_bounded("grad_perm_x", to_double(gx), wgx, sgx, coef, 1e-4, 1e-5));
+  EXPECT_TRUE(close("grad_perm_weight", to_double(gpw), wgpw, 1e-4, 1e-5));  // reads no rounded operand
+  EXPECT_TRUE(close_bounded("grad_w13", to_double(g13), wg13, sg13, coef, 1e-4, 1e-5));
+  EXPECT_TRUE(close_bounded("grad_w2", to_double(g2), wg2, sg2, coef, 1e-4, 1e-5));
   // Expert 2 had no rows: its gradient is exactly zero (overwritten, not left at 7).
   for (int64_t i = 2 * 2 * I * H; i < 3 * 2 * I * H; ++i) ASSERT_EQ(g13[i], 0.0f);
+
+  // No rows at all (T = 0 on a rank): nothing to compute, every gradient zero.
+  const std::vector<int64_t> none = {0, 0, 0, 0};
+  f.expert_offset = b.expert_offset = none.data();
+  be->expert_mlp_forward(cfg, f);
+  be->expert_mlp_backward(cfg, b);
+  EXPECT_EQ(max_abs(to_double(g13)), 0.0);
+  EXPECT_EQ(max_abs(to_double(g2)), 0.0);
+}
+
+INSTANTIATE_TEST_SUITE_P(Engines, ExpertMlpOp,
+                         ::testing::Combine(::testing::Values(DType::kF32, DType::kBF16),
+                                            ::testing::Values(GemmEngine::kOpenBlas, GemmEngine::kOneDnn)),
+                         [](const ::testing::TestParamInfo<std::tuple<DType, GemmEngine>>& info) {
+                           return std::string(dtype_name(std::get<0>(info.param))) +
+                                  engine_suffix(std::get<1>(info.param));
+                         });
+
+TEST_F(CpuOps, ExpertMlpRejectsMissingOrMismatchedPackedWeights) {
+  const int L = 2, H = 16, I = 8;
+  ExpertMlpConfig cfg{L, H, I, 4, 4, DType::kBF16, false};
+  const std::vector<float> rows(4 * H, 0.0f), w13(L * 2 * I * H, 0.0f), w2(L * H * I, 0.0f);
+  const std::vector<int64_t> off = {0, 2, 4};
+  const std::vector<int32_t> src = {0, 1, 2, 3};
+  std::vector<float> y(4 * H);
+  void* ws = workspace(be->expert_mlp_workspace_bytes(cfg));
+  ExpertMlpForwardArgs f{rows.data(), off.data(), src.data(), nullptr, w13.data(), w2.data(), nullptr,
+                         y.data(), nullptr, ws, nullptr};
+  auto message_of = [&](const ExpertMlpConfig& c) {
+    try {
+      be->expert_mlp_forward(c, f);
+    } catch (const Error& e) {
+      return std::string(e.what());
+    }
+    return std::string("no error");
+  };
+  EXPECT_NE(message_of(cfg).find("packed is null"), std::string::npos) << message_of(cfg);
+  const std::unique_ptr<PackedWeights> packed = be->make_expert_weights(cfg);
+  f.packed = packed.get();
+  EXPECT_NE(message_of(cfg).find("pack_expert_weights was not called"), std::string::npos) << message_of(cfg);
+  EXPECT_THROW(be->pack_expert_weights(*packed, w13.data(), w2.data(), 1, L), Error);  // past the last expert
+  be->pack_expert_weights(*packed, w13.data(), w2.data(), 0, L);
+  ExpertMlpConfig wider = cfg;
+  wider.hidden = 2 * H;
+  EXPECT_NE(message_of(wider).find("hidden"), std::string::npos) << message_of(wider);
+  EXPECT_EQ(message_of(cfg), "no error");
+}
+
+TEST(CpuEngineTable, FollowsTheCpuAndTheOverride) {
+  // The table: bf16 dot products -> oneDNN for bf16; none (AVX2) -> OpenBLAS.
+  EXPECT_EQ(engine_table("avx512_core_bf16").bf16, GemmEngine::kOneDnn);
+  EXPECT_EQ(engine_table("avx512_core_amx").bf16, GemmEngine::kOneDnn);
+  EXPECT_EQ(engine_table("avx2").bf16, GemmEngine::kOpenBlas);
+  EXPECT_EQ(engine_table("avx2").fp32, GemmEngine::kOpenBlas);
+  const CpuBackendInfo table = cpu_backend_info();
+  EXPECT_EQ(table.engine_source, "table");
+  EXPECT_FALSE(table.isa.empty());
+  EXPECT_EQ(table.bf16_dot, table.isa == "avx512_core_bf16" || table.isa == "avx512_core_amx");
+  EXPECT_EQ(table.engines.bf16, engine_table(table.isa).bf16);
+
+  ::setenv("MOE_GEMM_ENGINE", "fp32=openblas", 1);
+  CpuBackendInfo info = cpu_backend_info();
+  EXPECT_EQ(info.engines.fp32, GemmEngine::kOpenBlas);
+  EXPECT_EQ(info.engines.bf16, table.engines.bf16);  // not named: the table's
+  EXPECT_EQ(info.engine_source, "MOE_GEMM_ENGINE=fp32=openblas");
+  ::setenv("MOE_GEMM_ENGINE", "openblas", 1);
+  info = cpu_backend_info();
+  EXPECT_EQ(info.engines.fp32, GemmEngine::kOpenBlas);
+  EXPECT_EQ(info.engines.bf16, GemmEngine::kOpenBlas);
+  ThreadPool pool(1);
+  EXPECT_EQ(make_cpu_backend(pool)->gemm_engine(DType::kBF16), "openblas");
+  for (const char* bad : {"mkl", "bf16=fast", "bf17=onednn", "bf16"}) {
+    ::setenv("MOE_GEMM_ENGINE", bad, 1);
+    try {
+      cpu_backend_info();
+      ADD_FAILURE() << "MOE_GEMM_ENGINE=" << bad << " accepted";
+    } catch (const Error& e) {
+      EXPECT_NE(std::string(e.what()).find(bad), std::string::npos) << e.what();
+    }
+  }
+  ::unsetenv("MOE_GEMM_ENGINE");
+}
+
+TEST(CpuEngineTable, OneDnnRunsOnTheCallingThreadAlone) {
+  // A pool of two runs oneDNN matmuls as teams of one: the process gains no
+  // OpenMP worker thread. (The peak measurement may use a team; it is not run here.)
+  if (!onednn_supports(DType::kBF16)) GTEST_SKIP() << "oneDNN has no bf16 matmul on this CPU (ISA " << cpu_backend_info().isa << ")";
+  auto threads_now = [] {
+    std::ifstream in("/proc/self/status");
+    std::string line;
+    while (std::getline(in, line))
+      if (line.rfind("Threads:", 0) == 0) return std::stoi(line.substr(8));
+    return -1;
+  };
+  ThreadPool pool(2);
+  CpuEngines e;
+  e.bf16 = GemmEngine::kOneDnn;
+  auto be = make_cpu_backend(pool, e);
+  const int before = threads_now();
+  ExpertMlpConfig cfg{4, 64, 32, 512, 512, DType::kBF16, false};
+  const std::vector<float> w13 = normal_vector(4 * 64 * 64, 1, 0.1), w2 = normal_vector(4 * 64 * 32, 2, 0.1);
+  const std::vector<uint8_t> rows = model::to_storage(normal_vector(512 * 64, 3), DType::kBF16);
+  std::vector<int64_t> off = {0, 128, 256, 384, 512};
+  std::vector<int32_t> src(512);
+  std::iota(src.begin(), src.end(), 0);
+  std::vector<float> y(512 * 64);
+  std::vector<uint8_t> ws(be->expert_mlp_workspace_bytes(cfg));
+  const std::unique_ptr<PackedWeights> packed = be->make_expert_weights(cfg);
+  be->pack_expert_weights(*packed, w13.data(), w2.data(), 0, 4);
+  ExpertMlpForwardArgs f{rows.data(), off.data(), src.data(), nullptr, w13.data(), w2.data(), packed.get(),
+                         y.data(), nullptr, ws.data(), nullptr};
+  for (int i = 0; i < 3; ++i) be->expert_mlp_forward(cfg, f);
+  EXPECT_EQ(threads_now(), before);
+  EXPECT_GT(nonzero_fraction(to_double(y)), 0.5);
 }
 
 }  // namespace

@@ -9,6 +9,9 @@
 //     w13 [L, 2I, H]: rows [0, I) are gate_proj, rows [I, 2I) are up_proj
 //     w2  [L, H, I] : down_proj
 //   so h = silu(x gate^T) * (x up^T) and y = h down^T.
+// - Weights are fp32 arrays; with bf16 storage (x_dtype bf16) they must hold
+//   bf16 values (the layer keeps them rounded): an engine computing in bf16 packs
+//   them as bf16.
 // - "dtype" pointers (void*) hold fp32 or bf16 as the config says; float* are
 //   always fp32 (accumulators, scores, workspaces, weights' working copies).
 // - Index arrays are int32; -1 marks "no expert" (dropped pair or unused slot).
@@ -27,6 +30,19 @@
 #include "moe/kernels/types.h"
 
 namespace moe::kernels {
+
+// ---------------------------------------------------------------------------
+// Packed weights: a backend's own copy of a layer's weights in the dtype and
+// layout its GEMM engine reads (e.g. bf16 in the layout oneDNN prefers, one copy
+// per GEMM that reads them), with what it needs to run those GEMMs (primitives).
+// make_* builds one per config outside any step (no values yet); pack_* fills it
+// from the fp32 weights, at set_weights and again after every optimizer step that
+// changes them. Ops read the values from it, never from a stale copy: pack after
+// every change. An engine that reads the fp32 weights directly keeps nothing in it.
+class PackedWeights {
+ public:
+  virtual ~PackedWeights() = default;
+};
 
 // ---------------------------------------------------------------------------
 // Router (DESIGN 3.1)
@@ -48,7 +64,8 @@ struct RouterConfig : RoutingParams {
 
 struct RouterForwardArgs {
   const void* x = nullptr;                // [T, H] x_dtype
-  const float* weight = nullptr;          // [E, H]
+  const float* weight = nullptr;          // [E, H]; bf16 values when x_dtype is bf16
+  const PackedWeights* packed_weight = nullptr;  // weight, by make/pack_router_weights (required)
   const float* selection_bias = nullptr;  // [E] or null (e_score_correction_bias)
   const float* logit_bias = nullptr;      // [E] or null (added to the logits; skew)
   float* logits = nullptr;                // [T, E] out
@@ -296,6 +313,7 @@ struct ExpertMlpForwardArgs {
   const float* perm_weight = nullptr;     // [M] or null (1)
   const float* w13 = nullptr;             // [L, 2I, H]
   const float* w2 = nullptr;              // [L, H, I]
+  const PackedWeights* packed = nullptr;  // w13 and w2, by make/pack_expert_weights (required)
   float* y = nullptr;                     // [M, H] out, weighted
   float* saved_gu = nullptr;              // [M, 2I] out for backward, or null
   void* workspace = nullptr;              // expert_mlp_workspace_bytes
@@ -313,6 +331,7 @@ struct ExpertMlpBackwardArgs {
   const float* perm_weight = nullptr;     // [M] or null
   const float* w13 = nullptr;
   const float* w2 = nullptr;
+  const PackedWeights* packed = nullptr;  // as in forward; made with train = true
   const float* saved_gu = nullptr;        // [M, 2I] from forward
   float* grad_perm_x = nullptr;           // [M, H] out
   float* grad_perm_weight = nullptr;      // [M] out: <grad_rows[src], y_unweighted[m]>
@@ -359,9 +378,12 @@ class Backend {
  public:
   virtual ~Backend() = default;
   virtual std::string name() const = 0;  // "cpu", "cuda"
-  // The GEMM engine per storage dtype, e.g. "fp32=openblas bf16=openblas"
-  // (moed's moe_build_info label and registration).
+  // The GEMM engine per storage dtype, e.g. "fp32=onednn bf16=onednn" (moed's
+  // moe_build_info label and registration).
   virtual std::string gemm_engine() const = 0;
+  // The GEMM engine this backend runs for one storage dtype (CPU: "openblas" or
+  // "onednn", chosen at construction; see cpu_backend.h).
+  virtual std::string gemm_engine(DType dtype) const = 0;
 
   // Memory in the backend's address space.
   virtual void* alloc(size_t bytes) = 0;  // 64-byte aligned; throws on failure
@@ -375,6 +397,18 @@ class Backend {
   // dst[i] = src[i] converted between dtypes (count elements).
   virtual void convert(const void* src, DType src_dtype, void* dst, DType dst_dtype,
                        int64_t count) = 0;
+
+  // Packed weights (see PackedWeights). The router's: gate [E, H] for configs of
+  // this hidden, num_experts and x_dtype (num_tokens does not matter). The
+  // experts': w13 [L, 2I, H] and w2 [L, H, I] for configs of this num_experts,
+  // hidden, ffn_hidden, x_dtype and train (row counts do not matter).
+  virtual std::unique_ptr<PackedWeights> make_router_weights(const RouterConfig& cfg) = 0;
+  virtual void pack_router_weights(PackedWeights& packed, const float* weight) = 0;
+  virtual std::unique_ptr<PackedWeights> make_expert_weights(const ExpertMlpConfig& cfg) = 0;
+  // Packs experts [first, first + count) from the full arrays w13 and w2; the
+  // others keep what they hold (set_weights packs all, a moved slot only itself).
+  virtual void pack_expert_weights(PackedWeights& packed, const float* w13, const float* w2, int first,
+                                   int count) = 0;
 
   virtual size_t router_workspace_bytes(const RouterConfig& cfg) const = 0;
   virtual void router_forward(const RouterConfig& cfg, const RouterForwardArgs& args) = 0;

@@ -8,6 +8,7 @@
 #pragma once
 
 #include <cstdint>
+#include <memory>
 #include <vector>
 
 #include "moe/base/clock.h"
@@ -108,6 +109,7 @@ class RouterStage {
   kernels::Buffer gate_, bias_, logit_bias_, logits_, scores_, topk_idx_, topk_weight_, kept_idx_;
   kernels::Buffer grad_logits_, grad_gate_, router_ws_, capacity_ws_;
   TrainableTensor gate_param_;
+  std::unique_ptr<kernels::PackedWeights> packed_gate_;  // gate_ as the GEMM engine reads it
 };
 
 // Wall seconds of the last ExpertStage::forward, and the fused MLP's split.
@@ -161,6 +163,7 @@ class ExpertStage {
 
  private:
   kernels::ExpertMlpConfig mlp_config() const;
+  void pack_weights(int first, int count);  // experts' w13_, w2_ -> packed_, after every change
   MoeLayerConfig cfg_;
   int L_;
   kernels::Backend& be_;
@@ -173,6 +176,7 @@ class ExpertStage {
   kernels::Buffer perm_src_row_, perm_weight_, pair_pos_, y_, saved_gu_, grad_perm_x_, grad_perm_weight_;
   kernels::Buffer layout_ws_, mlp_ws_;
   TrainableTensor w13_param_, w2_param_;
+  std::unique_ptr<kernels::PackedWeights> packed_;  // w13_, w2_ as the GEMM engine reads them
   ExpertStageTimes times_;
 };
 

@@ -62,6 +62,7 @@ struct Grads {
   std::vector<double> grad_w2;           // [E, H, I]
   std::vector<double> grad_topk_weight;  // [T, K]: <grad_out[t], y_k(t)>, 0 if dropped
   std::vector<double> grad_logits;       // [T, E]
+  std::vector<double> grad_gu;           // [T, K, 2I] gradient reaching gu (0 if dropped)
 };
 
 // x is [T, H].

@@ -1,0 +1,50 @@
+// What the two expert MLP paths (OpenBLAS in expert_mlp.cc, oneDNN in
+// expert_mlp_onednn.cc) share: the tile size, offset checks, phase clocks.
+#pragma once
+
+#include <atomic>
+#include <chrono>
+
+#include "cpu_ops.h"
+#include "moe/base/check.h"
+
+namespace moe::kernels::cpu {
+
+// Rows per fused tile: one expert's rows, split so a tile's panels stay in L2.
+constexpr int64_t kMlpMaxTileRows = 512;
+
+inline void check_offsets(const ExpertMlpConfig& c, const int64_t* off) {
+  MOE_CHECK(off[0] == 0, "expert mlp: expert_offset[0] must be 0, got ", off[0]);
+  for (int e = 0; e < c.num_experts; ++e)
+    MOE_CHECK(off[e + 1] >= off[e], "expert mlp: expert_offset decreases at expert ", e);
+  MOE_CHECK(off[c.num_experts] <= c.max_rows, "expert mlp: ", off[c.num_experts],
+            " permuted rows exceed max_rows (", c.max_rows, ")");
+}
+
+// Thread-seconds per phase, summed over tiles; flushed into ExpertMlpStats.
+class PhaseClock {
+ public:
+  using Clock = std::chrono::steady_clock;
+  void start() { t_ = Clock::now(); }
+  // Adds the time since the last start()/lap() to `slot` and restarts.
+  void lap(std::atomic<double>& slot) {
+    const auto now = Clock::now();
+    slot.fetch_add(std::chrono::duration<double>(now - t_).count(), std::memory_order_relaxed);
+    t_ = now;
+  }
+
+ private:
+  Clock::time_point t_;
+};
+
+struct PhaseTotals {
+  std::atomic<double> gather{0}, gemm{0}, swiglu{0};
+  void flush(ExpertMlpStats* stats) const {
+    if (!stats) return;
+    stats->gather_seconds += gather.load();
+    stats->gemm_seconds += gemm.load();
+    stats->swiglu_seconds += swiglu.load();
+  }
+};
+
+}  // namespace moe::kernels::cpu

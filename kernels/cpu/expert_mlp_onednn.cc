@@ -1,0 +1,178 @@
+// The oneDNN path of the fused expert MLP: the tiles of the OpenBLAS path, with
+// every GEMM operand in the compute dtype (the storage dtype x_dtype: bf16 runs
+// on bf16 dot products with fp32 accumulation) and the weights packed by
+// pack_expert_weights. Gathered rows are copied as they are, never converted.
+//
+// Numerics of the bf16 path beyond the OpenBLAS one (which rounds only the
+// layer's outputs): h = w * silu(g) * u is rounded to bf16 before the down GEMM;
+// in backward dgu and the scaled h are rounded to bf16 before the GEMMs that read
+// them (dx = dgu w13, dW13 = dgu^T x, dW2 = g^T h). Rounding an operand moves it
+// by at most 2^-9 of itself, so an output c = sum_i a_i b_i with one rounded
+// operand moves by at most 2^-9 sum_i |a_i b_i|. Accumulation is fp32 throughout;
+// weight gradients are fp32 sums.
+#include <cstring>
+
+#include "expert_mlp_common.h"
+#include "moe/base/check.h"
+#include "packed_weights.h"
+
+namespace moe::kernels::cpu {
+namespace {
+
+// Workspace layout (es = bytes per element of the compute dtype):
+//   per thread: xp [tile, H] es | gup [tile, 2I] fp32 | hp [tile, I] es | dh [tile, I] fp32
+//   train only: g_perm [M, H] es | x_perm [M, H] es | dgu [M, 2I] es | h_perm [M, I] es
+struct Layout {
+  size_t es, xp, gup, hp, dh, thread;  // per-thread region sizes in bytes
+  size_t g_perm, x_perm, dgu, h_perm;  // train region sizes in bytes
+
+  explicit Layout(const ExpertMlpConfig& c) : es(dtype_size(c.x_dtype)) {
+    const size_t tile = kMlpMaxTileRows, H = c.hidden, I = c.ffn_hidden, M = c.max_rows;
+    xp = align64(tile * H * es);
+    gup = align64(tile * 2 * I * 4);
+    hp = align64(tile * I * es);
+    dh = align64(tile * I * 4);
+    thread = xp + gup + hp + dh;
+    g_perm = x_perm = c.train ? align64(M * H * es) : 0;
+    dgu = c.train ? align64(M * 2 * I * es) : 0;
+    h_perm = c.train ? align64(M * I * es) : 0;
+  }
+  size_t bytes(int num_threads) const { return thread * num_threads + g_perm + x_perm + dgu + h_perm; }
+};
+
+struct Workspace {
+  Layout lay;
+  uint8_t* base;
+  uint8_t* g_perm;
+  uint8_t* x_perm;
+  uint8_t* dgu;
+  uint8_t* h_perm;
+
+  Workspace(const ExpertMlpConfig& c, void* ws, int num_threads) : lay(c), base(static_cast<uint8_t*>(ws)) {
+    g_perm = base + lay.thread * num_threads;
+    x_perm = g_perm + lay.g_perm;
+    dgu = x_perm + lay.x_perm;
+    h_perm = dgu + lay.dgu;
+  }
+  uint8_t* xp(int t) const { return base + lay.thread * t; }
+  float* gup(int t) const { return reinterpret_cast<float*>(xp(t) + lay.xp); }
+  uint8_t* hp(int t) const { return xp(t) + lay.xp + lay.gup; }
+  float* dh(int t) const { return reinterpret_cast<float*>(hp(t) + lay.hp); }
+};
+
+// Copies rows src[0..count) of `rows` (row_bytes each) to out, densely.
+void gather_raw(const void* rows, size_t row_bytes, const int32_t* src, int64_t count, int64_t num_src_rows,
+                uint8_t* out) {
+  for (int64_t i = 0; i < count; ++i) {
+    MOE_CHECK(src[i] >= 0 && src[i] < num_src_rows, "expert mlp: perm_src_row value ", src[i],
+              " is out of range [0, ", num_src_rows, ")");
+    std::memcpy(out + i * row_bytes, static_cast<const uint8_t*>(rows) + src[i] * row_bytes, row_bytes);
+  }
+}
+
+// SwiGLU row kernels storing h (and dgu) in the compute dtype.
+void swiglu_forward_to(DType d, const float* gu, const float* scale, uint8_t* h, int64_t rows, int I) {
+  if (d == DType::kBF16)
+    swiglu_forward_rows(gu, scale, reinterpret_cast<bf16_t*>(h), rows, I);
+  else
+    swiglu_forward_rows(gu, scale, reinterpret_cast<float*>(h), rows, I);
+}
+
+void swiglu_backward_to(DType d, const float* gu, const float* dh, const float* scale, uint8_t* dgu,
+                        float* grad_scale, uint8_t* h, int64_t rows, int I) {
+  if (d == DType::kBF16)
+    swiglu_backward_rows(gu, dh, scale, reinterpret_cast<bf16_t*>(dgu), grad_scale, reinterpret_cast<bf16_t*>(h),
+                         rows, I);
+  else
+    swiglu_backward_rows(gu, dh, scale, reinterpret_cast<float*>(dgu), grad_scale, reinterpret_cast<float*>(h),
+                         rows, I);
+}
+
+// W_g [n, k] (fp32, overwritten) = A_g^T D_g for every group g, with A [M, n] and
+// D [M, k] in the compute dtype (es bytes), rows of group g at offset[g]. Tiles
+// split each W_g's n rows; a group without rows gets a zero gradient.
+void wgrad(CpuExec& exec, const int64_t* off, int num_groups, int64_t n, int64_t k, const OneDnnMatmul& mm,
+           const uint8_t* a, const uint8_t* d, float* w, size_t es) {
+  plan_wgrad_tiles(exec, off, num_groups, n);
+  exec.pool.parallel_for(static_cast<int64_t>(exec.tiles.size()), [&](int64_t i, int) {
+    const GemmTile t = exec.tiles[i];
+    const int64_t r0 = off[t.group], rows = off[t.group + 1] - r0;
+    float* out = w + (static_cast<int64_t>(t.group) * n + t.begin) * k;
+    if (rows == 0) {
+      std::memset(out, 0, sizeof(float) * (t.end - t.begin) * k);
+      return;
+    }
+    mm.run(a + (r0 * n + t.begin) * es, d + r0 * k * es, out, t.end - t.begin, rows);
+  });
+}
+
+}  // namespace
+
+size_t onednn_mlp_workspace_bytes(const ExpertMlpConfig& c, int num_threads) {
+  return Layout(c).bytes(num_threads);
+}
+
+void forward_onednn(CpuExec& exec, const ExpertMlpConfig& c, const ExpertMlpForwardArgs& a,
+                    const CpuExpertWeights& p) {
+  const int64_t H = c.hidden, I = c.ffn_hidden;
+  const Workspace ws(c, a.workspace, exec.pool.num_threads());
+  const size_t row_bytes = ws.lay.es * H;
+  PhaseTotals totals;
+  plan_row_tiles(exec, a.expert_offset, c.num_experts, kMlpMaxTileRows);
+  exec.pool.parallel_for(static_cast<int64_t>(exec.tiles.size()), [&](int64_t i, int thread) {
+    PhaseClock clock;
+    clock.start();
+    const GemmTile t = exec.tiles[i];
+    const int64_t rows = t.end - t.begin;
+    uint8_t* xp = ws.xp(thread);
+    float* gu = a.saved_gu ? a.saved_gu + t.begin * 2 * I : ws.gup(thread);
+    uint8_t* hp = ws.hp(thread);
+    gather_raw(a.rows, row_bytes, a.perm_src_row + t.begin, rows, c.max_src_rows, xp);
+    clock.lap(totals.gather);
+    p.gate_up->run(xp, p.w13_fwd.expert(t.group), gu, rows);
+    clock.lap(totals.gemm);
+    swiglu_forward_to(c.x_dtype, gu, a.perm_weight ? a.perm_weight + t.begin : nullptr, hp, rows, c.ffn_hidden);
+    clock.lap(totals.swiglu);
+    p.down->run(hp, p.w2_fwd.expert(t.group), a.y + t.begin * H, rows);
+    clock.lap(totals.gemm);
+  });
+  totals.flush(a.stats);
+}
+
+void backward_onednn(CpuExec& exec, const ExpertMlpConfig& c, const ExpertMlpBackwardArgs& a,
+                     const CpuExpertWeights& p) {
+  const int64_t H = c.hidden, I = c.ffn_hidden;
+  const Workspace ws(c, a.workspace, exec.pool.num_threads());
+  const size_t es = ws.lay.es;
+
+  // Row tiles: dgrad chain. dh' = g w2; SwiGLU backward gives dgu, the scaled h and
+  // the routing-weight gradient; dx = dgu w13.
+  PhaseTotals totals;
+  plan_row_tiles(exec, a.expert_offset, c.num_experts, kMlpMaxTileRows);
+  exec.pool.parallel_for(static_cast<int64_t>(exec.tiles.size()), [&](int64_t i, int thread) {
+    PhaseClock clock;
+    clock.start();
+    const GemmTile t = exec.tiles[i];
+    const int64_t rows = t.end - t.begin;
+    uint8_t* g = ws.g_perm + t.begin * H * es;
+    uint8_t* dgu = ws.dgu + t.begin * 2 * I * es;
+    float* dh = ws.dh(thread);
+    gather_raw(a.grad_rows, H * es, a.perm_src_row + t.begin, rows, c.max_src_rows, g);
+    gather_raw(a.rows, H * es, a.perm_src_row + t.begin, rows, c.max_src_rows, ws.x_perm + t.begin * H * es);
+    clock.lap(totals.gather);
+    p.down_dgrad->run(g, p.w2_dgrad.expert(t.group), dh, rows);
+    clock.lap(totals.gemm);
+    swiglu_backward_to(c.x_dtype, a.saved_gu + t.begin * 2 * I, dh, a.perm_weight ? a.perm_weight + t.begin : nullptr,
+                       dgu, a.grad_perm_weight + t.begin, ws.h_perm + t.begin * I * es, rows, c.ffn_hidden);
+    clock.lap(totals.swiglu);
+    p.gate_up_dgrad->run(dgu, p.w13_dgrad.expert(t.group), a.grad_perm_x + t.begin * H, rows);
+    clock.lap(totals.gemm);
+  });
+  totals.flush(a.stats);
+
+  // Weight gradients: dW2_e = g_e^T h_e ([H, I]); dW13_e = dgu_e^T x_e ([2I, H]).
+  wgrad(exec, a.expert_offset, c.num_experts, H, I, *p.down_wgrad, ws.g_perm, ws.h_perm, a.grad_w2, es);
+  wgrad(exec, a.expert_offset, c.num_experts, 2 * I, H, *p.gate_up_wgrad, ws.dgu, ws.x_perm, a.grad_w13, es);
+}
+
+}  // namespace moe::kernels::cpu

@@ -1,0 +1,148 @@
+// Making and packing the CPU backend's PackedWeights (router and experts).
+#include "packed_weights.h"
+
+#include "moe/base/check.h"
+
+namespace moe::kernels::cpu {
+namespace {
+
+std::unique_ptr<OneDnnMatmul> matmul(const MatmulShape& s) { return std::make_unique<OneDnnMatmul>(s); }
+
+// A primitive whose B is a packed weight stored [n, k] (C = A W^T) or [k, n].
+MatmulShape weight_gemm(DType d, int64_t k, int64_t n, bool w_nk) {
+  MatmulShape s;
+  s.dtype = d;
+  s.k = k;
+  s.n = n;
+  s.lda = k;
+  s.ldc = n;
+  s.packed_b = true;
+  s.b_nk = w_nk;
+  return s;
+}
+
+// Weight gradient rows: C [m, n] = A^T B with A stored [k, m] (row stride lda), B
+// [k, n]; m and k given per call.
+MatmulShape wgrad_gemm(DType d, int64_t lda, int64_t n) {
+  MatmulShape s;
+  s.dtype = d;
+  s.k = kRuntimeDim;
+  s.n = n;
+  s.lda = lda;
+  s.ldb = n;
+  s.ldc = n;
+  s.trans_a = true;
+  return s;
+}
+
+}  // namespace
+
+PackedTensor::PackedTensor(const OneDnnMatmul& mm, int num_experts)
+    : stride(align64(mm.packed_b_bytes())), data(stride * num_experts) {}
+
+std::unique_ptr<PackedWeights> make_router_weights(const RouterConfig& cfg, GemmEngine engine) {
+  cfg.validate();
+  auto p = std::make_unique<CpuRouterWeights>();
+  p->cfg = cfg;
+  p->engine = engine;
+  if (engine == GemmEngine::kOneDnn) {
+    p->logits = matmul(weight_gemm(cfg.x_dtype, cfg.hidden, cfg.num_experts, true));
+    p->gate = PackedTensor(*p->logits, 1);
+  }
+  return p;
+}
+
+void pack_router_weights(ThreadPool&, PackedWeights& packed, const float* weight) {
+  auto* p = dynamic_cast<CpuRouterWeights*>(&packed);
+  MOE_CHECK(p, "pack_router_weights: the packed weights are not the CPU backend's router weights");
+  if (p->logits) p->logits->pack_b(weight, p->gate.expert(0));
+  p->packed = true;
+}
+
+std::unique_ptr<PackedWeights> make_expert_weights(const ExpertMlpConfig& c, GemmEngine engine) {
+  c.validate();
+  auto p = std::make_unique<CpuExpertWeights>();
+  p->cfg = c;
+  p->engine = engine;
+  if (engine == GemmEngine::kOpenBlas || c.num_experts == 0) return p;
+  const DType d = c.x_dtype;
+  const int64_t H = c.hidden, I = c.ffn_hidden;
+  const int L = c.num_experts;
+  p->gate_up = matmul(weight_gemm(d, H, 2 * I, true));  // w13_e [2I, H]
+  p->down = matmul(weight_gemm(d, I, H, true));         // w2_e [H, I]
+  p->w13_fwd = PackedTensor(*p->gate_up, L);
+  p->w2_fwd = PackedTensor(*p->down, L);
+  if (c.train) {
+    p->down_dgrad = matmul(weight_gemm(d, H, I, false));         // [rows, H] w2_e
+    p->gate_up_dgrad = matmul(weight_gemm(d, 2 * I, H, false));  // [rows, 2I] w13_e
+    p->down_wgrad = matmul(wgrad_gemm(d, H, I));                 // g^T [H, rows] h [rows, I]
+    p->gate_up_wgrad = matmul(wgrad_gemm(d, 2 * I, H));          // dgu^T [2I, rows] x [rows, H]
+    p->w2_dgrad = PackedTensor(*p->down_dgrad, L);
+    p->w13_dgrad = PackedTensor(*p->gate_up_dgrad, L);
+  }
+  return p;
+}
+
+void pack_expert_weights(ThreadPool& pool, PackedWeights& packed, const float* w13, const float* w2, int first,
+                         int count) {
+  auto* p = dynamic_cast<CpuExpertWeights*>(&packed);
+  MOE_CHECK(p, "pack_expert_weights: the packed weights are not the CPU backend's expert weights");
+  MOE_CHECK(first >= 0 && count >= 0 && first + count <= p->cfg.num_experts, "pack_expert_weights: experts [", first,
+            ", ", first + count, ") are not within the ", p->cfg.num_experts, " the weights were made for");
+  if (p->gate_up && count > 0) {
+    const int64_t n13 = 2 * static_cast<int64_t>(p->cfg.ffn_hidden) * p->cfg.hidden;
+    const int64_t n2 = static_cast<int64_t>(p->cfg.hidden) * p->cfg.ffn_hidden;
+    struct Job {
+      const OneDnnMatmul* mm;
+      PackedTensor* to;
+      const float* from;
+      int64_t count;  // fp32 values per expert
+    };
+    std::vector<Job> jobs = {{p->gate_up.get(), &p->w13_fwd, w13, n13}, {p->down.get(), &p->w2_fwd, w2, n2}};
+    if (p->cfg.train) {
+      jobs.push_back({p->gate_up_dgrad.get(), &p->w13_dgrad, w13, n13});
+      jobs.push_back({p->down_dgrad.get(), &p->w2_dgrad, w2, n2});
+    }
+    pool.parallel_for(static_cast<int64_t>(jobs.size()) * count, [&](int64_t task, int) {
+      const Job& j = jobs[task / count];
+      const int e = first + static_cast<int>(task % count);
+      j.mm->pack_b(j.from + j.count * e, j.to->expert(e));
+    });
+  }
+  p->packed = true;
+}
+
+const CpuRouterWeights& checked_router_weights(const PackedWeights* packed, const RouterConfig& cfg) {
+  MOE_CHECK(packed, "router: packed_weight is null (make_router_weights, then pack_router_weights)");
+  const auto* p = dynamic_cast<const CpuRouterWeights*>(packed);
+  MOE_CHECK(p, "router: packed_weight is not the CPU backend's router weights");
+  MOE_CHECK(p->cfg.hidden == cfg.hidden, "router: packed_weight was made for hidden ", p->cfg.hidden, ", not ",
+            cfg.hidden);
+  MOE_CHECK(p->cfg.num_experts == cfg.num_experts, "router: packed_weight was made for num_experts ",
+            p->cfg.num_experts, ", not ", cfg.num_experts);
+  MOE_CHECK(p->cfg.x_dtype == cfg.x_dtype, "router: packed_weight was made for x_dtype ", dtype_name(p->cfg.x_dtype),
+            ", not ", dtype_name(cfg.x_dtype));
+  MOE_CHECK(p->packed, "router: packed_weight holds no values (pack_router_weights was not called)");
+  return *p;
+}
+
+const CpuExpertWeights& checked_expert_weights(const PackedWeights* packed, const ExpertMlpConfig& cfg,
+                                               bool backward) {
+  MOE_CHECK(packed, "expert mlp: packed is null (make_expert_weights, then pack_expert_weights)");
+  const auto* p = dynamic_cast<const CpuExpertWeights*>(packed);
+  MOE_CHECK(p, "expert mlp: packed is not the CPU backend's expert weights");
+  const ExpertMlpConfig& m = p->cfg;
+  MOE_CHECK(m.num_experts == cfg.num_experts, "expert mlp: packed weights were made for num_experts ",
+            m.num_experts, ", not ", cfg.num_experts);
+  MOE_CHECK(m.hidden == cfg.hidden, "expert mlp: packed weights were made for hidden ", m.hidden, ", not ",
+            cfg.hidden);
+  MOE_CHECK(m.ffn_hidden == cfg.ffn_hidden, "expert mlp: packed weights were made for ffn_hidden ", m.ffn_hidden,
+            ", not ", cfg.ffn_hidden);
+  MOE_CHECK(m.x_dtype == cfg.x_dtype, "expert mlp: packed weights were made for x_dtype ", dtype_name(m.x_dtype),
+            ", not ", dtype_name(cfg.x_dtype));
+  MOE_CHECK(!backward || m.train, "expert mlp backward: packed weights were made with train = false");
+  MOE_CHECK(p->packed, "expert mlp: packed weights hold no values (pack_expert_weights was not called)");
+  return *p;
+}
+
+}  // namespace moe::kernels::cpu

@@ -1,0 +1,77 @@
+// The CPU backend's PackedWeights: for the oneDNN engine, the matmul primitives
+// of a config and its weights packed in the layout each primitive prefers; for
+// OpenBLAS, only the config (sgemm reads the fp32 weights).
+#pragma once
+
+#include <memory>
+#include <utility>
+
+#include "cpu_ops.h"
+#include "onednn_matmul.h"
+
+namespace moe::kernels::cpu {
+
+// Host bytes owned by a packed copy (host_alloc / host_free).
+class HostBytes {
+ public:
+  HostBytes() = default;
+  explicit HostBytes(size_t bytes) : p_(bytes ? host_alloc(bytes) : nullptr) {}
+  ~HostBytes() { host_free(p_); }
+  HostBytes(HostBytes&& o) noexcept : p_(std::exchange(o.p_, nullptr)) {}
+  HostBytes& operator=(HostBytes&& o) noexcept {
+    std::swap(p_, o.p_);
+    return *this;
+  }
+  uint8_t* get() const { return static_cast<uint8_t*>(p_); }
+
+ private:
+  void* p_ = nullptr;
+};
+
+// One weight tensor of L experts in one primitive's layout: expert e at
+// data + e * stride.
+struct PackedTensor {
+  size_t stride = 0;  // bytes per expert, a multiple of 64
+  HostBytes data;
+  PackedTensor() = default;
+  PackedTensor(const OneDnnMatmul& mm, int num_experts);
+  const uint8_t* expert(int e) const { return data.get() + stride * e; }
+  uint8_t* expert(int e) { return data.get() + stride * e; }
+};
+
+// Router weight gate [E, H]: logits [T, E] = x [T, H] gate^T.
+struct CpuRouterWeights final : PackedWeights {
+  RouterConfig cfg;
+  GemmEngine engine = GemmEngine::kOpenBlas;
+  std::unique_ptr<OneDnnMatmul> logits;  // oneDNN: x (x_dtype) . gate^T -> fp32
+  PackedTensor gate;
+  bool packed = false;  // pack_router_weights ran
+};
+
+// Expert weights w13 [L, 2I, H], w2 [L, H, I], in the compute dtype (x_dtype).
+struct CpuExpertWeights final : PackedWeights {
+  ExpertMlpConfig cfg;
+  GemmEngine engine = GemmEngine::kOpenBlas;
+  // Forward: gu = x w13^T, y = h w2^T.
+  std::unique_ptr<OneDnnMatmul> gate_up, down;
+  // Train: dh = g w2, dx = dgu w13 (dgrad); dW2 = g^T h, dW13 = dgu^T x (wgrad,
+  // runtime m and k, no packed operand).
+  std::unique_ptr<OneDnnMatmul> down_dgrad, gate_up_dgrad, down_wgrad, gate_up_wgrad;
+  PackedTensor w13_fwd, w2_fwd, w2_dgrad, w13_dgrad;
+  bool packed = false;
+};
+
+// The packed object behind `p`, checked against the op's config (the fields
+// that shape it); throws naming the field that differs.
+const CpuRouterWeights& checked_router_weights(const PackedWeights* p, const RouterConfig& cfg);
+const CpuExpertWeights& checked_expert_weights(const PackedWeights* p, const ExpertMlpConfig& cfg, bool backward);
+
+// The oneDNN path of the fused expert MLP (expert_mlp_onednn.cc); the entry points
+// in expert_mlp.cc check the config and offsets, then call these.
+size_t onednn_mlp_workspace_bytes(const ExpertMlpConfig& cfg, int num_threads);
+void forward_onednn(CpuExec& exec, const ExpertMlpConfig& cfg, const ExpertMlpForwardArgs& a,
+                    const CpuExpertWeights& p);
+void backward_onednn(CpuExec& exec, const ExpertMlpConfig& cfg, const ExpertMlpBackwardArgs& a,
+                     const CpuExpertWeights& p);
+
+}  // namespace moe::kernels::cpu
