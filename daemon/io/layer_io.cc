@@ -42,6 +42,13 @@ void add_layer_weights(SafetensorsWriter& out, const std::string& prefix, const 
   if (!w.selection_bias.empty())
     out.add_f32(prefix + "gate.e_score_correction_bias", {E}, w.selection_bias.data());
   if (!w.logit_bias.empty()) out.add_f32(prefix + "gate.logit_bias", {E}, w.logit_bias.data());
+  if (!w.shared_w13.empty()) {  // DeepSeek's names; the gate is Qwen's [1, H]
+    const int64_t Is = s.shared_ffn_hidden;
+    out.add_f32(prefix + "shared_experts.gate_proj.weight", {Is, H}, w.shared_w13.data(), st);
+    out.add_f32(prefix + "shared_experts.up_proj.weight", {Is, H}, w.shared_w13.data() + Is * H, st);
+    out.add_f32(prefix + "shared_experts.down_proj.weight", {H, Is}, w.shared_w2.data(), st);
+    if (!w.shared_gate.empty()) out.add_f32(prefix + "shared_expert_gate.weight", {1, H}, w.shared_gate.data(), st);
+  }
   for (int e : experts) {
     MOE_CHECK(e >= 0 && e < E, "dump: expert ", e, " out of range [0, ", E, ")");
     const float* w13 = w.w13.data() + e * 2 * I * H;
@@ -71,6 +78,13 @@ void write_layer_dump(const std::string& path, const LayerDump& d) {
       out.add_f32("grad.experts." + std::to_string(e) + ".up_proj.weight", {I, H}, g13 + I * H);
       out.add_f32("grad.experts." + std::to_string(e) + ".down_proj.weight", {H, I}, d.grad_w2 + e * H * I);
     }
+    if (d.grad_shared_w13) {
+      const int64_t Is = d.shape.shared_ffn_hidden;
+      out.add_f32("grad.shared_experts.gate_proj.weight", {Is, H}, d.grad_shared_w13);
+      out.add_f32("grad.shared_experts.up_proj.weight", {Is, H}, d.grad_shared_w13 + Is * H);
+      out.add_f32("grad.shared_experts.down_proj.weight", {H, Is}, d.grad_shared_w2);
+    }
+    if (d.grad_shared_gate) out.add_f32("grad.shared_expert_gate.weight", {1, H}, d.grad_shared_gate);
   }
   add_layer_weights(out, "", d.shape, *d.weights, d.experts, d.dtype);
   out.write(path);

@@ -45,6 +45,11 @@ void dump_step(const v1::JobSpec& spec, const ModelStack& stack, const model::La
     d.grad_gate = layer.grad_gate();
     d.grad_w13 = g13.data();
     d.grad_w2 = g2.data();
+    if (ep::SharedExperts* shared = layer.shared_experts()) {
+      d.grad_shared_w13 = shared->grad_w13();
+      d.grad_shared_w2 = shared->grad_w2();
+      d.grad_shared_gate = shared->grad_gate();
+    }
   }
   io::write_layer_dump(spec.dump_dir() + "/rank" + std::to_string(rank) + ".safetensors", d);
   if (rank == 0) write_file_atomically(spec.dump_dir() + "/spec.json", spec::to_json(spec));

@@ -5,9 +5,11 @@
 
 #include <algorithm>
 #include <cmath>
+#include <filesystem>
 #include <numeric>
 
 #include "local_cluster.h"
+#include "moe/io/safetensors.h"
 
 namespace moe::test {
 namespace {
@@ -120,9 +122,18 @@ TEST(Balancing, SharedExpertsVerifyOnEveryShapeAndDtype) {
                      "--steps", "2", "--tokens-per-rank", "24", "--dtype", dtype, "--shared-experts", "1",
                      "--shared-ffn-hidden", "24", "--verify", "--verify-step", "1"};
         if (gate) spec.push_back("--shared-expert-gate");
-        const v1::JobResult r = run_job(c, spec);
+        const std::filesystem::path dump = c.dir() / (std::string("dump_") + dtype + (gate ? "_gate" : ""));
+        const v1::JobResult r = run_job(c, concat(spec, {"--dump-dir", dump.string()}));
         EXPECT_TRUE(r.verify().passed()) << nodes << "x" << devices << " " << dtype << " gate " << gate << "\n"
                                          << r.DebugString();
+        // The dump names them as DESIGN 3 says, on every rank (replicated weights).
+        const io::SafetensorsReader f((dump / ("rank" + std::to_string(nodes * devices - 1) + ".safetensors")).string());
+        for (const char* name : {"shared_experts.gate_proj.weight", "shared_experts.up_proj.weight",
+                                 "shared_experts.down_proj.weight", "grad.shared_experts.gate_proj.weight",
+                                 "grad.shared_experts.down_proj.weight"})
+          EXPECT_TRUE(f.has(name)) << name;
+        EXPECT_EQ(f.has("shared_expert_gate.weight"), gate);
+        EXPECT_EQ(f.has("grad.shared_expert_gate.weight"), gate);
       }
   }
 }

@@ -40,6 +40,9 @@ struct LayerDump {
   const float* grad_gate = nullptr;     // [E, H], summed over ranks
   const float* grad_w13 = nullptr;      // [E, 2I, H], indexed by logical expert
   const float* grad_w2 = nullptr;       // [E, H, I]
+  const float* grad_shared_w13 = nullptr;   // [2Is, H] summed over ranks, or null
+  const float* grad_shared_w2 = nullptr;    // [H, Is]
+  const float* grad_shared_gate = nullptr;  // [H] or null
 };
 
 void write_layer_dump(const std::string& path, const LayerDump& d);
