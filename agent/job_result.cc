@@ -49,7 +49,8 @@ void fill_times(const std::vector<const std::vector<v1::StepStats>*>& steps, int
     optimizer.push_back(po);
   }
   const double p50 = median(step_time);
-  rec.set_steps_completed(static_cast<double>(steps.size()));
+  // Counted from step 0: a resumed job's first step is its checkpoint's.
+  rec.set_steps_completed(steps.empty() ? 0.0 : static_cast<double>((*steps.back())[0].step() + 1));
   rec.set_step_seconds_p50(p50);
   rec.set_tokens_per_second(p50 > 0 ? static_cast<double>(tokens_per_step) / p50 : 0.0);
   v1::PhaseSeconds* ph = rec.mutable_phase_seconds();

@@ -68,12 +68,43 @@ placement::PlacementSpec PlacementService::solver_spec(const ShapeKey& key, cons
   return ps;
 }
 
-std::vector<v1::PlacementMap> PlacementService::maps_for_job(const v1::JobSpec& spec, const ShapeKey& key) {
+PlacementService::Shape& PlacementService::shape_for_job(const v1::JobSpec& spec, const ShapeKey& key) {
   last_shape_ = key;
   Shape& s = shapes_[key];
   s.num_groups = spec.num_groups();
   s.top_k = spec.top_k();
   s.group_top_k = spec.group_top_k();
+  return s;
+}
+
+std::vector<v1::PlacementMap> PlacementService::maps_for_resume(const v1::JobSpec& spec, const ShapeKey& key,
+                                                                const v1::CheckpointManifest& ck) {
+  Shape& s = shape_for_job(spec, key);
+  const bool same_shape = ck.world_size() == key.ranks() && ck.devices_per_node() == key.devices_per_node;
+  ++epoch_;
+  s.maps.clear();
+  for (int l = 0; l < key.layers; ++l) {
+    if (same_shape) {
+      v1::PlacementMap m = ck.maps(l);
+      from_proto(m);  // checks it
+      m.set_epoch(epoch_);
+      m.set_layer(l);
+      s.maps.push_back(std::move(m));
+      continue;
+    }
+    std::vector<double> loads(key.experts, 1.0);
+    if (l < ck.expert_loads_size() && ck.expert_loads(l).tokens_size() == key.experts) {
+      const auto& t = ck.expert_loads(l).tokens();
+      if (std::any_of(t.begin(), t.end(), [](double v) { return v > 0; })) loads.assign(t.begin(), t.end());
+    }
+    s.maps.push_back(to_proto(placement::solve_layer(solver_spec(key, s, 0), loads), l, epoch_));
+  }
+  s.windows.assign(key.layers, LoadWindow(window_steps_));
+  return s.maps;
+}
+
+std::vector<v1::PlacementMap> PlacementService::maps_for_job(const v1::JobSpec& spec, const ShapeKey& key) {
+  Shape& s = shape_for_job(spec, key);
   if (s.maps.empty()) {
     const placement::LayerMap first =
         placement::solve_layer(solver_spec(key, s, 0), std::vector<double>(key.experts, 1.0));

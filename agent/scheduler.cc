@@ -1,5 +1,7 @@
 #include "moe/agent/scheduler.h"
 
+#include "moe/spec/checkpoint_manifest.h"
+
 #include <algorithm>
 
 #include "moe/base/check.h"
@@ -82,7 +84,15 @@ bool Scheduler::start(v1::JobResult& rec, Clock::time_point now) {
   try {
     spec::validate(rec.spec(), world);
     const ShapeKey shape{rec.spec().experts(), rec.spec().layers(), members_.num_nodes(), members_.devices_per_node()};
-    for (const auto& m : placement_.maps_for_job(rec.spec(), shape)) *msg.add_maps() = m;
+    if (rec.spec().resume().empty()) {
+      for (const auto& m : placement_.maps_for_job(rec.spec(), shape)) *msg.add_maps() = m;
+    } else {
+      const v1::CheckpointManifest ck = resume_checkpoint(*rec.mutable_spec());
+      for (const auto& m : placement_.maps_for_resume(rec.spec(), shape, ck)) *msg.add_maps() = m;
+    }
+  } catch (const ResumeError& e) {
+    fail_unstarted(rec, e.what());
+    return false;
   } catch (const RpcError& e) {
     fail_unstarted(rec, e.what());
     return false;
@@ -109,6 +119,19 @@ bool Scheduler::start(v1::JobResult& rec, Clock::time_point now) {
   msg.set_devices_per_node(members_.devices_per_node());
   actions_.start_job(msg);
   return true;
+}
+
+// The checkpoint a job resumes from (DESIGN 6): resolved to its step folder,
+// which the daemons are then told, its files and spec checked.
+v1::CheckpointManifest Scheduler::resume_checkpoint(v1::JobSpec& spec) {
+  try {
+    std::string folder;
+    v1::CheckpointManifest ck = spec::load_for_resume(spec, folder);
+    spec.set_resume(folder);
+    return ck;
+  } catch (const moe::Error& e) {
+    throw ResumeError(e.what());
+  }
 }
 
 void Scheduler::fail_unstarted(v1::JobResult& rec, const std::string& message) {

@@ -95,6 +95,14 @@ void add_target(CLI::App* cmd, ctl::PlacementTarget& t, bool layer) {
   if (layer) cmd->add_option("--layer", t.layer, "only this layer");
 }
 
+void add_checkpoint(CLI::App& app, Commands& c) {
+  CLI::App* ck = app.add_subcommand("checkpoint", "training checkpoints")->require_subcommand(1);
+  CLI::App* show = ck->add_subcommand("show", "step, spec, maps and bytes per rank of a checkpoint");
+  auto dir = std::make_shared<std::string>();
+  show->add_option("DIR", *dir, "a step folder, or a checkpoint_dir (its latest complete step)")->required();
+  c.add(show, [&c, dir] { return ctl::checkpoint_show(c.g, *dir, std::cout, std::cerr); });
+}
+
 void add_placement(CLI::App& app, Commands& c) {
   CLI::App* placement = app.add_subcommand("placement", "expert placement")->require_subcommand(1);
   auto t = std::make_shared<ctl::PlacementTarget>();
@@ -137,6 +145,7 @@ int main(int argc, char** argv) {
     add_cluster(app, c);
     add_job(app, c);
     add_placement(app, c);
+    add_checkpoint(app, c);
     app.parse(argc, argv);
   } catch (const CLI::ParseError& e) {
     const int rc = app.exit(e);

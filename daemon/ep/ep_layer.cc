@@ -117,6 +117,26 @@ RouterBalance EpLayer::balance_terms() const {
           .counts = counts_dev_.as<float>()};
 }
 
+EpLayer::ReplicatedState EpLayer::replicated_state(bool moments) const {
+  ReplicatedState s;
+  s.gate = router_.gate_state(moments);
+  s.selection_bias = selection_bias_;
+  if (shared_) {
+    s.shared = shared_->state(moments);
+    s.shared_gate = shared_->gate_state(moments);
+  }
+  return s;
+}
+
+void EpLayer::set_replicated_state(const ReplicatedState& s) {
+  router_.set_gate_state(s.gate);
+  if (!s.selection_bias.empty()) {
+    selection_bias_ = s.selection_bias;
+    router_.set_selection_bias(selection_bias_);
+  }
+  if (shared_) shared_->set_state(s.shared, s.shared_gate);
+}
+
 void EpLayer::update_selection_bias(double rate) {
   MOE_CHECK(cfg_.global_counts, "bias update on a layer built without global_counts");
   if (rate <= 0) return;

@@ -160,6 +160,30 @@ void RouterStage::copy_gate(float* out) const {
   be_.copy_to_host(out, gate_.get(), 4 * static_cast<size_t>(cfg_.num_experts) * cfg_.hidden);
 }
 
+TensorState RouterStage::gate_state(bool moments) const {
+  MOE_CHECK(cfg_.train, "router state of a layer built without train = true");
+  const size_t n = static_cast<size_t>(cfg_.num_experts) * cfg_.hidden;
+  TensorState s;
+  s.master.resize(n);
+  if (moments) {
+    s.m.resize(n);
+    s.v.resize(n);
+  }
+  gate_param_.read(0, n, s.master.data(), moments ? s.m.data() : nullptr, moments ? s.v.data() : nullptr);
+  return s;
+}
+
+void RouterStage::set_gate_state(const TensorState& s) {
+  const size_t n = static_cast<size_t>(cfg_.num_experts) * cfg_.hidden;
+  MOE_CHECK(cfg_.train, "router state of a layer built without train = true");
+  MOE_CHECK(s.master.size() == n, "router state: ", s.master.size(), " values, expected ", n);
+  const bool moments = !s.m.empty();
+  MOE_CHECK(!moments || (s.m.size() == n && s.v.size() == n), "router state: moments of the wrong size");
+  gate_param_.write(0, n, s.master.data(), moments ? s.m.data() : nullptr, moments ? s.v.data() : nullptr);
+  be_.pack_router_weights(*packed_gate_, gate_.as<float>());
+  has_weights_ = true;
+}
+
 std::vector<float> RouterStage::expert_counts() const {
   const size_t n = static_cast<size_t>(T_) * cfg_.top_k;
   std::vector<int32_t> idx(n);

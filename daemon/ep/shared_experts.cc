@@ -73,4 +73,18 @@ void SharedExperts::copy_weights(model::LayerWeights& w) const {
   gate_->copy_gate(w.shared_gate.data());
 }
 
+ExpertState SharedExperts::state(bool moments) const {
+  ExpertState st;
+  st.resize(cfg_.hidden, cfg_.ffn_hidden, moments);
+  experts_.export_slot(0, st);
+  return st;
+}
+
+TensorState SharedExperts::gate_state(bool moments) const { return gate_ ? gate_->gate_state(moments) : TensorState{}; }
+
+void SharedExperts::set_state(const ExpertState& experts, const TensorState& gate) {
+  experts_.import_slot(0, experts);
+  if (gate_) gate_->set_gate_state(gate);
+}
+
 }  // namespace moe::ep

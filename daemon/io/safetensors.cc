@@ -14,6 +14,7 @@
 #include <fstream>
 
 #include "moe/base/check.h"
+#include "moe/base/file.h"
 #include "moe/kernels/types.h"
 
 namespace moe::io {
@@ -291,22 +292,13 @@ void SafetensorsWriter::write(const std::string& path) const {
   header += "}";
   while (header.size() % 8 != 0) header += ' ';  // data section 8-byte aligned
 
-  const std::string tmp = path + ".tmp";
-  {
-    std::ofstream out(tmp, std::ios::binary | std::ios::trunc);
-    MOE_CHECK(out.good(), tmp, ": cannot create: ", std::strerror(errno));
-    uint8_t len[8];
-    uint64_t n = header.size();
-    for (int i = 0; i < 8; ++i) len[i] = static_cast<uint8_t>(n >> (8 * i));
-    out.write(reinterpret_cast<const char*>(len), 8);
-    out.write(header.data(), static_cast<std::streamsize>(header.size()));
-    for (const auto& e : entries_)
-      out.write(reinterpret_cast<const char*>(e.bytes.data()), static_cast<std::streamsize>(e.bytes.size()));
-    out.flush();
-    MOE_CHECK(out.good(), tmp, ": write failed: ", std::strerror(errno));
-  }
-  MOE_CHECK(std::rename(tmp.c_str(), path.c_str()) == 0, path, ": cannot rename from ", tmp, ": ",
-            std::strerror(errno));
+  // Whole or not at all (write, fsync, rename): dumps and checkpoints survive a crash.
+  std::string bytes(8, '\0');
+  const uint64_t n = header.size();
+  for (int i = 0; i < 8; ++i) bytes[i] = static_cast<char>(n >> (8 * i));
+  bytes += header;
+  for (const auto& e : entries_) bytes.append(reinterpret_cast<const char*>(e.bytes.data()), e.bytes.size());
+  write_file_atomically(path, bytes);
 }
 
 }  // namespace moe::io

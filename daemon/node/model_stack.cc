@@ -51,6 +51,7 @@ ModelStack::ModelStack(const v1::JobSpec& spec, const std::vector<ep::ExpertMap>
   grad_.resize(bytes);
   grad_x_.resize(bytes);
   snaps_.resize(L);
+  loads_.assign(L, std::vector<float>(spec.experts(), 0.0f));
   opt_ = optimizer_config(spec);
 }
 
@@ -128,6 +129,8 @@ void ModelStack::forward(int step, StepReport& report, bool capture) {
     ep::EpLayer& layer = *layers_[l];
     layer.forward(xs_[l].data(), T_, token_begin(), out_.data());
     report.add_forward(l, layer, T_, K);
+    for (int64_t p = 0; p < T_ * K; ++p)
+      if (layer.kept_idx()[p] >= 0) loads_[l][layer.kept_idx()[p]] += 1.0f;
     if (capture) {
       LayerSnapshot& s = snaps_[l];
       s.x = xs_[l];

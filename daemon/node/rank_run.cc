@@ -4,9 +4,11 @@
 
 #include "moe/base/clock.h"
 #include "moe/base/log.h"
+#include "moe/node/checkpoint.h"
 #include "moe/node/dump.h"
 #include "moe/node/job_model.h"
 #include "moe/node/verify.h"
+#include "moe/spec/checkpoint_manifest.h"
 
 namespace moe::node {
 namespace {
@@ -49,6 +51,12 @@ RankRun::RankRun(const v1::StartJob& job, const RunnerEnv& env, int rank, std::s
       stack_(spec_, expert_maps(job), rank, job.world_size(), comm_, *backend_, env.transport_timeout),
       mailbox_(mailbox) {
   verify_.set_passed(true);
+  if (!spec_.resume().empty()) {  // the agent resolved and checked the folder
+    const v1::CheckpointManifest m = spec::read_manifest(spec_.resume());
+    load_checkpoint(spec_.resume(), m, stack_, rank_);
+    first_step_ = m.step();
+    log::info("job ", job_.job_id(), ": rank ", rank_, " resumed from ", spec_.resume(), " at step ", first_step_);
+  }
   log::info("job ", job_.job_id(), ": rank ", rank_, " of ", job.world_size(), " ready (", spec_.layers(),
             " layers, ", spec_.tokens_per_rank(), " tokens, ", v1::JobSpec::Mode_Name(spec_.mode()), ", ",
             backend_->name(), " backend)");
@@ -162,14 +170,22 @@ void RankRun::run_step(int step) {
   if (dump) dump_step(spec_, stack_, weights[0], rank_);
 }
 
+// A checkpoint after `done` steps: every checkpoint_every steps and at the end.
+bool RankRun::checkpoint_due(int done) const {
+  if (spec_.checkpoint_dir().empty()) return false;
+  const int every = spec_.checkpoint_every();
+  return done == spec_.steps() || (every > 0 && done % every == 0);
+}
+
 int RankRun::run(const std::function<bool()>& cancel_requested) {
-  int step = 0;
+  int step = first_step_;
   for (; step < spec_.steps(); ++step) {
     const Boundary b = agree(cancel_requested());
     if (b.stop) break;
     act(b, step);
     run_step(step);
     check_staged();
+    if (checkpoint_due(step + 1)) write_checkpoint(job_, stack_, step + 1, rank_, comm_, deadline());
   }
   comm_.barrier(deadline());  // nobody tears down endpoints a peer still uses
   return step;

@@ -49,6 +49,11 @@ class PlacementService {
   // maps; for a shape seen the first time, the solver's map for uniform load
   // under a new epoch. Throws moe::Error when the solver refuses the sizes.
   std::vector<v1::PlacementMap> maps_for_job(const v1::JobSpec& spec, const ShapeKey& shape);
+  // The maps a job resuming from a checkpoint starts on (DESIGN 6), under a new
+  // epoch: on the checkpoint's cluster shape its maps; on another, the solver's
+  // from the checkpoint's measured loads.
+  std::vector<v1::PlacementMap> maps_for_resume(const v1::JobSpec& spec, const ShapeKey& shape,
+                                                const v1::CheckpointManifest& checkpoint);
   // One complete step of a job: per layer, pairs per logical expert (summed
   // over ranks), pairs per rank, and the epoch the layer ran under.
   void record_step(const ShapeKey& shape, const std::vector<std::vector<double>>& expert,
@@ -94,6 +99,7 @@ class PlacementService {
     int num_groups = 0, top_k = 0, group_top_k = 0;  // the last job's routing, for the solver
   };
   const Shape& find(const ShapeKey& shape) const;  // throws NOT_FOUND
+  Shape& shape_for_job(const v1::JobSpec& spec, const ShapeKey& shape);  // creates it, notes the routing
   placement::PlacementSpec solver_spec(const ShapeKey& key, const Shape& s, int redundant) const;
   v1::LayerPlacement describe_layer(const Shape& s, int layer) const;
 

@@ -117,6 +117,10 @@ class Scheduler {
 
  private:
   bool start(v1::JobResult& rec, Clock::time_point now);
+  struct ResumeError : std::runtime_error {
+    using std::runtime_error::runtime_error;
+  };
+  static v1::CheckpointManifest resume_checkpoint(v1::JobSpec& spec);
   void fail_unstarted(v1::JobResult& rec, const std::string& message);
   void note_cancelled_rank(const v1::RankDone& d, Clock::time_point now);
   void record_load(const std::vector<v1::StepStats>& by_rank);

@@ -75,4 +75,9 @@ struct RebalanceOptions {
 // copy), 2 a request that breaks the slot rule, 3 unreachable.
 int placement_rebalance(const Globals& g, const RebalanceOptions& o, std::ostream& out, std::ostream& err);
 
+// A training checkpoint (a step folder, or a checkpoint_dir for its latest
+// complete step): step, spec, maps and the bytes per rank; exit 2 naming the
+// file when it is incomplete, missing a file or truncated.
+int checkpoint_show(const Globals& g, const std::string& dir, std::ostream& out, std::ostream& err);
+
 }  // namespace moe::ctl

@@ -78,6 +78,19 @@ class EpLayer {
   const float* grad_w2(int local_slot) const;   // [H, I]
   SharedExperts* shared_experts() const { return shared_.get(); }
 
+  // Checkpoints (train): what every rank holds alike (router, selection bias,
+  // shared experts; masters and, with `moments`, Adam state), and back; a local
+  // slot's state goes through export_slot / import_slot.
+  struct ReplicatedState {
+    TensorState gate;
+    std::vector<float> selection_bias;  // empty without one
+    ExpertState shared;                 // empty without shared experts
+    TensorState shared_gate;            // empty without the gate
+  };
+  ReplicatedState replicated_state(bool moments) const;
+  void set_replicated_state(const ReplicatedState& s);
+  void import_slot(int local_slot, const ExpertState& in) { experts_->import_slot(local_slot, in); }
+
   // Live rebalance (DESIGN 7), called by every rank at the same step boundaries:
   // stage() starts filling the slots `next` gives this rank (copies: the layer's,
   // in the same order everywhere; the optimizer's Adam state travels when adam);

@@ -63,6 +63,12 @@ struct ExpertState {
   size_t floats() const { return weights.size() + m.size() + v.size(); }
 };
 
+// A trainable tensor as checkpoints hold it: fp32 master values and the Adam
+// moments (empty without them).
+struct TensorState {
+  std::vector<float> master, m, v;
+};
+
 // One trainable tensor of a stage: the values the layer computes with, an fp32
 // master copy (its own buffer only in a bf16 layer, where the compute copy holds
 // bf16-rounded values) and the optimizer's moments, allocated on first update.
@@ -119,6 +125,9 @@ class RouterStage {
   float* grad_gate() const { return grad_gate_.as<float>(); }
   // The router weight [E, H] as the layer computes with it, to host memory.
   void copy_gate(float* out) const;
+  // Train: the router weight's master and (with `moments`) Adam state, and back.
+  TensorState gate_state(bool moments) const;
+  void set_gate_state(const TensorState& s);
   // Pairs per expert that top-k selected in the last forward, before capacity [E].
   std::vector<float> expert_counts() const;
   // The last forward's logits and scores [T, E], to host memory.

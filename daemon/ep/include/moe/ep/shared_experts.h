@@ -38,6 +38,10 @@ class SharedExperts {
   size_t gate_size() const { return gate_ ? cfg_.hidden : 0; }
   // Adds the weights in use (fp32 values) to w's shared fields.
   void copy_weights(model::LayerWeights& w) const;
+  // Train: masters and (with `moments`) Adam state, as checkpoints hold them, and back.
+  ExpertState state(bool moments) const;
+  TensorState gate_state(bool moments) const;  // empty without the gate
+  void set_state(const ExpertState& experts, const TensorState& gate);
 
  private:
   MoeLayerConfig cfg_;

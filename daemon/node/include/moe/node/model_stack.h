@@ -61,6 +61,9 @@ class ModelStack {
 
   int num_layers() const { return static_cast<int>(layers_.size()); }
   const ep::EpLayer& layer(int l) const { return *layers_[l]; }
+  ep::EpLayer& layer(int l) { return *layers_[l]; }
+  // Per layer, this rank's kept pairs per logical expert over every step it ran.
+  const std::vector<std::vector<float>>& expert_loads() const { return loads_; }
   const ep::ExpertMap& map(int l) const { return layers_[l]->map(); }
   const LayerSnapshot& snapshot(int l) const { return snaps_[l]; }
 
@@ -82,6 +85,7 @@ class ModelStack {
   std::vector<std::vector<uint8_t>> xs_;  // xs_[l]: input of layer l; xs_[L]: the stack's output
   std::vector<uint8_t> out_, grad_, grad_x_;
   std::vector<LayerSnapshot> snaps_;
+  std::vector<std::vector<float>> loads_;
   kernels::OptimizerConfig opt_;
 };
 

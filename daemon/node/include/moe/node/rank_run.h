@@ -33,8 +33,9 @@ class RankRun {
   RankRun(const v1::StartJob& job, const RunnerEnv& env, int rank, std::shared_ptr<transport::LocalHub> hub,
           rpc::RpcClient& agent, RebalanceMailbox& mailbox);
 
-  // Runs the steps until done or a cancel agreed by every rank; returns the
-  // number of steps completed.
+  // Runs the steps (from the checkpoint's step when resuming) until done or a
+  // cancel agreed by every rank, writing checkpoints when due; returns the number
+  // of steps completed (counted from step 0).
   int run(const std::function<bool()>& cancel_requested);
   const v1::Verify& verification() const { return verify_; }
 
@@ -55,6 +56,7 @@ class RankRun {
   void check_staged();
   void tell_agent_ready(bool ok, const std::string& reason);
   void run_step(int step);
+  bool checkpoint_due(int steps_done) const;
 
   const v1::StartJob& job_;
   const v1::JobSpec& spec_;
@@ -70,6 +72,7 @@ class RankRun {
   std::optional<v1::PrepareRebalance> staged_;  // the epoch being staged
   bool staged_ready_ = false;
   v1::Verify verify_;
+  int first_step_ = 0;  // a resumed run's first step
 };
 
 }  // namespace moe::node

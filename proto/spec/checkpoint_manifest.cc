@@ -1,0 +1,85 @@
+#include "moe/spec/checkpoint_manifest.h"
+
+#include <google/protobuf/text_format.h>
+#include <google/protobuf/util/json_util.h>
+
+#include <cstdio>
+#include <filesystem>
+#include <set>
+
+#include "moe/base/check.h"
+#include "moe/base/file.h"
+
+namespace moe::spec {
+
+namespace fs = std::filesystem;
+
+std::string step_folder_name(int step) {
+  char name[32];
+  std::snprintf(name, sizeof name, "step-%06d", step);
+  return name;
+}
+
+std::string resolve_checkpoint(const std::string& path) {
+  MOE_CHECK(fs::is_directory(path), "resume: ", path, " is not a folder");
+  if (fs::exists(fs::path(path) / kManifestName)) return path;
+  std::string best;
+  for (const auto& entry : fs::directory_iterator(path)) {
+    const std::string name = entry.path().filename().string();
+    if (!entry.is_directory() || name.rfind("step-", 0) != 0 || name.size() != 11) continue;
+    if (!fs::exists(entry.path() / kManifestName)) continue;  // incomplete: never taken
+    if (name > best) best = name;
+  }
+  MOE_CHECK(!best.empty(), "resume: ", path, " holds no complete checkpoint (no step-NNNNNN/", kManifestName, ")");
+  return (fs::path(path) / best).string();
+}
+
+v1::CheckpointManifest read_manifest(const std::string& folder) {
+  const std::string path = (fs::path(folder) / kManifestName).string();
+  MOE_CHECK(fs::exists(path), "checkpoint: ", path, " is missing (an incomplete checkpoint)");
+  v1::CheckpointManifest m;
+  const auto st = google::protobuf::util::JsonStringToMessage(read_file(path), &m);
+  MOE_CHECK(st.ok(), "checkpoint: ", path, " is malformed: ", st.message().as_string());
+  MOE_CHECK(m.format() == 1, "checkpoint: ", path, " has format ", m.format(), ", this build reads 1");
+  MOE_CHECK(m.maps_size() == m.spec().layers(), "checkpoint: ", path, " holds ", m.maps_size(), " maps for ",
+            m.spec().layers(), " layers");
+  return m;
+}
+
+void check_files(const std::string& folder, const v1::CheckpointManifest& m) {
+  for (const v1::CheckpointFile& f : m.files()) {
+    const fs::path p = fs::path(folder) / f.name();
+    MOE_CHECK(fs::exists(p), "checkpoint: ", p.string(), " is missing");
+    const double bytes = static_cast<double>(fs::file_size(p));
+    MOE_CHECK(bytes == f.bytes(), "checkpoint: ", p.string(), " is truncated or changed: ", bytes, " bytes, ",
+              kManifestName, " recorded ", f.bytes());
+  }
+}
+
+void check_resume_spec(const v1::JobSpec& checkpoint, const v1::JobSpec& resumed) {
+  static const std::set<std::string> may_differ = {
+      "steps", "checkpoint_dir", "checkpoint_every", "resume", "verify", "verify_step", "dump_dir", "dump_step",
+      "tokens_per_rank"};
+  const auto* d = v1::JobSpec::descriptor();
+  for (int i = 0; i < d->field_count(); ++i) {
+    const auto* fd = d->field(i);
+    if (may_differ.count(fd->name())) continue;
+    std::string a, b;
+    google::protobuf::TextFormat::PrintFieldValueToString(checkpoint, fd, -1, &a);
+    google::protobuf::TextFormat::PrintFieldValueToString(resumed, fd, -1, &b);
+    MOE_CHECK(a == b, "resume: ", fd->name(), " is ", b, " but the checkpoint was written with ", a,
+              " (only steps, checkpoint_*, verify/dump fields and tokens_per_rank may change)");
+  }
+}
+
+v1::CheckpointManifest load_for_resume(const v1::JobSpec& resumed, std::string& folder) {
+  folder = resolve_checkpoint(resumed.resume());
+  v1::CheckpointManifest m = read_manifest(folder);
+  check_files(folder, m);
+  check_resume_spec(m.spec(), resumed);
+  MOE_CHECK(m.step() < resumed.steps(), "resume: the checkpoint has ", m.step(), " steps done, the job asks for ",
+            resumed.steps(), " (steps counts from step 0)");
+  return m;
+}
+
+}  // namespace moe::spec
