@@ -73,9 +73,11 @@ void fill_sums(const std::vector<const std::vector<v1::StepStats>*>& steps, cons
   std::vector<double> received(W, 0.0);
   double dbytes = 0, nbytes = 0, cbytes = 0;
   for (const auto* by_rank : steps) {
-    double loss = 0;
+    double loss = 0, aux = 0, z = 0;
     for (int rank = 0; rank < W; ++rank) {
       const v1::StepStats& s = (*by_rank)[rank];
+      aux += s.aux_loss();
+      z += s.z_loss();
       dbytes += s.dispatch_bytes();
       nbytes += s.naive_dispatch_bytes();
       cbytes += s.combine_bytes();
@@ -86,7 +88,10 @@ void fill_sums(const std::vector<const std::vector<v1::StepStats>*>& steps, cons
         for (int e = 0; e < std::min(E, s.expert_tokens(l).tokens_size()); ++e)
           expert_tokens[l][e] += s.expert_tokens(l).tokens(e);
     }
-    if (r.spec.mode() == v1::JobSpec::train) rec.add_loss(loss);
+    if (r.spec.mode() != v1::JobSpec::train) continue;
+    rec.add_loss(loss);
+    rec.add_aux_loss(aux);
+    rec.add_z_loss(z);
   }
   rec.set_dispatch_bytes(dbytes);
   rec.set_naive_dispatch_bytes(nbytes);
@@ -173,6 +178,8 @@ double balancedness_of(const std::vector<double>& loads) {
 
 void fill_result(const JobReports& r, v1::JobState state, v1::JobResult& rec) {
   rec.clear_loss();
+  rec.clear_aux_loss();
+  rec.clear_z_loss();
   rec.clear_expert_tokens();
   rec.clear_layer_rank_tokens();
   rec.clear_layer_balancedness();

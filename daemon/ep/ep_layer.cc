@@ -45,6 +45,8 @@ EpLayer::EpLayer(const MoeLayerConfig& cfg, const ExpertMap& map, transport::Com
     grad_x32_ = Buffer(be_, 4 * T * H);
   }
   reserve_rows(T);  // a first guess; grows when a step receives more
+  if (cfg.shared_ffn_hidden > 0) shared_ = std::make_unique<SharedExperts>(cfg, be);
+  if (cfg.global_counts) counts_dev_ = Buffer(be_, 4 * static_cast<size_t>(cfg.num_experts));
 }
 
 // The replica tables the router's replica choice reads.
@@ -83,9 +85,44 @@ void EpLayer::set_weights(const model::LayerWeights& w) {
     std::copy_n(w.w13.begin() + e * 2 * I * H, 2 * I * H, local.w13.begin() + s * 2 * I * H);
     std::copy_n(w.w2.begin() + e * H * I, H * I, local.w2.begin() + s * H * I);
   }
+  local.shared_w13 = w.shared_w13;
+  local.shared_w2 = w.shared_w2;
+  local.shared_gate = w.shared_gate;
   local = weights_as_used(std::move(local), cfg_.dtype);
   router_.set_weights(local);
   experts_->set_weights(local.w13.data(), local.w2.data());
+  if (shared_) shared_->set_weights(local);
+  selection_bias_ = local.selection_bias;
+}
+
+// c_e and T_g of the step over every rank (counts are integers: the float sum is exact).
+void EpLayer::gather_counts() {
+  counts_ = router_.expert_counts();
+  comm_.all_reduce_sum(counts_.data(), counts_.size(), deadline());
+  double pairs = 0;
+  for (float c : counts_) pairs += c;
+  global_tokens_ = pairs / cfg_.top_k;
+  be_.copy_to_device(counts_dev_.get(), counts_.data(), 4 * counts_.size());
+  if (!cfg_.train || (cfg_.aux_loss_coeff == 0 && cfg_.z_loss_coeff == 0)) return;
+  std::vector<float> logits, scores;
+  router_.copy_logits(logits, scores);
+  losses_ = ep::balance_losses(cfg_.routing(), cfg_.aux_loss_coeff, cfg_.z_loss_coeff, logits, scores,
+                               router_.num_tokens(), counts_, global_tokens_);
+}
+
+RouterBalance EpLayer::balance_terms() const {
+  if (!cfg_.global_counts) return {};
+  return {.aux_scale = static_cast<float>(aux_loss_scale(cfg_.aux_loss_coeff, cfg_.num_experts, cfg_.top_k, global_tokens_)),
+          .z_scale = static_cast<float>(z_loss_scale(cfg_.z_loss_coeff, global_tokens_)),
+          .counts = counts_dev_.as<float>()};
+}
+
+void EpLayer::update_selection_bias(double rate) {
+  MOE_CHECK(cfg_.global_counts, "bias update on a layer built without global_counts");
+  if (rate <= 0) return;
+  if (selection_bias_.empty()) selection_bias_.assign(cfg_.num_experts, 0.0f);
+  ep::update_selection_bias(selection_bias_, counts_, rate);
+  router_.set_selection_bias(selection_bias_);
 }
 
 void EpLayer::forward(const void* x, int64_t T, int64_t token_begin, void* out) {
@@ -96,6 +133,7 @@ void EpLayer::forward(const void* x, int64_t T, int64_t token_begin, void* out) 
   double t0 = now_seconds();
   router_.forward(x, T);
   be_.synchronize();
+  if (cfg_.global_counts) gather_counts();
   double t1 = now_seconds();
   stats_.router = t1 - t0;
 
@@ -116,7 +154,13 @@ void EpLayer::forward(const void* x, int64_t T, int64_t token_begin, void* out) 
 
   dispatcher_->combine(h, combined_.get(), out);
   be_.synchronize();
-  stats_.combine = now_seconds() - t1;
+  t0 = now_seconds();
+  stats_.combine = t0 - t1;
+  if (shared_) {  // on the rank's own tokens: counted as expert time
+    shared_->forward(x, T, out);
+    be_.synchronize();
+    stats_.expert += now_seconds() - t0;
+  }
   stats_.transfer = dispatcher_->stats();
 }
 
@@ -133,14 +177,24 @@ void EpLayer::backward(const void* grad_out, void* grad_x) {
   stats_.expert_backward = now_seconds() - t1;
   dispatcher_->dispatch_backward(*handle_, combined_.get(), grad_pair_weight_.as<float>(), grad_x32_.as<float>(),
                                 grad_topk_weight_.as<float>());
-  router_.backward(x_, grad_topk_weight_.as<float>(), grad_x32_.as<float>());
+  router_.backward(x_, grad_topk_weight_.as<float>(), grad_x32_.as<float>(), balance_terms());
+  if (shared_) shared_->backward(grad_out, grad_x32_.as<float>());
   be_.synchronize();
-  comm_.all_reduce_sum(router_.grad_gate(), static_cast<size_t>(cfg_.num_experts) * cfg_.hidden, deadline());
+  all_reduce_replicated_grads();
   reduce_replica_grads();
   be_.convert(grad_x32_.get(), DType::kF32, grad_x, cfg_.dtype, T * cfg_.hidden);
   be_.synchronize();
   stats_.backward = now_seconds() - t0;
   stats_.transfer = dispatcher_->stats();
+}
+
+// The router's and the shared experts' gradients, summed over ranks in rank order.
+void EpLayer::all_reduce_replicated_grads() {
+  comm_.all_reduce_sum(router_.grad_gate(), static_cast<size_t>(cfg_.num_experts) * cfg_.hidden, deadline());
+  if (!shared_) return;
+  comm_.all_reduce_sum(shared_->grad_w13(), shared_->w13_size(), deadline());
+  comm_.all_reduce_sum(shared_->grad_w2(), shared_->w2_size(), deadline());
+  if (shared_->gate_size()) comm_.all_reduce_sum(shared_->grad_gate(), shared_->gate_size(), deadline());
 }
 
 // Replicas of one expert end with the same gradient bits: the primary (first
@@ -219,6 +273,8 @@ model::LayerWeights EpLayer::primary_weights() const {
   model::LayerWeights w;
   w.gate.resize(E * H);
   router_.copy_gate(w.gate.data());
+  w.selection_bias = selection_bias_;
+  if (shared_) shared_->copy_weights(w);
   w.w13.assign(E * n13, 0.0f);
   w.w2.assign(E * n2, 0.0f);
   const int me = comm_.rank();
@@ -314,6 +370,7 @@ void EpLayer::switch_to_new_stage(const ExpertMap& next) {
 void EpLayer::optimizer_step(const kernels::OptimizerConfig& cfg, int64_t step) {
   router_.apply_update(cfg, step);
   experts_->apply_update(cfg, step);
+  if (shared_) shared_->apply_update(cfg, step);
   if (staged_) staged_->optimizer_step(cfg, step, be_);
   be_.synchronize();
 }

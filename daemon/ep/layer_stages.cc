@@ -1,6 +1,7 @@
 #include "moe/ep/layer_stages.h"
 
 #include <chrono>
+#include <cmath>
 
 #include "moe/base/check.h"
 
@@ -11,8 +12,27 @@ using kernels::Buffer;
 void MoeLayerConfig::validate() const {
   MOE_CHECK(max_tokens >= 0, "max_tokens must be >= 0, got ", max_tokens);
   MOE_CHECK(ffn_hidden > 0, "ffn_hidden must be > 0, got ", ffn_hidden);
+  MOE_CHECK(aux_loss_coeff >= 0 && std::isfinite(aux_loss_coeff), "aux_loss_coeff must be >= 0, got ", aux_loss_coeff);
+  MOE_CHECK(z_loss_coeff >= 0 && std::isfinite(z_loss_coeff), "z_loss_coeff must be >= 0, got ", z_loss_coeff);
+  MOE_CHECK(aux_loss_coeff == 0 || global_counts, "aux_loss_coeff needs global_counts");
+  MOE_CHECK(shared_ffn_hidden >= 0, "shared_ffn_hidden must be >= 0, got ", shared_ffn_hidden);
   router(max_tokens).validate();
   kernels::CapacityConfig{max_tokens, num_experts, top_k, capacity_factor, drop_policy}.validate();
+}
+
+MoeLayerConfig MoeLayerConfig::shared_experts() const {
+  MoeLayerConfig c;
+  c.hidden = hidden;
+  c.ffn_hidden = shared_ffn_hidden;
+  c.num_experts = 1;
+  c.top_k = 1;
+  c.score = kernels::ScoreFunc::kSigmoid;  // the gate's scale, when shared_gate
+  c.norm_topk_prob = false;
+  c.routed_scaling_factor = 1.0f;
+  c.dtype = dtype;
+  c.max_tokens = max_tokens;
+  c.train = train;
+  return c;
 }
 
 kernels::RouterConfig MoeLayerConfig::router(int64_t T) const {
@@ -26,9 +46,8 @@ kernels::RouterConfig MoeLayerConfig::router(int64_t T) const {
 
 model::LayerWeights weights_as_used(model::LayerWeights w, DType dtype) {
   if (dtype == DType::kBF16) {
-    model::round_to_bf16(w.gate);
-    model::round_to_bf16(w.w13);
-    model::round_to_bf16(w.w2);
+    for (std::vector<float>* v : {&w.gate, &w.w13, &w.w2, &w.shared_w13, &w.shared_w2, &w.shared_gate})
+      model::round_to_bf16(*v);
   }
   return w;
 }
@@ -141,6 +160,30 @@ void RouterStage::copy_gate(float* out) const {
   be_.copy_to_host(out, gate_.get(), 4 * static_cast<size_t>(cfg_.num_experts) * cfg_.hidden);
 }
 
+std::vector<float> RouterStage::expert_counts() const {
+  const size_t n = static_cast<size_t>(T_) * cfg_.top_k;
+  std::vector<int32_t> idx(n);
+  be_.copy_to_host(idx.data(), topk_idx_.get(), 4 * n);
+  std::vector<float> counts(cfg_.num_experts, 0.0f);
+  for (int32_t e : idx) counts[e] += 1.0f;
+  return counts;
+}
+
+void RouterStage::copy_logits(std::vector<float>& logits, std::vector<float>& scores) const {
+  const size_t n = static_cast<size_t>(T_) * cfg_.num_experts;
+  logits.resize(n);
+  scores.resize(n);
+  be_.copy_to_host(logits.data(), logits_.get(), 4 * n);
+  be_.copy_to_host(scores.data(), scores_.get(), 4 * n);
+}
+
+void RouterStage::set_selection_bias(const std::vector<float>& bias) {
+  MOE_CHECK(bias.size() == static_cast<size_t>(cfg_.num_experts), "selection bias has ", bias.size(),
+            " values, expected ", cfg_.num_experts);
+  be_.copy_to_device(bias_.get(), bias.data(), 4 * bias.size());
+  has_bias_ = true;
+}
+
 void RouterStage::apply_update(const kernels::OptimizerConfig& cfg, int64_t step) {
   MOE_CHECK(cfg_.train, "apply_update on a layer built without train = true");
   gate_param_.update(cfg, step, grad_gate_.as<float>());
@@ -184,7 +227,7 @@ void RouterStage::forward(const void* x, int64_t T) {
                     {topk_idx_.as<int32_t>(), topk_weight_.as<float>(), kept_idx_.as<int32_t>(), capacity_ws_.get()});
 }
 
-void RouterStage::backward(const void* x, const float* grad_topk_weight, float* grad_x32) {
+void RouterStage::backward(const void* x, const float* grad_topk_weight, float* grad_x32, const RouterBalance& balance) {
   MOE_CHECK(cfg_.train, "backward on a layer built without train = true");
   kernels::RouterBackwardArgs r;
   r.scores = scores_.as<float>();
@@ -197,6 +240,10 @@ void RouterStage::backward(const void* x, const float* grad_topk_weight, float* 
   r.grad_weight = grad_gate_.as<float>();
   r.grad_x = grad_x32;
   r.workspace = router_ws_.get();
+  r.aux_scale = balance.aux_scale;
+  r.balance_counts = balance.counts;
+  r.z_scale = balance.z_scale;
+  r.logits = logits_.as<float>();
   be_.router_backward(cfg_.router(T_), r);
 }
 

@@ -9,6 +9,10 @@ ref::Config reference_config(const MoeLayerConfig& c) {
   rc.ffn_hidden = c.ffn_hidden;
   rc.capacity_factor = c.capacity_factor;
   rc.drop_policy = c.drop_policy;
+  rc.aux_loss_coeff = c.aux_loss_coeff;
+  rc.z_loss_coeff = c.z_loss_coeff;
+  rc.shared_ffn_hidden = c.shared_ffn_hidden;
+  rc.shared_gate = c.shared_gate;
   return rc;
 }
 
@@ -19,6 +23,9 @@ ref::Weights reference_weights(const model::LayerWeights& w) {
   r.logit_bias.assign(w.logit_bias.begin(), w.logit_bias.end());
   r.w13.assign(w.w13.begin(), w.w13.end());
   r.w2.assign(w.w2.begin(), w.w2.end());
+  r.shared_w13.assign(w.shared_w13.begin(), w.shared_w13.end());
+  r.shared_w2.assign(w.shared_w2.begin(), w.shared_w2.end());
+  r.shared_gate.assign(w.shared_gate.begin(), w.shared_gate.end());
   return r;
 }
 

@@ -13,7 +13,9 @@ namespace moe::model {
 namespace {
 
 // Tensor ids of the weight key.
-enum Tensor : uint64_t { kGate = 1, kGateProj = 2, kUpProj = 3, kDownProj = 4, kSkew = 5 };
+enum Tensor : uint64_t { kGate = 1, kGateProj = 2, kUpProj = 3, kDownProj = 4, kSkew = 5, kSharedGate = 6 };
+// The shared experts draw as expert number -1 (key 2^64 - 1) with the experts' tensor ids.
+constexpr int kSharedExpert = -1;
 constexpr uint64_t kInputTag = 0x1e9u;
 
 float weight(uint64_t seed, int layer, int expert, Tensor tensor, int64_t element, double stddev) {
@@ -31,6 +33,28 @@ void fill_inputs(uint64_t seed, int64_t step, int64_t token_begin, int64_t T, in
     for (int h = 0; h < H; ++h) x[t * H + h] = static_cast<float>(normal(key_hash({token_key, static_cast<uint64_t>(h)})));
   }
 }
+
+namespace {
+
+// Shared experts: gate_proj and up_proj ~ N(0, 1/H), down_proj ~ N(0, 1/Is), the gate ~ N(0, 1/H).
+void add_shared_weights(uint64_t seed, int layer, const LayerShape& s, LayerWeights& w) {
+  const int64_t H = s.hidden, Is = s.shared_ffn_hidden;
+  if (Is == 0) return;
+  const double in_std = 1.0 / std::sqrt(static_cast<double>(H));
+  const double down_std = 1.0 / std::sqrt(static_cast<double>(Is));
+  w.shared_w13.resize(2 * Is * H);
+  w.shared_w2.resize(H * Is);
+  for (int64_t i = 0; i < Is * H; ++i) {
+    w.shared_w13[i] = weight(seed, layer, kSharedExpert, kGateProj, i, in_std);
+    w.shared_w13[Is * H + i] = weight(seed, layer, kSharedExpert, kUpProj, i, in_std);
+  }
+  for (int64_t i = 0; i < H * Is; ++i) w.shared_w2[i] = weight(seed, layer, kSharedExpert, kDownProj, i, down_std);
+  if (!s.shared_gate) return;
+  w.shared_gate.resize(H);
+  for (int64_t h = 0; h < H; ++h) w.shared_gate[h] = weight(seed, layer, kSharedExpert, kSharedGate, h, in_std);
+}
+
+}  // namespace
 
 LayerWeights make_layer_weights(uint64_t seed, int layer, const LayerShape& s) {
   return make_layer_weights(seed, layer, s, std::vector<bool>(s.num_experts, true));
@@ -56,6 +80,7 @@ LayerWeights make_layer_weights(uint64_t seed, int layer, const LayerShape& s, c
     }
     for (int64_t i = 0; i < H * I; ++i) w.w2[e * H * I + i] = weight(seed, layer, e, kDownProj, i, down_std);
   }
+  add_shared_weights(seed, layer, s, w);
   return w;
 }
 

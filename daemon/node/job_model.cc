@@ -25,6 +25,11 @@ ep::MoeLayerConfig layer_config(const v1::JobSpec& s) {
   c.dtype = job_dtype(s);
   c.max_tokens = s.tokens_per_rank();
   c.train = s.mode() == v1::JobSpec::train;
+  c.aux_loss_coeff = c.train ? s.aux_loss_coeff() : 0.0;
+  c.z_loss_coeff = c.train ? s.z_loss_coeff() : 0.0;
+  c.global_counts = c.aux_loss_coeff > 0 || c.z_loss_coeff > 0 || s.bias_update_rate() > 0;
+  c.shared_ffn_hidden = s.shared_experts() * s.shared_ffn_hidden();
+  c.shared_gate = s.shared_expert_gate();
   return c;
 }
 
@@ -33,6 +38,10 @@ v1::JobSpec teacher_of(const v1::JobSpec& s) {
   t.set_seed(s.seed() + 1);
   t.clear_weights();
   t.clear_weights_prefix();
+  // The teacher is a fixed target: no balancing terms, its bias never moves.
+  t.clear_aux_loss_coeff();
+  t.clear_z_loss_coeff();
+  t.clear_bias_update_rate();
   return t;
 }
 
@@ -43,7 +52,13 @@ kernels::OptimizerConfig optimizer_config(const v1::JobSpec& s) {
   return o;
 }
 
-model::LayerShape layer_shape(const v1::JobSpec& s) { return {s.hidden(), s.ffn_hidden(), s.experts()}; }
+model::LayerShape layer_shape(const v1::JobSpec& s) {
+  return {.hidden = s.hidden(),
+          .ffn_hidden = s.ffn_hidden(),
+          .num_experts = s.experts(),
+          .shared_ffn_hidden = s.shared_experts() * s.shared_ffn_hidden(),
+          .shared_gate = s.shared_expert_gate()};
+}
 
 ep::ExpertMap expert_map(const v1::PlacementMap& m) {
   return ep::ExpertMap::make(m.num_experts(), m.num_ranks(), m.slots_per_rank(), {m.phy2log().begin(), m.phy2log().end()},

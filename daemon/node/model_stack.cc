@@ -109,12 +109,12 @@ std::vector<model::LayerWeights> ModelStack::weights_in_use(int step, transport:
     const model::LayerWeights spec_w = layer_weights(spec_, l, std::vector<bool>(spec_.experts(), !trained));
     if (!trained) {
       all.push_back(ep::weights_as_used(spec_w, dt_));
+      all.back().selection_bias = layers_[l]->selection_bias();  // moved by bias updates
       continue;
     }
-    model::LayerWeights w = layers_[l]->primary_weights();
+    model::LayerWeights w = layers_[l]->primary_weights();  // router, bias and shared experts: the same everywhere
     comm_.all_reduce_sum(w.w13.data(), w.w13.size(), deadline);  // x + 0 = x: each expert's bits
     comm_.all_reduce_sum(w.w2.data(), w.w2.size(), deadline);
-    w.selection_bias = spec_w.selection_bias;
     w.logit_bias = spec_w.logit_bias;
     all.push_back(std::move(w));
   }
@@ -164,6 +164,7 @@ void ModelStack::backward(StepReport& report, bool capture) {
   for (int l = num_layers() - 1; l >= 0; --l) {
     layers_[l]->backward(grad_.data(), grad_x_.data());
     report.add_backward(l, *layers_[l]);
+    report.add_balance_losses(layers_[l]->balance_losses());
     if (capture) {
       snaps_[l].grad_out = grad_;
       snaps_[l].grad_x = grad_x_;
@@ -171,6 +172,11 @@ void ModelStack::backward(StepReport& report, bool capture) {
     add_into(grad_, grad_x_, n, dt_);
   }
   report.set_backward_seconds(now_seconds() - t0);
+}
+
+void ModelStack::update_selection_bias() {
+  if (spec_.bias_update_rate() <= 0) return;
+  for (auto& layer : layers_) layer->update_selection_bias(spec_.bias_update_rate());
 }
 
 void ModelStack::optimize(int step, StepReport& report) {

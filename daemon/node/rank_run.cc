@@ -147,6 +147,7 @@ void RankRun::run_step(int step) {
     stack_.backward(report, covered);
     stack_.optimize(step, report);
   }
+  stack_.update_selection_bias();
   report.set_step_seconds(now_seconds() - t0);
   report.record(env_.metrics, rank_);
   v1::Envelope msg;

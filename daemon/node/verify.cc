@@ -53,9 +53,17 @@ ref::Forward check_forward(const LayerCase& c, v1::Verify& lv, bool& ok) {
     if (own.selection_margin[t] <= 1e-5) continue;
     for (int k = 0; k < K; ++k) ok &= own.topk_idx[t * K + k] == s.topk_idx[t * K + k];
   }
-  ref::Forward f = ref::forward(c.rc, c.rw, c.x, T, {s.topk_idx.data(), {}});
+  const ep::EpLayer& layer = c.stack.layer(c.layer);
+  ref::ForwardOptions opts{.forced_topk_idx = s.topk_idx.data()};
+  opts.global_counts.assign(layer.global_counts().begin(), layer.global_counts().end());
+  opts.global_tokens = static_cast<int64_t>(layer.global_tokens());
+  ref::Forward f = ref::forward(c.rc, c.rw, c.x, T, opts);
   ok &= f.kept_idx == s.kept_idx;
   compare(lv, model::from_storage(s.out.data(), T * c.spec.hidden(), job_dtype(c.spec)), f.out);
+  if (c.rc.aux_loss_coeff > 0 || c.rc.z_loss_coeff > 0) {  // this rank's shares of the losses
+    const ep::BalanceLosses& got = layer.balance_losses();
+    compare(lv, std::vector<double>{got.aux, got.z}, {f.aux_loss, f.z_loss});
+  }
   return f;
 }
 
@@ -74,6 +82,14 @@ void check_backward(const LayerCase& c, const ref::Forward& f, transport::Commun
   comm.all_reduce_sum(w2.data(), w2.size(), deadline);
   const ep::EpLayer& layer = c.stack.layer(c.layer);
   compare(gv, layer.grad_gate(), to_double(gate));
+  if (ep::SharedExperts* shared = layer.shared_experts()) {
+    for (auto [got, want] : {std::pair{shared->grad_w13(), g.grad_shared_w13}, std::pair{shared->grad_w2(), g.grad_shared_w2},
+                             std::pair{shared->grad_gate(), g.grad_shared_gate}}) {
+      std::vector<float> sum(want.begin(), want.end());
+      comm.all_reduce_sum(sum.data(), sum.size(), deadline);
+      if (!sum.empty()) compare(gv, got, to_double(sum));
+    }
+  }
   const size_t H = c.spec.hidden(), I = c.spec.ffn_hidden(), n13 = 2 * I * H, n2 = H * I;
   const ep::ExpertMap& map = c.stack.map(c.layer);
   for (int slot = 0; slot < map.slots_per_rank; ++slot) {

@@ -64,6 +64,9 @@ class CpuBackend final : public Backend {
   void convert(const void* src, DType sd, void* dst, DType dd, int64_t count) override {
     cpu::convert(pool(), src, sd, dst, dd, count);
   }
+  void add(void* dst, const void* src, DType dtype, int64_t count) override {
+    cpu::add(pool(), dst, src, dtype, count);
+  }
 
   std::unique_ptr<PackedWeights> make_router_weights(const RouterConfig& c) override {
     return cpu::make_router_weights(c, exec_.engines.of(c.x_dtype));

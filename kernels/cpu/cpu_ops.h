@@ -56,6 +56,7 @@ void host_free(void* p);
 
 void convert(ThreadPool& pool, const void* src, DType src_dtype, void* dst, DType dst_dtype,
              int64_t count);
+void add(ThreadPool& pool, void* dst, const void* src, DType dtype, int64_t count);
 
 size_t router_workspace_bytes(const RouterConfig& cfg, int num_threads);
 std::unique_ptr<PackedWeights> make_router_weights(const RouterConfig& cfg, GemmEngine engine);

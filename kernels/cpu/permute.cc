@@ -43,6 +43,20 @@ void convert(ThreadPool& pool, const void* src, DType src_dtype, void* dst, DTyp
   });
 }
 
+void add(ThreadPool& pool, void* dst, const void* src, DType dtype, int64_t count) {
+  parallel_blocks(pool, count, 1 << 14, [&](int64_t i0, int64_t i1, int) {
+    if (dtype == DType::kF32) {
+      float* d = static_cast<float*>(dst);
+      const float* s = static_cast<const float*>(src);
+      for (int64_t i = i0; i < i1; ++i) d[i] += s[i];
+      return;
+    }
+    auto* d = static_cast<bf16_t*>(dst);
+    const auto* s = static_cast<const bf16_t*>(src);
+    for (int64_t i = i0; i < i1; ++i) d[i] = f32_to_bf16(bf16_to_f32(d[i]) + bf16_to_f32(s[i]));
+  });
+}
+
 void permute(ThreadPool& pool, const PermuteConfig& cfg, const PermuteArgs& a) {
   cfg.validate();
   const int H = cfg.hidden, K = cfg.top_k;

@@ -1,5 +1,6 @@
 // Router forward (scores, group-limited top-k, weights) and backward (the four
 // softmax/sigmoid x norm cases of DESIGN 3, then the GEMMs to x and W).
+#include <algorithm>
 #include <cmath>
 #include <cstring>
 #include <limits>
@@ -187,52 +188,100 @@ void router_forward(ThreadPool& pool, const RouterConfig& cfg, const RouterForwa
   });
 }
 
+namespace {
+
+// dL/dlogits of token t through its routing weights: the four closed forms of DESIGN 3.
+void routing_weight_grad(const RouterConfig& cfg, const RouterBackwardArgs& a, int64_t t, float* dl) {
+  const int E = cfg.num_experts, K = cfg.top_k;
+  const float c = cfg.routed_scaling_factor;
+  const float* s = a.scores + t * E;
+  const int32_t* idx = a.topk_idx + t * K;
+  const float* w = a.topk_weight + t * K;
+  const float* g = a.grad_topk_weight + t * K;
+  std::memset(dl, 0, sizeof(float) * E);
+  if (cfg.score == ScoreFunc::kSoftmax && cfg.norm_topk_prob) {
+    float G = 0.0f;
+    for (int k = 0; k < K; ++k) G += w[k] * g[k];
+    G /= c;
+    for (int k = 0; k < K; ++k) dl[idx[k]] = w[k] * (g[k] - G);
+  } else if (cfg.score == ScoreFunc::kSoftmax) {
+    float sg = 0.0f;
+    for (int k = 0; k < K; ++k) sg += s[idx[k]] * g[k];
+    for (int e = 0; e < E; ++e) dl[e] = -c * s[e] * sg;
+    for (int k = 0; k < K; ++k) dl[idx[k]] += c * s[idx[k]] * g[k];
+  } else if (cfg.norm_topk_prob) {
+    float G = 0.0f, ssum = 0.0f;
+    for (int k = 0; k < K; ++k) {
+      G += w[k] * g[k];
+      ssum += s[idx[k]];
+    }
+    G /= c;
+    if (ssum > 0.0f)
+      for (int k = 0; k < K; ++k) {
+        const float sk = s[idx[k]];
+        dl[idx[k]] = sk * (1.0f - sk) * c * (g[k] - G) / ssum;
+      }
+  } else {
+    for (int k = 0; k < K; ++k) {
+      const float sk = s[idx[k]];
+      dl[idx[k]] = c * sk * (1.0f - sk) * g[k];
+    }
+  }
+}
+
+// The aux loss's dL/dlogits of token t, with P the balancing probabilities:
+// softmax: aux_scale s_i (c_i - sum_e c_e s_e); sigmoid, P = s / S:
+// aux_scale s_j (1 - s_j) (c_j - sum_e c_e P_e) / S.
+void add_aux_loss_grad(const RouterConfig& cfg, const RouterBackwardArgs& a, int64_t t, float* dl) {
+  const int E = cfg.num_experts;
+  const float* s = a.scores + t * E;
+  const float* c = a.balance_counts;
+  if (cfg.score == ScoreFunc::kSoftmax) {
+    float cs = 0.0f;
+    for (int e = 0; e < E; ++e) cs += c[e] * s[e];
+    for (int e = 0; e < E; ++e) dl[e] += a.aux_scale * s[e] * (c[e] - cs);
+    return;
+  }
+  float S = 0.0f, cs = 0.0f;
+  for (int e = 0; e < E; ++e) {
+    S += s[e];
+    cs += c[e] * s[e];
+  }
+  if (S <= 0.0f) return;
+  cs /= S;
+  for (int e = 0; e < E; ++e) dl[e] += a.aux_scale * s[e] * (1.0f - s[e]) * (c[e] - cs) / S;
+}
+
+// The z-loss's dL/dlogits of token t: 2 z_scale lse(l) softmax(l)_i.
+void add_z_loss_grad(const RouterConfig& cfg, const RouterBackwardArgs& a, int64_t t, float* dl) {
+  const int E = cfg.num_experts;
+  const float* l = a.logits + t * E;
+  float mx = -std::numeric_limits<float>::infinity(), sum = 0.0f;
+  for (int e = 0; e < E; ++e) mx = std::max(mx, l[e]);
+  for (int e = 0; e < E; ++e) sum += std::exp(l[e] - mx);
+  const float lse = mx + std::log(sum);
+  for (int e = 0; e < E; ++e) dl[e] += 2.0f * a.z_scale * lse * std::exp(l[e] - lse);
+}
+
+}  // namespace
+
 void router_backward(ThreadPool& pool, const RouterConfig& cfg, const RouterBackwardArgs& a) {
   cfg.validate();
   const int64_t T = cfg.num_tokens;
-  const int H = cfg.hidden, E = cfg.num_experts, K = cfg.top_k;
+  const int H = cfg.hidden, E = cfg.num_experts;
   if (T == 0) {
     std::memset(a.grad_weight, 0, sizeof(float) * E * H);
     return;
   }
-  const float c = cfg.routed_scaling_factor;
+  MOE_CHECK(a.aux_scale == 0.0f || a.balance_counts, "router backward: aux loss without balance_counts");
+  MOE_CHECK(a.z_scale == 0.0f || a.logits, "router backward: z-loss without logits");
 
   parallel_blocks(pool, T, 64, [&](int64_t t0, int64_t t1, int) {
     for (int64_t t = t0; t < t1; ++t) {
-      const float* s = a.scores + t * E;
-      const int32_t* idx = a.topk_idx + t * K;
-      const float* w = a.topk_weight + t * K;
-      const float* g = a.grad_topk_weight + t * K;
       float* dl = a.grad_logits + t * E;
-      std::memset(dl, 0, sizeof(float) * E);
-      if (cfg.score == ScoreFunc::kSoftmax && cfg.norm_topk_prob) {
-        float G = 0.0f;
-        for (int k = 0; k < K; ++k) G += w[k] * g[k];
-        G /= c;
-        for (int k = 0; k < K; ++k) dl[idx[k]] = w[k] * (g[k] - G);
-      } else if (cfg.score == ScoreFunc::kSoftmax) {
-        float sg = 0.0f;
-        for (int k = 0; k < K; ++k) sg += s[idx[k]] * g[k];
-        for (int e = 0; e < E; ++e) dl[e] = -c * s[e] * sg;
-        for (int k = 0; k < K; ++k) dl[idx[k]] += c * s[idx[k]] * g[k];
-      } else if (cfg.norm_topk_prob) {
-        float G = 0.0f, ssum = 0.0f;
-        for (int k = 0; k < K; ++k) {
-          G += w[k] * g[k];
-          ssum += s[idx[k]];
-        }
-        G /= c;
-        if (ssum > 0.0f)
-          for (int k = 0; k < K; ++k) {
-            const float sk = s[idx[k]];
-            dl[idx[k]] = sk * (1.0f - sk) * c * (g[k] - G) / ssum;
-          }
-      } else {
-        for (int k = 0; k < K; ++k) {
-          const float sk = s[idx[k]];
-          dl[idx[k]] = c * sk * (1.0f - sk) * g[k];
-        }
-      }
+      routing_weight_grad(cfg, a, t, dl);
+      if (a.aux_scale != 0.0f) add_aux_loss_grad(cfg, a, t, dl);
+      if (a.z_scale != 0.0f) add_z_loss_grad(cfg, a, t, dl);
     }
   });
 

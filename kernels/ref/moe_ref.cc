@@ -31,6 +31,71 @@ std::vector<int> best_indices(const std::vector<double>& v, const std::vector<bo
   return order;
 }
 
+// P of the balancing loss: softmax scores as they are; sigmoid scores
+// normalised per token (s_te / sum_j s_tj), as Megatron does.
+std::vector<double> balance_probs(const Config& cfg, const double* s) {
+  std::vector<double> p(s, s + cfg.num_experts);
+  if (cfg.score == ScoreFunc::kSigmoid) {
+    double sum = 0.0;
+    for (double v : p) sum += v;
+    for (double& v : p) v /= sum;
+  }
+  return p;
+}
+
+double logsumexp(const double* l, int n) {
+  double mx = -kInf, sum = 0.0;
+  for (int i = 0; i < n; ++i) mx = std::max(mx, l[i]);
+  for (int i = 0; i < n; ++i) sum += std::exp(l[i] - mx);
+  return mx + std::log(sum);
+}
+
+// The counts and both balancing losses of the batch (their share of the global ones).
+void balance_forward(const Config& cfg, const ForwardOptions& opts, Forward& f) {
+  const int E = cfg.num_experts, K = cfg.top_k;
+  const int64_t T = f.num_tokens;
+  f.counts.assign(E, 0.0);
+  for (int64_t p = 0; p < T * K; ++p) f.counts[f.topk_idx[p]] += 1.0;
+  f.balance_counts = opts.global_counts.empty() ? f.counts : opts.global_counts;
+  f.balance_tokens = opts.global_tokens > 0 ? opts.global_tokens : T;
+  const double Tg = static_cast<double>(f.balance_tokens);
+  for (int64_t t = 0; t < T; ++t) {
+    const std::vector<double> P = balance_probs(cfg, &f.scores[t * E]);
+    for (int e = 0; e < E; ++e) f.aux_loss += cfg.aux_loss_coeff * E / (K * Tg * Tg) * f.balance_counts[e] * P[e];
+    const double lse = logsumexp(&f.logits[t * E], E);
+    f.z_loss += cfg.z_loss_coeff * lse * lse / Tg;
+  }
+}
+
+// The shared experts' path: out += scale x down(silu(gate x) * up x).
+void shared_forward(const Config& cfg, const Weights& w, const std::vector<double>& x, Forward& f) {
+  const int H = cfg.hidden, Is = cfg.shared_ffn_hidden;
+  const int64_t T = f.num_tokens;
+  if (Is == 0) return;
+  f.shared_gu.assign(T * 2 * Is, 0.0);
+  f.shared_out.assign(T * H, 0.0);
+  f.shared_scale.assign(T, 1.0);
+  for (int64_t t = 0; t < T; ++t) {
+    if (cfg.shared_gate) {
+      double g = 0.0;
+      for (int h = 0; h < H; ++h) g += x[t * H + h] * w.shared_gate[h];
+      f.shared_scale[t] = 1.0 / (1.0 + std::exp(-g));
+    }
+    double* gu = &f.shared_gu[t * 2 * Is];
+    for (int j = 0; j < 2 * Is; ++j) {
+      double acc = 0.0;
+      for (int h = 0; h < H; ++h) acc += w.shared_w13[static_cast<int64_t>(j) * H + h] * x[t * H + h];
+      gu[j] = acc;
+    }
+    for (int h = 0; h < H; ++h) {
+      double acc = 0.0;
+      for (int i = 0; i < Is; ++i) acc += w.shared_w2[static_cast<int64_t>(h) * Is + i] * silu(gu[i]) * gu[Is + i];
+      f.shared_out[t * H + h] = acc;
+      f.out[t * H + h] += f.shared_scale[t] * acc;
+    }
+  }
+}
+
 }  // namespace
 
 int64_t capacity(double cf, int64_t T, int K, int E) {
@@ -154,8 +219,83 @@ Forward forward(const Config& cfg, const Weights& w, const std::vector<double>& 
         f.out[t * H + h] += f.topk_weight[t * K + k] * acc;
       }
     }
+  balance_forward(cfg, opts, f);
+  shared_forward(cfg, w, x, f);
   return f;
 }
+
+namespace {
+
+// dL/dlogits of the balancing losses, by the chain rule through P's Jacobian.
+void balance_backward(const Config& cfg, const Forward& f, int64_t t, double* dl) {
+  const int E = cfg.num_experts, K = cfg.top_k;
+  const double Tg = static_cast<double>(f.balance_tokens);
+  const double* s = &f.scores[t * E];
+  if (cfg.aux_loss_coeff > 0) {
+    std::vector<double> dP(E);  // dL_aux / dP_te
+    for (int e = 0; e < E; ++e) dP[e] = cfg.aux_loss_coeff * E / (K * Tg * Tg) * f.balance_counts[e];
+    if (cfg.score == ScoreFunc::kSoftmax) {
+      for (int i = 0; i < E; ++i)
+        for (int e = 0; e < E; ++e) dl[i] += dP[e] * s[e] * ((i == e ? 1.0 : 0.0) - s[i]);
+    } else {
+      double S = 0.0;
+      for (int e = 0; e < E; ++e) S += s[e];
+      for (int j = 0; j < E; ++j) {
+        double ds = 0.0;  // dL/ds_j with P_e = s_e / S
+        for (int e = 0; e < E; ++e) ds += dP[e] * ((e == j ? 1.0 : 0.0) / S - s[e] / (S * S));
+        dl[j] += ds * s[j] * (1.0 - s[j]);
+      }
+    }
+  }
+  if (cfg.z_loss_coeff > 0) {
+    const double* l = &f.logits[t * E];
+    const double lse = logsumexp(l, E);
+    for (int i = 0; i < E; ++i) dl[i] += cfg.z_loss_coeff * 2.0 * lse * std::exp(l[i] - lse) / Tg;
+  }
+}
+
+// The shared experts' gradients, and their path's share of grad_x.
+void shared_backward(const Config& cfg, const Weights& w, const std::vector<double>& x, const Forward& f,
+                     const std::vector<double>& grad_out, Grads& g) {
+  const int H = cfg.hidden, Is = cfg.shared_ffn_hidden;
+  const int64_t T = f.num_tokens;
+  if (Is == 0) return;
+  g.grad_shared_w13.assign(static_cast<size_t>(2) * Is * H, 0.0);
+  g.grad_shared_w2.assign(static_cast<size_t>(H) * Is, 0.0);
+  g.grad_shared_gate.assign(cfg.shared_gate ? H : 0, 0.0);
+  for (int64_t t = 0; t < T; ++t) {
+    const double* go = &grad_out[t * H];
+    const double* gu = &f.shared_gu[t * 2 * Is];
+    const double sc = f.shared_scale[t];
+    if (cfg.shared_gate) {  // d out / d g_t = s (1 - s) shared(x)
+      double dot = 0.0;
+      for (int h = 0; h < H; ++h) dot += go[h] * f.shared_out[t * H + h];
+      const double dg = dot * sc * (1.0 - sc);
+      for (int h = 0; h < H; ++h) {
+        g.grad_shared_gate[h] += dg * x[t * H + h];
+        g.grad_x[t * H + h] += dg * w.shared_gate[h];
+      }
+    }
+    std::vector<double> dh(Is, 0.0);
+    for (int h = 0; h < H; ++h)
+      for (int i = 0; i < Is; ++i) {
+        dh[i] += sc * go[h] * w.shared_w2[static_cast<int64_t>(h) * Is + i];
+        g.grad_shared_w2[static_cast<int64_t>(h) * Is + i] += sc * go[h] * silu(gu[i]) * gu[Is + i];
+      }
+    for (int i = 0; i < Is; ++i) {
+      const double dg = dh[i] * gu[Is + i] * silu_grad(gu[i]);
+      const double du = dh[i] * silu(gu[i]);
+      for (int h = 0; h < H; ++h) {
+        g.grad_shared_w13[static_cast<int64_t>(i) * H + h] += dg * x[t * H + h];
+        g.grad_shared_w13[static_cast<int64_t>(Is + i) * H + h] += du * x[t * H + h];
+        g.grad_x[t * H + h] +=
+            dg * w.shared_w13[static_cast<int64_t>(i) * H + h] + du * w.shared_w13[static_cast<int64_t>(Is + i) * H + h];
+      }
+    }
+  }
+}
+
+}  // namespace
 
 Grads backward(const Config& cfg, const Weights& w, const std::vector<double>& x,
                const Forward& f, const std::vector<double>& grad_out) {
@@ -231,12 +371,14 @@ Grads backward(const Config& cfg, const Weights& w, const std::vector<double>& x
         dl[i] = acc;
       }
     }
+    balance_backward(cfg, f, t, dl);
     for (int e = 0; e < E; ++e)
       for (int h = 0; h < H; ++h) {
         g.grad_gate[e * H + h] += dl[e] * x[t * H + h];
         g.grad_x[t * H + h] += dl[e] * w.gate[e * H + h];
       }
   }
+  shared_backward(cfg, w, x, f, grad_out, g);
   return g;
 }
 

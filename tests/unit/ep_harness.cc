@@ -23,7 +23,10 @@ std::vector<float> inputs(uint64_t seed, int64_t begin, int64_t T, int H, kernel
 }
 
 model::LayerWeights case_weights(const EpCase& c) {
-  model::LayerWeights w = model::make_layer_weights(c.seed, 0, {c.hidden, c.ffn, c.experts});
+  model::LayerWeights w = model::make_layer_weights(
+      c.seed, 0,
+      {.hidden = c.hidden, .ffn_hidden = c.ffn, .num_experts = c.experts, .shared_ffn_hidden = c.shared,
+       .shared_gate = c.shared_gate});
   w.logit_bias = model::skew_logit_bias(c.skew, c.seed, c.experts);
   return w;
 }
@@ -74,6 +77,11 @@ ep::MoeLayerConfig EpCase::layer_config() const {
   cfg.dtype = dtype;
   cfg.max_tokens = std::max<int64_t>(1, *std::max_element(tokens.begin(), tokens.end()));
   cfg.train = true;
+  cfg.aux_loss_coeff = aux;
+  cfg.z_loss_coeff = z;
+  cfg.global_counts = aux > 0 || z > 0;
+  cfg.shared_ffn_hidden = shared;
+  cfg.shared_gate = shared_gate;
   return cfg;
 }
 
@@ -111,7 +119,8 @@ std::string EpCase::encode() const {
   for (size_t i = 0; i < tokens.size(); ++i) os << (i ? "," : "") << tokens[i];
   os << ";H=" << hidden << ";I=" << ffn << ";E=" << experts << ";K=" << top_k << ";score=" << kernels::score_name(score)
      << ";cf=" << capacity_factor << ";dtype=" << kernels::dtype_name(dtype) << ";map=" << static_cast<int>(map)
-     << ";seed=" << seed << ";skew=" << skew;
+     << ";seed=" << seed << ";skew=" << skew << ";aux=" << aux << ";z=" << z << ";shared=" << shared
+     << ";sgate=" << shared_gate;
   return os.str();
 }
 
@@ -140,6 +149,10 @@ EpCase EpCase::decode(const std::string& s) {
     else if (k == "map") c.map = static_cast<MapKind>(std::stoi(v));
     else if (k == "seed") c.seed = std::stoull(v);
     else if (k == "skew") c.skew = v;
+    else if (k == "aux") c.aux = std::stod(v);
+    else if (k == "z") c.z = std::stod(v);
+    else if (k == "shared") c.shared = std::stoi(v);
+    else if (k == "sgate") c.shared_gate = v == "1";
     else detail::fail("ep case: unknown key '", k, "'");
   }
   MOE_CHECK(static_cast<int>(c.tokens.size()) == c.ranks, "ep case: ", c.tokens.size(), " token counts for ", c.ranks,
@@ -166,6 +179,10 @@ void RankResult::save(const std::string& path) const {
   f32("grad_gate", grad_gate);
   f32("grad_w13", grad_w13);
   f32("grad_w2", grad_w2);
+  f32("losses", losses);
+  f32("grad_shared_w13", grad_shared_w13);
+  f32("grad_shared_w2", grad_shared_w2);
+  f32("grad_shared_gate", grad_shared_gate);
   w.write(path);
 }
 
@@ -185,6 +202,10 @@ RankResult RankResult::load(const std::string& path) {
   res.grad_gate = f32("grad_gate");
   res.grad_w13 = f32("grad_w13");
   res.grad_w2 = f32("grad_w2");
+  res.losses = f32("losses");
+  res.grad_shared_w13 = f32("grad_shared_w13");
+  res.grad_shared_w2 = f32("grad_shared_w2");
+  res.grad_shared_gate = f32("grad_shared_gate");
   return res;
 }
 
@@ -211,6 +232,12 @@ RankResult run_rank(const EpCase& c, transport::Communicator& comm, kernels::Bac
   for (int s = 0; s < S; ++s) {
     res.grad_w13.insert(res.grad_w13.end(), layer.grad_w13(s), layer.grad_w13(s) + 2 * I * H);
     res.grad_w2.insert(res.grad_w2.end(), layer.grad_w2(s), layer.grad_w2(s) + H * I);
+  }
+  res.losses = {static_cast<float>(layer.balance_losses().aux), static_cast<float>(layer.balance_losses().z)};
+  if (ep::SharedExperts* sh = layer.shared_experts()) {
+    res.grad_shared_w13.assign(sh->grad_w13(), sh->grad_w13() + sh->w13_size());
+    res.grad_shared_w2.assign(sh->grad_w2(), sh->grad_w2() + sh->w2_size());
+    if (sh->gate_size()) res.grad_shared_gate.assign(sh->grad_gate(), sh->grad_gate() + sh->gate_size());
   }
   res.dispatch_bytes = layer.stats().transfer.dispatch_bytes;
   res.combine_bytes = layer.stats().transfer.combine_bytes;
@@ -261,6 +288,36 @@ int64_t analytic_dispatch_bytes(const EpCase& c, const RankResult& r) {
   }
   return bytes;
 }
+
+namespace {
+
+// The balancing losses (the ranks' shares add up to the global ones) and the
+// shared experts' gradients (every rank holds the sum over ranks).
+void check_balancing_and_shared(const EpCase& c, const ref::Forward& f, const ref::Grads& g,
+                                const std::vector<RankResult>& results) {
+  if (c.aux > 0 || c.z > 0) {
+    double aux = 0, z = 0;
+    for (const RankResult& r : results) {
+      aux += r.losses[0];
+      z += r.losses[1];
+    }
+    EXPECT_TRUE(close("aux and z losses", {aux, z}, {f.aux_loss, f.z_loss}, 1e-5, 1e-7));
+    if (c.aux > 0) EXPECT_GT(f.aux_loss, 0);
+    if (c.z > 0) EXPECT_GT(f.z_loss, 0);
+  }
+  if (c.shared == 0) return;
+  const bool bf16 = c.dtype == kernels::DType::kBF16;
+  const double rt = bf16 ? 1.0 / 64 : 1e-4, at = bf16 ? 1.0 / 256 : 1e-5;
+  for (const RankResult& r : results) {
+    SCOPED_TRACE("rank " + std::to_string(r.rank));
+    EXPECT_TRUE(close("grad_shared_w13", to_double(r.grad_shared_w13), g.grad_shared_w13, rt, at));
+    EXPECT_TRUE(close("grad_shared_w2", to_double(r.grad_shared_w2), g.grad_shared_w2, rt, at));
+    if (c.shared_gate) EXPECT_TRUE(close("grad_shared_gate", to_double(r.grad_shared_gate), g.grad_shared_gate, rt, at));
+    EXPECT_GT(nonzero_fraction(to_double(r.grad_shared_w13)), 0.5);
+  }
+}
+
+}  // namespace
 
 void check_against_reference(const EpCase& c, const std::vector<RankResult>& results) {
   SCOPED_TRACE(c.name);
@@ -327,6 +384,7 @@ void check_against_reference(const EpCase& c, const std::vector<RankResult>& res
                                 slice(g.grad_w2, e * n2, n2), slice(sums.grad_w2, e * n2, n2), coef, 1e-4, 1e-5, true));
     }
   }
+  check_balancing_and_shared(c, f, g, results);
   // Replicas hold bitwise identical gradients.
   for (int e = 0; e < E; ++e) {
     const std::vector<int32_t> reps = map.replicas(e);

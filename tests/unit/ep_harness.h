@@ -28,6 +28,9 @@ struct EpCase {
   MapKind map = MapKind::kContiguous;
   uint64_t seed = 1;
   std::string skew = "uniform";
+  double aux = 0, z = 0;     // balancing loss coefficients (global counts when either is on)
+  int shared = 0;            // shared experts' width (0: none)
+  bool shared_gate = false;
 
   int64_t token_begin(int rank) const;
   int64_t total_tokens() const;
@@ -57,6 +60,8 @@ struct RankResult {
   std::vector<float> grad_gate;           // [E, H]
   std::vector<float> grad_w13, grad_w2;   // per local slot: [S, 2I, H], [S, H, I]
   int64_t dispatch_bytes = 0, combine_bytes = 0, naive_dispatch_bytes = 0;
+  std::vector<float> losses;              // this rank's shares {aux, z}
+  std::vector<float> grad_shared_w13, grad_shared_w2, grad_shared_gate;  // summed over ranks
 
   void save(const std::string& path) const;
   static RankResult load(const std::string& path);

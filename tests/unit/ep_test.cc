@@ -21,6 +21,31 @@ std::vector<EpCase> equivalence_cases() {
   c = small_case("skewed_R4", {40, 40, 40, 40}, MapKind::kReplicas);
   c.skew = "zipf:1.5";
   v.push_back(c);
+  // Balancing losses over the global batch and shared experts (DESIGN 3).
+  c = small_case("aux_z_skewed_R3", {30, 0, 41}, MapKind::kReplicas);
+  c.skew = "zipf:1.0";
+  c.aux = 0.5;
+  c.z = 0.1;
+  v.push_back(c);
+  c = small_case("sigmoid_aux_capacity_R2", {33, 27}, MapKind::kContiguous);
+  c.score = kernels::ScoreFunc::kSigmoid;
+  c.capacity_factor = 0.8;
+  c.aux = 0.3;
+  v.push_back(c);
+  c = small_case("shared_R1", {37}, MapKind::kContiguous);
+  c.shared = 24;
+  v.push_back(c);
+  c = small_case("shared_gate_z_R4", {20, 35, 1, 28}, MapKind::kReplicas);
+  c.shared = 40;
+  c.shared_gate = true;
+  c.z = 0.2;
+  v.push_back(c);
+  c = small_case("bf16_shared_gate_aux_R2", {30, 26}, MapKind::kReplicas);
+  c.dtype = kernels::DType::kBF16;
+  c.shared = 24;
+  c.shared_gate = true;
+  c.aux = 0.4;
+  v.push_back(c);
   return v;
 }
 

@@ -1,6 +1,8 @@
 // The fp64 reference checked by central finite differences: L = <grad_out, out>,
 // dL/dp ~ (L(p + h) - L(p - h)) / 2h for inputs, router weight and expert weights,
-// in all four router-backward cases and with capacity dropping.
+// in all four router-backward cases, with capacity dropping, with the balancing
+// losses (L gains L_aux + L_z; counts of this batch or a given global batch) and
+// with shared experts, gated or not.
 #include <gtest/gtest.h>
 
 #include "test_util.h"
@@ -16,14 +18,18 @@ struct FdCase {
   double capacity_factor;
   int num_groups;
   int group_top_k;
+  double aux = 0, z = 0;      // balancing coefficients
+  int shared = 0;             // shared experts' width
+  bool shared_gate = false;
+  bool global = false;        // the losses over a given global batch (T_g = 3T)
 };
 
 class RefFiniteDifference : public ::testing::TestWithParam<FdCase> {};
 
 double loss(const ref::Config& cfg, const ref::Weights& w, const std::vector<double>& x, int64_t T,
-            const std::vector<double>& go) {
-  const ref::Forward f = ref::forward(cfg, w, x, T);
-  double l = 0;
+            const std::vector<double>& go, const ref::ForwardOptions& opts) {
+  const ref::Forward f = ref::forward(cfg, w, x, T, opts);
+  double l = f.aux_loss + f.z_loss;
   for (size_t i = 0; i < go.size(); ++i) l += go[i] * f.out[i];
   return l;
 }
@@ -41,6 +47,10 @@ TEST_P(RefFiniteDifference, GradientsMatch) {
   cfg.capacity_factor = c.capacity_factor;
   cfg.num_groups = c.num_groups;
   cfg.group_top_k = c.group_top_k;
+  cfg.aux_loss_coeff = c.aux;
+  cfg.z_loss_coeff = c.z;
+  cfg.shared_ffn_hidden = c.shared;
+  cfg.shared_gate = c.shared_gate;
   const int64_t T = 7;
   const int H = cfg.hidden, I = cfg.ffn_hidden, E = cfg.num_experts;
 
@@ -49,10 +59,24 @@ TEST_P(RefFiniteDifference, GradientsMatch) {
   w.selection_bias = to_double(normal_vector(E, 12, 0.05));
   w.w13 = to_double(normal_vector(E * 2 * I * H, 13, 0.5));
   w.w2 = to_double(normal_vector(E * H * I, 14, 0.5));
+  if (c.shared) {
+    w.shared_w13 = to_double(normal_vector(2 * c.shared * H, 17, 0.5));
+    w.shared_w2 = to_double(normal_vector(H * c.shared, 18, 0.5));
+    if (c.shared_gate) w.shared_gate = to_double(normal_vector(H, 19, 0.5));
+  }
   std::vector<double> x = to_double(normal_vector(T * H, 15));
   const std::vector<double> go = to_double(normal_vector(T * H, 16));
+  ref::ForwardOptions opts;
+  if (c.global) {  // this batch is a third of one whose other tokens chose as here, plus a skew
+    const ref::Forward own = ref::forward(cfg, w, x, T);
+    for (int e = 0; e < E; ++e) opts.global_counts.push_back(3 * own.counts[e] + (e % 3));
+    opts.global_tokens = 3 * T;
+    opts.global_counts[0] += cfg.top_k * 3 - 3;  // sum_e c_e = K T_g
+  }
 
-  const ref::Forward f = ref::forward(cfg, w, x, T);
+  const ref::Forward f = ref::forward(cfg, w, x, T, opts);
+  if (c.aux > 0) ASSERT_GT(f.aux_loss, 0);
+  if (c.z > 0) ASSERT_GT(f.z_loss, 0);
   const ref::Grads g = ref::backward(cfg, w, x, f, go);
   if (c.capacity_factor > 0) {
     int dropped = 0;
@@ -66,9 +90,9 @@ TEST_P(RefFiniteDifference, GradientsMatch) {
     for (size_t i = 0; i < param.size(); ++i) {
       const double keep = param[i];
       param[i] = keep + h;
-      const double lp = loss(cfg, w, x, T, go);
+      const double lp = loss(cfg, w, x, T, go, opts);
       param[i] = keep - h;
-      const double lm = loss(cfg, w, x, T, go);
+      const double lm = loss(cfg, w, x, T, go, opts);
       param[i] = keep;
       numeric[i] = (lp - lm) / (2 * h);
     }
@@ -78,6 +102,11 @@ TEST_P(RefFiniteDifference, GradientsMatch) {
   check("grad_gate", w.gate, g.grad_gate);
   check("grad_w13", w.w13, g.grad_w13);
   check("grad_w2", w.w2, g.grad_w2);
+  if (c.shared) {
+    check("grad_shared_w13", w.shared_w13, g.grad_shared_w13);
+    check("grad_shared_w2", w.shared_w2, g.grad_shared_w2);
+  }
+  if (c.shared_gate) check("grad_shared_gate", w.shared_gate, g.grad_shared_gate);
 }
 
 INSTANTIATE_TEST_SUITE_P(
@@ -87,7 +116,13 @@ INSTANTIATE_TEST_SUITE_P(
                       FdCase{"sigmoid_norm", ScoreFunc::kSigmoid, true, 2.5, 0, 0, 0},
                       FdCase{"sigmoid_nonorm", ScoreFunc::kSigmoid, false, 1.0, 0, 0, 0},
                       FdCase{"softmax_norm_capacity", ScoreFunc::kSoftmax, true, 1.0, 0.6, 0, 0},
-                      FdCase{"sigmoid_grouped", ScoreFunc::kSigmoid, true, 1.5, 0, 4, 2}),
+                      FdCase{"sigmoid_grouped", ScoreFunc::kSigmoid, true, 1.5, 0, 4, 2},
+                      FdCase{"softmax_aux_z", ScoreFunc::kSoftmax, true, 1.0, 0, 0, 0, 0.5, 0.3},
+                      FdCase{"softmax_aux_global_capacity", ScoreFunc::kSoftmax, false, 1.0, 0.6, 0, 0, 0.7, 0, 0, false, true},
+                      FdCase{"sigmoid_aux_z_global", ScoreFunc::kSigmoid, true, 2.5, 0, 0, 0, 0.5, 0.2, 0, false, true},
+                      FdCase{"sigmoid_nonorm_z_shared", ScoreFunc::kSigmoid, false, 1.0, 0, 0, 0, 0, 0.4, 5},
+                      FdCase{"softmax_shared_gate", ScoreFunc::kSoftmax, true, 1.0, 0, 0, 0, 0, 0, 3, true},
+                      FdCase{"sigmoid_grouped_all", ScoreFunc::kSigmoid, true, 1.5, 0, 4, 2, 0.3, 0.1, 4, true, true}),
     [](const ::testing::TestParamInfo<FdCase>& info) { return std::string(info.param.name); });
 
 TEST(RefCapacity, RoundsUpButNotOnRepresentationNoise) {

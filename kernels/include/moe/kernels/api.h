@@ -90,6 +90,14 @@ struct RouterBackwardArgs {
   float* grad_weight = nullptr;             // [E, H] out (overwritten)
   float* grad_x = nullptr;                  // [T, H] fp32, ACCUMULATED (+=)
   void* workspace = nullptr;                // router_workspace_bytes
+  // Balancing losses (DESIGN 3), their gradients added to grad_logits; off at 0.
+  //   aux: L = aux_scale x sum_e c_e sum_t P_te with aux_scale = coeff x E / (K T_g^2),
+  //        P = softmax scores, or sigmoid scores normalised per token;
+  //   z:   L = z_scale x sum_t logsumexp(logits_t)^2 with z_scale = coeff / T_g.
+  float aux_scale = 0.0f;
+  const float* balance_counts = nullptr;    // [E] c_e over the global batch (aux)
+  float z_scale = 0.0f;
+  const float* logits = nullptr;            // [T, E] from forward (z)
 };
 
 // ---------------------------------------------------------------------------
@@ -397,6 +405,8 @@ class Backend {
   // dst[i] = src[i] converted between dtypes (count elements).
   virtual void convert(const void* src, DType src_dtype, void* dst, DType dst_dtype,
                        int64_t count) = 0;
+  // dst[i] += src[i], summed in fp32 and stored in dtype (count elements).
+  virtual void add(void* dst, const void* src, DType dtype, int64_t count) = 0;
 
   // Packed weights (see PackedWeights). The router's: gate [E, H] for configs of
   // this hidden, num_experts and x_dtype (num_tokens does not matter). The

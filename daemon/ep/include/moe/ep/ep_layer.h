@@ -17,9 +17,11 @@
 #include <memory>
 #include <vector>
 
+#include "moe/ep/balance.h"
 #include "moe/ep/dispatcher.h"
 #include "moe/ep/expert_map.h"
 #include "moe/ep/layer_stages.h"
+#include "moe/ep/shared_experts.h"
 #include "moe/ep/staged_experts.h"
 #include "moe/transport/communicator.h"
 
@@ -61,17 +63,20 @@ class EpLayer {
   void optimizer_step(const kernels::OptimizerConfig& cfg, int64_t step);
 
   // After backward: the router weight's gradient summed over ranks [E, H], and per
-  // local slot the expert gradients summed over the expert's replicas.
+  // local slot the expert gradients summed over the expert's replicas (the shared
+  // experts' gradients are summed over ranks too).
   const float* grad_gate() const { return router_.grad_gate(); }
   const float* grad_w13(int local_slot) const;  // [2I, H]
   // Local slot s's weights as the layer computes with them, or in a train layer
   // its fp32 masters and optimizer state.
   void export_slot(int local_slot, ExpertState& out) const { experts_->export_slot(local_slot, out); }
-  // The weights this layer computes with: the router [E, H] and, for each expert
-  // this rank is the primary of, its w13/w2; every other expert stays zero.
+  // The weights this layer computes with: the router [E, H], the selection bias,
+  // the shared experts and, for each expert this rank is the primary of, its
+  // w13/w2; every other expert stays zero.
   // (An all-reduce over the ranks then yields every expert, bit for bit.)
   model::LayerWeights primary_weights() const;
   const float* grad_w2(int local_slot) const;   // [H, I]
+  SharedExperts* shared_experts() const { return shared_.get(); }
 
   // Live rebalance (DESIGN 7), called by every rank at the same step boundaries:
   // stage() starts filling the slots `next` gives this rank (copies: the layer's,
@@ -86,6 +91,17 @@ class EpLayer {
   int64_t staged_bytes_received() const { return staged_ ? staged_->bytes_received() : 0; }
   const ExpertMap& map() const { return map_; }
 
+  // Balancing (DESIGN 3). After forward with cfg.global_counts: c_e of the step
+  // over every rank [E], and (train) this rank's shares of the aux and z losses.
+  const std::vector<float>& global_counts() const { return counts_; }
+  double global_tokens() const { return global_tokens_; }
+  const BalanceLosses& balance_losses() const { return losses_; }
+  // After the step: the aux-loss-free bias update from global_counts() (every
+  // rank applies the same counts, so the bias stays identical everywhere).
+  void update_selection_bias(double rate);
+  // The selection bias in use (empty without one).
+  const std::vector<float>& selection_bias() const { return selection_bias_; }
+
   const int32_t* topk_idx() const { return router_.topk_idx(); }
   const int32_t* kept_idx() const { return router_.kept_idx(); }
   const float* topk_weight() const { return router_.topk_weight(); }
@@ -94,6 +110,9 @@ class EpLayer {
  private:
   transport::Deadline deadline() const { return transport::deadline_in(opts_.timeout); }
   void reserve_rows(int64_t recv_rows);
+  void gather_counts();
+  RouterBalance balance_terms() const;
+  void all_reduce_replicated_grads();
   void reduce_replica_grads();
   void reduce_replica_grad(int expert, float* acc, float* msg);
   void install_map(const ExpertMap& map);
@@ -122,6 +141,11 @@ class EpLayer {
   kernels::Buffer combined_, grad_pair_weight_, grad_topk_weight_, grad_x32_;
   std::vector<float> reduce_tmp_;
   EpStats stats_;
+  std::unique_ptr<SharedExperts> shared_;  // with cfg.shared_ffn_hidden > 0
+  std::vector<float> counts_, selection_bias_;
+  double global_tokens_ = 0;
+  kernels::Buffer counts_dev_;  // counts_ for the router's backward
+  BalanceLosses losses_;
 };
 
 }  // namespace moe::ep

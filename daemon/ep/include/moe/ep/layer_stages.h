@@ -30,9 +30,21 @@ struct MoeLayerConfig : kernels::RoutingParams {
   DType dtype = DType::kF32;
   int64_t max_tokens = 0;  // per rank
   bool train = false;
+  // Balancing (DESIGN 3; train): coefficients of the aux loss and the z-loss. With
+  // global_counts the layer all-reduces c_e (pairs per expert before capacity,
+  // over every rank's tokens) each forward: the losses and bias updates need it.
+  double aux_loss_coeff = 0.0;
+  double z_loss_coeff = 0.0;
+  bool global_counts = false;
+  // Shared experts (DESIGN 3): one SwiGLU of this width on every token (0: none),
+  // scaled by sigmoid(x . w_g) with shared_gate.
+  int shared_ffn_hidden = 0;
+  bool shared_gate = false;
 
   void validate() const;  // throws moe::Error naming the field
   kernels::RouterConfig router(int64_t T) const;
+  // The shared experts as a one-expert, top-1 layer of their width.
+  MoeLayerConfig shared_experts() const;
 };
 
 // Returns w with its values rounded to what a layer of `dtype` computes with.
@@ -79,6 +91,13 @@ class TrainableTensor {
   kernels::Buffer master_, m_, v_;  // master_ empty in an fp32 layer
 };
 
+// The balancing terms of a router's backward (DESIGN 3): the losses' scales and
+// the global counts [E] in backend memory (null when the aux loss is off).
+struct RouterBalance {
+  float aux_scale = 0.0f, z_scale = 0.0f;
+  const float* counts = nullptr;
+};
+
 class RouterStage {
  public:
   RouterStage(const MoeLayerConfig& cfg, kernels::Backend& be);
@@ -88,7 +107,7 @@ class RouterStage {
   void forward(const void* x, int64_t T);
   // grad_topk_weight [T, K] -> grad_gate (this rank's tokens) and grad_x32 += the
   // router path.
-  void backward(const void* x, const float* grad_topk_weight, float* grad_x32);
+  void backward(const void* x, const float* grad_topk_weight, float* grad_x32, const RouterBalance& balance = {});
 
   // One optimizer step on the router weight from grad_gate().
   void apply_update(const kernels::OptimizerConfig& cfg, int64_t step);
@@ -100,6 +119,12 @@ class RouterStage {
   float* grad_gate() const { return grad_gate_.as<float>(); }
   // The router weight [E, H] as the layer computes with it, to host memory.
   void copy_gate(float* out) const;
+  // Pairs per expert that top-k selected in the last forward, before capacity [E].
+  std::vector<float> expert_counts() const;
+  // The last forward's logits and scores [T, E], to host memory.
+  void copy_logits(std::vector<float>& logits, std::vector<float>& scores) const;
+  // Replaces the selection bias (e_score_correction_bias) [E].
+  void set_selection_bias(const std::vector<float>& bias);
 
  private:
   MoeLayerConfig cfg_;

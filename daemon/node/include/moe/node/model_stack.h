@@ -38,6 +38,9 @@ class ModelStack {
   void backward(StepReport& report, bool capture);
   // One optimizer step (1-based: step + 1) on every layer.
   void optimize(int step, StepReport& report);
+  // After a step (train or forward): the aux-loss-free bias update of every layer
+  // from the step's global counts, when bias_update_rate > 0.
+  void update_selection_bias();
 
   // Live rebalance (DESIGN 7), at step boundaries every rank agreed on: stage()
   // starts filling the slots the new maps give this rank (and builds the

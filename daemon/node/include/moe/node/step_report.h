@@ -19,6 +19,10 @@ class StepReport {
   // After layer l's backward.
   void add_backward(int layer, const ep::EpLayer& l);
   void set_loss(double loss) { stats_.set_loss(loss); }
+  void add_balance_losses(const ep::BalanceLosses& l) {
+    stats_.set_aux_loss(stats_.aux_loss() + l.aux);
+    stats_.set_z_loss(stats_.z_loss() + l.z);
+  }
   void set_backward_seconds(double s) { stats_.mutable_phase_seconds()->set_backward(s); }
   void set_optimizer_seconds(double s) { stats_.mutable_phase_seconds()->set_optimizer(s); }
   void set_step_seconds(double s) { stats_.set_step_seconds(s); }

@@ -20,6 +20,14 @@ struct Config : kernels::RoutingParams {
   int hidden = 0;
   int ffn_hidden = 0;
   double capacity_factor = 0.0;
+  // Load balancing (DESIGN 3): L_aux = aux x E / (K T_g^2) x sum_e c_e sum_t P_te
+  // and L_z = z x mean_t logsumexp(logits_t)^2, over the global batch.
+  double aux_loss_coeff = 0.0;
+  double z_loss_coeff = 0.0;
+  // Shared experts: one SwiGLU of width shared_ffn_hidden (0: none) on every
+  // token, gated by sigmoid(x . w_g) with shared_gate.
+  int shared_ffn_hidden = 0;
+  bool shared_gate = false;
   DropPolicy drop_policy = DropPolicy::kProbs;
 };
 
@@ -29,6 +37,9 @@ struct Weights {
   std::vector<double> logit_bias;      // [E] or empty
   std::vector<double> w13;             // [E, 2I, H]: gate_proj rows, then up_proj rows
   std::vector<double> w2;              // [E, H, I]
+  std::vector<double> shared_w13;      // [2Is, H]
+  std::vector<double> shared_w2;       // [H, Is]
+  std::vector<double> shared_gate;     // [H] or empty
 };
 
 struct ForwardOptions {
@@ -38,6 +49,11 @@ struct ForwardOptions {
   // Token counts of the source ranks, in order; capacity applies within each.
   // Empty: one source of all T tokens.
   std::vector<int64_t> capacity_segments;
+  // The global batch this one is part of, for the balancing losses: c_e, the
+  // pairs top-k selected per expert over all ranks before capacity (empty: this
+  // batch's own), and T_g, its tokens (0: T).
+  std::vector<double> global_counts;
+  int64_t global_tokens = 0;
 };
 
 struct Forward {
@@ -49,7 +65,14 @@ struct Forward {
   std::vector<double> topk_weight;  // [T, K]
   std::vector<double> gu;           // [T, K, 2I] expert pre-activations (0 if dropped)
   std::vector<double> expert_out;   // [T, K, H] unweighted y_k(t) (0 if dropped)
-  std::vector<double> out;          // [T, H]
+  std::vector<double> out;          // [T, H], the shared path included
+  std::vector<double> counts;       // [E] pairs top-k selected per expert, before capacity
+  std::vector<double> balance_counts;  // [E] the c_e the losses use (global)
+  int64_t balance_tokens = 0;          // T_g
+  double aux_loss = 0.0, z_loss = 0.0;  // this batch's shares
+  std::vector<double> shared_gu;    // [T, 2Is]
+  std::vector<double> shared_out;   // [T, H] unweighted shared(x)
+  std::vector<double> shared_scale; // [T]: sigmoid(x . w_g), or 1
   // Margin between the K-th and (K+1)-th biased score per token (inf if K = E);
   // tests treat a smaller margin than fp32 can resolve as a near-tie.
   std::vector<double> selection_margin;  // [T]
@@ -61,8 +84,11 @@ struct Grads {
   std::vector<double> grad_w13;          // [E, 2I, H]
   std::vector<double> grad_w2;           // [E, H, I]
   std::vector<double> grad_topk_weight;  // [T, K]: <grad_out[t], y_k(t)>, 0 if dropped
-  std::vector<double> grad_logits;       // [T, E]
+  std::vector<double> grad_logits;       // [T, E], balancing terms included
   std::vector<double> grad_gu;           // [T, K, 2I] gradient reaching gu (0 if dropped)
+  std::vector<double> grad_shared_w13;   // [2Is, H]
+  std::vector<double> grad_shared_w2;    // [H, Is]
+  std::vector<double> grad_shared_gate;  // [H]
 };
 
 // x is [T, H].
