@@ -4,6 +4,7 @@
 #include <filesystem>
 #include <optional>
 
+#include "moe/agent/live_load.h"
 #include "moe/agent/scrape_targets.h"
 #include "moe/base/check.h"
 #include "moe/base/file.h"
@@ -110,6 +111,9 @@ rpc::awaitable<v1::Envelope> Agent::handle(const v1::Envelope& req, const rpc::R
       co_return reply;
     case E::kPlacementLoads:
       *reply.mutable_placement_loads_reply() = placement_.loads(ShapeKey::of(req.placement_loads().shape()));
+      co_return reply;
+    case E::kLiveLoad:  // moectl top; before any job a reply with no job and no layers
+      *reply.mutable_live_load_reply() = live_load(members_, scheduler_, placement_, opts_.load_window);
       co_return reply;
     default:
       throw RpcError(v1::ERROR_CODE_INVALID_ARGUMENT, "moe-agent does not serve " + rpc::payload_name(req));

@@ -157,6 +157,10 @@ void Scheduler::on_step(const v1::StepReport& r, Clock::time_point now) {
   // a failed call or an agent restart, is in the window already.
   if (r.stats().step() < running_->steps_recorded) return;
   running_->steps_recorded = r.stats().step() + 1;
+  double slowest = 0;
+  for (const v1::StepStats& s : by_rank) slowest = std::max(slowest, s.step_seconds());
+  running_->recent_step_seconds.push_back(slowest);
+  if (running_->recent_step_seconds.size() > RunningJob::kRecentSteps) running_->recent_step_seconds.pop_front();
   record_load(by_rank);
   actions_.step_completed(r.job_id(), r.stats().step());
 }

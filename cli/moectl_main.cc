@@ -130,6 +130,14 @@ void add_placement(CLI::App& app, Commands& c) {
   c.add(reb, [&c, r] { return ctl::placement_rebalance(c.g, *r, std::cout, std::cerr); });
 }
 
+void add_top(CLI::App& app, Commands& c) {
+  auto o = std::make_shared<ctl::TopOptions>();
+  CLI::App* top = app.add_subcommand("top", "live load: per layer expert heat, rank bars, balancedness; q quits");
+  top->add_flag("--once", o->once, "print one frame and exit");
+  top->add_option("--layer", o->layer, "only this layer");
+  c.add(top, [&c, o] { return ctl::top(c.g, *o, std::cout, std::cerr); });
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -146,6 +154,7 @@ int main(int argc, char** argv) {
     add_job(app, c);
     add_placement(app, c);
     add_checkpoint(app, c);
+    add_top(app, c);
     app.parse(argc, argv);
   } catch (const CLI::ParseError& e) {
     const int rc = app.exit(e);

@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Structural checks of deploy/grafana/moed.json and deploy/prometheus/rules.yml.
 
-usage: dashboard_lint.py DASHBOARD_JSON RULES_YML
+usage: dashboard_lint.py DASHBOARD_JSON RULES_YML [--exposition METRICS_TEXT]...
 
 Checks, each failure printed with the place it was found:
 - the variables datasource (a Prometheus data source variable), node and layer exist, and every
@@ -14,6 +14,11 @@ Checks, each failure printed with the place it was found:
   labels plus the file_sd labels role and node, and instance), every by/without/on label is one of
   the expression's metrics' labels, and nothing uses the label `job` (Prometheus owns it);
 - the panels the README promises exist (checked by what they query).
+
+With --exposition (the text of a live /metrics, e.g. of a daemon and of the agent; repeatable),
+the names are checked against what the processes export instead: every metric and label a query
+or rule uses must be in one of the expositions, and every DESIGN 8 metric must be exported there
+with its type and exactly its labels (prometheus_server_test.sh).
 """
 import json
 import re
@@ -51,6 +56,7 @@ KEYWORDS = {"by", "without", "on", "ignoring", "group_left", "group_right", "boo
             "unless", "offset", "inf", "nan", "atan2", "start", "end"}
 
 errors = []
+KNOWN_FROM = "DESIGN 8"  # or the expositions given
 
 
 def error(where, msg):
@@ -69,6 +75,36 @@ def series_labels():
         else:
             names[name] = labels
     return names
+
+
+def parse_exposition(paths):
+    """(series name -> labels, family name -> type) from Prometheus text expositions."""
+    series, types = {}, {}
+    for path in paths:
+        with open(path) as f:
+            for line in f:
+                if line.startswith("# TYPE "):
+                    parts = line.split()
+                    types[parts[2]] = parts[3]
+                    continue
+                m = re.match(r"([a-zA-Z_:][a-zA-Z0-9_:]*)(?:\{([^}]*)\})?\s", line)
+                if m:
+                    series.setdefault(m.group(1), set()).update(re.findall(r'([a-zA-Z_][a-zA-Z0-9_]*)="', m.group(2) or ""))
+    return series, types
+
+
+def check_live(series, types):
+    """Every DESIGN 8 metric exported with its type and exactly its labels; no label `job`."""
+    for name, (kind, labels) in DESIGN_METRICS.items():
+        sample = name + "_count" if kind == "histogram" else name
+        if types.get(name) != kind or sample not in series:
+            error("exposition", f"{name}: not exported as a {kind} (TYPE {types.get(name)}, samples: {sample in series})")
+            continue
+        if series[sample] != labels:
+            error("exposition", f"{name}: exported with labels {sorted(series[sample])}, DESIGN 8 says {sorted(labels)}")
+    for name, labels in series.items():
+        if "job" in labels:
+            error("exposition", f"{name} carries the label job (Prometheus owns it)")
 
 
 def grouping_labels(expr):
@@ -130,7 +166,7 @@ def check_expr(where, expr, known, extra_names=()):
         if tok in known or tok in extra_names:
             used.add(tok)
         else:
-            error(where, f"uses {tok!r}, which is neither a DESIGN 8 metric nor a recorded series")
+            error(where, f"uses {tok!r}, which is neither a metric of {KNOWN_FROM} nor a recorded series")
     if "job" in clause_labels:
         error(where, "groups or matches by the label job (Prometheus owns it)")
     available = set().union(*(known.get(n, set()) for n in used)) | {"le"} if used else {"le"}
@@ -147,12 +183,25 @@ def variables_in(text):
 
 
 def main():
-    if len(sys.argv) != 3:
+    global KNOWN_FROM
+    args, expositions = sys.argv[1:], []
+    while "--exposition" in args:
+        i = args.index("--exposition")
+        if i + 1 >= len(args):
+            break
+        expositions.append(args[i + 1])
+        del args[i:i + 2]
+    if len(args) != 2:
         print(__doc__, file=sys.stderr)
         return 2
-    dash_path, rules_path = sys.argv[1], sys.argv[2]
+    dash_path, rules_path = args
     records, rule_exprs = load_rules(rules_path)
     known = series_labels()
+    if expositions:
+        series, types = parse_exposition(expositions)
+        check_live(series, types)
+        known = {name: labels | TARGET_LABELS for name, labels in series.items()}
+        KNOWN_FROM = "the live /metrics in " + ", ".join(expositions)
     for name, labels in records.items():
         known[name] = labels
 
@@ -283,7 +332,8 @@ def main():
             print("FAIL", e)
         print(f"{len(errors)} problem(s) in {dash_path} / {rules_path}")
         return 1
-    print(f"ok: {len(panels)} panels, {len(queries)} queries, {len(rule_exprs)} rules; metrics used: "
+    print(f"ok: {len(panels)} panels, {len(queries)} queries, {len(rule_exprs)} rules, names checked against "
+          f"{KNOWN_FROM}; metrics used: "
           + ", ".join(sorted(used_everywhere)))
     return 0
 

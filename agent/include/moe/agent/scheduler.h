@@ -66,6 +66,10 @@ struct RunningJob {
   std::string message;
   Clock::time_point failed_at, last_report;
   int steps_recorded = 0;  // complete steps whose load is in the placement window
+  // The slowest rank's seconds of the last complete steps (at most
+  // kRecentSteps, newest last): the live step time of moectl top.
+  static constexpr size_t kRecentSteps = 8;
+  std::deque<double> recent_step_seconds;
   // Read back by a restarted agent: its daemons re-send every report. Until
   // each rank was heard from again, a failure is the restart's.
   bool restored = false;

@@ -80,4 +80,13 @@ int placement_rebalance(const Globals& g, const RebalanceOptions& o, std::ostrea
 // file when it is incomplete, missing a file or truncated.
 int checkpoint_show(const Globals& g, const std::string& dir, std::ostream& out, std::ostream& err);
 
+struct TopOptions {
+  bool once = false;          // one frame, no escape codes
+  std::optional<int> layer;   // only this layer
+};
+// moectl top: the agent's live load drawn in place once a second on a terminal
+// until q (exit 0) or SIGINT / SIGTERM (128 + the signal), the terminal
+// restored; one frame with once; the reply as JSON with g.json.
+int top(const Globals& g, const TopOptions& o, std::ostream& out, std::ostream& err);
+
 }  // namespace moe::ctl

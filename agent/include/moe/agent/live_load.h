@@ -1,0 +1,19 @@
+// The live-load reply of `moectl top` (DESIGN 8): the running job (or the last
+// one) with its recent step time, the last job's shape per layer (epoch, window
+// balancedness, rank and expert loads), node and job counts. A pure function of
+// the agent's rooms, read on the io thread; before any job the reply has no job,
+// no shape and no layers.
+#pragma once
+
+#include "moe/agent/membership.h"
+#include "moe/agent/placement_service.h"
+#include "moe/agent/scheduler.h"
+#include "moe/v1/cluster.pb.h"
+
+namespace moe::agent {
+
+// window_capacity: the agent's --load-window, in steps.
+v1::LiveLoad live_load(const Membership& members, const Scheduler& scheduler, const PlacementService& placement,
+                       int window_capacity);
+
+}  // namespace moe::agent
