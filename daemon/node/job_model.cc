@@ -43,7 +43,9 @@ kernels::OptimizerConfig optimizer_config(const v1::JobSpec& s) {
   return o;
 }
 
-model::LayerShape layer_shape(const v1::JobSpec& s) { return {s.hidden(), s.ffn_hidden(), s.experts()}; }
+model::LayerShape layer_shape(const v1::JobSpec& s) {
+  return {s.hidden(), s.ffn_hidden(), s.experts(), s.shared_experts() * s.shared_ffn_hidden(), s.shared_expert_gate()};
+}
 
 ep::ExpertMap expert_map(const v1::PlacementMap& m) {
   return ep::ExpertMap::make(m.num_experts(), m.num_ranks(), m.slots_per_rank(), {m.phy2log().begin(), m.phy2log().end()},
@@ -64,12 +66,9 @@ std::string checkpoint_prefix(const v1::JobSpec& s, int layer) {
 
 // Job layer `layer` from spec.weights; errors name the job and checkpoint layer.
 model::LayerWeights checkpoint_weights(const v1::JobSpec& s, int layer, const std::vector<bool>& needed) {
-  model::LayerShape shape = layer_shape(s);
-  shape.shared_ffn_hidden = s.shared_experts() * s.shared_ffn_hidden();
-  shape.shared_gate = s.shared_expert_gate();
   try {
     io::Checkpoint ckpt(s.weights());
-    return io::load_layer_weights(ckpt, checkpoint_prefix(s, layer), shape, needed);
+    return io::load_layer_weights(ckpt, checkpoint_prefix(s, layer), layer_shape(s), needed);
   } catch (const Error& e) {
     detail::fail("weights of layer ", layer, " (checkpoint layer ", s.weights_first_layer() + layer, "): ", e.what());
   }

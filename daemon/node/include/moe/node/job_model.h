@@ -17,6 +17,7 @@ namespace moe::node {
 
 ep::MoeLayerConfig layer_config(const v1::JobSpec& spec);
 kernels::DType job_dtype(const v1::JobSpec& spec);
+// E, H, I, and the shared experts' total width shared_experts x shared_ffn_hidden.
 model::LayerShape layer_shape(const v1::JobSpec& spec);
 // The teacher of a train job: the same architecture built from seed + 1.
 v1::JobSpec teacher_of(const v1::JobSpec& spec);
