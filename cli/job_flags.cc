@@ -1,13 +1,18 @@
 #include "moe/ctl/job_flags.h"
 
 #include <google/protobuf/descriptor.h>
+#include <google/protobuf/struct.pb.h>
+#include <google/protobuf/util/json_util.h>
 
 #include <CLI/CLI.hpp>
 #include <cerrno>
 #include <cstdlib>
+#include <filesystem>
+#include <set>
 
 #include "moe/base/check.h"
 #include "moe/base/file.h"
+#include "moe/ctl/hf_config.h"
 #include "moe/rpc/frame.h"
 #include "moe/spec/job_spec.h"
 
@@ -86,6 +91,19 @@ std::string type_name(const FieldDescriptor& f) {
     case FieldDescriptor::CPPTYPE_BOOL: return "[=true|false]";
     default: return "TEXT";
   }
+}
+
+// The fields a JobSpec JSON text sets (its keys, by proto or JSON name).
+std::set<std::string> json_fields(const std::string& json) {
+  google::protobuf::Struct keys;
+  std::set<std::string> out;
+  if (!google::protobuf::util::JsonStringToMessage(json, &keys).ok()) return out;  // spec_from_json reported it
+  for (const auto& [key, value] : keys.fields()) {
+    const FieldDescriptor* f = v1::JobSpec::descriptor()->FindFieldByName(key);
+    if (!f) f = v1::JobSpec::descriptor()->FindFieldByCamelcaseName(key);
+    if (f) out.insert(f->name());
+  }
+  return out;
 }
 
 }  // namespace
@@ -173,6 +191,10 @@ void set_field(v1::JobSpec& s, const std::string& field, const std::string& text
 
 void JobFlags::add(CLI::App* c) {
   c->add_option("-f,--file", file_, "a JobSpec as JSON; flags given override it")->check(CLI::ExistingFile);
+  c->add_option("--hf-config", hf_config_,
+                "a Hugging Face config.json (mixtral, qwen2_moe, qwen3_moe, deepseek_v2, deepseek_v3): the model "
+                "fields from it; -f and flags override it")
+      ->check(CLI::ExistingFile);
   const auto* d = v1::JobSpec::descriptor();
   for (int i = 0; i < d->field_count(); ++i) {
     const std::string field = d->field(i)->name();
@@ -191,8 +213,18 @@ void JobFlags::add(CLI::App* c) {
 
 v1::JobSpec JobFlags::build() const {
   v1::JobSpec s;
-  if (!file_.empty()) s = spec::spec_from_json(read_file(file_));
-  for (const auto& [field, text] : given_) set_field(s, field, text);
+  std::set<std::string> set_by_user;
+  if (!file_.empty()) {
+    const std::string json = read_file(file_);
+    s = spec::spec_from_json(json);
+    set_by_user = json_fields(json);
+  }
+  for (const auto& [field, text] : given_) {
+    set_field(s, field, text);
+    set_by_user.insert(field);
+  }
+  if (!hf_config_.empty()) s = apply_hf_model(hf_model_from_config(read_file(hf_config_), hf_config_), s, set_by_user);
+  if (!s.weights().empty()) s.set_weights(std::filesystem::absolute(s.weights()).lexically_normal().string());
   return s;
 }
 

@@ -3,7 +3,6 @@
 #include <fcntl.h>
 #include <google/protobuf/struct.pb.h>
 #include <google/protobuf/util/json_util.h>
-#include <sys/mman.h>
 #include <sys/stat.h>
 #include <unistd.h>
 
@@ -97,83 +96,89 @@ std::string shape_str(const std::vector<int64_t>& shape) {
 }
 
 SafetensorsReader::SafetensorsReader(const std::string& path) : path_(path) {
-  const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
-  MOE_CHECK(fd >= 0, path, ": cannot open: ", std::strerror(errno));
-  struct stat st {};
-  if (::fstat(fd, &st) != 0) {
-    ::close(fd);
-    detail::fail(path, ": cannot stat: ", std::strerror(errno));
-  }
-  map_size_ = static_cast<size_t>(st.st_size);
-  if (map_size_ > 0) {
-    void* m = ::mmap(nullptr, map_size_, PROT_READ, MAP_PRIVATE, fd, 0);
-    ::close(fd);
-    MOE_CHECK(m != MAP_FAILED, path, ": cannot map: ", std::strerror(errno));
-    map_ = static_cast<const uint8_t*>(m);
-  } else {
-    ::close(fd);
-  }
+  fd_ = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
+  MOE_CHECK(fd_ >= 0, path, ": cannot open: ", std::strerror(errno));
   try {
-    MOE_CHECK(map_size_ >= 8, path, ": truncated: ", map_size_, " bytes, shorter than the 8-byte header length");
+    struct stat st {};
+    MOE_CHECK(::fstat(fd_, &st) == 0, path, ": cannot stat: ", std::strerror(errno));
+    MOE_CHECK(!S_ISDIR(st.st_mode), path, ": is a folder, not a safetensors file");
+    const uint64_t file_size = static_cast<uint64_t>(st.st_size);
+    MOE_CHECK(file_size >= 8, path, ": truncated: ", file_size, " bytes, shorter than the 8-byte header length");
+    uint8_t len[8];
+    read_at(len, 8, 0, "the header length");
     uint64_t header_len = 0;
-    for (int i = 7; i >= 0; --i) header_len = (header_len << 8) | map_[i];
+    for (int i = 7; i >= 0; --i) header_len = (header_len << 8) | len[i];
     MOE_CHECK(header_len <= kMaxHeaderBytes, path, ": bad header: length ", header_len,
               " exceeds the format limit of ", kMaxHeaderBytes);
-    MOE_CHECK(header_len <= map_size_ - 8, path, ": truncated: header of ", header_len,
-              " bytes but only ", map_size_ - 8, " follow the length");
-    data_ = map_ + 8 + header_len;
-    const uint64_t data_size = map_size_ - 8 - header_len;
-
-    google::protobuf::Struct header;
-    const std::string text(reinterpret_cast<const char*>(map_ + 8), header_len);
-    const auto status = google::protobuf::util::JsonStringToMessage(text, &header);
-    MOE_CHECK(status.ok(), path, ": bad header: not a JSON object (", status.message().as_string(), ")");
-    for (const auto& [name, value] : header.fields()) {
-      if (name == "__metadata__") {
-        MOE_CHECK(value.has_struct_value(), path, ": bad header: __metadata__ is not an object");
-        for (const auto& [k, v] : value.struct_value().fields()) {
-          MOE_CHECK(v.kind_case() == google::protobuf::Value::kStringValue, path,
-                    ": bad header: __metadata__[", k, "] is not a string");
-          metadata_[k] = v.string_value();
-        }
-        continue;
-      }
-      MOE_CHECK(value.has_struct_value(), path, ": bad header: entry '", name, "' is not an object");
-      const auto& f = value.struct_value().fields();
-      const auto dt = f.find("dtype"), sh = f.find("shape"), off = f.find("data_offsets");
-      MOE_CHECK(dt != f.end() && dt->second.kind_case() == google::protobuf::Value::kStringValue, path,
-                ": bad header: tensor '", name, "' has no dtype string");
-      MOE_CHECK(sh != f.end() && sh->second.has_list_value(), path, ": bad header: tensor '", name,
-                "' has no shape list");
-      MOE_CHECK(off != f.end() && off->second.has_list_value() && off->second.list_value().values_size() == 2,
-                path, ": bad header: tensor '", name, "' needs data_offsets [begin, end]");
-      TensorInfo t;
-      t.name = name;
-      t.dtype_name = dt->second.string_value();
-      t.dtype = parse_dtype(t.dtype_name);
-      for (const auto& d : sh->second.list_value().values())
-        t.shape.push_back(static_cast<int64_t>(as_index(d, path, "a dimension of '" + name + "'")));
-      t.begin = as_index(off->second.list_value().values(0), path, "data_offsets of '" + name + "'");
-      t.end = as_index(off->second.list_value().values(1), path, "data_offsets of '" + name + "'");
-      MOE_CHECK(t.begin <= t.end, path, ": bad header: tensor '", name, "' has data_offsets [", t.begin,
-                ", ", t.end, "] out of order");
-      MOE_CHECK(t.end <= data_size, path, ": truncated: tensor '", name, "' ends at data byte ", t.end,
-                " but the file has ", data_size, " data bytes");
-      if (t.dtype != StDType::kOther)
-        MOE_CHECK(t.end - t.begin == static_cast<uint64_t>(t.numel()) * dtype_size(t.dtype), path,
-                  ": bad header: tensor '", name, "' of shape ", shape_str(t.shape), " and dtype ",
-                  t.dtype_name, " needs ", t.numel() * dtype_size(t.dtype), " bytes, offsets give ",
-                  t.end - t.begin);
-      tensors_.emplace(name, std::move(t));
-    }
+    MOE_CHECK(header_len <= file_size - 8, path, ": truncated: header of ", header_len, " bytes but only ",
+              file_size - 8, " follow the length");
+    std::string text(header_len, '\0');
+    read_at(text.data(), header_len, 8, "the header");
+    data_offset_ = 8 + header_len;
+    parse_header(text, file_size - data_offset_);
   } catch (...) {
-    if (map_) ::munmap(const_cast<uint8_t*>(map_), map_size_);
+    ::close(fd_);
     throw;
   }
 }
 
-SafetensorsReader::~SafetensorsReader() {
-  if (map_) ::munmap(const_cast<uint8_t*>(map_), map_size_);
+void SafetensorsReader::parse_header(const std::string& text, uint64_t data_size) {
+  const std::string& path = path_;
+  google::protobuf::Struct header;
+  const auto status = google::protobuf::util::JsonStringToMessage(text, &header);
+  MOE_CHECK(status.ok(), path, ": bad header: not a JSON object (", status.message().as_string(), ")");
+  for (const auto& [name, value] : header.fields()) {
+    if (name == "__metadata__") {
+      MOE_CHECK(value.has_struct_value(), path, ": bad header: __metadata__ is not an object");
+      for (const auto& [k, v] : value.struct_value().fields()) {
+        MOE_CHECK(v.kind_case() == google::protobuf::Value::kStringValue, path,
+                  ": bad header: __metadata__[", k, "] is not a string");
+        metadata_[k] = v.string_value();
+      }
+      continue;
+    }
+    MOE_CHECK(value.has_struct_value(), path, ": bad header: entry '", name, "' is not an object");
+    const auto& f = value.struct_value().fields();
+    const auto dt = f.find("dtype"), sh = f.find("shape"), off = f.find("data_offsets");
+    MOE_CHECK(dt != f.end() && dt->second.kind_case() == google::protobuf::Value::kStringValue, path,
+              ": bad header: tensor '", name, "' has no dtype string");
+    MOE_CHECK(sh != f.end() && sh->second.has_list_value(), path, ": bad header: tensor '", name,
+              "' has no shape list");
+    MOE_CHECK(off != f.end() && off->second.has_list_value() && off->second.list_value().values_size() == 2,
+              path, ": bad header: tensor '", name, "' needs data_offsets [begin, end]");
+    TensorInfo t;
+    t.name = name;
+    t.dtype_name = dt->second.string_value();
+    t.dtype = parse_dtype(t.dtype_name);
+    for (const auto& d : sh->second.list_value().values())
+      t.shape.push_back(static_cast<int64_t>(as_index(d, path, "a dimension of '" + name + "'")));
+    t.begin = as_index(off->second.list_value().values(0), path, "data_offsets of '" + name + "'");
+    t.end = as_index(off->second.list_value().values(1), path, "data_offsets of '" + name + "'");
+    MOE_CHECK(t.begin <= t.end, path, ": bad header: tensor '", name, "' has data_offsets [", t.begin, ", ",
+              t.end, "] out of order");
+    MOE_CHECK(t.end <= data_size, path, ": truncated: tensor '", name, "' ends at data byte ", t.end,
+              " but the file has ", data_size, " data bytes");
+    if (t.dtype != StDType::kOther)
+      MOE_CHECK(t.end - t.begin == static_cast<uint64_t>(t.numel()) * dtype_size(t.dtype), path,
+                ": bad header: tensor '", name, "' of shape ", shape_str(t.shape), " and dtype ", t.dtype_name,
+                " needs ", t.numel() * dtype_size(t.dtype), " bytes, offsets give ", t.end - t.begin);
+    tensors_.emplace(name, std::move(t));
+  }
+}
+
+SafetensorsReader::~SafetensorsReader() { ::close(fd_); }
+
+void SafetensorsReader::read_at(void* dst, uint64_t n, uint64_t offset, const std::string& what) const {
+  auto* p = static_cast<uint8_t*>(dst);
+  uint64_t done = 0;
+  while (done < n) {
+    const ssize_t got = ::pread(fd_, p + done, n - done, static_cast<off_t>(offset + done));
+    if (got < 0 && errno == EINTR) continue;
+    MOE_CHECK(got >= 0, path_, ": cannot read ", what, ": ", std::strerror(errno));
+    MOE_CHECK(got > 0, path_, ": truncated: the file ended while reading ", what);
+    done += static_cast<uint64_t>(got);
+  }
+  bytes_read_ += n;
 }
 
 const TensorInfo& SafetensorsReader::info(const std::string& name) const {
@@ -199,19 +204,17 @@ const TensorInfo& SafetensorsReader::checked(const std::string& name,
 std::vector<float> SafetensorsReader::read_f32(const std::string& name,
                                                const std::vector<int64_t>& shape) const {
   const TensorInfo& t = checked(name, shape);
+  MOE_CHECK(t.dtype == StDType::kF32 || t.dtype == StDType::kBF16, path_, ": tensor '", name, "' has dtype ",
+            t.dtype_name, "; expected F32 or BF16");
   std::vector<float> out(t.numel());
-  const uint8_t* src = data_ + t.begin;
+  const std::string what = "tensor '" + name + "'";
   if (t.dtype == StDType::kF32) {
-    std::memcpy(out.data(), src, 4 * out.size());
-  } else if (t.dtype == StDType::kBF16) {
-    for (size_t i = 0; i < out.size(); ++i) {
-      kernels::bf16_t v;
-      std::memcpy(&v, src + 2 * i, 2);
-      out[i] = kernels::bf16_to_f32(v);
-    }
-  } else {
-    detail::fail(path_, ": tensor '", name, "' has dtype ", t.dtype_name, "; expected F32 or BF16");
+    read_at(out.data(), t.end - t.begin, data_offset_ + t.begin, what);
+    return out;
   }
+  std::vector<kernels::bf16_t> raw(out.size());
+  read_at(raw.data(), t.end - t.begin, data_offset_ + t.begin, what);
+  for (size_t i = 0; i < out.size(); ++i) out[i] = kernels::bf16_to_f32(raw[i]);
   return out;
 }
 
@@ -221,7 +224,7 @@ std::vector<int32_t> SafetensorsReader::read_i32(const std::string& name,
   MOE_CHECK(t.dtype == StDType::kI32, path_, ": tensor '", name, "' has dtype ", t.dtype_name,
             "; expected I32");
   std::vector<int32_t> out(t.numel());
-  std::memcpy(out.data(), data_ + t.begin, 4 * out.size());
+  read_at(out.data(), t.end - t.begin, data_offset_ + t.begin, "tensor '" + name + "'");
   return out;
 }
 

@@ -1,7 +1,7 @@
 #include "moe/node/job_model.h"
 
-#include "moe/io/layer_io.h"
 #include "moe/base/check.h"
+#include "moe/io/layer_io.h"
 
 namespace moe::node {
 
@@ -65,17 +65,33 @@ ep::ExpertMap expert_map(const v1::PlacementMap& m) {
                              m.epoch());
 }
 
-model::LayerWeights layer_weights(const v1::JobSpec& s, int layer, const std::vector<bool>& needed) {
-  model::LayerWeights w;
-  if (!s.weights().empty()) {
-    std::string prefix = s.weights_prefix();
-    const auto at = prefix.find("{layer}");
-    if (at != std::string::npos) prefix.replace(at, 7, std::to_string(layer));
-    const io::SafetensorsReader file(s.weights());
-    w = io::load_layer_weights(file, prefix, layer_shape(s));
-  } else {
-    w = model::make_layer_weights(s.seed(), layer, layer_shape(s), needed);
+namespace {
+
+// The tensor prefix of job layer `layer`: every "{layer}" in weights_prefix
+// becomes the checkpoint layer weights_first_layer + layer.
+std::string checkpoint_prefix(const v1::JobSpec& s, int layer) {
+  const std::string key = "{layer}", index = std::to_string(s.weights_first_layer() + layer);
+  std::string prefix = s.weights_prefix();
+  for (size_t at = prefix.find(key); at != std::string::npos; at = prefix.find(key, at + index.size()))
+    prefix.replace(at, key.size(), index);
+  return prefix;
+}
+
+// Job layer `layer` from spec.weights; errors name the job and checkpoint layer.
+model::LayerWeights checkpoint_weights(const v1::JobSpec& s, int layer, const std::vector<bool>& needed) {
+  try {
+    io::Checkpoint ckpt(s.weights());
+    return io::load_layer_weights(ckpt, checkpoint_prefix(s, layer), layer_shape(s), needed);
+  } catch (const Error& e) {
+    detail::fail("weights of layer ", layer, " (checkpoint layer ", s.weights_first_layer() + layer, "): ", e.what());
   }
+}
+
+}  // namespace
+
+model::LayerWeights layer_weights(const v1::JobSpec& s, int layer, const std::vector<bool>& needed) {
+  model::LayerWeights w = s.weights().empty() ? model::make_layer_weights(s.seed(), layer, layer_shape(s), needed)
+                                              : checkpoint_weights(s, layer, needed);
   w.logit_bias = model::skew_logit_bias(s.skew(), s.seed(), s.experts());
   return w;
 }

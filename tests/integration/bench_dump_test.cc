@@ -56,7 +56,8 @@ TEST(BenchDump, TrainDumpMatchesReference) {
   io::SafetensorsReader r((dir / "rank0.safetensors").string());
   const int64_t T = 96, H = 32, I = 16, E = 8, K = 2;
   const model::LayerShape shape{32, 16, 8};
-  model::LayerWeights w = io::load_layer_weights(r, "", shape);
+  io::Checkpoint dump((dir / "rank0.safetensors").string());
+  model::LayerWeights w = io::load_layer_weights(dump, "", shape);
   w.logit_bias = r.read_f32("gate.logit_bias", {E});
   ref::Config rc;
   rc.hidden = H;

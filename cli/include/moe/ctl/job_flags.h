@@ -1,8 +1,10 @@
 // moectl's job flags (DESIGN 6, 9): one flag per JobSpec field, named after it in
 // kebab-case (--ffn-hidden), made from the proto's descriptor and one table of
 // help texts; the default each help names comes from spec::with_defaults, the one
-// place defaults live. Flags given on the command line override `-f spec.json`;
-// a boolean flag takes --flag, --flag=true or --flag=false.
+// place defaults live. Flags given on the command line override `-f spec.json`,
+// and both override `--hf-config config.json` (hf_config.h); a boolean flag
+// takes --flag, --flag=true or --flag=false. A relative --weights path is made
+// absolute (the daemons do not run in the submitter's folder).
 #pragma once
 
 #include <map>
@@ -32,15 +34,17 @@ std::string flag_help(const JobFieldDoc& doc);
 
 class JobFlags {
  public:
-  // Adds -f/--file and one flag per JobSpec field to a subcommand. Throws
+  // Adds -f/--file, --hf-config and one flag per JobSpec field to a subcommand. Throws
   // moe::Error if a field has no documentation (a new field must get some).
   void add(CLI::App* command);
-  // The spec: the file's, with the given flags over it. Throws
-  // rpc::RpcError(INVALID_ARGUMENT) naming the field and the bad value.
+  // The spec: the Hugging Face config's model fields, the file's over them,
+  // the given flags over both. Throws rpc::RpcError(INVALID_ARGUMENT) naming
+  // the field (or config key) and the bad value.
   v1::JobSpec build() const;
 
  private:
   std::string file_;
+  std::string hf_config_;
   std::map<std::string, std::string> given_;  // field -> text, only flags that were given
   std::map<std::string, std::string> values_;  // storage CLI11 writes into
 };

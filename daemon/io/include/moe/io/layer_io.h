@@ -1,23 +1,37 @@
-// Layer weights and dumps in safetensors with the Hugging Face MoE names (DESIGN 6):
+// Layer weights and dumps in safetensors with the Hugging Face MoE names (DESIGN 6).
+// Loading reads every scheme of hf_scheme.h from a Checkpoint (one file or an
+// index-sharded folder); writing uses the Qwen/DeepSeek names:
 //   {prefix}gate.weight [E, H], {prefix}gate.e_score_correction_bias [E] (optional),
 //   {prefix}experts.{e}.gate_proj.weight [I, H], .up_proj.weight [I, H],
-//   .down_proj.weight [H, I]; F32 or BF16.
+//   .down_proj.weight [H, I], {prefix}shared_experts.{gate,up,down}_proj.weight,
+//   {prefix}shared_expert_gate.weight [1, H]; F32 or BF16.
 #pragma once
 
 #include <string>
 #include <vector>
 
+#include "moe/io/checkpoint.h"
 #include "moe/io/safetensors.h"
 #include "moe/model/synthetic.h"
 #include "moe/kernels/types.h"
 
 namespace moe::io {
 
-// Reads one layer; every missing tensor or wrong shape is an error naming it.
-model::LayerWeights load_layer_weights(const SafetensorsReader& file, const std::string& prefix,
-                                       const model::LayerShape& shape);
+// Reads one layer of `shape` under `prefix`, in the scheme its names show.
+// First checks every tensor of the layer from the headers, whatever `needed`
+// says, so every rank of a job accepts or refuses a checkpoint alike: a missing
+// tensor, a dtype other than F32/BF16, a shape that disagrees with the spec
+// (naming the field: experts, hidden, ffn_hidden, shared_experts x
+// shared_ffn_hidden), shared experts or a shared gate on one side only. Then
+// reads the router, the bias, the shared experts and the experts with needed[e]
+// (empty: every expert); the others stay zero. Throws moe::Error naming the
+// checkpoint and the tensor or field.
+model::LayerWeights load_layer_weights(Checkpoint& ckpt, const std::string& prefix, const model::LayerShape& shape,
+                                       const std::vector<bool>& needed = {});
 
-// Adds one layer's weights for `experts` under `prefix`, stored as `dtype`.
+// Adds one layer's weights for `experts` under `prefix`, stored as `dtype`: the
+// router, the bias and the skew term if present, and the shared experts and
+// their gate if w has them (shape.shared_ffn_hidden wide).
 void add_layer_weights(SafetensorsWriter& out, const std::string& prefix,
                        const model::LayerShape& shape, const model::LayerWeights& w,
                        const std::vector<int>& experts, kernels::DType dtype);

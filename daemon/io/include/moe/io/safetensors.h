@@ -5,8 +5,12 @@
 //
 // Every error names the file and what is wrong: truncated file, bad header,
 // missing tensor, wrong shape, unsupported dtype.
+//
+// The reader reads the header when opened and each tensor's bytes (pread) when
+// asked for: a rank that needs a few experts of a large checkpoint reads those.
 #pragma once
 
+#include <atomic>
 #include <cstdint>
 #include <map>
 #include <string>
@@ -30,6 +34,7 @@ std::string shape_str(const std::vector<int64_t>& shape);
 
 class SafetensorsReader {
  public:
+  // Opens the file and reads its header (nothing else).
   explicit SafetensorsReader(const std::string& path);
   ~SafetensorsReader();
   SafetensorsReader(const SafetensorsReader&) = delete;
@@ -41,16 +46,26 @@ class SafetensorsReader {
   std::vector<std::string> names() const;
   const std::map<std::string, std::string>& metadata() const { return metadata_; }
 
-  // F32 or BF16 tensors as fp32; the shape must equal `shape`.
+  // F32 or BF16 tensors as fp32 (BF16 converts exactly); the shape must equal
+  // `shape`. Reads that tensor's bytes only. Safe to call from several threads.
   std::vector<float> read_f32(const std::string& name, const std::vector<int64_t>& shape) const;
   std::vector<int32_t> read_i32(const std::string& name, const std::vector<int64_t>& shape) const;
 
+  // Bytes read from the file so far: the 8-byte length and the header, then
+  // the data of every tensor read.
+  uint64_t bytes_read() const { return bytes_read_.load(); }
+  uint64_t header_bytes() const { return data_offset_; }  // 8 + header length
+
  private:
   const TensorInfo& checked(const std::string& name, const std::vector<int64_t>& shape) const;
+  // Reads n bytes at file offset `offset` into dst; throws naming `what` if the
+  // file ends early or the read fails.
+  void read_at(void* dst, uint64_t n, uint64_t offset, const std::string& what) const;
+  void parse_header(const std::string& text, uint64_t data_size);
   std::string path_;
-  const uint8_t* map_ = nullptr;
-  size_t map_size_ = 0;
-  const uint8_t* data_ = nullptr;  // start of the data section
+  int fd_ = -1;
+  uint64_t data_offset_ = 0;  // file offset of the data section
+  mutable std::atomic<uint64_t> bytes_read_{0};
   std::map<std::string, TensorInfo> tensors_;
   std::map<std::string, std::string> metadata_;
 };

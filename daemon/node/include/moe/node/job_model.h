@@ -17,15 +17,20 @@ namespace moe::node {
 
 ep::MoeLayerConfig layer_config(const v1::JobSpec& spec);
 kernels::DType job_dtype(const v1::JobSpec& spec);
+// E, H, I, and the shared experts' total width shared_experts x shared_ffn_hidden.
 model::LayerShape layer_shape(const v1::JobSpec& spec);
 // The teacher of a train job: the same architecture built from seed + 1.
 v1::JobSpec teacher_of(const v1::JobSpec& spec);
 kernels::OptimizerConfig optimizer_config(const v1::JobSpec& spec);
 ep::ExpertMap expert_map(const v1::PlacementMap& m);
 
-// Weights of `layer` for the experts with needed[e] (the router always). From
-// spec.weights when set ({layer} in weights_prefix is replaced by the layer
-// index), else synthetic from (seed, layer). The skew term is added either way.
+// Weights of `layer` for the experts with needed[e] (the router and shared
+// experts always). From spec.weights when set (a safetensors file or a sharded
+// checkpoint; {layer} in weights_prefix is replaced by weights_first_layer +
+// layer, and every tensor of the layer is checked against the spec from the
+// headers before the needed ones are read), else synthetic from (seed, layer).
+// The skew term is added either way. Throws moe::Error naming the layer, the
+// checkpoint and the tensor or field.
 model::LayerWeights layer_weights(const v1::JobSpec& spec, int layer, const std::vector<bool>& needed);
 
 // x [T, H] of `rank` at `step` (global tokens rank x T + t), in fp32, rounded to
