@@ -6,6 +6,7 @@
 
 #include <filesystem>
 #include <fstream>
+#include <thread>
 
 #include <google/protobuf/util/json_util.h>
 
@@ -26,7 +27,7 @@ Args concat(Args a, const Args& b) {
 
 // Every option of the training issue on: balancing, bias, shared experts, Adam.
 const Args kSpec = {"--mode", "train", "--experts", "8", "--top-k", "2", "--hidden", "32", "--ffn-hidden", "16",
-                    "--layers", "2", "--steps", "10", "--seed", "13", "--skew", "zipf:0.8", "--lr", "0.01",
+                    "--layers", "2", "--seed", "13", "--skew", "zipf:0.8", "--lr", "0.01",
                     "--aux-loss-coeff", "0.05", "--z-loss-coeff", "0.01", "--bias-update-rate", "0.002",
                     "--shared-experts", "1", "--shared-ffn-hidden", "16", "--shared-expert-gate"};
 
@@ -44,7 +45,7 @@ class Checkpoints : public ::testing::Test {
     fs::remove_all(dir_);
     Cluster c(2, 2);
     ASSERT_TRUE(c.up());
-    full_ = submit(c, concat(kSpec, {"--tokens-per-rank", "32", "--checkpoint-dir", dir_.string(),
+    full_ = submit(c, concat(kSpec, {"--steps", "10", "--tokens-per-rank", "32", "--checkpoint-dir", dir_.string(),
                                      "--checkpoint-every", "5"}));
     ASSERT_EQ(full_.loss_size(), 10);
   }
@@ -91,7 +92,7 @@ TEST_F(Checkpoints, ShowListsStepSpecMapsAndBytesPerRank) {
 TEST_F(Checkpoints, ResumeOnTheSameShapeIsBitwise) {
   Cluster c(2, 2);
   ASSERT_TRUE(c.up());
-  expect_continues(submit(c, concat(kSpec, {"--tokens-per-rank", "32", "--resume", (dir_ / "step-000005").string(),
+  expect_continues(submit(c, concat(kSpec, {"--steps", "10", "--tokens-per-rank", "32", "--resume", (dir_ / "step-000005").string(),
                                             "--verify"})),
                    0.0);
 }
@@ -101,9 +102,39 @@ TEST_F(Checkpoints, ResumeOnOtherShapesKeepsTheCurve) {
     Cluster c(nodes, devices);
     ASSERT_TRUE(c.up());
     SCOPED_TRACE(std::to_string(nodes) + "x" + std::to_string(devices));
-    expect_continues(submit(c, concat(kSpec, {"--tokens-per-rank", tokens, "--resume", (dir_ / "step-000005").string()})),
+    expect_continues(submit(c, concat(kSpec, {"--steps", "10", "--tokens-per-rank", tokens, "--resume", (dir_ / "step-000005").string()})),
                      1e-5);
   }
+}
+
+TEST_F(Checkpoints, ResumeAfterALiveRebalanceKeepsTheCurve) {
+  // The checkpoint at step 100 holds the map a live rebalance installed at
+  // about step 3 (replicas moved experts); resuming installs it again.
+  const fs::path dir = dir_.parent_path() / (dir_.filename().string() + "_rebalanced");
+  fs::remove_all(dir);
+  Cluster c(2, 2);
+  ASSERT_TRUE(c.up());
+  const Args spec = concat(kSpec, {"--steps", "200", "--tokens-per-rank", "32"});
+  auto [rc, out] = c.ctl(concat(concat({"job", "submit"}, spec), {"--checkpoint-dir", dir.string(), "--checkpoint-every", "100"}));
+  ASSERT_EQ(rc, 0) << out;
+  const std::string id = out.substr(0, out.find('\n'));
+  while (c.job(id).steps_completed() < 3) std::this_thread::sleep_for(20ms);
+  std::tie(rc, out) = c.ctl({"placement", "rebalance", "--redundant-experts", "4"}, 120s);
+  ASSERT_EQ(rc, 0) << out << c.logs();
+  std::tie(rc, out) = c.ctl({"--output", "json", "job", "wait", id}, 180s);
+  ASSERT_EQ(rc, 0) << out << c.logs();
+  const v1::JobResult full = parse_result(out);
+  ASSERT_EQ(full.loss_size(), 200);
+  std::tie(rc, out) = c.ctl({"--output", "json", "checkpoint", "show", (dir / "step-000100").string()});
+  ASSERT_EQ(rc, 0) << out;
+  v1::CheckpointManifest m;
+  ASSERT_TRUE(google::protobuf::util::JsonStringToMessage(out, &m).ok()) << out;
+  EXPECT_EQ(m.maps(0).slots_per_rank(), 3) << "the checkpoint holds the rebalanced map (8 + 4 replicas on 4 ranks)";
+  const v1::JobResult resumed = submit(c, concat(spec, {"--resume", (dir / "step-000100").string(), "--verify"}));
+  ASSERT_EQ(resumed.loss_size(), 100);
+  EXPECT_TRUE(resumed.verify().passed()) << resumed.DebugString();
+  for (int i = 0; i < 100; ++i) EXPECT_NEAR(resumed.loss(i), full.loss(100 + i), 1e-5 * full.loss(100 + i)) << 100 + i;
+  fs::remove_all(dir);
 }
 
 TEST_F(Checkpoints, DamagedOrMismatchedCheckpointsAreRefusedNamingTheProblem) {
@@ -116,7 +147,7 @@ TEST_F(Checkpoints, DamagedOrMismatchedCheckpointsAreRefusedNamingTheProblem) {
   std::string out;
   // A truncated rank file.
   fs::resize_file(bad / "step-000005" / "rank2.safetensors", fs::file_size(bad / "step-000005" / "rank2.safetensors") / 2);
-  const Args resume = concat(kSpec, {"--tokens-per-rank", "128", "--resume", bad.string()});
+  const Args resume = concat(kSpec, {"--steps", "10", "--tokens-per-rank", "128", "--resume", bad.string()});
   v1::JobResult r = submit(c, resume, 1, &out);
   EXPECT_NE(r.message().find("rank2.safetensors is truncated"), std::string::npos) << out;
   auto [rc, show] = c.ctl({"checkpoint", "show", bad.string()});
@@ -127,7 +158,7 @@ TEST_F(Checkpoints, DamagedOrMismatchedCheckpointsAreRefusedNamingTheProblem) {
   r = submit(c, resume, 1, &out);
   EXPECT_NE(r.message().find("rank2.safetensors is missing"), std::string::npos) << out;
   // A spec that differs in a field that may not change.
-  r = submit(c, concat(concat(kSpec, {"--tokens-per-rank", "128", "--resume", (dir_ / "step-000005").string()}),
+  r = submit(c, concat(concat(kSpec, {"--steps", "10", "--tokens-per-rank", "128", "--resume", (dir_ / "step-000005").string()}),
                        {"--dtype", "bf16"}),
              1, &out);
   EXPECT_NE(r.message().find("resume: dtype is bf16 but the checkpoint was written with fp32"), std::string::npos) << out;
