@@ -24,29 +24,24 @@ std::vector<const std::vector<v1::StepStats>*> complete_steps(const JobReports& 
   return out;
 }
 
-// Per step, each phase's slowest rank; the result is the median over steps.
+// Per step, each phase's slowest rank; the result is the median over steps (every
+// PhaseSeconds field alike, by reflection).
 void fill_times(const std::vector<const std::vector<v1::StepStats>*>& steps, int64_t tokens_per_step,
                 v1::JobResult& rec) {
-  std::vector<double> step_time, router, dispatch, expert, combine, backward, optimizer;
+  const auto* desc = v1::PhaseSeconds::descriptor();
+  const auto* refl = v1::PhaseSeconds::GetReflection();
+  std::vector<double> step_time;
+  std::vector<std::vector<double>> phases(desc->field_count());
   for (const auto* by_rank : steps) {
-    double t = 0, pr = 0, pd = 0, pe = 0, pc = 0, pb = 0, po = 0;
+    double t = 0;
+    std::vector<double> slowest(desc->field_count(), 0.0);
     for (const v1::StepStats& s : *by_rank) {
-      const v1::PhaseSeconds& p = s.phase_seconds();
       t = std::max(t, s.step_seconds());
-      pr = std::max(pr, p.router());
-      pd = std::max(pd, p.dispatch());
-      pe = std::max(pe, p.expert());
-      pc = std::max(pc, p.combine());
-      pb = std::max(pb, p.backward());
-      po = std::max(po, p.optimizer());
+      for (int f = 0; f < desc->field_count(); ++f)
+        slowest[f] = std::max(slowest[f], refl->GetDouble(s.phase_seconds(), desc->field(f)));
     }
     step_time.push_back(t);
-    router.push_back(pr);
-    dispatch.push_back(pd);
-    expert.push_back(pe);
-    combine.push_back(pc);
-    backward.push_back(pb);
-    optimizer.push_back(po);
+    for (int f = 0; f < desc->field_count(); ++f) phases[f].push_back(slowest[f]);
   }
   const double p50 = median(step_time);
   // Counted from step 0: a resumed job's first step is its checkpoint's.
@@ -54,12 +49,7 @@ void fill_times(const std::vector<const std::vector<v1::StepStats>*>& steps, int
   rec.set_step_seconds_p50(p50);
   rec.set_tokens_per_second(p50 > 0 ? static_cast<double>(tokens_per_step) / p50 : 0.0);
   v1::PhaseSeconds* ph = rec.mutable_phase_seconds();
-  ph->set_router(median(router));
-  ph->set_dispatch(median(dispatch));
-  ph->set_expert(median(expert));
-  ph->set_combine(median(combine));
-  ph->set_backward(median(backward));
-  ph->set_optimizer(median(optimizer));
+  for (int f = 0; f < desc->field_count(); ++f) refl->SetDouble(ph, desc->field(f), median(phases[f]));
   // Each step's expert phase is already its slowest rank's.
   rec.set_slowest_rank_expert_seconds(ph->expert());
 }

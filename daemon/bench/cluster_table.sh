@@ -3,8 +3,9 @@
 # --output json` for forward and train, fp32 and bf16, on 1x1, 1x2, 2x1 and 2x2
 # local clusters (T tokens per rank), beside `moe-bench layer` (one rank, the
 # same per-rank shape) and `moe-bench ep --ranks 2`; prints a Markdown table and,
-# per job, where its step time goes (the result's phases; "other" is the rest:
-# inputs, residual adds, the step's agreement all-reduce, the report).
+# per job, where its step time goes (the result's phases, each the median over
+# steps of the slowest rank's; "other" is the rest: residual adds, the loss, the
+# step's agreement all-reduce, the report, and skew between the ranks' phases).
 #
 #   daemon/bench/cluster_table.sh [TOKENS HIDDEN FFN EXPERTS TOPK FORWARD_STEPS TRAIN_STEPS]
 # Defaults: 2048 1024 512 64 8 6 4.
@@ -59,14 +60,14 @@ for dt in ("fp32", "bf16"):
     print(f"moe-bench ep --ranks 2 ({dt}, UCX processes): forward {ep[dt]['forward_tokens_per_second']:,.0f} tokens/s, "
           f"train {ep[dt]['train_tokens_per_second']:,.0f}")
 print()
-print("| job | step p50 s | router | dispatch | expert | combine | backward | optimizer | other |")
-print("|---|---|---|---|---|---|---|---|---|")
+keys = ("inputs", "router", "dispatch", "expert", "combine", "teacher", "backward", "optimizer")
+print("| job | step p50 s | " + " | ".join(keys) + " | other |")
+print("|---|---|" + "---|" * (len(keys) + 1))
 for nd in ("1x1", "2x1", "2x2"):
     for dt in ("fp32", "bf16"):
         for m in ("forward", "train"):
             j = load(f"{d}/job_{nd}_{dt}_{m}.json")
             p = j["phase_seconds"]
-            keys = ("router", "dispatch", "expert", "combine", "backward", "optimizer")
             other = j["step_seconds_p50"] - sum(p[k] for k in keys)
             print(f"| {nd} {dt} {m} | {j['step_seconds_p50']:.3f} | " + " | ".join(f"{p[k]:.3f}" for k in keys) + f" | {other:.3f} |")
 PY

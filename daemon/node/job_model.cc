@@ -96,10 +96,14 @@ model::LayerWeights layer_weights(const v1::JobSpec& s, int layer, const std::ve
   return w;
 }
 
-std::vector<float> step_inputs(const v1::JobSpec& s, int rank, int step) {
-  const int64_t T = s.tokens_per_rank();
-  std::vector<float> x(T * s.hidden());
-  model::fill_inputs(s.seed(), step, static_cast<int64_t>(rank) * T, T, s.hidden(), x.data());
+std::vector<float> step_inputs(const v1::JobSpec& s, int rank, int step, kernels::ThreadPool& pool) {
+  const int64_t T = s.tokens_per_rank(), H = s.hidden(), block = 64;
+  std::vector<float> x(T * H);
+  // Tokens are independent (keyed by their global index): blocks on the rank's threads.
+  pool.parallel_for((T + block - 1) / block, [&](int64_t b, int) {
+    const int64_t t0 = b * block, n = std::min(block, T - t0);
+    model::fill_inputs(s.seed(), step, static_cast<int64_t>(rank) * T + t0, n, static_cast<int>(H), x.data() + t0 * H);
+  });
   if (job_dtype(s) == kernels::DType::kBF16) model::round_to_bf16(x);
   return x;
 }

@@ -20,10 +20,12 @@ void add_into(std::vector<uint8_t>& a, const std::vector<uint8_t>& b, size_t n, 
 }
 
 ModelStack::ModelStack(const v1::JobSpec& spec, const std::vector<ep::ExpertMap>& maps, int rank, int world,
-                       transport::Communicator& comm, kernels::Backend& be, std::chrono::milliseconds timeout)
+                       transport::Communicator& comm, kernels::Backend& be, kernels::ThreadPool& pool,
+                       std::chrono::milliseconds timeout)
     : spec_(spec),
       comm_(comm),
       be_(be),
+      pool_(pool),
       timeout_(timeout),
       rank_(rank),
       world_(world),
@@ -124,7 +126,9 @@ std::vector<model::LayerWeights> ModelStack::weights_in_use(int step, transport:
 
 void ModelStack::forward(int step, StepReport& report, bool capture) {
   const int K = spec_.top_k();
-  xs_[0] = model::to_storage(step_inputs(spec_, rank_, step), dt_);
+  const double t0 = now_seconds();
+  xs_[0] = model::to_storage(step_inputs(spec_, rank_, step, pool_), dt_);
+  report.set_inputs_seconds(now_seconds() - t0);
   for (int l = 0; l < num_layers(); ++l) {
     ep::EpLayer& layer = *layers_[l];
     layer.forward(xs_[l].data(), T_, token_begin(), out_.data());
@@ -147,10 +151,12 @@ void ModelStack::forward(int step, StepReport& report, bool capture) {
 void ModelStack::backward(StepReport& report, bool capture) {
   const size_t n = T_ * H_;
   std::vector<uint8_t> xt = xs_[0];
+  const double t_teacher = now_seconds();
   for (auto& teacher : teacher_) {
     teacher->forward(xt.data(), T_, token_begin(), out_.data());
     add_into(xt, out_, n, dt_);
   }
+  report.set_teacher_seconds(now_seconds() - t_teacher);
   const std::vector<float> y = model::from_storage(xs_.back().data(), n, dt_);
   const std::vector<float> yt = model::from_storage(xt.data(), n, dt_);
   const double norm = static_cast<double>(T_) * world_ * H_;

@@ -48,7 +48,7 @@ RankRun::RankRun(const v1::StartJob& job, const RunnerEnv& env, int rank, std::s
       boot_(agent, job.job_id(), rank),
       comm_(rank, job.world_size(), boot_, ucx_options(std::move(hub))),
       agent_(agent),
-      stack_(spec_, expert_maps(job), rank, job.world_size(), comm_, *backend_, env.transport_timeout),
+      stack_(spec_, expert_maps(job), rank, job.world_size(), comm_, *backend_, pool_, env.transport_timeout),
       mailbox_(mailbox) {
   verify_.set_passed(true);
   if (!spec_.resume().empty()) {  // the agent resolved and checked the folder

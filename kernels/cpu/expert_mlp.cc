@@ -73,12 +73,8 @@ void forward_blas(CpuExec& exec, const ExpertMlpConfig& c, const ExpertMlpForwar
   const int64_t H = c.hidden, I = c.ffn_hidden;
   const MlpWorkspace ws = carve(c, a.workspace, exec.pool.num_threads());
   PhaseTotals totals;
-  plan_row_tiles(exec, a.expert_offset, c.num_experts, kMlpMaxTileRows);
-  exec.pool.parallel_for(static_cast<int64_t>(exec.tiles.size()), [&](int64_t i, int thread) {
-    PhaseClock clock;
-    clock.start();
-    const GemmTile t = exec.tiles[i];
-    const int64_t rows = t.end - t.begin;
+  for_each_row_tile(exec, a.expert_offset, c.num_experts,
+                    [&](const GemmTile& t, int64_t rows, int thread, PhaseClock& clock) {
     float* xp = ws.xp(c, thread);
     float* gu = a.saved_gu ? a.saved_gu + t.begin * 2 * I : ws.gup(c, thread);
     float* hp = ws.hp(c, thread);
@@ -103,12 +99,8 @@ void backward_blas(CpuExec& exec, const ExpertMlpConfig& c, const ExpertMlpBackw
   // Row tiles: dgrad chain. dh' = g w2; SwiGLU backward gives dgu, the scaled h and
   // the routing-weight gradient; dx = dgu w13.
   PhaseTotals totals;
-  plan_row_tiles(exec, a.expert_offset, c.num_experts, kMlpMaxTileRows);
-  exec.pool.parallel_for(static_cast<int64_t>(exec.tiles.size()), [&](int64_t i, int thread) {
-    PhaseClock clock;
-    clock.start();
-    const GemmTile t = exec.tiles[i];
-    const int64_t rows = t.end - t.begin;
+  for_each_row_tile(exec, a.expert_offset, c.num_experts,
+                    [&](const GemmTile& t, int64_t rows, int thread, PhaseClock& clock) {
     const float* w13 = a.w13 + static_cast<int64_t>(t.group) * 2 * I * H;
     const float* w2 = a.w2 + static_cast<int64_t>(t.group) * H * I;
     float* g = ws.g_perm + t.begin * H;

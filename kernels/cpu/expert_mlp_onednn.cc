@@ -118,12 +118,8 @@ void forward_onednn(CpuExec& exec, const ExpertMlpConfig& c, const ExpertMlpForw
   const Workspace ws(c, a.workspace, exec.pool.num_threads());
   const size_t row_bytes = ws.lay.es * H;
   PhaseTotals totals;
-  plan_row_tiles(exec, a.expert_offset, c.num_experts, kMlpMaxTileRows);
-  exec.pool.parallel_for(static_cast<int64_t>(exec.tiles.size()), [&](int64_t i, int thread) {
-    PhaseClock clock;
-    clock.start();
-    const GemmTile t = exec.tiles[i];
-    const int64_t rows = t.end - t.begin;
+  for_each_row_tile(exec, a.expert_offset, c.num_experts,
+                    [&](const GemmTile& t, int64_t rows, int thread, PhaseClock& clock) {
     uint8_t* xp = ws.xp(thread);
     float* gu = a.saved_gu ? a.saved_gu + t.begin * 2 * I : ws.gup(thread);
     uint8_t* hp = ws.hp(thread);
@@ -148,12 +144,8 @@ void backward_onednn(CpuExec& exec, const ExpertMlpConfig& c, const ExpertMlpBac
   // Row tiles: dgrad chain. dh' = g w2; SwiGLU backward gives dgu, the scaled h and
   // the routing-weight gradient; dx = dgu w13.
   PhaseTotals totals;
-  plan_row_tiles(exec, a.expert_offset, c.num_experts, kMlpMaxTileRows);
-  exec.pool.parallel_for(static_cast<int64_t>(exec.tiles.size()), [&](int64_t i, int thread) {
-    PhaseClock clock;
-    clock.start();
-    const GemmTile t = exec.tiles[i];
-    const int64_t rows = t.end - t.begin;
+  for_each_row_tile(exec, a.expert_offset, c.num_experts,
+                    [&](const GemmTile& t, int64_t rows, int thread, PhaseClock& clock) {
     uint8_t* g = ws.g_perm + t.begin * H * es;
     uint8_t* dgu = ws.dgu + t.begin * 2 * I * es;
     float* dh = ws.dh(thread);

@@ -9,6 +9,7 @@
 
 #include "moe/ep/expert_map.h"
 #include "moe/ep/layer_stages.h"
+#include "moe/kernels/thread_pool.h"
 #include "moe/model/synthetic.h"
 #include "moe/v1/cluster.pb.h"
 #include "moe/v1/job.pb.h"
@@ -35,6 +36,6 @@ model::LayerWeights layer_weights(const v1::JobSpec& spec, int layer, const std:
 
 // x [T, H] of `rank` at `step` (global tokens rank x T + t), in fp32, rounded to
 // bf16 values for a bf16 job.
-std::vector<float> step_inputs(const v1::JobSpec& spec, int rank, int step);
+std::vector<float> step_inputs(const v1::JobSpec& spec, int rank, int step, kernels::ThreadPool& pool);
 
 }  // namespace moe::node

@@ -10,6 +10,7 @@
 #include <vector>
 
 #include "moe/ep/ep_layer.h"
+#include "moe/kernels/thread_pool.h"
 #include "moe/node/step_report.h"
 #include "moe/v1/job.pb.h"
 
@@ -28,7 +29,8 @@ class ModelStack {
   // spec: defaults filled. maps: one per layer. The stack builds its layers' and
   // the teacher's weights for the experts this rank hosts.
   ModelStack(const v1::JobSpec& spec, const std::vector<ep::ExpertMap>& maps, int rank, int world,
-             transport::Communicator& comm, kernels::Backend& be, std::chrono::milliseconds timeout);
+             transport::Communicator& comm, kernels::Backend& be, kernels::ThreadPool& pool,
+             std::chrono::milliseconds timeout);
 
   // The forward of `step` on this rank's tokens; with capture, every layer's
   // snapshot is kept.
@@ -75,6 +77,7 @@ class ModelStack {
   const v1::JobSpec& spec_;
   transport::Communicator& comm_;
   kernels::Backend& be_;
+  kernels::ThreadPool& pool_;  // the rank's: the backend's threads, also for the inputs
   const std::chrono::milliseconds timeout_;
   const int rank_, world_;
   const int64_t T_;

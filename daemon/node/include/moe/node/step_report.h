@@ -25,6 +25,8 @@ class StepReport {
   }
   void set_backward_seconds(double s) { stats_.mutable_phase_seconds()->set_backward(s); }
   void set_optimizer_seconds(double s) { stats_.mutable_phase_seconds()->set_optimizer(s); }
+  void set_teacher_seconds(double s) { stats_.mutable_phase_seconds()->set_teacher(s); }
+  void set_inputs_seconds(double s) { stats_.mutable_phase_seconds()->set_inputs(s); }
   void set_step_seconds(double s) { stats_.set_step_seconds(s); }
 
   const v1::StepStats& stats() const { return stats_; }
