@@ -56,6 +56,14 @@ TEST(Cli, EveryCommandOnAFreshClusterAndAfterAJob) {
     EXPECT_EQ(rc, 2) << verb << ": " << out;
     EXPECT_TRUE(has(out, "no job 'job-99'")) << out;
   }
+  // No checkpoint yet: an empty checkpoint_dir, and a folder that does not exist.
+  for (const std::string dir : {c.dir().string(), (c.dir() / "nowhere").string()}) {
+    const auto [rc, out] = c.ctl({"checkpoint", "show", dir});
+    EXPECT_EQ(rc, 2) << out;
+    EXPECT_TRUE(has(out, dir)) << out;
+  }
+  // The live view, once, before any job (tests/integration/top_test.cc drives it in a terminal).
+  expect_ok_in_both_outputs(c, {"top", "--once"});
 
   // A spec file that asks for verify, and a flag that turns it off (--flag=false).
   const fs::path spec = c.dir() / "spec.json";

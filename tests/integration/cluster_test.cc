@@ -258,9 +258,9 @@ TEST(Cluster, KilledDaemonFailsTheJobNamingItAndARestartRejoins) {
   const auto killed = std::chrono::steady_clock::now();
   auto [rc, out] = c.ctl({"job", "wait", id}, 30s);
   EXPECT_LT(std::chrono::steady_clock::now() - killed, 15s);
-  EXPECT_EQ(rc, 1) << out;
+  EXPECT_EQ(rc, 1) << out << c.logs();
   EXPECT_NE(out.find("FAILED"), std::string::npos) << out;
-  EXPECT_NE(out.find("node1"), std::string::npos) << out;
+  EXPECT_NE(out.find("node1"), std::string::npos) << out << c.logs();
 
   // The agent keeps serving; a restarted node1 rejoins and runs the next job.
   std::tie(rc, out) = c.ctl({"cluster", "status"});
