@@ -196,15 +196,20 @@ struct UcxCommunicator::Impl {
     if (const auto why = peer_failure(peer)) fail_peer(peer, what, *why);
   }
 
+  // The peer is checked BEFORE its op exists: a failed peer makes check_peer
+  // throw through fail(), which drains every op, and an op UCX never took has no
+  // request to wait on (polling it read a null request: a crash under load).
   void post_send(int peer, const void* buf, size_t bytes, uint64_t tag, const char* what) {
-    post_send(ops.emplace_back(), peer, buf, bytes, tag, what);
+    check_peer(peer, what);
+    start_send(ops.emplace_back(), peer, buf, bytes, tag);
   }
   void post_recv(int peer, void* buf, size_t bytes, uint64_t tag, const char* what) {
-    post_recv(ops.emplace_back(), peer, buf, bytes, tag, what);
+    check_peer(peer, what);
+    start_recv(ops.emplace_back(), peer, buf, bytes, tag);
   }
 
-  void post_send(Op& op, int peer, const void* buf, size_t bytes, uint64_t tag, const char* what) {
-    check_peer(peer, what);
+  // Posts op, whose peer check_peer accepted.
+  void start_send(Op& op, int peer, const void* buf, size_t bytes, uint64_t tag) {
     op.peer = peer;
     op.bytes = bytes;
     if (peers[peer].local) {
@@ -217,8 +222,7 @@ struct UcxCommunicator::Impl {
     settle_posted(op, r);
   }
 
-  void post_recv(Op& op, int peer, void* buf, size_t bytes, uint64_t tag, const char* what) {
-    check_peer(peer, what);
+  void start_recv(Op& op, int peer, void* buf, size_t bytes, uint64_t tag) {
     op.peer = peer;
     op.is_recv = true;
     op.bytes = bytes;
@@ -597,12 +601,13 @@ Communicator::TransferId UcxCommunicator::isend(int peer, const void* data, size
                                                 std::shared_ptr<const void> keep) {
   Impl& m = *impl_;
   m.check_usable();
+  m.check_peer(peer, "isend");
   const TransferId id = m.next_transfer++;
   Impl::Op& op = m.background[id];
   op.keep = std::move(keep);
   op.peer = peer;
   op.bytes = bytes;
-  m.post_send(op, peer, data, bytes, make_tag(Kind::kBackground, tag, rank_), "isend");
+  m.start_send(op, peer, data, bytes, make_tag(Kind::kBackground, tag, rank_));
   return id;
 }
 
@@ -610,13 +615,14 @@ Communicator::TransferId UcxCommunicator::irecv(int peer, void* data, size_t byt
                                                 std::shared_ptr<const void> keep) {
   Impl& m = *impl_;
   m.check_usable();
+  m.check_peer(peer, "irecv");
   const TransferId id = m.next_transfer++;
   Impl::Op& op = m.background[id];
   op.keep = std::move(keep);
   op.peer = peer;
   op.bytes = bytes;
   op.is_recv = true;
-  m.post_recv(op, peer, data, bytes, make_tag(Kind::kBackground, tag, peer), "irecv");
+  m.start_recv(op, peer, data, bytes, make_tag(Kind::kBackground, tag, peer));
   return id;
 }
 

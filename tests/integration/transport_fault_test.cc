@@ -53,5 +53,21 @@ TEST(UcxProcesses, AKilledPeerFailsEveryoneNamingIt) {
   server.wait();
 }
 
+TEST(UcxProcesses, APeerKnownDeadBeforeAnOpIsPostedFailsCleanly) {
+  // Regression: an op created for a peer whose failure the transport already knew
+  // was drained by the failure path without ever being posted (a null request:
+  // SIGSEGV in ucp_request_check_status). Rank 0 must report rank 2 and exit 1.
+  transport::TcpRendezvousServer server(3, 30s);
+  std::vector<Process> ps;
+  for (int r = 0; r < 3; ++r)
+    ps.push_back(Process::spawn({MOE_WORKER_BIN, "late-post", "--rank", std::to_string(r), "--port",
+                                 std::to_string(server.port())}));
+  EXPECT_EQ(ps[2].wait(30s), 128 + SIGKILL) << ps[2].output();
+  EXPECT_EQ(ps[0].wait(30s), 1) << ps[0].output();
+  EXPECT_NE(ps[0].output().find("RESULT error peer=2"), std::string::npos) << ps[0].output();
+  ps[1].wait(30s);  // fails too, naming whom it learns of; not what this test is about
+  server.wait();
+}
+
 }  // namespace
 }  // namespace moe::test
