@@ -141,8 +141,9 @@ void RankRun::tell_agent_ready(bool ok, const std::string& reason) {
 }
 
 void RankRun::run_step(int step) {
-  const bool verify = spec_.verify() && step == spec_.verify_step();
-  const bool dump = !spec_.dump_dir().empty() && step == spec_.dump_step();
+  // A resumed run covers its first step when asked for an earlier one.
+  const bool verify = spec_.verify() && step == std::max(spec_.verify_step(), first_step_);
+  const bool dump = !spec_.dump_dir().empty() && step == std::max(spec_.dump_step(), first_step_);
   const bool covered = verify || dump;
   const bool train = spec_.mode() == v1::JobSpec::train;
   StepReport report(step, spec_.experts());
