@@ -30,7 +30,10 @@ void fill_inputs(uint64_t seed, int64_t step, int64_t token_begin, int64_t T, in
   for (int64_t t = 0; t < T; ++t) {
     const uint64_t token_key = key_hash({kInputTag, seed, static_cast<uint64_t>(step),
                                          static_cast<uint64_t>(token_begin + t)});
-    for (int h = 0; h < H; ++h) x[t * H + h] = static_cast<float>(normal(key_hash({token_key, static_cast<uint64_t>(h)})));
+    float* row = x + t * H;
+    int h = 0;
+    for (; h + 1 < H; h += 2) normal_pair(key_hash({token_key, static_cast<uint64_t>(h)}), row + h, row + h + 1);
+    if (h < H) row[h] = static_cast<float>(normal(key_hash({token_key, static_cast<uint64_t>(h)})));
   }
 }
 

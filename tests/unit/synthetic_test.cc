@@ -29,6 +29,18 @@ TEST(Synthetic, InputsDependOnlyOnGlobalTokenIndex) {
   }
   EXPECT_NEAR(sum / big.size(), 0.0, 0.01);
   EXPECT_NEAR(sq / big.size(), 1.0, 0.02);
+  // The two values of a Box-Muller pair are uncorrelated, and so are neighbours
+  // across pairs; an odd hidden size still fills its last column.
+  double pair = 0, across = 0;
+  for (size_t i = 0; i + 2 < big.size(); i += 2) {
+    pair += big[i] * big[i + 1];
+    across += big[i + 1] * big[i + 2];
+  }
+  EXPECT_NEAR(pair / (big.size() / 2), 0.0, 0.01);
+  EXPECT_NEAR(across / (big.size() / 2), 0.0, 0.01);
+  std::vector<float> odd(3 * 5, 0.0f);
+  model::fill_inputs(1, 0, 0, 3, 5, odd.data());
+  for (int t = 0; t < 3; ++t) EXPECT_NE(odd[t * 5 + 4], 0.0f);
 }
 
 TEST(Synthetic, WeightsAreDeterministicAndScaled) {

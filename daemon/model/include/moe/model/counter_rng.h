@@ -32,4 +32,14 @@ inline double normal(uint64_t key) {
   return std::sqrt(-2.0 * std::log(u1)) * std::cos(6.283185307179586476925 * u2);
 }
 
+// Two independent standard normals for a key: both outputs of one Box-Muller
+// draw (r cos, r sin), at about half the cost per value of normal().
+inline void normal_pair(uint64_t key, float* a, float* b) {
+  const double u1 = uniform_open0(mix64(key ^ 0x5851f42d4c957f2dull));
+  const double u2 = uniform_open0(mix64(key ^ 0x14057b7ef767814full));
+  const double r = std::sqrt(-2.0 * std::log(u1)), theta = 6.283185307179586476925 * u2;
+  *a = static_cast<float>(r * std::cos(theta));
+  *b = static_cast<float>(r * std::sin(theta));
+}
+
 }  // namespace moe::model

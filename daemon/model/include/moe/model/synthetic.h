@@ -34,7 +34,9 @@ struct LayerShape {
   bool shared_gate = false;
 };
 
-// Inputs: x[t, h] ~ N(0, 1) for global tokens [token_begin, token_begin + T).
+// Inputs: x[t, h] ~ N(0, 1) for global tokens [token_begin, token_begin + T);
+// elements 2i and 2i+1 of a row are the two outputs of one Box-Muller draw keyed
+// by (seed, step, token, 2i).
 void fill_inputs(uint64_t seed, int64_t step, int64_t token_begin, int64_t T, int hidden,
                  float* x);
 
