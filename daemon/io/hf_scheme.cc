@@ -20,13 +20,13 @@ std::string shared_name(const std::string& p, SharedNaming n, Role role) {
 
 // A name elsewhere in the checkpoint that looks like expert 0 of some layer, to
 // hint at the right prefix ("" if none).
-std::string expert_hint(const Checkpoint& ckpt) {
+std::string expert_hint(const HfCheckpoint& ckpt) {
   for (const std::string& n : ckpt.names_with_prefix(""))
     if (n.rfind("experts.0.", 0) == 0 || n.find(".experts.0.") != std::string::npos) return n;
   return "";
 }
 
-[[noreturn]] void no_experts(const Checkpoint& ckpt, const std::string& p) {
+[[noreturn]] void no_experts(const HfCheckpoint& ckpt, const std::string& p) {
   const std::string hint = expert_hint(ckpt);
   detail::fail(ckpt.path(), ": no expert tensors under the prefix '", p, "': expected '", p,
                "experts.0.gate_proj.weight' (Qwen/DeepSeek) or '", p, "experts.0.w1.weight' (Mixtral)",
@@ -36,7 +36,7 @@ std::string expert_hint(const Checkpoint& ckpt) {
 
 }  // namespace
 
-LayerScheme detect_scheme(const Checkpoint& ckpt, const std::string& p) {
+LayerScheme detect_scheme(const HfCheckpoint& ckpt, const std::string& p) {
   LayerScheme s;
   const bool gate_up_down = ckpt.has(p + "experts.0.gate_proj.weight");
   const bool mixtral = ckpt.has(p + "experts.0.w1.weight");

@@ -16,7 +16,7 @@ std::string expert_name(const std::string& prefix, int e, const char* proj) {
 StDType st_dtype(kernels::DType t) { return t == kernels::DType::kF32 ? StDType::kF32 : StDType::kBF16; }
 
 // Shared experts or their gate on one side only (spec or checkpoint).
-void check_shared(const Checkpoint& ckpt, const std::string& p, const LayerScheme& s, const model::LayerShape& shape) {
+void check_shared(const HfCheckpoint& ckpt, const std::string& p, const LayerScheme& s, const model::LayerShape& shape) {
   if (shape.shared_ffn_hidden > 0)
     MOE_CHECK(s.shared != SharedNaming::kNone, ckpt.path(), ": shared_experts: the spec has shared experts (",
               "shared_experts x shared_ffn_hidden = ", shape.shared_ffn_hidden, ") but there is no '", p,
@@ -46,7 +46,7 @@ std::string shape_mismatch(const LayerTensor& t, const std::vector<int64_t>& got
 }
 
 // The header facts of one tensor against the spec: there, the shape, the dtype.
-void check_tensor(Checkpoint& ckpt, const LayerTensor& t) {
+void check_tensor(HfCheckpoint& ckpt, const LayerTensor& t) {
   MOE_CHECK(ckpt.has(t.name), ckpt.path(), ": missing tensor '", t.name, "'",
             ckpt.sharded() ? " (not in the weight_map)" : "");
   const TensorInfo& info = ckpt.info(t.name);
@@ -76,7 +76,7 @@ void place(model::LayerWeights& w, const LayerTensor& t, std::vector<float> v, c
 
 }  // namespace
 
-model::LayerWeights load_layer_weights(Checkpoint& ckpt, const std::string& prefix, const model::LayerShape& s,
+model::LayerWeights load_layer_weights(HfCheckpoint& ckpt, const std::string& prefix, const model::LayerShape& s,
                                        const std::vector<bool>& needed) {
   MOE_CHECK(needed.empty() || static_cast<int>(needed.size()) == s.num_experts, "load_layer_weights: needed has ",
             needed.size(), " entries for ", s.num_experts, " experts");

@@ -80,7 +80,7 @@ std::string checkpoint_prefix(const v1::JobSpec& s, int layer) {
 // Job layer `layer` from spec.weights; errors name the job and checkpoint layer.
 model::LayerWeights checkpoint_weights(const v1::JobSpec& s, int layer, const std::vector<bool>& needed) {
   try {
-    io::Checkpoint ckpt(s.weights());
+    io::HfCheckpoint ckpt(s.weights());
     return io::load_layer_weights(ckpt, checkpoint_prefix(s, layer), layer_shape(s), needed);
   } catch (const Error& e) {
     detail::fail("weights of layer ", layer, " (checkpoint layer ", s.weights_first_layer() + layer, "): ", e.what());

@@ -54,7 +54,7 @@ ref::Forward check_forward(const LayerCase& c, v1::Verify& lv, bool& ok) {
     for (int k = 0; k < K; ++k) ok &= own.topk_idx[t * K + k] == s.topk_idx[t * K + k];
   }
   const ep::EpLayer& layer = c.stack.layer(c.layer);
-  ref::ForwardOptions opts{.forced_topk_idx = s.topk_idx.data()};
+  ref::ForwardOptions opts = ref::forced(s.topk_idx.data());
   opts.global_counts.assign(layer.global_counts().begin(), layer.global_counts().end());
   opts.global_tokens = static_cast<int64_t>(layer.global_tokens());
   ref::Forward f = ref::forward(c.rc, c.rw, c.x, T, opts);

@@ -10,7 +10,7 @@
 #include <vector>
 
 #include "moe/base/check.h"
-#include "moe/io/checkpoint.h"
+#include "moe/io/hf_checkpoint.h"
 
 namespace {
 
@@ -47,7 +47,7 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
     out.write(reinterpret_cast<const char*>(data), static_cast<std::streamsize>(size));
   }
   try {
-    moe::io::Checkpoint ckpt(folder().string());
+    moe::io::HfCheckpoint ckpt(folder().string());
     for (const std::string& name : ckpt.names_with_prefix("")) {
       const moe::io::TensorInfo& info = ckpt.info(name);
       ckpt.read_f32(name, info.shape);

@@ -56,7 +56,7 @@ TEST(BenchDump, TrainDumpMatchesReference) {
   io::SafetensorsReader r((dir / "rank0.safetensors").string());
   const int64_t T = 96, H = 32, I = 16, E = 8, K = 2;
   const model::LayerShape shape{32, 16, 8};
-  io::Checkpoint dump((dir / "rank0.safetensors").string());
+  io::HfCheckpoint dump((dir / "rank0.safetensors").string());
   model::LayerWeights w = io::load_layer_weights(dump, "", shape);
   w.logit_bias = r.read_f32("gate.logit_bias", {E});
   ref::Config rc;
@@ -68,7 +68,7 @@ TEST(BenchDump, TrainDumpMatchesReference) {
   const std::vector<double> x = to_double(r.read_f32("x", {T, H}));
   const std::vector<int32_t> idx = r.read_i32("topk_idx", {T, K});
   const ref::Weights rw = ep::reference_weights(w);
-  const ref::Forward f = ref::forward(rc, rw, x, T, {idx.data(), {}});
+  const ref::Forward f = ref::forward(rc, rw, x, T, ref::forced(idx.data()));
   const ref::Forward own = ref::forward(rc, rw, x, T);
   for (int64_t t = 0; t < T; ++t) {
     if (own.selection_margin[t] <= 1e-5) continue;  // a near-tie fp32 cannot break like fp64

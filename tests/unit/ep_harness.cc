@@ -302,8 +302,12 @@ void check_balancing_and_shared(const EpCase& c, const ref::Forward& f, const re
       z += r.losses[1];
     }
     EXPECT_TRUE(close("aux and z losses", {aux, z}, {f.aux_loss, f.z_loss}, 1e-5, 1e-7));
-    if (c.aux > 0) EXPECT_GT(f.aux_loss, 0);
-    if (c.z > 0) EXPECT_GT(f.z_loss, 0);
+    if (c.aux > 0) {
+      EXPECT_GT(f.aux_loss, 0);
+    }
+    if (c.z > 0) {
+      EXPECT_GT(f.z_loss, 0);
+    }
   }
   if (c.shared == 0) return;
   const bool bf16 = c.dtype == kernels::DType::kBF16;
@@ -312,7 +316,9 @@ void check_balancing_and_shared(const EpCase& c, const ref::Forward& f, const re
     SCOPED_TRACE("rank " + std::to_string(r.rank));
     EXPECT_TRUE(close("grad_shared_w13", to_double(r.grad_shared_w13), g.grad_shared_w13, rt, at));
     EXPECT_TRUE(close("grad_shared_w2", to_double(r.grad_shared_w2), g.grad_shared_w2, rt, at));
-    if (c.shared_gate) EXPECT_TRUE(close("grad_shared_gate", to_double(r.grad_shared_gate), g.grad_shared_gate, rt, at));
+    if (c.shared_gate) {
+      EXPECT_TRUE(close("grad_shared_gate", to_double(r.grad_shared_gate), g.grad_shared_gate, rt, at));
+    }
     EXPECT_GT(nonzero_fraction(to_double(r.grad_shared_w13)), 0.5);
   }
 }
@@ -331,12 +337,12 @@ void check_against_reference(const EpCase& c, const std::vector<RankResult>& res
   std::vector<int32_t> topk;
   for (const RankResult& r : results) topk.insert(topk.end(), r.topk_idx.begin(), r.topk_idx.end());
   ASSERT_EQ(static_cast<int64_t>(topk.size()), Ttot * K);
-  const ref::Forward own = ref::forward(rc, rw, x, Ttot, {nullptr, c.tokens});
+  const ref::Forward own = ref::forward(rc, rw, x, Ttot, ref::segmented(c.tokens));
   for (int64_t t = 0; t < Ttot; ++t) {
     if (own.selection_margin[t] <= 1e-5) continue;  // a near-tie fp32 cannot break like fp64
     for (int k = 0; k < K; ++k) ASSERT_EQ(topk[t * K + k], own.topk_idx[t * K + k]) << "token " << t;
   }
-  const ref::Forward f = ref::forward(rc, rw, x, Ttot, {topk.data(), c.tokens});
+  const ref::Forward f = ref::forward(rc, rw, x, Ttot, ref::forced(topk.data(), c.tokens));
   const ref::Grads g = ref::backward(rc, rw, x, f, go);
 
   // bf16: every rank's partial combine row and the final output are each rounded

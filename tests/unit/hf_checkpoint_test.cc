@@ -13,7 +13,7 @@
 
 #include "hf_files.h"
 #include "moe/base/check.h"
-#include "moe/io/checkpoint.h"
+#include "moe/io/hf_checkpoint.h"
 #include "moe/io/layer_io.h"
 #include "moe/node/job_model.h"
 
@@ -77,7 +77,7 @@ TEST_P(HfSchemes, LoadExactlyWhatWasWritten) {
   const fs::path dir = fresh_dir("schemes");
   write_hf_checkpoint(dir.string(), split(all, shards), dtype);
 
-  io::Checkpoint ckpt(dir.string());
+  io::HfCheckpoint ckpt(dir.string());
   EXPECT_EQ(ckpt.sharded(), shards > 1);
   const model::LayerWeights want = as_stored(w1, dtype);
   expect_equal(io::load_layer_weights(ckpt, prefix_of(experts, 1), shape), want);
@@ -121,7 +121,7 @@ class HfCheckpoint : public ::testing::Test {
   // The error of loading `dir` as `s` (all experts needed).
   std::string load_error(const fs::path& dir, const model::LayerShape& s) const {
     return error_of([&] {
-      io::Checkpoint ckpt(dir.string());
+      io::HfCheckpoint ckpt(dir.string());
       io::load_layer_weights(ckpt, prefix, s);
     });
   }
@@ -136,7 +136,7 @@ TEST_F(HfCheckpoint, ARankReadsTheHeaderAndItsTensorsOnly) {
   const std::string file = write_hf_checkpoint(dir.string(), {layer()}, StDType::kBF16).front();
   std::vector<bool> needed(8, false);
   needed[2] = needed[5] = true;
-  io::Checkpoint ckpt(dir.string());
+  io::HfCheckpoint ckpt(dir.string());
   io::load_layer_weights(ckpt, prefix, shape, needed);
 
   const io::SafetensorsReader r(file);
@@ -161,7 +161,7 @@ TEST_F(HfCheckpoint, ShardedReadsOnlyTheShardsOfTheLayer) {
   const auto paths = write_hf_checkpoint(dir.string(), {first, halves[0], halves[1]}, StDType::kF32);
   fs::remove(paths[0]);  // never opened
 
-  io::Checkpoint ckpt((dir / "model.safetensors.index.json").string());  // the index itself
+  io::HfCheckpoint ckpt((dir / "model.safetensors.index.json").string());  // the index itself
   std::vector<bool> needed(8, false);
   needed[7] = true;  // in the last shard
   const model::LayerWeights got = io::load_layer_weights(ckpt, prefix, shape, needed);
@@ -280,7 +280,7 @@ TEST_F(HfCheckpoint, OnlyF32AndBf16AreRead) {
   const std::string up6 = prefix + "experts.6.up_proj.weight";
   set_header_dtype(file, up6, "F16");
   const std::string e = error_of([&] {
-    io::Checkpoint ckpt(dir.string());
+    io::HfCheckpoint ckpt(dir.string());
     std::vector<bool> needed(8, false);
     needed[0] = true;
     io::load_layer_weights(ckpt, prefix, shape, needed);
@@ -292,7 +292,7 @@ TEST_F(HfCheckpoint, AWrongPrefixIsNamedWithAHint) {
   const fs::path dir = fresh_dir("prefix");
   write_hf_checkpoint(dir.string(), {layer()}, StDType::kF32);
   const std::string e = error_of([&] {
-    io::Checkpoint ckpt(dir.string());
+    io::HfCheckpoint ckpt(dir.string());
     io::load_layer_weights(ckpt, "model.layers.0.block_sparse_moe.", shape);
   });
   EXPECT_ERROR_HAS(e, "no expert tensors under the prefix 'model.layers.0.block_sparse_moe.'");

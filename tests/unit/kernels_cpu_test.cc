@@ -180,7 +180,7 @@ TEST_P(RouterOp, ForwardAndBackwardMatchReference) {
     for (int k = 0; k < K; ++k) ASSERT_EQ(idx[t * K + k], own.topk_idx[t * K + k]) << "token " << t << " k " << k;
   }
   EXPECT_LT(near_ties, T / 20);
-  const ref::Forward f = ref::forward(rc, rw, to_double(x), T, {idx.data(), {}});
+  const ref::Forward f = ref::forward(rc, rw, to_double(x), T, ref::forced(idx.data()));
   EXPECT_TRUE(close("logits", to_double(logits), f.logits, 1e-5, 1e-6));
   EXPECT_TRUE(close("scores", to_double(scores), f.scores, 1e-5, 1e-6));
   EXPECT_TRUE(close("topk_weight", to_double(weight), f.topk_weight, 1e-5, 1e-6));

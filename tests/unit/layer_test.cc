@@ -151,7 +151,7 @@ TEST_P(LayerVsReference, ForwardAndBackward) {
     for (int k = 0; k < K; ++k) ASSERT_EQ(idx[t * K + k], own.topk_idx[t * K + k]) << "token " << t;
   }
   EXPECT_LE(near_ties, std::max<int64_t>(1, T / 50));
-  const ref::Forward f = ref::forward(rc, rw, xd, T, {idx.data(), {}});
+  const ref::Forward f = ref::forward(rc, rw, xd, T, ref::forced(idx.data()));
   const ref::Grads g = ref::backward(rc, rw, xd, f, to_double(go32));
 
   const std::vector<int32_t> kept(layer.kept_idx(), layer.kept_idx() + T * K);

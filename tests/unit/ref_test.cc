@@ -75,8 +75,12 @@ TEST_P(RefFiniteDifference, GradientsMatch) {
   }
 
   const ref::Forward f = ref::forward(cfg, w, x, T, opts);
-  if (c.aux > 0) ASSERT_GT(f.aux_loss, 0);
-  if (c.z > 0) ASSERT_GT(f.z_loss, 0);
+  if (c.aux > 0) {
+    ASSERT_GT(f.aux_loss, 0);
+  }
+  if (c.z > 0) {
+    ASSERT_GT(f.z_loss, 0);
+  }
   const ref::Grads g = ref::backward(cfg, w, x, f, go);
   if (c.capacity_factor > 0) {
     int dropped = 0;

@@ -153,7 +153,7 @@ TEST_F(Safetensors, LayerWeightsUseHuggingFaceNames) {
   EXPECT_TRUE(r.has("model.layers.3.mlp.gate.weight"));
   EXPECT_TRUE(r.has("model.layers.3.mlp.gate.e_score_correction_bias"));
   EXPECT_EQ(r.info("model.layers.3.mlp.experts.2.down_proj.weight").shape, (std::vector<int64_t>{16, 8}));
-  io::Checkpoint ckpt(path("layer.safetensors"));
+  io::HfCheckpoint ckpt(path("layer.safetensors"));
   const model::LayerWeights back = io::load_layer_weights(ckpt, "model.layers.3.mlp.", shape);
   EXPECT_EQ(back.gate, w.gate);
   EXPECT_EQ(back.selection_bias, w.selection_bias);
@@ -163,7 +163,7 @@ TEST_F(Safetensors, LayerWeightsUseHuggingFaceNames) {
   SafetensorsWriter partial;
   io::add_layer_weights(partial, "", shape, w, {0, 1, 3}, kernels::DType::kF32);
   partial.write(path("partial.safetensors"));
-  io::Checkpoint pr(path("partial.safetensors"));
+  io::HfCheckpoint pr(path("partial.safetensors"));
   try {
     io::load_layer_weights(pr, "", shape);
     FAIL() << "missing expert accepted";

@@ -16,7 +16,7 @@
 #include <string>
 #include <vector>
 
-#include "moe/io/checkpoint.h"
+#include "moe/io/hf_checkpoint.h"
 #include "moe/model/synthetic.h"
 
 namespace moe::io {
@@ -34,7 +34,7 @@ struct LayerScheme {
 // Recognises the scheme from the names under `prefix` (expert 0's names decide
 // the expert naming). Throws moe::Error naming the prefix when no expert tensor
 // of either naming is there, or both shared namings are.
-LayerScheme detect_scheme(const Checkpoint& ckpt, const std::string& prefix);
+LayerScheme detect_scheme(const HfCheckpoint& ckpt, const std::string& prefix);
 // "Mixtral (w1/w3/w2)", "Qwen/DeepSeek (gate_proj/up_proj/down_proj), DeepSeek shared experts", ...
 std::string describe(const LayerScheme& scheme);
 

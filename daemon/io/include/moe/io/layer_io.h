@@ -1,5 +1,5 @@
 // Layer weights and dumps in safetensors with the Hugging Face MoE names (DESIGN 6).
-// Loading reads every scheme of hf_scheme.h from a Checkpoint (one file or an
+// Loading reads every scheme of hf_scheme.h from an HfCheckpoint (one file or an
 // index-sharded folder); writing uses the Qwen/DeepSeek names:
 //   {prefix}gate.weight [E, H], {prefix}gate.e_score_correction_bias [E] (optional),
 //   {prefix}experts.{e}.gate_proj.weight [I, H], .up_proj.weight [I, H],
@@ -10,7 +10,7 @@
 #include <string>
 #include <vector>
 
-#include "moe/io/checkpoint.h"
+#include "moe/io/hf_checkpoint.h"
 #include "moe/io/safetensors.h"
 #include "moe/model/synthetic.h"
 #include "moe/kernels/types.h"
@@ -26,7 +26,7 @@ namespace moe::io {
 // reads the router, the bias, the shared experts and the experts with needed[e]
 // (empty: every expert); the others stay zero. Throws moe::Error naming the
 // checkpoint and the tensor or field.
-model::LayerWeights load_layer_weights(Checkpoint& ckpt, const std::string& prefix, const model::LayerShape& shape,
+model::LayerWeights load_layer_weights(HfCheckpoint& ckpt, const std::string& prefix, const model::LayerShape& shape,
                                        const std::vector<bool>& needed = {});
 
 // Adds one layer's weights for `experts` under `prefix`, stored as `dtype`: the

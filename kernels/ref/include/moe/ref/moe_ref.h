@@ -6,6 +6,7 @@
 #pragma once
 
 #include <cstdint>
+#include <utility>
 #include <vector>
 
 #include "moe/kernels/types.h"
@@ -55,6 +56,16 @@ struct ForwardOptions {
   std::vector<double> global_counts;
   int64_t global_tokens = 0;
 };
+
+// Options with a forced selection (and the source ranks' token counts), or with
+// the source ranks' token counts only.
+inline ForwardOptions forced(const int32_t* topk_idx, std::vector<int64_t> segments = {}) {
+  ForwardOptions o;
+  o.forced_topk_idx = topk_idx;
+  o.capacity_segments = std::move(segments);
+  return o;
+}
+inline ForwardOptions segmented(std::vector<int64_t> segments) { return forced(nullptr, std::move(segments)); }
 
 struct Forward {
   int64_t num_tokens = 0;

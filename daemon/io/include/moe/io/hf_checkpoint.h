@@ -18,12 +18,12 @@
 
 namespace moe::io {
 
-class Checkpoint {
+class HfCheckpoint {
  public:
   // `path`: a .safetensors file, an index (.json), or a folder holding
   // model.safetensors.index.json or else model.safetensors. Reads the index (or
   // the single file's header); throws moe::Error naming the path and the problem.
-  explicit Checkpoint(const std::string& path);
+  explicit HfCheckpoint(const std::string& path);
 
   const std::string& path() const { return path_; }
   bool sharded() const { return !index_path_.empty(); }

@@ -1,4 +1,4 @@
-#include "moe/io/checkpoint.h"
+#include "moe/io/hf_checkpoint.h"
 
 #include <google/protobuf/struct.pb.h>
 #include <google/protobuf/util/json_util.h>
@@ -20,7 +20,7 @@ bool is_json(const std::string& path) { return fs::path(path).extension() == ".j
 
 }  // namespace
 
-Checkpoint::Checkpoint(const std::string& path) : path_(path) {
+HfCheckpoint::HfCheckpoint(const std::string& path) : path_(path) {
   std::error_code ec;
   std::string file = path;
   if (fs::is_directory(path, ec)) {
@@ -36,7 +36,7 @@ Checkpoint::Checkpoint(const std::string& path) : path_(path) {
   open_.emplace(file, std::make_unique<SafetensorsReader>(file));
 }
 
-void Checkpoint::read_index(const std::string& index_path) {
+void HfCheckpoint::read_index(const std::string& index_path) {
   index_path_ = index_path;
   google::protobuf::Struct index;
   const auto st = google::protobuf::util::JsonStringToMessage(read_file(index_path), &index);
@@ -52,11 +52,11 @@ void Checkpoint::read_index(const std::string& index_path) {
   }
 }
 
-bool Checkpoint::has(const std::string& name) const {
+bool HfCheckpoint::has(const std::string& name) const {
   return sharded() ? weight_map_.count(name) != 0 : open_.begin()->second->has(name);
 }
 
-std::vector<std::string> Checkpoint::names_with_prefix(const std::string& prefix) const {
+std::vector<std::string> HfCheckpoint::names_with_prefix(const std::string& prefix) const {
   std::vector<std::string> out;
   if (!sharded()) {
     for (const std::string& n : open_.begin()->second->names())
@@ -68,7 +68,7 @@ std::vector<std::string> Checkpoint::names_with_prefix(const std::string& prefix
   return out;
 }
 
-SafetensorsReader& Checkpoint::shard_of(const std::string& name) {
+SafetensorsReader& HfCheckpoint::shard_of(const std::string& name) {
   if (!sharded()) return *open_.begin()->second;
   const auto it = weight_map_.find(name);
   MOE_CHECK(it != weight_map_.end(), index_path_, ": missing tensor '", name, "' (not in the weight_map)");
@@ -86,19 +86,19 @@ SafetensorsReader& Checkpoint::shard_of(const std::string& name) {
   return *reader;
 }
 
-const TensorInfo& Checkpoint::info(const std::string& name) { return shard_of(name).info(name); }
+const TensorInfo& HfCheckpoint::info(const std::string& name) { return shard_of(name).info(name); }
 
-std::vector<float> Checkpoint::read_f32(const std::string& name, const std::vector<int64_t>& shape) {
+std::vector<float> HfCheckpoint::read_f32(const std::string& name, const std::vector<int64_t>& shape) {
   return shard_of(name).read_f32(name, shape);
 }
 
-std::vector<std::string> Checkpoint::opened_files() const {
+std::vector<std::string> HfCheckpoint::opened_files() const {
   std::vector<std::string> out;
   for (const auto& [file, reader] : open_) out.push_back(file);
   return out;
 }
 
-uint64_t Checkpoint::bytes_read() const {
+uint64_t HfCheckpoint::bytes_read() const {
   uint64_t n = 0;
   for (const auto& [file, reader] : open_) n += reader->bytes_read();
   return n;
