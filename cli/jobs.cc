@@ -14,6 +14,17 @@ bool finished(v1::JobState s) {
   return s == v1::JOB_STATE_SUCCEEDED || s == v1::JOB_STATE_FAILED || s == v1::JOB_STATE_CANCELLED;
 }
 
+// "router 0.002, dispatch 0.01, ..." for every phase that took time.
+std::string phases_line(const v1::PhaseSeconds& p) {
+  const auto* d = v1::PhaseSeconds::descriptor();
+  std::string line;
+  for (int f = 0; f < d->field_count(); ++f) {
+    const double v = v1::PhaseSeconds::GetReflection()->GetDouble(p, d->field(f));
+    if (v > 0) line += (line.empty() ? "" : ", ") + d->field(f)->name() + " " + fmt(v);
+  }
+  return line;
+}
+
 void print_job(std::ostream& out, const v1::JobResult& j, bool json) {
   if (json) {
     out << spec::to_json(j) << "\n";
@@ -26,12 +37,15 @@ void print_job(std::ostream& out, const v1::JobResult& j, bool json) {
     rows.push_back({"steps", fmt(j.steps_completed())});
     rows.push_back({"tokens/s", fmt(j.tokens_per_second(), 6)});
     rows.push_back({"step p50 (s)", fmt(j.step_seconds_p50())});
-    rows.push_back({"phases (s)", "router " + fmt(p.router()) + ", dispatch " + fmt(p.dispatch()) + ", expert " +
-                                      fmt(p.expert()) + ", combine " + fmt(p.combine())});
+    rows.push_back({"phases (s)", phases_line(p)});
     const double ratio = j.naive_dispatch_bytes() > 0 ? j.dispatch_bytes() / j.naive_dispatch_bytes() : 0;
     rows.push_back({"dispatch bytes", fmt(j.dispatch_bytes(), 8) + " (" + fmt(100 * ratio, 3) + "% of naive)"});
     rows.push_back({"combine bytes", fmt(j.combine_bytes(), 8)});
     rows.push_back({"balancedness", fmt(j.balancedness())});
+    for (const auto& [name, curve] : {std::pair{"loss", &j.loss()}, std::pair{"aux loss", &j.aux_loss()},
+                                      std::pair{"z-loss", &j.z_loss()}})
+      if (!curve->empty() && (curve->at(0) != 0 || curve->at(curve->size() - 1) != 0))
+        rows.push_back({name, fmt(curve->at(0)) + " -> " + fmt(curve->at(curve->size() - 1)) + " (first and last step)"});
   }
   if (j.has_verify())
     rows.push_back({"verify", std::string(j.verify().passed() ? "passed" : "FAILED") + " (max abs " +
