@@ -119,10 +119,17 @@ v1::LiveLoad fetch(rpc::RpcClient& c, const Globals& g) {
   return c.call(req, std::min(g.timeout, std::chrono::milliseconds(5000))).live_load_reply();
 }
 
-std::vector<std::string> frame(const v1::LiveLoad& load, const Resolved& r, const TopOptions& o, bool keys) {
+// `lost`: why the last poll failed, shown under the title (empty: it did not).
+std::vector<std::string> frame(const v1::LiveLoad& load, const Resolved& r, const TopOptions& o, bool keys,
+                               const std::string& lost = "") {
   const auto [width, height] = terminal_size(STDOUT_FILENO);
-  return render_top(load, {.width = width, .height = keys ? height : 0, .agent = r.agent, .clock = clock_text(),
-                           .layer = o.layer, .keys = keys});
+  std::vector<std::string> lines = render_top(
+      load, {.width = width, .height = keys ? height : 0, .agent = r.agent, .clock = clock_text(), .layer = o.layer,
+             .keys = keys});
+  if (!lost.empty())
+    lines.insert(lines.begin() + std::min<size_t>(1, lines.size()),
+                 ("agent unreachable, retrying each second; last data shown: " + lost).substr(0, width));
+  return lines;
 }
 
 enum class Wake { kTick, kResize, kQuit, kSignal };
@@ -148,7 +155,9 @@ Wake wait_input(int& in, Clock::time_point until) {
 }
 
 // The view until q (exit 0) or SIGINT / SIGTERM (exit 128 + the signal).
-// Frames go to `out`, drawn in place when stdout is a terminal.
+// Frames go to `out`, drawn in place when stdout is a terminal. An agent that
+// stops answering after the first frame leaves the last data on screen under a
+// line saying so, and is polled again each second.
 int run_view(rpc::RpcClient& c, const Globals& g, const Resolved& r, const TopOptions& o, std::ostream& out) {
   v1::LiveLoad load = fetch(c, g);  // before the screen changes: unreachable exits 3 on a clean terminal
   const bool tty = ::isatty(STDOUT_FILENO);
@@ -157,8 +166,9 @@ int run_view(rpc::RpcClient& c, const Globals& g, const Resolved& r, const TopOp
   if (tty) screen.emplace(STDIN_FILENO, out);
   int in = STDIN_FILENO;
   auto next = Clock::now() + 1s;
+  std::string lost;  // the agent went away (restarting, say): keep the view, keep polling
   for (;;) {
-    const std::vector<std::string> lines = frame(load, r, o, tty);
+    const std::vector<std::string> lines = frame(load, r, o, tty, lost);
     if (screen) screen->draw(lines, terminal_size(STDOUT_FILENO).second);
     else {
       for (const auto& l : lines) out << l << "\n";
@@ -170,7 +180,13 @@ int run_view(rpc::RpcClient& c, const Globals& g, const Resolved& r, const TopOp
     if (w == Wake::kQuit) return kExitOk;
     if (w == Wake::kSignal) return 128 + g_stop;
     if (w == Wake::kTick) {
-      load = fetch(c, g);
+      try {
+        load = fetch(c, g);
+        lost.clear();
+      } catch (const rpc::RpcError& e) {
+        if (exit_code_of(e) != kExitUnreachable) throw;
+        lost = e.what();
+      }
       next = Clock::now() + 1s;
     }
   }

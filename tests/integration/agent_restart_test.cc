@@ -30,57 +30,6 @@ using Clock = std::chrono::steady_clock;
 
 const std::string kAgent = std::string(MOE_BIN_DIR) + "/agent/moe-agent";
 
-// Running and not a zombie.
-bool alive(pid_t pid) {
-  if (::kill(pid, 0) != 0) return false;
-  std::istringstream stat(read_text_file("/proc/" + std::to_string(pid) + "/stat"));
-  std::string line;
-  std::getline(stat, line);
-  const auto paren = line.rfind(')');
-  return paren == std::string::npos || paren + 2 >= line.size() || line[paren + 2] != 'Z';
-}
-
-// Polls `done` until it holds or the deadline passes; returns whether it held.
-template <typename F>
-bool poll_until(F done, std::chrono::milliseconds timeout) {
-  const auto until = Clock::now() + timeout;
-  while (!done()) {
-    if (Clock::now() > until) return false;
-    std::this_thread::sleep_for(20ms);  // polling another process's progress
-  }
-  return true;
-}
-
-// SIGKILLs the cluster's agent; returns once it is gone.
-void kill_agent(const Cluster& c) {
-  const pid_t pid = std::stoi(read_text_file(c.dir() / "pids" / "agent.pid"));
-  ::kill(pid, SIGKILL);
-  ASSERT_TRUE(poll_until([&] { return !alive(pid); }, 10s)) << "the agent outlived SIGKILL";
-}
-
-// Starts the agent again with the command line cluster up recorded (its state
-// dir, the same flags) and returns once it serves; `cluster down` stops it.
-Process start_agent_again(const Cluster& c) {
-  std::vector<std::string> argv;
-  std::istringstream lines(read_text_file(c.dir() / "agent.argv"));
-  for (std::string a; std::getline(lines, a);) argv.push_back(a);
-  EXPECT_GT(argv.size(), 1u);
-  Process agent = Process::spawn(argv);
-  std::ofstream(c.dir() / "pids" / "agent.pid") << agent.pid() << "\n";
-  const bool serving = poll_until(
-      [&] {
-        try {
-          c.status();
-          return true;
-        } catch (const std::exception&) {
-          return false;
-        }
-      },
-      20s);
-  EXPECT_TRUE(serving) << agent.output();
-  return agent;
-}
-
 bool every_node_alive(const Cluster& c, int nodes) {
   const v1::ClusterStatus s = c.status();
   int alive = 0;
@@ -116,8 +65,8 @@ TEST(AgentRestart, BetweenJobsItKeepsHistoryAndMapsAndTheDaemonsReRegister) {
   ASSERT_NE(maps.find("\"epoch\": \"1\""), std::string::npos) << maps;
   const std::string address = c.agent();
 
-  kill_agent(c);
-  Process agent = start_agent_again(c);
+  c.kill_agent();
+  Process agent = c.start_agent_again();
   EXPECT_TRUE(poll_until([&] { return every_node_alive(c, 2); }, 20s)) << agent.output() << c.logs();
   EXPECT_EQ(c.status().agent_address(), address) << "daemons dial the address they know";
   EXPECT_EQ(c.ctl({"--output", "json", "job", "list"}).second, history);
@@ -138,10 +87,10 @@ TEST(AgentRestart, MidJobWithinTheGraceTheJobCompletesWithEveryStep) {
   const std::string id = out.substr(0, out.find('\n'));
   ASSERT_TRUE(poll_until([&] { return c.job(id).steps_completed() >= 5; }, 60s)) << c.logs();
 
-  kill_agent(c);
+  c.kill_agent();
   // The daemons notice and hold their reports while their steps go on.
   EXPECT_TRUE(poll_until([&] { return c.logs().find("holding its reports") != std::string::npos; }, 20s)) << c.logs();
-  Process agent = start_agent_again(c);
+  Process agent = c.start_agent_again();
 
   std::tie(rc, out) = c.ctl({"--output", "json", "job", "wait", id}, 120s);
   EXPECT_EQ(rc, 0) << out << agent.output() << c.logs();
@@ -165,12 +114,12 @@ TEST(AgentRestart, PastTheGraceTheDaemonsStopAndTheJobFailsAgentRestarted) {
   for (const auto& n : before.nodes()) daemons.push_back(n.control_address());
   const std::string token = c.token();
 
-  kill_agent(c);
+  c.kill_agent();
   const auto killed = Clock::now();
   for (const std::string& d : daemons)
     EXPECT_TRUE(poll_until([&] { return running_on(d, token).empty(); }, 30s)) << d << " still runs the job\n" << c.logs();
   EXPECT_GT(Clock::now() - killed, 2s) << "stopped before the grace";
-  Process agent = start_agent_again(c);
+  Process agent = c.start_agent_again();
 
   auto [rc, out] = c.ctl({"--output", "json", "job", "wait", id}, 60s);
   EXPECT_EQ(rc, 1) << out << agent.output() << c.logs();

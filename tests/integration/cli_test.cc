@@ -57,7 +57,7 @@ TEST(Cli, EveryCommandOnAFreshClusterAndAfterAJob) {
     EXPECT_TRUE(has(out, "no job 'job-99'")) << out;
   }
   // No checkpoint yet: an empty checkpoint_dir, and a folder that does not exist.
-  for (const std::string dir : {c.dir().string(), (c.dir() / "nowhere").string()}) {
+  for (const std::string& dir : {c.dir().string(), (c.dir() / "nowhere").string()}) {
     const auto [rc, out] = c.ctl({"checkpoint", "show", dir});
     EXPECT_EQ(rc, 2) << out;
     EXPECT_TRUE(has(out, dir)) << out;

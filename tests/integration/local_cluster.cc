@@ -7,6 +7,9 @@
 
 #include <google/protobuf/util/json_util.h>
 
+#include <signal.h>
+
+#include <fstream>
 #include <sstream>
 #include <thread>
 
@@ -89,6 +92,42 @@ std::string Cluster::start_long_job(int steps) const {
   EXPECT_EQ(job(id).state(), v1::JOB_STATE_RUNNING);
   EXPECT_GE(job(id).steps_completed(), steps);
   return id;
+}
+
+void Cluster::kill_agent() const {
+  const pid_t pid = std::stoi(read_text_file(dir_ / "pids" / "agent.pid"));
+  ::kill(pid, SIGKILL);
+  EXPECT_TRUE(poll_until([&] { return !process_alive(pid); }, 10s)) << "the agent outlived SIGKILL";
+}
+
+Process Cluster::start_agent_again() const {
+  std::vector<std::string> argv;
+  std::istringstream lines(read_text_file(dir_ / "agent.argv"));
+  for (std::string a; std::getline(lines, a);) argv.push_back(a);
+  EXPECT_GT(argv.size(), 1u);
+  Process agent = Process::spawn(argv);
+  std::ofstream(dir_ / "pids" / "agent.pid") << agent.pid() << "\n";
+  const bool serving = poll_until(
+      [&] {
+        try {
+          status();
+          return true;
+        } catch (const std::exception&) {
+          return false;
+        }
+      },
+      20s);
+  EXPECT_TRUE(serving) << agent.output();
+  return agent;
+}
+
+bool process_alive(pid_t pid) {
+  if (::kill(pid, 0) != 0) return false;
+  std::istringstream stat(read_text_file("/proc/" + std::to_string(pid) + "/stat"));
+  std::string line;
+  std::getline(stat, line);
+  const auto paren = line.rfind(')');
+  return paren == std::string::npos || paren + 2 >= line.size() || line[paren + 2] != 'Z';
 }
 
 std::string exchange(const std::string& host, int port, const std::string& bytes) {

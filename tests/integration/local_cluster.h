@@ -3,13 +3,17 @@
 // torn down by the destructor. And small helpers to read what they serve.
 #pragma once
 
+#include <sys/types.h>
+
 #include <chrono>
 #include <filesystem>
 #include <string>
+#include <thread>
 #include <utility>
 #include <vector>
 
 #include "moe/rpc/rpc.h"
+#include "process.h"
 #include "moe/v1/rpc.pb.h"
 
 namespace moe::test {
@@ -37,12 +41,31 @@ class Cluster {
   // Submits a job that runs until stopped and returns its id once `steps` steps
   // have completed (so what follows lands in the middle of it).
   std::string start_long_job(int steps) const;
+  // SIGKILLs the cluster's agent; returns once it is gone.
+  void kill_agent() const;
+  // Starts the agent again with the command line `cluster up` recorded (its
+  // state dir, the same flags) and returns once it serves; `cluster down` stops it.
+  Process start_agent_again() const;
 
  private:
   static inline int counter_ = 0;
   std::filesystem::path dir_;
   bool up_ = false;
 };
+
+// Polls `done` every 20 ms until it holds or `timeout` passes; returns whether it held.
+template <typename F>
+bool poll_until(F done, std::chrono::milliseconds timeout) {
+  const auto until = std::chrono::steady_clock::now() + timeout;
+  while (!done()) {
+    if (std::chrono::steady_clock::now() > until) return false;
+    std::this_thread::sleep_for(std::chrono::milliseconds(20));  // polling another process's progress
+  }
+  return true;
+}
+
+// Running and not a zombie.
+bool process_alive(pid_t pid);
 
 // Sends bytes on a fresh TCP connection and returns all the server writes until
 // it closes the connection (5 s receive timeout).

@@ -278,5 +278,26 @@ TEST_F(TopInATerminal, RefreshesInPlaceWithinTheWidthAndEveryWayOutRestoresTheTe
   }
 }
 
+// An agent that goes away (restarting, say) does not end the view: the last data
+// stays under a line saying so, and the view follows the agent when it is back.
+TEST_F(TopInATerminal, RidesOutAnAgentRestart) {
+  Cluster c(1, 1);
+  ASSERT_TRUE(c.up());
+  Terminal t(tmux, c.dir());
+  std::string screen;
+  ASSERT_TRUE(t.wait_for([](const std::string& s) { return has(s, "top-test$"); }, 10s, screen)) << screen;
+  t.type(kMoectl + " --state-dir " + c.dir().string() + " top; echo top-exited-$?");
+  ASSERT_TRUE(t.wait_for([](const std::string& s) { return has(s, "no job has run yet"); }, 15s, screen)) << screen;
+  c.kill_agent();
+  ASSERT_TRUE(t.wait_for([](const std::string& s) { return has(s, "agent unreachable, retrying"); }, 15s, screen))
+      << screen;
+  EXPECT_TRUE(has(screen, "no job has run yet")) << "the last data stays:\n" << screen;
+  expect_within(screen, 80);
+  Process agent = c.start_agent_again();
+  ASSERT_TRUE(t.wait_for([](const std::string& s) { return !has(s, "agent unreachable"); }, 15s, screen)) << screen;
+  t.key("q");
+  ASSERT_TRUE(t.wait_for([](const std::string& s) { return has(s, "top-exited-0"); }, 10s, screen)) << screen;
+}
+
 }  // namespace
 }  // namespace moe::test
