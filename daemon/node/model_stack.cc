@@ -19,6 +19,17 @@ void add_into(std::vector<uint8_t>& a, const std::vector<uint8_t>& b, size_t n, 
   }
 }
 
+namespace {
+
+// The teacher's layers: forward only, no balancing statistics (its spec has none).
+ep::MoeLayerConfig teacher_config(const v1::JobSpec& teacher_spec) {
+  ep::MoeLayerConfig c = layer_config(teacher_spec);
+  c.train = false;
+  return c;
+}
+
+}  // namespace
+
 ModelStack::ModelStack(const v1::JobSpec& spec, const std::vector<ep::ExpertMap>& maps, int rank, int world,
                        transport::Communicator& comm, kernels::Backend& be, kernels::ThreadPool& pool,
                        std::chrono::milliseconds timeout)
@@ -36,9 +47,8 @@ ModelStack::ModelStack(const v1::JobSpec& spec, const std::vector<ep::ExpertMap>
   MOE_CHECK(static_cast<int>(maps.size()) == L, "start: ", maps.size(), " placement maps for ", L, " layers");
   const bool train = spec.mode() == v1::JobSpec::train;
   const ep::MoeLayerConfig cfg = layer_config(spec);
-  ep::MoeLayerConfig teacher_cfg = cfg;
-  teacher_cfg.train = false;
   const v1::JobSpec teacher_spec = teacher_of(spec);
+  const ep::MoeLayerConfig teacher_cfg = teacher_config(teacher_spec);
   for (int l = 0; l < L; ++l) {
     const std::vector<bool> needed = maps[l].hosted(rank_);
     layers_.push_back(std::make_unique<ep::EpLayer>(cfg, maps[l], comm, be, layer_options(l)));
@@ -71,9 +81,8 @@ void ModelStack::stage(const v1::PrepareRebalance& p) {
     layers_[l]->stage(expert_map(p.maps(l)), std::move(copies), adam);
   }
   if (teacher_.empty()) return;
-  ep::MoeLayerConfig teacher_cfg = layer_config(spec_);
-  teacher_cfg.train = false;
   const v1::JobSpec teacher_spec = teacher_of(spec_);
+  const ep::MoeLayerConfig teacher_cfg = teacher_config(teacher_spec);
   staged_teacher_.clear();
   for (int l = 0; l < num_layers(); ++l) {
     const ep::ExpertMap next = expert_map(p.maps(l));
