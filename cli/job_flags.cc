@@ -224,7 +224,12 @@ v1::JobSpec JobFlags::build() const {
     set_by_user.insert(field);
   }
   if (!hf_config_.empty()) s = apply_hf_model(hf_model_from_config(read_file(hf_config_), hf_config_), s, set_by_user);
-  if (!s.weights().empty()) s.set_weights(std::filesystem::absolute(s.weights()).lexically_normal().string());
+  // Paths as the user meant them, wherever the agent and the daemons run from.
+  for (auto [get, set] : {std::pair{&v1::JobSpec::weights, &v1::JobSpec::set_weights<const std::string&>},
+                          std::pair{&v1::JobSpec::dump_dir, &v1::JobSpec::set_dump_dir<const std::string&>},
+                          std::pair{&v1::JobSpec::checkpoint_dir, &v1::JobSpec::set_checkpoint_dir<const std::string&>},
+                          std::pair{&v1::JobSpec::resume, &v1::JobSpec::set_resume<const std::string&>}})
+    if (!(s.*get)().empty()) (s.*set)(std::filesystem::absolute((s.*get)()).lexically_normal().string());
   return s;
 }
 

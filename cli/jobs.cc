@@ -1,5 +1,4 @@
 // moectl job submit / status / wait / list / cancel.
-#include <filesystem>
 #include <iostream>
 
 #include "agent_call.h"
@@ -73,12 +72,6 @@ v1::JobResult wait_for(rpc::RpcClient& c, const std::string& id) {
 
 int job_submit(const Globals& g, const v1::JobSpec& given, bool wait, std::ostream& out, std::ostream& err) {
   v1::JobSpec spec = given;
-  // Paths as the user meant them, wherever the agent and the daemons run from.
-  for (auto [get, set] : {std::pair{&v1::JobSpec::weights, &v1::JobSpec::set_weights<const std::string&>},
-                          std::pair{&v1::JobSpec::dump_dir, &v1::JobSpec::set_dump_dir<const std::string&>},
-                          std::pair{&v1::JobSpec::checkpoint_dir, &v1::JobSpec::set_checkpoint_dir<const std::string&>},
-                          std::pair{&v1::JobSpec::resume, &v1::JobSpec::set_resume<const std::string&>}})
-    if (!(spec.*get)().empty()) (spec.*set)(std::filesystem::absolute((spec.*get)()).string());
   try {
     spec = spec::with_defaults(spec);
     spec::validate(spec);

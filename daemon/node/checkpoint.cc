@@ -7,6 +7,7 @@
 #include "moe/base/check.h"
 #include "moe/base/file.h"
 #include "moe/io/safetensors.h"
+#include "moe/node/job_model.h"
 #include "moe/spec/checkpoint_manifest.h"
 #include "moe/spec/job_spec.h"
 
@@ -72,24 +73,12 @@ void write_router_file(const fs::path& folder, ModelStack& stack, const v1::JobS
     add_state(out, p + "gate.weight", {E, H}, st.gate.master.data(), ptr(st.gate.m), ptr(st.gate.v));
     if (!st.selection_bias.empty()) out.add_f32(p + "gate.e_score_correction_bias", {E}, st.selection_bias.data());
     if (!st.shared.weights.empty())
-      add_swiglu(out, p + "shared_experts.", st.shared, H, spec.shared_experts() * spec.shared_ffn_hidden());
+      add_swiglu(out, p + "shared_experts.", st.shared, H, layer_shape(spec).shared_ffn_hidden);
     if (!st.shared_gate.master.empty())
       add_state(out, p + "shared_expert_gate.weight", {1, H}, st.shared_gate.master.data(), ptr(st.shared_gate.m),
                 ptr(st.shared_gate.v));
   }
   out.write((folder / "router.safetensors").string());
-}
-
-v1::PlacementMap to_proto(const ep::ExpertMap& m, int layer) {
-  v1::PlacementMap p;
-  p.set_epoch(m.epoch);
-  p.set_layer(layer);
-  p.set_num_experts(m.num_experts);
-  p.set_num_ranks(m.num_ranks);
-  p.set_slots_per_rank(m.slots_per_rank);
-  *p.mutable_phy2log() = {m.phy2log.begin(), m.phy2log.end()};
-  *p.mutable_logcnt() = {m.logcnt.begin(), m.logcnt.end()};
-  return p;
 }
 
 void write_manifest(const fs::path& folder, const v1::StartJob& job, const ModelStack& stack, int steps_done,
@@ -103,7 +92,7 @@ void write_manifest(const fs::path& folder, const v1::StartJob& job, const Model
   m.set_world_size(job.world_size());
   m.set_devices_per_node(job.devices_per_node());
   for (int l = 0; l < stack.num_layers(); ++l) {
-    *m.add_maps() = to_proto(stack.map(l), l);
+    *m.add_maps() = placement_map(stack.map(l), l);
     *m.add_expert_loads()->mutable_tokens() = {loads[l].begin(), loads[l].end()};
   }
   auto add_file = [&](const std::string& name, int rank) {
@@ -142,7 +131,7 @@ ep::ExpertState read_swiglu(const io::SafetensorsReader& f, const std::string& p
 }
 
 void load_replicated(const io::SafetensorsReader& f, ModelStack& stack, const v1::JobSpec& spec) {
-  const int64_t H = spec.hidden(), E = spec.experts(), Is = spec.shared_experts() * spec.shared_ffn_hidden();
+  const int64_t H = spec.hidden(), E = spec.experts(), Is = layer_shape(spec).shared_ffn_hidden;
   for (int l = 0; l < stack.num_layers(); ++l) {
     const std::string p = layer_name(l);
     ep::EpLayer::ReplicatedState st;

@@ -65,6 +65,18 @@ ep::ExpertMap expert_map(const v1::PlacementMap& m) {
                              m.epoch());
 }
 
+v1::PlacementMap placement_map(const ep::ExpertMap& m, int layer) {
+  v1::PlacementMap p;
+  p.set_epoch(m.epoch);
+  p.set_layer(layer);
+  p.set_num_experts(m.num_experts);
+  p.set_num_ranks(m.num_ranks);
+  p.set_slots_per_rank(m.slots_per_rank);
+  *p.mutable_phy2log() = {m.phy2log.begin(), m.phy2log.end()};
+  *p.mutable_logcnt() = {m.logcnt.begin(), m.logcnt.end()};
+  return p;
+}
+
 namespace {
 
 // The tensor prefix of job layer `layer`: every "{layer}" in weights_prefix

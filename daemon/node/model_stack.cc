@@ -142,8 +142,8 @@ void ModelStack::forward(int step, StepReport& report, bool capture) {
     ep::EpLayer& layer = *layers_[l];
     layer.forward(xs_[l].data(), T_, token_begin(), out_.data());
     report.add_forward(l, layer, T_, K);
-    for (int64_t p = 0; p < T_ * K; ++p)
-      if (layer.kept_idx()[p] >= 0) loads_[l][layer.kept_idx()[p]] += 1.0f;
+    const v1::ExpertTokens& kept = report.stats().expert_tokens(l);  // counted by the report
+    for (int e = 0; e < kept.tokens_size(); ++e) loads_[l][e] += static_cast<float>(kept.tokens(e));
     if (capture) {
       LayerSnapshot& s = snaps_[l];
       s.x = xs_[l];

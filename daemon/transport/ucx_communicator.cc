@@ -208,6 +208,17 @@ struct UcxCommunicator::Impl {
     start_recv(ops.emplace_back(), peer, buf, bytes, tag);
   }
 
+  // A background transfer's op for `peer` (checked first, as above), holding
+  // `keep` until the transfer ends.
+  std::pair<uint64_t, Op*> new_background(int peer, const char* what, std::shared_ptr<const void> keep) {
+    check_usable();
+    check_peer(peer, what);
+    const uint64_t id = next_transfer++;
+    Op& op = background[id];
+    op.keep = std::move(keep);
+    return {id, &op};
+  }
+
   // Posts op, whose peer check_peer accepted.
   void start_send(Op& op, int peer, const void* buf, size_t bytes, uint64_t tag) {
     op.peer = peer;
@@ -600,29 +611,16 @@ void UcxCommunicator::recv(int peer, void* data, size_t bytes, uint32_t tag, Dea
 Communicator::TransferId UcxCommunicator::isend(int peer, const void* data, size_t bytes, uint32_t tag,
                                                 std::shared_ptr<const void> keep) {
   Impl& m = *impl_;
-  m.check_usable();
-  m.check_peer(peer, "isend");
-  const TransferId id = m.next_transfer++;
-  Impl::Op& op = m.background[id];
-  op.keep = std::move(keep);
-  op.peer = peer;
-  op.bytes = bytes;
-  m.start_send(op, peer, data, bytes, make_tag(Kind::kBackground, tag, rank_));
+  const auto [id, op] = m.new_background(peer, "isend", std::move(keep));
+  m.start_send(*op, peer, data, bytes, make_tag(Kind::kBackground, tag, rank_));
   return id;
 }
 
 Communicator::TransferId UcxCommunicator::irecv(int peer, void* data, size_t bytes, uint32_t tag,
                                                 std::shared_ptr<const void> keep) {
   Impl& m = *impl_;
-  m.check_usable();
-  m.check_peer(peer, "irecv");
-  const TransferId id = m.next_transfer++;
-  Impl::Op& op = m.background[id];
-  op.keep = std::move(keep);
-  op.peer = peer;
-  op.bytes = bytes;
-  op.is_recv = true;
-  m.start_recv(op, peer, data, bytes, make_tag(Kind::kBackground, tag, peer));
+  const auto [id, op] = m.new_background(peer, "irecv", std::move(keep));
+  m.start_recv(*op, peer, data, bytes, make_tag(Kind::kBackground, tag, peer));
   return id;
 }
 

@@ -24,6 +24,8 @@ model::LayerShape layer_shape(const v1::JobSpec& spec);
 v1::JobSpec teacher_of(const v1::JobSpec& spec);
 kernels::OptimizerConfig optimizer_config(const v1::JobSpec& spec);
 ep::ExpertMap expert_map(const v1::PlacementMap& m);
+// And back, for layer `layer`.
+v1::PlacementMap placement_map(const ep::ExpertMap& m, int layer);
 
 // Weights of `layer` for the experts with needed[e] (the router and shared
 // experts always). From spec.weights when set (a safetensors file or a sharded
