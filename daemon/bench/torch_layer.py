@@ -6,9 +6,11 @@ over experts with one matmul pair each, then a weighted scatter-add back. Prints
 JSON line with the median forward and forward+backward step times and tokens/s.
 
   /usr/bin/python3 daemon/bench/torch_layer.py --dtype bf16 --threads 2
+  python3 daemon/bench/torch_layer.py --device cuda --tokens 16384 --hidden 4096 --ffn 1536
 
 Debian's python3-torch (1.13) runs bf16 matmuls on oneDNN and fp32 ones on OpenBLAS
-or oneDNN, with its own OpenMP team of --threads threads.
+or oneDNN, with its own OpenMP team of --threads threads. With --device cuda the same
+layer runs on the GPU (cuBLAS matmuls), timed with the device synchronised.
 """
 import argparse
 import json
@@ -22,11 +24,12 @@ import torch.nn.functional as F
 
 def make_params(args, dtype, train):
     """gate [E, H]; per expert (own tensors, as SequentialMLP's modules) w13 [2I, H], w2 [H, I]."""
-    g = torch.Generator().manual_seed(args.seed)
+    g = torch.Generator(device=args.device).manual_seed(args.seed)
     H, I, E = args.hidden, args.ffn, args.experts
 
     def param(*shape, fan_in):
-        return (torch.randn(*shape, generator=g) / fan_in ** 0.5).to(dtype).requires_grad_(train)
+        w = torch.randn(*shape, generator=g, device=args.device) / fan_in ** 0.5
+        return w.to(dtype).requires_grad_(train)
 
     gate = param(E, H, fan_in=H)
     w13 = [param(2 * I, H, fan_in=H) for _ in range(E)]  # gate_proj rows, then up_proj rows
@@ -53,13 +56,15 @@ def moe_layer(x, gate, w13, w2, top_k):
     return torch.zeros_like(x).index_add_(0, token, y)  # unpermute: weighted sum per token
 
 
-def median_seconds(step, warmup, iters):
+def median_seconds(step, warmup, iters, sync):
     for _ in range(warmup):
         step()
     times = []
     for _ in range(iters):
+        sync()
         t0 = time.perf_counter()
         step()
+        sync()
         times.append(time.perf_counter() - t0)
     return statistics.median(times)
 
@@ -76,17 +81,20 @@ def main():
     p.add_argument("--iters", type=int, default=5)
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--device", default="cpu", help="cpu or cuda")
     args = p.parse_args()
 
     torch.set_num_threads(args.threads)
+    cuda = args.device.startswith("cuda")
+    sync = torch.cuda.synchronize if cuda else (lambda: None)
     dtype = torch.bfloat16 if args.dtype == "bf16" else torch.float32
-    g = torch.Generator().manual_seed(args.seed + 1)
-    x = torch.randn(args.tokens, args.hidden, generator=g).to(dtype)
-    grad_out = torch.randn(args.tokens, args.hidden, generator=g).to(dtype)
+    g = torch.Generator(device=args.device).manual_seed(args.seed + 1)
+    x = torch.randn(args.tokens, args.hidden, generator=g, device=args.device).to(dtype)
+    grad_out = torch.randn(args.tokens, args.hidden, generator=g, device=args.device).to(dtype)
 
     gate, w13, w2 = make_params(args, dtype, train=False)
     with torch.no_grad():
-        fwd = median_seconds(lambda: moe_layer(x, gate, w13, w2, args.top_k), args.warmup, args.iters)
+        fwd = median_seconds(lambda: moe_layer(x, gate, w13, w2, args.top_k), args.warmup, args.iters, sync)
 
     gate, w13, w2 = make_params(args, dtype, train=True)
     xg = x.clone().requires_grad_(True)
@@ -96,10 +104,11 @@ def main():
             t.grad = None
         moe_layer(xg, gate, w13, w2, args.top_k).backward(grad_out)
 
-    train = median_seconds(train_step, args.warmup, args.iters)
+    train = median_seconds(train_step, args.warmup, args.iters, sync)
 
     print(json.dumps({
         "bench": "torch_layer", "torch": torch.__version__, "python": platform.python_version(),
+        "device": torch.cuda.get_device_name() if cuda else platform.processor() or "cpu",
         "dtype": args.dtype, "threads": args.threads, "tokens": args.tokens, "hidden": args.hidden,
         "ffn": args.ffn, "experts": args.experts, "top_k": args.top_k, "iters": args.iters,
         "forward_step_seconds_p50": fwd, "forward_tokens_per_second": args.tokens / fwd,

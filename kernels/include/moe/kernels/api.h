@@ -127,7 +127,7 @@ struct CapacityArgs {
 // replica_index(global token, expert, count) of the expert. The hash spreads pairs
 // evenly over replicas, and depends on neither the asking rank nor the placement's
 // other experts.
-inline uint32_t replica_index(int64_t global_token, int32_t expert, int32_t count) {
+MOE_HOST_DEVICE inline uint32_t replica_index(int64_t global_token, int32_t expert, int32_t count) {
   uint64_t z = static_cast<uint64_t>(global_token) * 0x9e3779b97f4a7c15ull ^
                (static_cast<uint64_t>(static_cast<uint32_t>(expert)) << 32 | 0x5bd1e995u);
   z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;

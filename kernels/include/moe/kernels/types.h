@@ -6,6 +6,14 @@
 #include <string>
 #include <string_view>
 
+// Functions the CUDA kernels share with host code (replica_index) are marked
+// MOE_HOST_DEVICE: __host__ __device__ under nvcc, nothing elsewhere.
+#if defined(__CUDACC__)
+#define MOE_HOST_DEVICE __host__ __device__
+#else
+#define MOE_HOST_DEVICE
+#endif
+
 namespace moe::kernels {
 
 // Storage dtype of activations and weights. Accumulation is always fp32.

@@ -1,0 +1,143 @@
+// Element-wise ops: dtype conversion, add, the optimizer steps, replica choice and
+// the per-pair scalar maps of the backward.
+#include <cmath>
+
+#include "cuda_ops.h"
+#include "moe/base/check.h"
+
+namespace moe::kernels::cuda {
+namespace {
+
+template <typename In, typename Out>
+__global__ void convert_kernel(const In* src, Out* dst, int64_t n) {
+  for (int64_t i = blockIdx.x * int64_t{blockDim.x} + threadIdx.x; i < n; i += int64_t{gridDim.x} * blockDim.x)
+    dst[i] = from_f32<Out>(to_f32(src[i]));
+}
+
+template <typename T>
+__global__ void add_kernel(T* dst, const T* src, int64_t n) {
+  for (int64_t i = blockIdx.x * int64_t{blockDim.x} + threadIdx.x; i < n; i += int64_t{gridDim.x} * blockDim.x)
+    dst[i] = from_f32<T>(to_f32(dst[i]) + to_f32(src[i]));
+}
+
+// Grid of at most 64K blocks; the kernels stride over the rest.
+unsigned grid_for(int64_t n) { return static_cast<unsigned>(std::min<int64_t>(blocks_for(n), 65535)); }
+
+// Each operation rounded on its own (explicit _rn intrinsics, no FMA contraction):
+// the bits do not depend on what the compiler fuses, so replicas fed the same
+// gradients stay bitwise identical on any build.
+__global__ void adam_kernel(int64_t n, float lr, float b1, float b2, float eps, float c1, float c2, float* w,
+                            const float* g, float* m, float* v, float* rounded) {
+  for (int64_t i = blockIdx.x * int64_t{blockDim.x} + threadIdx.x; i < n; i += int64_t{gridDim.x} * blockDim.x) {
+    const float gi = g[i];
+    const float mi = __fadd_rn(__fmul_rn(b1, m[i]), __fmul_rn(__fsub_rn(1.0f, b1), gi));
+    const float vi = __fadd_rn(__fmul_rn(b2, v[i]), __fmul_rn(__fmul_rn(__fsub_rn(1.0f, b2), gi), gi));
+    m[i] = mi;
+    v[i] = vi;
+    const float step = __fdiv_rn(__fmul_rn(lr, __fdiv_rn(mi, c1)), __fadd_rn(__fsqrt_rn(__fdiv_rn(vi, c2)), eps));
+    const float wi = __fsub_rn(w[i], step);
+    w[i] = wi;
+    if (rounded) rounded[i] = to_f32(bf16_from_f32(wi));
+  }
+}
+
+__global__ void sgd_kernel(int64_t n, float lr, float* w, const float* g, float* rounded) {
+  for (int64_t i = blockIdx.x * int64_t{blockDim.x} + threadIdx.x; i < n; i += int64_t{gridDim.x} * blockDim.x) {
+    const float wi = __fsub_rn(w[i], __fmul_rn(lr, g[i]));
+    w[i] = wi;
+    if (rounded) rounded[i] = to_f32(bf16_from_f32(wi));
+  }
+}
+
+__global__ void replica_kernel(int64_t T, int K, int E, ReplicaArgs a, DeviceFault* fault) {
+  const int64_t p = blockIdx.x * int64_t{blockDim.x} + threadIdx.x;
+  if (p >= T * K) return;
+  const int32_t e = a.topk_idx[p];
+  a.topk_slot[p] = -1;
+  if (e < 0) return;
+  if (e >= E) return report_fault(fault, FaultOp::kReplicaExpert, p, e, E);
+  const int32_t count = a.logcnt[e];
+  if (count < 1 || count > a.max_replicas) return report_fault(fault, FaultOp::kReplicaCount, e, count, a.max_replicas);
+  a.topk_slot[p] = a.log2phy[int64_t{e} * a.max_replicas + replica_index(a.token_begin + p / K, e, count)];
+}
+
+__global__ void unpermute_scalars_kernel(const int32_t* pos, int64_t n, const float* perm, float* pair) {
+  const int64_t i = blockIdx.x * int64_t{blockDim.x} + threadIdx.x;
+  if (i < n) pair[i] = pos[i] >= 0 ? perm[pos[i]] : 0.0f;
+}
+
+__global__ void combine_pair_scalars_kernel(const int32_t* slot, const int32_t* send_row, int64_t T, int K, int R,
+                                            int S, const float* rows, float* pair) {
+  const int64_t p = blockIdx.x * int64_t{blockDim.x} + threadIdx.x;
+  if (p >= T * K) return;
+  const int32_t s = slot[p];
+  const int64_t t = p / K;
+  pair[p] = s < 0 ? 0.0f : rows[int64_t{send_row[t * R + s / S]} * K + p % K];
+}
+
+}  // namespace
+
+void convert(CudaExec& ex, const void* src, DType sd, void* dst, DType dd, int64_t count) {
+  if (count <= 0) return;
+  if (sd == dd) {
+    check(cudaMemcpyAsync(dst, src, count * dtype_size(sd), cudaMemcpyDeviceToDevice, ex.stream), "convert");
+    return;
+  }
+  with_dtype(sd, [&](auto in) {
+    with_dtype(dd, [&](auto out) {
+      using In = decltype(in);
+      using Out = decltype(out);
+      convert_kernel<<<grid_for(count), kThreads, 0, ex.stream>>>(static_cast<const In*>(src), static_cast<Out*>(dst),
+                                                                 count);
+    });
+  });
+  check(cudaGetLastError(), "convert");
+}
+
+void add(CudaExec& ex, void* dst, const void* src, DType dtype, int64_t count) {
+  if (count <= 0) return;
+  with_dtype(dtype, [&](auto tag) {
+    using T = decltype(tag);
+    add_kernel<<<grid_for(count), kThreads, 0, ex.stream>>>(static_cast<T*>(dst), static_cast<const T*>(src), count);
+  });
+  check(cudaGetLastError(), "add");
+}
+
+void optimizer_step(CudaExec& ex, const OptimizerConfig& cfg, const OptimizerArgs& a) {
+  cfg.validate();
+  MOE_CHECK(a.step >= 1, "optimizer: step must be >= 1, got ", a.step);
+  MOE_CHECK(cfg.kind == OptimizerKind::kSgd || (a.m && a.v), "optimizer: adam needs its moment buffers");
+  if (a.count <= 0) return;
+  if (cfg.kind == OptimizerKind::kSgd) {
+    sgd_kernel<<<grid_for(a.count), kThreads, 0, ex.stream>>>(a.count, cfg.lr, a.weight, a.grad, a.rounded);
+  } else {
+    // Bias corrections on the host in double, rounded once: as the CPU backend does.
+    const float c1 = 1.0f - static_cast<float>(std::pow(static_cast<double>(cfg.beta1), static_cast<double>(a.step)));
+    const float c2 = 1.0f - static_cast<float>(std::pow(static_cast<double>(cfg.beta2), static_cast<double>(a.step)));
+    adam_kernel<<<grid_for(a.count), kThreads, 0, ex.stream>>>(a.count, cfg.lr, cfg.beta1, cfg.beta2, cfg.eps, c1, c2,
+                                                               a.weight, a.grad, a.m, a.v, a.rounded);
+  }
+  check(cudaGetLastError(), "optimizer step");
+}
+
+void select_replicas(CudaExec& ex, int64_t T, int K, int E, const ReplicaArgs& a) {
+  if (T * K <= 0) return;
+  replica_kernel<<<blocks_for(T * K), kThreads, 0, ex.stream>>>(T, K, E, a, ex.fault);
+  check(cudaGetLastError(), "select_replicas");
+}
+
+void unpermute_scalars(CudaExec& ex, const int32_t* pos, int64_t n, int k, const float* perm, float* pair) {
+  if (n * k <= 0) return;
+  unpermute_scalars_kernel<<<blocks_for(n * k), kThreads, 0, ex.stream>>>(pos, n * k, perm, pair);
+  check(cudaGetLastError(), "unpermute_scalars");
+}
+
+void combine_pair_scalars(CudaExec& ex, const int32_t* topk_slot, const int32_t* token_send_row, int64_t T, int K,
+                          int R, int S, const float* rows, float* pair) {
+  if (T * K <= 0) return;
+  combine_pair_scalars_kernel<<<blocks_for(T * K), kThreads, 0, ex.stream>>>(topk_slot, token_send_row, T, K, R, S,
+                                                                             rows, pair);
+  check(cudaGetLastError(), "combine_pair_scalars");
+}
+
+}  // namespace moe::kernels::cuda

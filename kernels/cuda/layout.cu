@@ -1,0 +1,216 @@
+// Dispatch layout (which ranks need which token) and permute layout (rows to
+// expert-major order) on the GPU. Both are counting sorts over fixed chunks of
+// kChunk tokens (rows):
+//   1. count per (bucket, chunk) with atomics (counts do not depend on order);
+//   2. one exclusive scan over the counts laid out bucket-major, chunk-minor,
+//      which is exactly the output order (bucket, then token order);
+//   3. each item's position = its chunk's base + the items of the same bucket
+//      before it inside the chunk (a short scan of at most kChunk tokens).
+// The result is deterministic and equal to the CPU backend's.
+#include <cub/device/device_scan.cuh>
+
+#include "cuda_ops.h"
+#include "moe/base/check.h"
+
+namespace moe::kernels::cuda {
+namespace {
+
+constexpr int64_t kChunk = 32;
+
+int64_t chunks(int64_t n) { return (n + kChunk - 1) / kChunk; }
+
+size_t scan_temp_bytes(int64_t items) {
+  size_t bytes = 0;
+  check(cub::DeviceScan::ExclusiveSum(nullptr, bytes, static_cast<const int32_t*>(nullptr),
+                                      static_cast<int64_t*>(nullptr), static_cast<int>(items)),
+        "layout scan size");
+  return bytes;
+}
+
+// Counts [buckets * C + 1] int32 (the last one stays 0 so the scan yields the
+// total), bases [buckets * C + 1] int64, offsets [buckets + 1] int64, scan temp.
+struct LayoutWorkspace {
+  int32_t* counts;
+  int64_t* bases;
+  int64_t* offsets;
+  void* temp;
+  size_t temp_bytes;
+  int64_t items;  // buckets * C + 1
+};
+
+size_t layout_bytes(int64_t buckets, int64_t n) {
+  const int64_t items = buckets * chunks(n) + 1;
+  return align256(4 * items) + align256(8 * items) + align256(8 * (buckets + 1)) + scan_temp_bytes(items);
+}
+
+LayoutWorkspace carve(int64_t buckets, int64_t n, void* ws) {
+  LayoutWorkspace w;
+  w.items = buckets * chunks(n) + 1;
+  auto* p = static_cast<uint8_t*>(ws);
+  w.counts = reinterpret_cast<int32_t*>(p);
+  p += align256(4 * w.items);
+  w.bases = reinterpret_cast<int64_t*>(p);
+  p += align256(8 * w.items);
+  w.offsets = reinterpret_cast<int64_t*>(p);
+  p += align256(8 * (buckets + 1));
+  w.temp = p;
+  w.temp_bytes = scan_temp_bytes(w.items);
+  return w;
+}
+
+// offsets[b] = the first output position of bucket b (b = buckets: the total).
+__global__ void bucket_offsets(int64_t buckets, int64_t C, const int64_t* bases, int64_t* offsets) {
+  const int64_t b = blockIdx.x * int64_t{blockDim.x} + threadIdx.x;
+  if (b <= buckets) offsets[b] = bases[b * C];
+}
+
+// ---------------------------------------------------------------------------
+// Dispatch layout. Buckets are ranks.
+
+struct DispatchParams {
+  int64_t T;
+  int K, R, S;
+  int64_t C;
+};
+
+__global__ void dispatch_count(DispatchParams p, DispatchLayoutArgs a, int32_t* counts, DeviceFault* fault) {
+  const int64_t t = blockIdx.x * int64_t{blockDim.x} + threadIdx.x;
+  if (t >= p.T) return;
+  const int64_t slots = int64_t{p.R} * p.S;
+  uint8_t* in_rank = a.is_token_in_rank + t * p.R;
+  for (int r = 0; r < p.R; ++r) in_rank[r] = 0;
+  for (int k = 0; k < p.K; ++k) {
+    const int32_t slot = a.topk_slot[t * p.K + k];
+    if (slot < 0) continue;
+    if (slot >= slots) {
+      report_fault(fault, FaultOp::kDispatchSlot, t * p.K + k, slot, slots);
+      continue;
+    }
+    atomicAdd(&a.num_tokens_per_slot[slot], 1);
+    in_rank[slot / p.S] = 1;
+  }
+  for (int r = 0; r < p.R; ++r)
+    if (in_rank[r]) atomicAdd(&counts[r * p.C + t / kChunk], 1);
+}
+
+__global__ void rank_totals(int R, int64_t C, const int64_t* bases, int32_t* per_rank) {
+  const int r = blockIdx.x * blockDim.x + threadIdx.x;
+  if (r < R) per_rank[r] = static_cast<int32_t>(bases[(r + 1) * C] - bases[r * C]);
+}
+
+// One thread per (token, rank).
+__global__ void dispatch_rows(DispatchParams p, DispatchLayoutArgs a, const int64_t* bases) {
+  const int64_t i = blockIdx.x * int64_t{blockDim.x} + threadIdx.x;
+  if (i >= p.T * p.R) return;
+  const int64_t t = i / p.R;
+  const int r = static_cast<int>(i % p.R);
+  if (!a.is_token_in_rank[i]) {
+    a.token_send_row[i] = -1;
+    return;
+  }
+  int64_t row = bases[r * p.C + t / kChunk];
+  for (int64_t u = t / kChunk * kChunk; u < t; ++u) row += a.is_token_in_rank[u * p.R + r];
+  a.token_send_row[i] = static_cast<int32_t>(row);
+  if (a.send_src_token) a.send_src_token[row] = static_cast<int32_t>(t);
+  if (!a.send_slot) return;
+  for (int k = 0; k < p.K; ++k) {
+    const int32_t slot = a.topk_slot[t * p.K + k];
+    const bool here = slot >= 0 && slot < int64_t{p.R} * p.S && slot / p.S == r;
+    a.send_slot[row * p.K + k] = here ? slot % p.S : -1;
+    if (a.send_weight) a.send_weight[row * p.K + k] = here ? a.topk_weight[t * p.K + k] : 0.0f;
+  }
+}
+
+// ---------------------------------------------------------------------------
+// Permute layout. Buckets are local experts.
+
+struct PermuteParams {
+  int64_t N;
+  int K, L;
+  int64_t C;
+};
+
+__global__ void permute_count(PermuteParams p, const int32_t* row_expert, int32_t* counts, DeviceFault* fault) {
+  const int64_t i = blockIdx.x * int64_t{blockDim.x} + threadIdx.x;
+  if (i >= p.N * p.K) return;
+  const int32_t e = row_expert[i];
+  if (e < -1 || e >= p.L) return report_fault(fault, FaultOp::kPermuteLayoutExpert, i, e, p.L);
+  if (e >= 0) atomicAdd(&counts[e * p.C + i / p.K / kChunk], 1);
+}
+
+// One thread per (row, k) pair.
+__global__ void permute_rows(PermuteParams p, PermuteLayoutArgs a, const int64_t* bases) {
+  const int64_t i = blockIdx.x * int64_t{blockDim.x} + threadIdx.x;
+  if (i >= p.N * p.K) return;
+  const int32_t e = a.row_expert[i];
+  if (e < 0 || e >= p.L) {
+    a.pair_pos[i] = -1;
+    return;
+  }
+  const int64_t n = i / p.K;
+  int64_t m = bases[e * p.C + n / kChunk];
+  for (int64_t j = n / kChunk * kChunk * p.K; j < i; ++j) m += a.row_expert[j] == e;
+  a.pair_pos[i] = static_cast<int32_t>(m);
+  a.perm_src_row[m] = static_cast<int32_t>(n);
+  if (a.row_weight && a.perm_weight) a.perm_weight[m] = a.row_weight[i];
+}
+
+}  // namespace
+
+size_t dispatch_layout_workspace_bytes(const DispatchLayoutConfig& cfg) {
+  return layout_bytes(cfg.num_ranks, cfg.num_tokens);
+}
+
+void dispatch_layout(CudaExec& ex, const DispatchLayoutConfig& cfg, const DispatchLayoutArgs& a) {
+  cfg.validate();
+  const int64_t T = cfg.num_tokens;
+  const int R = cfg.num_ranks;
+  const DispatchParams p{T, cfg.top_k, R, cfg.slots_per_rank, chunks(T)};
+  const LayoutWorkspace w = carve(R, T, a.workspace);
+  check(cudaMemsetAsync(w.counts, 0, 4 * w.items, ex.stream), "dispatch layout");
+  check(cudaMemsetAsync(a.num_tokens_per_slot, 0, 4 * static_cast<size_t>(R) * cfg.slots_per_rank, ex.stream),
+        "dispatch layout");
+  if (T > 0) dispatch_count<<<blocks_for(T), kThreads, 0, ex.stream>>>(p, a, w.counts, ex.fault);
+  check(cudaGetLastError(), "dispatch layout count");
+  size_t temp = w.temp_bytes;
+  check(cub::DeviceScan::ExclusiveSum(w.temp, temp, w.counts, w.bases, static_cast<int>(w.items), ex.stream),
+        "dispatch layout scan");
+  rank_totals<<<blocks_for(R), kThreads, 0, ex.stream>>>(R, p.C, w.bases, a.num_tokens_per_rank);
+  if (T > 0) dispatch_rows<<<blocks_for(T * R), kThreads, 0, ex.stream>>>(p, a, w.bases);
+  check(cudaGetLastError(), "dispatch layout rows");
+  bucket_offsets<<<blocks_for(R + 1), kThreads, 0, ex.stream>>>(R, p.C, w.bases, w.offsets);
+  check(cudaMemcpyAsync(a.rank_offset, w.offsets, 8 * (static_cast<size_t>(R) + 1), cudaMemcpyDeviceToHost, ex.stream),
+        "dispatch layout offsets");
+  ex.sync("dispatch layout");
+}
+
+size_t permute_layout_workspace_bytes(const PermuteLayoutConfig& cfg) {
+  return layout_bytes(cfg.num_experts, cfg.num_rows);
+}
+
+void permute_layout(CudaExec& ex, const PermuteLayoutConfig& cfg, const PermuteLayoutArgs& a) {
+  cfg.validate();
+  const int64_t N = cfg.num_rows;
+  const int L = cfg.num_experts;
+  const PermuteParams p{N, cfg.top_k, L, chunks(N)};
+  const LayoutWorkspace w = carve(L, N, a.workspace);
+  check(cudaMemsetAsync(w.counts, 0, 4 * w.items, ex.stream), "permute layout");
+  if (N > 0) {
+    permute_count<<<blocks_for(N * p.K), kThreads, 0, ex.stream>>>(p, a.row_expert, w.counts, ex.fault);
+    check(cudaGetLastError(), "permute layout count");
+  }
+  size_t temp = w.temp_bytes;
+  check(cub::DeviceScan::ExclusiveSum(w.temp, temp, w.counts, w.bases, static_cast<int>(w.items), ex.stream),
+        "permute layout scan");
+  if (N > 0) {
+    permute_rows<<<blocks_for(N * p.K), kThreads, 0, ex.stream>>>(p, a, w.bases);
+    check(cudaGetLastError(), "permute layout rows");
+  }
+  bucket_offsets<<<blocks_for(L + 1), kThreads, 0, ex.stream>>>(L, p.C, w.bases, w.offsets);
+  check(cudaMemcpyAsync(a.expert_offset, w.offsets, 8 * (static_cast<size_t>(L) + 1), cudaMemcpyDeviceToHost,
+                        ex.stream),
+        "permute layout offsets");
+  ex.sync("permute layout");
+}
+
+}  // namespace moe::kernels::cuda

@@ -1,0 +1,138 @@
+// Row movement on the GPU: permute (gather rows into expert-major order, converting
+// dtype), the expert MLP's gather, and unpermute (the weighted local combine, a
+// per-row sum in k order in fp32). One block per output row; each thread moves V
+// consecutive elements with vector loads when the rows allow it (V = 8: 16-byte
+// bf16 or 32-byte fp32 accesses), one element otherwise.
+#include <cstdint>
+
+#include "cuda_ops.h"
+#include "moe/base/check.h"
+
+namespace moe::kernels::cuda {
+namespace {
+
+constexpr int kRowThreads = 128;
+constexpr int kVec = 8;
+
+template <typename T, int V>
+struct alignas(sizeof(T) * V) Vec {
+  T v[V];
+};
+
+unsigned row_grid(int64_t rows) { return static_cast<unsigned>(std::min<int64_t>(rows, int64_t{1} << 20)); }
+
+bool aligned(const void* p) { return reinterpret_cast<uintptr_t>(p) % 32 == 0; }
+
+// out[m] = rows[src[m]] for m < M, each source in [0, num_src).
+template <typename In, typename Out, int V>
+__global__ void gather_kernel(const In* rows, int H, const int32_t* src, int64_t M, int64_t num_src, Out* out,
+                              DeviceFault* fault, FaultOp op) {
+  for (int64_t m = blockIdx.x; m < M; m += gridDim.x) {
+    const int32_t s = src[m];
+    if (s < 0 || s >= num_src) {
+      if (threadIdx.x == 0) report_fault(fault, op, m, s, num_src);
+      continue;
+    }
+    const auto* r = reinterpret_cast<const Vec<In, V>*>(rows + int64_t{s} * H);
+    auto* o = reinterpret_cast<Vec<Out, V>*>(out + m * H);
+    for (int j = threadIdx.x; j < H / V; j += blockDim.x) {
+      const Vec<In, V> x = r[j];
+      Vec<Out, V> y;
+#pragma unroll
+      for (int i = 0; i < V; ++i) y.v[i] = from_f32<Out>(to_f32(x.v[i]));
+      o[j] = y;
+    }
+  }
+}
+
+// out[n] (+)= sum_k w[n, k] perm[pos[n, k]], in k order, fp32.
+template <typename In, typename Out, int V>
+__global__ void unpermute_kernel(const In* perm, const int32_t* pos, const float* w, int64_t N, int K, int H,
+                                 int64_t M, bool accumulate, Out* out, DeviceFault* fault) {
+  for (int64_t n = blockIdx.x; n < N; n += gridDim.x) {
+    const int32_t* p = pos + n * K;
+    auto* o = reinterpret_cast<Vec<Out, V>*>(out + n * H);
+    for (int j = threadIdx.x; j < H / V; j += blockDim.x) {
+      float acc[V] = {};
+      for (int k = 0; k < K; ++k) {
+        const int32_t m = p[k];
+        if (m < 0) continue;
+        if (m >= M) {
+          report_fault(fault, FaultOp::kUnpermutePairPos, n * K + k, m, M);
+          continue;
+        }
+        const float wk = w ? w[n * K + k] : 1.0f;
+        const Vec<In, V> x = reinterpret_cast<const Vec<In, V>*>(perm + int64_t{m} * H)[j];
+#pragma unroll
+        for (int i = 0; i < V; ++i) acc[i] += wk * to_f32(x.v[i]);
+      }
+      Vec<Out, V> y;
+      if (accumulate) y = o[j];
+#pragma unroll
+      for (int i = 0; i < V; ++i) y.v[i] = from_f32<Out>(accumulate ? to_f32(y.v[i]) + acc[i] : acc[i]);
+      o[j] = y;
+    }
+  }
+}
+
+template <typename F>
+void with_width(int H, std::initializer_list<const void*> ptrs, F&& f) {
+  bool vec = H % kVec == 0;
+  for (const void* p : ptrs) vec = vec && aligned(p);
+  if (vec)
+    f(std::integral_constant<int, kVec>{});
+  else
+    f(std::integral_constant<int, 1>{});
+}
+
+void gather(CudaExec& ex, const void* rows, DType in, int H, const int32_t* src, int64_t M, int64_t num_src, void* out,
+            DType out_dtype, FaultOp op, const char* what) {
+  if (M <= 0 || H <= 0) return;
+  with_dtype(in, [&](auto in_tag) {
+    with_dtype(out_dtype, [&](auto out_tag) {
+      with_width(H, {rows, out}, [&](auto v) {
+        using In = decltype(in_tag);
+        using Out = decltype(out_tag);
+        gather_kernel<In, Out, decltype(v)::value><<<row_grid(M), kRowThreads, 0, ex.stream>>>(
+            static_cast<const In*>(rows), H, src, M, num_src, static_cast<Out*>(out), ex.fault, op);
+      });
+    });
+  });
+  check(cudaGetLastError(), what);
+}
+
+}  // namespace
+
+void gather_rows(CudaExec& ex, const void* rows, DType dtype, int hidden, const int32_t* src_row, int64_t M,
+                 int64_t num_src_rows, void* out) {
+  gather(ex, rows, dtype, hidden, src_row, M, num_src_rows, out, dtype, FaultOp::kExpertSrcRow, "expert mlp gather");
+}
+
+void permute(CudaExec& ex, const PermuteConfig& cfg, const PermuteArgs& a) {
+  cfg.validate();
+  gather(ex, a.rows, cfg.in_dtype, cfg.hidden, a.src_row, cfg.num_out_rows, cfg.num_rows, a.out, cfg.out_dtype,
+         FaultOp::kPermuteSrcRow, "permute");
+}
+
+void unpermute(CudaExec& ex, const UnpermuteConfig& cfg, const UnpermuteArgs& a) {
+  cfg.validate();
+  const int64_t N = cfg.num_rows;
+  const int H = cfg.hidden;
+  if (N <= 0 || H <= 0) return;
+  // perm holds at most N * K rows; pair_pos beyond that is a fault.
+  const int64_t M = N * cfg.top_k;
+  with_dtype(cfg.in_dtype, [&](auto in_tag) {
+    with_dtype(cfg.out_dtype, [&](auto out_tag) {
+      with_width(H, {a.perm, a.out}, [&](auto v) {
+        using In = decltype(in_tag);
+        using Out = decltype(out_tag);
+        unpermute_kernel<In, Out, decltype(v)::value><<<row_grid(N), kRowThreads, 0, ex.stream>>>(
+            static_cast<const In*>(a.perm), a.pair_pos, a.pair_weight, N, cfg.top_k, H, M, cfg.accumulate,
+            static_cast<Out*>(a.out), ex.fault);
+      });
+    });
+  });
+  check(cudaGetLastError(), "unpermute");
+}
+
+}  // namespace moe::kernels::cuda
