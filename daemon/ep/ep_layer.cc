@@ -28,11 +28,12 @@ EpLayer::EpLayer(const MoeLayerConfig& cfg, const ExpertMap& map, transport::Com
     : cfg_(cfg),
       map_(map),
       comm_(comm),
+      data_(options.data_comm ? *options.data_comm : comm),
       be_(be),
       opts_(options),
       router_(cfg, be),
       dispatcher_(std::make_unique<Dispatcher>(
-          dispatcher_config(cfg, map), comm, be,
+          dispatcher_config(cfg, map), data_, be,
           DispatcherOptions{.timeout = options.timeout, .isolate_transport_timing = options.isolate_transport_timing})),
       experts_(std::make_unique<ExpertStage>(cfg, map.slots_per_rank, be)) {
   MOE_CHECK(map.num_experts == cfg.num_experts, "ep layer: the map places ", map.num_experts,
@@ -210,11 +211,11 @@ void EpLayer::backward(const void* grad_out, void* grad_x) {
 
 // The router's and the shared experts' gradients, summed over ranks in rank order.
 void EpLayer::all_reduce_replicated_grads() {
-  comm_.all_reduce_sum(router_.grad_gate(), static_cast<size_t>(cfg_.num_experts) * cfg_.hidden, deadline());
+  data_.all_reduce_sum(router_.grad_gate(), static_cast<size_t>(cfg_.num_experts) * cfg_.hidden, deadline());
   if (!shared_) return;
-  comm_.all_reduce_sum(shared_->grad_w13(), shared_->w13_size(), deadline());
-  comm_.all_reduce_sum(shared_->grad_w2(), shared_->w2_size(), deadline());
-  if (shared_->gate_size()) comm_.all_reduce_sum(shared_->grad_gate(), shared_->gate_size(), deadline());
+  data_.all_reduce_sum(shared_->grad_w13(), shared_->w13_size(), deadline());
+  data_.all_reduce_sum(shared_->grad_w2(), shared_->w2_size(), deadline());
+  if (shared_->gate_size()) data_.all_reduce_sum(shared_->grad_gate(), shared_->gate_size(), deadline());
 }
 
 // Replicas of one expert end with the same gradient bits: the primary (first
@@ -239,13 +240,13 @@ void EpLayer::reduce_replica_grad(int e, float* acc, float* msg) {
   const size_t n13 = 2 * I * H, n2 = H * I, n = n13 + n2;
   const int me = comm_.rank(), S = map_.slots_per_rank;
   const int recipients = map_.max_replicas + (staged_ ? staged_->max_shadows() : 0);
-  auto load = [&](int32_t slot, float* dst) {
-    std::copy_n(experts_->grad_w13() + static_cast<size_t>(slot % S) * n13, n13, dst);
-    std::copy_n(experts_->grad_w2() + static_cast<size_t>(slot % S) * n2, n2, dst + n13);
+  auto load = [&](int32_t slot, float* dst) {  // backend -> host
+    be_.copy_to_host(dst, experts_->grad_w13() + static_cast<size_t>(slot % S) * n13, 4 * n13);
+    be_.copy_to_host(dst + n13, experts_->grad_w2() + static_cast<size_t>(slot % S) * n2, 4 * n2);
   };
-  auto store = [&](const float* src, int32_t slot) {
-    std::copy_n(src, n13, experts_->grad_w13() + static_cast<size_t>(slot % S) * n13);
-    std::copy_n(src + n13, n2, experts_->grad_w2() + static_cast<size_t>(slot % S) * n2);
+  auto store = [&](const float* src, int32_t slot) {  // host -> backend
+    be_.copy_to_device(experts_->grad_w13() + static_cast<size_t>(slot % S) * n13, src, 4 * n13);
+    be_.copy_to_device(experts_->grad_w2() + static_cast<size_t>(slot % S) * n2, src + n13, 4 * n2);
   };
   auto tag = [&](size_t k, int phase) {
     return opts_.tag_base + static_cast<uint32_t>(((static_cast<uint64_t>(e) * recipients + k) * 2 + phase) & 0xffffff);
@@ -320,7 +321,7 @@ void EpLayer::stage(const ExpertMap& next, std::vector<ExpertCopyPlan> copies, b
   next_experts_->reserve(std::max<int64_t>(recv_capacity_, cfg_.max_tokens));
   next_experts_->touch(adam_);
   next_dispatcher_ = std::make_unique<Dispatcher>(
-      dispatcher_config(cfg_, next), comm_, be_,
+      dispatcher_config(cfg_, next), data_, be_,
       DispatcherOptions{.timeout = opts_.timeout, .isolate_transport_timing = opts_.isolate_transport_timing});
 }
 
@@ -401,6 +402,26 @@ const float* EpLayer::grad_w13(int local_slot) const {
 
 const float* EpLayer::grad_w2(int local_slot) const {
   return experts_->grad_w2() + static_cast<size_t>(local_slot) * cfg_.hidden * cfg_.ffn_hidden;
+}
+
+EpGrads EpLayer::copy_grads() const {
+  MOE_CHECK(cfg_.train, "weight gradients of a layer built without train = true");
+  auto host = [&](const float* p, size_t n) {
+    std::vector<float> v(p ? n : 0);
+    if (p) be_.copy_to_host(v.data(), p, 4 * n);
+    return v;
+  };
+  const size_t H = cfg_.hidden, I = cfg_.ffn_hidden, S = map_.slots_per_rank;
+  EpGrads g;
+  g.gate = host(grad_gate(), cfg_.num_experts * H);
+  g.w13 = host(experts_->grad_w13(), S * 2 * I * H);
+  g.w2 = host(experts_->grad_w2(), S * H * I);
+  if (shared_) {
+    g.shared_w13 = host(shared_->grad_w13(), shared_->w13_size());
+    g.shared_w2 = host(shared_->grad_w2(), shared_->w2_size());
+    g.shared_gate = host(shared_->grad_gate(), shared_->gate_size());
+  }
+  return g;
 }
 
 }  // namespace moe::ep

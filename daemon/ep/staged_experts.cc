@@ -3,6 +3,7 @@
 #include <algorithm>
 
 #include "moe/base/check.h"
+#include "moe/kernels/buffer.h"
 
 namespace moe::ep {
 namespace {
@@ -91,18 +92,36 @@ bool StagedExperts::ready(transport::Communicator& comm, kernels::Backend& be) {
 }
 
 // One optimizer step on a shadow's fp32 master (and moments): the same op, on the
-// same inputs, as its holders' TrainableTensor::update.
+// same inputs, as its holders' TrainableTensor::update. The state lives in host
+// memory; the backend steps a copy of it in its own memory, so the bits are the
+// ones the holders' backend computes.
 void StagedExperts::apply(Gained& g, const float* grad, const kernels::OptimizerConfig& cfg, int64_t step,
                           kernels::Backend& be) {
   ExpertState& s = *g.state;
+  const size_t n = s.weights.size();
+  auto in_backend = [&](const float* host) {
+    kernels::Buffer b(be, 4 * n);
+    be.copy_to_device(b.get(), host, 4 * n);
+    return b;
+  };
+  kernels::Buffer w = in_backend(s.weights.data()), gr = in_backend(grad), m, v;
+  if (!s.m.empty()) {
+    m = in_backend(s.m.data());
+    v = in_backend(s.v.data());
+  }
   kernels::OptimizerArgs a;
-  a.count = static_cast<int64_t>(s.weights.size());
+  a.count = static_cast<int64_t>(n);
   a.step = step;
-  a.weight = s.weights.data();
-  a.grad = grad;
-  a.m = s.m.empty() ? nullptr : s.m.data();
-  a.v = s.v.empty() ? nullptr : s.v.data();
+  a.weight = w.as<float>();
+  a.grad = gr.as<float>();
+  a.m = m.as<float>();
+  a.v = v.as<float>();
   be.optimizer_step(cfg, a);
+  be.copy_to_host(s.weights.data(), w.get(), 4 * n);
+  if (!s.m.empty()) {
+    be.copy_to_host(s.m.data(), m.get(), 4 * n);
+    be.copy_to_host(s.v.data(), v.get(), 4 * n);
+  }
 }
 
 float* StagedExperts::shadow_gradient(int copy) {

@@ -14,7 +14,6 @@ void dump_step(const v1::JobSpec& spec, const ModelStack& stack, const model::La
   std::filesystem::create_directories(spec.dump_dir());
   const LayerSnapshot& s = stack.snapshot(0);
   const ep::ExpertMap& map = stack.map(0);
-  const ep::EpLayer& layer = stack.layer(0);
   io::LayerDump d;
   d.dtype = job_dtype(spec);
   d.shape = layer_shape(spec);
@@ -37,18 +36,18 @@ void dump_step(const v1::JobSpec& spec, const ModelStack& stack, const model::La
     for (int slot = 0; slot < map.slots_per_rank; ++slot) {
       const int e = map.expert_at(rank, slot);
       if (e < 0) continue;
-      std::copy_n(layer.grad_w13(slot), n13, g13.begin() + e * n13);
-      std::copy_n(layer.grad_w2(slot), n2, g2.begin() + e * n2);
+      std::copy_n(s.grads.w13.begin() + slot * n13, n13, g13.begin() + e * n13);
+      std::copy_n(s.grads.w2.begin() + slot * n2, n2, g2.begin() + e * n2);
     }
     d.grad_out = s.grad_out.data();
     d.grad_x = s.grad_x.data();
-    d.grad_gate = layer.grad_gate();
+    d.grad_gate = s.grads.gate.data();
     d.grad_w13 = g13.data();
     d.grad_w2 = g2.data();
-    if (ep::SharedExperts* shared = layer.shared_experts()) {
-      d.grad_shared_w13 = shared->grad_w13();
-      d.grad_shared_w2 = shared->grad_w2();
-      d.grad_shared_gate = shared->grad_gate();
+    if (stack.layer(0).shared_experts()) {
+      d.grad_shared_w13 = s.grads.shared_w13.data();
+      d.grad_shared_w2 = s.grads.shared_w2.data();
+      d.grad_shared_gate = s.grads.shared_gate.empty() ? nullptr : s.grads.shared_gate.data();
     }
   }
   io::write_layer_dump(spec.dump_dir() + "/rank" + std::to_string(rank) + ".safetensors", d);

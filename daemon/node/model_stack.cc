@@ -7,18 +7,6 @@ namespace moe::node {
 
 using kernels::DType;
 
-void add_into(std::vector<uint8_t>& a, const std::vector<uint8_t>& b, size_t n, DType t) {
-  if (t == DType::kF32) {
-    auto* x = reinterpret_cast<float*>(a.data());
-    const auto* y = reinterpret_cast<const float*>(b.data());
-    for (size_t i = 0; i < n; ++i) x[i] += y[i];
-  } else {
-    auto* x = reinterpret_cast<kernels::bf16_t*>(a.data());
-    const auto* y = reinterpret_cast<const kernels::bf16_t*>(b.data());
-    for (size_t i = 0; i < n; ++i) x[i] = kernels::f32_to_bf16(kernels::bf16_to_f32(x[i]) + kernels::bf16_to_f32(y[i]));
-  }
-}
-
 namespace {
 
 // The teacher's layers: forward only, no balancing statistics (its spec has none).
@@ -32,9 +20,10 @@ ep::MoeLayerConfig teacher_config(const v1::JobSpec& teacher_spec) {
 
 ModelStack::ModelStack(const v1::JobSpec& spec, const std::vector<ep::ExpertMap>& maps, int rank, int world,
                        transport::Communicator& comm, kernels::Backend& be, kernels::ThreadPool& pool,
-                       std::chrono::milliseconds timeout)
+                       std::chrono::milliseconds timeout, transport::Communicator* data_comm)
     : spec_(spec),
       comm_(comm),
+      data_comm_(data_comm),
       be_(be),
       pool_(pool),
       timeout_(timeout),
@@ -58,17 +47,24 @@ ModelStack::ModelStack(const v1::JobSpec& spec, const std::vector<ep::ExpertMap>
     teacher_.back()->set_weights(layer_weights(teacher_spec, l, needed));
   }
   const size_t bytes = T_ * H_ * kernels::dtype_size(dt_) + 1;
-  xs_.assign(L + 1, std::vector<uint8_t>(bytes));
-  out_.resize(bytes);
-  grad_.resize(bytes);
-  grad_x_.resize(bytes);
+  for (int l = 0; l <= L; ++l) xs_.emplace_back(be, bytes);
+  out_ = kernels::Buffer(be, bytes);
+  if (train) {
+    grad_ = kernels::Buffer(be, bytes);
+    grad_x_ = kernels::Buffer(be, bytes);
+    xt_ = kernels::Buffer(be, bytes);
+  }
   snaps_.resize(L);
   loads_.assign(L, std::vector<float>(spec.experts(), 0.0f));
   opt_ = optimizer_config(spec);
 }
 
 ep::EpOptions ModelStack::layer_options(int l) const {
-  return {.timeout = timeout_, .tag_base = static_cast<uint32_t>(l) << 24};
+  return {.timeout = timeout_, .tag_base = static_cast<uint32_t>(l) << 24, .data_comm = data_comm_};
+}
+
+std::vector<uint8_t> ModelStack::host_bytes(const kernels::Buffer& b) const {
+  return host_copy(static_cast<const uint8_t*>(b.get()), T_ * H_ * kernels::dtype_size(dt_));
 }
 
 void ModelStack::stage(const v1::PrepareRebalance& p) {
@@ -133,41 +129,49 @@ std::vector<model::LayerWeights> ModelStack::weights_in_use(int step, transport:
   return all;
 }
 
+// Layer l's inputs, output and routing as this step saw them, to host memory.
+void ModelStack::capture_forward(int l) {
+  const ep::EpLayer& layer = *layers_[l];
+  const size_t pairs = T_ * spec_.top_k();
+  LayerSnapshot& s = snaps_[l];
+  s.x = host_bytes(xs_[l]);
+  s.out = host_bytes(out_);
+  s.topk_idx = host_copy(layer.topk_idx(), pairs);
+  s.kept_idx = host_copy(layer.kept_idx(), pairs);
+  s.topk_weight = host_copy(layer.topk_weight(), pairs);
+}
+
 void ModelStack::forward(int step, StepReport& report, bool capture) {
   const int K = spec_.top_k();
+  const size_t n = T_ * H_;
   const double t0 = now_seconds();
-  xs_[0] = model::to_storage(step_inputs(spec_, rank_, step, pool_), dt_);
+  const std::vector<uint8_t> x = model::to_storage(step_inputs(spec_, rank_, step, pool_), dt_);
+  be_.copy_to_device(xs_[0].get(), x.data(), n * kernels::dtype_size(dt_));
   report.set_inputs_seconds(now_seconds() - t0);
   for (int l = 0; l < num_layers(); ++l) {
     ep::EpLayer& layer = *layers_[l];
-    layer.forward(xs_[l].data(), T_, token_begin(), out_.data());
+    layer.forward(xs_[l].get(), T_, token_begin(), out_.get());
     report.add_forward(l, layer, T_, K);
     const v1::ExpertTokens& kept = report.stats().expert_tokens(l);  // counted by the report
     for (int e = 0; e < kept.tokens_size(); ++e) loads_[l][e] += static_cast<float>(kept.tokens(e));
-    if (capture) {
-      LayerSnapshot& s = snaps_[l];
-      s.x = xs_[l];
-      s.out = out_;
-      s.topk_idx.assign(layer.topk_idx(), layer.topk_idx() + T_ * K);
-      s.kept_idx.assign(layer.kept_idx(), layer.kept_idx() + T_ * K);
-      s.topk_weight.assign(layer.topk_weight(), layer.topk_weight() + T_ * K);
-    }
-    xs_[l + 1] = xs_[l];
-    add_into(xs_[l + 1], out_, T_ * H_, dt_);
+    if (capture) capture_forward(l);
+    be_.copy(xs_[l + 1].get(), xs_[l].get(), n * kernels::dtype_size(dt_));  // the residual stream
+    be_.add(xs_[l + 1].get(), out_.get(), dt_, static_cast<int64_t>(n));
   }
+  be_.synchronize();
 }
 
 void ModelStack::backward(StepReport& report, bool capture) {
   const size_t n = T_ * H_;
-  std::vector<uint8_t> xt = xs_[0];
   const double t_teacher = now_seconds();
+  be_.copy(xt_.get(), xs_[0].get(), n * kernels::dtype_size(dt_));
   for (auto& teacher : teacher_) {
-    teacher->forward(xt.data(), T_, token_begin(), out_.data());
-    add_into(xt, out_, n, dt_);
+    teacher->forward(xt_.get(), T_, token_begin(), out_.get());
+    be_.add(xt_.get(), out_.get(), dt_, static_cast<int64_t>(n));
   }
   report.set_teacher_seconds(now_seconds() - t_teacher);
-  const std::vector<float> y = model::from_storage(xs_.back().data(), n, dt_);
-  const std::vector<float> yt = model::from_storage(xt.data(), n, dt_);
+  const std::vector<float> y = model::from_storage(host_bytes(xs_.back()).data(), n, dt_);
+  const std::vector<float> yt = model::from_storage(host_bytes(xt_).data(), n, dt_);
   const double norm = static_cast<double>(T_) * world_ * H_;
   double loss = 0;
   std::vector<float> g(n);
@@ -178,17 +182,20 @@ void ModelStack::backward(StepReport& report, bool capture) {
   }
   report.set_loss(loss / norm);
   const double t0 = now_seconds();
-  grad_ = model::to_storage(g, dt_);
+  const std::vector<uint8_t> g_stored = model::to_storage(g, dt_);
+  be_.copy_to_device(grad_.get(), g_stored.data(), n * kernels::dtype_size(dt_));
   for (int l = num_layers() - 1; l >= 0; --l) {
-    layers_[l]->backward(grad_.data(), grad_x_.data());
+    layers_[l]->backward(grad_.get(), grad_x_.get());
     report.add_backward(l, *layers_[l]);
     report.add_balance_losses(layers_[l]->balance_losses());
     if (capture) {
-      snaps_[l].grad_out = grad_;
-      snaps_[l].grad_x = grad_x_;
+      snaps_[l].grad_out = host_bytes(grad_);
+      snaps_[l].grad_x = host_bytes(grad_x_);
+      snaps_[l].grads = layers_[l]->copy_grads();
     }
-    add_into(grad_, grad_x_, n, dt_);
+    be_.add(grad_.get(), grad_x_.get(), dt_, static_cast<int64_t>(n));
   }
+  be_.synchronize();
   report.set_backward_seconds(now_seconds() - t0);
 }
 

@@ -80,14 +80,15 @@ void check_backward(const LayerCase& c, const ref::Forward& f, transport::Commun
   comm.all_reduce_sum(gate.data(), gate.size(), deadline);
   comm.all_reduce_sum(w13.data(), w13.size(), deadline);
   comm.all_reduce_sum(w2.data(), w2.size(), deadline);
-  const ep::EpLayer& layer = c.stack.layer(c.layer);
-  compare(gv, layer.grad_gate(), to_double(gate));
-  if (ep::SharedExperts* shared = layer.shared_experts()) {
-    for (auto [got, want] : {std::pair{shared->grad_w13(), g.grad_shared_w13}, std::pair{shared->grad_w2(), g.grad_shared_w2},
-                             std::pair{shared->grad_gate(), g.grad_shared_gate}}) {
-      std::vector<float> sum(want.begin(), want.end());
+  const ep::EpGrads& got = s.grads;
+  compare(gv, got.gate, to_double(gate));
+  if (c.stack.layer(c.layer).shared_experts()) {
+    for (const auto& [have, want] : {std::pair{&got.shared_w13, &g.grad_shared_w13},
+                                     std::pair{&got.shared_w2, &g.grad_shared_w2},
+                                     std::pair{&got.shared_gate, &g.grad_shared_gate}}) {
+      std::vector<float> sum(want->begin(), want->end());
       comm.all_reduce_sum(sum.data(), sum.size(), deadline);
-      if (!sum.empty()) compare(gv, got, to_double(sum));
+      if (!sum.empty()) compare(gv, *have, to_double(sum));
     }
   }
   const size_t H = c.spec.hidden(), I = c.spec.ffn_hidden(), n13 = 2 * I * H, n2 = H * I;
@@ -95,8 +96,8 @@ void check_backward(const LayerCase& c, const ref::Forward& f, transport::Commun
   for (int slot = 0; slot < map.slots_per_rank; ++slot) {
     const int e = map.expert_at(c.rank, slot);
     if (e < 0) continue;
-    compare(gv, layer.grad_w13(slot), std::vector<double>(w13.begin() + e * n13, w13.begin() + (e + 1) * n13));
-    compare(gv, layer.grad_w2(slot), std::vector<double>(w2.begin() + e * n2, w2.begin() + (e + 1) * n2));
+    compare(gv, got.w13.data() + slot * n13, std::vector<double>(w13.begin() + e * n13, w13.begin() + (e + 1) * n13));
+    compare(gv, got.w2.data() + slot * n2, std::vector<double>(w2.begin() + e * n2, w2.begin() + (e + 1) * n2));
   }
 }
 

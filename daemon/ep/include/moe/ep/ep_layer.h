@@ -33,6 +33,18 @@ struct EpOptions {
   // Benchmarks: a barrier before each timed all-to-all, so transport times do not
   // include waiting for a slower rank's compute. Off in production.
   bool isolate_transport_timing = false;
+  // The communicator for the backend's memory: the dispatcher's all-to-alls and
+  // the all-reduce of the replicated weights' gradients (NCCL in a CUDA job). Null:
+  // the layer's own communicator, which otherwise carries only host memory
+  // (counts, the replica gradients and expert copies staged through the host).
+  transport::Communicator* data_comm = nullptr;
+};
+
+// This rank's weight gradients after a backward, in host memory.
+struct EpGrads {
+  std::vector<float> gate;                 // [E, H], summed over ranks
+  std::vector<float> w13, w2;              // [S, 2I, H], [S, H, I] by local slot, summed over replicas
+  std::vector<float> shared_w13, shared_w2, shared_gate;  // empty without shared experts (or gate)
 };
 
 // Wall seconds of the last forward/backward by phase, this rank's load, and the
@@ -76,7 +88,9 @@ class EpLayer {
   // (An all-reduce over the ranks then yields every expert, bit for bit.)
   model::LayerWeights primary_weights() const;
   const float* grad_w2(int local_slot) const;   // [H, I]
+  EpGrads copy_grads() const;                  // all of the above, to host memory
   SharedExperts* shared_experts() const { return shared_.get(); }
+  kernels::Backend& backend() const { return be_; }
 
   // Checkpoints (train): what every rank holds alike (router, selection bias,
   // shared experts; masters and, with `moments`, Adam state), and back; a local
@@ -136,6 +150,7 @@ class EpLayer {
   MoeLayerConfig cfg_;
   ExpertMap map_;
   transport::Communicator& comm_;
+  transport::Communicator& data_;  // opts.data_comm, or comm_
   kernels::Backend& be_;
   EpOptions opts_;
   RouterStage router_;

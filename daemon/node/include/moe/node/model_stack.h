@@ -10,6 +10,7 @@
 #include <vector>
 
 #include "moe/ep/ep_layer.h"
+#include "moe/kernels/buffer.h"
 #include "moe/kernels/thread_pool.h"
 #include "moe/node/step_report.h"
 #include "moe/v1/job.pb.h"
@@ -22,15 +23,17 @@ struct LayerSnapshot {
   std::vector<int32_t> topk_idx, kept_idx;
   std::vector<float> topk_weight;
   std::vector<uint8_t> grad_out, grad_x;  // train: the gradient reaching out, and the MoE path's grad_x
+  ep::EpGrads grads;                      // train: the weight gradients after the step's reductions
 };
 
 class ModelStack {
  public:
   // spec: defaults filled. maps: one per layer. The stack builds its layers' and
   // the teacher's weights for the experts this rank hosts.
+  // comm carries host memory; data_comm (null: comm) the backend's, as EpOptions says.
   ModelStack(const v1::JobSpec& spec, const std::vector<ep::ExpertMap>& maps, int rank, int world,
              transport::Communicator& comm, kernels::Backend& be, kernels::ThreadPool& pool,
-             std::chrono::milliseconds timeout);
+             std::chrono::milliseconds timeout, transport::Communicator* data_comm = nullptr);
 
   // The forward of `step` on this rank's tokens; with capture, every layer's
   // snapshot is kept.
@@ -73,9 +76,19 @@ class ModelStack {
   int64_t token_begin() const { return static_cast<int64_t>(rank_) * T_; }
 
   ep::EpOptions layer_options(int l) const;
+  // Host copies of backend memory.
+  std::vector<uint8_t> host_bytes(const kernels::Buffer& b) const;
+  template <typename T>
+  std::vector<T> host_copy(const T* p, size_t n) const {
+    std::vector<T> v(n);
+    be_.copy_to_host(v.data(), p, sizeof(T) * n);
+    return v;
+  }
+  void capture_forward(int l);
 
   const v1::JobSpec& spec_;
   transport::Communicator& comm_;
+  transport::Communicator* data_comm_;
   kernels::Backend& be_;
   kernels::ThreadPool& pool_;  // the rank's: the backend's threads, also for the inputs
   const std::chrono::milliseconds timeout_;
@@ -85,14 +98,12 @@ class ModelStack {
   const kernels::DType dt_;
   std::vector<std::unique_ptr<ep::EpLayer>> layers_, teacher_;
   std::vector<std::unique_ptr<ep::EpLayer>> staged_teacher_;  // on the staged maps
-  std::vector<std::vector<uint8_t>> xs_;  // xs_[l]: input of layer l; xs_[L]: the stack's output
-  std::vector<uint8_t> out_, grad_, grad_x_;
+  // Activations in the backend's memory, [T, H] in the job dtype.
+  std::vector<kernels::Buffer> xs_;  // xs_[l]: input of layer l; xs_[L]: the stack's output
+  kernels::Buffer out_, grad_, grad_x_, xt_;  // xt_: the teacher's stack
   std::vector<LayerSnapshot> snaps_;
   std::vector<std::vector<float>> loads_;
   kernels::OptimizerConfig opt_;
 };
-
-// a <- a + b element-wise in fp32, stored in dtype (n elements).
-void add_into(std::vector<uint8_t>& a, const std::vector<uint8_t>& b, size_t n, kernels::DType dtype);
 
 }  // namespace moe::node
