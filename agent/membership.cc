@@ -39,6 +39,7 @@ const NodeRecord& Membership::register_node(const v1::RegisterNodeRequest& r, bo
   n.devices = r.devices();
   n.backend = r.backend();
   n.gemm_engine = r.gemm_engine();
+  n.device_names.assign(r.device_names().begin(), r.device_names().end());
   n.control_address = r.control_address();
   n.metrics_address = r.metrics_address();
   n.last_heartbeat = now;
@@ -124,6 +125,7 @@ void Membership::fill_status(v1::ClusterStatus& s, Clock::time_point now) const 
     i->set_devices(n.devices);
     i->set_backend(n.backend);
     i->set_gemm_engine(n.gemm_engine);
+    for (const std::string& d : n.device_names) i->add_device_names(d);
     i->set_rank_base(n.index * devices_per_node_);
     i->set_control_address(n.control_address);
     i->set_metrics_address(n.metrics_address);
@@ -143,6 +145,7 @@ v1::MembershipState Membership::state() const {
     m->set_devices(n.devices);
     m->set_backend(n.backend);
     m->set_gemm_engine(n.gemm_engine);
+    for (const std::string& d : n.device_names) m->add_device_names(d);
     m->set_control_address(n.control_address);
     m->set_metrics_address(n.metrics_address);
   }
@@ -168,6 +171,7 @@ void Membership::restore(const v1::MembershipState& s, Clock::time_point now) {
     n.devices = m.devices();
     n.backend = m.backend();
     n.gemm_engine = m.gemm_engine();
+    n.device_names.assign(m.device_names().begin(), m.device_names().end());
     n.control_address = m.control_address();
     n.metrics_address = m.metrics_address();
     n.last_heartbeat = now;  // the heartbeat timeout runs from the restore

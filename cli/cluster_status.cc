@@ -6,10 +6,18 @@
 namespace moe::ctl {
 namespace {
 
-// "cpu (fp32=openblas bf16=openblas)"
+// "cuda (fp32=cublas bf16=cublas) on 8x NVIDIA H200"
 std::string backend_name(const v1::NodeInfo& n) {
   std::string s = n.backend() == v1::BACKEND_CUDA ? "cuda" : n.backend() == v1::BACKEND_CPU ? "cpu" : "?";
-  return n.gemm_engine().empty() ? s : s + " (" + n.gemm_engine() + ")";
+  if (!n.gemm_engine().empty()) s += " (" + n.gemm_engine() + ")";
+  // Runs of equal names as "Nx name" (a node's GPUs are usually all alike).
+  for (int i = 0; i < n.device_names_size();) {
+    int j = i;
+    while (j < n.device_names_size() && n.device_names(j) == n.device_names(i)) ++j;
+    s += (i == 0 ? " on " : ", ") + std::to_string(j - i) + "x " + n.device_names(i);
+    i = j;
+  }
+  return s;
 }
 
 }  // namespace

@@ -10,7 +10,8 @@ int main(int argc, char** argv) {
   node::DaemonOptions o;
   std::string token_file;
   app.add_option("--agent", o.agent, "HOST:PORT of moe-agent")->required()->envname("MOE_AGENT");
-  app.add_option("--devices", o.devices, "devices (EP ranks) on this node")->check(CLI::Range(1, 1024));
+  app.add_option("--devices", o.devices, "devices (EP ranks) on this node; 0: one per GPU with the CUDA backend, 1 on CPU")
+      ->check(CLI::Range(0, 1024));
   app.add_option("--backend", o.backend, "auto, cpu or cuda")->check(CLI::IsMember({"auto", "cpu", "cuda"}));
   app.add_option("--metrics-port", o.metrics, "Prometheus metrics: PORT or HOST:PORT (0: any free port)");
   app.add_option("--token-file", token_file, "file holding the cluster token")->check(CLI::ExistingFile);

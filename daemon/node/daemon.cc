@@ -2,6 +2,7 @@
 
 #include <unistd.h>
 
+#include <algorithm>
 #include <cstdio>
 #include <cstdlib>
 
@@ -18,45 +19,79 @@ using rpc::RpcError;
 
 namespace {
 
-int visible_cuda_devices() {
-#ifdef MOE_WITH_CUDA
-  return kernels::cuda_device_count();
-#else
-  return 0;
-#endif
-}
-
 std::string host_name() {
   char buf[256] = {};
   ::gethostname(buf, sizeof buf - 1);
   return buf;
 }
 
+#ifdef MOE_WITH_CUDA
+std::vector<std::string> gpu_names() {
+  std::vector<std::string> names;
+  for (const kernels::CudaDeviceInfo& d : kernels::cuda_devices()) names.push_back(d.name);
+  return names;
+}
+#else
+std::vector<std::string> gpu_names() { return {}; }
+#endif
+
+BackendChoice cuda_choice(std::vector<std::string> gpus) {
+  BackendChoice c;
+  c.kind = v1::BACKEND_CUDA;
+  c.device_names = std::move(gpus);
+#ifdef MOE_WITH_CUDA
+  c.make = [](kernels::ThreadPool&, int device) { return kernels::make_cuda_backend(device); };
+#endif
+  return c;
+}
+
+BackendChoice cpu_choice() {
+  BackendChoice c;
+  c.kind = v1::BACKEND_CPU;
+  c.device_names = {kernels::cpu_backend_info().cpu_model};
+  c.make = [](kernels::ThreadPool& pool, int) { return kernels::make_cpu_backend(pool); };
+  return c;
+}
+
 }  // namespace
 
 BackendChoice resolve_backend(const std::string& requested, BackendFactory override_factory) {
-  if (requested == "cuda")
-    throw RpcError(v1::ERROR_CODE_INVALID_ARGUMENT,
-                   "--backend cuda: this build has no CUDA kernels yet (devices seen: " +
-                       std::to_string(visible_cuda_devices()) + "); use cpu");
-  if (requested != "cpu" && requested != "auto")
+  if (requested != "cpu" && requested != "auto" && requested != "cuda")
     throw RpcError(v1::ERROR_CODE_INVALID_ARGUMENT, "--backend must be auto, cpu or cuda, got '" + requested + "'");
-  // auto: the CPU backend, the only one built yet.
-  BackendChoice c;
-  c.kind = v1::BACKEND_CPU;
-  c.make = override_factory ? std::move(override_factory)
-                            : [](kernels::ThreadPool& pool) { return kernels::make_cpu_backend(pool); };
+  std::vector<std::string> gpus = gpu_names();
+  if (requested == "cuda") {
+#ifndef MOE_WITH_CUDA
+    throw RpcError(v1::ERROR_CODE_INVALID_ARGUMENT,
+                   "--backend cuda: this moed was built without CUDA (nvcc was not found at build time); use cpu");
+#endif
+    if (gpus.empty())
+      throw RpcError(v1::ERROR_CODE_INVALID_ARGUMENT, "--backend cuda: no CUDA device is visible here; use cpu");
+  }
+  const bool cuda = requested == "cuda" || (requested == "auto" && !gpus.empty());
+  BackendChoice c = cuda ? cuda_choice(std::move(gpus)) : cpu_choice();
+  if (override_factory) c.make = std::move(override_factory);
   // What runs is what registers: ask a backend of the factory itself.
   kernels::ThreadPool probe(1);
-  const std::unique_ptr<kernels::Backend> be = c.make(probe);
+  const std::unique_ptr<kernels::Backend> be = c.make(probe, 0);
   c.name = be->name();
   c.gemm_engine = be->gemm_engine();
   return c;
 }
 
+int resolve_devices(int requested, const BackendChoice& backend) {
+  if (requested < 0) throw RpcError(v1::ERROR_CODE_INVALID_ARGUMENT, "--devices must be >= 0, got " + std::to_string(requested));
+  if (backend.kind != v1::BACKEND_CUDA) return requested == 0 ? 1 : requested;
+  const int gpus = static_cast<int>(backend.device_names.size());
+  if (requested > gpus)
+    throw RpcError(v1::ERROR_CODE_INVALID_ARGUMENT, "--devices " + std::to_string(requested) + ": only " +
+                                                        std::to_string(gpus) +
+                                                        " CUDA devices are visible (one rank per GPU)");
+  return requested == 0 ? gpus : requested;
+}
+
 Daemon::Daemon(rpc::asio::io_context& io, DaemonOptions options) : io_(io), opts_(std::move(options)) {
-  MOE_CHECK(opts_.devices >= 1, "--devices must be >= 1, got ", opts_.devices);
   backend_ = resolve_backend(opts_.backend, opts_.make_backend);
+  opts_.devices = resolve_devices(opts_.devices, backend_);
   if (opts_.threads <= 0) opts_.threads = static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
   server_ = std::make_unique<rpc::RpcServer>(
       io_, rpc::ServerOptions::make(opts_.listen, opts_.token, "moed"), [this](const v1::Envelope& req, const rpc::RequestContext& ctx) { return handle(req, ctx); });
@@ -68,7 +103,8 @@ Daemon::Daemon(rpc::asio::io_context& io, DaemonOptions options) : io_(io), opts
   }
   log::init("moed", opts_.name);
   log::info("serving the agent on ", server_->address(), ", ", opts_.devices, " ", backend_.name, " device(s) (",
-            backend_.gemm_engine, "), ", opts_.threads, " threads",
+            backend_.gemm_engine, "; ", backend_.device_names.empty() ? "?" : backend_.device_names[0], "), ",
+            opts_.threads, " threads",
             metrics_ ? ", metrics on " + metrics_->address() : "");
   heartbeat_ = std::thread([this] { heartbeat_loop(); });
 }
@@ -98,6 +134,8 @@ void Daemon::register_once(rpc::RpcClient& agent) {
   r->set_devices(opts_.devices);
   r->set_backend(backend_.kind);
   r->set_gemm_engine(backend_.gemm_engine);
+  for (int i = 0; i < opts_.devices; ++i)  // this node's ranks' devices: its GPUs, or the CPU
+    r->add_device_names(backend_.device_names[std::min<size_t>(i, backend_.device_names.size() - 1)]);
   r->set_control_address(server_->advertised_address());
   r->set_metrics_address(metrics_address());
   r->set_host(host_name());

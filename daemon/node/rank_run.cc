@@ -9,6 +9,9 @@
 #include "moe/node/job_model.h"
 #include "moe/node/verify.h"
 #include "moe/spec/checkpoint_manifest.h"
+#ifdef MOE_WITH_CUDA
+#include "moe/transport/nccl_communicator.h"
+#endif
 
 namespace moe::node {
 namespace {
@@ -23,6 +26,30 @@ transport::UcxOptions ucx_options(std::shared_ptr<transport::LocalHub> hub) {
   transport::UcxOptions o;
   o.hub = std::move(hub);
   return o;
+}
+
+bool is_cuda(const kernels::Backend& be) { return be.name() == "cuda"; }
+
+// A CUDA job's NCCL unique id, made by rank 0 (relayed with the UCX addresses).
+std::string nccl_id_on_root(const kernels::Backend& be, int rank) {
+#ifdef MOE_WITH_CUDA
+  if (is_cuda(be) && rank == 0) return transport::NcclCommunicator::make_unique_id();
+#endif
+  return {};
+}
+
+// The communicator for the backend's memory: NCCL on the rank's GPU in a CUDA
+// job; null (the UCX one carries everything) in a CPU job.
+std::unique_ptr<transport::Communicator> make_data_comm(const kernels::Backend& be, int rank, int world, int device,
+                                                        const std::string& nccl_id, transport::Deadline deadline) {
+  if (!is_cuda(be)) return nullptr;
+#ifdef MOE_WITH_CUDA
+  return std::make_unique<transport::NcclCommunicator>(rank, world, device, nccl_id, deadline);
+#else
+  (void)rank, (void)world, (void)device, (void)nccl_id, (void)deadline;
+  MOE_CHECK(false, "a CUDA backend in a build without CUDA");
+  return nullptr;
+#endif
 }
 
 }  // namespace
@@ -43,12 +70,17 @@ RankRun::RankRun(const v1::StartJob& job, const RunnerEnv& env, int rank, std::s
       spec_(job.spec()),
       env_(env),
       rank_(rank),
+      local_(rank - env.node_index * env.devices),
       pool_(env.threads_per_rank),
-      backend_(env.make_backend(pool_)),
+      backend_(env.make_backend(pool_, local_)),
       boot_(agent, job.job_id(), rank),
-      comm_(rank, job.world_size(), boot_, ucx_options(std::move(hub))),
+      root_boot_(boot_, rank, nccl_id_on_root(*backend_, rank)),
+      comm_(rank, job.world_size(), root_boot_, ucx_options(std::move(hub))),
+      data_comm_(make_data_comm(*backend_, rank, job.world_size(), local_, root_boot_.root_blob(),
+                                transport::deadline_in(env.transport_timeout))),
       agent_(agent),
-      stack_(spec_, expert_maps(job), rank, job.world_size(), comm_, *backend_, pool_, env.transport_timeout),
+      stack_(spec_, expert_maps(job), rank, job.world_size(), comm_, *backend_, pool_, env.transport_timeout,
+             data_comm_.get()),
       mailbox_(mailbox) {
   verify_.set_passed(true);
   if (!spec_.resume().empty()) {  // the agent resolved and checked the folder
@@ -59,7 +91,8 @@ RankRun::RankRun(const v1::StartJob& job, const RunnerEnv& env, int rank, std::s
   }
   log::info("job ", job_.job_id(), ": rank ", rank_, " of ", job.world_size(), " ready (", spec_.layers(),
             " layers, ", spec_.tokens_per_rank(), " tokens, ", v1::JobSpec::Mode_Name(spec_.mode()), ", ",
-            backend_->name(), " backend)");
+            backend_->name(), " backend on device ", local_, data_comm_ ? ", " + data_comm_->name() + " for its memory" : "",
+            ")");
 }
 
 RankRun::Boundary RankRun::agree(bool cancel_requested) {

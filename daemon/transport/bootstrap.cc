@@ -187,4 +187,33 @@ std::vector<std::string> TcpBootstrap::all_gather(const std::string& mine) {
   return all;
 }
 
+RootBlobBootstrap::RootBlobBootstrap(Bootstrap& inner, int rank, std::string root_blob)
+    : inner_(inner), rank_(rank), root_blob_(rank == 0 ? std::move(root_blob) : std::string()) {}
+
+std::vector<std::string> RootBlobBootstrap::all_gather(const std::string& mine) {
+  MOE_CHECK(mine.size() <= UINT32_MAX, "bootstrap: a blob of ", mine.size(), " bytes");
+  const uint32_t len = static_cast<uint32_t>(mine.size());
+  std::string framed(reinterpret_cast<const char*>(&len), 4);
+  framed += mine;
+  framed += root_blob_;
+  std::vector<std::string> all = inner_.all_gather(framed);
+  for (size_t r = 0; r < all.size(); ++r) {
+    std::string& b = all[r];
+    uint32_t n = 0;
+    MOE_CHECK(b.size() >= 4, "bootstrap: rank ", r, " sent ", b.size(), " bytes, less than a frame header");
+    std::memcpy(&n, b.data(), 4);
+    MOE_CHECK(b.size() - 4 >= n, "bootstrap: rank ", r, " sent a frame of ", b.size(), " bytes claiming ", n);
+    if (r == 0) root_blob_ = b.substr(4 + n);
+    b = b.substr(4, n);
+  }
+  MOE_CHECK(!all.empty(), "bootstrap: no ranks");
+  gathered_ = true;
+  return all;
+}
+
+const std::string& RootBlobBootstrap::root_blob() const {
+  MOE_CHECK(gathered_, "bootstrap: rank 0's blob is known only after all_gather");
+  return root_blob_;
+}
+
 }  // namespace moe::transport

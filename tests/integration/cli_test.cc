@@ -113,6 +113,9 @@ TEST(Cli, ClusterStatusAndTheScrapeTargetsNameEveryMetricsEndpoint) {
         << targets;
     EXPECT_TRUE(has(table, n.metrics_address())) << table;
     EXPECT_EQ(n.backend(), v1::BACKEND_CPU);
+    // Registration names each rank's device: here the CPU model, shown in the table.
+    ASSERT_EQ(n.device_names_size(), 1) << n.name();
+    EXPECT_TRUE(has(table, "on 1x " + n.device_names(0))) << table;
   }
 }
 

@@ -4,6 +4,8 @@
 #include <gtest/gtest.h>
 
 #include <atomic>
+#include <mutex>
+#include <set>
 #include <thread>
 
 #include "moe/agent/agent.h"
@@ -42,8 +44,15 @@ TEST(DaemonBackend, JobsRunOnTheFactorysBackendAndRegistrationNamesIt) {
   o.name = "node0";
   o.devices = 2;
   o.threads = 2;
-  o.make_backend = [&](kernels::ThreadPool& pool) {
+  o.backend = "cpu";  // the factory's kind, also where a GPU is visible
+  std::mutex mu;
+  std::set<int> devices;
+  o.make_backend = [&](kernels::ThreadPool& pool, int device) {
     ++made;
+    {
+      std::lock_guard<std::mutex> lock(mu);
+      devices.insert(device);
+    }
     auto be = kernels::make_cpu_backend(pool);
     engine = be->gemm_engine();
     return be;
@@ -62,6 +71,10 @@ TEST(DaemonBackend, JobsRunOnTheFactorysBackendAndRegistrationNamesIt) {
   ASSERT_EQ(st.nodes_size(), 1);
   EXPECT_EQ(st.nodes(0).backend(), v1::BACKEND_CPU);
   EXPECT_EQ(st.nodes(0).gemm_engine(), engine);
+  // One device name per rank: here the CPU's model, twice.
+  ASSERT_EQ(st.nodes(0).device_names_size(), 2);
+  EXPECT_EQ(st.nodes(0).device_names(0), kernels::cpu_backend_info().cpu_model);
+  EXPECT_EQ(st.nodes(0).device_names(1), st.nodes(0).device_names(0));
   const int probes = made.load();  // the daemon asked one backend what it is
   EXPECT_EQ(probes, 1);
 
@@ -81,6 +94,10 @@ TEST(DaemonBackend, JobsRunOnTheFactorysBackendAndRegistrationNamesIt) {
     r = ctl.call(wait, 30s).job();
   EXPECT_EQ(r.state(), v1::JOB_STATE_SUCCEEDED) << r.message();
   EXPECT_EQ(made.load(), probes + 2) << "one backend per rank, from the daemon's factory";
+  {
+    std::lock_guard<std::mutex> lock(mu);
+    EXPECT_EQ(devices, (std::set<int>{0, 1})) << "each rank's backend on its own device";
+  }
 
   // Stop the io threads first; then nothing runs beside the teardown.
   daemon_io.io.stop();

@@ -6,6 +6,7 @@
 #include "moe/io/safetensors.h"
 #include "moe/base/check.h"
 #include "moe/kernels/cpu_backend.h"
+#include "moe/transport/inproc_communicator.h"
 #include "moe/ep/reference.h"
 #include "rank_threads.h"
 #include "test_util.h"
@@ -209,10 +210,12 @@ RankResult RankResult::load(const std::string& path) {
   return res;
 }
 
-RankResult run_rank(const EpCase& c, transport::Communicator& comm, kernels::Backend& be) {
+RankResult run_rank(const EpCase& c, transport::Communicator& comm, kernels::Backend& be,
+                    transport::Communicator* data_comm) {
   const int rank = comm.rank(), H = c.hidden, K = c.top_k, I = c.ffn;
   const ep::ExpertMap map = c.expert_map();
-  ep::EpLayer layer(c.layer_config(), map, comm, be, {std::chrono::seconds(30), 0});
+  ep::EpLayer layer(c.layer_config(), map, comm, be,
+                    {.timeout = std::chrono::seconds(30), .tag_base = 0, .data_comm = data_comm});
   layer.set_weights(case_weights(c));
   const int64_t T = c.tokens[rank], begin = c.token_begin(rank);
   const auto x = model::to_storage(inputs(c.seed, begin, T, H, c.dtype), c.dtype);
@@ -268,6 +271,25 @@ std::vector<RankResult> run_inproc(const EpCase& c, int threads_per_rank) {
 }
 
 std::vector<RankResult> run_hybrid(const EpCase& c) { return run_case(Kind::kHybrid, c, 1); }
+
+std::vector<RankResult> run_inproc_with_data_comm(const EpCase& c) {
+  std::vector<RankResult> results(c.ranks);
+  transport::InProcGroup data(c.ranks);
+  std::vector<std::unique_ptr<transport::Communicator>> data_comms;
+  for (int r = 0; r < c.ranks; ++r) data_comms.push_back(data.communicator(r));
+  const std::vector<std::string> errors = run_ranks(Kind::kInProc, c.ranks, [&](transport::Communicator& comm) {
+    kernels::ThreadPool pool(1);
+    auto be = kernels::make_cpu_backend(pool);
+    try {
+      results[comm.rank()] = run_rank(c, comm, *be, data_comms[comm.rank()].get());
+    } catch (const std::exception& e) {
+      data.abort(comm.rank(), e.what());  // the peers waiting on the data group fail too
+      throw;
+    }
+  });
+  for (int r = 0; r < c.ranks; ++r) EXPECT_EQ(errors[r], "") << c.name << " rank " << r;
+  return results;
+}
 
 int64_t analytic_dispatch_bytes(const EpCase& c, const RankResult& r) {
   const ep::ExpertMap map = c.expert_map();

@@ -67,10 +67,15 @@ struct RankResult {
   static RankResult load(const std::string& path);
 };
 
-RankResult run_rank(const EpCase& c, transport::Communicator& comm, kernels::Backend& be);
+// data_comm: the layer's communicator for backend memory (EpOptions); null: comm.
+RankResult run_rank(const EpCase& c, transport::Communicator& comm, kernels::Backend& be,
+                    transport::Communicator* data_comm = nullptr);
 
 // Runs every rank of c as a thread over the in-process transport.
 std::vector<RankResult> run_inproc(const EpCase& c, int threads_per_rank = 1);
+// The same with a second in-process group as the layers' data communicator (as a
+// CUDA job runs: NCCL for the backend's memory beside the host transport).
+std::vector<RankResult> run_inproc_with_data_comm(const EpCase& c);
 // Every rank a thread too, but as two "daemons" of this process: UCX between the
 // halves, each half's ranks in-process through a LocalHub.
 std::vector<RankResult> run_hybrid(const EpCase& c);

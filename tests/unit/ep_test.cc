@@ -66,6 +66,16 @@ TEST(EpLayer, HybridTransportMatchesReference) {
   check_against_reference(c, run_hybrid(c));
 }
 
+TEST(EpLayer, ASeparateDataCommunicatorMatchesReference) {
+  // As a CUDA job runs: the backend-memory collectives on their own communicator
+  // (NCCL there), counts, replica gradients and copies on the host one.
+  EpCase c = small_case("data_comm_R3", {19, 0, 25}, MapKind::kReplicas);
+  c.shared = 24;
+  c.shared_gate = true;
+  c.aux = 0.3;
+  check_against_reference(c, run_inproc_with_data_comm(c));
+}
+
 TEST(EpLayer, PlacementDoesNotChangeResults) {
   const EpCase a = small_case("contiguous", {33, 12, 27, 40}, MapKind::kContiguous);
   EpCase b = a;

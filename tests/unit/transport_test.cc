@@ -212,3 +212,38 @@ INSTANTIATE_TEST_SUITE_P(All, CommunicatorPeersTest,
 
 }  // namespace
 }  // namespace moe::test
+
+namespace moe::test {
+namespace {
+
+// Rank 0's extra blob (a CUDA job's NCCL id) rides in the same rendezvous as
+// every rank's own bytes, which come back unchanged; then UCX connects over them.
+TEST(RootBlobBootstrap, CarriesRankZerosBlobBesideEveryRanksBytes) {
+  const int R = 3;
+  transport::TcpRendezvousServer server(R);
+  std::vector<std::vector<std::string>> got(R);
+  std::vector<std::string> root(R), errors(R);
+  std::vector<std::thread> threads;
+  for (int r = 0; r < R; ++r)
+    threads.emplace_back([&, r] {
+      try {
+        transport::TcpBootstrap tcp("127.0.0.1", server.port(), r, R);
+        transport::RootBlobBootstrap boot(tcp, r, r == 0 ? std::string("id\0bytes", 8) : "ignored");
+        EXPECT_THROW(boot.root_blob(), Error);  // not before the round
+        got[r] = boot.all_gather(std::string(r + 1, static_cast<char>('a' + r)));
+        root[r] = boot.root_blob();
+      } catch (const std::exception& e) {
+        errors[r] = e.what();
+      }
+    });
+  for (auto& t : threads) t.join();
+  server.wait();
+  for (int r = 0; r < R; ++r) {
+    EXPECT_EQ(errors[r], "");
+    EXPECT_EQ(got[r], (std::vector<std::string>{"a", "bb", "ccc"})) << "rank " << r;
+    EXPECT_EQ(root[r], std::string("id\0bytes", 8)) << "rank " << r;
+  }
+}
+
+}  // namespace
+}  // namespace moe::test

@@ -24,6 +24,7 @@ struct NodeRecord {
   int devices = 0;
   v1::Backend backend = v1::BACKEND_UNSPECIFIED;
   std::string gemm_engine;
+  std::vector<std::string> device_names;  // per local rank
   std::string control_address, metrics_address;  // HOST:PORT
   Clock::time_point last_heartbeat;
   // The job whose ranks on this node have not all reported done: the daemon is

@@ -23,7 +23,7 @@ struct DaemonOptions {
   std::string agent;              // HOST:PORT
   std::string token;
   std::string name;               // stable node name (default: host name + control port)
-  int devices = 1;
+  int devices = 0;                // EP ranks here; 0: one per GPU (cuda), 1 (cpu)
   std::string backend = "auto";   // auto | cpu | cuda
   // Makes the ranks' backends; empty: the one --backend names. (Tests pass their own.)
   BackendFactory make_backend;
@@ -41,12 +41,19 @@ struct BackendChoice {
   v1::Backend kind = v1::BACKEND_UNSPECIFIED;
   std::string name;         // "cpu", "cuda"
   std::string gemm_engine;  // the backend's GEMM engine per dtype
+  std::vector<std::string> device_names;  // the GPUs (one rank each), or the CPU model
   BackendFactory make;
 };
 
-// Resolves auto | cpu | cuda; throws rpc::RpcError(INVALID_ARGUMENT) naming why
-// the backend cannot run here (a CUDA request without a CUDA build or device).
+// Resolves auto | cpu | cuda (auto: CUDA where this build has it and a GPU is
+// visible); throws rpc::RpcError(INVALID_ARGUMENT) naming why the backend cannot
+// run here (a CUDA request without a CUDA build or device).
 BackendChoice resolve_backend(const std::string& requested, BackendFactory override_factory = {});
+
+// The ranks a daemon runs: --devices, or with 0 one per GPU (cuda) or 1 (cpu).
+// Throws rpc::RpcError(INVALID_ARGUMENT) when a CUDA daemon asks for more ranks
+// than it sees GPUs (two ranks cannot share one).
+int resolve_devices(int requested, const BackendChoice& backend);
 
 class Daemon {
  public:

@@ -25,8 +25,9 @@
 
 namespace moe::node {
 
-// Makes one rank's backend on the rank's pool (the pool outlives it).
-using BackendFactory = std::function<std::unique_ptr<kernels::Backend>(kernels::ThreadPool&)>;
+// Makes one rank's backend on the rank's pool (the pool outlives it) and on the
+// node's device `device` (the rank's local index: its GPU for the CUDA backend).
+using BackendFactory = std::function<std::unique_ptr<kernels::Backend>(kernels::ThreadPool& pool, int device)>;
 
 struct RunnerEnv {
   std::string agent_address;

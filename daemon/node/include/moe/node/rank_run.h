@@ -1,4 +1,4 @@
-// One rank of one job: its pool, backend, communicator and model stack, and the
+// One rank of one job: its pool, backend, communicators and model stack, and the
 // step loop. Cancellation is agreed on at step boundaries (an all-reduce of the
 // flag), so every rank stops before the same step. Every step is reported to the
 // agent; the step DESIGN 6 names (step 0) is verified and dumped when asked.
@@ -62,10 +62,13 @@ class RankRun {
   const v1::JobSpec& spec_;
   const RunnerEnv& env_;
   const int rank_;
+  const int local_;  // the rank's device on this node
   kernels::ThreadPool pool_;
   std::unique_ptr<kernels::Backend> backend_;
   AgentBootstrap boot_;
-  transport::UcxCommunicator comm_;
+  transport::RootBlobBootstrap root_boot_;  // carries a CUDA job's NCCL id beside the UCX addresses
+  transport::UcxCommunicator comm_;         // host memory: control, counts, copies
+  std::unique_ptr<transport::Communicator> data_comm_;  // the backend's memory (NCCL); null: comm_
   rpc::RpcClient& agent_;
   ModelStack stack_;
   RebalanceMailbox& mailbox_;

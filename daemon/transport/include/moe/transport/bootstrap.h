@@ -54,4 +54,24 @@ class TcpBootstrap final : public Bootstrap {
   std::chrono::milliseconds timeout_;
 };
 
+// Carries one extra blob from rank 0 (a CUDA job's NCCL unique id) in the same
+// round of `inner` as every rank's own bytes (the UCX worker addresses), so the
+// agent relays both at once. Each rank sends [u32 length | its bytes | extra],
+// the extra part empty except on rank 0.
+class RootBlobBootstrap final : public Bootstrap {
+ public:
+  // root_blob: the extra bytes on rank 0 (ignored elsewhere).
+  RootBlobBootstrap(Bootstrap& inner, int rank, std::string root_blob);
+  // Every rank's own bytes, as inner would return them without the extra blob.
+  std::vector<std::string> all_gather(const std::string& mine) override;
+  // Rank 0's extra blob, once all_gather returned (throws before).
+  const std::string& root_blob() const;
+
+ private:
+  Bootstrap& inner_;
+  int rank_;
+  std::string root_blob_;
+  bool gathered_ = false;
+};
+
 }  // namespace moe::transport
