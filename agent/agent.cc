@@ -378,10 +378,11 @@ void Agent::start_job(const v1::StartJob& start) {
   }
 }
 
-void Agent::cancel_job(const std::string& job_id, const std::string& reason) {
+void Agent::cancel_job(const std::string& job_id, const std::string& reason, bool failed) {
   v1::Envelope req;
   req.mutable_cancel_job()->set_job_id(job_id);
   req.mutable_cancel_job()->set_reason(reason);
+  req.mutable_cancel_job()->set_failed(failed);
   for (const NodeRecord& n : members_.nodes()) {
     if (n.state != v1::NODE_STATE_ALIVE) continue;
     outbound_->post(n.control_address, [this, req](rpc::RpcClient& daemon) {

@@ -64,7 +64,7 @@ const v1::JobResult& Scheduler::cancel(const std::string& id, Clock::time_point 
     running_->failed_at = now;
     running_->message = "cancelled";
     log::info("job ", id, ": cancelling");
-    actions_.cancel_job(id, "cancelled by request");
+    actions_.cancel_job(id, "cancelled by request", false);
   }
   return rec;
 }
@@ -268,7 +268,7 @@ void Scheduler::fail_running(const std::string& message, Clock::time_point now) 
   running_->failed = true;
   running_->failed_at = now;
   running_->message = message;
-  actions_.cancel_job(running_->id, message);
+  actions_.cancel_job(running_->id, message, true);
   if (members_.any_dead() || running_->done_count == running_->reports.world) finish(v1::JOB_STATE_FAILED, message);
 }
 

@@ -251,7 +251,12 @@ rpc::awaitable<v1::Envelope> Daemon::handle(const v1::Envelope& req, const rpc::
     reply.mutable_ack();
   } else if (req.has_cancel_job()) {
     std::lock_guard<std::mutex> lock(mu_);
-    if (runner_ && runner_->job_id() == req.cancel_job().job_id()) runner_->cancel(req.cancel_job().reason());
+    if (runner_ && runner_->job_id() == req.cancel_job().job_id()) {
+      if (req.cancel_job().failed())
+        runner_->fail(req.cancel_job().reason());
+      else
+        runner_->cancel(req.cancel_job().reason());
+    }
     reply.mutable_ack();
   } else if (req.has_daemon_status()) {
     std::lock_guard<std::mutex> lock(mu_);

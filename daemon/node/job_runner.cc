@@ -30,6 +30,14 @@ void JobRunner::stop_for_agent(const std::string& reason) {
   cancel(reason);
 }
 
+void JobRunner::fail(const std::string& reason) {
+  cancel(reason);
+  std::lock_guard<std::mutex> lock(cancel_mu_);
+  if (!failure_.empty()) return;
+  failure_ = reason;
+  for (auto& [local, run] : live_ranks_) run->abort_transport("job failed: " + reason);
+}
+
 void JobRunner::cancel(const std::string& reason) {
   std::lock_guard<std::mutex> lock(cancel_mu_);
   if (cancel_.exchange(true)) return;
@@ -71,6 +79,19 @@ void JobRunner::rank_main(int local) {
   d->set_rank(rank);
   try {
     RankRun run(job_, env_, rank, hub_, agent, mailbox_);
+    {  // fail() aborts its device transport from now on (at once if it already ran)
+      std::lock_guard<std::mutex> lock(cancel_mu_);
+      live_ranks_[local] = &run;
+      if (!failure_.empty()) run.abort_transport("job failed: " + failure_);
+    }
+    struct Unregister {
+      JobRunner* self;
+      int local;
+      ~Unregister() {
+        std::lock_guard<std::mutex> lock(self->cancel_mu_);
+        self->live_ranks_.erase(local);
+      }
+    } unregister{this, local};
     const int steps = run.run([this] { return cancel_.load(); });
     if (steps < job_.spec().steps()) {
       d->set_ok(false);

@@ -95,6 +95,10 @@ RankRun::RankRun(const v1::StartJob& job, const RunnerEnv& env, int rank, std::s
             ")");
 }
 
+void RankRun::abort_transport(const std::string& why) {
+  if (data_comm_) data_comm_->abort(why);
+}
+
 RankRun::Boundary RankRun::agree(bool cancel_requested) {
   const RebalanceMailbox::View v = mailbox_.view();
   const int64_t world = job_.world_size();

@@ -26,7 +26,7 @@ struct Recorder : SchedulerActions {
   std::vector<v1::JobResult> ended;
   std::vector<int> completed_steps;
   void start_job(const v1::StartJob& s) override { started.push_back(s); }
-  void cancel_job(const std::string& id, const std::string& why) override { cancelled.push_back({id, why}); }
+  void cancel_job(const std::string& id, const std::string& why, bool) override { cancelled.push_back({id, why}); }
   void job_ended(const v1::JobResult& r) override { ended.push_back(r); }
   void step_completed(const std::string&, int step) override { completed_steps.push_back(step); }
 };

@@ -100,9 +100,13 @@ TEST(JobResult, VerifyPassesOnlyIfEveryRankAndTheJobDid) {
 struct Recorder : SchedulerActions {
   std::vector<v1::StartJob> started;
   std::vector<std::pair<std::string, std::string>> cancelled;
+  std::vector<bool> cancelled_failed;  // the job failed (ranks abort their transports)
   std::vector<v1::JobResult> ended;
   void start_job(const v1::StartJob& s) override { started.push_back(s); }
-  void cancel_job(const std::string& id, const std::string& why) override { cancelled.push_back({id, why}); }
+  void cancel_job(const std::string& id, const std::string& why, bool failed) override {
+    cancelled.push_back({id, why});
+    cancelled_failed.push_back(failed);
+  }
   void job_ended(const v1::JobResult& r) override { ended.push_back(r); }
   void step_completed(const std::string&, int step) override { completed_steps.push_back(step); }
   std::vector<int> completed_steps;
@@ -241,6 +245,7 @@ TEST_F(SchedulerTest, CancelEndsAQueuedJobAtOnceAndARunningOneThroughItsRanks) {
   scheduler.cancel(first, now);
   ASSERT_EQ(rec.cancelled.size(), 1u);
   EXPECT_EQ(rec.cancelled[0].first, first);
+  EXPECT_FALSE(rec.cancelled_failed[0]) << "a requested cancel lets the ranks finish their step";
   v1::RankDone d = done(first, 0, false);
   d.set_cancelled(true);
   d.set_cancel_requested_here(true);
@@ -259,6 +264,7 @@ TEST_F(SchedulerTest, SilenceAndAnUnansweredFailureHaveDeadlines) {
   scheduler.tick(now + 601s);
   ASSERT_EQ(rec.cancelled.size(), 1u) << "no rank reported for the stale timeout";
   EXPECT_EQ(rec.cancelled[0].second, "no rank reported for 600 s");
+  EXPECT_TRUE(rec.cancelled_failed[0]) << "a failing job's ranks abort their transports";
   EXPECT_EQ(scheduler.record(id).state(), v1::JOB_STATE_RUNNING);
   scheduler.tick(now + 601s + 46s);
   EXPECT_EQ(scheduler.record(id).state(), v1::JOB_STATE_FAILED);

@@ -16,7 +16,7 @@ using namespace std::chrono_literals;
 
 struct NoActions : SchedulerActions {
   void start_job(const v1::StartJob&) override {}
-  void cancel_job(const std::string&, const std::string&) override {}
+  void cancel_job(const std::string&, const std::string&, bool) override {}
   void job_ended(const v1::JobResult&) override {}
   void step_completed(const std::string&, int) override {}
 };

@@ -100,7 +100,7 @@ class Agent : private SchedulerActions, private RebalanceActions {
 
   // SchedulerActions
   void start_job(const v1::StartJob& start) override;
-  void cancel_job(const std::string& job_id, const std::string& reason) override;
+  void cancel_job(const std::string& job_id, const std::string& reason, bool failed) override;
   void job_ended(const v1::JobResult& result) override;
   void step_completed(const std::string& job_id, int step) override;
 

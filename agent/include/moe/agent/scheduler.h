@@ -47,7 +47,8 @@ class SchedulerActions {
   // Ask every node's daemon to start the job.
   virtual void start_job(const v1::StartJob& start) = 0;
   // Ask every live node's daemon to stop the job.
-  virtual void cancel_job(const std::string& job_id, const std::string& reason) = 0;
+  // failed: the job failed (its ranks abort their transports); else a request.
+  virtual void cancel_job(const std::string& job_id, const std::string& reason, bool failed) = 0;
   // The job reached a final state.
   virtual void job_ended(const v1::JobResult& result) = 0;
   // Every rank reported this step of the running job (its load is recorded).

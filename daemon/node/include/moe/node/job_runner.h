@@ -7,6 +7,7 @@
 #pragma once
 
 #include <atomic>
+#include <map>
 #include <functional>
 #include <memory>
 #include <mutex>
@@ -51,6 +52,9 @@ class JobRunner {
   const std::string& job_id() const { return job_.job_id(); }
   bool finished() const { return running_.load() == 0; }
   void cancel(const std::string& reason);
+  // The job failed (the agent says why, e.g. a node died): cancel, and the ranks'
+  // device transports abort at once, so no rank waits out a deadline on NCCL.
+  void fail(const std::string& reason);
   // The agent stayed unreachable past the daemon's grace: stop at the next step
   // boundary, the ranks' RankDones saying so.
   void stop_for_agent(const std::string& reason);
@@ -74,6 +78,8 @@ class JobRunner {
   std::atomic<bool> agent_lost_{false};
   mutable std::mutex cancel_mu_;
   std::string cancel_reason_;  // guarded by cancel_mu_
+  std::string failure_;        // fail()'s reason, guarded by cancel_mu_
+  std::map<int, class RankRun*> live_ranks_;  // constructed RankRuns by local index, guarded by cancel_mu_
   std::atomic<int> running_{0};
   std::vector<std::thread> threads_;
 };

@@ -37,6 +37,9 @@ class RankRun {
   // cancel agreed by every rank, writing checkpoints when due; returns the number
   // of steps completed (counted from step 0).
   int run(const std::function<bool()>& cancel_requested);
+  // The job failed elsewhere (the agent said so): a wait on the device transport
+  // fails now with `why` instead of at its deadline. Thread-safe.
+  void abort_transport(const std::string& why);
   const v1::Verify& verification() const { return verify_; }
 
  private:

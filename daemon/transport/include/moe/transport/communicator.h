@@ -100,6 +100,12 @@ class Communicator {
   // Progresses; true once the transfer completed (the id is then forgotten).
   // Throws TransportError naming the peer when it failed, like any wait.
   virtual bool test(TransferId id) = 0;
+
+  // Told from outside that the group failed (the agent saw a node die): a wait in
+  // progress on another thread, and every later call, fails with `why`. Thread-
+  // safe. Transports that detect a dead peer themselves (UCX's peer error
+  // handling, the in-process group) need nothing here; NCCL cannot, and aborts.
+  virtual void abort(const std::string& why) { (void)why; }
 };
 
 }  // namespace moe::transport

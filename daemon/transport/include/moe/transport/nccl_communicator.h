@@ -95,7 +95,7 @@ class NcclCommunicator final : public Communicator {
   // Aborts the communicator because of `why` (e.g. "rank 3 died", from the agent):
   // a wait in progress on another thread throws, and so does every later call.
   // Does nothing when already aborted. Thread-safe.
-  void abort(const std::string& why);
+  void abort(const std::string& why) override;
   bool aborted() const;
 
   // Test hook: the blocking operation (all_to_all_v, exchange_counts,
