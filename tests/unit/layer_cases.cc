@@ -146,58 +146,42 @@ void check_counts(const LayerCase& c, const LayerRun& r, Failures& fail) {
   if (c.cf > 0) fail.expect(kept_pairs < c.T * c.K, "capacity case must drop");
 }
 
-}  // namespace
-
-std::string check_layer(kernels::Backend& be, const LayerCase& c) {
-  Failures fail;
-  const ep::MoeLayerConfig cfg = layer_config(c);
-  ep::MoeLayer layer(cfg, be);
-  layer.set_weights(case_weights(c));
-  const model::LayerWeights& used = layer.weights();  // bf16-rounded in a bf16 layer
-
-  const int64_t T = c.T;
-  const int H = c.H, K = c.K;
-  const std::vector<float> x32 = rounded_normal(T * H, 100, c.dtype), go32 = rounded_normal(T * H, 101, c.dtype);
-  const LayerRun r = run_layer(be, layer, c, x32, go32);
-
-  const ref::Config rc = ep::reference_config(cfg);
-  const ref::Weights rw = ep::reference_weights(used);
-  const std::vector<double> xd = to_double(x32);
-
-  // Selection: identical to the reference's own except at near-ties that fp32
-  // cannot resolve; the numeric comparison then uses the layer's selection.
-  const ref::Forward own = ref::forward(rc, rw, xd, T);
+// The run's selection against the reference's own, except at near-ties that fp32
+// cannot resolve (the numeric comparison then uses the run's selection). False
+// when a token's selection differs.
+bool check_selection(const LayerCase& c, const LayerRun& r, const ref::Forward& own, Failures& fail) {
   int near_ties = 0;
-  for (int64_t t = 0; t < T; ++t) {
+  for (int64_t t = 0; t < c.T; ++t) {
     if (own.selection_margin[t] < 1e-5 && c.special != Special::kTies) {
       ++near_ties;
       continue;
     }
-    for (int k = 0; k < K; ++k)
-      if (r.topk_idx[t * K + k] != own.topk_idx[t * K + k]) {
+    for (int k = 0; k < c.K; ++k)
+      if (r.topk_idx[t * c.K + k] != own.topk_idx[t * c.K + k]) {
         fail.expect(false, "selection of token " + std::to_string(t) + " differs from the reference");
-        return fail.str();
+        return false;
       }
   }
-  fail.expect(near_ties <= std::max<int64_t>(1, T / 50), std::to_string(near_ties) + " near-ties");
-  const ref::Forward f = ref::forward(rc, rw, xd, T, ref::forced(r.topk_idx.data()));
-  const ref::Grads g = ref::backward(rc, rw, xd, f, to_double(go32));
+  fail.expect(near_ties <= std::max<int64_t>(1, c.T / 50), std::to_string(near_ties) + " near-ties");
+  return true;
+}
 
-  fail.expect(r.kept_idx == f.kept_idx, "kept_idx differs from the reference's capacity drop");
-  const bool empty = T == 0;
-  // fp32: accumulation-order noise only. bf16: out and grad_x are rounded once to
-  // bf16 at the end (at most 2^-8 of the value: bf16 keeps 8 significant bits),
-  // with fp32 noise left to the 1e-5 of scale; the rest is fp32 on the same exact
-  // bf16 inputs and weights. Engines with bf16 GEMM operands (oneDNN, cuBLAS)
-  // also round h and dgu to bf16 before the GEMMs that read them: an element moves
-  // by at most 2^-8 of its sum of |terms| (RoundingSums); 2^-7 leaves as much again
-  // for the fp32 accumulation and the exp approximation behind those operands
-  // (each well under 1e-4 relative). Router, grad_topk_weight and grad_gate read
-  // no rounded operand and keep their fp32 tolerances.
+// Every value of the run against the reference's forward f and backward g.
+// fp32: accumulation-order noise only. bf16: out and grad_x are rounded once to
+// bf16 at the end (at most 2^-8 of the value: bf16 keeps 8 significant bits),
+// with fp32 noise left to the 1e-5 of scale; the rest is fp32 on the same exact
+// bf16 inputs and weights. Engines with bf16 GEMM operands (oneDNN, cuBLAS) also
+// round h and dgu to bf16 before the GEMMs that read them: an element moves by at
+// most 2^-8 of its sum of |terms| (RoundingSums); 2^-7 leaves as much again for
+// the fp32 accumulation and the exp approximation behind those operands (each
+// well under 1e-4 relative). Router, grad_topk_weight and grad_gate read no
+// rounded operand and keep their fp32 tolerances.
+void check_values(const LayerCase& c, const LayerRun& r, const ref::Forward& f, const ref::Grads& g,
+                  const RoundingSums& sums, bool rounds_operands, Failures& fail) {
+  const bool empty = c.T == 0;
   const double rt = c.dtype == DType::kF32 ? 1e-4 : kBf16Roundoff;
-  const bool rounds_operands = c.dtype == DType::kBF16 && be.gemm_engine(DType::kBF16) != "openblas";
   const double coef = rounds_operands ? 2 * kBf16Roundoff : 0.0;
-  const RoundingSums sums = rounding_sums(rc, rw, xd, f, g, to_double(go32));
+  fail.expect(r.kept_idx == f.kept_idx, "kept_idx differs from the reference's capacity drop");
   fail.expect(close_bounded("out", r.out, f.out, sums.out, coef, rt, 1e-5, empty));
   fail.expect(close("topk_weight", r.topk_weight, f.topk_weight, 1e-5, 1e-6, empty));
   fail.expect(close_bounded("grad_x", r.gx, g.grad_x, sums.grad_x, coef, rt, 1e-5, empty));
@@ -215,6 +199,28 @@ std::string check_layer(kernels::Backend& be, const LayerCase& c) {
     fail.expect(max_abs(to_double(lg.w13)) == 0.0 && max_abs(to_double(lg.gate)) == 0.0,
                 "no tokens must give zero weight gradients");
   }
+}
+
+}  // namespace
+
+std::string check_layer(kernels::Backend& be, const LayerCase& c) {
+  Failures fail;
+  const ep::MoeLayerConfig cfg = layer_config(c);
+  ep::MoeLayer layer(cfg, be);
+  layer.set_weights(case_weights(c));
+  const model::LayerWeights& used = layer.weights();  // bf16-rounded in a bf16 layer
+  const std::vector<float> x32 = rounded_normal(c.T * c.H, 100, c.dtype),
+                           go32 = rounded_normal(c.T * c.H, 101, c.dtype);
+  const LayerRun r = run_layer(be, layer, c, x32, go32);
+
+  const ref::Config rc = ep::reference_config(cfg);
+  const ref::Weights rw = ep::reference_weights(used);
+  const std::vector<double> xd = to_double(x32);
+  if (!check_selection(c, r, ref::forward(rc, rw, xd, c.T), fail)) return fail.str();
+  const ref::Forward f = ref::forward(rc, rw, xd, c.T, ref::forced(r.topk_idx.data()));
+  const ref::Grads g = ref::backward(rc, rw, xd, f, to_double(go32));
+  const bool rounds_operands = c.dtype == DType::kBF16 && be.gemm_engine(DType::kBF16) != "openblas";
+  check_values(c, r, f, g, rounding_sums(rc, rw, xd, f, g, to_double(go32)), rounds_operands, fail);
   check_counts(c, r, fail);
   return fail.str();
 }
