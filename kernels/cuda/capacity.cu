@@ -47,9 +47,11 @@ CapacityWorkspace carve(const CapacityConfig& cfg, void* ws) {
   return w;
 }
 
-// Ascending order of the result = descending weight; NaN sorts as -inf (last).
+// Ascending order of the result = descending weight; NaN sorts as -inf (last),
+// -0 as +0 (the CPU compares them equal: a tie, kept in (token, k) order).
 __device__ inline uint32_t descending_bits(float w) {
   if (isnan(w)) w = -INFINITY;
+  if (w == 0.0f) w = 0.0f;
   const uint32_t u = __float_as_uint(w);
   const uint32_t ascending = (u & 0x80000000u) ? ~u : (u | 0x80000000u);
   return ~ascending;

@@ -125,10 +125,12 @@ class CudaBackend final : public Backend {
 
   std::string name() const override { return "cuda"; }
   std::string gemm_engine() const override {
-    const std::string e = gemm_engine(DType::kF32);
-    return "fp32=" + e + " bf16=" + e;
+    return "fp32=" + gemm_engine(DType::kF32) + " bf16=" + gemm_engine(DType::kBF16);
   }
-  std::string gemm_engine(DType) const override { return ex_.grouped_api ? "cublas-grouped" : "cublas"; }
+  // bf16 groups run on the loop whatever MOE_CUDA_GEMM says (gemm.cu).
+  std::string gemm_engine(DType d) const override {
+    return ex_.grouped_api && d == DType::kF32 ? "cublas-grouped" : "cublas";
+  }
 
   void* alloc(size_t bytes) override {
     ex().activate();

@@ -65,7 +65,7 @@ struct CudaExec {
   cudaEvent_t fork = nullptr, join[kGemmStreams] = {};
   DeviceFault* fault = nullptr;     // device
   DeviceFault* fault_host = nullptr;  // pinned mirror
-  bool grouped_api = false;  // GEMM groups through cublasGemmGroupedBatchedEx (else a loop on streams)
+  bool grouped_api = false;  // fp32 GEMM groups through cublasGemmGroupedBatchedEx (else a loop on streams)
   // The grouped API's per-group pointer arrays: pinned host staging, their device
   // copy (capacity in pointers), and the event of the last upload.
   void** ptr_host = nullptr;

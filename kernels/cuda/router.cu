@@ -71,7 +71,8 @@ __device__ uint64_t allowed_groups(const SelectParams& p, const float* s, const 
     int idx[2], filled = 0;
     const int two = per_group < 2 ? per_group : 2;
     for (int j = 0; j < per_group; ++j) insert_top(biased(s, bias, g * per_group + j), j, key, idx, filled, two);
-    insert_top(two == 2 ? key[0] + key[1] : key[0], g, gkey, gidx, gfilled, p.group_top_k);
+    // As the CPU: a NaN group score (inf + -inf) selects as -inf.
+    insert_top(selection_key(two == 2 ? key[0] + key[1] : key[0]), g, gkey, gidx, gfilled, p.group_top_k);
   }
   uint64_t mask = 0;
   for (int i = 0; i < p.group_top_k; ++i) mask |= uint64_t{1} << gidx[i];

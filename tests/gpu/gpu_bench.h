@@ -2,8 +2,8 @@
 // object (moe-bench style) with a same-run peer to compare with:
 //   layer:   the single-rank layer, forward and train, bf16 (tokens/s and phases);
 //   permute: permute and unpermute GB/s beside a device-to-device copy;
-//   gemm:    the expert GEMMs (loop and grouped cuBLAS) beside one dense cuBLAS
-//            bf16 GEMM of the same FLOPs.
+//   gemm:    the bf16 expert GEMMs beside one dense cuBLAS bf16 GEMM of the same
+//            FLOPs, and fp32 groups as a stream loop against cublasGemmGroupedBatchedEx.
 // The eager PyTorch peer of the layer is daemon/bench/torch_layer.py --device cuda
 // (device_check.sh runs it).
 #pragma once

@@ -25,8 +25,8 @@ std::vector<CudaDeviceInfo> cuda_devices();
 // The CUDA backend on `device` (sm_90 kernels: throws moe::Error naming the device
 // and its compute capability on anything else, or when there is no such device).
 // Each op is ordered on the backend's own stream; its grouped GEMMs run as a loop
-// of cublasGemmEx on streams or as one cublasGemmGroupedBatchedEx call, per
-// MOE_CUDA_GEMM ("loop", the default, or "grouped"). The backend makes its device
+// of cublasGemmEx on streams or, for fp32 groups, as one cublasGemmGroupedBatchedEx
+// call, per MOE_CUDA_GEMM ("loop", the default, or "grouped"). The backend makes its device
 // current on every call, so one thread may drive backends on several devices.
 std::unique_ptr<Backend> make_cuda_backend(int device);
 
