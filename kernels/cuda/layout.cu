@@ -64,6 +64,23 @@ __global__ void bucket_offsets(int64_t buckets, int64_t C, const int64_t* bases,
   if (b <= buckets) offsets[b] = bases[b * C];
 }
 
+// Step 2: the exclusive scan of the counts into the chunks' bases.
+void scan_counts(CudaExec& ex, const LayoutWorkspace& w, const char* what) {
+  size_t temp = w.temp_bytes;
+  check(cub::DeviceScan::ExclusiveSum(w.temp, temp, w.counts, w.bases, static_cast<int>(w.items), ex.stream), what);
+}
+
+// The buckets' first positions and the total to `host` [buckets + 1], once the
+// stream reached them: the layout's one sync (it also reports kernel faults).
+void publish_offsets(CudaExec& ex, const LayoutWorkspace& w, int64_t buckets, int64_t C, int64_t* host,
+                     const char* what) {
+  bucket_offsets<<<blocks_for(buckets + 1), kThreads, 0, ex.stream>>>(buckets, C, w.bases, w.offsets);
+  check(cudaGetLastError(), what);
+  check(cudaMemcpyAsync(host, w.offsets, 8 * (static_cast<size_t>(buckets) + 1), cudaMemcpyDeviceToHost, ex.stream),
+        what);
+  ex.sync(what);
+}
+
 // ---------------------------------------------------------------------------
 // Dispatch layout. Buckets are ranks.
 
@@ -172,16 +189,11 @@ void dispatch_layout(CudaExec& ex, const DispatchLayoutConfig& cfg, const Dispat
         "dispatch layout");
   if (T > 0) dispatch_count<<<blocks_for(T), kThreads, 0, ex.stream>>>(p, a, w.counts, ex.fault);
   check(cudaGetLastError(), "dispatch layout count");
-  size_t temp = w.temp_bytes;
-  check(cub::DeviceScan::ExclusiveSum(w.temp, temp, w.counts, w.bases, static_cast<int>(w.items), ex.stream),
-        "dispatch layout scan");
+  scan_counts(ex, w, "dispatch layout scan");
   rank_totals<<<blocks_for(R), kThreads, 0, ex.stream>>>(R, p.C, w.bases, a.num_tokens_per_rank);
   if (T > 0) dispatch_rows<<<blocks_for(T * R), kThreads, 0, ex.stream>>>(p, a, w.bases);
   check(cudaGetLastError(), "dispatch layout rows");
-  bucket_offsets<<<blocks_for(R + 1), kThreads, 0, ex.stream>>>(R, p.C, w.bases, w.offsets);
-  check(cudaMemcpyAsync(a.rank_offset, w.offsets, 8 * (static_cast<size_t>(R) + 1), cudaMemcpyDeviceToHost, ex.stream),
-        "dispatch layout offsets");
-  ex.sync("dispatch layout");
+  publish_offsets(ex, w, R, p.C, a.rank_offset, "dispatch layout");
 }
 
 size_t permute_layout_workspace_bytes(const PermuteLayoutConfig& cfg) {
@@ -199,18 +211,12 @@ void permute_layout(CudaExec& ex, const PermuteLayoutConfig& cfg, const PermuteL
     permute_count<<<blocks_for(N * p.K), kThreads, 0, ex.stream>>>(p, a.row_expert, w.counts, ex.fault);
     check(cudaGetLastError(), "permute layout count");
   }
-  size_t temp = w.temp_bytes;
-  check(cub::DeviceScan::ExclusiveSum(w.temp, temp, w.counts, w.bases, static_cast<int>(w.items), ex.stream),
-        "permute layout scan");
+  scan_counts(ex, w, "permute layout scan");
   if (N > 0) {
     permute_rows<<<blocks_for(N * p.K), kThreads, 0, ex.stream>>>(p, a, w.bases);
     check(cudaGetLastError(), "permute layout rows");
   }
-  bucket_offsets<<<blocks_for(L + 1), kThreads, 0, ex.stream>>>(L, p.C, w.bases, w.offsets);
-  check(cudaMemcpyAsync(a.expert_offset, w.offsets, 8 * (static_cast<size_t>(L) + 1), cudaMemcpyDeviceToHost,
-                        ex.stream),
-        "permute layout offsets");
-  ex.sync("permute layout");
+  publish_offsets(ex, w, L, p.C, a.expert_offset, "permute layout");
 }
 
 }  // namespace moe::kernels::cuda
