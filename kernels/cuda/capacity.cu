@@ -6,6 +6,7 @@
 #include <cub/device/device_radix_sort.cuh>
 
 #include "cuda_ops.h"
+#include "capacity_logic.cuh"
 #include "moe/base/check.h"
 
 namespace moe::kernels::cuda {
@@ -47,15 +48,7 @@ CapacityWorkspace carve(const CapacityConfig& cfg, void* ws) {
   return w;
 }
 
-// Ascending order of the result = descending weight; NaN sorts as -inf (last),
-// -0 as +0 (the CPU compares them equal: a tie, kept in (token, k) order).
-__device__ inline uint32_t descending_bits(float w) {
-  if (isnan(w)) w = -INFINITY;
-  if (w == 0.0f) w = 0.0f;
-  const uint32_t u = __float_as_uint(w);
-  const uint32_t ascending = (u & 0x80000000u) ? ~u : (u | 0x80000000u);
-  return ~ascending;
-}
+using namespace capacity_logic;
 
 __global__ void make_keys(int64_t n, int E, bool by_probs, const int32_t* idx, const float* w, uint64_t* keys,
                           int32_t* vals, DeviceFault* fault) {
@@ -66,24 +59,19 @@ __global__ void make_keys(int64_t n, int E, bool by_probs, const int32_t* idx, c
     report_fault(fault, FaultOp::kCapacityExpert, p, e, E);
     e = -1;
   }
-  const uint64_t expert = e < 0 ? uint64_t(E) : uint64_t(e);  // unselected pairs sort last
-  keys[p] = expert << 32 | (by_probs && e >= 0 ? descending_bits(w[p]) : 0u);
+  keys[p] = pair_key(e, E, by_probs, w[p]);
   vals[p] = static_cast<int32_t>(p);
 }
 
 __global__ void mark_starts(int64_t n, const uint64_t* keys, int32_t* start) {
   const int64_t i = blockIdx.x * int64_t{blockDim.x} + threadIdx.x;
-  if (i >= n) return;
-  const uint32_t e = static_cast<uint32_t>(keys[i] >> 32);
-  if (i == 0 || static_cast<uint32_t>(keys[i - 1] >> 32) != e) start[e] = static_cast<int32_t>(i);
+  if (i < n) mark_start(i, keys, start);
 }
 
 __global__ void drop_over_capacity(int64_t n, int E, int64_t cap, const uint64_t* keys, const int32_t* vals,
                                    const int32_t* start, int32_t* kept) {
   const int64_t i = blockIdx.x * int64_t{blockDim.x} + threadIdx.x;
-  if (i >= n) return;
-  const uint32_t e = static_cast<uint32_t>(keys[i] >> 32);
-  if (e < static_cast<uint32_t>(E) && i - start[e] >= cap) kept[vals[i]] = -1;
+  if (i < n) drop_if_over(i, E, cap, keys, vals, start, kept);
 }
 
 int end_bit(int E) {

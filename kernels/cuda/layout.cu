@@ -10,12 +10,13 @@
 #include <cub/device/device_scan.cuh>
 
 #include "cuda_ops.h"
+#include "layout_logic.cuh"
 #include "moe/base/check.h"
 
 namespace moe::kernels::cuda {
 namespace {
 
-constexpr int64_t kChunk = 32;
+using namespace layout_logic;
 
 int64_t chunks(int64_t n) { return (n + kChunk - 1) / kChunk; }
 
@@ -84,30 +85,11 @@ void publish_offsets(CudaExec& ex, const LayoutWorkspace& w, int64_t buckets, in
 // ---------------------------------------------------------------------------
 // Dispatch layout. Buckets are ranks.
 
-struct DispatchParams {
-  int64_t T;
-  int K, R, S;
-  int64_t C;
-};
-
 __global__ void dispatch_count(DispatchParams p, DispatchLayoutArgs a, int32_t* counts, DeviceFault* fault) {
   const int64_t t = blockIdx.x * int64_t{blockDim.x} + threadIdx.x;
   if (t >= p.T) return;
-  const int64_t slots = int64_t{p.R} * p.S;
-  uint8_t* in_rank = a.is_token_in_rank + t * p.R;
-  for (int r = 0; r < p.R; ++r) in_rank[r] = 0;
-  for (int k = 0; k < p.K; ++k) {
-    const int32_t slot = a.topk_slot[t * p.K + k];
-    if (slot < 0) continue;
-    if (slot >= slots) {
-      report_fault(fault, FaultOp::kDispatchSlot, t * p.K + k, slot, slots);
-      continue;
-    }
-    atomicAdd(&a.num_tokens_per_slot[slot], 1);
-    in_rank[slot / p.S] = 1;
-  }
-  for (int r = 0; r < p.R; ++r)
-    if (in_rank[r]) atomicAdd(&counts[r * p.C + t / kChunk], 1);
+  const ItemFault f = dispatch_count_token(p, a, t, counts, [](int32_t* c) { atomicAdd(c, 1); });
+  if (f.position >= 0) report_fault(fault, FaultOp::kDispatchSlot, f.position, f.value, int64_t{p.R} * p.S);
 }
 
 __global__ void rank_totals(int R, int64_t C, const int64_t* bases, int32_t* per_rank) {
@@ -118,58 +100,24 @@ __global__ void rank_totals(int R, int64_t C, const int64_t* bases, int32_t* per
 // One thread per (token, rank).
 __global__ void dispatch_rows(DispatchParams p, DispatchLayoutArgs a, const int64_t* bases) {
   const int64_t i = blockIdx.x * int64_t{blockDim.x} + threadIdx.x;
-  if (i >= p.T * p.R) return;
-  const int64_t t = i / p.R;
-  const int r = static_cast<int>(i % p.R);
-  if (!a.is_token_in_rank[i]) {
-    a.token_send_row[i] = -1;
-    return;
-  }
-  int64_t row = bases[r * p.C + t / kChunk];
-  for (int64_t u = t / kChunk * kChunk; u < t; ++u) row += a.is_token_in_rank[u * p.R + r];
-  a.token_send_row[i] = static_cast<int32_t>(row);
-  if (a.send_src_token) a.send_src_token[row] = static_cast<int32_t>(t);
-  if (!a.send_slot) return;
-  for (int k = 0; k < p.K; ++k) {
-    const int32_t slot = a.topk_slot[t * p.K + k];
-    const bool here = slot >= 0 && slot < int64_t{p.R} * p.S && slot / p.S == r;
-    a.send_slot[row * p.K + k] = here ? slot % p.S : -1;
-    if (a.send_weight) a.send_weight[row * p.K + k] = here ? a.topk_weight[t * p.K + k] : 0.0f;
-  }
+  if (i < p.T * p.R) dispatch_row(p, a, bases, i);
 }
 
 // ---------------------------------------------------------------------------
 // Permute layout. Buckets are local experts.
 
-struct PermuteParams {
-  int64_t N;
-  int K, L;
-  int64_t C;
-};
-
 __global__ void permute_count(PermuteParams p, const int32_t* row_expert, int32_t* counts, DeviceFault* fault) {
   const int64_t i = blockIdx.x * int64_t{blockDim.x} + threadIdx.x;
   if (i >= p.N * p.K) return;
-  const int32_t e = row_expert[i];
-  if (e < -1 || e >= p.L) return report_fault(fault, FaultOp::kPermuteLayoutExpert, i, e, p.L);
-  if (e >= 0) atomicAdd(&counts[e * p.C + i / p.K / kChunk], 1);
+  const int64_t c = permute_count_slot(p, row_expert, i);
+  if (c == -2) report_fault(fault, FaultOp::kPermuteLayoutExpert, i, row_expert[i], p.L);
+  if (c >= 0) atomicAdd(&counts[c], 1);
 }
 
 // One thread per (row, k) pair.
 __global__ void permute_rows(PermuteParams p, PermuteLayoutArgs a, const int64_t* bases) {
   const int64_t i = blockIdx.x * int64_t{blockDim.x} + threadIdx.x;
-  if (i >= p.N * p.K) return;
-  const int32_t e = a.row_expert[i];
-  if (e < 0 || e >= p.L) {
-    a.pair_pos[i] = -1;
-    return;
-  }
-  const int64_t n = i / p.K;
-  int64_t m = bases[e * p.C + n / kChunk];
-  for (int64_t j = n / kChunk * kChunk * p.K; j < i; ++j) m += a.row_expert[j] == e;
-  a.pair_pos[i] = static_cast<int32_t>(m);
-  a.perm_src_row[m] = static_cast<int32_t>(n);
-  if (a.row_weight && a.perm_weight) a.perm_weight[m] = a.row_weight[i];
+  if (i < p.N * p.K) permute_row(p, a, bases, i);
 }
 
 }  // namespace

@@ -1,181 +1,24 @@
 // Router forward (logits GEMM on cuBLAS, then one thread per token for scores,
 // group-limited top-k and weights) and backward (one thread per token for the
 // closed-form logit gradients of DESIGN 3, then two cuBLAS GEMMs to W and x).
-#include <cfloat>
-
 #include "cuda_ops.h"
 #include "moe/base/check.h"
+#include "router_logic.cuh"
 
 namespace moe::kernels::cuda {
 namespace {
 
-// The per-thread selection keeps its top-k and group lists in registers.
-constexpr int kMaxTopK = 32;
-constexpr int kMaxGroups = 64;
-
-struct SelectParams {
-  int64_t T;
-  int E, K, G, group_top_k;
-  bool sigmoid, norm;
-  float scaling;
-};
-
-// NaN never wins a comparison: it selects as -inf.
-__device__ inline float selection_key(float v) { return isnan(v) ? -FLT_MAX * 2.0f : v; }
-
-// Inserts (v, i) into the descending list key/idx of `filled` entries and capacity
-// k; strictly greater wins, so an equal later index stays behind.
-__device__ inline void insert_top(float v, int i, float* key, int* idx, int& filled, int k) {
-  if (filled == k && !(v > key[k - 1])) return;
-  int pos = filled < k ? filled++ : k - 1;
-  while (pos > 0 && v > key[pos - 1]) {
-    key[pos] = key[pos - 1];
-    idx[pos] = idx[pos - 1];
-    --pos;
-  }
-  key[pos] = v;
-  idx[pos] = i;
-}
-
-__device__ inline float biased(const float* s, const float* bias, int e) {
-  return selection_key(s[e] + (bias ? bias[e] : 0.0f));
-}
-
-// Writes the token's scores from its logits (logit bias added first).
-__device__ void token_scores(const SelectParams& p, float* l, float* s, const float* logit_bias) {
-  if (logit_bias)
-    for (int e = 0; e < p.E; ++e) l[e] += logit_bias[e];
-  if (p.sigmoid) {
-    for (int e = 0; e < p.E; ++e) s[e] = sigmoidf_acc(l[e]);
-    return;
-  }
-  float mx = -INFINITY, sum = 0.0f;
-  for (int e = 0; e < p.E; ++e) mx = fmaxf(mx, l[e]);
-  for (int e = 0; e < p.E; ++e) {
-    s[e] = expf(l[e] - mx);
-    sum += s[e];
-  }
-  const float inv = 1.0f / sum;
-  for (int e = 0; e < p.E; ++e) s[e] *= inv;
-}
-
-// Bit g set when group g is among the best group_top_k (group score: the sum of
-// its two highest biased scores).
-__device__ uint64_t allowed_groups(const SelectParams& p, const float* s, const float* bias) {
-  const int per_group = p.E / p.G;
-  float gkey[kMaxGroups];
-  int gidx[kMaxGroups];
-  int gfilled = 0;
-  for (int g = 0; g < p.G; ++g) {
-    float key[2];
-    int idx[2], filled = 0;
-    const int two = per_group < 2 ? per_group : 2;
-    for (int j = 0; j < per_group; ++j) insert_top(biased(s, bias, g * per_group + j), j, key, idx, filled, two);
-    // As the CPU: a NaN group score (inf + -inf) selects as -inf.
-    insert_top(selection_key(two == 2 ? key[0] + key[1] : key[0]), g, gkey, gidx, gfilled, p.group_top_k);
-  }
-  uint64_t mask = 0;
-  for (int i = 0; i < p.group_top_k; ++i) mask |= uint64_t{1} << gidx[i];
-  return mask;
-}
+using namespace router_logic;
 
 __global__ void select_kernel(SelectParams p, float* logits, float* scores, const float* bias,
                               const float* logit_bias, int32_t* topk_idx, float* topk_weight) {
   const int64_t t = blockIdx.x * int64_t{blockDim.x} + threadIdx.x;
-  if (t >= p.T) return;
-  float* l = logits + t * p.E;
-  float* s = scores + t * p.E;
-  token_scores(p, l, s, logit_bias);
-  const uint64_t mask = p.G > 1 ? allowed_groups(p, s, bias) : ~uint64_t{0};
-  const int per_group = p.G > 1 ? p.E / p.G : p.E;
-  float key[kMaxTopK];
-  int idx[kMaxTopK], filled = 0;
-  for (int e = 0; e < p.E; ++e)
-    if (mask >> (e / per_group) & 1) insert_top(biased(s, bias, e), e, key, idx, filled, p.K);
-  float sum = 0.0f;
-  for (int k = 0; k < p.K; ++k) sum += s[idx[k]];
-  const float scale = p.norm && sum > 0.0f ? p.scaling / sum : p.scaling;
-  for (int k = 0; k < p.K; ++k) {
-    topk_idx[t * p.K + k] = idx[k];
-    topk_weight[t * p.K + k] = s[idx[k]] * scale;
-  }
-}
-
-// ---------------------------------------------------------------------------
-// Backward: dL/dlogits per token, the four closed forms, plus the balancing terms.
-
-struct GradParams {
-  int64_t T;
-  int E, K;
-  bool sigmoid, norm;
-  float c;  // routed_scaling_factor
-  float aux_scale, z_scale;
-};
-
-__device__ void routing_weight_grad(const GradParams& p, const float* s, const int32_t* idx, const float* w,
-                                    const float* g, float* dl) {
-  for (int e = 0; e < p.E; ++e) dl[e] = 0.0f;
-  if (!p.sigmoid && p.norm) {
-    float G = 0.0f;
-    for (int k = 0; k < p.K; ++k) G += w[k] * g[k];
-    G /= p.c;
-    for (int k = 0; k < p.K; ++k) dl[idx[k]] = w[k] * (g[k] - G);
-  } else if (!p.sigmoid) {
-    float sg = 0.0f;
-    for (int k = 0; k < p.K; ++k) sg += s[idx[k]] * g[k];
-    for (int e = 0; e < p.E; ++e) dl[e] = -p.c * s[e] * sg;
-    for (int k = 0; k < p.K; ++k) dl[idx[k]] += p.c * s[idx[k]] * g[k];
-  } else if (p.norm) {
-    float G = 0.0f, ssum = 0.0f;
-    for (int k = 0; k < p.K; ++k) {
-      G += w[k] * g[k];
-      ssum += s[idx[k]];
-    }
-    G /= p.c;
-    if (ssum > 0.0f)
-      for (int k = 0; k < p.K; ++k) {
-        const float sk = s[idx[k]];
-        dl[idx[k]] = sk * (1.0f - sk) * p.c * (g[k] - G) / ssum;
-      }
-  } else {
-    for (int k = 0; k < p.K; ++k) {
-      const float sk = s[idx[k]];
-      dl[idx[k]] = p.c * sk * (1.0f - sk) * g[k];
-    }
-  }
-}
-
-__device__ void add_aux_grad(const GradParams& p, const float* s, const float* c, float* dl) {
-  float S = 0.0f, cs = 0.0f;
-  for (int e = 0; e < p.E; ++e) {
-    S += s[e];
-    cs += c[e] * s[e];
-  }
-  if (!p.sigmoid) {
-    for (int e = 0; e < p.E; ++e) dl[e] += p.aux_scale * s[e] * (c[e] - cs);
-    return;
-  }
-  if (S <= 0.0f) return;
-  cs /= S;
-  for (int e = 0; e < p.E; ++e) dl[e] += p.aux_scale * s[e] * (1.0f - s[e]) * (c[e] - cs) / S;
-}
-
-__device__ void add_z_grad(const GradParams& p, const float* l, float* dl) {
-  float mx = -INFINITY, sum = 0.0f;
-  for (int e = 0; e < p.E; ++e) mx = fmaxf(mx, l[e]);
-  for (int e = 0; e < p.E; ++e) sum += expf(l[e] - mx);
-  const float lse = mx + logf(sum);
-  for (int e = 0; e < p.E; ++e) dl[e] += 2.0f * p.z_scale * lse * expf(l[e] - lse);
+  if (t < p.T) select_token(p, t, logits, scores, bias, logit_bias, topk_idx, topk_weight);
 }
 
 __global__ void logit_grad_kernel(GradParams p, RouterBackwardArgs a) {
   const int64_t t = blockIdx.x * int64_t{blockDim.x} + threadIdx.x;
-  if (t >= p.T) return;
-  float* dl = a.grad_logits + t * p.E;
-  const float* s = a.scores + t * p.E;
-  routing_weight_grad(p, s, a.topk_idx + t * p.K, a.topk_weight + t * p.K, a.grad_topk_weight + t * p.K, dl);
-  if (p.aux_scale != 0.0f) add_aux_grad(p, s, a.balance_counts, dl);
-  if (p.z_scale != 0.0f) add_z_grad(p, a.logits + t * p.E, dl);
+  if (t < p.T) logit_grad_token(p, a, t);
 }
 
 size_t x32_bytes(const RouterConfig& cfg) {

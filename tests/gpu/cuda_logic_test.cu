@@ -1,0 +1,302 @@
+// The CUDA kernels' per-item logic, run on the host: router_logic.cuh,
+// capacity_logic.cuh and layout_logic.cuh are the very functions the kernels call
+// once per thread, so emulating each launch with a host loop (and the host
+// equivalents of its atomics, sort and scan) checks the device code's logic
+// against the CPU backend on any machine. Launch configurations, memory and
+// cuBLAS stay for gpu_test on a GPU.
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <cmath>
+#include <numeric>
+#include <vector>
+
+#include "capacity_logic.cuh"
+#include "layout_logic.cuh"
+#include "moe/kernels/buffer.h"
+#include "moe/kernels/cpu_backend.h"
+#include "moe/model/counter_rng.h"
+#include "moe/model/synthetic.h"
+#include "router_logic.cuh"
+
+namespace moe::kernels::cuda {
+namespace {
+
+std::vector<float> normal(size_t n, uint64_t seed, double scale = 1.0) {
+  std::vector<float> v(n);
+  for (size_t i = 0; i < n; ++i) v[i] = static_cast<float>(scale * model::normal(model::key_hash({seed, i})));
+  return v;
+}
+
+// K distinct values of [0, E) per row, about drop_percent of them -1.
+std::vector<int32_t> selection(int64_t T, int K, int E, uint64_t seed, int drop_percent) {
+  std::vector<int32_t> v(T * K);
+  for (int64_t t = 0; t < T; ++t) {
+    std::vector<int32_t> perm(E);
+    std::iota(perm.begin(), perm.end(), 0);
+    for (int k = 0; k < K; ++k) {
+      const uint64_t h = model::key_hash({seed, static_cast<uint64_t>(t), static_cast<uint64_t>(k)});
+      std::swap(perm[k], perm[k + static_cast<int>(h % static_cast<uint64_t>(E - k))]);
+      v[t * K + k] = (h >> 32) % 100 < static_cast<uint64_t>(drop_percent) ? -1 : perm[k];
+    }
+  }
+  return v;
+}
+
+struct Cpu {
+  ThreadPool pool{1};
+  std::unique_ptr<Backend> be = make_cpu_backend(pool);
+};
+
+// ---------------------------------------------------------------------------
+// Router
+
+struct RouterCase {
+  const char* name;
+  int E, K, G, group_top_k;
+  ScoreFunc score;
+  bool norm;
+  float scaling;
+  bool biases;
+};
+
+void PrintTo(const RouterCase& c, std::ostream* os) { *os << c.name; }
+
+class RouterLogic : public ::testing::TestWithParam<RouterCase> {};
+
+TEST_P(RouterLogic, SelectionAndGradientsMatchTheCpuBackend) {
+  const RouterCase& c = GetParam();
+  const int64_t T = 400;
+  const int H = 32, E = c.E, K = c.K;
+  Cpu cpu;
+  RouterConfig cfg;
+  cfg.num_experts = E;
+  cfg.top_k = K;
+  cfg.score = c.score;
+  cfg.num_groups = c.G;
+  cfg.group_top_k = c.group_top_k;
+  cfg.norm_topk_prob = c.norm;
+  cfg.routed_scaling_factor = c.scaling;
+  cfg.num_tokens = T;
+  cfg.hidden = H;
+  const std::vector<float> x = normal(T * H, 1), gate = normal(E * H, 2, 0.3);
+  const std::vector<float> bias = c.biases ? normal(E, 3, 0.05) : std::vector<float>();
+  const std::vector<float> logit_bias = c.biases ? normal(E, 4, 0.5) : std::vector<float>();
+  auto packed = cpu.be->make_router_weights(cfg);
+  cpu.be->pack_router_weights(*packed, gate.data());
+  std::vector<float> raw(T * E), logits(T * E), scores(T * E), w(T * K), ws(cpu.be->router_workspace_bytes(cfg) / 4 + 1);
+  std::vector<int32_t> idx(T * K);
+  RouterForwardArgs a{x.data(), gate.data(), packed.get(), nullptr, nullptr, raw.data(), scores.data(), idx.data(),
+                      w.data(), ws.data()};
+  cpu.be->router_forward(cfg, a);  // raw logits (no logit bias), the emulation's input
+  a.selection_bias = c.biases ? bias.data() : nullptr;
+  a.logit_bias = c.biases ? logit_bias.data() : nullptr;
+  a.logits = logits.data();
+  cpu.be->router_forward(cfg, a);
+
+  // The kernel, one "thread" per token, on the same raw logits.
+  const router_logic::SelectParams p{T, E, K, c.G > 1 ? c.G : 1, c.group_top_k, c.score == ScoreFunc::kSigmoid,
+                                     c.norm, c.scaling};
+  std::vector<float> el = raw, es(T * E), ew(T * K);
+  std::vector<int32_t> ei(T * K);
+  for (int64_t t = 0; t < T; ++t)
+    router_logic::select_token(p, t, el.data(), es.data(), a.selection_bias, a.logit_bias, ei.data(), ew.data());
+  EXPECT_EQ(el, logits) << "the logit bias is added as the CPU adds it";
+  int near_ties = 0;
+  for (int64_t t = 0; t < T; ++t) {
+    for (int e = 0; e < E; ++e) ASSERT_NEAR(es[t * E + e], scores[t * E + e], 1e-6) << "token " << t;
+    bool same = true;
+    for (int k = 0; k < K; ++k) same &= ei[t * K + k] == idx[t * K + k];
+    if (!same) {  // only where two biased scores sit within the exp approximations' noise
+      ++near_ties;
+      for (int k = 0; k < K; ++k) {
+        const auto biased = [&](int32_t e) { return scores[t * E + e] + (c.biases ? bias[e] : 0.0f); };
+        EXPECT_NEAR(biased(ei[t * K + k]), biased(idx[t * K + k]), 1e-5) << "token " << t << " k " << k;
+      }
+      continue;
+    }
+    for (int k = 0; k < K; ++k) EXPECT_NEAR(ew[t * K + k], w[t * K + k], 1e-6 * (1 + std::fabs(w[t * K + k])));
+  }
+  EXPECT_LE(near_ties, T / 50);
+
+  // Backward: dL/dlogits per token, with both balancing terms.
+  const std::vector<float> gtw = normal(T * K, 5), counts = normal(E, 6, 10.0);
+  std::vector<float> gl(T * E), gw(E * H), gx(T * H, 0.0f), egl(T * E);
+  RouterBackwardArgs b{scores.data(), idx.data(), w.data(), gtw.data(), x.data(), gate.data(), gl.data(), gw.data(),
+                       gx.data(), ws.data(), 0.01f, counts.data(), 0.001f, logits.data()};
+  cpu.be->router_backward(cfg, b);
+  const router_logic::GradParams gp{T, E, K, c.score == ScoreFunc::kSigmoid, c.norm, c.scaling, 0.01f, 0.001f};
+  b.grad_logits = egl.data();
+  for (int64_t t = 0; t < T; ++t) router_logic::logit_grad_token(gp, b, t);
+  float scale = 0;
+  for (float v : gl) scale = std::max(scale, std::fabs(v));
+  ASSERT_GT(scale, 0.0f);
+  for (int64_t i = 0; i < T * E; ++i) ASSERT_NEAR(egl[i], gl[i], 1e-5 * scale) << "grad_logits[" << i << "]";
+}
+
+INSTANTIATE_TEST_SUITE_P(
+    Cases, RouterLogic,
+    ::testing::Values(RouterCase{"softmax_norm", 16, 4, 0, 0, ScoreFunc::kSoftmax, true, 1.0f, false},
+                      RouterCase{"softmax_nonorm", 16, 4, 0, 0, ScoreFunc::kSoftmax, false, 2.5f, true},
+                      RouterCase{"sigmoid_grouped", 64, 8, 8, 4, ScoreFunc::kSigmoid, true, 2.5f, true},
+                      RouterCase{"sigmoid_nonorm_grouped_pairs", 32, 4, 16, 3, ScoreFunc::kSigmoid, false, 1.0f, true},
+                      RouterCase{"softmax_top1", 8, 1, 0, 0, ScoreFunc::kSoftmax, true, 1.0f, false}),
+    [](const ::testing::TestParamInfo<RouterCase>& i) { return std::string(i.param.name); });
+
+// ---------------------------------------------------------------------------
+// Capacity: keys, a stable sort (what CUB's radix sort is), starts, drops.
+
+std::vector<int32_t> emulate_capacity(const CapacityConfig& cfg, const std::vector<int32_t>& idx,
+                                      const std::vector<float>& w) {
+  const int64_t n = static_cast<int64_t>(idx.size());
+  const int E = cfg.num_experts;
+  std::vector<uint64_t> keys(n);
+  for (int64_t p = 0; p < n; ++p) keys[p] = capacity_logic::pair_key(idx[p], E, cfg.policy == DropPolicy::kProbs, w[p]);
+  std::vector<int32_t> vals(n);
+  std::iota(vals.begin(), vals.end(), 0);
+  std::stable_sort(vals.begin(), vals.end(), [&](int32_t a, int32_t b) { return keys[a] < keys[b]; });
+  std::vector<uint64_t> sorted(n);
+  for (int64_t i = 0; i < n; ++i) sorted[i] = keys[vals[i]];
+  std::vector<int32_t> start(E + 1, 0), kept = idx;
+  for (int64_t i = 0; i < n; ++i) capacity_logic::mark_start(i, sorted.data(), start.data());
+  for (int64_t i = 0; i < n; ++i)
+    capacity_logic::drop_if_over(i, E, cfg.capacity(), sorted.data(), vals.data(), start.data(), kept.data());
+  return kept;
+}
+
+TEST(CapacityLogic, DropsWhatTheCpuBackendDrops) {
+  const int64_t T = 600;
+  const int E = 8, K = 2;
+  const std::vector<int32_t> idx = selection(T, K, E, 7, 5);
+  std::vector<float> w(T * K);
+  for (size_t p = 0; p < w.size(); ++p) w[p] = 0.25f * static_cast<float>(model::key_hash({8, p}) % 4);  // ties
+  w[3] = -0.0f;  // ties +0
+  w[5] = NAN;    // sorts last
+  Cpu cpu;
+  for (DropPolicy policy : {DropPolicy::kProbs, DropPolicy::kPosition})
+    for (double cf : {0.3, 0.8, 1.0}) {
+      const CapacityConfig cfg{T, E, K, cf, policy};
+      std::vector<int32_t> kept(T * K);
+      std::vector<uint8_t> ws(cpu.be->capacity_workspace_bytes(cfg) + 64);
+      cpu.be->capacity_drop(cfg, {idx.data(), w.data(), kept.data(), ws.data()});
+      EXPECT_EQ(emulate_capacity(cfg, idx, w), kept) << drop_policy_name(policy) << " cf " << cf;
+    }
+}
+
+// ---------------------------------------------------------------------------
+// Layouts: counts (the atomics as plain adds), the host scan, the row functions.
+
+std::vector<int64_t> exclusive_scan(const std::vector<int32_t>& counts) {
+  std::vector<int64_t> out(counts.size());
+  int64_t acc = 0;
+  for (size_t i = 0; i < counts.size(); ++i) {
+    out[i] = acc;
+    acc += counts[i];
+  }
+  return out;
+}
+
+TEST(LayoutLogic, DispatchLayoutMatchesTheCpuBackend) {
+  const int64_t T = 333;  // chunks of 32 and a partial one
+  const int K = 4, R = 5, S = 3;
+  const std::vector<int32_t> slots = selection(T, K, R * S, 9, 10);
+  const std::vector<float> w = normal(T * K, 10);
+  const int64_t rows_max = T * std::min(R, K);
+  struct Out {
+    std::vector<int32_t> per_rank, per_slot, send_row, src, sslot;
+    std::vector<uint8_t> in_rank;
+    std::vector<float> sw;
+    std::vector<int64_t> offset;
+    Out(int64_t T, int K, int R, int S, int64_t rows)
+        : per_rank(R), per_slot(R * S), send_row(T * R), src(rows), sslot(rows * K), in_rank(T * R), sw(rows * K),
+          offset(R + 1) {}
+    DispatchLayoutArgs args(const std::vector<int32_t>& slots, const std::vector<float>& w, void* ws) {
+      return {slots.data(), w.data(), per_rank.data(), per_slot.data(), offset.data(), in_rank.data(),
+              send_row.data(), src.data(), sslot.data(), sw.data(), ws};
+    }
+  } cpu_out(T, K, R, S, rows_max), emu(T, K, R, S, rows_max);
+  Cpu cpu;
+  const DispatchLayoutConfig cfg{T, K, R, S};
+  std::vector<uint8_t> ws(cpu.be->dispatch_layout_workspace_bytes(cfg) + 64);
+  cpu.be->dispatch_layout(cfg, cpu_out.args(slots, w, ws.data()));
+
+  const layout_logic::DispatchParams p{T, K, R, S, (T + layout_logic::kChunk - 1) / layout_logic::kChunk};
+  const DispatchLayoutArgs a = emu.args(slots, w, nullptr);
+  std::vector<int32_t> counts(R * p.C + 1, 0);
+  for (int64_t t = 0; t < T; ++t)
+    EXPECT_EQ(layout_logic::dispatch_count_token(p, a, t, counts.data(), [](int32_t* c) { ++*c; }).position, -1);
+  const std::vector<int64_t> bases = exclusive_scan(counts);
+  for (int r = 0; r < R; ++r) emu.per_rank[r] = static_cast<int32_t>(bases[(r + 1) * p.C] - bases[r * p.C]);
+  for (int64_t i = 0; i < T * R; ++i) layout_logic::dispatch_row(p, a, bases.data(), i);
+  for (int r = 0; r <= R; ++r) emu.offset[r] = bases[r * p.C];
+
+  const int64_t rows = cpu_out.offset[R];
+  EXPECT_EQ(emu.offset, cpu_out.offset);
+  EXPECT_EQ(emu.per_rank, cpu_out.per_rank);
+  EXPECT_EQ(emu.per_slot, cpu_out.per_slot);
+  EXPECT_EQ(emu.in_rank, cpu_out.in_rank);
+  EXPECT_EQ(emu.send_row, cpu_out.send_row);
+  for (int64_t row = 0; row < rows; ++row) {
+    ASSERT_EQ(emu.src[row], cpu_out.src[row]) << "send row " << row;
+    for (int k = 0; k < K; ++k) {
+      ASSERT_EQ(emu.sslot[row * K + k], cpu_out.sslot[row * K + k]) << "send row " << row;
+      ASSERT_EQ(emu.sw[row * K + k], cpu_out.sw[row * K + k]) << "send row " << row;
+    }
+  }
+}
+
+TEST(LayoutLogic, PermuteLayoutMatchesTheCpuBackend) {
+  for (const auto& [N, L] : std::vector<std::pair<int64_t, int>>{{500, 7}, {40, 0}, {0, 3}, {65, 1}}) {
+    const int K = 3;
+    std::vector<int32_t> re = selection(N, K, std::max(L, K), 11, 15);
+    for (int32_t& e : re)
+      if (e >= L) e = -1;
+    const std::vector<float> rw = normal(N * K, 12);
+    Cpu cpu;
+    const PermuteLayoutConfig cfg{N, K, L};
+    std::vector<uint8_t> ws(cpu.be->permute_layout_workspace_bytes(cfg) + 64);
+    std::vector<int64_t> off(L + 1), eoff(L + 1);
+    std::vector<int32_t> src(N * K + 1), pos(N * K + 1), esrc(N * K + 1), epos(N * K + 1);
+    std::vector<float> pw(N * K + 1), epw(N * K + 1);
+    cpu.be->permute_layout(cfg, {re.data(), rw.data(), off.data(), src.data(), pw.data(), pos.data(), ws.data()});
+
+    const layout_logic::PermuteParams p{N, K, L, (N + layout_logic::kChunk - 1) / layout_logic::kChunk};
+    std::vector<int32_t> counts(L * p.C + 1, 0);
+    for (int64_t i = 0; i < N * K; ++i) {
+      const int64_t c = layout_logic::permute_count_slot(p, re.data(), i);
+      ASSERT_NE(c, -2);
+      if (c >= 0) ++counts[c];
+    }
+    const std::vector<int64_t> bases = exclusive_scan(counts);
+    const PermuteLayoutArgs a{re.data(), rw.data(), eoff.data(), esrc.data(), epw.data(), epos.data(), nullptr};
+    for (int64_t i = 0; i < N * K; ++i) layout_logic::permute_row(p, a, bases.data(), i);
+    for (int e = 0; e <= L; ++e) eoff[e] = bases[e * p.C];
+    const std::string at = "N " + std::to_string(N) + " L " + std::to_string(L);
+    EXPECT_EQ(eoff, off) << at;
+    EXPECT_EQ(epos, pos) << at;
+    const int64_t M = off[L];
+    EXPECT_TRUE(std::equal(esrc.begin(), esrc.begin() + M, src.begin())) << at;
+    EXPECT_TRUE(std::equal(epw.begin(), epw.begin() + M, pw.begin())) << at;
+  }
+}
+
+TEST(LayoutLogic, OutOfRangeValuesAreFaults) {
+  const layout_logic::PermuteParams p{1, 2, 4, 1};
+  const std::vector<int32_t> re = {2, 4};
+  EXPECT_EQ(layout_logic::permute_count_slot(p, re.data(), 0), 2);
+  EXPECT_EQ(layout_logic::permute_count_slot(p, re.data(), 1), -2);
+  const std::vector<int32_t> slots = {1, 9};  // R * S = 6
+  std::vector<int32_t> per_slot(6, 0), counts(3, 0);
+  std::vector<uint8_t> in_rank(3);
+  DispatchLayoutArgs a{};
+  a.topk_slot = slots.data();
+  a.num_tokens_per_slot = per_slot.data();
+  a.is_token_in_rank = in_rank.data();
+  const layout_logic::ItemFault f =
+      layout_logic::dispatch_count_token({1, 2, 3, 2, 1}, a, 0, counts.data(), [](int32_t* c) { ++*c; });
+  EXPECT_EQ(f.position, 1);
+  EXPECT_EQ(f.value, 9);
+}
+
+}  // namespace
+}  // namespace moe::kernels::cuda
