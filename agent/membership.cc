@@ -116,6 +116,14 @@ std::map<v1::NodeState, int> Membership::counts() const {
   return c;
 }
 
+std::string Membership::backend_mismatch() const {
+  for (const NodeRecord& n : nodes_)
+    if (n.backend != nodes_.front().backend)
+      return "the nodes run different backends (" + nodes_.front().name + ": " + v1::Backend_Name(nodes_.front().backend) +
+             ", " + n.name + ": " + v1::Backend_Name(n.backend) + "); a job's ranks must all run one";
+  return "";
+}
+
 void Membership::fill_status(v1::ClusterStatus& s, Clock::time_point now) const {
   for (const NodeRecord& n : nodes_) {
     auto* i = s.add_nodes();

@@ -80,6 +80,10 @@ void Scheduler::try_start(Clock::time_point now) {
 // QUEUED -> RUNNING, or -> FAILED when the cluster cannot run the spec.
 bool Scheduler::start(v1::JobResult& rec, Clock::time_point now) {
   const int world = members_.world_size();
+  if (const std::string mismatch = members_.backend_mismatch(); !mismatch.empty()) {
+    fail_unstarted(rec, mismatch);
+    return false;
+  }
   v1::StartJob msg;
   try {
     spec::validate(rec.spec(), world);

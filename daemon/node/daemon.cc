@@ -68,11 +68,23 @@ BackendChoice resolve_backend(const std::string& requested, BackendFactory overr
       throw RpcError(v1::ERROR_CODE_INVALID_ARGUMENT, "--backend cuda: no CUDA device is visible here; use cpu");
   }
   const bool cuda = requested == "cuda" || (requested == "auto" && !gpus.empty());
+  const bool overridden = static_cast<bool>(override_factory);
   BackendChoice c = cuda ? cuda_choice(std::move(gpus)) : cpu_choice();
-  if (override_factory) c.make = std::move(override_factory);
-  // What runs is what registers: ask a backend of the factory itself.
+  if (overridden) c.make = std::move(override_factory);
+  // What runs is what registers: ask a backend of the factory itself. A GPU the
+  // CUDA backend cannot run on (not sm_90) is an error for --backend cuda; auto
+  // then runs on the CPU instead.
   kernels::ThreadPool probe(1);
-  const std::unique_ptr<kernels::Backend> be = c.make(probe, 0);
+  std::unique_ptr<kernels::Backend> be;
+  try {
+    be = c.make(probe, 0);
+  } catch (const std::exception& e) {
+    if (!cuda || overridden) throw;
+    if (requested == "cuda") throw RpcError(v1::ERROR_CODE_INVALID_ARGUMENT, std::string("--backend cuda: ") + e.what());
+    log::warn("--backend auto: ", e.what(), "; using the CPU backend");
+    c = cpu_choice();
+    be = c.make(probe, 0);
+  }
   c.name = be->name();
   c.gemm_engine = be->gemm_engine();
   return c;

@@ -12,6 +12,7 @@
 #include <vector>
 
 #include "moe/kernels/api.h"
+#include "row_logic.cuh"
 
 namespace moe::kernels::cuda {
 
@@ -80,29 +81,7 @@ struct CudaExec {
 };
 
 // ---------------------------------------------------------------------------
-// Device helpers.
-
-struct bf16s {  // bf16 storage: the upper half of an IEEE fp32
-  uint16_t bits;
-};
-
-__host__ __device__ inline float to_f32(float v) { return v; }
-__device__ inline float to_f32(bf16s v) { return __uint_as_float(static_cast<uint32_t>(v.bits) << 16); }
-
-// Round to nearest even, NaN kept quiet: the same bits as kernels::f32_to_bf16.
-__device__ inline bf16s bf16_from_f32(float f) {
-  uint32_t b = __float_as_uint(f);
-  if ((b & 0x7f800000u) == 0x7f800000u && (b & 0x007fffffu) != 0) return {static_cast<uint16_t>((b >> 16) | 0x40u)};
-  b += 0x7fffu + ((b >> 16) & 1u);
-  return {static_cast<uint16_t>(b >> 16)};
-}
-
-template <typename T>
-__device__ inline T from_f32(float v);
-template <>
-__device__ inline float from_f32<float>(float v) { return v; }
-template <>
-__device__ inline bf16s from_f32<bf16s>(float v) { return bf16_from_f32(v); }
+// Launch helpers (bf16s and its conversions: row_logic.cuh).
 
 // Calls f(float{}) or f(bf16s{}) for the storage type of d.
 template <typename F>
@@ -112,9 +91,6 @@ inline void with_dtype(DType d, F&& f) {
   else
     f(bf16s{});
 }
-
-// Accurate single-precision sigmoid and SiLU' (no fast-math intrinsics).
-__device__ inline float sigmoidf_acc(float x) { return 1.0f / (1.0f + expf(-x)); }
 
 constexpr int kThreads = 256;
 inline unsigned blocks_for(int64_t n, int threads = kThreads) {

@@ -23,27 +23,25 @@ __global__ void add_kernel(T* dst, const T* src, int64_t n) {
 // Grid of at most 64K blocks; the kernels stride over the rest.
 unsigned grid_for(int64_t n) { return static_cast<unsigned>(std::min<int64_t>(blocks_for(n), 65535)); }
 
-// Each operation rounded on its own (explicit _rn intrinsics, no FMA contraction):
+// Each operation rounded on its own (row_logic's _rn steps, no FMA contraction):
 // the bits do not depend on what the compiler fuses, so replicas fed the same
 // gradients stay bitwise identical on any build.
-__global__ void adam_kernel(int64_t n, float lr, float b1, float b2, float eps, float c1, float c2, float* w,
-                            const float* g, float* m, float* v, float* rounded) {
+__global__ void adam_kernel(int64_t n, row_logic::AdamParams p, float* w, const float* g, float* m, float* v,
+                            float* rounded) {
   for (int64_t i = blockIdx.x * int64_t{blockDim.x} + threadIdx.x; i < n; i += int64_t{gridDim.x} * blockDim.x) {
-    const float gi = g[i];
-    const float mi = __fadd_rn(__fmul_rn(b1, m[i]), __fmul_rn(__fsub_rn(1.0f, b1), gi));
-    const float vi = __fadd_rn(__fmul_rn(b2, v[i]), __fmul_rn(__fmul_rn(__fsub_rn(1.0f, b2), gi), gi));
+    float wi = w[i], mi = m[i], vi = v[i];
+    row_logic::adam_step(p, wi, g[i], mi, vi);
+    w[i] = wi;
     m[i] = mi;
     v[i] = vi;
-    const float step = __fdiv_rn(__fmul_rn(lr, __fdiv_rn(mi, c1)), __fadd_rn(__fsqrt_rn(__fdiv_rn(vi, c2)), eps));
-    const float wi = __fsub_rn(w[i], step);
-    w[i] = wi;
     if (rounded) rounded[i] = to_f32(bf16_from_f32(wi));
   }
 }
 
 __global__ void sgd_kernel(int64_t n, float lr, float* w, const float* g, float* rounded) {
   for (int64_t i = blockIdx.x * int64_t{blockDim.x} + threadIdx.x; i < n; i += int64_t{gridDim.x} * blockDim.x) {
-    const float wi = __fsub_rn(w[i], __fmul_rn(lr, g[i]));
+    float wi = w[i];
+    row_logic::sgd_step(lr, wi, g[i]);
     w[i] = wi;
     if (rounded) rounded[i] = to_f32(bf16_from_f32(wi));
   }
@@ -114,8 +112,8 @@ void optimizer_step(CudaExec& ex, const OptimizerConfig& cfg, const OptimizerArg
     // Bias corrections on the host in double, rounded once: as the CPU backend does.
     const float c1 = 1.0f - static_cast<float>(std::pow(static_cast<double>(cfg.beta1), static_cast<double>(a.step)));
     const float c2 = 1.0f - static_cast<float>(std::pow(static_cast<double>(cfg.beta2), static_cast<double>(a.step)));
-    adam_kernel<<<grid_for(a.count), kThreads, 0, ex.stream>>>(a.count, cfg.lr, cfg.beta1, cfg.beta2, cfg.eps, c1, c2,
-                                                               a.weight, a.grad, a.m, a.v, a.rounded);
+    const row_logic::AdamParams p{cfg.lr, cfg.beta1, cfg.beta2, cfg.eps, c1, c2};
+    adam_kernel<<<grid_for(a.count), kThreads, 0, ex.stream>>>(a.count, p, a.weight, a.grad, a.m, a.v, a.rounded);
   }
   check(cudaGetLastError(), "optimizer step");
 }

@@ -14,10 +14,8 @@ namespace {
 constexpr int kRowThreads = 128;
 constexpr int kVec = 8;
 
-template <typename T, int V>
-struct alignas(sizeof(T) * V) Vec {
-  T v[V];
-};
+using row_logic::gather_vec;
+using row_logic::unpermute_vec;
 
 unsigned row_grid(int64_t rows) { return static_cast<unsigned>(std::min<int64_t>(rows, int64_t{1} << 20)); }
 
@@ -33,15 +31,7 @@ __global__ void gather_kernel(const In* rows, int H, const int32_t* src, int64_t
       if (threadIdx.x == 0) report_fault(fault, op, m, s, num_src);
       continue;
     }
-    const auto* r = reinterpret_cast<const Vec<In, V>*>(rows + int64_t{s} * H);
-    auto* o = reinterpret_cast<Vec<Out, V>*>(out + m * H);
-    for (int j = threadIdx.x; j < H / V; j += blockDim.x) {
-      const Vec<In, V> x = r[j];
-      Vec<Out, V> y;
-#pragma unroll
-      for (int i = 0; i < V; ++i) y.v[i] = from_f32<Out>(to_f32(x.v[i]));
-      o[j] = y;
-    }
+    for (int j = threadIdx.x; j < H / V; j += blockDim.x) gather_vec<In, Out, V>(rows, H, s, m, j, out);
   }
 }
 
@@ -49,30 +39,11 @@ __global__ void gather_kernel(const In* rows, int H, const int32_t* src, int64_t
 template <typename In, typename Out, int V>
 __global__ void unpermute_kernel(const In* perm, const int32_t* pos, const float* w, int64_t N, int K, int H,
                                  int64_t M, bool accumulate, Out* out, DeviceFault* fault) {
-  for (int64_t n = blockIdx.x; n < N; n += gridDim.x) {
-    const int32_t* p = pos + n * K;
-    auto* o = reinterpret_cast<Vec<Out, V>*>(out + n * H);
+  for (int64_t n = blockIdx.x; n < N; n += gridDim.x)
     for (int j = threadIdx.x; j < H / V; j += blockDim.x) {
-      float acc[V] = {};
-      for (int k = 0; k < K; ++k) {
-        const int32_t m = p[k];
-        if (m < 0) continue;
-        if (m >= M) {
-          report_fault(fault, FaultOp::kUnpermutePairPos, n * K + k, m, M);
-          continue;
-        }
-        const float wk = w ? w[n * K + k] : 1.0f;
-        const Vec<In, V> x = reinterpret_cast<const Vec<In, V>*>(perm + int64_t{m} * H)[j];
-#pragma unroll
-        for (int i = 0; i < V; ++i) acc[i] += wk * to_f32(x.v[i]);
-      }
-      Vec<Out, V> y;
-      if (accumulate) y = o[j];
-#pragma unroll
-      for (int i = 0; i < V; ++i) y.v[i] = from_f32<Out>(accumulate ? to_f32(y.v[i]) + acc[i] : acc[i]);
-      o[j] = y;
+      const int64_t bad = unpermute_vec<In, Out, V>(perm, pos, w, n, K, H, M, accumulate, j, out);
+      if (bad >= 0) report_fault(fault, FaultOp::kUnpermutePairPos, bad, pos[bad], M);
     }
-  }
 }
 
 template <typename F>

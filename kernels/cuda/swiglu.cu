@@ -15,7 +15,7 @@ __global__ void swiglu_forward_kernel(int64_t rows, int I, const float* gu, cons
     const float* g = gu + r * 2 * I;
     const float* u = g + I;
     const float s = scale ? scale[r] : 1.0f;
-    for (int i = threadIdx.x; i < I; i += blockDim.x) h[r * I + i] = from_f32<Out>(s * (g[i] * sigmoidf_acc(g[i]) * u[i]));
+    for (int i = threadIdx.x; i < I; i += blockDim.x) h[r * I + i] = from_f32<Out>(row_logic::swiglu(g[i], u[i], s));
   }
 }
 
@@ -43,14 +43,11 @@ __global__ void swiglu_backward_kernel(int64_t rows, int I, const float* gu, con
     const float s = scale ? scale[r] : 1.0f;
     float dot = 0.0f;
     for (int i = threadIdx.x; i < I; i += blockDim.x) {
-      const float sig = sigmoidf_acc(g[i]);
-      const float silu = g[i] * sig;
-      const float p = silu * u[i];  // unscaled h
-      dot += dh[i] * p;
-      const float dhs = dh[i] * s;
-      du[i] = from_f32<Out>(dhs * silu);
-      dg[i] = from_f32<Out>(dhs * u[i] * (sig * (1.0f + g[i] * (1.0f - sig))));
-      if (h) h[r * I + i] = from_f32<Out>(s * p);
+      const row_logic::SwigluGrad d = row_logic::swiglu_grad(g[i], u[i], dh[i], s);
+      dot += dh[i] * d.h;
+      du[i] = from_f32<Out>(d.du);
+      dg[i] = from_f32<Out>(d.dg);
+      if (h) h[r * I + i] = from_f32<Out>(s * d.h);
     }
     const float total = block_sum(dot);
     if (grad_scale && threadIdx.x == 0) grad_scale[r] = total;

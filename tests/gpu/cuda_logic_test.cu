@@ -1,6 +1,6 @@
 // The CUDA kernels' per-item logic, run on the host: router_logic.cuh,
-// capacity_logic.cuh and layout_logic.cuh are the very functions the kernels call
-// once per thread, so emulating each launch with a host loop (and the host
+// capacity_logic.cuh, layout_logic.cuh and row_logic.cuh are the very functions
+// the kernels call once per thread (or per row vector, or element), so emulating each launch with a host loop (and the host
 // equivalents of its atomics, sort and scan) checks the device code's logic
 // against the CPU backend on any machine. Launch configurations, memory and
 // cuBLAS stay for gpu_test on a GPU.
@@ -18,6 +18,7 @@
 #include "moe/model/counter_rng.h"
 #include "moe/model/synthetic.h"
 #include "router_logic.cuh"
+#include "row_logic.cuh"
 
 namespace moe::kernels::cuda {
 namespace {
@@ -296,6 +297,143 @@ TEST(LayoutLogic, OutOfRangeValuesAreFaults) {
       layout_logic::dispatch_count_token({1, 2, 3, 2, 1}, a, 0, counts.data(), [](int32_t* c) { ++*c; });
   EXPECT_EQ(f.position, 1);
   EXPECT_EQ(f.value, 9);
+}
+
+// ---------------------------------------------------------------------------
+// Rows: the gather and the weighted per-row sum, per vector as the kernels run
+// them (V = 8 where rows allow, else 1), in every dtype pair.
+
+template <typename T>
+std::vector<T> stored(const std::vector<float>& v) {
+  std::vector<T> out(v.size());
+  for (size_t i = 0; i < v.size(); ++i) out[i] = from_f32<T>(v[i]);
+  return out;
+}
+
+template <typename T>
+std::vector<float> widened(const std::vector<T>& v) {
+  std::vector<float> out(v.size());
+  for (size_t i = 0; i < v.size(); ++i) out[i] = to_f32(v[i]);
+  return out;
+}
+
+template <typename In, typename Out, int V>
+void check_rows(DType in, DType out, int H) {
+  const int64_t N = 120;
+  const int K = 3, L = 5;
+  std::vector<int32_t> re = selection(N, K, L, 21, 20);
+  Cpu cpu;
+  // The permute layout of the CPU backend gives both maps.
+  std::vector<int64_t> off(L + 1);
+  std::vector<int32_t> src(N * K), pos(N * K);
+  std::vector<float> pw(N * K);
+  std::vector<uint8_t> ws(cpu.be->permute_layout_workspace_bytes({N, K, L}) + 64);
+  cpu.be->permute_layout({N, K, L}, {re.data(), nullptr, off.data(), src.data(), pw.data(), pos.data(), ws.data()});
+  const int64_t M = off[L];
+  const std::vector<In> rows = stored<In>(normal(N * H, 22));
+  std::vector<Out> got(M * H), want(M * H);
+  for (int64_t m = 0; m < M; ++m)
+    for (int j = 0; j < H / V; ++j) row_logic::gather_vec<In, Out, V>(rows.data(), H, src[m], m, j, got.data());
+  cpu.be->permute({N, K, M, H, in, out}, {rows.data(), src.data(), pos.data(), want.data()});
+  EXPECT_EQ(widened(got), widened(want)) << "gather V=" << V;
+
+  const std::vector<In> perm = stored<In>(normal(M * H, 23));
+  const std::vector<float> w = normal(N * K, 24);
+  for (bool accumulate : {false, true}) {
+    if (accumulate && out == DType::kBF16) continue;  // fp32 outputs only
+    const std::vector<Out> start = stored<Out>(normal(N * H, 25));
+    std::vector<Out> e_out = start, c_out = start;
+    for (int64_t n = 0; n < N; ++n)
+      for (int j = 0; j < H / V; ++j)
+        EXPECT_EQ((row_logic::unpermute_vec<In, Out, V>(perm.data(), pos.data(), w.data(), n, K, H, M, accumulate, j,
+                                                         e_out.data())),
+                  -1);
+    cpu.be->unpermute({N, K, H, out, accumulate, in}, {perm.data(), pos.data(), w.data(), c_out.data()});
+    const std::vector<float> a = widened(e_out), b = widened(c_out);
+    const double tol = out == DType::kBF16 ? 1.0 / 128 : 1e-5;
+    for (size_t i = 0; i < a.size(); ++i)
+      ASSERT_NEAR(a[i], b[i], tol * (1 + std::fabs(b[i]))) << "unpermute V=" << V << " accumulate " << accumulate;
+  }
+}
+
+TEST(RowLogic, GatherAndWeightedSumMatchTheCpuBackend) {
+  check_rows<float, float, 8>(DType::kF32, DType::kF32, 64);
+  check_rows<float, float, 1>(DType::kF32, DType::kF32, 36);
+  check_rows<bf16s, bf16s, 8>(DType::kBF16, DType::kBF16, 64);
+  check_rows<float, bf16s, 8>(DType::kF32, DType::kBF16, 64);
+  check_rows<bf16s, float, 1>(DType::kBF16, DType::kF32, 36);
+}
+
+TEST(RowLogic, UnpermuteReportsAPositionOutOfRange) {
+  const std::vector<float> perm(8, 1.0f);
+  const std::vector<int32_t> pos = {0, 5};  // M = 2 rows of H = 4
+  std::vector<float> out(4);
+  EXPECT_EQ((row_logic::unpermute_vec<float, float, 1>(perm.data(), pos.data(), nullptr, 0, 2, 4, 2, false, 0,
+                                                        out.data())),
+            1);
+  EXPECT_EQ(out[0], 1.0f) << "the good pair still counts";
+}
+
+TEST(RowLogic, BfloatConversionIsTheCpusBitForBit) {
+  std::vector<float> v = normal(4000, 26);
+  v.push_back(NAN);
+  v.push_back(INFINITY);
+  v.push_back(-0.0f);
+  v.push_back(1.0f + 0x1.0p-8f);  // a tie: to even
+  for (float f : v) {
+    ASSERT_EQ(bf16_from_f32(f).bits, f32_to_bf16(f)) << f;
+    ASSERT_EQ(to_f32(bf16_from_f32(f)) == bf16_to_f32(f32_to_bf16(f)), !std::isnan(f)) << f;
+  }
+}
+
+// ---------------------------------------------------------------------------
+// SwiGLU and the optimizer, element by element.
+
+TEST(ElementLogic, SwigluMatchesTheCpuBackend) {
+  const int64_t M = 30;
+  const int I = 24;
+  const std::vector<float> gu = normal(M * 2 * I, 31, 2.0), dh = normal(M * I, 32), scale = normal(M, 33);
+  Cpu cpu;
+  std::vector<float> h(M * I), ggu(M * 2 * I), gs(M), h2(M * I);
+  cpu.be->swiglu_forward({M, I}, {gu.data(), scale.data(), h.data()});
+  cpu.be->swiglu_backward({M, I}, {gu.data(), dh.data(), scale.data(), ggu.data(), gs.data(), h2.data()});
+  for (int64_t r = 0; r < M; ++r) {
+    float dot = 0;
+    for (int i = 0; i < I; ++i) {
+      const float g = gu[r * 2 * I + i], u = gu[r * 2 * I + I + i];
+      ASSERT_NEAR(row_logic::swiglu(g, u, scale[r]), h[r * I + i], 1e-5 * (1 + std::fabs(h[r * I + i])));
+      const row_logic::SwigluGrad d = row_logic::swiglu_grad(g, u, dh[r * I + i], scale[r]);
+      ASSERT_NEAR(d.dg, ggu[r * 2 * I + i], 1e-5 * (1 + std::fabs(d.dg)));
+      ASSERT_NEAR(d.du, ggu[r * 2 * I + I + i], 1e-5 * (1 + std::fabs(d.du)));
+      dot += dh[r * I + i] * d.h;
+    }
+    ASSERT_NEAR(dot, gs[r], 1e-4 * (1 + std::fabs(gs[r])));
+  }
+}
+
+TEST(ElementLogic, OptimizerStepsMatchTheCpuBackend) {
+  const int64_t n = 3000;
+  Cpu cpu;
+  for (OptimizerKind kind : {OptimizerKind::kAdam, OptimizerKind::kSgd}) {
+    OptimizerConfig cfg;
+    cfg.kind = kind;
+    cfg.lr = 3e-3f;
+    std::vector<float> w = normal(n, 41), m(n, 0.0f), v(n, 0.0f), ew = w, em = m, ev = v;
+    for (int64_t step = 1; step <= 3; ++step) {
+      const std::vector<float> g = normal(n, 41 + step);
+      cpu.be->optimizer_step(cfg, {n, step, w.data(), g.data(), m.data(), v.data(), nullptr});
+      const float c1 = 1.0f - static_cast<float>(std::pow(double{cfg.beta1}, double(step)));
+      const float c2 = 1.0f - static_cast<float>(std::pow(double{cfg.beta2}, double(step)));
+      const row_logic::AdamParams p{cfg.lr, cfg.beta1, cfg.beta2, cfg.eps, c1, c2};
+      for (int64_t i = 0; i < n; ++i) {
+        if (kind == OptimizerKind::kAdam)
+          row_logic::adam_step(p, ew[i], g[i], em[i], ev[i]);
+        else
+          row_logic::sgd_step(cfg.lr, ew[i], g[i]);
+      }
+    }
+    for (int64_t i = 0; i < n; ++i) ASSERT_NEAR(ew[i], w[i], 1e-6 * (1 + std::fabs(w[i]))) << "element " << i;
+  }
 }
 
 }  // namespace

@@ -207,6 +207,22 @@ TEST_F(SchedulerTest, ASpecTheClusterCannotRunIsRefusedNamingTheField) {
   }
 }
 
+TEST_F(SchedulerTest, NodesOnDifferentBackendsRefuseAJobNamingThem) {
+  for (int i = 0; i < 2; ++i) {
+    v1::RegisterNodeRequest r;
+    r.set_name("node" + std::to_string(i));
+    r.set_devices(1);
+    r.set_backend(i == 0 ? v1::BACKEND_CUDA : v1::BACKEND_CPU);
+    members.register_node(r, false, now);
+  }
+  const std::string id = scheduler.submit(spec(8)).job_id();
+  scheduler.try_start(now);
+  EXPECT_EQ(scheduler.record(id).state(), v1::JOB_STATE_FAILED);
+  EXPECT_EQ(scheduler.record(id).message(),
+            "the nodes run different backends (node0: BACKEND_CUDA, node1: BACKEND_CPU); a job's ranks must all run one");
+  EXPECT_EQ(scheduler.running(), nullptr);
+}
+
 TEST_F(SchedulerTest, ARankFailureFailsTheJobBlamingThePeerAndStopsTheOthers) {
   add_nodes(2, 1);
   const std::string id = scheduler.submit(spec()).job_id();

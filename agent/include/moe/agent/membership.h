@@ -55,6 +55,9 @@ class Membership {
   bool rank_done(const std::string& job_id, int rank);
   // At least one node, every node alive and idle: a job may start.
   bool ready_for_job() const;
+  // "" when every node registered the same backend, else which differ: a job's
+  // ranks share one data path (NCCL between GPUs, UCX between CPU ranks).
+  std::string backend_mismatch() const;
   bool any_dead() const;
 
   int world_size() const { return static_cast<int>(nodes_.size()) * devices_per_node_; }
