@@ -17,31 +17,17 @@
 #include "moe/kernels/cpu_backend.h"
 #include "moe/model/counter_rng.h"
 #include "moe/model/synthetic.h"
+#include "numeric.h"
 #include "router_logic.cuh"
 #include "row_logic.cuh"
 
 namespace moe::kernels::cuda {
 namespace {
 
-std::vector<float> normal(size_t n, uint64_t seed, double scale = 1.0) {
-  std::vector<float> v(n);
-  for (size_t i = 0; i < n; ++i) v[i] = static_cast<float>(scale * model::normal(model::key_hash({seed, i})));
-  return v;
-}
+std::vector<float> normal(size_t n, uint64_t seed, double scale = 1.0) { return test::normal_vector(n, seed, scale); }
 
-// K distinct values of [0, E) per row, about drop_percent of them -1.
 std::vector<int32_t> selection(int64_t T, int K, int E, uint64_t seed, int drop_percent) {
-  std::vector<int32_t> v(T * K);
-  for (int64_t t = 0; t < T; ++t) {
-    std::vector<int32_t> perm(E);
-    std::iota(perm.begin(), perm.end(), 0);
-    for (int k = 0; k < K; ++k) {
-      const uint64_t h = model::key_hash({seed, static_cast<uint64_t>(t), static_cast<uint64_t>(k)});
-      std::swap(perm[k], perm[k + static_cast<int>(h % static_cast<uint64_t>(E - k))]);
-      v[t * K + k] = (h >> 32) % 100 < static_cast<uint64_t>(drop_percent) ? -1 : perm[k];
-    }
-  }
-  return v;
+  return test::random_selection(T, K, E, seed, drop_percent);
 }
 
 struct Cpu {

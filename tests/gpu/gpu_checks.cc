@@ -21,6 +21,7 @@ using kernels::Backend;
 using kernels::Buffer;
 using kernels::DType;
 using test::normal_vector;
+using test::random_selection;
 using test::to_double;
 
 // ---------------------------------------------------------------------------
@@ -45,24 +46,6 @@ std::vector<int32_t> random_ints(size_t n, uint64_t seed, int32_t lo, int32_t hi
   std::vector<int32_t> v(n);
   for (size_t i = 0; i < n; ++i)
     v[i] = lo + static_cast<int32_t>(model::key_hash({seed, i}) % static_cast<uint64_t>(hi - lo + 1));
-  return v;
-}
-
-// K distinct values of [0, E) per row (a top-k selection), some set to -1.
-std::vector<int32_t> random_selection(int64_t T, int K, int E, uint64_t seed, int drop_percent) {
-  std::vector<int32_t> v(T * K);
-  for (int64_t t = 0; t < T; ++t) {
-    std::vector<int32_t> perm(E);
-    std::iota(perm.begin(), perm.end(), 0);
-    for (int k = 0; k < K; ++k) {  // partial Fisher-Yates
-      const int j = k + static_cast<int>(model::key_hash({seed, static_cast<uint64_t>(t), static_cast<uint64_t>(k)}) %
-                                         static_cast<uint64_t>(E - k));
-      std::swap(perm[k], perm[j]);
-      const bool drop = model::key_hash({seed + 1, static_cast<uint64_t>(t * K + k)}) % 100 <
-                        static_cast<uint64_t>(drop_percent);
-      v[t * K + k] = drop ? -1 : perm[k];
-    }
-  }
   return v;
 }
 

@@ -29,6 +29,22 @@ inline std::vector<float> normal_vector(size_t n, uint64_t seed, double stddev =
   return v;
 }
 
+// K distinct values of [0, E) per row (a top-k selection), about drop_percent of
+// them set to -1, keyed by (seed, row, k).
+inline std::vector<int32_t> random_selection(int64_t T, int K, int E, uint64_t seed, int drop_percent) {
+  std::vector<int32_t> v(T * K);
+  std::vector<int32_t> perm(E);
+  for (int64_t t = 0; t < T; ++t) {
+    for (int e = 0; e < E; ++e) perm[e] = e;
+    for (int k = 0; k < K; ++k) {  // partial Fisher-Yates
+      const uint64_t h = model::key_hash({seed, static_cast<uint64_t>(t), static_cast<uint64_t>(k)});
+      std::swap(perm[k], perm[k + static_cast<int>(h % static_cast<uint64_t>(E - k))]);
+      v[t * K + k] = (h >> 32) % 100 < static_cast<uint64_t>(drop_percent) ? -1 : perm[k];
+    }
+  }
+  return v;
+}
+
 template <typename T>
 std::vector<double> to_double(const std::vector<T>& v) {
   return std::vector<double>(v.begin(), v.end());
