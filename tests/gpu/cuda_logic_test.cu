@@ -49,69 +49,90 @@ struct RouterCase {
 
 void PrintTo(const RouterCase& c, std::ostream* os) { *os << c.name; }
 
-class RouterLogic : public ::testing::TestWithParam<RouterCase> {};
-
-TEST_P(RouterLogic, SelectionAndGradientsMatchTheCpuBackend) {
-  const RouterCase& c = GetParam();
-  const int64_t T = 400;
-  const int H = 32, E = c.E, K = c.K;
+// The CPU backend's router on a case: the raw logits (no logit bias: the
+// emulation's input) and the forward with every bias.
+struct CpuRouter {
+  static constexpr int64_t T = 400;
+  static constexpr int H = 32;
+  RouterCase c;
   Cpu cpu;
   RouterConfig cfg;
-  cfg.num_experts = E;
-  cfg.top_k = K;
-  cfg.score = c.score;
-  cfg.num_groups = c.G;
-  cfg.group_top_k = c.group_top_k;
-  cfg.norm_topk_prob = c.norm;
-  cfg.routed_scaling_factor = c.scaling;
-  cfg.num_tokens = T;
-  cfg.hidden = H;
-  const std::vector<float> x = normal(T * H, 1), gate = normal(E * H, 2, 0.3);
-  const std::vector<float> bias = c.biases ? normal(E, 3, 0.05) : std::vector<float>();
-  const std::vector<float> logit_bias = c.biases ? normal(E, 4, 0.5) : std::vector<float>();
-  auto packed = cpu.be->make_router_weights(cfg);
-  cpu.be->pack_router_weights(*packed, gate.data());
-  std::vector<float> raw(T * E), logits(T * E), scores(T * E), w(T * K), ws(cpu.be->router_workspace_bytes(cfg) / 4 + 1);
-  std::vector<int32_t> idx(T * K);
-  RouterForwardArgs a{x.data(), gate.data(), packed.get(), nullptr, nullptr, raw.data(), scores.data(), idx.data(),
-                      w.data(), ws.data()};
-  cpu.be->router_forward(cfg, a);  // raw logits (no logit bias), the emulation's input
-  a.selection_bias = c.biases ? bias.data() : nullptr;
-  a.logit_bias = c.biases ? logit_bias.data() : nullptr;
-  a.logits = logits.data();
-  cpu.be->router_forward(cfg, a);
+  std::vector<float> x, gate, bias, logit_bias, raw, logits, scores, w, ws;
+  std::vector<int32_t> idx;
 
-  // The kernel, one "thread" per token, on the same raw logits.
+  explicit CpuRouter(const RouterCase& rc) : c(rc) {
+    static_cast<RoutingParams&>(cfg) = RoutingParams{c.E, c.K, c.score, c.G, c.group_top_k, c.norm, c.scaling};
+    cfg.num_tokens = T;
+    cfg.hidden = H;
+    x = normal(T * H, 1);
+    gate = normal(c.E * H, 2, 0.3);
+    if (c.biases) {
+      bias = normal(c.E, 3, 0.05);
+      logit_bias = normal(c.E, 4, 0.5);
+    }
+    raw.resize(T * c.E);
+    logits.resize(T * c.E);
+    scores.resize(T * c.E);
+    w.resize(T * c.K);
+    idx.resize(T * c.K);
+    ws.resize(cpu.be->router_workspace_bytes(cfg) / 4 + 1);
+    auto packed = cpu.be->make_router_weights(cfg);
+    cpu.be->pack_router_weights(*packed, gate.data());
+    RouterForwardArgs a{x.data(), gate.data(), packed.get(), nullptr, nullptr, raw.data(), scores.data(),
+                        idx.data(), w.data(), ws.data()};
+    cpu.be->router_forward(cfg, a);
+    a.selection_bias = selection_bias();
+    a.logit_bias = c.biases ? logit_bias.data() : nullptr;
+    a.logits = logits.data();
+    cpu.be->router_forward(cfg, a);
+  }
+  const float* selection_bias() const { return c.biases ? bias.data() : nullptr; }
+};
+
+class RouterLogic : public ::testing::TestWithParam<RouterCase> {};
+
+// The kernel, one "thread" per token, on the same raw logits.
+TEST_P(RouterLogic, SelectionMatchesTheCpuBackend) {
+  const CpuRouter r(GetParam());
+  const RouterCase& c = r.c;
+  const int64_t T = r.T;
+  const int E = c.E, K = c.K;
   const router_logic::SelectParams p{T, E, K, c.G > 1 ? c.G : 1, c.group_top_k, c.score == ScoreFunc::kSigmoid,
                                      c.norm, c.scaling};
-  std::vector<float> el = raw, es(T * E), ew(T * K);
+  std::vector<float> el = r.raw, es(T * E), ew(T * K);
   std::vector<int32_t> ei(T * K);
   for (int64_t t = 0; t < T; ++t)
-    router_logic::select_token(p, t, el.data(), es.data(), a.selection_bias, a.logit_bias, ei.data(), ew.data());
-  EXPECT_EQ(el, logits) << "the logit bias is added as the CPU adds it";
+    router_logic::select_token(p, t, el.data(), es.data(), r.selection_bias(), c.biases ? r.logit_bias.data() : nullptr,
+                               ei.data(), ew.data());
+  EXPECT_EQ(el, r.logits) << "the logit bias is added as the CPU adds it";
   int near_ties = 0;
+  const auto biased = [&](int64_t t, int32_t e) { return r.scores[t * E + e] + (c.biases ? r.bias[e] : 0.0f); };
   for (int64_t t = 0; t < T; ++t) {
-    for (int e = 0; e < E; ++e) ASSERT_NEAR(es[t * E + e], scores[t * E + e], 1e-6) << "token " << t;
+    for (int e = 0; e < E; ++e) ASSERT_NEAR(es[t * E + e], r.scores[t * E + e], 1e-6) << "token " << t;
     bool same = true;
-    for (int k = 0; k < K; ++k) same &= ei[t * K + k] == idx[t * K + k];
+    for (int k = 0; k < K; ++k) same &= ei[t * K + k] == r.idx[t * K + k];
     if (!same) {  // only where two biased scores sit within the exp approximations' noise
       ++near_ties;
-      for (int k = 0; k < K; ++k) {
-        const auto biased = [&](int32_t e) { return scores[t * E + e] + (c.biases ? bias[e] : 0.0f); };
-        EXPECT_NEAR(biased(ei[t * K + k]), biased(idx[t * K + k]), 1e-5) << "token " << t << " k " << k;
-      }
+      for (int k = 0; k < K; ++k)
+        EXPECT_NEAR(biased(t, ei[t * K + k]), biased(t, r.idx[t * K + k]), 1e-5) << "token " << t << " k " << k;
       continue;
     }
-    for (int k = 0; k < K; ++k) EXPECT_NEAR(ew[t * K + k], w[t * K + k], 1e-6 * (1 + std::fabs(w[t * K + k])));
+    for (int k = 0; k < K; ++k) EXPECT_NEAR(ew[t * K + k], r.w[t * K + k], 1e-6 * (1 + std::fabs(r.w[t * K + k])));
   }
   EXPECT_LE(near_ties, T / 50);
+}
 
-  // Backward: dL/dlogits per token, with both balancing terms.
+// dL/dlogits per token, with both balancing terms.
+TEST_P(RouterLogic, LogitGradientsMatchTheCpuBackend) {
+  CpuRouter r(GetParam());
+  const RouterCase& c = r.c;
+  const int64_t T = r.T;
+  const int E = c.E, K = c.K;
   const std::vector<float> gtw = normal(T * K, 5), counts = normal(E, 6, 10.0);
-  std::vector<float> gl(T * E), gw(E * H), gx(T * H, 0.0f), egl(T * E);
-  RouterBackwardArgs b{scores.data(), idx.data(), w.data(), gtw.data(), x.data(), gate.data(), gl.data(), gw.data(),
-                       gx.data(), ws.data(), 0.01f, counts.data(), 0.001f, logits.data()};
-  cpu.be->router_backward(cfg, b);
+  std::vector<float> gl(T * E), gw(E * r.H), gx(T * r.H, 0.0f), egl(T * E);
+  RouterBackwardArgs b{r.scores.data(), r.idx.data(), r.w.data(), gtw.data(),  r.x.data(),   r.gate.data(), gl.data(),
+                       gw.data(),       gx.data(),    r.ws.data(), 0.01f,     counts.data(), 0.001f,        r.logits.data()};
+  r.cpu.be->router_backward(r.cfg, b);
   const router_logic::GradParams gp{T, E, K, c.score == ScoreFunc::kSigmoid, c.norm, c.scaling, 0.01f, 0.001f};
   b.grad_logits = egl.data();
   for (int64_t t = 0; t < T; ++t) router_logic::logit_grad_token(gp, b, t);
