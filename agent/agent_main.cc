@@ -105,13 +105,14 @@ int main(int argc, char** argv) {
       agent.set_metrics_address(exposer->address());
       log::info("metrics on ", exposer->address());
     }
-    if (!f.address_file.empty()) write_file_atomically(f.address_file, agent.address() + "\n");
+    // Signals first: whoever reads the address file may stop us at once.
     rpc::asio::signal_set signals(io, SIGTERM, SIGINT);
     signals.async_wait([&](const boost::system::error_code&, int sig) {
       log::info("signal ", sig, ": stopping");
       agent.stop();
       io.stop();
     });
+    if (!f.address_file.empty()) write_file_atomically(f.address_file, agent.address() + "\n");
     io.run();
     log::info("stopped");
     return 0;

@@ -1,6 +1,8 @@
 // moed: the node daemon. Thin main: flags, signals, the Daemon.
 #include <CLI/CLI.hpp>
 
+#include <memory>
+
 #include "moe/node/daemon.h"
 #include "moe/base/log.h"
 
@@ -33,13 +35,16 @@ int main(int argc, char** argv) {
     if (!token_file.empty()) o.token = rpc::read_token_file(token_file);
     o.agent_grace = std::chrono::milliseconds(static_cast<int64_t>(agent_grace_s * 1000));
     rpc::asio::io_context io;
-    node::Daemon daemon(io, o);
+    // Signals first: once the daemon registers, whoever sees it may stop it at
+    // once (the handler runs inside io.run(), after the daemon exists).
     rpc::asio::signal_set signals(io, SIGTERM, SIGINT);
+    std::unique_ptr<node::Daemon> daemon;
     signals.async_wait([&](const boost::system::error_code&, int sig) {
       log::info("signal ", sig, ": stopping");
-      daemon.stop();
+      if (daemon) daemon->stop();
       io.stop();
     });
+    daemon = std::make_unique<node::Daemon>(io, o);
     io.run();
     log::info("stopped");
     return 0;
