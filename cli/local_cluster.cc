@@ -44,8 +44,10 @@ std::string find_binary(const std::string& name, const std::string& build_subdir
   throw std::runtime_error("cannot find " + name + " next to moectl or on PATH");
 }
 
-// Starts a background process in its own session, output appended to log.
-pid_t spawn(const std::vector<std::string>& argv, const fs::path& log) {
+// Starts a background process in its own session, output appended to log, with
+// `env` (NAME, VALUE) set on top of ours.
+pid_t spawn(const std::vector<std::string>& argv, const fs::path& log,
+            const std::vector<std::pair<std::string, std::string>>& env = {}) {
   const pid_t pid = ::fork();
   if (pid < 0) throw std::runtime_error("fork failed");
   if (pid == 0) {
@@ -57,6 +59,7 @@ pid_t spawn(const std::vector<std::string>& argv, const fs::path& log) {
       ::dup2(fd, 2);
     }
     if (null >= 0) ::dup2(null, 0);
+    for (const auto& [name, value] : env) ::setenv(name.c_str(), value.c_str(), 1);
     std::vector<char*> args;
     for (const auto& a : argv) args.push_back(const_cast<char*>(a.c_str()));
     args.push_back(nullptr);
@@ -193,6 +196,16 @@ int alive_nodes(rpc::RpcClient& agent) {
   return ready;
 }
 
+// The GPUs node i of a local cluster may use: GPUs i*D .. i*D+D-1 of this machine,
+// so the daemons on one machine never share a GPU (NCCL refuses that). Nothing
+// for a CPU cluster, or when CUDA_VISIBLE_DEVICES already chose for us.
+std::vector<std::pair<std::string, std::string>> gpu_slice(const ClusterUpOptions& o, int i) {
+  if (o.backend == "cpu" || std::getenv("CUDA_VISIBLE_DEVICES")) return {};
+  std::string ids;
+  for (int d = 0; d < o.devices_per_node; ++d) ids += (d ? "," : "") + std::to_string(i * o.devices_per_node + d);
+  return {{"CUDA_VISIBLE_DEVICES", ids}};
+}
+
 // Starts node i's daemon and waits until it registered: one at a time, so node i
 // gets node index i (and ranks i*D .. i*D+D-1).
 void start_daemon(const StateDir& s, const ClusterUpOptions& o, int i, const Resolved& r, Clock::time_point until) {
@@ -204,7 +217,7 @@ void start_daemon(const StateDir& s, const ClusterUpOptions& o, int i, const Res
                            s.token().string(), "--name", name, "--listen", "127.0.0.1:0", "--metrics-port",
                            "127.0.0.1:0", "--threads", std::to_string(std::max(1, cores / o.nodes)),
                            "--agent-grace", std::to_string(o.agent_grace)},
-                          log);
+                          log, gpu_slice(o, i));
   write_file_atomically((s.pids() / (name + ".pid")).string(), std::to_string(pid) + "\n");
   auto agent = client(r);
   while (alive_nodes(agent) < i + 1) {

@@ -55,7 +55,7 @@ BackendChoice cpu_choice() {
 
 }  // namespace
 
-BackendChoice resolve_backend(const std::string& requested, BackendFactory override_factory) {
+BackendChoice resolve_backend(const std::string& requested, BackendFactory override_factory, int devices) {
   if (requested != "cpu" && requested != "auto" && requested != "cuda")
     throw RpcError(v1::ERROR_CODE_INVALID_ARGUMENT, "--backend must be auto, cpu or cuda, got '" + requested + "'");
   std::vector<std::string> gpus = gpu_names();
@@ -67,7 +67,10 @@ BackendChoice resolve_backend(const std::string& requested, BackendFactory overr
     if (gpus.empty())
       throw RpcError(v1::ERROR_CODE_INVALID_ARGUMENT, "--backend cuda: no CUDA device is visible here; use cpu");
   }
-  const bool cuda = requested == "cuda" || (requested == "auto" && !gpus.empty());
+  const bool fits = !gpus.empty() && devices <= static_cast<int>(gpus.size());
+  if (requested == "auto" && !gpus.empty() && !fits)
+    log::warn("--backend auto: ", devices, " ranks, ", gpus.size(), " GPUs visible (one rank each); using the CPU backend");
+  const bool cuda = requested == "cuda" || (requested == "auto" && fits);
   const bool overridden = static_cast<bool>(override_factory);
   BackendChoice c = cuda ? cuda_choice(std::move(gpus)) : cpu_choice();
   if (overridden) c.make = std::move(override_factory);
@@ -102,7 +105,7 @@ int resolve_devices(int requested, const BackendChoice& backend) {
 }
 
 Daemon::Daemon(rpc::asio::io_context& io, DaemonOptions options) : io_(io), opts_(std::move(options)) {
-  backend_ = resolve_backend(opts_.backend, opts_.make_backend);
+  backend_ = resolve_backend(opts_.backend, opts_.make_backend, opts_.devices);
   opts_.devices = resolve_devices(opts_.devices, backend_);
   if (opts_.threads <= 0) opts_.threads = static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
   server_ = std::make_unique<rpc::RpcServer>(

@@ -45,10 +45,11 @@ struct BackendChoice {
   BackendFactory make;
 };
 
-// Resolves auto | cpu | cuda (auto: CUDA where this build has it and a GPU is
-// visible); throws rpc::RpcError(INVALID_ARGUMENT) naming why the backend cannot
-// run here (a CUDA request without a CUDA build or device).
-BackendChoice resolve_backend(const std::string& requested, BackendFactory override_factory = {});
+// Resolves auto | cpu | cuda for `devices` ranks (0: one per GPU). auto is CUDA
+// where this build has it and the visible GPUs can hold the ranks (one each),
+// else the CPU; throws rpc::RpcError(INVALID_ARGUMENT) naming why the backend
+// cannot run here (a CUDA request without a CUDA build or device).
+BackendChoice resolve_backend(const std::string& requested, BackendFactory override_factory = {}, int devices = 0);
 
 // The ranks a daemon runs: --devices, or with 0 one per GPU (cuda) or 1 (cpu).
 // Throws rpc::RpcError(INVALID_ARGUMENT) when a CUDA daemon asks for more ranks
