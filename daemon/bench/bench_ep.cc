@@ -29,12 +29,6 @@ namespace {
 
 using Clock = std::chrono::steady_clock;
 
-double median(std::vector<double> v) {
-  if (v.empty()) return 0;
-  std::sort(v.begin(), v.end());
-  return v[v.size() / 2];
-}
-
 // Runs a child, returns its stdout; empty on failure.
 std::string capture(const std::vector<std::string>& argv, Clock::duration timeout, pid_t* started = nullptr) {
   int fds[2];

@@ -11,6 +11,9 @@
 
 namespace moe::bench {
 
+// The median of v (the upper one of an even count; 0 when empty).
+double median(std::vector<double> v);
+
 class Report {
  public:
   Report& add(const std::string& key, double v);

@@ -406,11 +406,7 @@ const float* EpLayer::grad_w2(int local_slot) const {
 
 EpGrads EpLayer::copy_grads() const {
   MOE_CHECK(cfg_.train, "weight gradients of a layer built without train = true");
-  auto host = [&](const float* p, size_t n) {
-    std::vector<float> v(p ? n : 0);
-    if (p) be_.copy_to_host(v.data(), p, 4 * n);
-    return v;
-  };
+  auto host = [&](const float* p, size_t n) { return kernels::to_host<float>(be_, p, p ? n : 0); };
   const size_t H = cfg_.hidden, I = cfg_.ffn_hidden, S = map_.slots_per_rank;
   EpGrads g;
   g.gate = host(grad_gate(), cfg_.num_experts * H);

@@ -64,7 +64,7 @@ ep::EpOptions ModelStack::layer_options(int l) const {
 }
 
 std::vector<uint8_t> ModelStack::host_bytes(const kernels::Buffer& b) const {
-  return host_copy(static_cast<const uint8_t*>(b.get()), T_ * H_ * kernels::dtype_size(dt_));
+  return kernels::to_host<uint8_t>(be_, b.get(), T_ * H_ * kernels::dtype_size(dt_));
 }
 
 void ModelStack::stage(const v1::PrepareRebalance& p) {
@@ -136,9 +136,9 @@ void ModelStack::capture_forward(int l) {
   LayerSnapshot& s = snaps_[l];
   s.x = host_bytes(xs_[l]);
   s.out = host_bytes(out_);
-  s.topk_idx = host_copy(layer.topk_idx(), pairs);
-  s.kept_idx = host_copy(layer.kept_idx(), pairs);
-  s.topk_weight = host_copy(layer.topk_weight(), pairs);
+  s.topk_idx = kernels::to_host<int32_t>(be_, layer.topk_idx(), pairs);
+  s.kept_idx = kernels::to_host<int32_t>(be_, layer.kept_idx(), pairs);
+  s.topk_weight = kernels::to_host<float>(be_, layer.topk_weight(), pairs);
 }
 
 void ModelStack::forward(int step, StepReport& report, bool capture) {

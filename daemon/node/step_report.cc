@@ -31,9 +31,7 @@ void StepReport::add_forward(int layer, const ep::EpLayer& l, int64_t T, int K) 
                        .combine_received_bytes = tr.combine_received_bytes,
                        .naive_dispatch_bytes = tr.naive_dispatch_bytes,
                        .naive_combine_bytes = tr.naive_combine_bytes};
-  std::vector<int32_t> kept(T * K);
-  l.backend().copy_to_host(kept.data(), l.kept_idx(), 4 * kept.size());
-  for (int32_t e : kept)
+  for (int32_t e : kernels::to_host<int32_t>(l.backend(), l.kept_idx(), T * K))
     if (e >= 0) ++m.expert_tokens[e];
   v1::ExpertTokens* et = stats_.add_expert_tokens();
   for (int64_t n : m.expert_tokens) et->add_tokens(static_cast<double>(n));

@@ -126,4 +126,12 @@ void ExpertMlpConfig::validate() const {
   MOE_CHECK(max_rows >= 0 && max_src_rows >= 0, "expert mlp: max_rows must be >= 0");
 }
 
+void ExpertMlpConfig::check_offsets(const int64_t* off) const {
+  MOE_CHECK(off[0] == 0, "expert mlp: expert_offset[0] must be 0, got ", off[0]);
+  for (int e = 0; e < num_experts; ++e)
+    MOE_CHECK(off[e + 1] >= off[e], "expert mlp: expert_offset decreases at expert ", e);
+  MOE_CHECK(off[num_experts] <= max_rows, "expert mlp: ", off[num_experts], " permuted rows exceed max_rows (",
+            max_rows, ")");
+}
+
 }  // namespace moe::kernels

@@ -151,7 +151,7 @@ const CpuExpertWeights& checked_for(const CpuExec& exec, const ExpertMlpConfig& 
 void expert_mlp_forward(CpuExec& exec, const ExpertMlpConfig& c, const ExpertMlpForwardArgs& a) {
   c.validate();
   const CpuExpertWeights& p = checked_for(exec, c, a.packed, false);
-  check_offsets(c, a.expert_offset);
+  c.check_offsets(a.expert_offset);
   if (p.engine == GemmEngine::kOneDnn)
     forward_onednn(exec, c, a, p);
   else
@@ -162,7 +162,7 @@ void expert_mlp_backward(CpuExec& exec, const ExpertMlpConfig& c, const ExpertMl
   c.validate();
   MOE_CHECK(c.train, "expert mlp backward needs a config with train = true (workspace)");
   const CpuExpertWeights& p = checked_for(exec, c, a.packed, true);
-  check_offsets(c, a.expert_offset);
+  c.check_offsets(a.expert_offset);
   if (p.engine == GemmEngine::kOneDnn)
     backward_onednn(exec, c, a, p);
   else

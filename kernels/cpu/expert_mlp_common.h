@@ -13,14 +13,6 @@ namespace moe::kernels::cpu {
 // Rows per fused tile: one expert's rows, split so a tile's panels stay in L2.
 constexpr int64_t kMlpMaxTileRows = 512;
 
-inline void check_offsets(const ExpertMlpConfig& c, const int64_t* off) {
-  MOE_CHECK(off[0] == 0, "expert mlp: expert_offset[0] must be 0, got ", off[0]);
-  for (int e = 0; e < c.num_experts; ++e)
-    MOE_CHECK(off[e + 1] >= off[e], "expert mlp: expert_offset decreases at expert ", e);
-  MOE_CHECK(off[c.num_experts] <= c.max_rows, "expert mlp: ", off[c.num_experts],
-            " permuted rows exceed max_rows (", c.max_rows, ")");
-}
-
 // Thread-seconds per phase, summed over tiles; flushed into ExpertMlpStats.
 class PhaseClock {
  public:

@@ -58,14 +58,6 @@ const CudaExpertWeights& checked_weights(const ExpertMlpConfig& c, const PackedW
   return *p;
 }
 
-void check_offsets(const ExpertMlpConfig& c, const int64_t* off) {
-  MOE_CHECK(off[0] == 0, "expert mlp: expert_offset[0] must be 0, got ", off[0]);
-  for (int e = 0; e < c.num_experts; ++e)
-    MOE_CHECK(off[e + 1] >= off[e], "expert mlp: expert_offset decreases at expert ", e);
-  MOE_CHECK(off[c.num_experts] <= c.max_rows, "expert mlp: ", off[c.num_experts], " permuted rows exceed max_rows (",
-            c.max_rows, ")");
-}
-
 // The weights the GEMMs read: the bf16 copies in a bf16 layer, the fp32 arrays otherwise.
 struct ExpertGemmWeights {
   const void* w13;
@@ -115,7 +107,7 @@ size_t expert_mlp_workspace_bytes(const ExpertMlpConfig& c) {
 void expert_mlp_forward(CudaExec& ex, const ExpertMlpConfig& c, const ExpertMlpForwardArgs& a) {
   c.validate();
   const CudaExpertWeights& p = checked_weights(c, a.packed);
-  check_offsets(c, a.expert_offset);
+  c.check_offsets(a.expert_offset);
   const int64_t M = a.expert_offset[c.num_experts], H = c.hidden, I = c.ffn_hidden;
   if (M == 0) return;
   const MlpWorkspace w = carve(c, a.workspace);
@@ -145,7 +137,7 @@ void expert_mlp_backward(CudaExec& ex, const ExpertMlpConfig& c, const ExpertMlp
   c.validate();
   MOE_CHECK(c.train, "expert mlp backward needs a config with train = true (workspace)");
   const CudaExpertWeights& p = checked_weights(c, a.packed);
-  check_offsets(c, a.expert_offset);
+  c.check_offsets(a.expert_offset);
   const int64_t M = a.expert_offset[c.num_experts], H = c.hidden, I = c.ffn_hidden;
   const int L = c.num_experts;
   const MlpWorkspace w = carve(c, a.workspace);

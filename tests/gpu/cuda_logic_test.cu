@@ -24,11 +24,8 @@
 namespace moe::kernels::cuda {
 namespace {
 
-std::vector<float> normal(size_t n, uint64_t seed, double scale = 1.0) { return test::normal_vector(n, seed, scale); }
-
-std::vector<int32_t> selection(int64_t T, int K, int E, uint64_t seed, int drop_percent) {
-  return test::random_selection(T, K, E, seed, drop_percent);
-}
+using test::normal_vector;
+using test::random_selection;
 
 struct Cpu {
   ThreadPool pool{1};
@@ -64,11 +61,11 @@ struct CpuRouter {
     static_cast<RoutingParams&>(cfg) = RoutingParams{c.E, c.K, c.score, c.G, c.group_top_k, c.norm, c.scaling};
     cfg.num_tokens = T;
     cfg.hidden = H;
-    x = normal(T * H, 1);
-    gate = normal(c.E * H, 2, 0.3);
+    x = normal_vector(T * H, 1);
+    gate = normal_vector(c.E * H, 2, 0.3);
     if (c.biases) {
-      bias = normal(c.E, 3, 0.05);
-      logit_bias = normal(c.E, 4, 0.5);
+      bias = normal_vector(c.E, 3, 0.05);
+      logit_bias = normal_vector(c.E, 4, 0.5);
     }
     raw.resize(T * c.E);
     logits.resize(T * c.E);
@@ -128,7 +125,7 @@ TEST_P(RouterLogic, LogitGradientsMatchTheCpuBackend) {
   const RouterCase& c = r.c;
   const int64_t T = r.T;
   const int E = c.E, K = c.K;
-  const std::vector<float> gtw = normal(T * K, 5), counts = normal(E, 6, 10.0);
+  const std::vector<float> gtw = normal_vector(T * K, 5), counts = normal_vector(E, 6, 10.0);
   std::vector<float> gl(T * E), gw(E * r.H), gx(T * r.H, 0.0f), egl(T * E);
   RouterBackwardArgs b{r.scores.data(), r.idx.data(), r.w.data(), gtw.data(),  r.x.data(),   r.gate.data(), gl.data(),
                        gw.data(),       gx.data(),    r.ws.data(), 0.01f,     counts.data(), 0.001f,        r.logits.data()};
@@ -175,7 +172,7 @@ std::vector<int32_t> emulate_capacity(const CapacityConfig& cfg, const std::vect
 TEST(CapacityLogic, DropsWhatTheCpuBackendDrops) {
   const int64_t T = 600;
   const int E = 8, K = 2;
-  const std::vector<int32_t> idx = selection(T, K, E, 7, 5);
+  const std::vector<int32_t> idx = random_selection(T, K, E, 7, 5);
   std::vector<float> w(T * K);
   for (size_t p = 0; p < w.size(); ++p) w[p] = 0.25f * static_cast<float>(model::key_hash({8, p}) % 4);  // ties
   w[3] = -0.0f;  // ties +0
@@ -207,8 +204,8 @@ std::vector<int64_t> exclusive_scan(const std::vector<int32_t>& counts) {
 TEST(LayoutLogic, DispatchLayoutMatchesTheCpuBackend) {
   const int64_t T = 333;  // chunks of 32 and a partial one
   const int K = 4, R = 5, S = 3;
-  const std::vector<int32_t> slots = selection(T, K, R * S, 9, 10);
-  const std::vector<float> w = normal(T * K, 10);
+  const std::vector<int32_t> slots = random_selection(T, K, R * S, 9, 10);
+  const std::vector<float> w = normal_vector(T * K, 10);
   const int64_t rows_max = T * std::min(R, K);
   struct Out {
     std::vector<int32_t> per_rank, per_slot, send_row, src, sslot;
@@ -256,10 +253,10 @@ TEST(LayoutLogic, DispatchLayoutMatchesTheCpuBackend) {
 TEST(LayoutLogic, PermuteLayoutMatchesTheCpuBackend) {
   for (const auto& [N, L] : std::vector<std::pair<int64_t, int>>{{500, 7}, {40, 0}, {0, 3}, {65, 1}}) {
     const int K = 3;
-    std::vector<int32_t> re = selection(N, K, std::max(L, K), 11, 15);
+    std::vector<int32_t> re = random_selection(N, K, std::max(L, K), 11, 15);
     for (int32_t& e : re)
       if (e >= L) e = -1;
-    const std::vector<float> rw = normal(N * K, 12);
+    const std::vector<float> rw = normal_vector(N * K, 12);
     Cpu cpu;
     const PermuteLayoutConfig cfg{N, K, L};
     std::vector<uint8_t> ws(cpu.be->permute_layout_workspace_bytes(cfg) + 64);
@@ -328,7 +325,7 @@ template <typename In, typename Out, int V>
 void check_rows(DType in, DType out, int H) {
   const int64_t N = 120;
   const int K = 3, L = 5;
-  std::vector<int32_t> re = selection(N, K, L, 21, 20);
+  std::vector<int32_t> re = random_selection(N, K, L, 21, 20);
   Cpu cpu;
   // The permute layout of the CPU backend gives both maps.
   std::vector<int64_t> off(L + 1);
@@ -337,18 +334,18 @@ void check_rows(DType in, DType out, int H) {
   std::vector<uint8_t> ws(cpu.be->permute_layout_workspace_bytes({N, K, L}) + 64);
   cpu.be->permute_layout({N, K, L}, {re.data(), nullptr, off.data(), src.data(), pw.data(), pos.data(), ws.data()});
   const int64_t M = off[L];
-  const std::vector<In> rows = stored<In>(normal(N * H, 22));
+  const std::vector<In> rows = stored<In>(normal_vector(N * H, 22));
   std::vector<Out> got(M * H), want(M * H);
   for (int64_t m = 0; m < M; ++m)
     for (int j = 0; j < H / V; ++j) row_logic::gather_vec<In, Out, V>(rows.data(), H, src[m], m, j, got.data());
   cpu.be->permute({N, K, M, H, in, out}, {rows.data(), src.data(), pos.data(), want.data()});
   EXPECT_EQ(widened(got), widened(want)) << "gather V=" << V;
 
-  const std::vector<In> perm = stored<In>(normal(M * H, 23));
-  const std::vector<float> w = normal(N * K, 24);
+  const std::vector<In> perm = stored<In>(normal_vector(M * H, 23));
+  const std::vector<float> w = normal_vector(N * K, 24);
   for (bool accumulate : {false, true}) {
     if (accumulate && out == DType::kBF16) continue;  // fp32 outputs only
-    const std::vector<Out> start = stored<Out>(normal(N * H, 25));
+    const std::vector<Out> start = stored<Out>(normal_vector(N * H, 25));
     std::vector<Out> e_out = start, c_out = start;
     for (int64_t n = 0; n < N; ++n)
       for (int j = 0; j < H / V; ++j)
@@ -382,7 +379,7 @@ TEST(RowLogic, UnpermuteReportsAPositionOutOfRange) {
 }
 
 TEST(RowLogic, BfloatConversionIsTheCpusBitForBit) {
-  std::vector<float> v = normal(4000, 26);
+  std::vector<float> v = normal_vector(4000, 26);
   v.push_back(NAN);
   v.push_back(INFINITY);
   v.push_back(-0.0f);
@@ -399,7 +396,7 @@ TEST(RowLogic, BfloatConversionIsTheCpusBitForBit) {
 TEST(ElementLogic, SwigluMatchesTheCpuBackend) {
   const int64_t M = 30;
   const int I = 24;
-  const std::vector<float> gu = normal(M * 2 * I, 31, 2.0), dh = normal(M * I, 32), scale = normal(M, 33);
+  const std::vector<float> gu = normal_vector(M * 2 * I, 31, 2.0), dh = normal_vector(M * I, 32), scale = normal_vector(M, 33);
   Cpu cpu;
   std::vector<float> h(M * I), ggu(M * 2 * I), gs(M), h2(M * I);
   cpu.be->swiglu_forward({M, I}, {gu.data(), scale.data(), h.data()});
@@ -425,9 +422,9 @@ TEST(ElementLogic, OptimizerStepsMatchTheCpuBackend) {
     OptimizerConfig cfg;
     cfg.kind = kind;
     cfg.lr = 3e-3f;
-    std::vector<float> w = normal(n, 41), m(n, 0.0f), v(n, 0.0f), ew = w, em = m, ev = v;
+    std::vector<float> w = normal_vector(n, 41), m(n, 0.0f), v(n, 0.0f), ew = w, em = m, ev = v;
     for (int64_t step = 1; step <= 3; ++step) {
-      const std::vector<float> g = normal(n, 41 + step);
+      const std::vector<float> g = normal_vector(n, 41 + step);
       cpu.be->optimizer_step(cfg, {n, step, w.data(), g.data(), m.data(), v.data(), nullptr});
       const float c1 = 1.0f - static_cast<float>(std::pow(double{cfg.beta1}, double(step)));
       const float c2 = 1.0f - static_cast<float>(std::pow(double{cfg.beta2}, double(step)));

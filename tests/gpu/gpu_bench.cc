@@ -25,15 +25,11 @@ namespace {
 
 using kernels::Backend;
 using kernels::Buffer;
+using bench::median;
 using kernels::DType;
 
 void cuda_ok(cudaError_t e, const char* what) {
   MOE_CHECK(e == cudaSuccess, what, ": ", cudaGetErrorString(e));
-}
-
-double median(std::vector<double> v) {
-  std::sort(v.begin(), v.end());
-  return v.empty() ? 0.0 : v[v.size() / 2];
 }
 
 // Median seconds of f(), the device idle before and after each timed call.

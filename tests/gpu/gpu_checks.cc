@@ -19,6 +19,8 @@ namespace {
 
 using kernels::Backend;
 using kernels::Buffer;
+using kernels::to_backend;
+using kernels::to_host;
 using kernels::DType;
 using test::normal_vector;
 using test::random_selection;
@@ -26,20 +28,6 @@ using test::to_double;
 
 // ---------------------------------------------------------------------------
 // Host <-> backend memory, seeded data, result bookkeeping.
-
-template <typename T>
-Buffer upload(Backend& be, const std::vector<T>& v) {
-  Buffer b(be, std::max<size_t>(v.size() * sizeof(T), 64));
-  be.copy_to_device(b.get(), v.data(), v.size() * sizeof(T));
-  return b;
-}
-
-template <typename T>
-std::vector<T> download(Backend& be, const void* p, size_t n) {
-  std::vector<T> v(n);
-  be.copy_to_host(v.data(), p, n * sizeof(T));
-  return v;
-}
 
 // Uniform integers in [lo, hi] keyed by (seed, i).
 std::vector<int32_t> random_ints(size_t n, uint64_t seed, int32_t lo, int32_t hi) {
@@ -98,30 +86,30 @@ Result check_convert_add(Backend& be) {
   v[4] = 1.0f + 0x1.0p-8f;           // a tie: rounds to even
   v[5] = 3.0e38f;                    // rounds up to infinity
   const int64_t n = static_cast<int64_t>(v.size());
-  Buffer src = upload(be, v), b16(be, 2 * n), back(be, 4 * n);
+  Buffer src = to_backend(be, v), b16(be, 2 * n), back(be, 4 * n);
   be.convert(src.get(), DType::kF32, b16.get(), DType::kBF16, n);
   be.convert(b16.get(), DType::kBF16, back.get(), DType::kF32, n);
-  const std::vector<uint16_t> got16 = download<uint16_t>(be, b16.get(), n);
+  const std::vector<uint16_t> got16 = to_host<uint16_t>(be, b16.get(), n);
   std::vector<uint16_t> want16(n);
   for (int64_t i = 0; i < n; ++i) want16[i] = kernels::f32_to_bf16(v[i]);
   ck.equal("fp32 -> bf16 bits", got16, want16);
   std::vector<uint32_t> got_back, want_back;
-  for (float f : download<float>(be, back.get(), n)) got_back.push_back(bits_of(f));
+  for (float f : to_host<float>(be, back.get(), n)) got_back.push_back(bits_of(f));
   for (uint16_t h : want16) want_back.push_back(bits_of(kernels::bf16_to_f32(h)));
   ck.equal("bf16 -> fp32 bits", got_back, want_back);
 
   const std::vector<float> w = normal_vector(1000, 2);
-  Buffer sum = upload(be, w), w16 = upload(be, test::float_to_bf16(w));
+  Buffer sum = to_backend(be, w), w16 = to_backend(be, test::float_to_bf16(w));
   be.add(sum.get(), src.get(), DType::kF32, n);
   be.add(w16.get(), b16.get(), DType::kBF16, n);
   std::vector<uint32_t> got_sum, want_sum;
-  for (float f : download<float>(be, sum.get(), n)) got_sum.push_back(bits_of(f));
+  for (float f : to_host<float>(be, sum.get(), n)) got_sum.push_back(bits_of(f));
   for (int64_t i = 0; i < n; ++i) want_sum.push_back(bits_of(w[i] + v[i]));
   ck.equal("add fp32 bits", got_sum, want_sum);
   std::vector<uint16_t> want_sum16(n);
   for (int64_t i = 0; i < n; ++i)
     want_sum16[i] = kernels::f32_to_bf16(kernels::round_to_bf16(w[i]) + kernels::bf16_to_f32(want16[i]));
-  ck.equal("add bf16 bits", download<uint16_t>(be, w16.get(), n), want_sum16);
+  ck.equal("add bf16 bits", to_host<uint16_t>(be, w16.get(), n), want_sum16);
   return ck.result();
 }
 
@@ -202,8 +190,8 @@ Result check_router_forward(Backend& be, const RouterCase& c) {
   const RouterInputs in = router_inputs(c, 4);
   const kernels::RouterConfig cfg = router_config(c);
   const int64_t T = c.T;
-  Buffer x = upload(be, model::to_storage(in.x, c.dtype)), gate = upload(be, in.gate);
-  Buffer bias = upload(be, in.bias), lbias = upload(be, in.logit_bias);
+  Buffer x = to_backend(be, model::to_storage(in.x, c.dtype)), gate = to_backend(be, in.gate);
+  Buffer bias = to_backend(be, in.bias), lbias = to_backend(be, in.logit_bias);
   Buffer logits(be, 4 * T * c.E + 64), scores(be, 4 * T * c.E + 64), idx(be, 4 * T * c.K + 64),
       w(be, 4 * T * c.K + 64), ws(be, be.router_workspace_bytes(cfg) + 64);
   auto packed = be.make_router_weights(cfg);
@@ -223,10 +211,10 @@ Result check_router_forward(Backend& be, const RouterCase& c) {
 
   const ref::Forward f = ref::forward(ref_config(c, 4), ref_weights(in), to_double(in.x), T);
   const bool empty = T == 0;
-  ck.close("logits", to_double(download<float>(be, logits.get(), T * c.E)), f.logits, 1e-4, 1e-5, empty);
-  ck.close("scores", to_double(download<float>(be, scores.get(), T * c.E)), f.scores, 1e-4, 1e-6, empty);
-  const std::vector<int32_t> got_idx = download<int32_t>(be, idx.get(), T * c.K);
-  const std::vector<double> got_w = to_double(download<float>(be, w.get(), T * c.K));
+  ck.close("logits", to_double(to_host<float>(be, logits.get(), T * c.E)), f.logits, 1e-4, 1e-5, empty);
+  ck.close("scores", to_double(to_host<float>(be, scores.get(), T * c.E)), f.scores, 1e-4, 1e-6, empty);
+  const std::vector<int32_t> got_idx = to_host<int32_t>(be, idx.get(), T * c.K);
+  const std::vector<double> got_w = to_double(to_host<float>(be, w.get(), T * c.K));
   int near_ties = 0;
   for (int64_t t = 0; t < T; ++t) {
     if (f.selection_margin[t] < 1e-5) {
@@ -263,11 +251,11 @@ Result check_router_backward(Backend& be, const RouterCase& c) {
 
   auto as_float = [](const std::vector<double>& v) { return std::vector<float>(v.begin(), v.end()); };
   const std::vector<float> gx0 = normal_vector(T * H, 15);
-  Buffer x = upload(be, model::to_storage(in.x, c.dtype)), gate = upload(be, in.gate);
-  Buffer scores = upload(be, as_float(f.scores)), logits = upload(be, as_float(f.logits));
-  Buffer idx = upload(be, f.topk_idx), w = upload(be, as_float(f.topk_weight));
-  Buffer gtw = upload(be, as_float(g.grad_topk_weight)), counts = upload(be, as_float(f.balance_counts));
-  Buffer gl(be, 4 * T * E + 64), gw(be, 4 * E * H), gx = upload(be, gx0), ws(be, be.router_workspace_bytes(cfg) + 64);
+  Buffer x = to_backend(be, model::to_storage(in.x, c.dtype)), gate = to_backend(be, in.gate);
+  Buffer scores = to_backend(be, as_float(f.scores)), logits = to_backend(be, as_float(f.logits));
+  Buffer idx = to_backend(be, f.topk_idx), w = to_backend(be, as_float(f.topk_weight));
+  Buffer gtw = to_backend(be, as_float(g.grad_topk_weight)), counts = to_backend(be, as_float(f.balance_counts));
+  Buffer gl(be, 4 * T * E + 64), gw(be, 4 * E * H), gx = to_backend(be, gx0), ws(be, be.router_workspace_bytes(cfg) + 64);
   kernels::RouterBackwardArgs a;
   a.scores = scores.as<float>();
   a.topk_idx = idx.as<int32_t>();
@@ -287,7 +275,7 @@ Result check_router_backward(Backend& be, const RouterCase& c) {
   be.router_backward(cfg, a);
 
   const bool empty = T == 0;
-  ck.close("grad_logits", to_double(download<float>(be, gl.get(), T * E)), g.grad_logits, 1e-4, 1e-5, empty);
+  ck.close("grad_logits", to_double(to_host<float>(be, gl.get(), T * E)), g.grad_logits, 1e-4, 1e-5, empty);
   std::vector<double> want_gw(static_cast<size_t>(E) * H, 0.0), want_gx = to_double(gx0);
   for (int64_t t = 0; t < T; ++t)
     for (int e = 0; e < E; ++e) {
@@ -297,8 +285,8 @@ Result check_router_backward(Backend& be, const RouterCase& c) {
         want_gx[t * H + h] += dl * in.gate[e * H + h];
       }
     }
-  ck.close("grad_weight", to_double(download<float>(be, gw.get(), E * H)), want_gw, 1e-4, 1e-5, empty);
-  ck.close("grad_x", to_double(download<float>(be, gx.get(), T * H)), want_gx, 1e-4, 1e-5, empty);
+  ck.close("grad_weight", to_double(to_host<float>(be, gw.get(), E * H)), want_gw, 1e-4, 1e-5, empty);
+  ck.close("grad_x", to_double(to_host<float>(be, gx.get(), T * H)), want_gx, 1e-4, 1e-5, empty);
   return ck.result();
 }
 
@@ -329,10 +317,10 @@ Result check_capacity(Backend& be, kernels::DropPolicy policy) {
   for (size_t p = 0; p < w.size(); ++p) w[p] = 0.25f * static_cast<float>(model::key_hash({22, p}) % 4);
   for (double cf : {0.0, 0.5, 1.0}) {
     const kernels::CapacityConfig cfg{T, E, K, cf, policy};
-    Buffer di = upload(be, idx), dw = upload(be, w), kept(be, 4 * T * K), ws(be, be.capacity_workspace_bytes(cfg) + 64);
+    Buffer di = to_backend(be, idx), dw = to_backend(be, w), kept(be, 4 * T * K), ws(be, be.capacity_workspace_bytes(cfg) + 64);
     be.capacity_drop(cfg, {di.as<int32_t>(), dw.as<float>(), kept.as<int32_t>(), ws.get()});
     const int64_t cap = cf == 0.0 ? T * K : cfg.capacity();
-    ck.equal("kept_idx (cf " + std::to_string(cf) + ")", download<int32_t>(be, kept.get(), T * K),
+    ck.equal("kept_idx (cf " + std::to_string(cf) + ")", to_host<int32_t>(be, kept.get(), T * K),
              host_capacity(idx, w, E, cap, policy));
   }
   return ck.result();
@@ -347,14 +335,14 @@ Result check_select_replicas(Backend& be) {
   std::vector<int32_t> log2phy(E * R, -1);
   for (int e = 0; e < E; ++e)
     for (int r = 0; r < logcnt[e]; ++r) log2phy[e * R + r] = e * R + r + 7;
-  Buffer di = upload(be, idx), dl = upload(be, log2phy), dc = upload(be, logcnt), slot(be, 4 * T * K);
+  Buffer di = to_backend(be, idx), dl = to_backend(be, log2phy), dc = to_backend(be, logcnt), slot(be, 4 * T * K);
   kernels::ReplicaArgs a{di.as<int32_t>(), 1000, dl.as<int32_t>(), dc.as<int32_t>(), R, slot.as<int32_t>()};
   be.select_replicas(T, K, E, a);
   std::vector<int32_t> want(T * K, -1);
   for (int64_t p = 0; p < T * K; ++p)
     if (idx[p] >= 0)
       want[p] = log2phy[idx[p] * R + kernels::replica_index(1000 + p / K, idx[p], logcnt[idx[p]])];
-  ck.equal("topk_slot", download<int32_t>(be, slot.get(), T * K), want);
+  ck.equal("topk_slot", to_host<int32_t>(be, slot.get(), T * K), want);
   return ck.result();
 }
 
@@ -365,7 +353,7 @@ Result check_dispatch_layout(Backend& be, int64_t T) {
   const std::vector<float> w = normal_vector(T * K, 42);
   const kernels::DispatchLayoutConfig cfg{T, K, R, S};
   const int64_t max_rows = T * std::min(R, K);
-  Buffer ds = upload(be, slots), dw = upload(be, w), per_rank(be, 4 * R), per_slot(be, 4 * R * S),
+  Buffer ds = to_backend(be, slots), dw = to_backend(be, w), per_rank(be, 4 * R), per_slot(be, 4 * R * S),
       in_rank(be, T * R + 64), send_row(be, 4 * T * R + 64), src(be, 4 * max_rows + 64), sslot(be, 4 * max_rows * K + 64),
       sw(be, 4 * max_rows * K + 64), ws(be, be.dispatch_layout_workspace_bytes(cfg) + 64);
   std::vector<int64_t> rank_offset(R + 1);
@@ -384,13 +372,13 @@ Result check_dispatch_layout(Backend& be, int64_t T) {
   be.dispatch_layout(cfg, a);
   const ref::DispatchLayout want = ref::dispatch_layout(slots, w, T, K, R, S);
   const int64_t rows = rank_offset[R];
-  ck.equal("num_tokens_per_rank", download<int32_t>(be, per_rank.get(), R), want.num_tokens_per_rank);
-  ck.equal("num_tokens_per_slot", download<int32_t>(be, per_slot.get(), R * S), want.num_tokens_per_slot);
-  ck.equal("is_token_in_rank", download<uint8_t>(be, in_rank.get(), T * R), want.is_token_in_rank);
-  ck.equal("token_send_row", download<int32_t>(be, send_row.get(), T * R), want.token_send_row);
-  ck.equal("send_src_token", download<int32_t>(be, src.get(), rows), want.send_src_token);
-  ck.equal("send_slot", download<int32_t>(be, sslot.get(), rows * K), want.send_slot);
-  ck.equal("send_weight", download<float>(be, sw.get(), rows * K), want.send_weight);
+  ck.equal("num_tokens_per_rank", to_host<int32_t>(be, per_rank.get(), R), want.num_tokens_per_rank);
+  ck.equal("num_tokens_per_slot", to_host<int32_t>(be, per_slot.get(), R * S), want.num_tokens_per_slot);
+  ck.equal("is_token_in_rank", to_host<uint8_t>(be, in_rank.get(), T * R), want.is_token_in_rank);
+  ck.equal("token_send_row", to_host<int32_t>(be, send_row.get(), T * R), want.token_send_row);
+  ck.equal("send_src_token", to_host<int32_t>(be, src.get(), rows), want.send_src_token);
+  ck.equal("send_slot", to_host<int32_t>(be, sslot.get(), rows * K), want.send_slot);
+  ck.equal("send_weight", to_host<float>(be, sw.get(), rows * K), want.send_weight);
   int64_t acc = 0;
   for (int r = 0; r <= R; ++r) {
     ck.expect(rank_offset[r] == acc, "rank_offset[" + std::to_string(r) + "]");
@@ -433,7 +421,7 @@ Result check_permute_layout(Backend& be, int64_t N, int L) {
     if (e >= L) e = -1;  // K distinct values of max(L, K): those beyond L are "not here"
   const std::vector<float> rw = normal_vector(N * K, 52);
   const kernels::PermuteLayoutConfig cfg{N, K, L};
-  Buffer dre = upload(be, row_expert), drw = upload(be, rw), src(be, 4 * N * K + 64), pw(be, 4 * N * K + 64),
+  Buffer dre = to_backend(be, row_expert), drw = to_backend(be, rw), src(be, 4 * N * K + 64), pw(be, 4 * N * K + 64),
       pos(be, 4 * N * K + 64), ws(be, be.permute_layout_workspace_bytes(cfg) + 64);
   std::vector<int64_t> offset(L + 1, -7);
   be.permute_layout(cfg, {dre.as<int32_t>(), drw.as<float>(), offset.data(), src.as<int32_t>(), pw.as<float>(),
@@ -441,9 +429,9 @@ Result check_permute_layout(Backend& be, int64_t N, int L) {
   const HostPermuteLayout want = host_permute_layout(row_expert, rw, N, K, L);
   const size_t M = want.src_row.size();
   ck.equal("expert_offset", offset, want.offset);
-  ck.equal("perm_src_row", download<int32_t>(be, src.get(), M), want.src_row);
-  ck.equal("perm_weight", download<float>(be, pw.get(), M), want.weight);
-  ck.equal("pair_pos", download<int32_t>(be, pos.get(), N * K), want.pair_pos);
+  ck.equal("perm_src_row", to_host<int32_t>(be, src.get(), M), want.src_row);
+  ck.equal("perm_weight", to_host<float>(be, pw.get(), M), want.weight);
+  ck.equal("pair_pos", to_host<int32_t>(be, pos.get(), N * K), want.pair_pos);
   return ck.result();
 }
 
@@ -464,13 +452,13 @@ Result check_permute(Backend& be, int H, DType in, DType out) {
   const HostPermuteLayout lay = host_permute_layout(row_expert, std::vector<float>(N * K, 1.0f), N, K, L);
   const int64_t M = static_cast<int64_t>(lay.src_row.size());
   const std::vector<float> rows = as_stored(normal_vector(N * H, 62), in);
-  Buffer drows = upload(be, model::to_storage(rows, in)), src = upload(be, lay.src_row), pos = upload(be, lay.pair_pos),
+  Buffer drows = to_backend(be, model::to_storage(rows, in)), src = to_backend(be, lay.src_row), pos = to_backend(be, lay.pair_pos),
          dout(be, kernels::dtype_size(out) * M * H + 64);
   be.permute({N, K, M, H, in, out}, {drows.get(), src.as<int32_t>(), pos.as<int32_t>(), dout.get()});
   std::vector<float> want(M * H);
   for (int64_t m = 0; m < M; ++m)
     for (int h = 0; h < H; ++h) want[m * H + h] = rows[lay.src_row[m] * H + h];
-  const std::vector<uint8_t> got = download<uint8_t>(be, dout.get(), kernels::dtype_size(out) * M * H);
+  const std::vector<uint8_t> got = to_host<uint8_t>(be, dout.get(), kernels::dtype_size(out) * M * H);
   ck.equal("permuted rows", model::from_storage(got.data(), M * H, out), as_stored(want, out));
   return ck.result();
 }
@@ -485,8 +473,8 @@ Result check_unpermute(Backend& be, int H, DType in, DType out, bool weighted, b
   const int64_t M = static_cast<int64_t>(lay.src_row.size());
   const std::vector<float> perm = as_stored(normal_vector(M * H, 73), in);
   const std::vector<float> out0 = as_stored(normal_vector(N * H, 74), out);
-  Buffer dperm = upload(be, model::to_storage(perm, in)), pos = upload(be, lay.pair_pos), dw = upload(be, w),
-         dout = upload(be, model::to_storage(out0, out));
+  Buffer dperm = to_backend(be, model::to_storage(perm, in)), pos = to_backend(be, lay.pair_pos), dw = to_backend(be, w),
+         dout = to_backend(be, model::to_storage(out0, out));
   be.unpermute({N, K, H, out, accumulate, in},
                {dperm.get(), pos.as<int32_t>(), weighted ? dw.as<float>() : nullptr, dout.get()});
   std::vector<double> want(N * H, 0.0);
@@ -499,7 +487,7 @@ Result check_unpermute(Backend& be, int H, DType in, DType out, bool weighted, b
       }
       want[n * H + h] = acc;
     }
-  const std::vector<uint8_t> got = download<uint8_t>(be, dout.get(), kernels::dtype_size(out) * N * H);
+  const std::vector<uint8_t> got = to_host<uint8_t>(be, dout.get(), kernels::dtype_size(out) * N * H);
   const double rtol = out == DType::kBF16 ? test::kBf16Roundoff : 1e-6;
   ck.close("combined rows", to_double(model::from_storage(got.data(), N * H, out)), want, rtol, 1e-6);
   return ck.result();
@@ -512,22 +500,22 @@ Result check_pair_scalars(Backend& be) {
   const std::vector<int32_t> row_expert = random_selection(N, K, L, 81, 20);
   const HostPermuteLayout lay = host_permute_layout(row_expert, std::vector<float>(N * K, 0.0f), N, K, L);
   const std::vector<float> perm = normal_vector(lay.src_row.size(), 82);
-  Buffer pos = upload(be, lay.pair_pos), dperm = upload(be, perm), pair(be, 4 * N * K);
+  Buffer pos = to_backend(be, lay.pair_pos), dperm = to_backend(be, perm), pair(be, 4 * N * K);
   be.unpermute_scalars(pos.as<int32_t>(), N, K, dperm.as<float>(), pair.as<float>());
   std::vector<float> want(N * K);
   for (int64_t p = 0; p < N * K; ++p) want[p] = lay.pair_pos[p] >= 0 ? perm[lay.pair_pos[p]] : 0.0f;
-  ck.equal("unpermute_scalars", download<float>(be, pair.get(), N * K), want);
+  ck.equal("unpermute_scalars", to_host<float>(be, pair.get(), N * K), want);
 
   // combine_pair_scalars through a dispatch layout of R = 3 ranks, S = 2 slots.
   const int R = 3, S = 2;
   const std::vector<int32_t> slots = random_selection(N, K, R * S, 83, 10);
   const ref::DispatchLayout dl = ref::dispatch_layout(slots, std::vector<float>(N * K, 1.0f), N, K, R, S);
   const std::vector<float> rows = normal_vector(dl.send_src_token.size() * K, 84);
-  Buffer ds = upload(be, slots), dsr = upload(be, dl.token_send_row), drows = upload(be, rows), out(be, 4 * N * K);
+  Buffer ds = to_backend(be, slots), dsr = to_backend(be, dl.token_send_row), drows = to_backend(be, rows), out(be, 4 * N * K);
   be.combine_pair_scalars(ds.as<int32_t>(), dsr.as<int32_t>(), N, K, R, S, drows.as<float>(), out.as<float>());
   for (int64_t p = 0; p < N * K; ++p)
     want[p] = slots[p] < 0 ? 0.0f : rows[static_cast<int64_t>(dl.token_send_row[(p / K) * R + slots[p] / S]) * K + p % K];
-  ck.equal("combine_pair_scalars", download<float>(be, out.get(), N * K), want);
+  ck.equal("combine_pair_scalars", to_host<float>(be, out.get(), N * K), want);
   return ck.result();
 }
 
@@ -540,7 +528,7 @@ Result check_swiglu(Backend& be) {
   const int I = 40;
   const std::vector<float> gu = normal_vector(M * 2 * I, 91, 2.0), dh = normal_vector(M * I, 92),
                            scale = normal_vector(M, 93);
-  Buffer dgu = upload(be, gu), ddh = upload(be, dh), dscale = upload(be, scale), h(be, 4 * M * I),
+  Buffer dgu = to_backend(be, gu), ddh = to_backend(be, dh), dscale = to_backend(be, scale), h(be, 4 * M * I),
          ggu(be, 4 * M * 2 * I), gscale(be, 4 * M), h2(be, 4 * M * I);
   be.swiglu_forward({M, I}, {dgu.as<float>(), dscale.as<float>(), h.as<float>()});
   be.swiglu_backward({M, I}, {dgu.as<float>(), ddh.as<float>(), dscale.as<float>(), ggu.as<float>(),
@@ -555,10 +543,10 @@ Result check_swiglu(Backend& be) {
       want_ggu[r * 2 * I + I + i] = d * s * g * sig;
       want_ggu[r * 2 * I + i] = d * s * u * sig * (1.0 + g * (1.0 - sig));
     }
-  ck.close("h", to_double(download<float>(be, h.get(), M * I)), want_h, 1e-5, 1e-6);
-  ck.close("h (backward)", to_double(download<float>(be, h2.get(), M * I)), want_h, 1e-5, 1e-6);
-  ck.close("grad_gu", to_double(download<float>(be, ggu.get(), M * 2 * I)), want_ggu, 1e-5, 1e-6);
-  ck.close("grad_row_scale", to_double(download<float>(be, gscale.get(), M)), want_gs, 1e-5, 1e-6);
+  ck.close("h", to_double(to_host<float>(be, h.get(), M * I)), want_h, 1e-5, 1e-6);
+  ck.close("h (backward)", to_double(to_host<float>(be, h2.get(), M * I)), want_h, 1e-5, 1e-6);
+  ck.close("grad_gu", to_double(to_host<float>(be, ggu.get(), M * 2 * I)), want_ggu, 1e-5, 1e-6);
+  ck.close("grad_row_scale", to_double(to_host<float>(be, gscale.get(), M)), want_gs, 1e-5, 1e-6);
   return ck.result();
 }
 
@@ -573,7 +561,7 @@ Result check_grouped_gemm(Backend& be, kernels::GemmKind kind, bool accumulate) 
   const std::vector<float> b = wgrad ? normal_vector(M * k, 102) : normal_vector(G * n * k, 102);
   const int64_t c_size = wgrad ? G * n * k : M * (kind == kernels::GemmKind::kForward ? n : k);
   const std::vector<float> c0 = normal_vector(c_size, 103);
-  Buffer da = upload(be, a), db = upload(be, b), dc = upload(be, c0);
+  Buffer da = to_backend(be, a), db = to_backend(be, b), dc = to_backend(be, c0);
   be.grouped_gemm({kind, G, n, k, accumulate}, {offset.data(), da.as<float>(), db.as<float>(), dc.as<float>()});
   std::vector<double> want(c_size);
   for (int64_t i = 0; i < c_size; ++i) want[i] = accumulate ? c0[i] : 0.0;
@@ -589,7 +577,7 @@ Result check_grouped_gemm(Backend& be, kernels::GemmKind kind, bool accumulate) 
           else
             want[(g * n + i) * k + j] += static_cast<double>(a[r * n + i]) * b[r * k + j];
         }
-  ck.close("C", to_double(download<float>(be, dc.get(), c_size)), want, 1e-5, 1e-6);
+  ck.close("C", to_double(to_host<float>(be, dc.get(), c_size)), want, 1e-5, 1e-6);
   return ck.result();
 }
 
@@ -614,25 +602,25 @@ Result check_optimizer(Backend& be, kernels::OptimizerKind kind) {
   kernels::OptimizerConfig cfg;
   cfg.kind = kind;
   cfg.lr = 3e-3f;
-  Buffer dw = upload(be, normal_vector(n, 111)), dm = upload(be, std::vector<float>(n, 0.0f)),
-         dv = upload(be, std::vector<float>(n, 0.0f)), dr(be, 4 * n);
+  Buffer dw = to_backend(be, normal_vector(n, 111)), dm = to_backend(be, std::vector<float>(n, 0.0f)),
+         dv = to_backend(be, std::vector<float>(n, 0.0f)), dr(be, 4 * n);
   for (int64_t step = 1; step <= 3; ++step) {
-    std::vector<double> w = to_double(download<float>(be, dw.get(), n)), m = to_double(download<float>(be, dm.get(), n)),
-                        v = to_double(download<float>(be, dv.get(), n));
+    std::vector<double> w = to_double(to_host<float>(be, dw.get(), n)), m = to_double(to_host<float>(be, dm.get(), n)),
+                        v = to_double(to_host<float>(be, dv.get(), n));
     const std::vector<float> g = normal_vector(n, 112 + step);
-    Buffer dg = upload(be, g);
+    Buffer dg = to_backend(be, g);
     be.optimizer_step(cfg, {n, step, dw.as<float>(), dg.as<float>(), dm.as<float>(), dv.as<float>(), dr.as<float>()});
     for (int64_t i = 0; i < n; ++i) host_step(cfg, step, w[i], g[i], m[i], v[i]);
     const std::string at = " (step " + std::to_string(step) + ")";
-    const std::vector<float> got = download<float>(be, dw.get(), n);
+    const std::vector<float> got = to_host<float>(be, dw.get(), n);
     ck.close("weights" + at, to_double(got), w, 1e-6, 1e-7);
     if (kind == kernels::OptimizerKind::kAdam) {
-      ck.close("m" + at, to_double(download<float>(be, dm.get(), n)), m, 1e-6, 1e-7);
-      ck.close("v" + at, to_double(download<float>(be, dv.get(), n)), v, 1e-6, 1e-7);
+      ck.close("m" + at, to_double(to_host<float>(be, dm.get(), n)), m, 1e-6, 1e-7);
+      ck.close("v" + at, to_double(to_host<float>(be, dv.get(), n)), v, 1e-6, 1e-7);
     }
     std::vector<float> rounded = got;
     model::round_to_bf16(rounded);
-    ck.equal("bf16-rounded weights" + at, download<float>(be, dr.get(), n), rounded);
+    ck.equal("bf16-rounded weights" + at, to_host<float>(be, dr.get(), n), rounded);
   }
   return ck.result();
 }

@@ -20,19 +20,6 @@ std::vector<float> rounded_normal(int64_t n, uint64_t seed, DType dtype) {
   return v;
 }
 
-// Host bytes in and out of the backend's memory.
-kernels::Buffer to_backend(kernels::Backend& be, const std::vector<uint8_t>& bytes) {
-  kernels::Buffer b(be, std::max<size_t>(bytes.size(), 64));
-  be.copy_to_device(b.get(), bytes.data(), bytes.size());
-  return b;
-}
-template <typename T>
-std::vector<T> from_backend(kernels::Backend& be, const void* p, size_t n) {
-  std::vector<T> v(n);
-  be.copy_to_host(v.data(), p, n * sizeof(T));
-  return v;
-}
-
 // Collects failures: EXPECT-style, one line each.
 class Failures {
  public:
@@ -113,19 +100,19 @@ struct LayerRun {
 LayerRun run_layer(kernels::Backend& be, ep::MoeLayer& layer, const LayerCase& c, const std::vector<float>& x32,
                    const std::vector<float>& go32) {
   const int64_t T = c.T, n = T * c.H, pairs = T * c.K;
-  const kernels::Buffer x = to_backend(be, model::to_storage(x32, c.dtype));
-  const kernels::Buffer go = to_backend(be, model::to_storage(go32, c.dtype));
+  const kernels::Buffer x = kernels::to_backend(be, model::to_storage(x32, c.dtype));
+  const kernels::Buffer go = kernels::to_backend(be, model::to_storage(go32, c.dtype));
   kernels::Buffer out(be, x.bytes()), gx(be, x.bytes());
   layer.forward(x.get(), T, out.get());
   layer.backward(go.get(), gx.get());
   const size_t bytes = kernels::dtype_size(c.dtype) * n;
   LayerRun r;
-  r.out = to_double(model::from_storage(from_backend<uint8_t>(be, out.get(), bytes).data(), n, c.dtype));
-  r.gx = to_double(model::from_storage(from_backend<uint8_t>(be, gx.get(), bytes).data(), n, c.dtype));
-  r.topk_idx = from_backend<int32_t>(be, layer.topk_idx(), pairs);
-  r.kept_idx = from_backend<int32_t>(be, layer.kept_idx(), pairs);
-  r.topk_weight = to_double(from_backend<float>(be, layer.topk_weight(), pairs));
-  r.grad_topk_weight = to_double(from_backend<float>(be, layer.grad_topk_weight(), pairs));
+  r.out = to_double(model::from_storage(kernels::to_host<uint8_t>(be, out.get(), bytes).data(), n, c.dtype));
+  r.gx = to_double(model::from_storage(kernels::to_host<uint8_t>(be, gx.get(), bytes).data(), n, c.dtype));
+  r.topk_idx = kernels::to_host<int32_t>(be, layer.topk_idx(), pairs);
+  r.kept_idx = kernels::to_host<int32_t>(be, layer.kept_idx(), pairs);
+  r.topk_weight = to_double(kernels::to_host<float>(be, layer.topk_weight(), pairs));
+  r.grad_topk_weight = to_double(kernels::to_host<float>(be, layer.grad_topk_weight(), pairs));
   r.expert_tokens = layer.expert_tokens();
   r.grads = layer.copy_grads();
   return r;

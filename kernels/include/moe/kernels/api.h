@@ -304,6 +304,9 @@ struct ExpertMlpConfig {
   bool train = false;  // size the workspace for expert_mlp_backward too
 
   void validate() const;
+  // Throws unless expert_offset [L + 1] (HOST) starts at 0, never decreases and
+  // stays within max_rows.
+  void check_offsets(const int64_t* expert_offset) const;
 };
 
 // Where a fused call spent its time, in thread-seconds summed over the pool's

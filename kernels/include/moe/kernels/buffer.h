@@ -1,8 +1,10 @@
-// RAII ownership of backend memory.
+// RAII ownership of backend memory, and copies between it and host vectors.
 #pragma once
 
+#include <algorithm>
 #include <cstddef>
 #include <utility>
+#include <vector>
 
 #include "moe/kernels/api.h"
 
@@ -41,5 +43,21 @@ class Buffer {
   size_t bytes_ = 0;
   void* p_ = nullptr;
 };
+
+// n elements of T at p in the backend's memory, copied to a host vector.
+template <typename T>
+std::vector<T> to_host(Backend& be, const void* p, size_t n) {
+  std::vector<T> v(n);
+  if (n) be.copy_to_host(v.data(), p, n * sizeof(T));
+  return v;
+}
+
+// A buffer holding a copy of v (at least 64 bytes: an empty one still has an address).
+template <typename T>
+Buffer to_backend(Backend& be, const std::vector<T>& v) {
+  Buffer b(be, std::max<size_t>(v.size() * sizeof(T), 64));
+  if (!v.empty()) be.copy_to_device(b.get(), v.data(), v.size() * sizeof(T));
+  return b;
+}
 
 }  // namespace moe::kernels

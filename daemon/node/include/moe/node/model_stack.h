@@ -76,14 +76,8 @@ class ModelStack {
   int64_t token_begin() const { return static_cast<int64_t>(rank_) * T_; }
 
   ep::EpOptions layer_options(int l) const;
-  // Host copies of backend memory.
+  // An activation [T, H] of the job dtype, to host memory.
   std::vector<uint8_t> host_bytes(const kernels::Buffer& b) const;
-  template <typename T>
-  std::vector<T> host_copy(const T* p, size_t n) const {
-    std::vector<T> v(n);
-    be_.copy_to_host(v.data(), p, sizeof(T) * n);
-    return v;
-  }
   void capture_forward(int l);
 
   const v1::JobSpec& spec_;
