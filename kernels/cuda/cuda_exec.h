@@ -1,6 +1,6 @@
 // What every CUDA op runs with (the rank's stream, the GEMM streams and their
-// cuBLAS handles, the device fault word), the error checks, and the small device
-// helpers the kernels share (bf16 bits, typed row loads and stores, launch sizes).
+// cuBLAS handles, the device fault word), the error checks, and the launch helpers
+// the kernels share (dtype dispatch, grid sizes; bf16 storage is row_logic.cuh's).
 // Internal to kernels/cuda: included by .cu files only.
 #pragma once
 
@@ -9,7 +9,6 @@
 
 #include <cstdint>
 #include <string>
-#include <vector>
 
 #include "moe/kernels/api.h"
 #include "row_logic.cuh"
