@@ -116,7 +116,7 @@ rpc::awaitable<v1::Envelope> Agent::handle(const v1::Envelope& req, const rpc::R
       *reply.mutable_live_load_reply() = live_load(members_, scheduler_, placement_, opts_.load_window);
       co_return reply;
     default:
-      throw RpcError(v1::ERROR_CODE_INVALID_ARGUMENT, "moe-agent does not serve " + rpc::payload_name(req));
+      throw InvalidArgument("moe-agent does not serve " + rpc::payload_name(req));
   }
 }
 
@@ -149,7 +149,7 @@ rpc::awaitable<v1::Envelope> Agent::on_bootstrap(const v1::BootstrapPublish& p, 
   if (ended() || relay_.job_id() != id)
     throw RpcError(v1::ERROR_CODE_FAILED_PRECONDITION, "job " + id + " is not running");
   if (p.rank() < 0 || p.rank() >= static_cast<int>(relay_.blobs().size()))
-    throw RpcError(v1::ERROR_CODE_INVALID_ARGUMENT, "rank: " + std::to_string(p.rank()) + " out of range");
+    throw InvalidArgument("rank: " + std::to_string(p.rank()) + " out of range");
   relay_.publish(p.rank(), p.blob());
   scheduler_.on_activity(id, Clock::now());
   bootstrap_event_.notify_all();

@@ -1,7 +1,7 @@
-// The agent's state directory (DESIGN 7): what is written when, and how a
-// restarted agent reads it back. Written on every membership change, job state
-// change and map or epoch change, and at most once a second while steps arrive
-// (their load windows move every step).
+// The agent's state directory (docs/placement.md#agent-persistence): what is
+// written when, and how a restarted agent reads it back. Written on every
+// membership change, job state change and map or epoch change, and at most once
+// a second while steps arrive (their load windows move every step).
 #include <chrono>
 
 #include "moe/agent/agent.h"

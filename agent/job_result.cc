@@ -109,7 +109,7 @@ int64_t step_epoch(const std::vector<v1::StepStats>& by_rank) {
   return epoch;
 }
 
-// Each epoch the job ran under (DESIGN 7): its steps, balancedness over them,
+// Each epoch the job ran under (docs/jobs.md#result): its steps, balancedness over them,
 // and the medians of its step and slowest-rank expert times.
 void fill_epochs(const std::vector<const std::vector<v1::StepStats>*>& steps, const JobReports& r,
                  v1::JobResult& rec) {

@@ -10,8 +10,8 @@ namespace moe::agent {
 using rpc::RpcError;
 
 const NodeRecord& Membership::register_node(const v1::RegisterNodeRequest& r, bool job_running, Clock::time_point now) {
-  if (r.name().empty()) throw RpcError(v1::ERROR_CODE_INVALID_ARGUMENT, "name: a node needs a name");
-  if (r.devices() < 1) throw RpcError(v1::ERROR_CODE_INVALID_ARGUMENT, "devices: must be >= 1");
+  if (r.name().empty()) throw InvalidArgument("name: a node needs a name");
+  if (r.devices() < 1) throw InvalidArgument("devices: must be >= 1");
   if (devices_per_node_ == 0) devices_per_node_ = r.devices();
   if (r.devices() != devices_per_node_)
     throw RpcError(v1::ERROR_CODE_FAILED_PRECONDITION,

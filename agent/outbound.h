@@ -12,7 +12,7 @@
 #include <string>
 #include <thread>
 
-#include "moe/rpc/rpc.h"
+#include "moe/rpc/client.h"
 
 namespace moe::agent {
 

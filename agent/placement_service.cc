@@ -1,12 +1,13 @@
 #include "moe/agent/placement_service.h"
 
 #include <algorithm>
-#include <set>
 
 #include "moe/base/check.h"
+#include "moe/placement/copy_plan.h"
 #include "moe/placement/placement_metrics.h"
 #include "moe/placement/placement_solver.h"
 #include "moe/rpc/frame.h"
+#include "moe/spec/expert_map_codec.h"
 
 namespace moe::agent {
 
@@ -28,25 +29,21 @@ std::string ShapeKey::name() const {
          "x" + std::to_string(devices_per_node);
 }
 
-v1::PlacementMap PlacementService::to_proto(const placement::LayerMap& lm, int layer, int64_t epoch) {
-  v1::PlacementMap m;
-  m.set_epoch(epoch);
-  m.set_layer(layer);
-  m.set_num_experts(lm.num_experts);
-  m.set_num_ranks(lm.num_ranks);
-  m.set_slots_per_rank(lm.slots_per_rank);
-  *m.mutable_phy2log() = {lm.phy2log.begin(), lm.phy2log.end()};
-  *m.mutable_logcnt() = {lm.logcnt.begin(), lm.logcnt.end()};
-  return m;
+namespace {
+
+// A map the agent keeps as cluster state: every slot holds an expert.
+ExpertMap checked_map(const v1::PlacementMap& m) {
+  ExpertMap map = spec::from_proto(m);
+  MOE_CHECK(map.full(), "placement map of layer ", m.layer(), ": every slot must hold an expert");
+  return map;
 }
 
-placement::LayerMap PlacementService::from_proto(const v1::PlacementMap& m) {
-  MOE_CHECK(m.num_ranks() >= 1 && m.slots_per_rank() >= 1, "placement map of layer ", m.layer(), ": ",
-            m.num_ranks(), " ranks x ", m.slots_per_rank(), " slots");
-  MOE_CHECK(m.phy2log_size() == m.num_ranks() * m.slots_per_rank(), "placement map of layer ", m.layer(), ": ",
-            m.phy2log_size(), " slots, expected ", m.num_ranks() * m.slots_per_rank());
-  return placement::make_layer_map(m.num_experts(), m.num_ranks(), {m.phy2log().begin(), m.phy2log().end()});
+v1::PlacementMap layer_proto(ExpertMap map, int layer, int64_t epoch) {
+  map.epoch = epoch;
+  return spec::to_proto(map, layer);
 }
+
+}  // namespace
 
 const PlacementService::Shape& PlacementService::find(const ShapeKey& shape) const {
   const auto it = shapes_.find(shape);
@@ -86,7 +83,7 @@ std::vector<v1::PlacementMap> PlacementService::maps_for_resume(const v1::JobSpe
   for (int l = 0; l < key.layers; ++l) {
     if (same_shape) {
       v1::PlacementMap m = ck.maps(l);
-      from_proto(m);  // checks it
+      checked_map(m);
       m.set_epoch(epoch_);
       m.set_layer(l);
       s.maps.push_back(std::move(m));
@@ -97,7 +94,7 @@ std::vector<v1::PlacementMap> PlacementService::maps_for_resume(const v1::JobSpe
       const auto& t = ck.expert_loads(l).tokens();
       if (std::any_of(t.begin(), t.end(), [](double v) { return v > 0; })) loads.assign(t.begin(), t.end());
     }
-    s.maps.push_back(to_proto(placement::solve_layer(solver_spec(key, s, 0), loads), l, epoch_));
+    s.maps.push_back(layer_proto(placement::solve_layer(solver_spec(key, s, 0), loads), l, epoch_));
   }
   s.windows.assign(key.layers, LoadWindow(window_steps_));
   return s.maps;
@@ -106,10 +103,10 @@ std::vector<v1::PlacementMap> PlacementService::maps_for_resume(const v1::JobSpe
 std::vector<v1::PlacementMap> PlacementService::maps_for_job(const v1::JobSpec& spec, const ShapeKey& key) {
   Shape& s = shape_for_job(spec, key);
   if (s.maps.empty()) {
-    const placement::LayerMap first =
+    const ExpertMap first =
         placement::solve_layer(solver_spec(key, s, 0), std::vector<double>(key.experts, 1.0));
     ++epoch_;
-    for (int l = 0; l < key.layers; ++l) s.maps.push_back(to_proto(first, l, epoch_));
+    for (int l = 0; l < key.layers; ++l) s.maps.push_back(layer_proto(first, l, epoch_));
     s.windows.assign(key.layers, LoadWindow(window_steps_));
   }
   return s.maps;
@@ -135,7 +132,7 @@ v1::LayerPlacement PlacementService::describe_layer(const Shape& s, int l) const
   lp.set_rank_window_steps(w.rank_steps());
   lp.set_balancedness(w.balancedness());
   if (static_cast<int>(expert.size()) == s.maps[l].num_experts())
-    lp.set_predicted_balancedness(placement::balancedness(from_proto(s.maps[l]), expert));
+    lp.set_predicted_balancedness(placement::balancedness(spec::from_proto(s.maps[l]), expert));
   return lp;
 }
 
@@ -147,7 +144,7 @@ v1::PlacementReply PlacementService::describe(ShapeKey key, std::optional<int> l
   const Shape& s = find(key);
   *reply.mutable_shape() = key.proto();
   if (layer && (*layer < 0 || *layer >= key.layers))
-    throw RpcError(v1::ERROR_CODE_INVALID_ARGUMENT,
+    throw InvalidArgument(
                    "layer: must be in [0, " + std::to_string(key.layers) + "), got " + std::to_string(*layer));
   for (int l = 0; l < key.layers; ++l) {
     if (layer && l != *layer) continue;
@@ -180,11 +177,11 @@ RebalancePlan PlacementService::plan(ShapeKey key, std::optional<int> redundant,
   const int current = s.maps[0].num_ranks() * s.maps[0].slots_per_rank() - key.experts;
   const int n = redundant.value_or(current);
   if (n < 0 || (key.experts + n) % key.ranks() != 0)
-    throw RpcError(v1::ERROR_CODE_INVALID_ARGUMENT,
+    throw InvalidArgument(
                    "redundant_experts: experts + redundant (" + std::to_string(key.experts) + " + " +
                        std::to_string(n) + ") must be divisible by the ranks (" + std::to_string(key.ranks()) + ")");
   if (layer && (*layer < 0 || *layer >= key.layers))
-    throw RpcError(v1::ERROR_CODE_INVALID_ARGUMENT,
+    throw InvalidArgument(
                    "layer: must be in [0, " + std::to_string(key.layers) + "), got " + std::to_string(*layer));
   RebalancePlan p{.shape = key, .redundant = n};
   const placement::PlacementSpec spec = solver_spec(key, s, n);
@@ -192,16 +189,23 @@ RebalancePlan PlacementService::plan(ShapeKey key, std::optional<int> redundant,
     if (layer && l != *layer) continue;
     std::vector<double> loads = s.windows[l].expert_loads();
     if (static_cast<int>(loads.size()) != key.experts) loads.assign(key.experts, 1.0);  // nothing measured yet
-    const placement::LayerMap old = from_proto(s.maps[l]);
+    const ExpertMap old = spec::from_proto(s.maps[l]);
     placement::LayerContext ctx;
     if (n == current) ctx.current = &old;  // keep copies in place
-    const placement::LayerMap next = placement::solve_layer(spec, loads, ctx);
-    p.maps.push_back(to_proto(next, l, 0));
-    keep_local_slots(s.maps[l], p.maps.back());
+    ExpertMap next = placement::keep_local_slots(old, placement::solve_layer(spec, loads, ctx));
+    next.epoch = 0;  // the epoch is reserved when the plan is carried out
+    p.maps.push_back(spec::to_proto(next, l));
     p.before.push_back(s.windows[l].rank_steps() > 0 ? s.windows[l].balancedness()
                                                      : placement::balancedness(old, loads));
     p.predicted.push_back(placement::balancedness(next, loads));
-    for (auto& c : copies_between(s.maps[l], p.maps.back(), key.devices_per_node)) p.copies.push_back(std::move(c));
+    for (const ExpertCopy& c : placement::copies_between(old, next, key.devices_per_node)) {
+      v1::ExpertCopy& pc = p.copies.emplace_back();
+      pc.set_layer(l);
+      pc.set_expert(c.expert);
+      pc.set_from_rank(c.from_rank);
+      pc.set_to_rank(c.to_rank);
+      pc.set_to_slot(c.to_slot);
+    }
   }
   return p;
 }
@@ -213,18 +217,18 @@ int64_t PlacementService::install(ShapeKey key, std::vector<v1::PlacementMap> ma
   for (const v1::PlacementMap& m : maps) {
     const std::string where = "layer " + std::to_string(m.layer()) + ": ";
     if (m.layer() < 0 || m.layer() >= key.layers)
-      throw RpcError(v1::ERROR_CODE_INVALID_ARGUMENT, where + "no such layer in the shape " + key.name());
+      throw InvalidArgument(where + "no such layer in the shape " + key.name());
     if (m.num_experts() != key.experts || m.num_ranks() != key.ranks())
-      throw RpcError(v1::ERROR_CODE_INVALID_ARGUMENT,
+      throw InvalidArgument(
                      where + "the map has " + std::to_string(m.num_experts()) + " experts on " +
                          std::to_string(m.num_ranks()) + " ranks, the shape " + key.name());
     if ((m.num_ranks() * m.slots_per_rank()) % key.ranks() != 0 || m.num_ranks() * m.slots_per_rank() < key.experts)
-      throw RpcError(v1::ERROR_CODE_INVALID_ARGUMENT, where + "experts + redundant must fill every rank's slots");
+      throw InvalidArgument(where + "experts + redundant must fill every rank's slots");
     try {
-      const placement::LayerMap lm = from_proto(m);
+      const ExpertMap lm = spec::from_proto(m);
       placement::validate_layer_map(lm, solver_spec(key, s, lm.num_slots() - key.experts));
     } catch (const moe::Error& e) {
-      throw RpcError(v1::ERROR_CODE_INVALID_ARGUMENT, where + e.what());
+      throw InvalidArgument(where + e.what());
     }
   }
   if (epoch <= 0) epoch = ++epoch_;
@@ -256,55 +260,6 @@ std::vector<double> PlacementService::live_predicted() const {
   if (it == shapes_.end()) return out;
   for (size_t l = 0; l < it->second.maps.size(); ++l) out.push_back(describe_layer(it->second, static_cast<int>(l)).predicted_balancedness());
   return out;
-}
-
-void keep_local_slots(const v1::PlacementMap& before, v1::PlacementMap& after) {
-  const int S0 = before.slots_per_rank(), S1 = after.slots_per_rank();
-  for (int r = 0; r < after.num_ranks(); ++r) {
-    std::vector<int> left(after.phy2log().begin() + r * S1, after.phy2log().begin() + (r + 1) * S1);
-    std::vector<int> slots(S1, -1);
-    for (int s = 0; s < std::min(S0, S1); ++s) {  // an expert that stays keeps its slot
-      const auto it = std::find(left.begin(), left.end(), before.phy2log(r * S0 + s));
-      if (it == left.end()) continue;
-      slots[s] = *it;
-      left.erase(it);
-    }
-    auto next = left.begin();
-    for (int s = 0; s < S1; ++s) after.set_phy2log(r * S1 + s, slots[s] >= 0 ? slots[s] : *next++);
-  }
-}
-
-std::vector<v1::ExpertCopy> copies_between(const v1::PlacementMap& before, const v1::PlacementMap& after,
-                                           int devices_per_node) {
-  std::vector<v1::ExpertCopy> copies;
-  const int R = after.num_ranks(), S0 = before.slots_per_rank(), S1 = after.slots_per_rank();
-  auto holders = [&](int e) {
-    std::vector<int> ranks;
-    for (int p = 0; p < before.phy2log_size(); ++p)
-      if (before.phy2log(p) == e) ranks.push_back(p / S0);
-    return ranks;
-  };
-  for (int r = 0; r < R; ++r) {
-    std::set<int> had;  // a rank fills every slot of an expert it hosts from its own copy
-    for (int s = 0; s < S0; ++s) had.insert(before.phy2log(r * S0 + s));
-    for (int s = 0; s < S1; ++s) {
-      const int e = after.phy2log(r * S1 + s);
-      if (had.count(e)) continue;
-      const std::vector<int> from = holders(e);
-      MOE_CHECK(!from.empty(), "placement: expert ", e, " has no holder in the map in force");
-      const auto same_node = std::find_if(from.begin(), from.end(), [&](int h) {
-        return devices_per_node > 0 && h / devices_per_node == r / devices_per_node;
-      });
-      v1::ExpertCopy c;
-      c.set_layer(after.layer());
-      c.set_expert(e);
-      c.set_from_rank(same_node != from.end() ? *same_node : from.front());
-      c.set_to_rank(r);
-      c.set_to_slot(s);
-      copies.push_back(c);
-    }
-  }
-  return copies;
 }
 
 v1::PlacementState PlacementService::state() const {

@@ -3,6 +3,7 @@
 #include "moe/spec/checkpoint_manifest.h"
 
 #include <algorithm>
+#include <optional>
 
 #include "moe/base/check.h"
 #include "moe/base/clock.h"
@@ -87,21 +88,9 @@ bool Scheduler::start(v1::JobResult& rec, Clock::time_point now) {
   v1::StartJob msg;
   try {
     spec::validate(rec.spec(), world);
-    const ShapeKey shape{rec.spec().experts(), rec.spec().layers(), members_.num_nodes(), members_.devices_per_node()};
-    if (rec.spec().resume().empty()) {
-      for (const auto& m : placement_.maps_for_job(rec.spec(), shape)) *msg.add_maps() = m;
-    } else {
-      const v1::CheckpointManifest ck = resume_checkpoint(*rec.mutable_spec());
-      for (const auto& m : placement_.maps_for_resume(rec.spec(), shape, ck)) *msg.add_maps() = m;
-    }
-  } catch (const ResumeError& e) {
+    for (v1::PlacementMap& m : job_maps(rec)) *msg.add_maps() = std::move(m);
+  } catch (const moe::Error& e) {  // names the field, the checkpoint's file or the placement rule
     fail_unstarted(rec, e.what());
-    return false;
-  } catch (const RpcError& e) {
-    fail_unstarted(rec, e.what());
-    return false;
-  } catch (const moe::Error& e) {
-    fail_unstarted(rec, std::string("placement: ") + e.what());
     return false;
   }
   running_ = std::make_unique<RunningJob>();
@@ -125,16 +114,25 @@ bool Scheduler::start(v1::JobResult& rec, Clock::time_point now) {
   return true;
 }
 
-// The checkpoint a job resumes from (DESIGN 6): resolved to its step folder,
-// which the daemons are then told, its files and spec checked.
-v1::CheckpointManifest Scheduler::resume_checkpoint(v1::JobSpec& spec) {
-  try {
+// The maps a job starts on: its shape's current maps, or a resumed job's from its
+// checkpoint (docs/jobs.md#checkpoints-and-resume), whose folder is resolved to
+// its step folder (the daemons are then told it) and whose files and spec are
+// checked first. A solver error is named "placement: ...".
+std::vector<v1::PlacementMap> Scheduler::job_maps(v1::JobResult& rec) {
+  v1::JobSpec& spec = *rec.mutable_spec();
+  const ShapeKey shape{spec.experts(), spec.layers(), members_.num_nodes(), members_.devices_per_node()};
+  std::optional<v1::CheckpointManifest> ck;
+  if (!spec.resume().empty()) {
     std::string folder;
-    v1::CheckpointManifest ck = spec::load_for_resume(spec, folder);
+    ck = spec::load_for_resume(spec, folder);
     spec.set_resume(folder);
-    return ck;
+  }
+  try {
+    return ck ? placement_.maps_for_resume(spec, shape, *ck) : placement_.maps_for_job(spec, shape);
+  } catch (const RpcError&) {
+    throw;  // names its rule already
   } catch (const moe::Error& e) {
-    throw ResumeError(e.what());
+    detail::fail("placement: ", e.what());
   }
 }
 
@@ -169,7 +167,8 @@ void Scheduler::on_step(const v1::StepReport& r, Clock::time_point now) {
   actions_.step_completed(r.job_id(), r.stats().step());
 }
 
-// A complete step's measured load into the placement window (DESIGN 7).
+// A complete step's measured load into the placement window
+// (docs/placement.md#load-and-balancedness).
 void Scheduler::record_load(const std::vector<v1::StepStats>& by_rank) {
   const int L = running_->reports.spec.layers(), E = running_->reports.spec.experts(), W = running_->reports.world;
   std::vector<std::vector<double>> expert(L, std::vector<double>(E, 0.0)), rank(L, std::vector<double>(W, 0.0));

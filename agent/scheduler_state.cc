@@ -1,6 +1,7 @@
-// The scheduler across agent restarts (DESIGN 7): its records, queue and running
-// job to and from the agent's state, and how a job restored as running resumes
-// (its daemons re-send every report) or fails ("agent restarted").
+// The scheduler across agent restarts (docs/jobs.md#agent-away,
+// docs/placement.md#agent-persistence): its records, queue and running job to and
+// from the agent's state, and how a job restored as running resumes (its daemons
+// re-send every report) or fails ("agent restarted").
 #include <algorithm>
 #include <set>
 

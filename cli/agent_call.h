@@ -1,11 +1,11 @@
 // How moectl's commands reach the agent: a client from the resolved address and
-// token, and one mapping from errors to exit codes (DESIGN 9).
+// token, and one mapping from errors to exit codes (docs/cli.md#exit-codes).
 #pragma once
 
 #include <ostream>
 
 #include "moe/ctl/ctl.h"
-#include "moe/rpc/rpc.h"
+#include "moe/rpc/client.h"
 
 namespace moe::ctl {
 

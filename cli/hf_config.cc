@@ -25,7 +25,7 @@ class Config {
       : s_(std::move(s)), source_(std::move(source)), type_(std::move(type)) {}
 
   [[noreturn]] void bad(const std::string& key, const std::string& why) const {
-    throw rpc::RpcError(v1::ERROR_CODE_INVALID_ARGUMENT, source_ + ": '" + key + "' " + why);
+    throw moe::InvalidArgument(source_ + ": '" + key + "' " + why);
   }
   // A count the family needs: an integer in [0, 2^31).
   int32_t count(const std::string& key) const {
@@ -143,7 +143,7 @@ HfModel hf_model_from_config(const std::string& json, const std::string& source)
   google::protobuf::Struct s;
   const auto st = google::protobuf::util::JsonStringToMessage(json, &s);
   if (!st.ok())
-    throw rpc::RpcError(v1::ERROR_CODE_INVALID_ARGUMENT,
+    throw moe::InvalidArgument(
                         source + ": not a JSON object (" + st.message().as_string() + ")");
   const std::string type = Config(s, source, "").text("model_type", "");
   const Config c(std::move(s), source, type);
@@ -163,7 +163,7 @@ v1::JobSpec apply_hf_model(const HfModel& m, v1::JobSpec user, const std::set<st
   std::vector<const google::protobuf::FieldDescriptor*> fields;
   for (const std::string& name : user_fields) {
     const auto* f = v1::JobSpec::descriptor()->FindFieldByName(name);
-    if (!f) throw rpc::RpcError(v1::ERROR_CODE_INTERNAL, "JobSpec has no field '" + name + "'");
+    if (!f) throw moe::Error("JobSpec has no field '" + name + "'");
     fields.push_back(f);
   }
   s.GetReflection()->SwapFields(&s, &user, fields);

@@ -22,7 +22,7 @@ namespace {
 using google::protobuf::FieldDescriptor;
 
 [[noreturn]] void bad(const std::string& field, const std::string& text, const std::string& why) {
-  throw rpc::RpcError(v1::ERROR_CODE_INVALID_ARGUMENT, field + ": " + why + ", got '" + text + "'");
+  throw moe::InvalidArgument(field + ": " + why + ", got '" + text + "'");
 }
 
 const FieldDescriptor& field_of(const std::string& name) {

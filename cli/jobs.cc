@@ -75,7 +75,7 @@ int job_submit(const Globals& g, const v1::JobSpec& given, bool wait, std::ostre
   try {
     spec = spec::with_defaults(spec);
     spec::validate(spec);
-  } catch (const rpc::RpcError& e) {
+  } catch (const moe::InvalidArgument& e) {
     err << "moectl: invalid spec: " << e.what() << "\n";
     return kExitUsage;
   }

@@ -1,6 +1,7 @@
-// moectl cluster up / down: a local cluster on loopback (DESIGN 5), the agent
-// and one moed per node as background processes of their own session, with
-// their logs, pids, token and the agent's address in the state directory.
+// moectl cluster up / down: a local cluster on loopback
+// (docs/control-plane.md#finding-the-cluster), the agent and one moed per node as
+// background processes of their own session, with their logs, pids, token and the
+// agent's address in the state directory.
 #include <fcntl.h>
 #include <signal.h>
 #include <sys/stat.h>

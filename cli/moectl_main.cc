@@ -1,6 +1,6 @@
-// moectl: the command line of a moed cluster (DESIGN 9). Thin main: each command
-// group registers its subcommands with the function that runs them (the calls of
-// ctl.h, whose return value is the exit code).
+// moectl: the command line of a moed cluster (docs/cli.md#commands). Thin main:
+// each command group registers its subcommands with the function that runs them
+// (the calls of ctl.h, whose return value is the exit code).
 #include <CLI/CLI.hpp>
 
 #include <functional>

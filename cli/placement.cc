@@ -1,4 +1,5 @@
-// moectl placement show / export / import / loads / rebalance (DESIGN 7, 9).
+// moectl placement show / export / import / loads / rebalance (docs/cli.md#commands,
+// docs/placement.md; the files in docs/formats.md#placement-export and #loads-file).
 #include <google/protobuf/struct.pb.h>
 #include <google/protobuf/util/json_util.h>
 
@@ -20,7 +21,7 @@ using google::protobuf::Struct;
 using google::protobuf::Value;
 using rpc::RpcError;
 
-[[noreturn]] void usage(const std::string& what) { throw RpcError(v1::ERROR_CODE_INVALID_ARGUMENT, what); }
+[[noreturn]] void usage(const std::string& what) { throw InvalidArgument(what); }
 
 // "64x2@2x2" -> experts 64, layers 2, nodes 2, devices 2; "" -> unset.
 v1::PlacementShape parse_shape(const std::string& text) {

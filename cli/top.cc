@@ -1,7 +1,8 @@
-// moectl top (DESIGN 8, 9): the agent's live-load reply, polled once a second
-// and drawn in place on a terminal until `q`; one frame with --once (no escape
-// codes); the reply as JSON with --output json. Output that is not a terminal
-// gets a frame a second, one after the other, until SIGINT or SIGTERM.
+// moectl top (docs/metrics.md#live-load, docs/cli.md#output): the agent's
+// live-load reply, polled once a second and drawn in place on a terminal until
+// `q`; one frame with --once (no escape codes); the reply as JSON with --output
+// json. Output that is not a terminal gets a frame a second, one after the other,
+// until SIGINT or SIGTERM.
 #include <poll.h>
 #include <signal.h>
 #include <sys/ioctl.h>

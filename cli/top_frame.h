@@ -1,5 +1,6 @@
-// The frame of `moectl top` (DESIGN 8, 9): a pure function of the agent's
-// live-load reply. ASCII only, so a line's bytes are its columns.
+// The frame of `moectl top` (docs/metrics.md#live-load, docs/cli.md#output): a
+// pure function of the agent's live-load reply. ASCII only, so a line's bytes are
+// its columns.
 //
 //   header    agent, nodes alive / registered, ranks, the time
 //   jobs      counts by state

@@ -48,7 +48,7 @@ int main(int argc, char** argv) {
     io.run();
     log::info("stopped");
     return 0;
-  } catch (const rpc::RpcError& e) {
+  } catch (const InvalidArgument& e) {  // a flag or what it asks of this machine
     log::error(e.what());
     return 2;
   } catch (const std::exception& e) {

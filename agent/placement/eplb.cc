@@ -66,7 +66,7 @@ std::vector<int> eplb_replicate_experts(std::span<const double> weight, int num_
   return phy2log;
 }
 
-LayerMap eplb_rebalance(const PlacementSpec& spec_in, std::span<const double> loads,
+ExpertMap eplb_rebalance(const PlacementSpec& spec_in, std::span<const double> loads,
                         EplbPolicy policy) {
   spec_in.validate();
   detail::check_loads(spec_in, loads);
@@ -122,7 +122,7 @@ LayerMap eplb_rebalance(const PlacementSpec& spec_in, std::span<const double> lo
       replica_rank[slot] = phy_rank[j];
     }
   }
-  return make_layer_map(num_log, spec.num_ranks, std::move(phy2log), &replica_rank);
+  return ExpertMap::make(num_log, spec.num_ranks, spec.slots_per_rank(), std::move(phy2log), 0, &replica_rank);
 }
 
 }  // namespace moe::placement

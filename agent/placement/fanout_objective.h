@@ -3,8 +3,8 @@
 //
 // Two implementations:
 // - sample: the exact expectation over a sample of routed tokens (their
-//   expert sets). Each (token, expert) pair picks a replica uniformly (DESIGN
-//   3), so token t misses node n with probability
+//   expert sets). Each (token, expert) pair picks a replica uniformly
+//   (docs/layer.md#replica-choice), so token t misses node n with probability
 //   M(t, n) = prod_{e in t} (1 - k(e, n) / c(e)), k(e, n) = replicas of e on
 //   n, c(e) = replicas of e; fan-out = mean over t of sum_n (1 - M(t, n)).
 // - model: no sample, only loads and the routing hints. A token activates

@@ -3,6 +3,10 @@
 #include <algorithm>
 #include <limits>
 #include <numeric>
+#include <set>
+
+#include "moe/base/check.h"
+#include "moe/placement/copy_plan.h"
 
 namespace moe::placement::detail {
 
@@ -133,7 +137,7 @@ std::vector<std::vector<std::pair<int, int>>> copies_per_node(const PlacementSpe
 // in common per (next node, current node). next_sorted: the next map's
 // ranks sorted (sorted_ranks).
 std::vector<int> match_nodes(const PlacementSpec& spec, const std::vector<int32_t>& next_sorted,
-                             const LayerMap& current) {
+                             const ExpertMap& current) {
   const int num_nodes = spec.num_nodes, per_node = spec.ranks_per_node();
   const int s = spec.slots_per_rank();
   if (num_nodes <= 1) return std::vector<int>(num_nodes, 0);
@@ -192,7 +196,7 @@ void place_rank(std::span<const int32_t> next, const std::vector<int32_t>& curre
 // and in the current map. unit [E] is the load of one replica.
 class Repair {
  public:
-  Repair(const PlacementSpec& spec, std::span<const double> unit, const LayerMap& current);
+  Repair(const PlacementSpec& spec, std::span<const double> unit, const ExpertMap& current);
 
   // Surplus copies leave the most loaded ranks.
   void drop_surplus(std::span<const int> counts);
@@ -231,7 +235,7 @@ class Repair {
   std::vector<int> have_;      // [E] copies of e
 };
 
-Repair::Repair(const PlacementSpec& spec, std::span<const double> unit, const LayerMap& current)
+Repair::Repair(const PlacementSpec& spec, std::span<const double> unit, const ExpertMap& current)
     : num_experts_(spec.num_experts),
       num_ranks_(spec.num_ranks),
       num_slots_(spec.num_slots()),
@@ -342,7 +346,7 @@ void Repair::apply(const Swap& swap) {
 }  // namespace
 
 std::vector<int32_t> align_to_current(const PlacementSpec& spec, std::span<const int32_t> next,
-                                      const LayerMap& current) {
+                                      const ExpertMap& current) {
   const int per_node = spec.ranks_per_node();
   const std::vector<int32_t> next_sorted = sorted_ranks(spec, next);
   const std::vector<int32_t> cur_sorted = sorted_ranks(spec, current.phy2log);
@@ -359,7 +363,7 @@ std::vector<int32_t> align_to_current(const PlacementSpec& spec, std::span<const
 }
 
 bool repair_current(const PlacementSpec& spec, std::span<const double> loads,
-                    std::span<const int> counts, const LayerMap& current, double cap, int max_swaps,
+                    std::span<const int> counts, const ExpertMap& current, double cap, int max_swaps,
                     std::vector<int32_t>* phy2log) {
   std::vector<double> unit(spec.num_experts);
   for (int e = 0; e < spec.num_experts; ++e) unit[e] = loads[e] / counts[e];
@@ -372,3 +376,52 @@ bool repair_current(const PlacementSpec& spec, std::span<const double> loads,
 }
 
 }  // namespace moe::placement::detail
+
+namespace moe::placement {
+
+ExpertMap keep_local_slots(const ExpertMap& current, const ExpertMap& next) {
+  const int S0 = current.slots_per_rank, S1 = next.slots_per_rank;
+  std::vector<int32_t> phy2log(next.phy2log.size());
+  for (int r = 0; r < next.num_ranks; ++r) {
+    std::vector<int32_t> left(next.phy2log.begin() + r * S1, next.phy2log.begin() + (r + 1) * S1);
+    std::vector<int32_t> slots(S1, -1);
+    for (int s = 0; s < std::min(S0, S1); ++s) {  // an expert that stays keeps its slot
+      const auto it = std::find(left.begin(), left.end(), current.expert_at(r, s));
+      if (it == left.end()) continue;
+      slots[s] = *it;
+      left.erase(it);
+    }
+    auto rest = left.begin();
+    for (int s = 0; s < S1; ++s) phy2log[r * S1 + s] = slots[s] >= 0 ? slots[s] : *rest++;
+  }
+  return ExpertMap::make(next.num_experts, next.num_ranks, S1, std::move(phy2log), next.epoch);
+}
+
+std::vector<ExpertCopy> copies_between(const ExpertMap& current, const ExpertMap& next, int devices_per_node) {
+  std::vector<ExpertCopy> copies;
+  const int S0 = current.slots_per_rank, S1 = next.slots_per_rank;
+  auto holders = [&](int e) {  // in slot order
+    std::vector<int> ranks;
+    for (int p = 0; p < current.num_slots(); ++p)
+      if (current.phy2log[p] == e) ranks.push_back(current.rank_of_slot(p));
+    return ranks;
+  };
+  for (int r = 0; r < next.num_ranks; ++r) {
+    std::set<int> had;  // a rank fills every slot of an expert it hosts from its own copy
+    for (int s = 0; s < S0; ++s) had.insert(current.expert_at(r, s));
+    for (int s = 0; s < S1; ++s) {
+      const int e = next.expert_at(r, s);
+      if (e < 0 || had.count(e)) continue;
+      const std::vector<int> from = holders(e);
+      MOE_CHECK(!from.empty(), "placement: expert ", e, " has no holder in the map in force");
+      const auto same_node = std::find_if(from.begin(), from.end(), [&](int h) {
+        return devices_per_node > 0 && h / devices_per_node == r / devices_per_node;
+      });
+      copies.push_back({.expert = e, .from_rank = same_node != from.end() ? *same_node : from.front(), .to_rank = r,
+                        .to_slot = s});
+    }
+  }
+  return copies;
+}
+
+}  // namespace moe::placement

@@ -17,7 +17,7 @@ namespace moe::placement::detail {
 // matched to a node, a rank to a rank of the matched node; Hungarian
 // assignment on the copies in common, greedy above 256 candidates).
 std::vector<int32_t> align_to_current(const PlacementSpec& spec, std::span<const int32_t> next,
-                                      const LayerMap& current);
+                                      const ExpertMap& current);
 
 // The current map changed as little as it can: replica counts set to
 // `counts` (surplus copies leave the most loaded ranks, new ones go to the
@@ -25,7 +25,7 @@ std::vector<int32_t> align_to_current(const PlacementSpec& spec, std::span<const
 // fewest copies moved first, until every rank is at or under cap. False when
 // no swap helps before that.
 bool repair_current(const PlacementSpec& spec, std::span<const double> loads,
-                    std::span<const int> counts, const LayerMap& current, double cap, int max_swaps,
+                    std::span<const int> counts, const ExpertMap& current, double cap, int max_swaps,
                     std::vector<int32_t>* phy2log);
 
 }  // namespace moe::placement::detail

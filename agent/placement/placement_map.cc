@@ -35,45 +35,7 @@ void PlacementSpec::validate() const {
                       ") needs more than one group (groups = ", num_groups, ")");
 }
 
-LayerMap make_layer_map(int num_experts, int num_ranks, std::vector<int32_t> phy2log,
-                        const std::vector<int32_t>* replica_rank) {
-  MOE_CHECK(num_experts >= 1, "experts (", num_experts, ") must be at least 1");
-  MOE_CHECK(num_ranks >= 1, "ranks (", num_ranks, ") must be at least 1");
-  MOE_CHECK(!phy2log.empty() && phy2log.size() % num_ranks == 0, "phy2log size (",
-                      phy2log.size(), ") must be a positive multiple of ranks (", num_ranks, ")");
-  MOE_CHECK(!replica_rank || replica_rank->size() == phy2log.size(),
-                      "replica_rank size (", replica_rank ? replica_rank->size() : 0,
-                      ") must equal phy2log size (", phy2log.size(), ")");
-  LayerMap map;
-  map.num_experts = num_experts;
-  map.num_ranks = num_ranks;
-  map.slots_per_rank = static_cast<int>(phy2log.size() / num_ranks);
-  map.logcnt.assign(num_experts, 0);
-  for (size_t p = 0; p < phy2log.size(); ++p) {
-    const int32_t e = phy2log[p];
-    MOE_CHECK(e >= 0 && e < num_experts, "slot ", p, " holds expert ", e,
-                        ", outside [0, ", num_experts, ")");
-    ++map.logcnt[e];
-  }
-  for (int e = 0; e < num_experts; ++e)
-    MOE_CHECK(map.logcnt[e] >= 1, "expert ", e, " has no slot");
-  map.max_replicas = *std::max_element(map.logcnt.begin(), map.logcnt.end());
-  const size_t x = map.max_replicas;
-  map.log2phy.assign(static_cast<size_t>(num_experts) * x, -1);
-  std::vector<int32_t> next(num_experts, 0);
-  for (size_t p = 0; p < phy2log.size(); ++p) {
-    const int32_t e = phy2log[p];
-    const int32_t j = replica_rank ? (*replica_rank)[p] : next[e]++;
-    MOE_CHECK(j >= 0 && j < map.logcnt[e] && map.log2phy[e * x + j] == -1, "slot ", p,
-                        " has replica number ", j, " of expert ", e, " (", map.logcnt[e],
-                        " replicas): not a permutation");
-    map.log2phy[e * x + j] = static_cast<int32_t>(p);
-  }
-  map.phy2log = std::move(phy2log);
-  return map;
-}
-
-void validate_layer_map(const LayerMap& map, const PlacementSpec& spec) {
+void validate_layer_map(const ExpertMap& map, const PlacementSpec& spec) {
   spec.validate();
   MOE_CHECK(map.num_experts == spec.num_experts, "map has ", map.num_experts,
                       " experts, the request ", spec.num_experts);

@@ -7,7 +7,7 @@
 
 namespace moe::placement {
 
-std::vector<double> rank_loads(const LayerMap& map, std::span<const double> loads) {
+std::vector<double> rank_loads(const ExpertMap& map, std::span<const double> loads) {
   MOE_CHECK(loads.size() == static_cast<size_t>(map.num_experts), "loads have ",
                       loads.size(), " entries, the map ", map.num_experts, " experts");
   std::vector<double> out(map.num_ranks, 0.0);
@@ -18,7 +18,7 @@ std::vector<double> rank_loads(const LayerMap& map, std::span<const double> load
   return out;
 }
 
-double balancedness(const LayerMap& map, std::span<const double> loads) {
+double balancedness(const ExpertMap& map, std::span<const double> loads) {
   const std::vector<double> per_rank = rank_loads(map, loads);
   double sum = 0.0, max = 0.0;
   for (double l : per_rank) {
@@ -28,7 +28,7 @@ double balancedness(const LayerMap& map, std::span<const double> loads) {
   return max > 0.0 ? sum / per_rank.size() / max : 1.0;
 }
 
-double expected_fanout(const LayerMap& map, int num_nodes, const Trace& trace) {
+double expected_fanout(const ExpertMap& map, int num_nodes, const Trace& trace) {
   MOE_CHECK(num_nodes >= 1 && map.num_ranks % num_nodes == 0, "ranks (", map.num_ranks,
                       ") must be divisible by nodes (", num_nodes, ")");
   MOE_CHECK(trace.num_experts == map.num_experts, "trace has ", trace.num_experts,
@@ -75,7 +75,7 @@ double expected_fanout(const LayerMap& map, int num_nodes, const Trace& trace) {
   return total / num_tokens;
 }
 
-int64_t copies_moved(const LayerMap& before, const LayerMap& after) {
+int64_t copies_moved(const ExpertMap& before, const ExpertMap& after) {
   MOE_CHECK(before.num_experts == after.num_experts &&
                           before.num_ranks == after.num_ranks &&
                           before.slots_per_rank == after.slots_per_rank,

@@ -57,8 +57,8 @@ void check_sample(const PlacementSpec& spec, const Trace& sample) {
 
 // The fan-out objective of a layer over a packing: on the routing sample when
 // there is one (and more than one node and some load), else on the model of
-// the loads and routing hints where there is one (DESIGN 3); inactive when
-// neither. counts [E] (replica counts) and sample must outlive it.
+// the loads and routing hints where there is one (docs/placement.md#solver);
+// inactive when neither. counts [E] (replica counts) and sample must outlive it.
 class ObjectiveMaker {
  public:
   ObjectiveMaker(const PlacementSpec& spec, std::span<const double> loads,
@@ -177,22 +177,22 @@ class LayerSolver {
 
   bool has_objective() const { return make_objective_.active(); }
   void lower_fanout();
-  void keep_copies(const LayerMap& current);
-  LayerMap finish(SolveInfo* info);
+  void keep_copies(const ExpertMap& current);
+  ExpertMap finish(SolveInfo* info);
 
  private:
   static std::vector<double> unit_loads(std::span<const double> loads,
                                         const std::vector<int>& counts);
   static Packing balance_only(const PlacementSpec& spec, std::span<const double> unit,
-                              const LayerMap& global, int max_swaps);
-  void win_back_fanout(const LayerMap& current, double cap, std::vector<int32_t>* repaired) const;
-  int64_t moves_from(const LayerMap& current, const std::vector<int32_t>& phy2log) const;
+                              const ExpertMap& global, int max_swaps);
+  void win_back_fanout(const ExpertMap& current, double cap, std::vector<int32_t>* repaired) const;
+  int64_t moves_from(const ExpertMap& current, const std::vector<int32_t>& phy2log) const;
   double fanout_of(const std::vector<int32_t>& phy2log) const;
 
   const PlacementSpec& spec_;
   const std::span<const double> loads_;
   const SolverOptions& options_;
-  const LayerMap global_;           // EPLB's global map of loads_
+  const ExpertMap global_;           // EPLB's global map of loads_
   const std::vector<int> counts_;   // [E] replica counts (global_'s)
   const std::vector<double> unit_;  // [E] load of one replica: loads / counts
   // Balance-only candidate: EPLB's global map, then local search, so the
@@ -228,7 +228,7 @@ std::vector<double> LayerSolver::unit_loads(std::span<const double> loads,
 }
 
 Packing LayerSolver::balance_only(const PlacementSpec& spec, std::span<const double> unit,
-                                  const LayerMap& global, int max_swaps) {
+                                  const ExpertMap& global, int max_swaps) {
   Packing pure = packing_of(spec, unit, global.phy2log);
   detail::reduce_max_load(pure, false, max_swaps);
   return pure;
@@ -266,7 +266,7 @@ void LayerSolver::lower_fanout() {
 // match the current one, or the current map repaired, whichever moves fewer
 // copies without a higher max rank load (and, with a fan-out objective,
 // without more than migration_fanout_slack more fan-out).
-void LayerSolver::keep_copies(const LayerMap& current) {
+void LayerSolver::keep_copies(const ExpertMap& current) {
   std::vector<int32_t> aligned = detail::align_to_current(spec_, phy2log_, current);
   const int64_t aligned_moves = moves_from(current, aligned);
   std::vector<int32_t> repaired;
@@ -286,7 +286,7 @@ void LayerSolver::keep_copies(const LayerMap& current) {
 
 // Win back fan-out on the repaired map, under cap, a copy to fetch costing
 // move_weight of it.
-void LayerSolver::win_back_fanout(const LayerMap& current, double cap,
+void LayerSolver::win_back_fanout(const ExpertMap& current, double cap,
                                   std::vector<int32_t>* repaired) const {
   Packing packing = packing_of(spec_, unit_, *repaired);
   auto objective = make_objective_(packing);
@@ -297,9 +297,9 @@ void LayerSolver::win_back_fanout(const LayerMap& current, double cap,
   *repaired = packing.phy2log();
 }
 
-int64_t LayerSolver::moves_from(const LayerMap& current,
+int64_t LayerSolver::moves_from(const ExpertMap& current,
                                 const std::vector<int32_t>& phy2log) const {
-  return copies_moved(current, make_layer_map(spec_.num_experts, spec_.num_ranks, phy2log));
+  return copies_moved(current, ExpertMap::make(spec_.num_experts, spec_.num_ranks, spec_.slots_per_rank(), phy2log));
 }
 
 double LayerSolver::fanout_of(const std::vector<int32_t>& phy2log) const {
@@ -307,8 +307,8 @@ double LayerSolver::fanout_of(const std::vector<int32_t>& phy2log) const {
   return make_objective_(packing)->fanout();
 }
 
-LayerMap LayerSolver::finish(SolveInfo* info) {
-  LayerMap map = make_layer_map(spec_.num_experts, spec_.num_ranks, std::move(phy2log_));
+ExpertMap LayerSolver::finish(SolveInfo* info) {
+  ExpertMap map = ExpertMap::make(spec_.num_experts, spec_.num_ranks, spec_.slots_per_rank(), std::move(phy2log_));
   if (info) {
     info->fanout_objective = objective_name_;
     info->migration = migration_;
@@ -323,7 +323,7 @@ LayerMap LayerSolver::finish(SolveInfo* info) {
 
 }  // namespace
 
-LayerMap solve_layer(const PlacementSpec& spec, std::span<const double> loads,
+ExpertMap solve_layer(const PlacementSpec& spec, std::span<const double> loads,
                      const LayerContext& context, const SolverOptions& options, SolveInfo* info) {
   spec.validate();
   detail::check_loads(spec, loads);
@@ -337,12 +337,12 @@ LayerMap solve_layer(const PlacementSpec& spec, std::span<const double> loads,
   return solver.finish(info);
 }
 
-std::vector<LayerMap> solve(const PlacementSpec& spec,
+std::vector<ExpertMap> solve(const PlacementSpec& spec,
                             const std::vector<std::vector<double>>& loads,
-                            const std::vector<LayerMap>* current, const SolverOptions& options) {
+                            const std::vector<ExpertMap>* current, const SolverOptions& options) {
   MOE_CHECK(!current || current->size() == loads.size(), "current map has ",
                       current ? current->size() : 0, " layers, loads have ", loads.size());
-  std::vector<LayerMap> maps;
+  std::vector<ExpertMap> maps;
   maps.reserve(loads.size());
   for (size_t l = 0; l < loads.size(); ++l)
     maps.push_back(

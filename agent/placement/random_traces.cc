@@ -54,10 +54,10 @@ std::vector<RandomTraceResult> compare_random_traces(const std::vector<RandomTra
     loads_only.top_k = 0;
     loads_only.group_top_k = 0;
     RandomTraceResult r;
-    const LayerMap global = eplb_rebalance(c.spec, loads, EplbPolicy::kGlobal);
+    const ExpertMap global = eplb_rebalance(c.spec, loads, EplbPolicy::kGlobal);
     r.eplb_global = balancedness(global, loads);
     r.eplb_global_fanout = expected_fanout(global, c.spec.num_nodes, trace);
-    const LayerMap plain = solve_layer(loads_only, loads);
+    const ExpertMap plain = solve_layer(loads_only, loads);
     r.moed_loads_only = balancedness(plain, loads);
     r.moed = r.moed_loads_only;
     r.moed_fanout = expected_fanout(plain, c.spec.num_nodes, trace);
@@ -66,7 +66,7 @@ std::vector<RandomTraceResult> compare_random_traces(const std::vector<RandomTra
       sample_config.window = 1;
       sample_config.num_tokens = 2048;
       const Trace sample = generate_trace(sample_config);
-      const LayerMap full = solve_layer(c.spec, loads, {nullptr, &sample});
+      const ExpertMap full = solve_layer(c.spec, loads, {nullptr, &sample});
       r.moed = balancedness(full, loads);
       r.moed_fanout = expected_fanout(full, c.spec.num_nodes, trace);
     }

@@ -114,7 +114,7 @@ class LayerRun {
 
  private:
   // Balancedness; fan-out in trace mode; copies moved from prev when given.
-  void measure(PolicyResult& r, const LayerMap& map, const LayerMap* prev) const {
+  void measure(PolicyResult& r, const ExpertMap& map, const ExpertMap* prev) const {
     r.balancedness = balancedness(map, loads_);
     if (workload_.trace_mode) r.fanout = expected_fanout(map, spec_.num_nodes, workload_.trace);
     if (prev) r.copies_moved = copies_moved(*prev, map);
@@ -127,11 +127,11 @@ class LayerRun {
 };
 
 void LayerRun::add_moed(LayerResult* layer) const {
-  std::optional<LayerMap> moed_prev;
+  std::optional<ExpertMap> moed_prev;
   if (prev_loads_)
     moed_prev = solve_layer(spec_, *prev_loads_, {nullptr, workload_.prev_routing_sample()});
   PolicyResult moed = policy_result("moed");
-  const LayerMap moed_map = timed(&moed.solve_seconds, [&] {
+  const ExpertMap moed_map = timed(&moed.solve_seconds, [&] {
     return solve_layer(spec_, loads_,
                        {moed_prev ? &*moed_prev : nullptr, workload_.routing_sample()});
   });
@@ -139,7 +139,7 @@ void LayerRun::add_moed(LayerResult* layer) const {
   layer->policies.push_back(moed);
   if (!prev_loads_) return;
   PolicyResult scratch = policy_result("moed-from-scratch");
-  const LayerMap map = timed(&scratch.solve_seconds, [&] {
+  const ExpertMap map = timed(&scratch.solve_seconds, [&] {
     return solve_layer(spec_, loads_, {nullptr, workload_.routing_sample()});
   });
   measure(scratch, map, &*moed_prev);
@@ -157,9 +157,9 @@ void LayerRun::add_eplb(LayerResult* layer) const {
       layer->policies.push_back(r);
       continue;
     }
-    std::optional<LayerMap> prev;
+    std::optional<ExpertMap> prev;
     if (prev_loads_) prev = eplb_rebalance(spec_, *prev_loads_, policy);
-    const LayerMap map =
+    const ExpertMap map =
         timed(&r.solve_seconds, [&] { return eplb_rebalance(spec_, loads_, policy); });
     measure(r, map, prev ? &*prev : nullptr);
     layer->policies.push_back(r);

@@ -19,6 +19,7 @@
 #include "benches.h"
 #include "moe/ep/ep_layer.h"
 #include "moe/base/check.h"
+#include "moe/base/clock.h"
 #include "moe/kernels/cpu_backend.h"
 #include "moe/transport/bootstrap.h"
 #include "moe/transport/inproc_communicator.h"
@@ -106,7 +107,7 @@ EpRankStats run_ep_rank(const EpBenchOptions& o, transport::Communicator& comm) 
   cfg.dtype = o.dtype;
   cfg.max_tokens = o.tokens;
   cfg.train = true;
-  const ep::ExpertMap map = ep::ExpertMap::contiguous(o.experts, o.ranks);
+  const moe::ExpertMap map = moe::ExpertMap::contiguous(o.experts, o.ranks);
   ep::EpOptions eopts;
   eopts.isolate_transport_timing = true;
   ep::EpLayer layer(cfg, map, comm, *be, eopts);

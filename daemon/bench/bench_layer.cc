@@ -7,6 +7,7 @@
 #include "moe/io/layer_io.h"
 #include "moe/model/synthetic.h"
 #include "moe/base/check.h"
+#include "moe/base/clock.h"
 #include "moe/kernels/cpu_backend.h"
 #include "moe/v1/job.pb.h"
 #include "moe/spec/job_spec.h"
@@ -16,6 +17,15 @@ namespace {
 
 using kernels::DType;
 
+// A kernels enum as the spec's: the proto values are spelled as the kernels'
+// names (score_name, dtype_name, ...), whose switches cover every value.
+template <typename ProtoEnum>
+ProtoEnum proto_enum(bool (*parse)(const std::string&, ProtoEnum*), const char* name) {
+  ProtoEnum v{};
+  MOE_CHECK(parse(name, &v), "the job spec has no value '", name, "'");
+  return v;
+}
+
 v1::JobSpec spec_of(const LayerBenchOptions& o) {
   v1::JobSpec s;
   s.set_experts(o.experts);
@@ -23,14 +33,14 @@ v1::JobSpec spec_of(const LayerBenchOptions& o) {
   s.set_hidden(o.hidden);
   s.set_ffn_hidden(o.ffn);
   s.set_layers(1);
-  s.set_score(o.score == kernels::ScoreFunc::kSoftmax ? v1::JobSpec::softmax : v1::JobSpec::sigmoid);
+  s.set_score(proto_enum(v1::JobSpec::Score_Parse, kernels::score_name(o.score)));
   s.set_num_groups(o.num_groups);
   s.set_group_top_k(o.group_top_k);
   s.set_norm_topk_prob(true);
   s.set_routed_scaling_factor(1.0);
-  s.set_dtype(o.dtype == DType::kF32 ? v1::JobSpec::fp32 : v1::JobSpec::bf16);
+  s.set_dtype(proto_enum(v1::JobSpec::DType_Parse, kernels::dtype_name(o.dtype)));
   s.set_capacity_factor(o.capacity_factor);
-  s.set_drop_policy(o.drop_policy == kernels::DropPolicy::kProbs ? v1::JobSpec::probs : v1::JobSpec::position);
+  s.set_drop_policy(proto_enum(v1::JobSpec::DropPolicy_Parse, kernels::drop_policy_name(o.drop_policy)));
   s.set_tokens_per_rank(o.tokens);
   s.set_steps(1);
   s.set_mode(o.train ? v1::JobSpec::train : v1::JobSpec::forward);

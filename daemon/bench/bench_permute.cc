@@ -4,11 +4,13 @@
 #include <cstring>
 
 #include "benches.h"
-#include "moe/ep/layer_stages.h"
-#include "moe/model/counter_rng.h"
-#include "moe/kernels/buffer.h"
 #include "moe/base/check.h"
+#include "moe/base/clock.h"
+#include "moe/ep/expert_stage.h"
+#include "moe/ep/router_stage.h"
+#include "moe/kernels/buffer.h"
 #include "moe/kernels/cpu_backend.h"
+#include "moe/model/counter_rng.h"
 
 namespace moe::bench {
 namespace {

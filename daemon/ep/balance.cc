@@ -3,6 +3,8 @@
 #include <algorithm>
 #include <cmath>
 
+#include "moe/base/check.h"
+
 namespace moe::ep {
 
 double aux_loss_scale(double coeff, int E, int K, double Tg) {
@@ -27,7 +29,11 @@ double weighted_probs(kernels::ScoreFunc score, const float* s, const float* c, 
     cs += static_cast<double>(c[e]) * s[e];
     S += s[e];
   }
-  return score == kernels::ScoreFunc::kSoftmax ? cs : (S > 0 ? cs / S : 0.0);
+  switch (score) {
+    case kernels::ScoreFunc::kSoftmax: return cs;
+    case kernels::ScoreFunc::kSigmoid: return S > 0 ? cs / S : 0.0;
+  }
+  MOE_ASSERT(false);  // not a ScoreFunc
 }
 
 }  // namespace

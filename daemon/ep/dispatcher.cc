@@ -117,7 +117,7 @@ void Dispatcher::exchange(int64_t T) {
   stats_.dispatch_transport = now_seconds() - t0;
 }
 
-// DESIGN 4's accounting of the forward pair: rows for ourselves are not
+// The accounting (docs/transport.md#accounting) of the forward pair: rows for ourselves are not
 // transport bytes; the naive scheme sends one row per remote (token, expert) pair.
 void Dispatcher::count_bytes() {
   const int R = cfg_.num_ranks, S = cfg_.slots_per_rank, me = comm_.rank();

@@ -4,24 +4,12 @@
 #include <cstring>
 
 #include "moe/base/check.h"
+#include "moe/base/clock.h"
 
 namespace moe::ep {
 
 using kernels::Buffer;
 
-namespace {
-
-DispatcherConfig dispatcher_config(const MoeLayerConfig& cfg, const ExpertMap& map) {
-  return {.hidden = cfg.hidden,
-          .top_k = cfg.top_k,
-          .dtype = cfg.dtype,
-          .max_tokens = cfg.max_tokens,
-          .num_ranks = map.num_ranks,
-          .slots_per_rank = map.slots_per_rank,
-          .train = cfg.train};
-}
-
-}  // namespace
 
 EpLayer::EpLayer(const MoeLayerConfig& cfg, const ExpertMap& map, transport::Communicator& comm,
                  kernels::Backend& be, const EpOptions& options)
@@ -32,10 +20,9 @@ EpLayer::EpLayer(const MoeLayerConfig& cfg, const ExpertMap& map, transport::Com
       be_(be),
       opts_(options),
       router_(cfg, be),
-      dispatcher_(std::make_unique<Dispatcher>(
-          dispatcher_config(cfg, map), data_, be,
-          DispatcherOptions{.timeout = options.timeout, .isolate_transport_timing = options.isolate_transport_timing})),
-      experts_(std::make_unique<ExpertStage>(cfg, map.slots_per_rank, be)) {
+      dispatcher_(make_dispatcher(map)),
+      experts_(std::make_unique<ExpertStage>(cfg, map.slots_per_rank, be)),
+      replica_grads_(cfg, comm, be, options.tag_base, options.timeout) {
   MOE_CHECK(map.num_experts == cfg.num_experts, "ep layer: the map places ", map.num_experts,
             " experts, the layer has ", cfg.num_experts);
   const size_t T = cfg.max_tokens, K = cfg.top_k, H = cfg.hidden;
@@ -48,6 +35,19 @@ EpLayer::EpLayer(const MoeLayerConfig& cfg, const ExpertMap& map, transport::Com
   reserve_rows(T);  // a first guess; grows when a step receives more
   if (cfg.shared_ffn_hidden > 0) shared_ = std::make_unique<SharedExperts>(cfg, be);
   if (cfg.global_counts) counts_dev_ = Buffer(be_, 4 * static_cast<size_t>(cfg.num_experts));
+}
+
+// The dispatcher of a layer placed by `map`, on the backend-memory communicator.
+std::unique_ptr<Dispatcher> EpLayer::make_dispatcher(const ExpertMap& map) const {
+  const DispatcherConfig dc{.hidden = cfg_.hidden,
+                            .top_k = cfg_.top_k,
+                            .dtype = cfg_.dtype,
+                            .max_tokens = cfg_.max_tokens,
+                            .num_ranks = map.num_ranks,
+                            .slots_per_rank = map.slots_per_rank,
+                            .train = cfg_.train};
+  return std::make_unique<Dispatcher>(
+      dc, data_, be_, DispatcherOptions{.timeout = opts_.timeout, .isolate_transport_timing = opts_.isolate_transport_timing});
 }
 
 // The replica tables the router's replica choice reads.
@@ -202,7 +202,7 @@ void EpLayer::backward(const void* grad_out, void* grad_x) {
   if (shared_) shared_->backward(grad_out, grad_x32_.as<float>());
   be_.synchronize();
   all_reduce_replicated_grads();
-  reduce_replica_grads();
+  replica_grads_.run(map_, *experts_, staged_.get());
   be_.convert(grad_x32_.get(), DType::kF32, grad_x, cfg_.dtype, T * cfg_.hidden);
   be_.synchronize();
   stats_.backward = now_seconds() - t0;
@@ -216,77 +216,6 @@ void EpLayer::all_reduce_replicated_grads() {
   data_.all_reduce_sum(shared_->grad_w13(), shared_->w13_size(), deadline());
   data_.all_reduce_sum(shared_->grad_w2(), shared_->w2_size(), deadline());
   if (shared_->gate_size()) data_.all_reduce_sum(shared_->grad_gate(), shared_->gate_size(), deadline());
-}
-
-// Replicas of one expert end with the same gradient bits: the primary (first
-// replica) sums g_0 + g_1 + ... in replica order and sends the sum back, and to
-// the expert's shadows while a rebalance is staged. Experts are handled in
-// increasing id on every rank, and within an expert all traffic is between the
-// primary and its replicas and shadows, so the blocking sends and receives cannot
-// wait on each other in a cycle.
-void EpLayer::reduce_replica_grads() {
-  const size_t n = 2 * static_cast<size_t>(cfg_.ffn_hidden) * cfg_.hidden + static_cast<size_t>(cfg_.hidden) * cfg_.ffn_hidden;
-  reduce_tmp_.resize(2 * n);
-  for (int e = 0; e < cfg_.num_experts; ++e) {
-    const bool shadows = staged_ && !staged_->shadows_of(e).empty();
-    if (map_.logcnt[e] >= 2 || shadows) reduce_replica_grad(e, reduce_tmp_.data(), reduce_tmp_.data() + n);
-  }
-}
-
-// One expert: acc and msg hold [w13 grad | w2 grad] of one replica each.
-// Recipient k of the expert (tags): replicas 0 .. X-1, then its shadows.
-void EpLayer::reduce_replica_grad(int e, float* acc, float* msg) {
-  const size_t H = cfg_.hidden, I = cfg_.ffn_hidden;
-  const size_t n13 = 2 * I * H, n2 = H * I, n = n13 + n2;
-  const int me = comm_.rank(), S = map_.slots_per_rank;
-  const int recipients = map_.max_replicas + (staged_ ? staged_->max_shadows() : 0);
-  auto load = [&](int32_t slot, float* dst) {  // backend -> host
-    be_.copy_to_host(dst, experts_->grad_w13() + static_cast<size_t>(slot % S) * n13, 4 * n13);
-    be_.copy_to_host(dst + n13, experts_->grad_w2() + static_cast<size_t>(slot % S) * n2, 4 * n2);
-  };
-  auto store = [&](const float* src, int32_t slot) {  // host -> backend
-    be_.copy_to_device(experts_->grad_w13() + static_cast<size_t>(slot % S) * n13, src, 4 * n13);
-    be_.copy_to_device(experts_->grad_w2() + static_cast<size_t>(slot % S) * n2, src + n13, 4 * n2);
-  };
-  auto tag = [&](size_t k, int phase) {
-    return opts_.tag_base + static_cast<uint32_t>(((static_cast<uint64_t>(e) * recipients + k) * 2 + phase) & 0xffffff);
-  };
-  const std::vector<int32_t> reps = map_.replicas(e);
-  const std::vector<int> no_shadows;
-  const std::vector<int>& shadows = staged_ ? staged_->shadows_of(e) : no_shadows;
-  const int primary = map_.rank_of_slot(reps[0]);
-  if (me == primary) {
-    load(reps[0], acc);
-    for (size_t i = 1; i < reps.size(); ++i) {
-      const int owner = map_.rank_of_slot(reps[i]);
-      if (owner == me) load(reps[i], msg);
-      else comm_.recv(owner, msg, 4 * n, tag(i, 0), deadline());
-      for (size_t j = 0; j < n; ++j) acc[j] += msg[j];
-    }
-    for (size_t i = 0; i < reps.size(); ++i) {
-      const int owner = map_.rank_of_slot(reps[i]);
-      if (owner == me) store(acc, reps[i]);
-      else comm_.send(owner, acc, 4 * n, tag(i, 1), deadline());
-    }
-    for (size_t j = 0; j < shadows.size(); ++j) {  // a shadow never sits on a rank that hosts its expert
-      const int to = staged_->copies()[shadows[j]].to_rank;
-      comm_.send(to, acc, 4 * n, tag(map_.max_replicas + j, 1), deadline());
-    }
-    return;
-  }
-  for (size_t i = 1; i < reps.size(); ++i) {
-    if (map_.rank_of_slot(reps[i]) != me) continue;
-    load(reps[i], msg);
-    comm_.send(primary, msg, 4 * n, tag(i, 0), deadline());
-  }
-  for (size_t i = 1; i < reps.size(); ++i) {
-    if (map_.rank_of_slot(reps[i]) != me) continue;
-    comm_.recv(primary, msg, 4 * n, tag(i, 1), deadline());
-    store(msg, reps[i]);
-  }
-  for (size_t j = 0; j < shadows.size(); ++j)
-    if (staged_->gains(shadows[j]))
-      comm_.recv(primary, staged_->shadow_gradient(shadows[j]), 4 * n, tag(map_.max_replicas + j, 1), deadline());
 }
 
 model::LayerWeights EpLayer::primary_weights() const {
@@ -305,87 +234,6 @@ model::LayerWeights EpLayer::primary_weights() const {
       experts_->copy_weights(primary % map_.slots_per_rank, w.w13.data() + e * n13, w.w2.data() + e * n2);
   }
   return w;
-}
-
-void EpLayer::stage(const ExpertMap& next, std::vector<ExpertCopyPlan> copies, bool adam) {
-  MOE_CHECK(next.num_experts == cfg_.num_experts && next.num_ranks == map_.num_ranks, "rebalance: the new map places ",
-            next.num_experts, " experts on ", next.num_ranks, " ranks, the layer ", cfg_.num_experts, " on ",
-            map_.num_ranks);
-  adam_ = adam && cfg_.train;
-  staged_ = std::make_unique<StagedExperts>(next, std::move(copies), comm_.rank(), cfg_, adam_, opts_.tag_base);
-  staged_->start(*experts_, map_, comm_);
-  if (next.slots_per_rank == map_.slots_per_rank) return;
-  // Another slot count: the new stage and dispatcher are built (and their pages
-  // faulted in) now, while copies stream, not at the switch.
-  next_experts_ = std::make_unique<ExpertStage>(cfg_, next.slots_per_rank, be_);
-  next_experts_->reserve(std::max<int64_t>(recv_capacity_, cfg_.max_tokens));
-  next_experts_->touch(adam_);
-  next_dispatcher_ = std::make_unique<Dispatcher>(
-      dispatcher_config(cfg_, next), data_, be_,
-      DispatcherOptions{.timeout = opts_.timeout, .isolate_transport_timing = opts_.isolate_transport_timing});
-}
-
-bool EpLayer::staged_ready() {
-  MOE_CHECK(staged_, "rebalance: nothing is staged");
-  return staged_->ready(comm_, be_);
-}
-
-void EpLayer::drop_staged() {
-  staged_.reset();
-  next_experts_.reset();
-  next_dispatcher_.reset();
-}
-
-int EpLayer::old_slot_of(int expert) const {
-  for (int s = 0; s < map_.slots_per_rank; ++s)
-    if (map_.expert_at(comm_.rank(), s) == expert) return s;
-  return -1;
-}
-
-// The layer moves onto the staged map: every new slot takes its expert from the
-// slot this rank already had (the same state, bit for bit) or from the staged
-// copy.
-void EpLayer::switch_to_staged() {
-  MOE_CHECK(staged_, "rebalance: nothing is staged");
-  const ExpertMap next = staged_->next();
-  if (next_experts_) switch_to_new_stage(next);
-  else switch_in_place(next);
-  install_map(next);
-  staged_.reset();
-}
-
-// Same slot count: only the slots whose expert changes are written; an expert
-// moving between this rank's slots is read before any slot is overwritten.
-void EpLayer::switch_in_place(const ExpertMap& next) {
-  const int me = comm_.rank();
-  std::vector<std::pair<int, ExpertState>> moves;
-  for (int s = 0; s < next.slots_per_rank; ++s) {
-    const int e = next.expert_at(me, s);
-    if (e < 0 || e == map_.expert_at(me, s) || old_slot_of(e) < 0) continue;
-    ExpertState st;
-    st.resize(cfg_.hidden, cfg_.ffn_hidden, adam_);
-    experts_->export_slot(old_slot_of(e), st);
-    moves.emplace_back(s, std::move(st));
-  }
-  for (const auto& [s, st] : moves) experts_->import_slot(s, st);
-  for (int s = 0; s < next.slots_per_rank; ++s) {
-    const int e = next.expert_at(me, s);
-    if (e >= 0 && e != map_.expert_at(me, s) && old_slot_of(e) < 0) experts_->import_slot(s, staged_->gained_state(s));
-  }
-}
-
-// Another slot count: the stage built at staging takes every slot.
-void EpLayer::switch_to_new_stage(const ExpertMap& next) {
-  const int me = comm_.rank();
-  for (int s = 0; s < next.slots_per_rank; ++s) {
-    const int e = next.expert_at(me, s);
-    if (e < 0) continue;
-    const int old = old_slot_of(e);
-    if (old >= 0) next_experts_->copy_slot(*experts_, old, s);
-    else next_experts_->import_slot(s, staged_->gained_state(s));
-  }
-  experts_ = std::move(next_experts_);
-  dispatcher_ = std::move(next_dispatcher_);
 }
 
 void EpLayer::optimizer_step(const kernels::OptimizerConfig& cfg, int64_t step) {

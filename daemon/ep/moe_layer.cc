@@ -1,6 +1,7 @@
 #include "moe/ep/moe_layer.h"
 
 #include "moe/base/check.h"
+#include "moe/base/clock.h"
 
 namespace moe::ep {
 

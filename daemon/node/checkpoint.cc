@@ -9,6 +9,7 @@
 #include "moe/io/safetensors.h"
 #include "moe/node/job_model.h"
 #include "moe/spec/checkpoint_manifest.h"
+#include "moe/spec/expert_map_codec.h"
 #include "moe/spec/job_spec.h"
 
 namespace moe::node {
@@ -47,7 +48,7 @@ void write_rank_file(const fs::path& folder, ModelStack& stack, const v1::JobSpe
   out.set_metadata("format", "moed-checkpoint-1");
   const int64_t H = spec.hidden(), I = spec.ffn_hidden();
   for (int l = 0; l < stack.num_layers(); ++l) {
-    const ep::ExpertMap& map = stack.map(l);
+    const moe::ExpertMap& map = stack.map(l);
     std::vector<bool> written(spec.experts(), false);
     for (int s = 0; s < map.slots_per_rank; ++s) {
       const int e = map.expert_at(rank, s);
@@ -92,7 +93,7 @@ void write_manifest(const fs::path& folder, const v1::StartJob& job, const Model
   m.set_world_size(job.world_size());
   m.set_devices_per_node(job.devices_per_node());
   for (int l = 0; l < stack.num_layers(); ++l) {
-    *m.add_maps() = placement_map(stack.map(l), l);
+    *m.add_maps() = spec::to_proto(stack.map(l), l);
     *m.add_expert_loads()->mutable_tokens() = {loads[l].begin(), loads[l].end()};
   }
   auto add_file = [&](const std::string& name, int rank) {
@@ -176,7 +177,7 @@ void load_checkpoint(const std::string& folder, const v1::CheckpointManifest& m,
   std::map<int, std::unique_ptr<io::SafetensorsReader>> files;  // opened when first needed; tensors read by seek
   const int64_t H = spec.hidden(), I = spec.ffn_hidden();
   for (int l = 0; l < stack.num_layers(); ++l) {
-    const ep::ExpertMap& map = stack.map(l);
+    const moe::ExpertMap& map = stack.map(l);
     for (int s = 0; s < map.slots_per_rank; ++s) {
       const int e = map.expert_at(rank, s);
       if (e < 0) continue;

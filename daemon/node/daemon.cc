@@ -57,15 +57,15 @@ BackendChoice cpu_choice() {
 
 BackendChoice resolve_backend(const std::string& requested, BackendFactory override_factory, int devices) {
   if (requested != "cpu" && requested != "auto" && requested != "cuda")
-    throw RpcError(v1::ERROR_CODE_INVALID_ARGUMENT, "--backend must be auto, cpu or cuda, got '" + requested + "'");
+    throw InvalidArgument("--backend must be auto, cpu or cuda, got '" + requested + "'");
   std::vector<std::string> gpus = gpu_names();
   if (requested == "cuda") {
 #ifndef MOE_WITH_CUDA
-    throw RpcError(v1::ERROR_CODE_INVALID_ARGUMENT,
+    throw InvalidArgument(
                    "--backend cuda: this moed was built without CUDA (nvcc was not found at build time); use cpu");
 #endif
     if (gpus.empty())
-      throw RpcError(v1::ERROR_CODE_INVALID_ARGUMENT, "--backend cuda: no CUDA device is visible here; use cpu");
+      throw InvalidArgument("--backend cuda: no CUDA device is visible here; use cpu");
   }
   const bool fits = !gpus.empty() && devices <= static_cast<int>(gpus.size());
   if (requested == "auto" && !gpus.empty() && !fits)
@@ -83,7 +83,7 @@ BackendChoice resolve_backend(const std::string& requested, BackendFactory overr
     be = c.make(probe, 0);
   } catch (const std::exception& e) {
     if (!cuda || overridden) throw;
-    if (requested == "cuda") throw RpcError(v1::ERROR_CODE_INVALID_ARGUMENT, std::string("--backend cuda: ") + e.what());
+    if (requested == "cuda") throw InvalidArgument(std::string("--backend cuda: ") + e.what());
     log::warn("--backend auto: ", e.what(), "; using the CPU backend");
     c = cpu_choice();
     be = c.make(probe, 0);
@@ -94,11 +94,11 @@ BackendChoice resolve_backend(const std::string& requested, BackendFactory overr
 }
 
 int resolve_devices(int requested, const BackendChoice& backend) {
-  if (requested < 0) throw RpcError(v1::ERROR_CODE_INVALID_ARGUMENT, "--devices must be >= 0, got " + std::to_string(requested));
+  if (requested < 0) throw InvalidArgument("--devices must be >= 0, got " + std::to_string(requested));
   if (backend.kind != v1::BACKEND_CUDA) return requested == 0 ? 1 : requested;
   const int gpus = static_cast<int>(backend.device_names.size());
   if (requested > gpus)
-    throw RpcError(v1::ERROR_CODE_INVALID_ARGUMENT, "--devices " + std::to_string(requested) + ": only " +
+    throw InvalidArgument("--devices " + std::to_string(requested) + ": only " +
                                                         std::to_string(gpus) +
                                                         " CUDA devices are visible (one rank per GPU)");
   return requested == 0 ? gpus : requested;
@@ -281,7 +281,7 @@ rpc::awaitable<v1::Envelope> Daemon::handle(const v1::Envelope& req, const rpc::
     s->set_devices(opts_.devices);
     if (runner_ && !runner_->finished()) s->set_running_job(runner_->job_id());
   } else {
-    throw RpcError(v1::ERROR_CODE_INVALID_ARGUMENT, "moed does not serve " + rpc::payload_name(req));
+    throw InvalidArgument("moed does not serve " + rpc::payload_name(req));
   }
   co_return reply;
 }

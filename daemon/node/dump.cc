@@ -13,7 +13,7 @@ namespace moe::node {
 void dump_step(const v1::JobSpec& spec, const ModelStack& stack, const model::LayerWeights& layer0, int rank) {
   std::filesystem::create_directories(spec.dump_dir());
   const LayerSnapshot& s = stack.snapshot(0);
-  const ep::ExpertMap& map = stack.map(0);
+  const moe::ExpertMap& map = stack.map(0);
   io::LayerDump d;
   d.dtype = job_dtype(spec);
   d.shape = layer_shape(spec);

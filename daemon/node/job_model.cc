@@ -5,8 +5,55 @@
 
 namespace moe::node {
 
+// The spec's enums in the kernels' terms. Each is an exhaustive switch: a value
+// added to the proto fails to compile (-Werror=switch) until it is mapped here.
+// UNSPECIFIED takes the field's documented default.
+#define MOE_PROTO_ENUM_SENTINELS(E)        \
+  case v1::E##_##E##_INT_MIN_SENTINEL_DO_NOT_USE_: \
+  case v1::E##_##E##_INT_MAX_SENTINEL_DO_NOT_USE_
+
+namespace {
+
+kernels::ScoreFunc score_func(v1::JobSpec::Score s) {
+  switch (s) {
+    case v1::JobSpec::SCORE_UNSPECIFIED:
+    case v1::JobSpec::softmax: return kernels::ScoreFunc::kSoftmax;
+    case v1::JobSpec::sigmoid: return kernels::ScoreFunc::kSigmoid;
+    MOE_PROTO_ENUM_SENTINELS(JobSpec_Score): break;
+  }
+  detail::fail("score: unknown value ", static_cast<int>(s));
+}
+
+kernels::DropPolicy drop_policy(v1::JobSpec::DropPolicy p) {
+  switch (p) {
+    case v1::JobSpec::DROP_POLICY_UNSPECIFIED:
+    case v1::JobSpec::probs: return kernels::DropPolicy::kProbs;
+    case v1::JobSpec::position: return kernels::DropPolicy::kPosition;
+    MOE_PROTO_ENUM_SENTINELS(JobSpec_DropPolicy): break;
+  }
+  detail::fail("drop_policy: unknown value ", static_cast<int>(p));
+}
+
+kernels::OptimizerKind optimizer_kind(v1::JobSpec::Optimizer o) {
+  switch (o) {
+    case v1::JobSpec::OPTIMIZER_UNSPECIFIED:
+    case v1::JobSpec::adam: return kernels::OptimizerKind::kAdam;
+    case v1::JobSpec::sgd: return kernels::OptimizerKind::kSgd;
+    MOE_PROTO_ENUM_SENTINELS(JobSpec_Optimizer): break;
+  }
+  detail::fail("optimizer: unknown value ", static_cast<int>(o));
+}
+
+}  // namespace
+
 kernels::DType job_dtype(const v1::JobSpec& s) {
-  return s.dtype() == v1::JobSpec::bf16 ? kernels::DType::kBF16 : kernels::DType::kF32;
+  switch (s.dtype()) {
+    case v1::JobSpec::DTYPE_UNSPECIFIED:
+    case v1::JobSpec::fp32: return kernels::DType::kF32;
+    case v1::JobSpec::bf16: return kernels::DType::kBF16;
+    MOE_PROTO_ENUM_SENTINELS(JobSpec_DType): break;
+  }
+  detail::fail("dtype: unknown value ", static_cast<int>(s.dtype()));
 }
 
 ep::MoeLayerConfig layer_config(const v1::JobSpec& s) {
@@ -15,13 +62,13 @@ ep::MoeLayerConfig layer_config(const v1::JobSpec& s) {
   c.ffn_hidden = s.ffn_hidden();
   c.num_experts = s.experts();
   c.top_k = s.top_k();
-  c.score = s.score() == v1::JobSpec::sigmoid ? kernels::ScoreFunc::kSigmoid : kernels::ScoreFunc::kSoftmax;
+  c.score = score_func(s.score());
   c.num_groups = s.num_groups();
   c.group_top_k = s.group_top_k();
   c.norm_topk_prob = s.norm_topk_prob();
   c.routed_scaling_factor = static_cast<float>(s.routed_scaling_factor());
   c.capacity_factor = s.capacity_factor();
-  c.drop_policy = s.drop_policy() == v1::JobSpec::position ? kernels::DropPolicy::kPosition : kernels::DropPolicy::kProbs;
+  c.drop_policy = drop_policy(s.drop_policy());
   c.dtype = job_dtype(s);
   c.max_tokens = s.tokens_per_rank();
   c.train = s.mode() == v1::JobSpec::train;
@@ -47,7 +94,7 @@ v1::JobSpec teacher_of(const v1::JobSpec& s) {
 
 kernels::OptimizerConfig optimizer_config(const v1::JobSpec& s) {
   kernels::OptimizerConfig o;
-  o.kind = s.optimizer() == v1::JobSpec::sgd ? kernels::OptimizerKind::kSgd : kernels::OptimizerKind::kAdam;
+  o.kind = optimizer_kind(s.optimizer());
   o.lr = static_cast<float>(s.lr());
   return o;
 }
@@ -58,23 +105,6 @@ model::LayerShape layer_shape(const v1::JobSpec& s) {
           .num_experts = s.experts(),
           .shared_ffn_hidden = s.shared_experts() * s.shared_ffn_hidden(),
           .shared_gate = s.shared_expert_gate()};
-}
-
-ep::ExpertMap expert_map(const v1::PlacementMap& m) {
-  return ep::ExpertMap::make(m.num_experts(), m.num_ranks(), m.slots_per_rank(), {m.phy2log().begin(), m.phy2log().end()},
-                             m.epoch());
-}
-
-v1::PlacementMap placement_map(const ep::ExpertMap& m, int layer) {
-  v1::PlacementMap p;
-  p.set_epoch(m.epoch);
-  p.set_layer(layer);
-  p.set_num_experts(m.num_experts);
-  p.set_num_ranks(m.num_ranks);
-  p.set_slots_per_rank(m.slots_per_rank);
-  *p.mutable_phy2log() = {m.phy2log.begin(), m.phy2log.end()};
-  *p.mutable_logcnt() = {m.logcnt.begin(), m.logcnt.end()};
-  return p;
 }
 
 namespace {

@@ -2,6 +2,7 @@
 
 #include "moe/base/clock.h"
 #include "moe/node/job_model.h"
+#include "moe/spec/expert_map_codec.h"
 
 namespace moe::node {
 
@@ -18,7 +19,7 @@ ep::MoeLayerConfig teacher_config(const v1::JobSpec& teacher_spec) {
 
 }  // namespace
 
-ModelStack::ModelStack(const v1::JobSpec& spec, const std::vector<ep::ExpertMap>& maps, int rank, int world,
+ModelStack::ModelStack(const v1::JobSpec& spec, const std::vector<moe::ExpertMap>& maps, int rank, int world,
                        transport::Communicator& comm, kernels::Backend& be, kernels::ThreadPool& pool,
                        std::chrono::milliseconds timeout, transport::Communicator* data_comm)
     : spec_(spec),
@@ -71,17 +72,17 @@ void ModelStack::stage(const v1::PrepareRebalance& p) {
   MOE_CHECK(p.maps_size() == num_layers(), "rebalance: ", p.maps_size(), " maps for ", num_layers(), " layers");
   const bool adam = spec_.mode() == v1::JobSpec::train && spec_.optimizer() != v1::JobSpec::sgd;
   for (int l = 0; l < num_layers(); ++l) {
-    std::vector<ep::ExpertCopyPlan> copies;
+    std::vector<ExpertCopy> copies;
     for (const v1::ExpertCopy& c : p.copies())
       if (c.layer() == l) copies.push_back({c.expert(), c.from_rank(), c.to_rank(), c.to_slot()});
-    layers_[l]->stage(expert_map(p.maps(l)), std::move(copies), adam);
+    layers_[l]->stage(spec::from_proto(p.maps(l)), std::move(copies), adam);
   }
   if (teacher_.empty()) return;
   const v1::JobSpec teacher_spec = teacher_of(spec_);
   const ep::MoeLayerConfig teacher_cfg = teacher_config(teacher_spec);
   staged_teacher_.clear();
   for (int l = 0; l < num_layers(); ++l) {
-    const ep::ExpertMap next = expert_map(p.maps(l));
+    const moe::ExpertMap next = spec::from_proto(p.maps(l));
     staged_teacher_.push_back(std::make_unique<ep::EpLayer>(teacher_cfg, next, comm_, be_, layer_options(l)));
     staged_teacher_.back()->set_weights(layer_weights(teacher_spec, l, next.hosted(rank_)));
   }

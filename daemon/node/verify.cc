@@ -92,7 +92,7 @@ void check_backward(const LayerCase& c, const ref::Forward& f, transport::Commun
     }
   }
   const size_t H = c.spec.hidden(), I = c.spec.ffn_hidden(), n13 = 2 * I * H, n2 = H * I;
-  const ep::ExpertMap& map = c.stack.map(c.layer);
+  const moe::ExpertMap& map = c.stack.map(c.layer);
   for (int slot = 0; slot < map.slots_per_rank; ++slot) {
     const int e = map.expert_at(c.rank, slot);
     if (e < 0) continue;

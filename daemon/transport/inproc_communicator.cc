@@ -1,204 +1,284 @@
 #include "moe/transport/inproc_communicator.h"
 
+#include <poll.h>
+#include <sys/eventfd.h>
+#include <unistd.h>
+
 #include <algorithm>
+#include <cerrno>
 #include <cstring>
+#include <deque>
 #include <map>
-#include <optional>
+
+#include "tags.h"
 
 namespace moe::transport {
 
-class InProcCommunicator final : public Communicator {
- public:
-  InProcCommunicator(InProcGroup& g, int rank) : g_(g), rank_(rank) {}
-  int rank() const override { return rank_; }
-  int size() const override { return g_.size(); }
-  std::string name() const override { return "inproc"; }
-
-  using Communicator::all_to_all_v;
-  void all_to_all_v(const std::vector<AllToAllBuffer>& buffers, Deadline deadline) override {
-    const int R = size();
-    for (const AllToAllBuffer& b : buffers) check_segments(b, R);
-    {
-      std::lock_guard<std::mutex> lock(g_.mu_);
-      g_.published_[rank_] = {&buffers, nullptr};
-    }
-    g_.barrier(rank_, deadline, "all_to_all_v (publish)");
-    // A mismatch is reported only after the "done" barrier: until every rank passed
-    // it, peers may still be copying from our buffers.
-    std::optional<TransportError> error;
-    for (int r = 0; r < R && !error; ++r) {
-      const auto& theirs = *g_.published_[r].buffers;
-      if (theirs.size() != buffers.size()) {
-        error.emplace(r, "all_to_all_v: rank " + std::to_string(r) + " passed " + std::to_string(theirs.size()) +
-                             " buffers, rank " + std::to_string(rank_) + " passed " + std::to_string(buffers.size()));
-        break;
-      }
-      for (size_t i = 0; i < buffers.size(); ++i) {
-        const size_t bytes = theirs[i].send_segs->bytes[rank_];
-        if (bytes != buffers[i].recv_segs->bytes[r]) {
-          error.emplace(r, "all_to_all_v: rank " + std::to_string(r) + " sends " + std::to_string(bytes) +
-                               " bytes to rank " + std::to_string(rank_) + ", which expects " +
-                               std::to_string(buffers[i].recv_segs->bytes[r]));
-          break;
-        }
-        if (bytes)
-          std::memcpy(static_cast<uint8_t*>(buffers[i].recv) + buffers[i].recv_segs->offset[r],
-                      static_cast<const uint8_t*>(theirs[i].send) + theirs[i].send_segs->offset[rank_], bytes);
-      }
-    }
-    g_.barrier(rank_, deadline, "all_to_all_v (done)");  // peers finished reading our buffers
-    if (error) {
-      g_.abort(error->peer(), error->what());
-      throw *error;
-    }
-  }
-
-  void all_reduce_sum(float* data, size_t count, Deadline deadline) override {
-    const int R = size();
-    {
-      std::lock_guard<std::mutex> lock(g_.mu_);
-      g_.published_[rank_] = {nullptr, data};
-      if (g_.reduce_buf_.size() < count) g_.reduce_buf_.resize(count);
-    }
-    g_.barrier(rank_, deadline, "all_reduce (publish)");
-    // Rank r sums slice r, in rank order, into the shared buffer.
-    const size_t begin = count * rank_ / R, end = count * (rank_ + 1) / R;
-    for (size_t i = begin; i < end; ++i) {
-      float acc = g_.published_[0].data[i];
-      for (int r = 1; r < R; ++r) acc += g_.published_[r].data[i];
-      g_.reduce_buf_[i] = acc;
-    }
-    g_.barrier(rank_, deadline, "all_reduce (sum)");
-    std::memcpy(data, g_.reduce_buf_.data(), count * sizeof(float));
-    g_.barrier(rank_, deadline, "all_reduce (done)");
-  }
-
-  void barrier(Deadline deadline) override { g_.barrier(rank_, deadline, "barrier"); }
-
-  void send(int peer, const void* data, size_t bytes, uint32_t tag, Deadline) override {
-    MOE_CHECK(peer >= 0 && peer < size(), "send: peer ", peer, " out of range");
-    std::lock_guard<std::mutex> lock(g_.mu_);
-    g_.check_failed_locked();
-    const auto* p = static_cast<const uint8_t*>(data);
-    g_.mailbox_[{rank_, peer, tag}].emplace_back(p, p + bytes);
-    g_.cv_.notify_all();
-  }
-
-  void recv(int peer, void* data, size_t bytes, uint32_t tag, Deadline deadline) override {
-    MOE_CHECK(peer >= 0 && peer < size(), "recv: peer ", peer, " out of range");
-    std::unique_lock<std::mutex> lock(g_.mu_);
-    auto& box = g_.mailbox_[{peer, rank_, tag}];
-    while (box.empty()) {
-      g_.check_failed_locked();
-      if (g_.cv_.wait_until(lock, deadline) == std::cv_status::timeout && box.empty())
-        throw TransportError(peer, "recv: timed out waiting for rank " + std::to_string(peer) + " (tag " +
-                                       std::to_string(tag) + ")");
-    }
-    std::vector<uint8_t> msg = std::move(box.front());
-    box.pop_front();
-    if (msg.size() != bytes)
-      throw TransportError(peer, "recv: rank " + std::to_string(peer) + " sent " + std::to_string(msg.size()) +
-                                     " bytes, expected " + std::to_string(bytes));
-    if (bytes) std::memcpy(data, msg.data(), bytes);
-  }
-
-  // Background transfers go through the mailbox too, with the top tag bit set
-  // (their own tag space); a send is a copy at once, a receive completes in test().
-  TransferId isend(int peer, const void* data, size_t bytes, uint32_t tag, std::shared_ptr<const void>) override {
-    MOE_CHECK(tag < kBackgroundTag, "isend: tag ", tag, " out of range");
-    send(peer, data, bytes, tag | kBackgroundTag, {});
-    pending_[next_] = {true, peer, nullptr, bytes, tag};
-    return next_++;
-  }
-  // Copies happen inside test(), on this thread: a dropped receive writes nothing.
-  TransferId irecv(int peer, void* data, size_t bytes, uint32_t tag, std::shared_ptr<const void>) override {
-    MOE_CHECK(peer >= 0 && peer < size() && tag < kBackgroundTag, "irecv: peer ", peer, " or tag ", tag, " out of range");
-    pending_[next_] = {false, peer, data, bytes, tag};
-    return next_++;
-  }
-  bool test(TransferId id) override {
-    const auto it = pending_.find(id);
-    MOE_CHECK(it != pending_.end(), "test: no transfer ", id);
-    const Pending p = it->second;
-    if (!p.is_send) {
-      std::lock_guard<std::mutex> lock(g_.mu_);
-      g_.check_failed_locked();
-      auto& box = g_.mailbox_[{p.peer, rank_, p.tag | kBackgroundTag}];
-      if (box.empty()) return false;
-      if (box.front().size() != p.bytes)
-        throw TransportError(p.peer, "irecv: rank " + std::to_string(p.peer) + " sent " +
-                                         std::to_string(box.front().size()) + " bytes, expected " +
-                                         std::to_string(p.bytes));
-      if (p.bytes) std::memcpy(p.data, box.front().data(), p.bytes);
-      box.pop_front();
-    }
-    pending_.erase(it);
-    return true;
-  }
-
- private:
-  static constexpr uint32_t kBackgroundTag = 1u << 31;
-  struct Pending {
-    bool is_send;
-    int peer;
-    void* data;
-    size_t bytes;
-    uint32_t tag;
+struct InProcCommunicator::Impl {
+  // One posted message; a deque keeps addresses stable (the hub writes the
+  // completion of a receive from the sender's thread).
+  struct Op {
+    int peer = -1;
+    bool is_recv = false;
+    size_t bytes = 0;
+    LocalHub::Completion done;
+    std::shared_ptr<const void> keep;  // a background transfer's buffer owner
   };
-  InProcGroup& g_;
-  const int rank_;
-  std::map<TransferId, Pending> pending_;
-  TransferId next_ = 1;
+
+  std::shared_ptr<LocalHub> hub;
+  int rank = 0, size = 1;
+  int wake_fd = -1;
+  uint64_t seq = 0;  // collective sequence, the same on every rank
+  bool broken = false;
+  std::string broken_reason;
+  int broken_peer = -1;
+  std::deque<Op> ops;
+  std::map<uint64_t, Op> background;  // by transfer id
+  uint64_t next_transfer = 1;
+  std::vector<float> reduce_parts;  // rank 0's buffer for the other ranks' parts
+
+  void check_usable() const {
+    if (broken) throw TransportError(broken_peer, "communicator unusable after an earlier failure: " + broken_reason);
+  }
+
+  void check_peer(int peer, const char* what) const {
+    MOE_CHECK(peer >= 0 && peer < size && peer != rank, what, ": peer ", peer, " out of range or self");
+  }
+
+  void post_send(Op& op, int peer, const void* buf, size_t bytes, uint64_t tag) {
+    op.peer = peer;
+    op.bytes = bytes;
+    hub->post_send(rank, peer, tag, buf, bytes, &op.done);
+  }
+  void post_recv(Op& op, int peer, void* buf, size_t bytes, uint64_t tag) {
+    op.peer = peer;
+    op.is_recv = true;
+    op.bytes = bytes;
+    hub->post_recv(peer, rank, tag, buf, bytes, &op.done);
+  }
+  void send(int peer, const void* buf, size_t bytes, uint64_t tag, const char* what) {
+    check_peer(peer, what);
+    post_send(ops.emplace_back(), peer, buf, bytes, tag);
+  }
+  void recv(int peer, void* buf, size_t bytes, uint64_t tag, const char* what) {
+    check_peer(peer, what);
+    post_recv(ops.emplace_back(), peer, buf, bytes, tag);
+  }
+
+  // The hub forgets our receives, our siblings learn we stopped (blaming
+  // `peer`), and every later call throws.
+  [[noreturn]] void fail(int peer, const std::string& msg) {
+    hub->withdraw(rank);
+    hub->abort(rank, msg, peer >= 0 ? peer : rank);
+    ops.clear();
+    broken = true;
+    broken_reason = msg;
+    broken_peer = peer;
+    throw TransportError(peer, msg);
+  }
+
+  // Throws when op completed badly (a size mismatch) or its peer stopped; true
+  // once it completed.
+  bool settled(const Op& op, const char* what) {
+    if (op.done.state.load(std::memory_order_acquire) != 0) {
+      if (op.is_recv && op.done.bytes != op.bytes)
+        fail(op.peer, std::string(what) + ": rank " + std::to_string(op.peer) + " sent " +
+                          std::to_string(op.done.bytes) + " bytes, expected " + std::to_string(op.bytes));
+      return true;
+    }
+    if (const auto why = hub->failure_of(op.peer))
+      fail(why->culprit, std::string(what) + ": rank " + std::to_string(op.peer) + " failed (" + why->reason + ")");
+    return false;
+  }
+
+  // Waits for every posted op; throws naming the peer on failure or deadline.
+  void wait_all(Deadline deadline, const char* what) {
+    for (;;) {
+      bool all_done = true;
+      for (const Op& op : ops) all_done &= settled(op, what);
+      if (all_done) {
+        ops.clear();
+        return;
+      }
+      const auto now = Clock::now();
+      if (now >= deadline) {
+        const auto late = std::find_if(ops.begin(), ops.end(), [](const Op& op) { return op.done.state.load() == 0; });
+        fail(late->peer, std::string(what) + ": timed out waiting for rank " + std::to_string(late->peer));
+      }
+      // The hub signals our eventfd when a peer completes one of our ops or a
+      // rank fails; the ops themselves say what happened.
+      const auto left = std::chrono::duration_cast<std::chrono::milliseconds>(deadline - now).count();
+      pollfd p{wake_fd, POLLIN, 0};
+      if (::poll(&p, 1, static_cast<int>(std::clamp<int64_t>(left, 1, 1000))) > 0) {
+        uint64_t n;
+        (void)!::read(wake_fd, &n, sizeof n);
+      }
+    }
+  }
+
+  // One 1-byte message each way on every pair: barrier().
+  void token_round(Deadline deadline, const char* what) {
+    const uint64_t round_seq = seq++;
+    uint8_t token = 1;
+    std::vector<uint8_t> got(size);
+    for (int r = 0; r < size; ++r)
+      if (r != rank) recv(r, &got[r], 1, make_tag(TagKind::kBarrier, round_seq, r), what);
+    for (int r = 0; r < size; ++r)
+      if (r != rank) send(r, &token, 1, make_tag(TagKind::kBarrier, round_seq, rank), what);
+    wait_all(deadline, what);
+  }
 };
 
-InProcGroup::InProcGroup(int size) : size_(size), arrived_gen_(size, 0), published_(size) {
+InProcCommunicator::InProcCommunicator(std::shared_ptr<LocalHub> hub, int rank, int size)
+    : impl_(std::make_unique<Impl>()), rank_(rank), size_(size) {
+  MOE_CHECK(hub && size >= 1 && size < (1 << 16) && rank >= 0 && rank < size, "inproc: bad rank ", rank, " of ",
+            size);
+  for (int r = 0; r < size; ++r) MOE_CHECK(hub->is_local(r), "inproc: rank ", r, " is not in the hub");
+  Impl& m = *impl_;
+  m.hub = std::move(hub);
+  m.rank = rank;
+  m.size = size;
+  m.wake_fd = ::eventfd(0, EFD_NONBLOCK | EFD_CLOEXEC);
+  MOE_CHECK(m.wake_fd >= 0, "inproc: eventfd: ", std::strerror(errno));
+  m.hub->attach(rank, m.wake_fd);
+}
+
+InProcCommunicator::~InProcCommunicator() {
+  Impl& m = *impl_;
+  m.hub->withdraw(rank_);  // nobody writes into our receive buffers from now on
+  m.hub->detach(rank_);
+  ::close(m.wake_fd);
+}
+
+void InProcCommunicator::all_to_all_v(const std::vector<AllToAllBuffer>& buffers, Deadline deadline) {
+  Impl& m = *impl_;
+  m.check_usable();
+  for (const AllToAllBuffer& b : buffers) {
+    check_segments(b, size_);
+    MOE_CHECK(b.send_segs->bytes[rank_] == b.recv_segs->bytes[rank_], "all_to_all_v: self segment sizes differ (",
+              b.send_segs->bytes[rank_], " vs ", b.recv_segs->bytes[rank_], ")");
+  }
+  // As UcxCommunicator: one sequence number per buffer, receives posted first
+  // (a send that finds its receive is copied straight across), sends in ring order.
+  const uint64_t seq0 = m.seq;
+  m.seq += buffers.size();
+  for (size_t i = 0; i < buffers.size(); ++i) {
+    const AllToAllBuffer& b = buffers[i];
+    auto* out = static_cast<uint8_t*>(b.recv);
+    for (int r = 0; r < size_; ++r)
+      if (r != rank_ && b.recv_segs->bytes[r])
+        m.recv(r, out + b.recv_segs->offset[r], b.recv_segs->bytes[r], make_tag(TagKind::kAllToAll, seq0 + i, r),
+               "all_to_all_v");
+  }
+  for (int step = 1; step < size_; ++step) {
+    const int r = (rank_ + step) % size_;
+    for (size_t i = 0; i < buffers.size(); ++i) {
+      const AllToAllBuffer& b = buffers[i];
+      if (b.send_segs->bytes[r])
+        m.send(r, static_cast<const uint8_t*>(b.send) + b.send_segs->offset[r], b.send_segs->bytes[r],
+               make_tag(TagKind::kAllToAll, seq0 + i, rank_), "all_to_all_v");
+    }
+  }
+  for (const AllToAllBuffer& b : buffers)
+    if (b.send_segs->bytes[rank_])
+      std::memcpy(static_cast<uint8_t*>(b.recv) + b.recv_segs->offset[rank_],
+                  static_cast<const uint8_t*>(b.send) + b.send_segs->offset[rank_], b.send_segs->bytes[rank_]);
+  m.wait_all(deadline, "all_to_all_v");
+}
+
+// Reduce to rank 0 in rank order, then rank 0 sends the sum to everyone: every
+// rank ends with the same bits, summed 0 + 1 + ... + (R-1), as over UCX.
+void InProcCommunicator::all_reduce_sum(float* data, size_t count, Deadline deadline) {
+  Impl& m = *impl_;
+  m.check_usable();
+  const uint64_t seq = m.seq++;
+  const size_t bytes = count * sizeof(float);
+  if (size_ == 1 || count == 0) return;
+  if (rank_ == 0) {
+    std::vector<float>& parts = m.reduce_parts;
+    parts.resize((size_ - 1) * count);
+    for (int r = 1; r < size_; ++r)
+      m.recv(r, parts.data() + (r - 1) * count, bytes, make_tag(TagKind::kReduce, seq, r), "all_reduce");
+    m.wait_all(deadline, "all_reduce");
+    for (int r = 1; r < size_; ++r) {
+      const float* p = parts.data() + (r - 1) * count;
+      for (size_t i = 0; i < count; ++i) data[i] += p[i];
+    }
+    for (int r = 1; r < size_; ++r) m.send(r, data, bytes, make_tag(TagKind::kBroadcast, seq, 0), "all_reduce");
+    m.wait_all(deadline, "all_reduce");
+  } else {
+    m.send(0, data, bytes, make_tag(TagKind::kReduce, seq, rank_), "all_reduce");
+    m.wait_all(deadline, "all_reduce");
+    m.recv(0, data, bytes, make_tag(TagKind::kBroadcast, seq, 0), "all_reduce");
+    m.wait_all(deadline, "all_reduce");
+  }
+}
+
+void InProcCommunicator::barrier(Deadline deadline) {
+  impl_->check_usable();
+  impl_->token_round(deadline, "barrier");
+}
+
+void InProcCommunicator::send(int peer, const void* data, size_t bytes, uint32_t tag, Deadline deadline) {
+  Impl& m = *impl_;
+  m.check_usable();
+  m.send(peer, data, bytes, make_tag(TagKind::kP2P, tag, rank_), "send");
+  m.wait_all(deadline, "send");
+}
+
+void InProcCommunicator::recv(int peer, void* data, size_t bytes, uint32_t tag, Deadline deadline) {
+  Impl& m = *impl_;
+  m.check_usable();
+  m.recv(peer, data, bytes, make_tag(TagKind::kP2P, tag, peer), "recv");
+  m.wait_all(deadline, "recv");
+}
+
+Communicator::TransferId InProcCommunicator::isend(int peer, const void* data, size_t bytes, uint32_t tag,
+                                                   std::shared_ptr<const void> keep) {
+  Impl& m = *impl_;
+  m.check_usable();
+  m.check_peer(peer, "isend");
+  const uint64_t id = m.next_transfer++;
+  Impl::Op& op = m.background[id];
+  op.keep = std::move(keep);
+  m.post_send(op, peer, data, bytes, make_tag(TagKind::kBackground, tag, rank_));
+  return id;
+}
+
+Communicator::TransferId InProcCommunicator::irecv(int peer, void* data, size_t bytes, uint32_t tag,
+                                                   std::shared_ptr<const void> keep) {
+  Impl& m = *impl_;
+  m.check_usable();
+  m.check_peer(peer, "irecv");
+  const uint64_t id = m.next_transfer++;
+  Impl::Op& op = m.background[id];
+  op.keep = std::move(keep);
+  m.post_recv(op, peer, data, bytes, make_tag(TagKind::kBackground, tag, peer));
+  return id;
+}
+
+bool InProcCommunicator::test(TransferId id) {
+  Impl& m = *impl_;
+  m.check_usable();
+  const auto it = m.background.find(id);
+  MOE_CHECK(it != m.background.end(), "test: no transfer ", id);
+  if (!m.settled(it->second, it->second.is_recv ? "irecv" : "isend")) return false;
+  m.background.erase(it);
+  return true;
+}
+
+InProcGroup::InProcGroup(int size) : size_(size) {
   MOE_CHECK(size >= 1, "in-process group size must be >= 1, got ", size);
+  std::vector<int> ranks(size);
+  for (int r = 0; r < size; ++r) ranks[r] = r;
+  hub_ = std::make_shared<LocalHub>(ranks);
 }
 
 std::unique_ptr<Communicator> InProcGroup::communicator(int rank) {
   MOE_CHECK(rank >= 0 && rank < size_, "rank ", rank, " out of range [0, ", size_, ")");
-  return std::make_unique<InProcCommunicator>(*this, rank);
+  return std::make_unique<InProcCommunicator>(hub_, rank, size_);
 }
 
-void InProcGroup::abort(int rank, const std::string& reason) {
-  std::lock_guard<std::mutex> lock(mu_);
-  if (failed_rank_ < 0) {
-    failed_rank_ = rank;
-    failed_reason_ = reason;
-  }
-  cv_.notify_all();
-}
-
-void InProcGroup::check_failed_locked() const {
-  if (failed_rank_ >= 0)
-    throw TransportError(failed_rank_, "rank " + std::to_string(failed_rank_) + " failed: " + failed_reason_);
-}
-
-void InProcGroup::barrier(int rank, Deadline deadline, const char* what) {
-  std::unique_lock<std::mutex> lock(mu_);
-  check_failed_locked();
-  const uint64_t gen = generation_;
-  arrived_gen_[rank] = gen + 1;
-  if (++arrived_ == size_) {
-    arrived_ = 0;
-    ++generation_;
-    cv_.notify_all();
-    return;
-  }
-  while (generation_ == gen) {
-    check_failed_locked();
-    if (cv_.wait_until(lock, deadline) == std::cv_status::timeout && generation_ == gen) {
-      int late = 0;
-      while (late < size_ && arrived_gen_[late] == gen + 1) ++late;
-      // The group cannot recover from a half-finished barrier: fail everyone.
-      if (failed_rank_ < 0) {
-        failed_rank_ = late;
-        failed_reason_ = std::string("did not reach ") + what + " in time";
-      }
-      cv_.notify_all();
-      throw TransportError(late, std::string(what) + ": timed out waiting for rank " + std::to_string(late));
-    }
-  }
-}
+void InProcGroup::abort(int rank, const std::string& reason) { hub_->abort(rank, reason); }
 
 }  // namespace moe::transport

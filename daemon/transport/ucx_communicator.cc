@@ -11,16 +11,12 @@
 #include <map>
 #include <optional>
 
+#include "tags.h"
+
 namespace moe::transport {
 namespace {
 
-// Tag layout: kind (8 bits) | sequence (40 bits) | source rank (16 bits). Every
-// receive matches the full tag, so messages of different operations never mix.
-enum class Kind : uint64_t { kWireup = 1, kAllToAll = 2, kBarrier = 3, kReduce = 4, kBroadcast = 5, kP2P = 6, kAbort = 7, kBackground = 8 };
-
-uint64_t make_tag(Kind kind, uint64_t seq, int src) {
-  return static_cast<uint64_t>(kind) << 56 | (seq & ((uint64_t{1} << 40) - 1)) << 16 | static_cast<uint64_t>(src);
-}
+using Kind = TagKind;  // tags.h: kind | sequence | source rank
 
 constexpr uint64_t kFullMask = ~uint64_t{0};
 constexpr uint64_t kKindMask = uint64_t{0xff} << 56;

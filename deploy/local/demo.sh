@@ -6,7 +6,8 @@
 #   3. `moectl placement rebalance --redundant-experts 4` while it trains: hot
 #      experts are replicated and moved live (no step skipped, no restart);
 #   4. the load again, each epoch's balancedness and slowest-rank expert time,
-#      the loss curve (the step-20 loss at most half the step-0 loss, DESIGN 6)
+#      the loss curve (the step-20 loss at most half the step-0 loss,
+#      docs/jobs.md#teacher-and-loss)
 #      and verify (fp64 reference, at a step after the switch).
 set -euo pipefail
 source "$(dirname "$0")/common.sh"

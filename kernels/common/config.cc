@@ -6,7 +6,15 @@
 
 namespace moe::kernels {
 
-const char* dtype_name(DType t) { return t == DType::kF32 ? "fp32" : "bf16"; }
+// Every enum's name is an exhaustive switch: a new value fails to compile
+// (-Werror=switch) until it has a name here.
+const char* dtype_name(DType t) {
+  switch (t) {
+    case DType::kF32: return "fp32";
+    case DType::kBF16: return "bf16";
+  }
+  detail::fail("dtype: invalid value ", static_cast<int>(t));
+}
 
 DType parse_dtype(std::string_view s) {
   if (s == "fp32" || s == "f32" || s == "F32") return DType::kF32;
@@ -14,7 +22,13 @@ DType parse_dtype(std::string_view s) {
   detail::fail("dtype: unknown value '", s, "' (expected fp32 or bf16)");
 }
 
-const char* score_name(ScoreFunc s) { return s == ScoreFunc::kSoftmax ? "softmax" : "sigmoid"; }
+const char* score_name(ScoreFunc s) {
+  switch (s) {
+    case ScoreFunc::kSoftmax: return "softmax";
+    case ScoreFunc::kSigmoid: return "sigmoid";
+  }
+  detail::fail("score: invalid value ", static_cast<int>(s));
+}
 
 ScoreFunc parse_score(std::string_view s) {
   if (s == "softmax") return ScoreFunc::kSoftmax;
@@ -22,7 +36,13 @@ ScoreFunc parse_score(std::string_view s) {
   detail::fail("score: unknown value '", s, "' (expected softmax or sigmoid)");
 }
 
-const char* drop_policy_name(DropPolicy p) { return p == DropPolicy::kProbs ? "probs" : "position"; }
+const char* drop_policy_name(DropPolicy p) {
+  switch (p) {
+    case DropPolicy::kProbs: return "probs";
+    case DropPolicy::kPosition: return "position";
+  }
+  detail::fail("drop_policy: invalid value ", static_cast<int>(p));
+}
 
 DropPolicy parse_drop_policy(std::string_view s) {
   if (s == "probs") return DropPolicy::kProbs;

@@ -1,5 +1,5 @@
 // Router forward (scores, group-limited top-k, weights) and backward (the four
-// softmax/sigmoid x norm cases of DESIGN 3, then the GEMMs to x and W).
+// softmax/sigmoid x norm cases of docs/layer.md#router-gradient, then the GEMMs to x and W).
 #include <algorithm>
 #include <cmath>
 #include <cstring>
@@ -47,13 +47,13 @@ void top_k_indices(const float* key, int n, const uint8_t* allowed, int k, int32
   }
 }
 
-void scores_row(ScoreFunc score, const float* logits, float* s, int n) {
-  if (score == ScoreFunc::kSigmoid) {
-    int i = 0;
-    for (; i + 8 <= n; i += 8) _mm256_storeu_ps(s + i, sigmoid_ps(_mm256_loadu_ps(logits + i)));
-    for (; i < n; ++i) s[i] = sigmoid_scalar(logits[i]);
-    return;
-  }
+void sigmoid_row(const float* logits, float* s, int n) {
+  int i = 0;
+  for (; i + 8 <= n; i += 8) _mm256_storeu_ps(s + i, sigmoid_ps(_mm256_loadu_ps(logits + i)));
+  for (; i < n; ++i) s[i] = sigmoid_scalar(logits[i]);
+}
+
+void softmax_row(const float* logits, float* s, int n) {
   float mx = -std::numeric_limits<float>::infinity();
   for (int i = 0; i < n; ++i) mx = std::max(mx, logits[i]);
   const __m256 vmx = _mm256_set1_ps(mx);
@@ -71,6 +71,13 @@ void scores_row(ScoreFunc score, const float* logits, float* s, int n) {
   }
   const float inv = 1.0f / sum;
   for (int j = 0; j < n; ++j) s[j] *= inv;
+}
+
+void scores_row(ScoreFunc score, const float* logits, float* s, int n) {
+  switch (score) {
+    case ScoreFunc::kSoftmax: return softmax_row(logits, s, n);
+    case ScoreFunc::kSigmoid: return sigmoid_row(logits, s, n);
+  }
 }
 
 // Workspace: [x as fp32 (bf16 input only)] [per-thread selection scratch] x threads.
@@ -190,7 +197,7 @@ void router_forward(ThreadPool& pool, const RouterConfig& cfg, const RouterForwa
 
 namespace {
 
-// dL/dlogits of token t through its routing weights: the four closed forms of DESIGN 3.
+// dL/dlogits of token t through its routing weights: the four closed forms of docs/layer.md#router-gradient.
 void routing_weight_grad(const RouterConfig& cfg, const RouterBackwardArgs& a, int64_t t, float* dl) {
   const int E = cfg.num_experts, K = cfg.top_k;
   const float c = cfg.routed_scaling_factor;
@@ -199,33 +206,40 @@ void routing_weight_grad(const RouterConfig& cfg, const RouterBackwardArgs& a, i
   const float* w = a.topk_weight + t * K;
   const float* g = a.grad_topk_weight + t * K;
   std::memset(dl, 0, sizeof(float) * E);
-  if (cfg.score == ScoreFunc::kSoftmax && cfg.norm_topk_prob) {
-    float G = 0.0f;
-    for (int k = 0; k < K; ++k) G += w[k] * g[k];
-    G /= c;
-    for (int k = 0; k < K; ++k) dl[idx[k]] = w[k] * (g[k] - G);
-  } else if (cfg.score == ScoreFunc::kSoftmax) {
-    float sg = 0.0f;
-    for (int k = 0; k < K; ++k) sg += s[idx[k]] * g[k];
-    for (int e = 0; e < E; ++e) dl[e] = -c * s[e] * sg;
-    for (int k = 0; k < K; ++k) dl[idx[k]] += c * s[idx[k]] * g[k];
-  } else if (cfg.norm_topk_prob) {
-    float G = 0.0f, ssum = 0.0f;
-    for (int k = 0; k < K; ++k) {
-      G += w[k] * g[k];
-      ssum += s[idx[k]];
-    }
-    G /= c;
-    if (ssum > 0.0f)
-      for (int k = 0; k < K; ++k) {
-        const float sk = s[idx[k]];
-        dl[idx[k]] = sk * (1.0f - sk) * c * (g[k] - G) / ssum;
+  switch (cfg.score) {
+    case ScoreFunc::kSoftmax:
+      if (cfg.norm_topk_prob) {
+        float G = 0.0f;
+        for (int k = 0; k < K; ++k) G += w[k] * g[k];
+        G /= c;
+        for (int k = 0; k < K; ++k) dl[idx[k]] = w[k] * (g[k] - G);
+      } else {
+        float sg = 0.0f;
+        for (int k = 0; k < K; ++k) sg += s[idx[k]] * g[k];
+        for (int e = 0; e < E; ++e) dl[e] = -c * s[e] * sg;
+        for (int k = 0; k < K; ++k) dl[idx[k]] += c * s[idx[k]] * g[k];
       }
-  } else {
-    for (int k = 0; k < K; ++k) {
-      const float sk = s[idx[k]];
-      dl[idx[k]] = c * sk * (1.0f - sk) * g[k];
-    }
+      return;
+    case ScoreFunc::kSigmoid:
+      if (cfg.norm_topk_prob) {
+        float G = 0.0f, ssum = 0.0f;
+        for (int k = 0; k < K; ++k) {
+          G += w[k] * g[k];
+          ssum += s[idx[k]];
+        }
+        G /= c;
+        if (ssum > 0.0f)
+          for (int k = 0; k < K; ++k) {
+            const float sk = s[idx[k]];
+            dl[idx[k]] = sk * (1.0f - sk) * c * (g[k] - G) / ssum;
+          }
+      } else {
+        for (int k = 0; k < K; ++k) {
+          const float sk = s[idx[k]];
+          dl[idx[k]] = c * sk * (1.0f - sk) * g[k];
+        }
+      }
+      return;
   }
 }
 
@@ -236,20 +250,25 @@ void add_aux_loss_grad(const RouterConfig& cfg, const RouterBackwardArgs& a, int
   const int E = cfg.num_experts;
   const float* s = a.scores + t * E;
   const float* c = a.balance_counts;
-  if (cfg.score == ScoreFunc::kSoftmax) {
-    float cs = 0.0f;
-    for (int e = 0; e < E; ++e) cs += c[e] * s[e];
-    for (int e = 0; e < E; ++e) dl[e] += a.aux_scale * s[e] * (c[e] - cs);
-    return;
+  switch (cfg.score) {
+    case ScoreFunc::kSoftmax: {
+      float cs = 0.0f;
+      for (int e = 0; e < E; ++e) cs += c[e] * s[e];
+      for (int e = 0; e < E; ++e) dl[e] += a.aux_scale * s[e] * (c[e] - cs);
+      return;
+    }
+    case ScoreFunc::kSigmoid: {
+      float S = 0.0f, cs = 0.0f;
+      for (int e = 0; e < E; ++e) {
+        S += s[e];
+        cs += c[e] * s[e];
+      }
+      if (S <= 0.0f) return;
+      cs /= S;
+      for (int e = 0; e < E; ++e) dl[e] += a.aux_scale * s[e] * (1.0f - s[e]) * (c[e] - cs) / S;
+      return;
+    }
   }
-  float S = 0.0f, cs = 0.0f;
-  for (int e = 0; e < E; ++e) {
-    S += s[e];
-    cs += c[e] * s[e];
-  }
-  if (S <= 0.0f) return;
-  cs /= S;
-  for (int e = 0; e < E; ++e) dl[e] += a.aux_scale * s[e] * (1.0f - s[e]) * (c[e] - cs) / S;
 }
 
 // The z-loss's dL/dlogits of token t: 2 z_scale lse(l) softmax(l)_i.

@@ -1,6 +1,6 @@
 // Router forward (logits GEMM on cuBLAS, then one thread per token for scores,
 // group-limited top-k and weights) and backward (one thread per token for the
-// closed-form logit gradients of DESIGN 3, then two cuBLAS GEMMs to W and x).
+// closed-form logit gradients of docs/layer.md#router-gradient, then two cuBLAS GEMMs to W and x).
 #include "cuda_ops.h"
 #include "moe/base/check.h"
 #include "router_logic.cuh"
@@ -59,7 +59,7 @@ void router_forward(CudaExec& ex, const RouterConfig& cfg, const RouterForwardAr
                        cfg.top_k,
                        cfg.group_limited() ? cfg.num_groups : 1,
                        cfg.group_top_k,
-                       cfg.score == ScoreFunc::kSigmoid,
+                       cfg.score,
                        cfg.norm_topk_prob,
                        cfg.routed_scaling_factor};
   select_kernel<<<blocks_for(T, 128), 128, 0, ex.stream>>>(p, a.logits, a.scores, a.selection_bias, a.logit_bias,
@@ -77,7 +77,7 @@ void router_backward(CudaExec& ex, const RouterConfig& cfg, const RouterBackward
   }
   MOE_CHECK(a.aux_scale == 0.0f || a.balance_counts, "router backward: aux loss without balance_counts");
   MOE_CHECK(a.z_scale == 0.0f || a.logits, "router backward: z-loss without logits");
-  const GradParams p{T, E, cfg.top_k, cfg.score == ScoreFunc::kSigmoid, cfg.norm_topk_prob, cfg.routed_scaling_factor,
+  const GradParams p{T, E, cfg.top_k, cfg.score, cfg.norm_topk_prob, cfg.routed_scaling_factor,
                      a.aux_scale, a.z_scale};
   logit_grad_kernel<<<blocks_for(T, 128), 128, 0, ex.stream>>>(p, a);
   check(cudaGetLastError(), "router logit gradients");

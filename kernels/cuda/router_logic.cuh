@@ -19,7 +19,8 @@ constexpr int kMaxGroups = 64;
 struct SelectParams {
   int64_t T;
   int E, K, G, group_top_k;
-  bool sigmoid, norm;
+  ScoreFunc score;
+  bool norm;
   float scaling;
 };
 
@@ -48,18 +49,22 @@ MOE_HOST_DEVICE inline float biased(const float* s, const float* bias, int e) {
 MOE_HOST_DEVICE inline void token_scores(const SelectParams& p, float* l, float* s, const float* logit_bias) {
   if (logit_bias)
     for (int e = 0; e < p.E; ++e) l[e] += logit_bias[e];
-  if (p.sigmoid) {
-    for (int e = 0; e < p.E; ++e) s[e] = 1.0f / (1.0f + expf(-l[e]));
-    return;
+  switch (p.score) {
+    case ScoreFunc::kSigmoid:
+      for (int e = 0; e < p.E; ++e) s[e] = 1.0f / (1.0f + expf(-l[e]));
+      return;
+    case ScoreFunc::kSoftmax: {
+      float mx = -INFINITY, sum = 0.0f;
+      for (int e = 0; e < p.E; ++e) mx = fmaxf(mx, l[e]);
+      for (int e = 0; e < p.E; ++e) {
+        s[e] = expf(l[e] - mx);
+        sum += s[e];
+      }
+      const float inv = 1.0f / sum;
+      for (int e = 0; e < p.E; ++e) s[e] *= inv;
+      return;
+    }
   }
-  float mx = -INFINITY, sum = 0.0f;
-  for (int e = 0; e < p.E; ++e) mx = fmaxf(mx, l[e]);
-  for (int e = 0; e < p.E; ++e) {
-    s[e] = expf(l[e] - mx);
-    sum += s[e];
-  }
-  const float inv = 1.0f / sum;
-  for (int e = 0; e < p.E; ++e) s[e] *= inv;
 }
 
 // Bit g set when group g is among the best group_top_k (group score: the sum of
@@ -88,7 +93,8 @@ MOE_HOST_DEVICE inline uint64_t allowed_groups(const SelectParams& p, const floa
 struct GradParams {
   int64_t T;
   int E, K;
-  bool sigmoid, norm;
+  ScoreFunc score;
+  bool norm;
   float c;  // routed_scaling_factor
   float aux_scale, z_scale;
 };
@@ -96,33 +102,40 @@ struct GradParams {
 MOE_HOST_DEVICE inline void routing_weight_grad(const GradParams& p, const float* s, const int32_t* idx, const float* w,
                                     const float* g, float* dl) {
   for (int e = 0; e < p.E; ++e) dl[e] = 0.0f;
-  if (!p.sigmoid && p.norm) {
-    float G = 0.0f;
-    for (int k = 0; k < p.K; ++k) G += w[k] * g[k];
-    G /= p.c;
-    for (int k = 0; k < p.K; ++k) dl[idx[k]] = w[k] * (g[k] - G);
-  } else if (!p.sigmoid) {
-    float sg = 0.0f;
-    for (int k = 0; k < p.K; ++k) sg += s[idx[k]] * g[k];
-    for (int e = 0; e < p.E; ++e) dl[e] = -p.c * s[e] * sg;
-    for (int k = 0; k < p.K; ++k) dl[idx[k]] += p.c * s[idx[k]] * g[k];
-  } else if (p.norm) {
-    float G = 0.0f, ssum = 0.0f;
-    for (int k = 0; k < p.K; ++k) {
-      G += w[k] * g[k];
-      ssum += s[idx[k]];
-    }
-    G /= p.c;
-    if (ssum > 0.0f)
-      for (int k = 0; k < p.K; ++k) {
-        const float sk = s[idx[k]];
-        dl[idx[k]] = sk * (1.0f - sk) * p.c * (g[k] - G) / ssum;
+  switch (p.score) {
+    case ScoreFunc::kSoftmax:
+      if (p.norm) {
+        float G = 0.0f;
+        for (int k = 0; k < p.K; ++k) G += w[k] * g[k];
+        G /= p.c;
+        for (int k = 0; k < p.K; ++k) dl[idx[k]] = w[k] * (g[k] - G);
+      } else {
+        float sg = 0.0f;
+        for (int k = 0; k < p.K; ++k) sg += s[idx[k]] * g[k];
+        for (int e = 0; e < p.E; ++e) dl[e] = -p.c * s[e] * sg;
+        for (int k = 0; k < p.K; ++k) dl[idx[k]] += p.c * s[idx[k]] * g[k];
       }
-  } else {
-    for (int k = 0; k < p.K; ++k) {
-      const float sk = s[idx[k]];
-      dl[idx[k]] = p.c * sk * (1.0f - sk) * g[k];
-    }
+      return;
+    case ScoreFunc::kSigmoid:
+      if (p.norm) {
+        float G = 0.0f, ssum = 0.0f;
+        for (int k = 0; k < p.K; ++k) {
+          G += w[k] * g[k];
+          ssum += s[idx[k]];
+        }
+        G /= p.c;
+        if (ssum > 0.0f)
+          for (int k = 0; k < p.K; ++k) {
+            const float sk = s[idx[k]];
+            dl[idx[k]] = sk * (1.0f - sk) * p.c * (g[k] - G) / ssum;
+          }
+      } else {
+        for (int k = 0; k < p.K; ++k) {
+          const float sk = s[idx[k]];
+          dl[idx[k]] = p.c * sk * (1.0f - sk) * g[k];
+        }
+      }
+      return;
   }
 }
 
@@ -132,13 +145,16 @@ MOE_HOST_DEVICE inline void add_aux_grad(const GradParams& p, const float* s, co
     S += s[e];
     cs += c[e] * s[e];
   }
-  if (!p.sigmoid) {
-    for (int e = 0; e < p.E; ++e) dl[e] += p.aux_scale * s[e] * (c[e] - cs);
-    return;
+  switch (p.score) {
+    case ScoreFunc::kSoftmax:
+      for (int e = 0; e < p.E; ++e) dl[e] += p.aux_scale * s[e] * (c[e] - cs);
+      return;
+    case ScoreFunc::kSigmoid:
+      if (S <= 0.0f) return;
+      cs /= S;
+      for (int e = 0; e < p.E; ++e) dl[e] += p.aux_scale * s[e] * (1.0f - s[e]) * (c[e] - cs) / S;
+      return;
   }
-  if (S <= 0.0f) return;
-  cs /= S;
-  for (int e = 0; e < p.E; ++e) dl[e] += p.aux_scale * s[e] * (1.0f - s[e]) * (c[e] - cs) / S;
 }
 
 MOE_HOST_DEVICE inline void add_z_grad(const GradParams& p, const float* l, float* dl) {

@@ -35,10 +35,15 @@ std::vector<int> best_indices(const std::vector<double>& v, const std::vector<bo
 // normalised per token (s_te / sum_j s_tj), as Megatron does.
 std::vector<double> balance_probs(const Config& cfg, const double* s) {
   std::vector<double> p(s, s + cfg.num_experts);
-  if (cfg.score == ScoreFunc::kSigmoid) {
-    double sum = 0.0;
-    for (double v : p) sum += v;
-    for (double& v : p) v /= sum;
+  switch (cfg.score) {
+    case ScoreFunc::kSoftmax:
+      break;
+    case ScoreFunc::kSigmoid: {
+      double sum = 0.0;
+      for (double v : p) sum += v;
+      for (double& v : p) v /= sum;
+      break;
+    }
   }
   return p;
 }
@@ -126,13 +131,17 @@ Forward forward(const Config& cfg, const Weights& w, const std::vector<double>& 
       f.logits[t * E + e] = acc;
     }
     double* s = &f.scores[t * E];
-    if (cfg.score == ScoreFunc::kSigmoid) {
-      for (int e = 0; e < E; ++e) s[e] = 1.0 / (1.0 + std::exp(-f.logits[t * E + e]));
-    } else {
-      double mx = -kInf, sum = 0.0;
-      for (int e = 0; e < E; ++e) mx = std::max(mx, f.logits[t * E + e]);
-      for (int e = 0; e < E; ++e) sum += (s[e] = std::exp(f.logits[t * E + e] - mx));
-      for (int e = 0; e < E; ++e) s[e] /= sum;
+    switch (cfg.score) {
+      case ScoreFunc::kSigmoid:
+        for (int e = 0; e < E; ++e) s[e] = 1.0 / (1.0 + std::exp(-f.logits[t * E + e]));
+        break;
+      case ScoreFunc::kSoftmax: {
+        double mx = -kInf, sum = 0.0;
+        for (int e = 0; e < E; ++e) mx = std::max(mx, f.logits[t * E + e]);
+        for (int e = 0; e < E; ++e) sum += (s[e] = std::exp(f.logits[t * E + e] - mx));
+        for (int e = 0; e < E; ++e) s[e] /= sum;
+        break;
+      }
     }
 
     // Selection on biased scores, optionally inside the best groups.
@@ -234,16 +243,20 @@ void balance_backward(const Config& cfg, const Forward& f, int64_t t, double* dl
   if (cfg.aux_loss_coeff > 0) {
     std::vector<double> dP(E);  // dL_aux / dP_te
     for (int e = 0; e < E; ++e) dP[e] = cfg.aux_loss_coeff * E / (K * Tg * Tg) * f.balance_counts[e];
-    if (cfg.score == ScoreFunc::kSoftmax) {
-      for (int i = 0; i < E; ++i)
-        for (int e = 0; e < E; ++e) dl[i] += dP[e] * s[e] * ((i == e ? 1.0 : 0.0) - s[i]);
-    } else {
-      double S = 0.0;
-      for (int e = 0; e < E; ++e) S += s[e];
-      for (int j = 0; j < E; ++j) {
-        double ds = 0.0;  // dL/ds_j with P_e = s_e / S
-        for (int e = 0; e < E; ++e) ds += dP[e] * ((e == j ? 1.0 : 0.0) / S - s[e] / (S * S));
-        dl[j] += ds * s[j] * (1.0 - s[j]);
+    switch (cfg.score) {
+      case ScoreFunc::kSoftmax:
+        for (int i = 0; i < E; ++i)
+          for (int e = 0; e < E; ++e) dl[i] += dP[e] * s[e] * ((i == e ? 1.0 : 0.0) - s[i]);
+        break;
+      case ScoreFunc::kSigmoid: {
+        double S = 0.0;
+        for (int e = 0; e < E; ++e) S += s[e];
+        for (int j = 0; j < E; ++j) {
+          double ds = 0.0;  // dL/ds_j with P_e = s_e / S
+          for (int e = 0; e < E; ++e) ds += dP[e] * ((e == j ? 1.0 : 0.0) / S - s[e] / (S * S));
+          dl[j] += ds * s[j] * (1.0 - s[j]);
+        }
+        break;
       }
     }
   }
@@ -363,12 +376,16 @@ Grads backward(const Config& cfg, const Weights& w, const std::vector<double>& x
     }
     double* dl = &g.grad_logits[t * E];
     for (int i = 0; i < E; ++i) {
-      if (cfg.score == ScoreFunc::kSigmoid) {
-        dl[i] = ds[i] * s[i] * (1.0 - s[i]);
-      } else {
-        double acc = 0.0;
-        for (int j = 0; j < E; ++j) acc += ds[j] * s[j] * ((i == j ? 1.0 : 0.0) - s[i]);
-        dl[i] = acc;
+      switch (cfg.score) {
+        case ScoreFunc::kSigmoid:
+          dl[i] = ds[i] * s[i] * (1.0 - s[i]);
+          break;
+        case ScoreFunc::kSoftmax: {
+          double acc = 0.0;
+          for (int j = 0; j < E; ++j) acc += ds[j] * s[j] * ((i == j ? 1.0 : 0.0) - s[i]);
+          dl[i] = acc;
+          break;
+        }
       }
     }
     balance_backward(cfg, f, t, dl);

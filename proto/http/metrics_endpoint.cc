@@ -10,7 +10,7 @@
 #include <unistd.h>
 
 #include "moe/rpc/asio.h"
-#include "moe/rpc/rpc.h"
+#include "moe/rpc/client.h"
 
 namespace moe::http {
 

@@ -5,13 +5,13 @@
 #include <cmath>
 #include <cstdlib>
 
-#include "moe/rpc/frame.h"
+#include "moe/base/check.h"
 
 namespace moe::spec {
 namespace {
 
 [[noreturn]] void invalid(const std::string& field, const std::string& reason) {
-  throw rpc::RpcError(v1::ERROR_CODE_INVALID_ARGUMENT, field + ": " + reason);
+  throw moe::InvalidArgument(field + ": " + reason);
 }
 
 void require(bool ok, const std::string& field, const std::string& reason) {
@@ -113,7 +113,7 @@ std::string to_json(const google::protobuf::Message& m, bool pretty) {
   o.add_whitespace = pretty;
   std::string out;
   const auto st = google::protobuf::util::MessageToJsonString(m, &out, o);
-  if (!st.ok()) throw rpc::RpcError(v1::ERROR_CODE_INTERNAL, "cannot print JSON: " + st.ToString());
+  if (!st.ok()) throw Error("cannot print JSON: " + st.ToString());
   return out;
 }
 
@@ -122,7 +122,7 @@ v1::JobSpec spec_from_json(const std::string& json) {
   google::protobuf::util::JsonParseOptions o;
   o.ignore_unknown_fields = false;
   const auto st = google::protobuf::util::JsonStringToMessage(json, &s, o);
-  if (!st.ok()) throw rpc::RpcError(v1::ERROR_CODE_INVALID_ARGUMENT, "spec: " + st.ToString());
+  if (!st.ok()) throw moe::InvalidArgument("spec: " + st.ToString());
   return s;
 }
 

@@ -8,16 +8,17 @@ Checks, each failure printed with the place it was found:
   $variable a query or title uses is defined (or one of Grafana's built-ins);
 - every panel has an id (unique), a place inside the 24-column grid, and at least one query; every
   query has a refId (unique in its panel), a non-empty expr and the ${datasource} data source;
-- every metric name a query (panels, annotations, variables) or a rule uses is one of DESIGN 8's
-  (histograms with their _bucket/_sum/_count series) or a series rules.yml records (rules may also
-  use Prometheus' own `up`); every label a selector matches is one that metric carries (its DESIGN 8
-  labels plus the file_sd labels role and node, and instance), every by/without/on label is one of
-  the expression's metrics' labels, and nothing uses the label `job` (Prometheus owns it);
+- every metric name a query (panels, annotations, variables) or a rule uses is one of
+  docs/metrics.md's (histograms with their _bucket/_sum/_count series) or a series rules.yml
+  records (rules may also use Prometheus' own `up`); every label a selector matches is one that
+  metric carries (its documented labels plus the file_sd labels role and node, and instance),
+  every by/without/on label is one of the expression's metrics' labels, and nothing uses the
+  label `job` (Prometheus owns it);
 - the panels the README promises exist (checked by what they query).
 
 With --exposition (the text of a live /metrics, e.g. of a daemon and of the agent; repeatable),
 the names are checked against what the processes export instead: every metric and label a query
-or rule uses must be in one of the expositions, and every DESIGN 8 metric must be exported there
+or rule uses must be in one of the expositions, and every documented metric must be exported there
 with its type and exactly its labels (prometheus_server_test.sh).
 """
 import json
@@ -26,8 +27,9 @@ import sys
 
 import yaml
 
-# DESIGN 8: name -> (type, labels). moe_build_info is exported by both processes.
-DESIGN_METRICS = {
+# The metrics of docs/metrics.md (#daemon-metrics, #agent-metrics): name -> (type, labels).
+# moe_build_info is exported by both processes (the agent's with `version` only).
+DOCUMENTED_METRICS = {
     "moe_expert_tokens_total": ("counter", {"layer", "expert", "rank"}),
     "moe_rank_tokens_total": ("counter", {"layer", "rank"}),
     "moe_dispatch_seconds": ("histogram", {"direction"}),
@@ -56,7 +58,7 @@ KEYWORDS = {"by", "without", "on", "ignoring", "group_left", "group_right", "boo
             "unless", "offset", "inf", "nan", "atan2", "start", "end"}
 
 errors = []
-KNOWN_FROM = "DESIGN 8"  # or the expositions given
+KNOWN_FROM = "docs/metrics.md"  # or the expositions given
 
 
 def error(where, msg):
@@ -66,7 +68,7 @@ def error(where, msg):
 def series_labels():
     """Every series name a query may use -> the labels it carries."""
     names = {}
-    for name, (kind, labels) in DESIGN_METRICS.items():
+    for name, (kind, labels) in DOCUMENTED_METRICS.items():
         labels = labels | TARGET_LABELS
         if kind == "histogram":
             names[name + "_bucket"] = labels | {"le"}
@@ -94,14 +96,15 @@ def parse_exposition(paths):
 
 
 def check_live(series, types):
-    """Every DESIGN 8 metric exported with its type and exactly its labels; no label `job`."""
-    for name, (kind, labels) in DESIGN_METRICS.items():
+    """Every documented metric exported with its type and exactly its labels; no label `job`."""
+    for name, (kind, labels) in DOCUMENTED_METRICS.items():
         sample = name + "_count" if kind == "histogram" else name
         if types.get(name) != kind or sample not in series:
             error("exposition", f"{name}: not exported as a {kind} (TYPE {types.get(name)}, samples: {sample in series})")
             continue
         if series[sample] != labels:
-            error("exposition", f"{name}: exported with labels {sorted(series[sample])}, DESIGN 8 says {sorted(labels)}")
+            error("exposition",
+                  f"{name}: exported with labels {sorted(series[sample])}, docs/metrics.md says {sorted(labels)}")
     for name, labels in series.items():
         if "job" in labels:
             error("exposition", f"{name} carries the label job (Prometheus owns it)")
@@ -205,7 +208,7 @@ def main():
     for name, labels in records.items():
         known[name] = labels
 
-    # Rules: only DESIGN 8 names, recorded names and Prometheus' up.
+    # Rules: only documented names, recorded names and Prometheus' up.
     rule_known = dict(known, up=TARGET_LABELS | {"job"})
     for where, expr in rule_exprs:
         check_expr(where, expr, rule_known)

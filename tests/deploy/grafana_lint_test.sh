@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Structural checks of the dashboard and the rules (dashboard_lint.py): variables, panels with
-# queries, metric and label names from DESIGN 8 or rules.yml only, no `job` label, the promised
-# panels present.
+# queries, metric and label names from docs/metrics.md or rules.yml only, no `job` label, the
+# promised panels present.
 set -euo pipefail
 source "$(dirname "$0")/lib.sh"
 need_packages python3 python3-yaml

@@ -1,5 +1,6 @@
 // Fuzz target: what a peer can send the control plane. A frame (4-byte length +
-// Envelope) and a JobSpec as JSON must either parse or fail with RpcError.
+// Envelope) and a JobSpec as JSON must either parse or fail with moe::Error
+// (RpcError for a frame, InvalidArgument for a spec).
 #include <cstdint>
 #include <string>
 #include <vector>
@@ -21,13 +22,13 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
         }
       }
     }
-  } catch (const moe::rpc::RpcError&) {
+  } catch (const moe::Error&) {
   }
   try {
     moe::v1::JobSpec s = moe::spec::spec_from_json(std::string(reinterpret_cast<const char*>(data), size));
     s = moe::spec::with_defaults(s);
     moe::spec::validate(s, 3);
-  } catch (const moe::rpc::RpcError&) {
+  } catch (const moe::Error&) {
   }
   return 0;
 }

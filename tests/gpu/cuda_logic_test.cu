@@ -94,7 +94,7 @@ TEST_P(RouterLogic, SelectionMatchesTheCpuBackend) {
   const RouterCase& c = r.c;
   const int64_t T = r.T;
   const int E = c.E, K = c.K;
-  const router_logic::SelectParams p{T, E, K, c.G > 1 ? c.G : 1, c.group_top_k, c.score == ScoreFunc::kSigmoid,
+  const router_logic::SelectParams p{T, E, K, c.G > 1 ? c.G : 1, c.group_top_k, c.score,
                                      c.norm, c.scaling};
   std::vector<float> el = r.raw, es(T * E), ew(T * K);
   std::vector<int32_t> ei(T * K);
@@ -130,7 +130,7 @@ TEST_P(RouterLogic, LogitGradientsMatchTheCpuBackend) {
   RouterBackwardArgs b{r.scores.data(), r.idx.data(), r.w.data(), gtw.data(),  r.x.data(),   r.gate.data(), gl.data(),
                        gw.data(),       gx.data(),    r.ws.data(), 0.01f,     counts.data(), 0.001f,        r.logits.data()};
   r.cpu.be->router_backward(r.cfg, b);
-  const router_logic::GradParams gp{T, E, K, c.score == ScoreFunc::kSigmoid, c.norm, c.scaling, 0.01f, 0.001f};
+  const router_logic::GradParams gp{T, E, K, c.score, c.norm, c.scaling, 0.01f, 0.001f};
   b.grad_logits = egl.data();
   for (int64_t t = 0; t < T; ++t) router_logic::logit_grad_token(gp, b, t);
   float scale = 0;

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The device check (DESIGN 11): on a machine with a GPU, CUDA, CMake and ninja (no
+# The device check (docs/device-check.md): on a machine with a GPU, CUDA, CMake and ninja (no
 # Debian dependencies, no network), builds the kernels-only tree, runs every CUDA
 # check and the GPU benchmarks, and the eager PyTorch layer on the same GPU when
 # PyTorch is there. Writes into OUTDIR:

@@ -1,4 +1,4 @@
-// The GPU benchmarks of the device check (DESIGN 11), each printing one JSON
+// The GPU benchmarks of the device check (docs/device-check.md#moe-gpu-check), each printing one JSON
 // object (moe-bench style) with a same-run peer to compare with:
 //   layer:   the single-rank layer, forward and train, bf16 (tokens/s and phases);
 //   permute: permute and unpermute GB/s beside a device-to-device copy;

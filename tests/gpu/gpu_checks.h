@@ -1,7 +1,7 @@
 // The CUDA backend's checks: every op and the single-rank layer against plain host
 // references (fp64 where there is arithmetic, exact where there are indices) and
 // the fp64 reference of kernels/ref. Plain C++ with no test framework, so the
-// device machine's `moe-gpu-check` (DESIGN 11) and the GoogleTest `gpu_test` run
+// device machine's `moe-gpu-check` (docs/device-check.md) and the GoogleTest `gpu_test` run
 // the same checks.
 #pragma once
 

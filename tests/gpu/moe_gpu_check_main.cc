@@ -1,4 +1,4 @@
-// moe-gpu-check: the device check of DESIGN 11. Runs every CUDA check (gpu_checks.h)
+// moe-gpu-check: the device check of docs/device-check.md. Runs every CUDA check (gpu_checks.h)
 // on device 0, one line each, then "N passed, N failed"; with --bench, the GPU
 // benchmarks as JSON lines (and into --out DIR). Exit 0 when every check passed,
 // 1 when one failed, 2 without a device or on bad arguments.

@@ -1,8 +1,9 @@
-// The agent remembers (DESIGN 7): moe-agent SIGKILLed and started again on its
-// state directory, as real processes on loopback. Between jobs it keeps the
-// history and the maps and the daemons re-register; mid-job within the daemons'
-// grace the job completes with every step; past the grace it ends FAILED
-// ("agent restarted"); a damaged state file is refused naming the file.
+// The agent remembers (docs/placement.md#agent-persistence, docs/jobs.md#agent-away):
+// moe-agent SIGKILLed and started again on its state directory, as real processes
+// on loopback. Between jobs it keeps the history and the maps and the daemons
+// re-register; mid-job within the daemons' grace the job completes with every
+// step; past the grace it ends FAILED ("agent restarted"); a damaged state file is
+// refused naming the file.
 #include <gtest/gtest.h>
 
 #include <signal.h>
@@ -14,7 +15,7 @@
 #include <thread>
 
 #include "local_cluster.h"
-#include "moe/rpc/rpc.h"
+#include "moe/rpc/client.h"
 #include "process.h"
 
 #ifndef MOE_BIN_DIR

@@ -1,6 +1,7 @@
-// The training options of DESIGN 3 driven through moectl on local clusters: the
-// balancing losses, the aux-loss-free bias and shared experts, against the fp64
-// reference (--verify), across cluster shapes, and by what they do to the load.
+// The training options of docs/layer.md (#balancing, #shared-experts) driven
+// through moectl on local clusters: the balancing losses, the aux-loss-free bias
+// and shared experts, against the fp64 reference (--verify), across cluster
+// shapes, and by what they do to the load.
 #include <gtest/gtest.h>
 
 #include <algorithm>
@@ -126,7 +127,7 @@ TEST(Balancing, SharedExpertsVerifyOnEveryShapeAndDtype) {
         const v1::JobResult r = run_job(c, concat(spec, {"--dump-dir", dump.string()}));
         EXPECT_TRUE(r.verify().passed()) << nodes << "x" << devices << " " << dtype << " gate " << gate << "\n"
                                          << r.DebugString();
-        // The dump names them as DESIGN 3 says, on every rank (replicated weights).
+        // The dump names them as docs/formats.md#dumps says, on every rank (replicated weights).
         const io::SafetensorsReader f((dump / ("rank" + std::to_string(nodes * devices - 1) + ".safetensors")).string());
         for (const char* name : {"shared_experts.gate_proj.weight", "shared_experts.up_proj.weight",
                                  "shared_experts.down_proj.weight", "grad.shared_experts.gate_proj.weight",

@@ -1,7 +1,7 @@
-// Checkpoint and resume driven through moectl (DESIGN 6): a 2x2 run checkpoints
-// at step 5 and 10; resuming step 5 continues its loss curve bitwise on 2x2 and
-// within rtol 1e-5 on 1x2 and 1x1 (same global batch); damaged checkpoints are
-// refused naming the file or field.
+// Checkpoint and resume driven through moectl (docs/jobs.md#checkpoints-and-resume):
+// a 2x2 run checkpoints at step 5 and 10; resuming step 5 continues its loss curve
+// bitwise on 2x2 and within rtol 1e-5 on 1x2 and 1x1 (same global batch); damaged
+// checkpoints are refused naming the file or field.
 #include <gtest/gtest.h>
 
 #include <filesystem>

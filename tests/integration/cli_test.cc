@@ -1,6 +1,6 @@
 // Every moectl command as a new user meets it: on a fresh cluster before any job
 // (empty answers are answers), then with a job, in table and JSON output, with
-// the exit codes of DESIGN 9.
+// the exit codes of docs/cli.md#exit-codes.
 #include <gtest/gtest.h>
 
 #include <google/protobuf/struct.pb.h>
@@ -89,8 +89,8 @@ TEST(Cli, EveryCommandOnAFreshClusterAndAfterAJob) {
   EXPECT_EQ(c.ctl({"cluster", "up"}).first, 2);
 }
 
-// DESIGN 8: every process's /metrics is in cluster status, and the agent keeps a
-// Prometheus file_sd file with one target group per process.
+// docs/metrics.md#service-discovery: every process's /metrics is in cluster status,
+// and the agent keeps a Prometheus file_sd file with one target group per process.
 TEST(Cli, ClusterStatusAndTheScrapeTargetsNameEveryMetricsEndpoint) {
   Cluster c(2, 1);
   ASSERT_TRUE(c.up());

@@ -21,7 +21,7 @@
 #include "local_cluster.h"
 #include "process.h"
 #include "moe/rpc/frame.h"
-#include "moe/rpc/rpc.h"
+#include "moe/rpc/client.h"
 
 #ifndef MOE_BIN_DIR
 #error "MOE_BIN_DIR must name the build directory"
@@ -87,9 +87,9 @@ TEST(Cluster, TwoByTwoEqualsOneByOneWithFourTimesTheTokens) {
 }
 
 TEST(Cluster, TrainJobVerifiesGradientsAndHalvesTheLossByStep20) {
-  // DESIGN 6: the student learns a teacher built from seed + 1; the step-20 loss is
-  // at most half the step-0 loss. A small hidden size, so that 20 Adam steps can
-  // learn much of a random teacher (see README).
+  // docs/jobs.md#teacher-and-loss: the student learns a teacher built from seed + 1;
+  // the step-20 loss is at most half the step-0 loss. A small hidden size, so that
+  // 20 Adam steps can learn much of a random teacher (see README).
   Cluster c(2, 1);
   ASSERT_TRUE(c.up());
   const auto [rc, out] = c.ctl({"--output", "json", "job", "submit", "--wait", "--mode", "train", "--experts", "16",
@@ -106,13 +106,14 @@ TEST(Cluster, TrainJobVerifiesGradientsAndHalvesTheLossByStep20) {
   EXPECT_GT(r.phase_seconds().optimizer(), 0.0);
 
   // Each daemon's Prometheus endpoint: expert load, and both directions of the
-  // all-to-alls (DESIGN 8).
+  // all-to-alls (docs/metrics.md#daemon-metrics).
   v1::Envelope status;
   status.mutable_cluster_status();
   const v1::ClusterStatus st = c.client().call(status, 10s).cluster_status_reply();
   ASSERT_EQ(st.nodes_size(), 2);
   for (const v1::NodeInfo& n : st.nodes()) {
-    const std::string text = scrape(n.metrics_address());  // registered as HOST:PORT (DESIGN 8)
+    // Registered as HOST:PORT (docs/metrics.md#service-discovery).
+    const std::string text = scrape(n.metrics_address());
     EXPECT_NE(text.find("moe_expert_tokens_total{expert=\"0\",layer=\"0\""), std::string::npos) << text;
     EXPECT_NE(text.find("moe_build_info{backend=\"cpu\",gemm_engine=\""), std::string::npos) << text;
     // A rank's load is the pairs its experts computed, per layer; over both
@@ -137,7 +138,7 @@ TEST(Cluster, TrainJobVerifiesGradientsAndHalvesTheLossByStep20) {
     }
   }
   // The load is (token, expert) pairs: K per token per layer and step in all,
-  // which deduplicated rows are not (DESIGN 7).
+  // which deduplicated rows are not (docs/placement.md#load-and-balancedness).
   double pairs = 0;
   for (double v : r.rank_tokens()) pairs += v;
   EXPECT_EQ(pairs, 2.0 * 1024 * 4 * 2 * 21) << out;

@@ -1,5 +1,5 @@
 // moed runs its jobs on the backend its factory makes, and registers what it
-// runs (DESIGN 4): an agent and a daemon in one process, over real RPC on
+// runs (docs/backends.md): an agent and a daemon in one process, over real RPC on
 // loopback, with a factory of the test's own that counts the backends it makes.
 #include <gtest/gtest.h>
 

@@ -1,5 +1,5 @@
-// Jobs on Hugging Face checkpoints through a real cluster (DESIGN 6): --verify
-// jobs, forward and train, on a Mixtral-named BF16 file (model fields by flags)
+// Jobs on Hugging Face checkpoints through a real cluster (docs/formats.md#weights):
+// --verify jobs, forward and train, on a Mixtral-named BF16 file (model fields by flags)
 // and on a DeepSeek-named F32 checkpoint sharded over three files (correction
 // bias, sigmoid, groups; model fields, prefix and first layer by --hf-config)
 // and a Qwen2-MoE BF16 checkpoint over two files with a gated shared expert (its

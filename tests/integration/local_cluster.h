@@ -12,7 +12,7 @@
 #include <utility>
 #include <vector>
 
-#include "moe/rpc/rpc.h"
+#include "moe/rpc/client.h"
 #include "process.h"
 #include "moe/v1/rpc.pb.h"
 

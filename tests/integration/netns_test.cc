@@ -14,7 +14,7 @@
 #include <thread>
 
 #include "process.h"
-#include "moe/rpc/rpc.h"
+#include "moe/rpc/client.h"
 
 #ifndef MOE_BIN_DIR
 #error "MOE_BIN_DIR must name the build directory"

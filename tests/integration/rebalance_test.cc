@@ -1,7 +1,7 @@
-// Live placement as a user drives it (DESIGN 7, issue 10): real processes, a
-// skewed job, `moectl placement rebalance` while it runs; the faults a rebalance
-// must survive; and the placement commands with no job, twice in a job, dry runs,
-// export/import and the loads file.
+// Live placement as a user drives it (docs/placement.md#live-rebalance, issue 10):
+// real processes, a skewed job, `moectl placement rebalance` while it runs; the
+// faults a rebalance must survive; and the placement commands with no job, twice
+// in a job, dry runs, export/import and the loads file.
 #include <gtest/gtest.h>
 
 #include <signal.h>
@@ -198,7 +198,8 @@ TEST(RebalanceFaults, ADaemonKilledDuringPrepareFailsTheJobAndTheOldMapStays) {
 }
 
 // The agent's own trigger (agent flags): a skewed job is rebalanced without a
-// command, and the metrics of DESIGN 8 show it.
+// command (docs/placement.md#auto-rebalance), and the metrics of
+// docs/metrics.md#agent-metrics show it.
 TEST(AutoRebalance, TheAgentRebalancesASkewedJobAndTheMetricsShowIt) {
   Cluster c(2, 1, {"--rebalance-every", "5", "--balancedness-threshold", "0.95", "--redundant-experts", "2"});
   ASSERT_TRUE(c.up());

@@ -1,8 +1,9 @@
-// moectl top as a user meets it (DESIGN 8, 9): one frame and the JSON reply on a
-// fresh cluster and during a skewed job (the hottest expert it names is the
-// job's), an unreachable agent; and the live view in a real terminal (tmux, 80
-// columns): it refreshes in place within the width, and q, Ctrl-C and SIGTERM
-// each leave the terminal as they found it; the first run starts before any job.
+// moectl top as a user meets it (docs/metrics.md#live-load, docs/cli.md#output):
+// one frame and the JSON reply on a fresh cluster and during a skewed job (the
+// hottest expert it names is the job's), an unreachable agent; and the live view
+// in a real terminal (tmux, 80 columns): it refreshes in place within the width,
+// and q, Ctrl-C and SIGTERM each leave the terminal as they found it; the first
+// run starts before any job.
 #include <gtest/gtest.h>
 
 #include <signal.h>

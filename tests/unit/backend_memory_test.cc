@@ -66,7 +66,7 @@ TEST_P(BackendMemory, ATrainJobTouchesItOnlyThroughTheBackendAndTheDataCommunica
   const auto dir = std::filesystem::temp_directory_path() / ("moe_guarded_" + std::to_string(::getpid()));
   const v1::JobSpec spec = train_spec(dir.string(), GetParam());
   // Expert 0 twice on the one rank: the replica gradient reduction runs too.
-  const ep::ExpertMap map = ep::ExpertMap::make(4, 1, 5, {0, 1, 2, 3, 0});
+  const moe::ExpertMap map = moe::ExpertMap::make(4, 1, 5, {0, 1, 2, 3, 0});
   transport::InProcGroup host(1), data(1);
   auto host_comm = host.communicator(0), data_comm = data.communicator(0);
   kernels::ThreadPool pool(1);

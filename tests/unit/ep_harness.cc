@@ -86,11 +86,11 @@ ep::MoeLayerConfig EpCase::layer_config() const {
   return cfg;
 }
 
-ep::ExpertMap EpCase::expert_map() const {
+moe::ExpertMap EpCase::expert_map() const {
   const int E = experts, R = ranks;
   switch (map) {
     case MapKind::kContiguous:
-      return ep::ExpertMap::contiguous(E, R);
+      return moe::ExpertMap::contiguous(E, R);
     case MapKind::kReplicas: {
       // Each rank gets its E/R experts plus a replica of the next rank's first
       // expert (for R = 1: a second copy of expert 0 on the same rank).
@@ -100,7 +100,7 @@ ep::ExpertMap EpCase::expert_map() const {
         for (int i = 0; i < per; ++i) p[r * S + i] = r * per + i;
         p[r * S + per] = ((r + 1) % R) * per;
       }
-      return ep::ExpertMap::make(E, R, S, std::move(p));
+      return moe::ExpertMap::make(E, R, S, std::move(p));
     }
     case MapKind::kEmptyRank: {
       // The last rank hosts nothing; the others split the experts.
@@ -108,7 +108,7 @@ ep::ExpertMap EpCase::expert_map() const {
       const int S = (E + R - 2) / (R - 1);
       std::vector<int32_t> p(R * S, -1);
       for (int e = 0; e < E; ++e) p[(e / S) * S + e % S] = e;
-      return ep::ExpertMap::make(E, R, S, std::move(p));
+      return moe::ExpertMap::make(E, R, S, std::move(p));
     }
   }
   detail::fail("unknown map kind");
@@ -213,7 +213,7 @@ RankResult RankResult::load(const std::string& path) {
 RankResult run_rank(const EpCase& c, transport::Communicator& comm, kernels::Backend& be,
                     transport::Communicator* data_comm) {
   const int rank = comm.rank(), H = c.hidden, K = c.top_k, I = c.ffn;
-  const ep::ExpertMap map = c.expert_map();
+  const moe::ExpertMap map = c.expert_map();
   ep::EpLayer layer(c.layer_config(), map, comm, be,
                     {.timeout = std::chrono::seconds(30), .tag_base = 0, .data_comm = data_comm});
   layer.set_weights(case_weights(c));
@@ -292,7 +292,7 @@ std::vector<RankResult> run_inproc_with_data_comm(const EpCase& c) {
 }
 
 int64_t analytic_dispatch_bytes(const EpCase& c, const RankResult& r) {
-  const ep::ExpertMap map = c.expert_map();
+  const moe::ExpertMap map = c.expert_map();
   const int K = c.top_k;
   const int64_t row = static_cast<int64_t>(kernels::dtype_size(c.dtype)) * c.hidden + 8 * K;
   const int64_t T = c.tokens[r.rank], begin = c.token_begin(r.rank);
@@ -371,7 +371,7 @@ void check_against_reference(const EpCase& c, const std::vector<RankResult>& res
   // once to bf16 (2^-8 relative each: 8 significant bits), so hold them to 2^-7 of
   // the value plus 2^-8 of the tensor's scale (partials may cancel). The oneDNN
   // engine also rounds h and dgu to bf16 before the GEMMs that read them: an
-  // element moves by at most 2^-8 of its sum of |terms| (RoundingSums, test_util.h),
+  // element moves by at most 2^-8 of its sum of |terms| (RoundingSums, numeric.h),
   // allowed twice over for the fp32 accumulation behind those operands.
   const bool bf16 = c.dtype == kernels::DType::kBF16;
   const double rt = bf16 ? 0x1.0p-7 : 1e-4, at = bf16 ? 0x1.0p-8 : 1e-5;
@@ -392,7 +392,7 @@ void check_against_reference(const EpCase& c, const std::vector<RankResult>& res
     EXPECT_GT(nonzero_fraction(out_all), 0.5);
     EXPECT_GT(nonzero_fraction(gx_all), 0.5);
   }
-  const ep::ExpertMap map = c.expert_map();
+  const moe::ExpertMap map = c.expert_map();
   const size_t n13 = 2 * static_cast<size_t>(I) * H, n2 = static_cast<size_t>(H) * I;
   auto slice = [](const std::vector<double>& v, size_t begin, size_t n) {
     return std::vector<double>(v.begin() + begin, v.begin() + begin + n);

@@ -35,7 +35,7 @@ struct EpCase {
   int64_t token_begin(int rank) const;
   int64_t total_tokens() const;
   ep::MoeLayerConfig layer_config() const;
-  ep::ExpertMap expert_map() const;
+  moe::ExpertMap expert_map() const;
   // A compact command-line form ("R=3 T=5,0,9 H=32 ...") and its parser, so a
   // worker process runs exactly the case the test describes.
   std::string encode() const;

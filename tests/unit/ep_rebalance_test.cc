@@ -1,5 +1,5 @@
-// A live rebalance at the EP layer (DESIGN 7), ranks as threads over every
-// transport: a train layer runs on map A, every rank stages map B at a step
+// A live rebalance at the EP layer (docs/placement.md#live-rebalance), ranks as
+// threads over every transport: a train layer runs on map A, every rank stages map B at a step
 // boundary (copies in the background, shadows following the optimizer), the
 // ranks switch once all copies are in, and training goes on. The outputs match
 // a run that never rebalanced (placement changes only the summation order), and
@@ -39,13 +39,13 @@ ep::MoeLayerConfig config(DType dtype) {
 // A: contiguous, 2 slots per rank. B: 3 slots per rank, experts 0, 1, 4, 6 twice
 // (a new stage at the switch). C: 3 slots again, 2, 3, 5, 7 twice and experts
 // moving between a rank's slots (the switch works in place).
-ep::ExpertMap map_a() { return ep::ExpertMap::contiguous(kE, kRanks); }
-ep::ExpertMap map_b() { return ep::ExpertMap::make(kE, kRanks, 3, {0, 1, 4, 2, 3, 0, 4, 5, 6, 7, 1, 6}, 2); }
-ep::ExpertMap map_c() { return ep::ExpertMap::make(kE, kRanks, 3, {2, 0, 1, 3, 5, 7, 4, 2, 6, 7, 3, 5}, 3); }
+moe::ExpertMap map_a() { return moe::ExpertMap::contiguous(kE, kRanks); }
+moe::ExpertMap map_b() { return moe::ExpertMap::make(kE, kRanks, 3, {0, 1, 4, 2, 3, 0, 4, 5, 6, 7, 1, 6}, 2); }
+moe::ExpertMap map_c() { return moe::ExpertMap::make(kE, kRanks, 3, {2, 0, 1, 3, 5, 7, 4, 2, 6, 7, 3, 5}, 3); }
 
 // A rank gains each expert it did not host, from that expert's first holder.
-std::vector<ep::ExpertCopyPlan> copies(const ep::ExpertMap& from, const ep::ExpertMap& to) {
-  std::vector<ep::ExpertCopyPlan> out;
+std::vector<ExpertCopy> copies(const moe::ExpertMap& from, const moe::ExpertMap& to) {
+  std::vector<ExpertCopy> out;
   for (int r = 0; r < to.num_ranks; ++r) {
     const std::vector<bool> had = from.hosted(r);
     for (int s = 0; s < to.slots_per_rank; ++s) {

@@ -21,8 +21,8 @@ std::vector<EpCase> equivalence_cases() {
   c = small_case("skewed_R4", {40, 40, 40, 40}, MapKind::kReplicas);
   c.skew = "zipf:1.5";
   v.push_back(c);
-  // Balancing losses over the global batch and shared experts (DESIGN 3), ranks
-  // without tokens included.
+  // Balancing losses over the global batch and shared experts (docs/layer.md#balancing,
+  // #shared-experts), ranks without tokens included.
   c = small_case("aux_z_skewed_R3", {30, 0, 41}, MapKind::kReplicas);
   c.skew = "zipf:1.0";
   c.aux = 0.5;

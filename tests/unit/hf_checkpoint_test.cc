@@ -1,7 +1,7 @@
-// Hugging Face checkpoints (DESIGN 6): every naming scheme, F32 and BF16, one
-// file and index-sharded, load exactly what was written; a rank reads the bytes
-// of the tensors it needs and no others; every bad checkpoint or disagreeing
-// spec is an error naming the tensor or the field.
+// Hugging Face checkpoints (docs/formats.md#hugging-face-schemes): every naming
+// scheme, F32 and BF16, one file and index-sharded, load exactly what was written;
+// a rank reads the bytes of the tensors it needs and no others; every bad
+// checkpoint or disagreeing spec is an error naming the tensor or the field.
 #include <gtest/gtest.h>
 
 #include <unistd.h>

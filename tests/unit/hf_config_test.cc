@@ -30,7 +30,7 @@ std::string with(std::string json, const std::string& from, const std::string& t
 std::string error_of(const std::string& json) {
   try {
     parse(json);
-  } catch (const rpc::RpcError& e) {
+  } catch (const moe::InvalidArgument& e) {
     return e.what();
   }
   return "";

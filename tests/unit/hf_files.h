@@ -1,7 +1,8 @@
-// Small Hugging Face checkpoints in every scheme moed reads (DESIGN 6), written
-// by the tests themselves (not through moed's writer, so they check the loader
-// against an independent spelling of the names): one layer's tensors named in a
-// chosen scheme, saved as one file or sharded behind model.safetensors.index.json.
+// Small Hugging Face checkpoints in every scheme moed reads
+// (docs/formats.md#hugging-face-schemes), written by the tests themselves (not
+// through moed's writer, so they check the loader against an independent spelling
+// of the names): one layer's tensors named in a chosen scheme, saved as one file
+// or sharded behind model.safetensors.index.json.
 #pragma once
 
 #include <cstdint>

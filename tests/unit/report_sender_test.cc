@@ -9,6 +9,7 @@
 #include <thread>
 
 #include "moe/node/report_sender.h"
+#include "moe/rpc/server.h"
 
 namespace moe::node {
 namespace {

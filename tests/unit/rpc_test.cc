@@ -10,7 +10,7 @@
 #include <atomic>
 #include <thread>
 
-#include "moe/rpc/rpc.h"
+#include "moe/rpc/server.h"
 
 namespace moe::test {
 namespace {
@@ -236,7 +236,7 @@ TEST(Rpc, UnreachableServerIsUnavailable) {
     EXPECT_TRUE(e.code() == v1::ERROR_CODE_UNAVAILABLE || e.code() == v1::ERROR_CODE_DEADLINE_EXCEEDED) << e.what();
     EXPECT_NE(std::string(e.what()).find(std::to_string(port)), std::string::npos) << e.what();
   }
-  EXPECT_THROW(client("no-port-here"), RpcError);
+  EXPECT_THROW(client("no-port-here"), moe::InvalidArgument);
 }
 
 }  // namespace

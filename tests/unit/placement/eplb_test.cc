@@ -36,7 +36,7 @@ TEST(EplbReplicateExperts, EachExtraSlotToTheLargestLoadPerReplica) {
 TEST(EplbRebalance, HierarchicalByHand) {
   // 4 experts in 2 groups, 2 nodes of 1 rank, 2 redundant slots.
   const PlacementSpec spec{4, 2, 2, 2, 2};
-  const LayerMap map =
+  const ExpertMap map =
       eplb_rebalance(spec, std::vector<double>{8, 1, 4, 3}, EplbPolicy::kHierarchical);
   // Node 0 holds group 0 and replicates expert 0; node 1 group 1, expert 2.
   EXPECT_EQ(map.phy2log, (std::vector<int32_t>{0, 0, 1, 3, 2, 2}));
@@ -49,10 +49,10 @@ TEST(EplbRebalance, MapsAreValidAndHierarchicalKeepsGroupsOnTheirNode) {
   const std::vector<double> loads =
       generate_trace(test::reference_trace(0, 1, 0, 4096)).expert_loads();
   for (EplbPolicy policy : {EplbPolicy::kHierarchical, EplbPolicy::kGlobal}) {
-    const LayerMap map = eplb_rebalance(spec, loads, policy);
+    const ExpertMap map = eplb_rebalance(spec, loads, policy);
     test::expect_valid_map(map, spec);
   }
-  const LayerMap h = eplb_rebalance(spec, loads, EplbPolicy::kHierarchical);
+  const ExpertMap h = eplb_rebalance(spec, loads, EplbPolicy::kHierarchical);
   std::vector<std::set<int>> nodes_of_group(8);
   for (int p = 0; p < spec.num_slots(); ++p) nodes_of_group[h.phy2log[p] / 32].insert(p / 72);
   for (int g = 0; g < 8; ++g) EXPECT_EQ(nodes_of_group[g].size(), 1u) << "group " << g;

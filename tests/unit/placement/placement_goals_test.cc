@@ -23,10 +23,10 @@ Outcome reference_outcome(int group_top_k, uint64_t seed) {
   const Trace trace = generate_trace(test::reference_trace(group_top_k, seed));
   const Trace sample = generate_trace(test::reference_trace(group_top_k, seed, 1, 4096));
   const std::vector<double> loads = trace.expert_loads();
-  const LayerMap moed = solve_layer(spec, loads, {nullptr, &sample});
+  const ExpertMap moed = solve_layer(spec, loads, {nullptr, &sample});
   test::expect_valid_map(moed, spec);
-  const LayerMap h = eplb_rebalance(spec, loads, EplbPolicy::kHierarchical);
-  const LayerMap g = eplb_rebalance(spec, loads, EplbPolicy::kGlobal);
+  const ExpertMap h = eplb_rebalance(spec, loads, EplbPolicy::kHierarchical);
+  const ExpertMap g = eplb_rebalance(spec, loads, EplbPolicy::kGlobal);
   return {balancedness(moed, loads), expected_fanout(moed, 4, trace),
           balancedness(h, loads),    expected_fanout(h, 4, trace),
           balancedness(g, loads),    expected_fanout(g, 4, trace)};
@@ -104,9 +104,9 @@ TEST(Goals, MigrationKeepsCopiesInPlace) {
     const std::vector<double> loads = trace.expert_loads();
     const std::vector<double> prev_loads =
         generate_trace(test::reference_trace(group_top_k, 0, 2)).expert_loads();
-    const LayerMap previous = solve_layer(spec, prev_loads, {nullptr, &prev_sample});
-    const LayerMap scratch = solve_layer(spec, loads, {nullptr, &sample});
-    const LayerMap kept = solve_layer(spec, loads, {&previous, &sample});
+    const ExpertMap previous = solve_layer(spec, prev_loads, {nullptr, &prev_sample});
+    const ExpertMap scratch = solve_layer(spec, loads, {nullptr, &sample});
+    const ExpertMap kept = solve_layer(spec, loads, {&previous, &sample});
     test::expect_valid_map(kept, spec);
     const int64_t moved_scratch = copies_moved(previous, scratch);
     const int64_t moved_kept = copies_moved(previous, kept);

@@ -11,6 +11,8 @@
 namespace moe::placement {
 namespace {
 
+using test::map_of;
+
 // Expects fn to throw moe::Error whose message contains every part.
 template <typename F>
 void expect_error(F&& fn, std::initializer_list<const char*> parts) {
@@ -39,8 +41,8 @@ TEST(PlacementSpec, RejectsSizesThatDoNotFitNamingTheValue) {
   EXPECT_EQ((PlacementSpec{256, 32, 4, 32, 8}.slots_per_rank()), 9);
 }
 
-TEST(LayerMap, BuildsLog2PhyAndLogcnt) {
-  const LayerMap map = make_layer_map(3, 2, {0, 1, 0, 2});
+TEST(ExpertMap, BuildsLog2PhyAndLogcnt) {
+  const ExpertMap map = map_of(3, 2, {0, 1, 0, 2});
   EXPECT_EQ(map.slots_per_rank, 2);
   EXPECT_EQ(map.logcnt, (std::vector<int32_t>{2, 1, 1}));
   EXPECT_EQ(map.max_replicas, 2);
@@ -48,21 +50,21 @@ TEST(LayerMap, BuildsLog2PhyAndLogcnt) {
   test::expect_valid_map(map, PlacementSpec{3, 2, 2, 1, 0});
   // EPLB-style replica numbering.
   const std::vector<int32_t> rank = {1, 0, 0, 0};
-  const LayerMap ranked = make_layer_map(3, 2, {0, 1, 0, 2}, &rank);
+  const ExpertMap ranked = map_of(3, 2, {0, 1, 0, 2}, &rank);
   EXPECT_EQ(ranked.replica_slot(0, 0), 2);
   EXPECT_EQ(ranked.replica_slot(0, 1), 0);
 }
 
-TEST(LayerMap, RejectsUncoveredExpertsAndBadEntries) {
-  expect_error([] { make_layer_map(3, 2, {0, 1, 0, 1}); }, {"expert 2 has no slot"});
-  expect_error([] { make_layer_map(3, 2, {0, 1, 0, 3}); }, {"slot 3", "expert 3"});
-  expect_error([] { make_layer_map(3, 2, {0, 1, 0}); }, {"phy2log size (3)"});
+TEST(ExpertMap, RejectsUncoveredExpertsAndBadEntries) {
+  expect_error([] { map_of(3, 2, {0, 1, 0, 1}); }, {"expert 2 has no slot"});
+  expect_error([] { map_of(3, 2, {0, 1, 0, 3}); }, {"slot 3", "expert 3"});
+  expect_error([] { map_of(3, 2, {0, 1, 0}); }, {"phy2log size (3)"});
   const std::vector<int32_t> rank = {0, 0, 0, 0};
-  expect_error([&] { make_layer_map(3, 2, {0, 1, 0, 2}, &rank); }, {"not a permutation"});
-  LayerMap map = make_layer_map(3, 2, {0, 1, 0, 2});
+  expect_error([&] { map_of(3, 2, {0, 1, 0, 2}, &rank); }, {"not a permutation"});
+  ExpertMap map = map_of(3, 2, {0, 1, 0, 2});
   map.logcnt[0] = 3;
   expect_error([&] { validate_layer_map(map, PlacementSpec{3, 2, 2, 1, 0}); }, {"logcnt[0] is 3"});
-  map = make_layer_map(3, 2, {0, 1, 0, 2});
+  map = map_of(3, 2, {0, 1, 0, 2});
   map.log2phy[1] = 1;
   expect_error(
       [&] {
@@ -71,14 +73,14 @@ TEST(LayerMap, RejectsUncoveredExpertsAndBadEntries) {
       {"log2phy[0][1] is 1"});
   expect_error(
       [&] {
-        validate_layer_map(make_layer_map(3, 2, {0, 1, 0, 2}), PlacementSpec{3, 1, 1, 1, 0});
+        validate_layer_map(map_of(3, 2, {0, 1, 0, 2}), PlacementSpec{3, 1, 1, 1, 0});
       },
       {"ranks"});
 }
 
 TEST(Metrics, RankLoadsAndBalancedness) {
   // Expert 0 (load 8) has two replicas: 4 on each of its ranks.
-  const LayerMap map = make_layer_map(3, 2, {0, 1, 0, 2});
+  const ExpertMap map = map_of(3, 2, {0, 1, 0, 2});
   const std::vector<double> loads = {8, 2, 6};
   EXPECT_EQ(rank_loads(map, loads), (std::vector<double>{6, 10}));
   EXPECT_DOUBLE_EQ(balancedness(map, loads), 8.0 / 10.0);
@@ -88,7 +90,7 @@ TEST(Metrics, RankLoadsAndBalancedness) {
 
 TEST(Metrics, ExpectedFanoutIsExact) {
   // Node 0 = rank 0 = {0, 1}, node 1 = rank 1 = {0, 2}: expert 0 is on both.
-  const LayerMap map = make_layer_map(3, 2, {0, 1, 0, 2});
+  const ExpertMap map = map_of(3, 2, {0, 1, 0, 2});
   Trace trace;
   trace.num_experts = 3;
   trace.top_k = 2;
@@ -99,12 +101,12 @@ TEST(Metrics, ExpectedFanoutIsExact) {
 }
 
 TEST(Metrics, CopiesMovedCountsCopiesARankMustFetch) {
-  const LayerMap before = make_layer_map(3, 2, {0, 1, 2, 0});
+  const ExpertMap before = map_of(3, 2, {0, 1, 2, 0});
   EXPECT_EQ(copies_moved(before, before), 0);
-  EXPECT_EQ(copies_moved(before, make_layer_map(3, 2, {1, 0, 0, 2})), 0);  // slots reordered
-  EXPECT_EQ(copies_moved(before, make_layer_map(3, 2, {2, 1, 0, 0})), 2);
-  EXPECT_EQ(copies_moved(before, make_layer_map(3, 2, {2, 0, 1, 0})), 2);
-  EXPECT_THROW(copies_moved(before, make_layer_map(3, 1, {0, 1, 2, 0})), moe::Error);
+  EXPECT_EQ(copies_moved(before, map_of(3, 2, {1, 0, 0, 2})), 0);  // slots reordered
+  EXPECT_EQ(copies_moved(before, map_of(3, 2, {2, 1, 0, 0})), 2);
+  EXPECT_EQ(copies_moved(before, map_of(3, 2, {2, 0, 1, 0})), 2);
+  EXPECT_THROW(copies_moved(before, map_of(3, 1, {0, 1, 2, 0})), moe::Error);
 }
 
 }  // namespace

@@ -51,16 +51,16 @@ TEST(Solver, MapsAreValidDeterministicAndNoWorseThanEplbGlobalWithoutObjective) 
                  << c.spec.num_experts << " experts, " << c.spec.num_ranks << " ranks");
     const std::vector<double> loads = trace_for(c, 0, 2048).expert_loads();
     const Trace sample = trace_for(c, 1, 512);
-    const LayerMap a = solve_layer(c.spec, loads, {nullptr, &sample});
+    const ExpertMap a = solve_layer(c.spec, loads, {nullptr, &sample});
     test::expect_valid_map(a, c.spec);
-    const LayerMap b = solve_layer(c.spec, loads, {nullptr, &sample});
+    const ExpertMap b = solve_layer(c.spec, loads, {nullptr, &sample});
     EXPECT_EQ(a.phy2log, b.phy2log);
     EXPECT_EQ(a.log2phy, b.log2phy);
     // Balance only (no sample, no top_k hint): never below EPLB global.
     PlacementSpec plain = c.spec;
     plain.top_k = 0;
     plain.group_top_k = 0;
-    const LayerMap m = solve_layer(plain, loads);
+    const ExpertMap m = solve_layer(plain, loads);
     test::expect_valid_map(m, plain);
     EXPECT_GE(balancedness(m, loads),
               balancedness(eplb_rebalance(plain, loads, EplbPolicy::kGlobal), loads) - 1e-12);
@@ -76,7 +76,7 @@ TEST(Solver, HandlesDegenerateLoads) {
           return v;
         }()}) {
     SolveInfo info;
-    const LayerMap map = solve_layer(spec, loads, {}, {}, &info);
+    const ExpertMap map = solve_layer(spec, loads, {}, {}, &info);
     test::expect_valid_map(map, spec);
     EXPECT_LE(info.max_load, info.pure_max_load * 1.01 + 1e-9);
   }
@@ -89,7 +89,7 @@ TEST(Solver, HandlesDegenerateLoads) {
   std::vector<double> one_hot(16, 0.0);
   one_hot[7] = 1000.0;
   test::expect_valid_map(solve_layer(spec, one_hot, {nullptr, &sample}), spec);
-  const LayerMap map = solve_layer(spec, one_hot);
+  const ExpertMap map = solve_layer(spec, one_hot);
   EXPECT_EQ(map.logcnt[7], 5);  // all four redundant slots go to the only loaded expert
 }
 
@@ -115,7 +115,7 @@ TEST(Solver, RejectsBadInputNamingIt) {
   EXPECT_NE(message([&] { solve_layer(bad, std::vector<double>(257, 1.0)); }).find("257"),
             std::string::npos);
   // A current map of another shape.
-  const LayerMap other =
+  const ExpertMap other =
       solve_layer(PlacementSpec{256, 16, 4, 32, 8}, std::vector<double>(256, 1.0));
   EXPECT_NE(
       message([&] { solve_layer(spec, std::vector<double>(256, 1.0), {&other}); }).find("ranks"),
@@ -141,9 +141,9 @@ TEST(Solver, KeepsACurrentMapThatIsStillGood) {
   const PlacementSpec spec = test::reference_spec(0);
   const std::vector<double> loads =
       generate_trace(test::reference_trace(0, 0, 0, 8192)).expert_loads();
-  const LayerMap first = solve_layer(spec, loads);
+  const ExpertMap first = solve_layer(spec, loads);
   SolveInfo info;
-  const LayerMap again = solve_layer(spec, loads, {&first}, {}, &info);
+  const ExpertMap again = solve_layer(spec, loads, {&first}, {}, &info);
   test::expect_valid_map(again, spec);
   EXPECT_EQ(copies_moved(first, again), 0);
   EXPECT_GE(balancedness(again, loads), balancedness(first, loads) - 1e-12);
@@ -159,10 +159,10 @@ TEST(Solver, MultiLayerSolveMatchesPerLayer) {
     t.seed = l;
     loads.push_back(generate_trace(t).expert_loads());
   }
-  const std::vector<LayerMap> maps = solve(spec, loads);
+  const std::vector<ExpertMap> maps = solve(spec, loads);
   ASSERT_EQ(maps.size(), 3u);
   for (int l = 0; l < 3; ++l) EXPECT_EQ(maps[l].phy2log, solve_layer(spec, loads[l]).phy2log);
-  std::vector<LayerMap> wrong(2, maps[0]);
+  std::vector<ExpertMap> wrong(2, maps[0]);
   EXPECT_THROW(solve(spec, loads, &wrong), moe::Error);
 }
 

@@ -3,6 +3,7 @@
 
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <set>
 #include <vector>
 
@@ -10,6 +11,14 @@
 #include "moe/placement/trace.h"
 
 namespace moe::placement::test {
+
+// A map of E experts on R ranks from phy2log alone (slots per rank from its size),
+// optionally with EPLB's replica order.
+inline ExpertMap map_of(int num_experts, int num_ranks, std::vector<int32_t> phy2log,
+                        const std::vector<int32_t>* replica_order = nullptr) {
+  const int S = num_ranks > 0 ? std::max<int>(1, static_cast<int>(phy2log.size()) / num_ranks) : 1;
+  return ExpertMap::make(num_experts, num_ranks, S, std::move(phy2log), 0, replica_order);
+}
 
 // The pinned reference setting of issue 3: 256 experts, top-8, 65,536 tokens,
 // seed 0, alpha 1.2, 32 ranks on 4 nodes, 8 groups, 32 redundant slots.
@@ -31,7 +40,7 @@ inline TraceConfig reference_trace(int group_top_k, uint64_t seed = 0, uint64_t 
 // Every property a map must have: sizes, every slot a valid expert, every
 // expert at least once, log2phy/logcnt consistent (validate_layer_map), and
 // log2phy listing each of the expert's slots exactly once.
-inline void expect_valid_map(const LayerMap& map, const PlacementSpec& spec) {
+inline void expect_valid_map(const ExpertMap& map, const PlacementSpec& spec) {
   ASSERT_NO_THROW(validate_layer_map(map, spec));
   ASSERT_EQ(map.phy2log.size(), static_cast<size_t>(spec.num_slots()));
   std::vector<std::set<int>> slots(spec.num_experts);

@@ -1,5 +1,6 @@
-// moe-agent, the coordinator (DESIGN 1, 5, 7): serves daemons and moectl over the
-// framed RPC and wires the agent's rooms together:
+// moe-agent, the coordinator (docs/architecture.md#processes, docs/control-plane.md,
+// docs/placement.md): serves daemons and moectl over the framed RPC and wires the
+// agent's rooms together:
 //   Membership       registration, heartbeats, ranks, busy nodes
 //   BootstrapRelay   the running job's transport bootstrap bytes
 //   Scheduler        the queue and the job state machine (results via job_result)
@@ -24,7 +25,7 @@
 #include "moe/agent/rebalancer.h"
 #include "moe/agent/scheduler.h"
 #include "moe/agent/state_store.h"
-#include "moe/rpc/rpc.h"
+#include "moe/rpc/server.h"
 #include "moe/v1/rpc.pb.h"
 
 namespace moe::agent {
@@ -38,7 +39,8 @@ struct AgentOptions {
   std::chrono::milliseconds heartbeat_interval{500};
   std::chrono::milliseconds heartbeat_timeout{3000};
   std::chrono::milliseconds daemon_call_timeout{10000};
-  int load_window = 32;  // steps of measured load per (shape, layer) (DESIGN 7)
+  // Steps of measured load per (shape, layer) (docs/placement.md#load-and-balancedness).
+  int load_window = 32;
   RebalanceOptions rebalance;
   // Auto-rebalance: at most once every this many steps of a job (0: off), when the
   // window's balancedness is below the threshold and the solver predicts at

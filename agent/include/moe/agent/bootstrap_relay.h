@@ -1,4 +1,4 @@
-// The transport bootstrap relay of the running job (DESIGN 5): every rank
+// The transport bootstrap relay of the running job (docs/transport.md#bootstrap): every rank
 // publishes its bytes (a UCX worker address, an NCCL unique id) and receives
 // every rank's once all have published. The agent never interprets them.
 #pragma once

@@ -1,4 +1,4 @@
-// A job's result (DESIGN 6) from what its ranks reported: a pure function,
+// A job's result (docs/jobs.md#result) from what its ranks reported: a pure function,
 // tested without processes.
 #pragma once
 
@@ -22,9 +22,10 @@ struct JobReports {
 // medians, bytes, loss, expert and rank loads, balancedness and verify. A step
 // counts once every rank reported it. Per step, a phase takes its slowest
 // rank's time; the result takes the median over steps. A rank's load is the
-// (token, expert) pairs its experts computed (DESIGN 7); balancedness is, per
-// layer, mean rank load / max rank load over the job's steps, and the job's
-// figure is the mean over layers. epochs lists each placement epoch the steps
+// (token, expert) pairs its experts computed
+// (docs/placement.md#load-and-balancedness); balancedness is, per layer, mean
+// rank load / max rank load over the job's steps, and the job's figure is the
+// mean over layers. epochs lists each placement epoch the steps
 // ran under (a step's epoch: the newest of its layers'), and placement_epoch is
 // the last one. Verify passes only if every rank's did and the job succeeded.
 void fill_result(const JobReports& reports, v1::JobState state, v1::JobResult& rec);

@@ -1,5 +1,5 @@
-// The live-load reply of `moectl top` (DESIGN 8): the running job (or the last
-// one) with its recent step time, the last job's shape per layer (epoch, window
+// The live-load reply of `moectl top` (docs/metrics.md#live-load): the running job
+// (or the last one) with its recent step time, the last job's shape per layer (epoch, window
 // balancedness, rank and expert loads), node and job counts. A pure function of
 // the agent's rooms, read on the io thread; before any job the reply has no job,
 // no shape and no layers.

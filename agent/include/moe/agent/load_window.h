@@ -1,6 +1,7 @@
-// The sliding window of one layer's measured load (DESIGN 7): per step, the
-// (token, expert) pairs routed to each logical expert (summed over ranks) and the
-// pairs each rank's experts computed. Expert loads span the window whatever the
+// The sliding window of one layer's measured load
+// (docs/placement.md#load-and-balancedness): per step, the (token, expert) pairs
+// routed to each logical expert (summed over ranks) and the pairs each rank's
+// experts computed. Expert loads span the window whatever the
 // map; rank loads depend on the map, so they restart at every epoch change.
 #pragma once
 

@@ -1,8 +1,8 @@
 // Membership: the nodes that registered, their global ranks, liveness by
 // heartbeat, and which job each node is still busy with. Node i holds global
-// ranks [i x D, (i + 1) x D) for the cluster's D devices per node (DESIGN 1). A
-// node keeps its index by name across restarts. No I/O: the agent feeds it
-// requests and the clock.
+// ranks [i x D, (i + 1) x D) for the cluster's D devices per node
+// (docs/architecture.md#processes). A node keeps its index by name across
+// restarts. No I/O: the agent feeds it requests and the clock.
 #pragma once
 
 #include <chrono>

@@ -1,9 +1,10 @@
-// The placement service: expert placement as cluster state (DESIGN 7), like
-// Ceph's OSDMap. Per shape (experts, layers, nodes, devices per node) and layer it
-// keeps the epoch-numbered map in force and the sliding window of measured load;
-// a job starts on its shape's current maps; a rebalance plans new maps from the
-// window and installs them under a new epoch. Epochs only grow, cluster-wide.
-// The one place that converts between the solver's maps and their protos. No I/O.
+// The placement service: expert placement as cluster state
+// (docs/placement.md#cluster-state), like Ceph's OSDMap. Per shape (experts,
+// layers, nodes, devices per node) and layer it keeps the epoch-numbered map in
+// force and the sliding window of measured load; a job starts on its shape's
+// current maps; a rebalance plans new maps from the window and installs them
+// under a new epoch. Epochs only grow, cluster-wide. The one place that converts
+// between the solver's maps and their protos. No I/O.
 #pragma once
 
 #include <compare>
@@ -49,9 +50,10 @@ class PlacementService {
   // maps; for a shape seen the first time, the solver's map for uniform load
   // under a new epoch. Throws moe::Error when the solver refuses the sizes.
   std::vector<v1::PlacementMap> maps_for_job(const v1::JobSpec& spec, const ShapeKey& shape);
-  // The maps a job resuming from a checkpoint starts on (DESIGN 6), under a new
-  // epoch: on the checkpoint's cluster shape its maps; on another, the solver's
-  // from the checkpoint's measured loads.
+  // The maps a job resuming from a checkpoint starts on
+  // (docs/jobs.md#checkpoints-and-resume), under a new epoch: on the checkpoint's
+  // cluster shape its maps; on another, the solver's from the checkpoint's
+  // measured loads.
   std::vector<v1::PlacementMap> maps_for_resume(const v1::JobSpec& spec, const ShapeKey& shape,
                                                 const v1::CheckpointManifest& checkpoint);
   // One complete step of a job: per layer, pairs per logical expert (summed
@@ -66,7 +68,7 @@ class PlacementService {
   v1::PlacementLoads loads(ShapeKey shape) const;
   // New maps from the window's expert loads, keeping copies in place where the
   // slot count stays (pure). redundant defaults to the shape's current count.
-  // Throws rpc::RpcError(INVALID_ARGUMENT) naming the rule a request breaks.
+  // Throws moe::InvalidArgument naming the rule a request breaks.
   RebalancePlan plan(ShapeKey shape, std::optional<int> redundant, std::optional<int> layer) const;
   // Installs maps (each with its layer set) under a new epoch (or `epoch`, one
   // reserve_epoch() returned) and returns it. Throws rpc::RpcError
@@ -88,10 +90,6 @@ class PlacementService {
   v1::PlacementState state() const;
   void restore(const v1::PlacementState& s);
 
-  static v1::PlacementMap to_proto(const placement::LayerMap& m, int layer, int64_t epoch);
-  // Throws moe::Error naming the first inconsistency of the message.
-  static placement::LayerMap from_proto(const v1::PlacementMap& m);
-
  private:
   struct Shape {
     std::vector<v1::PlacementMap> maps;
@@ -108,17 +106,5 @@ class PlacementService {
   ShapeKey last_shape_;
   int64_t epoch_ = 0;
 };
-
-// Reorders each rank's slots of `after` so an expert the rank keeps stays in the
-// local slot it had in `before` (the switch then leaves it untouched). The same
-// experts on the same ranks: balance and fan-out do not change.
-void keep_local_slots(const v1::PlacementMap& before, v1::PlacementMap& after);
-
-// The copies ranks need to go from `before` to `after`: one per slot of an expert
-// its rank did not host before (a rank fills further slots of an expert it hosts
-// from its own copy), each from a holder on the gaining rank's node if there is
-// one, else the expert's first replica. bytes are left 0.
-std::vector<v1::ExpertCopy> copies_between(const v1::PlacementMap& before, const v1::PlacementMap& after,
-                                           int devices_per_node);
 
 }  // namespace moe::agent

@@ -1,5 +1,5 @@
-// Live rebalancing (DESIGN 7): new maps from the measured load, moved into a
-// running job without stopping it.
+// Live rebalancing (docs/placement.md#live-rebalance): new maps from the measured
+// load, moved into a running job without stopping it.
 //
 //   plan (PlacementService) -> PREPARE(epoch, maps, copies) to every daemon
 //   -> each daemon fills the slots it gains in the background and answers

@@ -5,11 +5,15 @@
 //                 \                                   \-> FAILED (a rank failed, a node died,
 //                  \-> CANCELLED (cancel)               a start call failed, silence)
 //                                                      \-> CANCELLED (cancel, a daemon stopping)
-//   QUEUED -> FAILED when the job cannot start (spec vs cluster, placement).
+//   QUEUED -> FAILED when the job cannot start (spec vs cluster, placement, an
+//   unusable checkpoint).
 //
-// One job runs at a time, on every rank. No I/O and no clock of its own: the
+// One job runs at a time, on every rank. No network and no clock of its own: the
 // agent passes `now`, and what must reach the daemons goes through
-// SchedulerActions, so the whole machine is unit-tested without processes.
+// SchedulerActions, so the whole machine is unit-tested without processes. Its
+// one file access: starting a job that resumes from a checkpoint reads the
+// checkpoint's manifest and checks its files' sizes (spec::load_for_resume,
+// docs/jobs.md#checkpoints-and-resume).
 #pragma once
 
 #include <chrono>
@@ -85,7 +89,7 @@ class Scheduler {
   Scheduler(SchedulerOptions options, Membership& members, PlacementService& placement, SchedulerActions& actions);
 
   // Validates the spec (defaults filled) against the cluster and queues it.
-  // Throws rpc::RpcError(INVALID_ARGUMENT) naming the field.
+  // Throws moe::InvalidArgument naming the field.
   const v1::JobResult& submit(v1::JobSpec spec);
   // Cancels a queued job at once, a running one through its daemons.
   const v1::JobResult& cancel(const std::string& id, Clock::time_point now);
@@ -122,10 +126,7 @@ class Scheduler {
 
  private:
   bool start(v1::JobResult& rec, Clock::time_point now);
-  struct ResumeError : std::runtime_error {
-    using std::runtime_error::runtime_error;
-  };
-  static v1::CheckpointManifest resume_checkpoint(v1::JobSpec& spec);
+  std::vector<v1::PlacementMap> job_maps(v1::JobResult& rec);
   void fail_unstarted(v1::JobResult& rec, const std::string& message);
   void note_cancelled_rank(const v1::RankDone& d, Clock::time_point now);
   void record_load(const std::vector<v1::StepStats>& by_rank);

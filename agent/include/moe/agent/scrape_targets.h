@@ -1,5 +1,6 @@
-// The Prometheus file_sd file the agent keeps (DESIGN 8): one target group per
-// process, labelled role (agent | moed) and node (the node name).
+// The Prometheus file_sd file the agent keeps (docs/metrics.md#service-discovery):
+// one target group per process, labelled role (agent | moed) and node (the node
+// name).
 #pragma once
 
 #include <string>

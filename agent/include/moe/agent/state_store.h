@@ -1,6 +1,7 @@
-// The agent's state directory (DESIGN 7): one file, agent_state.pb, replaced
-// atomically (a new file, fsync, rename) whenever the state changes, so a
-// restarted agent reads back the last whole state. Layout: the magic line
+// The agent's state directory (docs/placement.md#agent-persistence; the layout in
+// docs/formats.md#agent-state): one file, agent_state.pb, replaced atomically (a
+// new file, fsync, rename) whenever the state changes, so a restarted agent reads
+// back the last whole state. Layout: the magic line
 // "moe-agent-state 1\n", the body's length (8 bytes) and CRC-32 (4 bytes), both
 // little-endian, then the body: a serialized v1::AgentState. A torn, truncated
 // or foreign file is refused naming the file, never half-read.

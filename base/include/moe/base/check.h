@@ -1,7 +1,8 @@
-// Error type and the MOE_CHECK macro family shared by kernels/ and daemon/.
+// The error types and the MOE_CHECK macro family every layer shares.
 //
-// Host code throws moe::Error with a message that names the bad value; the place
-// that decides an error reports it. MOE_CHECK(cond, parts...) streams the parts
+// Host code throws moe::Error (or InvalidArgument, for bad input) with a message
+// that names the bad value; the place that decides an error reports it; callers
+// catch moe::Error. MOE_CHECK(cond, parts...) streams the parts
 // into the message, e.g. MOE_CHECK(k <= e, "top_k (", k, ") exceeds experts (", e, ")").
 #pragma once
 
@@ -14,6 +15,14 @@ namespace moe {
 class Error : public std::runtime_error {
  public:
   using std::runtime_error::runtime_error;
+};
+
+// Bad input from a user or a peer (a spec field, a flag, a file, a request): the
+// message names the field and the reason. The control plane answers it with
+// INVALID_ARGUMENT (docs/control-plane.md#errors); moectl and the daemons exit 2.
+class InvalidArgument : public Error {
+ public:
+  using Error::Error;
 };
 
 namespace detail {

@@ -1,5 +1,6 @@
-// moectl's commands (DESIGN 9), as a library the tests can link. main() parses
-// flags into these calls; each returns the process exit code:
+// moectl's commands (docs/cli.md#commands), as a library the tests can link.
+// main() parses flags into these calls; each returns the process exit code
+// (docs/cli.md#exit-codes):
 //   0 ok, 1 job failed (or cancelled), 2 usage or invalid spec, 3 agent
 //   unreachable or timed out.
 #pragma once
@@ -45,14 +46,18 @@ int cluster_up(const Globals& g, const ClusterUpOptions& o, std::ostream& out, s
 int cluster_down(const Globals& g, std::ostream& out, std::ostream& err);
 int cluster_status(const Globals& g, std::ostream& out, std::ostream& err);
 
-// spec_file may be empty; `spec` holds the flags given (merged over the file).
+// Submits `spec` as built by JobFlags::build (the --hf-config fields, the -f file
+// over them, the given flags over both), after filling its defaults and
+// validating it. Prints the job id (the record with --output json) and exits 0;
+// with `wait`, waits for the job to end, prints its result, and exits 0 if it
+// succeeded, 1 if it failed or was cancelled.
 int job_submit(const Globals& g, const v1::JobSpec& spec, bool wait, std::ostream& out, std::ostream& err);
 int job_status(const Globals& g, const std::string& id, std::ostream& out, std::ostream& err);
 int job_wait(const Globals& g, const std::string& id, std::ostream& out, std::ostream& err);
 int job_list(const Globals& g, std::ostream& out, std::ostream& err);
 int job_cancel(const Globals& g, const std::string& id, std::ostream& out, std::ostream& err);
-// Which placement a command is about (DESIGN 7): a shape "EXPERTSxLAYERS@NODESxDEVICES"
-// (empty: the last job's) and optionally one layer.
+// Which placement a command is about (docs/placement.md#cluster-state): a shape
+// "EXPERTSxLAYERS@NODESxDEVICES" (empty: the last job's) and optionally one layer.
 struct PlacementTarget {
   std::string shape;
   std::optional<int> layer;

@@ -1,6 +1,6 @@
 // `moectl job submit --hf-config config.json`: the model fields of a JobSpec
-// from a Hugging Face config (DESIGN 6). moectl reads the file; daemons only see
-// the spec. Families, by "model_type":
+// from a Hugging Face config (docs/formats.md#hugging-face-schemes). moectl reads
+// the file; daemons only see the spec. Families, by "model_type":
 //   mixtral                 num_local_experts, num_experts_per_tok, hidden_size,
 //                           intermediate_size (the expert width); softmax, top-k renormalised
 //   qwen2_moe, qwen3_moe    num_experts, num_experts_per_tok, hidden_size,
@@ -34,7 +34,7 @@ struct HfModel {
 };
 
 // Parses config.json text (`source` names the file in errors). Throws
-// rpc::RpcError(INVALID_ARGUMENT) "SOURCE: ..." naming the key.
+// moe::InvalidArgument "SOURCE: ..." naming the key.
 HfModel hf_model_from_config(const std::string& json, const std::string& source);
 
 // The spec a submit with --hf-config sends: m's fields (with its weights_prefix

@@ -1,10 +1,11 @@
-// moectl's job flags (DESIGN 6, 9): one flag per JobSpec field, named after it in
-// kebab-case (--ffn-hidden), made from the proto's descriptor and one table of
-// help texts; the default each help names comes from spec::with_defaults, the one
-// place defaults live. Flags given on the command line override `-f spec.json`,
-// and both override `--hf-config config.json` (hf_config.h); a boolean flag
-// takes --flag, --flag=true or --flag=false. A relative --weights path is made
-// absolute (the daemons do not run in the submitter's folder).
+// moectl's job flags (docs/jobs.md#spec, docs/cli.md#commands): one flag per
+// JobSpec field, named after it in kebab-case (--ffn-hidden), made from the
+// proto's descriptor and one table of help texts; the default each help names
+// comes from spec::with_defaults, the one place defaults live. Flags given on the
+// command line override `-f spec.json`, and both override `--hf-config
+// config.json` (hf_config.h); a boolean flag takes --flag, --flag=true or
+// --flag=false. A relative --weights path is made absolute (the daemons do not
+// run in the submitter's folder).
 #pragma once
 
 #include <map>
@@ -38,7 +39,7 @@ class JobFlags {
   // moe::Error if a field has no documentation (a new field must get some).
   void add(CLI::App* command);
   // The spec: the Hugging Face config's model fields, the file's over them,
-  // the given flags over both. Throws rpc::RpcError(INVALID_ARGUMENT) naming
+  // the given flags over both. Throws moe::InvalidArgument naming
   // the field (or config key) and the bad value.
   v1::JobSpec build() const;
 

@@ -45,7 +45,7 @@ class PackedWeights {
 };
 
 // ---------------------------------------------------------------------------
-// Router (DESIGN 3.1)
+// Router (docs/layer.md#router)
 //
 // logits = x W^T (+ logit_bias) in fp32; s = softmax(logits) or sigmoid(logits).
 // Selection uses s + selection_bias. Group-limited routing (num_groups > 1): a
@@ -78,7 +78,7 @@ struct RouterForwardArgs {
 // Gradient of the routing weights back to the logits, then to x and W.
 // grad_topk_weight[t,k] = <grad_out[t], y_k(t)> (0 for a dropped pair); topk_idx
 // and topk_weight are the selection before capacity dropping. The four cases of
-// DESIGN 3 (softmax/sigmoid x norm/no norm) are implemented exactly.
+// docs/layer.md#router-gradient (softmax/sigmoid x norm/no norm) are implemented exactly.
 struct RouterBackwardArgs {
   const float* scores = nullptr;            // [T, E] from forward
   const int32_t* topk_idx = nullptr;        // [T, K]
@@ -90,7 +90,7 @@ struct RouterBackwardArgs {
   float* grad_weight = nullptr;             // [E, H] out (overwritten)
   float* grad_x = nullptr;                  // [T, H] fp32, ACCUMULATED (+=)
   void* workspace = nullptr;                // router_workspace_bytes
-  // Balancing losses (DESIGN 3), their gradients added to grad_logits; off at 0.
+  // Balancing losses (docs/layer.md#balancing), their gradients added to grad_logits; off at 0.
   //   aux: L = aux_scale x sum_e c_e sum_t P_te with aux_scale = coeff x E / (K T_g^2),
   //        P = softmax scores, or sigmoid scores normalised per token;
   //   z:   L = z_scale x sum_t logsumexp(logits_t)^2 with z_scale = coeff / T_g.
@@ -101,7 +101,7 @@ struct RouterBackwardArgs {
 };
 
 // ---------------------------------------------------------------------------
-// Capacity dropping (DESIGN 3.2), per source rank and logical expert.
+// Capacity dropping (docs/layer.md#capacity), per source rank and logical expert.
 struct CapacityConfig {
   int64_t num_tokens = 0;
   int num_experts = 0;
@@ -123,7 +123,7 @@ struct CapacityArgs {
 };
 
 // ---------------------------------------------------------------------------
-// Replica choice (DESIGN 3.3): the (token, logical expert) pair goes to replica
+// Replica choice (docs/layer.md#replica-choice): the (token, logical expert) pair goes to replica
 // replica_index(global token, expert, count) of the expert. The hash spreads pairs
 // evenly over replicas, and depends on neither the asking rank nor the placement's
 // other experts.
@@ -293,7 +293,7 @@ struct GroupedGemmArgs {
 // Expert MLP, fused: for every permuted row m (expert e, source row src_row[m])
 //   gu[m] = rows[src] w13_e^T;  h[m] = perm_weight[m] * silu(g) * u;  y[m] = h[m] w2_e^T
 // y is thus already weighted; the local combine is a plain sum. The routing weight
-// is applied once, before that reduction (DESIGN 3.7).
+// is applied once, before that reduction (docs/layer.md#experts).
 struct ExpertMlpConfig {
   int num_experts = 0;  // L local experts
   int hidden = 0;
@@ -353,7 +353,7 @@ struct ExpertMlpBackwardArgs {
 };
 
 // ---------------------------------------------------------------------------
-// Optimizer step on one parameter tensor, fp32 master values (DESIGN 6: adam or
+// Optimizer step on one parameter tensor, fp32 master values (docs/jobs.md#spec: adam or
 // sgd, learning rate lr). Adam (bias-corrected, step >= 1):
 //   m = b1 m + (1-b1) g;  v = b2 v + (1-b2) g^2;
 //   w -= lr * (m / (1-b1^step)) / (sqrt(v / (1-b2^step)) + eps)

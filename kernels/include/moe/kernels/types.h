@@ -23,7 +23,7 @@ enum class ScoreFunc : uint8_t { kSoftmax, kSigmoid };
 // lowest token index first. Ties go to the lower token index in both.
 enum class DropPolicy : uint8_t { kProbs, kPosition };
 
-// How tokens choose experts (DESIGN 3.1): the one description of routing that
+// How tokens choose experts (docs/layer.md#router): the one description of routing that
 // the layer config, the router op's config and the fp64 reference's config
 // share (each derives from it). Group-limited routing when num_groups > 1.
 struct RoutingParams {

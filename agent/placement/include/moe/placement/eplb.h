@@ -26,7 +26,7 @@ bool eplb_hierarchical_applicable(const PlacementSpec& spec);
 
 // One layer. Throws moe::Error for an invalid spec, loads of the wrong size
 // or negative/non-finite loads, and kHierarchical where it is not applicable.
-LayerMap eplb_rebalance(const PlacementSpec& spec, std::span<const double> loads,
+ExpertMap eplb_rebalance(const PlacementSpec& spec, std::span<const double> loads,
                         EplbPolicy policy);
 
 // balanced_packing: packs n items into num_packs packs of exactly n/num_packs

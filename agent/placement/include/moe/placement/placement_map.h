@@ -1,5 +1,5 @@
-// The placement problem's sizes and the per-layer map (DESIGN 7; the shapes of
-// deepseek-ai/EPLB).
+// The placement problem's sizes and the checks of a layer's map (docs/placement.md#maps;
+// the shapes of deepseek-ai/EPLB).
 //
 // Physical slot p (0 <= p < R*S) lives on rank p / S, local slot p % S; rank r
 // lives on node r / (R/N) (global rank = node x ranks_per_node + local device).
@@ -11,6 +11,8 @@
 #include <cstdint>
 #include <vector>
 
+#include "moe/map/expert_map.h"
+
 namespace moe::placement {
 
 // Sizes of one placement request. validate() throws moe::Error naming the
@@ -21,7 +23,7 @@ struct PlacementSpec {
   int num_nodes = 1;      // N, R % N == 0
   int num_redundant = 0;  // redundant slots, >= 0; (E + redundant) % R == 0
   int num_groups = 0;     // G; 0 or 1 means no groups; else E % G == 0
-  // Routing hints (DESIGN 3.1), optional: the workload's top-k (0: unknown)
+  // Routing hints (docs/layer.md#router), optional: the workload's top-k (0: unknown)
   // and group_top_k (0: routing is not group-limited). With top_k the solver
   // models how many nodes a token reaches and keeps that number low.
   int top_k = 0;
@@ -38,40 +40,13 @@ struct PlacementSpec {
   int group_of(int expert) const { return grouped() ? expert / group_size() : 0; }
 };
 
-// One layer's map.
-//   phy2log [R*S]      logical expert held by each physical slot
-//   logcnt  [E]        replicas of each expert (>= 1)
-//   log2phy [E, X]     replica j of expert e sits in slot log2phy[e*X + j];
-//                      entries j >= logcnt[e] are -1; X = max_replicas
-// A (token, expert) pair goes to replica hash(token, expert) % logcnt[e]
-// (DESIGN 3), so each replica takes an equal share of its expert's load.
-struct LayerMap {
-  int num_experts = 0;
-  int num_ranks = 0;
-  int slots_per_rank = 0;
-  int max_replicas = 0;
-  std::vector<int32_t> phy2log;
-  std::vector<int32_t> logcnt;
-  std::vector<int32_t> log2phy;
-
-  int num_slots() const { return num_ranks * slots_per_rank; }
-  int rank_of_slot(int slot) const { return slot / slots_per_rank; }
-  int32_t replica_slot(int expert, int replica) const {
-    return log2phy[static_cast<std::size_t>(expert) * max_replicas + replica];
-  }
-};
-
-// Builds logcnt and log2phy from phy2log. Replicas are numbered by ascending
-// slot unless replica_rank [R*S] gives each slot's replica number (EPLB keeps
-// the order in which it created replicas). Throws moe::Error when a slot
-// holds an expert outside [0, E), an expert has no slot, or replica_rank is
-// not a permutation of 0..logcnt-1 per expert.
-LayerMap make_layer_map(int num_experts, int num_ranks, std::vector<int32_t> phy2log,
-                        const std::vector<int32_t>* replica_rank = nullptr);
+// One layer's map is moe::ExpertMap (moe/map/expert_map.h): the type the agent
+// and the daemon share. The solver builds it with ExpertMap::make and fills
+// every slot.
 
 // Checks that a map fits spec and is self-consistent (every slot filled with a
 // valid expert, every expert at least once, log2phy/logcnt agree with
 // phy2log). Throws moe::Error naming the first inconsistency.
-void validate_layer_map(const LayerMap& map, const PlacementSpec& spec);
+void validate_layer_map(const ExpertMap& map, const PlacementSpec& spec);
 
 }  // namespace moe::placement

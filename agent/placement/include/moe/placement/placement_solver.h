@@ -1,4 +1,4 @@
-// moed's expert placement solver (DESIGN 7): replicate hot experts and pack
+// moed's expert placement solver (docs/placement.md#solver): replicate hot experts and pack
 // the replicas onto ranks so that rank loads are balanced, keeping each
 // expert group on few nodes (fewer nodes per token under group-limited
 // routing) and, given the current map, keeping expert copies where they are.
@@ -43,7 +43,7 @@ struct SolverOptions {
 // Optional inputs of one layer besides its loads.
 struct LayerContext {
   // The map in force: the new one keeps expert copies where they are.
-  const LayerMap* current = nullptr;
+  const ExpertMap* current = nullptr;
   // Expert sets of a sample of routed tokens. With it the solver lowers the
   // cross-node fan-out of exactly these tokens; without it, that of a model
   // of the loads (which needs the spec's top_k hint). A few thousand tokens
@@ -63,14 +63,14 @@ struct SolveInfo {
 // when given, must be a valid map for spec (validate_layer_map); the routing
 // sample must have spec's experts and distinct experts per token. Throws
 // moe::Error.
-LayerMap solve_layer(const PlacementSpec& spec, std::span<const double> loads,
+ExpertMap solve_layer(const PlacementSpec& spec, std::span<const double> loads,
                      const LayerContext& context = {}, const SolverOptions& options = {},
                      SolveInfo* info = nullptr);
 
 // Every layer: loads[l] is layer l's [E]; current, when given, has one map per layer.
-std::vector<LayerMap> solve(const PlacementSpec& spec,
+std::vector<ExpertMap> solve(const PlacementSpec& spec,
                             const std::vector<std::vector<double>>& loads,
-                            const std::vector<LayerMap>* current = nullptr,
+                            const std::vector<ExpertMap>* current = nullptr,
                             const SolverOptions& options = {});
 
 }  // namespace moe::placement

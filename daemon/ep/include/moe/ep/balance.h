@@ -1,4 +1,4 @@
-// Load balancing of one MoE layer (DESIGN 3), over the GLOBAL batch of a step:
+// Load balancing of one MoE layer (docs/layer.md#balancing), over the GLOBAL batch of a step:
 // c_e = (token, e) pairs top-k selected before capacity on every rank, T_g = the
 // step's tokens on every rank (sum_e c_e / K).
 //   aux loss (Switch/Megatron): L_aux = coeff x E / (K T_g^2) x sum_e c_e sum_t P_te,

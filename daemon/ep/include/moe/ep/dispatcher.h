@@ -1,18 +1,18 @@
-// Dispatch and combine (DESIGN 3 steps 4-5, 8-9) across the ranks of a
+// Dispatch and combine (docs/layer.md#dispatch-and-combine) across the ranks of a
 // Communicator: a paired operation with a handle, as DeepEP's dispatch/combine
 // and Megatron's token dispatcher are.
 //
 //   dispatch(x, topk_slot, topk_weight) -> handle: the rows this rank received,
 //       each with its local expert slots and routing weights. A token goes to a
-//       rank ONCE however many of its experts live there (seed 003).
+//       rank ONCE however many of its experts live there; the receiver fans it out.
 //   combine(handle, y, out): each received row's result goes back to its source,
 //       which sums a token's rows in rank order.
-// Backward reuses the forward's handle (seed 000): combine^T = dispatch, so
+// Backward reuses the forward's handle (docs/layer.md#backward): combine^T = dispatch, so
 //   combine_backward(handle, grad_out) sends grad_out rows where x rows went;
 //   dispatch_backward(handle, grad_rows, grad_pair_weight) brings the grad rows
 //       and per-pair routing-weight gradients back like a combine.
 //
-// Wire sizes (DESIGN 4's accounting counts bytes for OTHER ranks only):
+// Wire sizes (docs/transport.md#accounting: bytes for OTHER ranks only):
 //   a dispatched row  = row_bytes + K x (int32 slot + fp32 weight)
 //   a combined row    = row_bytes
 //   a backward row    = row_bytes (+ K fp32 weight gradients on the way back)
@@ -22,7 +22,7 @@
 #include <cstdint>
 #include <vector>
 
-#include "moe/ep/expert_map.h"
+#include "moe/map/expert_map.h"
 #include "moe/kernels/api.h"
 #include "moe/kernels/buffer.h"
 #include "moe/transport/communicator.h"

@@ -1,4 +1,4 @@
-// One MoE layer across R ranks with expert parallelism (DESIGN 3), one instance per
+// One MoE layer across R ranks with expert parallelism (docs/layer.md), one instance per
 // rank, all ranks calling forward/backward together:
 //
 //   RouterStage (router + capacity on the local tokens) -> replica choice
@@ -19,10 +19,12 @@
 
 #include "moe/ep/balance.h"
 #include "moe/ep/dispatcher.h"
-#include "moe/ep/expert_map.h"
-#include "moe/ep/layer_stages.h"
+#include "moe/ep/ep_rebalance.h"
+#include "moe/map/expert_map.h"
+#include "moe/ep/expert_stage.h"
+#include "moe/ep/replica_grads.h"
+#include "moe/ep/router_stage.h"
 #include "moe/ep/shared_experts.h"
-#include "moe/ep/staged_experts.h"
 #include "moe/transport/communicator.h"
 
 namespace moe::ep {
@@ -52,7 +54,7 @@ struct EpGrads {
 struct EpStats {
   double router = 0, dispatch = 0, expert = 0, combine = 0;  // forward phases
   double backward = 0, expert_backward = 0;                  // the whole backward, and its expert part
-  int64_t computed_pairs = 0;  // (token, expert) pairs this rank's experts computed (DESIGN 7 load)
+  int64_t computed_pairs = 0;  // (token, expert) pairs this rank's experts computed (docs/placement.md#load-and-balancedness)
   DispatchStats transfer;
 };
 
@@ -105,12 +107,13 @@ class EpLayer {
   void set_replicated_state(const ReplicatedState& s);
   void import_slot(int local_slot, const ExpertState& in) { experts_->import_slot(local_slot, in); }
 
-  // Live rebalance (DESIGN 7), called by every rank at the same step boundaries:
+  // Live rebalance (docs/placement.md#live-rebalance; defined in ep_rebalance.cc),
+  // called by every rank at the same step boundaries:
   // stage() starts filling the slots `next` gives this rank (copies: the layer's,
   // in the same order everywhere; the optimizer's Adam state travels when adam);
   // staged_ready() progresses them; switch_to_staged() moves the layer onto
   // `next` (every rank's copies must be ready); drop_staged() abandons it.
-  void stage(const ExpertMap& next, std::vector<ExpertCopyPlan> copies, bool adam);
+  void stage(const ExpertMap& next, std::vector<ExpertCopy> copies, bool adam);
   bool staged_ready();
   void switch_to_staged();
   void drop_staged();
@@ -118,7 +121,7 @@ class EpLayer {
   int64_t staged_bytes_received() const { return staged_ ? staged_->bytes_received() : 0; }
   const ExpertMap& map() const { return map_; }
 
-  // Balancing (DESIGN 3). After forward with cfg.global_counts: c_e of the step
+  // Balancing (docs/layer.md#balancing). After forward with cfg.global_counts: c_e of the step
   // over every rank [E], and (train) this rank's shares of the aux and z losses.
   const std::vector<float>& global_counts() const { return counts_; }
   double global_tokens() const { return global_tokens_; }
@@ -140,8 +143,7 @@ class EpLayer {
   void gather_counts();
   RouterBalance balance_terms() const;
   void all_reduce_replicated_grads();
-  void reduce_replica_grads();
-  void reduce_replica_grad(int expert, float* acc, float* msg);
+  std::unique_ptr<Dispatcher> make_dispatcher(const ExpertMap& map) const;
   void install_map(const ExpertMap& map);
   int old_slot_of(int expert) const;  // this rank's first slot of expert, or -1
   void switch_in_place(const ExpertMap& next);
@@ -167,7 +169,7 @@ class EpLayer {
 
   kernels::Buffer log2phy_, logcnt_, topk_slot_;
   kernels::Buffer combined_, grad_pair_weight_, grad_topk_weight_, grad_x32_;
-  std::vector<float> reduce_tmp_;
+  ReplicaGradReduction replica_grads_;
   EpStats stats_;
   std::unique_ptr<SharedExperts> shared_;  // with cfg.shared_ffn_hidden > 0
   std::vector<float> counts_, selection_bias_;

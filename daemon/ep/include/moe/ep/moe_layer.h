@@ -1,4 +1,4 @@
-// One MoE layer on one rank that holds every expert (the R = 1 case of DESIGN 3):
+// One MoE layer on one rank that holds every expert (the R = 1 case of docs/layer.md):
 // RouterStage on the tokens, then ExpertStage straight on the same rows.
 // All buffers are allocated in the constructor from the config (max_tokens);
 // forward and backward allocate nothing. Pointers passed in and returned are in
@@ -9,7 +9,8 @@
 #include <memory>
 #include <vector>
 
-#include "moe/ep/layer_stages.h"
+#include "moe/ep/expert_stage.h"
+#include "moe/ep/router_stage.h"
 
 namespace moe::ep {
 

@@ -1,4 +1,4 @@
-// Shared experts (DESIGN 3): one SwiGLU of width Is (all shared experts
+// Shared experts (docs/layer.md#shared-experts): one SwiGLU of width Is (all shared experts
 // together, as DeepSeek stores them) on every token of the rank, optionally
 // scaled by a sigmoid gate (Qwen2-MoE): out += sigmoid(x . w_g) x shared(x).
 // Built from the layer's own stages: the experts are a one-expert ExpertStage
@@ -10,7 +10,8 @@
 
 #include <memory>
 
-#include "moe/ep/layer_stages.h"
+#include "moe/ep/expert_stage.h"
+#include "moe/ep/router_stage.h"
 
 namespace moe::ep {
 

@@ -1,4 +1,4 @@
-// A Hugging Face checkpoint (DESIGN 6): one safetensors file, or several behind
+// A Hugging Face checkpoint (docs/formats.md#hugging-face-schemes): one safetensors file, or several behind
 // an index, `model.safetensors.index.json` = {"metadata": {..}, "weight_map":
 // {tensor name: shard file name, ..}} with the shards in the index's folder.
 //

@@ -1,4 +1,4 @@
-// The Hugging Face naming schemes of one MoE layer (DESIGN 6), recognised from
+// The Hugging Face naming schemes of one MoE layer (docs/formats.md#hugging-face-schemes), recognised from
 // the tensor names found under a prefix, and the list of tensors a layer of a
 // given shape needs in that scheme, each with its expected shape and the spec
 // field behind every dimension (so a mismatch can name the field).

@@ -1,4 +1,4 @@
-// Layer weights and dumps in safetensors with the Hugging Face MoE names (DESIGN 6).
+// Layer weights and dumps in safetensors with the Hugging Face MoE names (docs/formats.md#weights).
 // Loading reads every scheme of hf_scheme.h from an HfCheckpoint (one file or an
 // index-sharded folder); writing uses the Qwen/DeepSeek names:
 //   {prefix}gate.weight [E, H], {prefix}gate.e_score_correction_bias [E] (optional),

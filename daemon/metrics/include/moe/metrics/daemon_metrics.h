@@ -1,4 +1,4 @@
-// moed's Prometheus metrics (DESIGN 8), served on --metrics-port:
+// moed's Prometheus metrics (docs/metrics.md#daemon-metrics), served on --metrics-port:
 //   moe_expert_tokens_total{layer,expert,rank}  pairs routed to each logical expert, by source rank
 //   moe_rank_tokens_total{layer,rank}           pairs each rank's experts computed (its load)
 //   moe_dispatch_seconds / moe_combine_seconds / moe_expert_compute_seconds {direction}

@@ -1,5 +1,5 @@
 // Counter-based random numbers: a value is a pure function of its key, so any
-// process can rebuild any input or weight element without shared state (DESIGN 6).
+// process can rebuild any input or weight element without shared state (docs/jobs.md#inputs-and-weights).
 // The mixer is the SplitMix64 finaliser applied to each key word in turn.
 #pragma once
 

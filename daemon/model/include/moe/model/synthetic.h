@@ -1,4 +1,4 @@
-// The synthetic model of a job (DESIGN 6): inputs keyed by (seed, step, global
+// The synthetic model of a job (docs/jobs.md#inputs-and-weights): inputs keyed by (seed, step, global
 // token index), weights keyed by (seed, layer, expert, tensor, element), and the
 // zipf skew term. Pure functions: every rank rebuilds exactly the same values.
 #pragma once
@@ -19,7 +19,7 @@ struct LayerWeights {
   std::vector<float> logit_bias;      // [E] or empty (skew; no gradient)
   std::vector<float> w13;             // [E, 2I, H]
   std::vector<float> w2;              // [E, H, I]
-  // Shared experts (DESIGN 3), stored as one SwiGLU of width Is = shared
+  // Shared experts (docs/layer.md#shared-experts), stored as one SwiGLU of width Is = shared
   // experts x shared_ffn_hidden; empty without them.
   std::vector<float> shared_w13;      // [2Is, H]: gate_proj rows, then up_proj rows
   std::vector<float> shared_w2;       // [H, Is]

@@ -1,4 +1,4 @@
-// Training checkpoints on one rank (DESIGN 6). In `{checkpoint_dir}/step-{s:06d}/`
+// Training checkpoints on one rank (docs/jobs.md#checkpoints-and-resume, docs/formats.md#checkpoints). In `{checkpoint_dir}/step-{s:06d}/`
 // every rank writes rank{r}.safetensors (the experts it hosts: fp32 masters and
 // Adam moments), rank 0 router.safetensors (per layer the router, its selection
 // bias, the shared experts, with their state) and, once every rank's file is

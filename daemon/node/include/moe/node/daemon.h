@@ -15,7 +15,7 @@
 
 #include "moe/metrics/daemon_metrics.h"
 #include "moe/node/job_runner.h"
-#include "moe/rpc/rpc.h"
+#include "moe/rpc/server.h"
 
 namespace moe::node {
 
@@ -47,12 +47,12 @@ struct BackendChoice {
 
 // Resolves auto | cpu | cuda for `devices` ranks (0: one per GPU). auto is CUDA
 // where this build has it and the visible GPUs can hold the ranks (one each),
-// else the CPU; throws rpc::RpcError(INVALID_ARGUMENT) naming why the backend
+// else the CPU; throws moe::InvalidArgument naming why the backend
 // cannot run here (a CUDA request without a CUDA build or device).
 BackendChoice resolve_backend(const std::string& requested, BackendFactory override_factory = {}, int devices = 0);
 
 // The ranks a daemon runs: --devices, or with 0 one per GPU (cuda) or 1 (cpu).
-// Throws rpc::RpcError(INVALID_ARGUMENT) when a CUDA daemon asks for more ranks
+// Throws moe::InvalidArgument when a CUDA daemon asks for more ranks
 // than it sees GPUs (two ranks cannot share one).
 int resolve_devices(int requested, const BackendChoice& backend);
 

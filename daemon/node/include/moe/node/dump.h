@@ -1,4 +1,4 @@
-// The dump (DESIGN 6): rank{r}.safetensors of layer 0 at the covered step
+// The dump (docs/formats.md#dumps): rank{r}.safetensors of layer 0 at the covered step
 // (dump_step), and spec.json from rank 0.
 #pragma once
 

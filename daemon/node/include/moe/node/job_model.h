@@ -1,5 +1,5 @@
-// From a JobSpec to the things a rank runs (DESIGN 6): the layer config, the
-// expert map of a placement message, the weights of a layer (synthetic from the
+// From a JobSpec to the things a rank runs (docs/jobs.md#spec): the layer config,
+// the weights of a layer (synthetic from the
 // seed, or read from a safetensors file), the inputs of a step, the teacher and
 // the optimizer. Specs have their defaults filled (spec::with_defaults).
 #pragma once
@@ -7,11 +7,9 @@
 #include <string>
 #include <vector>
 
-#include "moe/ep/expert_map.h"
-#include "moe/ep/layer_stages.h"
+#include "moe/ep/layer_config.h"
 #include "moe/kernels/thread_pool.h"
 #include "moe/model/synthetic.h"
-#include "moe/v1/cluster.pb.h"
 #include "moe/v1/job.pb.h"
 
 namespace moe::node {
@@ -23,9 +21,6 @@ model::LayerShape layer_shape(const v1::JobSpec& spec);
 // The teacher of a train job: the same architecture built from seed + 1.
 v1::JobSpec teacher_of(const v1::JobSpec& spec);
 kernels::OptimizerConfig optimizer_config(const v1::JobSpec& spec);
-ep::ExpertMap expert_map(const v1::PlacementMap& m);
-// And back, for layer `layer`.
-v1::PlacementMap placement_map(const ep::ExpertMap& m, int layer);
 
 // Weights of `layer` for the experts with needed[e] (the router and shared
 // experts always). From spec.weights when set (a safetensors file or a sharded

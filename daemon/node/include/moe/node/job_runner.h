@@ -19,7 +19,7 @@
 #include "moe/kernels/thread_pool.h"
 #include "moe/metrics/daemon_metrics.h"
 #include "moe/node/agent_link.h"
-#include "moe/node/rebalance_mailbox.h"
+#include "moe/node/rebalance_session.h"
 #include "moe/node/report_sender.h"
 #include "moe/transport/local_hub.h"
 #include "moe/v1/cluster.pb.h"
@@ -60,7 +60,7 @@ class JobRunner {
   void stop_for_agent(const std::string& reason);
   // The agent recorded the job's end (until then a re-registration names it).
   bool settled() const { return reports_->settled(); }
-  // The rebalance protocol (DESIGN 7); throws rpc::RpcError for another job.
+  // The rebalance protocol (docs/placement.md#live-rebalance); throws rpc::RpcError for another job.
   void prepare(const v1::PrepareRebalance& p);
   void commit(const v1::CommitRebalance& c);
   void abort(const v1::AbortRebalance& a);

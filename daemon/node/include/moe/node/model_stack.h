@@ -1,4 +1,4 @@
-// The model a job runs on one rank (DESIGN 6): a stack of MoE layers,
+// The model a job runs on one rank (docs/jobs.md#teacher-and-loss): a stack of MoE layers,
 // x_{l+1} = x_l + moe_l(x_l); in train mode also the teacher (the same
 // architecture built from seed + 1), the loss L = sum ||y - y_teacher||^2 /
 // (T_global x H) and the backward through the residual stack,
@@ -31,7 +31,7 @@ class ModelStack {
   // spec: defaults filled. maps: one per layer. The stack builds its layers' and
   // the teacher's weights for the experts this rank hosts.
   // comm carries host memory; data_comm (null: comm) the backend's, as EpOptions says.
-  ModelStack(const v1::JobSpec& spec, const std::vector<ep::ExpertMap>& maps, int rank, int world,
+  ModelStack(const v1::JobSpec& spec, const std::vector<moe::ExpertMap>& maps, int rank, int world,
              transport::Communicator& comm, kernels::Backend& be, kernels::ThreadPool& pool,
              std::chrono::milliseconds timeout, transport::Communicator* data_comm = nullptr);
 
@@ -47,7 +47,7 @@ class ModelStack {
   // from the step's global counts, when bias_update_rate > 0.
   void update_selection_bias();
 
-  // Live rebalance (DESIGN 7), at step boundaries every rank agreed on: stage()
+  // Live rebalance (docs/placement.md#live-rebalance), at step boundaries every rank agreed on: stage()
   // starts filling the slots the new maps give this rank (and builds the
   // teacher's layers on them from the RNG: teacher weights are never copied);
   // staged_ready() progresses the copies; switch_to_staged() moves every layer
@@ -58,7 +58,7 @@ class ModelStack {
   void drop_staged();
   int64_t staged_bytes_received() const;
 
-  // Every layer's weights as the current step uses them (DESIGN 6: verify and the
+  // Every layer's weights as the current step uses them (docs/jobs.md#verify: verify and the
   // dump use "the weights that step used"). Before any optimizer step they are
   // rebuilt from the spec; after, the ranks assemble them from each expert's
   // primary replica with an all-reduce (collective: every rank calls it).
@@ -69,7 +69,7 @@ class ModelStack {
   ep::EpLayer& layer(int l) { return *layers_[l]; }
   // Per layer, this rank's kept pairs per logical expert over every step it ran.
   const std::vector<std::vector<float>>& expert_loads() const { return loads_; }
-  const ep::ExpertMap& map(int l) const { return layers_[l]->map(); }
+  const moe::ExpertMap& map(int l) const { return layers_[l]->map(); }
   const LayerSnapshot& snapshot(int l) const { return snaps_[l]; }
 
  private:

@@ -1,7 +1,8 @@
 // One rank of one job: its pool, backend, communicators and model stack, and the
-// step loop. Cancellation is agreed on at step boundaries (an all-reduce of the
-// flag), so every rank stops before the same step. Every step is reported to the
-// agent; the step DESIGN 6 names (step 0) is verified and dumped when asked.
+// step loop. Cancellation and live rebalances are agreed on at step boundaries
+// (one all-reduce of the cancel flag and the rebalance votes), so every rank stops,
+// stages or switches before the same step. Every step is reported to the
+// agent; the covered step (docs/jobs.md#verify) is verified and dumped when asked.
 #pragma once
 
 #include <functional>
@@ -10,8 +11,9 @@
 
 #include "moe/node/job_runner.h"
 #include "moe/node/model_stack.h"
-#include "moe/rpc/rpc.h"
-#include "moe/transport/ucx_communicator.h"
+#include "moe/node/rebalance_session.h"
+#include "moe/rpc/client.h"
+#include "moe/transport/transport_factory.h"
 
 namespace moe::node {
 
@@ -43,21 +45,10 @@ class RankRun {
   const v1::Verify& verification() const { return verify_; }
 
  private:
-  // What every rank decided together at a step boundary.
-  struct Boundary {
-    bool stop = false;    // cancel
-    bool stage = false;   // every rank holds the same PREPARE: start staging
-    bool abort = false;   // some rank got ABORT for the staged epoch
-    bool commit = false;  // every rank got COMMIT for the staged epoch: switch
-    std::optional<v1::PrepareRebalance> prepare;  // what this rank contributed (stage)
-  };
   transport::Deadline deadline() const { return transport::deadline_in(env_.transport_timeout); }
-  // The step's own collective: one all-reduce carries the cancel flag and the
-  // rebalance state, so every rank acts before the same step.
-  Boundary agree(bool cancel_requested);
-  void act(const Boundary& b, int step);
-  void check_staged();
-  void tell_agent_ready(bool ok, const std::string& reason);
+  // The step's own collective: one all-reduce carries the cancel flag and every
+  // rank's rebalance vote, so every rank acts before the same step. True: stop.
+  bool agree_and_act(bool cancel_requested, int step);
   void run_step(int step);
   bool checkpoint_due(int steps_done) const;
 
@@ -69,14 +60,10 @@ class RankRun {
   kernels::ThreadPool pool_;
   std::unique_ptr<kernels::Backend> backend_;
   AgentBootstrap boot_;
-  transport::RootBlobBootstrap root_boot_;  // carries a CUDA job's NCCL id beside the UCX addresses
-  transport::UcxCommunicator comm_;         // host memory: control, counts, copies
-  std::unique_ptr<transport::Communicator> data_comm_;  // the backend's memory (NCCL); null: comm_
-  rpc::RpcClient& agent_;
+  transport::RankTransports transports_;  // host, and the backend's memory (null: host)
+  transport::Communicator& comm_;         // transports_.host: control, counts, copies
   ModelStack stack_;
-  RebalanceMailbox& mailbox_;
-  std::optional<v1::PrepareRebalance> staged_;  // the epoch being staged
-  bool staged_ready_ = false;
+  RebalanceSession rebalance_;
   v1::Verify verify_;
   int first_step_ = 0;  // a resumed run's first step
 };

@@ -18,7 +18,7 @@
 #include <vector>
 
 #include "moe/node/agent_link.h"
-#include "moe/rpc/rpc.h"
+#include "moe/rpc/client.h"
 
 namespace moe::node {
 

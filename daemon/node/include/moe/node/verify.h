@@ -1,4 +1,4 @@
-// Verify (DESIGN 6): a rank recomputes the covered step (verify_step) with the fp64 reference,
+// Verify (docs/jobs.md#verify): a rank recomputes the covered step (verify_step) with the fp64 reference,
 // layer by layer, with the weights that step used, and compares.
 #pragma once
 
@@ -15,7 +15,8 @@ namespace moe::node {
 // gradients. Collective: every rank calls it. Tolerances (relative to each
 // tensor's scale): fp32 1e-4 (accumulation-order noise); bf16 1/64 (out, grad_x
 // and each rank's partial combine row are rounded once each, 2^-9); weight
-// gradients 1e-3 (fp32 sums over all ranks' tokens in either dtype).
+// gradients (fp32 sums over all ranks' tokens) 1e-3 in fp32, 1/64 in bf16 (one
+// operand of each term is rounded to bf16 on the oneDNN engine).
 // weights: each layer's weights as the step used them (ModelStack::weights_in_use).
 v1::Verify verify_step(const v1::JobSpec& spec, const ModelStack& stack, const std::vector<model::LayerWeights>& weights,
                        int rank, transport::Communicator& comm, transport::Deadline deadline);

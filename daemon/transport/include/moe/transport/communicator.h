@@ -1,4 +1,4 @@
-// The Communicator: what an EP rank needs from a transport (DESIGN 4). One
+// The Communicator: what an EP rank needs from a transport (docs/transport.md#communicator). One
 // instance per rank; collectives must be called by every rank of the group in the
 // same order. Every wait has a deadline; a failure throws TransportError naming the
 // peer (rank) that caused it.

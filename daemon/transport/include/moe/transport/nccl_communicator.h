@@ -1,4 +1,4 @@
-// Communicator over NCCL (DESIGN 4): ranks are GPUs, one per process and rank.
+// Communicator over NCCL (docs/transport.md#nccl): ranks are GPUs, one per process and rank.
 //
 // Memory: every data pointer given to all_to_all_v, all_reduce_sum, send, recv,
 // isend and irecv is DEVICE memory on this communicator's device. exchange_counts

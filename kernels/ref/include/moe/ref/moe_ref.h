@@ -1,4 +1,4 @@
-// The fp64 reference of one MoE layer, forward and backward (DESIGN 3), written
+// The fp64 reference of one MoE layer, forward and backward (docs/layer.md), written
 // for reading, not speed: plain loops, no threads, no fusion. Every backend and
 // transport is checked against it. The router gradient is derived here by the
 // chain rule through the full Jacobian (not the closed forms the backends use),
@@ -21,7 +21,7 @@ struct Config : kernels::RoutingParams {
   int hidden = 0;
   int ffn_hidden = 0;
   double capacity_factor = 0.0;
-  // Load balancing (DESIGN 3): L_aux = aux x E / (K T_g^2) x sum_e c_e sum_t P_te
+  // Load balancing (docs/layer.md#balancing): L_aux = aux x E / (K T_g^2) x sum_e c_e sum_t P_te
   // and L_z = z x mean_t logsumexp(logits_t)^2, over the global batch.
   double aux_loss_coeff = 0.0;
   double z_loss_coeff = 0.0;

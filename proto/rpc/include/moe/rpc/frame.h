@@ -4,20 +4,23 @@
 
 #include <cstddef>
 #include <cstdint>
-#include <stdexcept>
 #include <string>
 
+#include "moe/base/check.h"
 #include "moe/v1/rpc.pb.h"
 
 namespace moe::rpc {
 
 constexpr size_t kDefaultMaxFrameBytes = 16u << 20;
 
-// Any control-plane failure, with the code a reply carries. UNAVAILABLE and
-// DEADLINE_EXCEEDED mean the peer could not be reached in time.
-class RpcError : public std::runtime_error {
+// A control-plane failure with the code a reply carries: an error reply, or a
+// peer that could not be reached (UNAVAILABLE, DEADLINE_EXCEEDED). A moe::Error
+// like any other; a handler may throw moe::InvalidArgument instead of
+// RpcError(INVALID_ARGUMENT), and anything else becomes INTERNAL
+// (docs/control-plane.md#errors).
+class RpcError : public Error {
  public:
-  RpcError(v1::ErrorCode code, const std::string& message) : std::runtime_error(message), code_(code) {}
+  RpcError(v1::ErrorCode code, const std::string& message) : Error(message), code_(code) {}
   v1::ErrorCode code() const { return code_; }
 
  private:

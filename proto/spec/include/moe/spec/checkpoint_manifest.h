@@ -1,4 +1,4 @@
-// Training checkpoints (DESIGN 6) as the agent, moectl and moed find and check
+// Training checkpoints (docs/jobs.md#checkpoints-and-resume) as the agent, moectl and moed find and check
 // them: `{checkpoint_dir}/step-{s:06d}/` holds rank{r}.safetensors,
 // router.safetensors and, written last, checkpoint.json (CheckpointManifest).
 #pragma once

@@ -14,13 +14,13 @@ namespace moe::spec {
 // every field as given.
 v1::JobSpec with_defaults(v1::JobSpec spec);
 
-// Throws rpc::RpcError(INVALID_ARGUMENT) with "FIELD: reason". world_size > 0 adds
+// Throws moe::InvalidArgument with "FIELD: reason". world_size > 0 adds
 // the checks that depend on the cluster (experts divide over the ranks).
 void validate(const v1::JobSpec& spec, int world_size = 0);
 
-// JSON as DESIGN 6 prints it (preserve_proto_field_names, always_print_primitive_fields).
+// JSON as docs/cli.md#output prints it (preserve_proto_field_names, always_print_primitive_fields).
 std::string to_json(const google::protobuf::Message& m, bool pretty = true);
-// Parses a JobSpec from JSON; throws RpcError(INVALID_ARGUMENT) naming the problem.
+// Parses a JobSpec from JSON; throws moe::InvalidArgument naming the problem.
 v1::JobSpec spec_from_json(const std::string& json);
 
 }  // namespace moe::spec

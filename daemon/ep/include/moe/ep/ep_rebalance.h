@@ -1,12 +1,15 @@
-// The slots one rank gains in a live rebalance of one layer (DESIGN 7), filled
-// in the background while steps go on, and the snapshots it sends to others.
+// A live rebalance of one layer on one rank (docs/placement.md#live-rebalance): the
+// slots the rank gains, filled in the background while steps go on, and the
+// snapshots it sends to others. EpLayer's stage / staged_ready / switch_to_staged /
+// drop_staged (defined in ep_rebalance.cc) drive it; the node's RebalanceSession
+// decides when.
 //
 // At the boundary the ranks agreed to start staging, every copy's holder takes a
 // snapshot of its expert (in train jobs the fp32 masters and Adam moments) and
 // sends it with a background transfer; the gaining rank receives it into
 // staging. In train jobs a gained slot is a shadow replica: from that boundary on
-// it receives the same reduced gradient as the expert's replicas (EpLayer's
-// replica reduction) and applies the same optimizer step, queued until its
+// it receives the same reduced gradient as the expert's replicas
+// (replica_grads.h) and applies the same optimizer step, queued until its
 // snapshot arrives, so at the switch it is bitwise identical to its holders.
 #pragma once
 
@@ -15,23 +18,17 @@
 #include <memory>
 #include <vector>
 
-#include "moe/ep/expert_map.h"
-#include "moe/ep/layer_stages.h"
+#include "moe/map/expert_map.h"
+#include "moe/ep/expert_stage.h"
 #include "moe/transport/communicator.h"
 
 namespace moe::ep {
-
-// One copy of a rebalance in one layer: rank to_rank gains local slot to_slot of
-// `expert` from from_rank, which holds it in the map in force.
-struct ExpertCopyPlan {
-  int expert = 0, from_rank = 0, to_rank = 0, to_slot = 0;
-};
 
 class StagedExperts {
  public:
   // copies: the layer's copies, in the same order on every rank (tags follow
   // it). adam: train state carries moments.
-  StagedExperts(ExpertMap next, std::vector<ExpertCopyPlan> copies, int rank, const MoeLayerConfig& cfg, bool adam,
+  StagedExperts(ExpertMap next, std::vector<ExpertCopy> copies, int rank, const MoeLayerConfig& cfg, bool adam,
                 uint32_t tag_base);
 
   // Takes the snapshots this rank sends (from its stage, under `current`) and
@@ -42,7 +39,7 @@ class StagedExperts {
   bool ready(transport::Communicator& comm, kernels::Backend& be);
 
   const ExpertMap& next() const { return next_; }
-  const std::vector<ExpertCopyPlan>& copies() const { return copies_; }
+  const std::vector<ExpertCopy>& copies() const { return copies_; }
   // Copy indices (into copies()) of expert e's shadows, in order.
   const std::vector<int>& shadows_of(int expert) const { return shadows_[expert]; }
   int max_shadows() const { return max_shadows_; }
@@ -81,7 +78,7 @@ class StagedExperts {
   void unpack(Gained& g);
 
   ExpertMap next_;
-  std::vector<ExpertCopyPlan> copies_;
+  std::vector<ExpertCopy> copies_;
   int rank_;
   MoeLayerConfig cfg_;
   bool adam_;

@@ -1,4 +1,6 @@
-#include "moe/ep/staged_experts.h"
+#include "moe/ep/ep_rebalance.h"
+
+#include "moe/ep/ep_layer.h"
 
 #include <algorithm>
 
@@ -18,7 +20,7 @@ std::vector<float> pack(const ExpertState& s) {
 
 }  // namespace
 
-StagedExperts::StagedExperts(ExpertMap next, std::vector<ExpertCopyPlan> copies, int rank, const MoeLayerConfig& cfg,
+StagedExperts::StagedExperts(ExpertMap next, std::vector<ExpertCopy> copies, int rank, const MoeLayerConfig& cfg,
                              bool adam, uint32_t tag_base)
     : next_(std::move(next)),
       copies_(std::move(copies)),
@@ -28,7 +30,7 @@ StagedExperts::StagedExperts(ExpertMap next, std::vector<ExpertCopyPlan> copies,
       tag_base_(tag_base),
       shadows_(cfg.num_experts) {
   for (size_t c = 0; c < copies_.size(); ++c) {
-    const ExpertCopyPlan& p = copies_[c];
+    const ExpertCopy& p = copies_[c];
     MOE_CHECK(p.expert >= 0 && p.expert < cfg.num_experts && p.to_slot >= 0 && p.to_slot < next_.slots_per_rank &&
                   next_.expert_at(p.to_rank, p.to_slot) == p.expert,
               "rebalance: copy ", c, " (expert ", p.expert, " to rank ", p.to_rank, " slot ", p.to_slot,
@@ -41,7 +43,7 @@ StagedExperts::StagedExperts(ExpertMap next, std::vector<ExpertCopyPlan> copies,
 void StagedExperts::start(const ExpertStage& stage, const ExpertMap& current, transport::Communicator& comm) {
   const int H = cfg_.hidden, I = cfg_.ffn_hidden;
   for (size_t c = 0; c < copies_.size(); ++c) {
-    const ExpertCopyPlan& p = copies_[c];
+    const ExpertCopy& p = copies_[c];
     const uint32_t tag = tag_base_ + static_cast<uint32_t>(c);
     if (p.from_rank == rank_) {
       int slot = 0;
@@ -150,6 +152,87 @@ const ExpertState& StagedExperts::gained_state(int slot) const {
     }
   MOE_CHECK(false, "rebalance: rank ", rank_, " gains nothing at slot ", slot);
   throw;  // unreachable
+}
+
+// EpLayer's side of a live rebalance: staging, switching and dropping a map.
+
+void EpLayer::stage(const ExpertMap& next, std::vector<ExpertCopy> copies, bool adam) {
+  MOE_CHECK(next.num_experts == cfg_.num_experts && next.num_ranks == map_.num_ranks, "rebalance: the new map places ",
+            next.num_experts, " experts on ", next.num_ranks, " ranks, the layer ", cfg_.num_experts, " on ",
+            map_.num_ranks);
+  adam_ = adam && cfg_.train;
+  staged_ = std::make_unique<StagedExperts>(next, std::move(copies), comm_.rank(), cfg_, adam_, opts_.tag_base);
+  staged_->start(*experts_, map_, comm_);
+  if (next.slots_per_rank == map_.slots_per_rank) return;
+  // Another slot count: the new stage and dispatcher are built (and their pages
+  // faulted in) now, while copies stream, not at the switch.
+  next_experts_ = std::make_unique<ExpertStage>(cfg_, next.slots_per_rank, be_);
+  next_experts_->reserve(std::max<int64_t>(recv_capacity_, cfg_.max_tokens));
+  next_experts_->touch(adam_);
+  next_dispatcher_ = make_dispatcher(next);
+}
+
+bool EpLayer::staged_ready() {
+  MOE_CHECK(staged_, "rebalance: nothing is staged");
+  return staged_->ready(comm_, be_);
+}
+
+void EpLayer::drop_staged() {
+  staged_.reset();
+  next_experts_.reset();
+  next_dispatcher_.reset();
+}
+
+int EpLayer::old_slot_of(int expert) const {
+  for (int s = 0; s < map_.slots_per_rank; ++s)
+    if (map_.expert_at(comm_.rank(), s) == expert) return s;
+  return -1;
+}
+
+// The layer moves onto the staged map: every new slot takes its expert from the
+// slot this rank already had (the same state, bit for bit) or from the staged
+// copy.
+void EpLayer::switch_to_staged() {
+  MOE_CHECK(staged_, "rebalance: nothing is staged");
+  const ExpertMap next = staged_->next();
+  if (next_experts_) switch_to_new_stage(next);
+  else switch_in_place(next);
+  install_map(next);
+  staged_.reset();
+}
+
+// Same slot count: only the slots whose expert changes are written; an expert
+// moving between this rank's slots is read before any slot is overwritten.
+void EpLayer::switch_in_place(const ExpertMap& next) {
+  const int me = comm_.rank();
+  std::vector<std::pair<int, ExpertState>> moves;
+  for (int s = 0; s < next.slots_per_rank; ++s) {
+    const int e = next.expert_at(me, s);
+    if (e < 0 || e == map_.expert_at(me, s) || old_slot_of(e) < 0) continue;
+    ExpertState st;
+    st.resize(cfg_.hidden, cfg_.ffn_hidden, adam_);
+    experts_->export_slot(old_slot_of(e), st);
+    moves.emplace_back(s, std::move(st));
+  }
+  for (const auto& [s, st] : moves) experts_->import_slot(s, st);
+  for (int s = 0; s < next.slots_per_rank; ++s) {
+    const int e = next.expert_at(me, s);
+    if (e >= 0 && e != map_.expert_at(me, s) && old_slot_of(e) < 0) experts_->import_slot(s, staged_->gained_state(s));
+  }
+}
+
+// Another slot count: the stage built at staging takes every slot.
+void EpLayer::switch_to_new_stage(const ExpertMap& next) {
+  const int me = comm_.rank();
+  for (int s = 0; s < next.slots_per_rank; ++s) {
+    const int e = next.expert_at(me, s);
+    if (e < 0) continue;
+    const int old = old_slot_of(e);
+    if (old >= 0) next_experts_->copy_slot(*experts_, old, s);
+    else next_experts_->import_slot(s, staged_->gained_state(s));
+  }
+  experts_ = std::move(next_experts_);
+  dispatcher_ = std::move(next_dispatcher_);
 }
 
 }  // namespace moe::ep

@@ -1,0 +1,226 @@
+#include "moe/ep/expert_stage.h"
+
+#include <algorithm>
+
+#include "moe/base/check.h"
+#include "moe/base/clock.h"
+
+namespace moe::ep {
+
+using kernels::Buffer;
+
+ExpertStage::ExpertStage(const MoeLayerConfig& cfg, int num_local_experts, kernels::Backend& be)
+    : cfg_(cfg), L_(num_local_experts), be_(be) {
+  MOE_CHECK(L_ >= 0, "expert stage: negative expert count ", L_);
+  const size_t H = cfg.hidden, I = cfg.ffn_hidden, L = L_;
+  expert_offset_.assign(L + 1, 0);
+  w13_ = Buffer(be, 4 * L * 2 * I * H);
+  w2_ = Buffer(be, 4 * L * H * I);
+  if (cfg.train) {
+    grad_w13_ = Buffer(be, 4 * L * 2 * I * H);
+    grad_w2_ = Buffer(be, 4 * L * H * I);
+    w13_param_.bind(be, w13_.as<float>(), L * 2 * I * H, cfg.dtype);
+    w2_param_.bind(be, w2_.as<float>(), L * H * I, cfg.dtype);
+  }
+  kernels::ExpertMlpConfig shape = mlp_config();  // only the weights' shape matters here
+  shape.max_rows = shape.max_src_rows = 0;
+  packed_ = be.make_expert_weights(shape);
+}
+
+void ExpertStage::pack_weights(int first, int count) {
+  be_.pack_expert_weights(*packed_, w13_.as<float>(), w2_.as<float>(), first, count);
+}
+
+void ExpertStage::set_weights(const float* w13, const float* w2) {
+  const size_t H = cfg_.hidden, I = cfg_.ffn_hidden, L = L_;
+  be_.copy_to_device(w13_.get(), w13, 4 * L * 2 * I * H);
+  be_.copy_to_device(w2_.get(), w2, 4 * L * H * I);
+  w13_param_.sync_master();
+  w2_param_.sync_master();
+  pack_weights(0, L_);
+}
+
+void ExpertStage::apply_update(const kernels::OptimizerConfig& cfg, int64_t step) {
+  MOE_CHECK(cfg_.train, "apply_update on a layer built without train = true");
+  w13_param_.update(cfg, step, grad_w13_.as<float>());
+  w2_param_.update(cfg, step, grad_w2_.as<float>());
+  pack_weights(0, L_);
+}
+
+void ExpertState::resize(int hidden, int ffn_hidden, bool moments) {
+  const size_t n = 3 * static_cast<size_t>(hidden) * ffn_hidden;
+  weights.assign(n, 0.0f);
+  m.assign(moments ? n : 0, 0.0f);
+  v.assign(moments ? n : 0, 0.0f);
+}
+
+void ExpertStage::copy_slot(const ExpertStage& src, int from, int to) {
+  MOE_CHECK(from >= 0 && from < src.L_ && to >= 0 && to < L_, "expert stage: copy of slot ", from, " to slot ", to);
+  const size_t H = cfg_.hidden, I = cfg_.ffn_hidden, n13 = 2 * I * H, n2 = H * I;
+  if (!cfg_.train) {
+    be_.copy(w13_.as<float>() + to * n13, src.w13_.as<float>() + from * n13, 4 * n13);
+    be_.copy(w2_.as<float>() + to * n2, src.w2_.as<float>() + from * n2, 4 * n2);
+  } else {
+    w13_param_.copy_range(src.w13_param_, from * n13, to * n13, n13);
+    w2_param_.copy_range(src.w2_param_, from * n2, to * n2, n2);
+  }
+  pack_weights(to, 1);
+}
+
+void ExpertStage::touch(bool moments) {
+  for (kernels::Buffer* b : {&w13_, &w2_, &grad_w13_, &grad_w2_, &y_, &saved_gu_, &grad_perm_x_, &mlp_ws_})
+    if (b->get()) be_.fill_zero(b->get(), b->bytes());
+  if (moments && cfg_.train) {
+    w13_param_.ensure_moments();
+    w2_param_.ensure_moments();
+  }
+}
+
+void ExpertStage::copy_weights(int s, float* w13, float* w2) const {
+  MOE_CHECK(s >= 0 && s < L_, "expert stage: no local slot ", s);
+  const size_t H = cfg_.hidden, I = cfg_.ffn_hidden, n13 = 2 * I * H, n2 = H * I;
+  be_.copy_to_host(w13, w13_.as<float>() + s * n13, 4 * n13);
+  be_.copy_to_host(w2, w2_.as<float>() + s * n2, 4 * n2);
+}
+
+void ExpertStage::export_slot(int s, ExpertState& out) const {
+  MOE_CHECK(s >= 0 && s < L_, "expert stage: no local slot ", s);
+  const size_t H = cfg_.hidden, I = cfg_.ffn_hidden, n13 = 2 * I * H, n2 = H * I;
+  float* m = out.m.empty() ? nullptr : out.m.data();
+  float* v = out.v.empty() ? nullptr : out.v.data();
+  if (!cfg_.train) {  // the weights it computes with
+    be_.copy_to_host(out.weights.data(), w13_.as<float>() + s * n13, 4 * n13);
+    be_.copy_to_host(out.weights.data() + n13, w2_.as<float>() + s * n2, 4 * n2);
+    return;
+  }
+  w13_param_.read(s * n13, n13, out.weights.data(), m, v);
+  w2_param_.read(s * n2, n2, out.weights.data() + n13, m ? m + n13 : nullptr, v ? v + n13 : nullptr);
+}
+
+void ExpertStage::import_slot(int s, const ExpertState& in) {
+  MOE_CHECK(s >= 0 && s < L_, "expert stage: no local slot ", s);
+  const size_t H = cfg_.hidden, I = cfg_.ffn_hidden, n13 = 2 * I * H, n2 = H * I;
+  MOE_CHECK(in.weights.size() == n13 + n2, "expert stage: an expert state of ", in.weights.size(), " values, expected ",
+            n13 + n2);
+  if (!cfg_.train) {
+    be_.copy_to_device(w13_.as<float>() + s * n13, in.weights.data(), 4 * n13);
+    be_.copy_to_device(w2_.as<float>() + s * n2, in.weights.data() + n13, 4 * n2);
+  } else {
+    const float* m = in.m.empty() ? nullptr : in.m.data();
+    const float* v = in.v.empty() ? nullptr : in.v.data();
+    w13_param_.write(s * n13, n13, in.weights.data(), m, v);
+    w2_param_.write(s * n2, n2, in.weights.data() + n13, m ? m + n13 : nullptr, v ? v + n13 : nullptr);
+  }
+  pack_weights(s, 1);
+}
+
+kernels::ExpertMlpConfig ExpertStage::mlp_config() const {
+  kernels::ExpertMlpConfig m;
+  m.num_experts = L_;
+  m.hidden = cfg_.hidden;
+  m.ffn_hidden = cfg_.ffn_hidden;
+  m.max_rows = capacity_rows_ * std::min(cfg_.top_k, std::max(L_, 1));
+  m.max_src_rows = capacity_rows_;
+  m.x_dtype = cfg_.dtype;
+  m.train = cfg_.train;
+  return m;
+}
+
+void ExpertStage::reserve(int64_t rows) {
+  if (rows <= capacity_rows_) return;
+  capacity_rows_ = rows;
+  const size_t N = rows, K = cfg_.top_k, H = cfg_.hidden, I = cfg_.ffn_hidden;
+  const size_t M = N * std::min<size_t>(K, std::max(L_, 1));  // a row has at most min(K, L) local pairs
+  perm_src_row_ = Buffer(be_, 4 * N * K);
+  perm_weight_ = Buffer(be_, 4 * N * K);
+  pair_pos_ = Buffer(be_, 4 * N * K);
+  y_ = Buffer(be_, 4 * M * H);
+  if (cfg_.train) {
+    saved_gu_ = Buffer(be_, 4 * M * 2 * I);
+    grad_perm_x_ = Buffer(be_, 4 * M * H);
+    grad_perm_weight_ = Buffer(be_, 4 * M);
+  }
+  layout_ws_ = Buffer(be_, be_.permute_layout_workspace_bytes({rows, cfg_.top_k, L_}));
+  mlp_ws_ = Buffer(be_, be_.expert_mlp_workspace_bytes(mlp_config()));
+}
+
+void ExpertStage::forward(const void* rows, int64_t N, const int32_t* row_expert, const float* row_weight,
+                          void* combined) {
+  reserve(N);
+  N_ = N;
+  rows_ = rows;
+  has_forward_ = true;
+  times_ = {};
+  const int K = cfg_.top_k, H = cfg_.hidden;
+  double t0 = now_seconds();
+  kernels::PermuteLayoutArgs pl;
+  pl.row_expert = row_expert;
+  pl.row_weight = row_weight;
+  pl.expert_offset = expert_offset_.data();
+  pl.perm_src_row = perm_src_row_.as<int32_t>();
+  pl.perm_weight = perm_weight_.as<float>();
+  pl.pair_pos = pair_pos_.as<int32_t>();
+  pl.workspace = layout_ws_.get();
+  be_.permute_layout({N, K, L_}, pl);
+  MOE_CHECK(expert_offset_[L_] <= mlp_config().max_rows, "expert stage: ", expert_offset_[L_],
+            " pairs exceed the reserved ", mlp_config().max_rows);
+  be_.synchronize();
+  double t1 = now_seconds();
+  times_.layout = t1 - t0;
+
+  kernels::ExpertMlpForwardArgs a;
+  a.rows = rows;
+  a.expert_offset = expert_offset_.data();
+  a.perm_src_row = perm_src_row_.as<int32_t>();
+  a.perm_weight = perm_weight_.as<float>();
+  a.w13 = w13_.as<float>();
+  a.w2 = w2_.as<float>();
+  a.packed = packed_.get();
+  a.y = y_.as<float>();
+  a.saved_gu = cfg_.train ? saved_gu_.as<float>() : nullptr;
+  a.workspace = mlp_ws_.get();
+  a.stats = &times_.mlp_stats;
+  be_.expert_mlp_forward(mlp_config(), a);
+  be_.synchronize();
+  t0 = now_seconds();
+  times_.mlp = t0 - t1;
+
+  // y is already weighted: the local combine is a plain per-row sum.
+  be_.unpermute({N, K, H, cfg_.dtype, false, DType::kF32}, {y_.get(), pair_pos_.as<int32_t>(), nullptr, combined});
+  be_.synchronize();
+  times_.combine = now_seconds() - t0;
+}
+
+void ExpertStage::backward(const void* grad_combined, void* grad_rows, DType grad_rows_dtype,
+                           float* grad_pair_weight) {
+  MOE_CHECK(cfg_.train, "backward on a layer built without train = true");
+  MOE_CHECK(has_forward_, "backward called before forward");
+  const int K = cfg_.top_k, H = cfg_.hidden;
+  kernels::ExpertMlpBackwardArgs m;
+  m.grad_rows = grad_combined;
+  m.rows = rows_;
+  m.expert_offset = expert_offset_.data();
+  m.perm_src_row = perm_src_row_.as<int32_t>();
+  m.perm_weight = perm_weight_.as<float>();
+  m.w13 = w13_.as<float>();
+  m.w2 = w2_.as<float>();
+  m.packed = packed_.get();
+  m.saved_gu = saved_gu_.as<float>();
+  m.grad_perm_x = grad_perm_x_.as<float>();
+  m.grad_perm_weight = grad_perm_weight_.as<float>();
+  m.grad_w13 = grad_w13_.as<float>();
+  m.grad_w2 = grad_w2_.as<float>();
+  m.workspace = mlp_ws_.get();
+  be_.expert_mlp_backward(mlp_config(), m);
+  be_.unpermute({N_, K, H, grad_rows_dtype, false, DType::kF32},
+                {grad_perm_x_.get(), pair_pos_.as<int32_t>(), nullptr, grad_rows});
+  be_.unpermute_scalars(pair_pos_.as<int32_t>(), N_, K, grad_perm_weight_.as<float>(), grad_pair_weight);
+}
+
+std::vector<int64_t> ExpertStage::expert_rows() const {
+  std::vector<int64_t> counts(L_);
+  for (int e = 0; e < L_; ++e) counts[e] = expert_offset_[e + 1] - expert_offset_[e];
+  return counts;
+}
+
+}  // namespace moe::ep

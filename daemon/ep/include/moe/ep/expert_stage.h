@@ -1,0 +1,99 @@
+// ExpertStage: permute layout -> fused expert MLP -> local combine over the rows a
+// rank holds (its own tokens, or what dispatch brought), and the backward through
+// the same layout (docs/layer.md#experts). ExpertState is one expert's state as it
+// moves between ranks.
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <vector>
+
+#include "moe/ep/layer_config.h"
+#include "moe/ep/trainable_tensor.h"
+#include "moe/kernels/api.h"
+#include "moe/kernels/buffer.h"
+
+namespace moe::ep {
+
+using kernels::DType;
+
+// One expert's state as it moves between ranks (a live rebalance): [gate_up |
+// down] = 2IH + HI floats per array. weights: the fp32 masters in a train
+// stage, the values it computes with otherwise; m, v: Adam moments (empty for
+// forward and SGD).
+struct ExpertState {
+  std::vector<float> weights, m, v;
+  // Resizes for H, I; moments only when `moments`.
+  void resize(int hidden, int ffn_hidden, bool moments);
+  size_t floats() const { return weights.size() + m.size() + v.size(); }
+};
+
+// Wall seconds of the last ExpertStage::forward, and the fused MLP's split.
+struct ExpertStageTimes {
+  double layout = 0;
+  double mlp = 0;
+  double combine = 0;
+  kernels::ExpertMlpStats mlp_stats;
+};
+
+class ExpertStage {
+ public:
+  ExpertStage(const MoeLayerConfig& cfg, int num_local_experts, kernels::Backend& be);
+  // Host weights of the local experts: w13 [L, 2I, H], w2 [L, H, I] (as used).
+  void set_weights(const float* w13, const float* w2);
+  // Makes room for `rows` rows; allocates only when the high-water mark rises.
+  void reserve(int64_t rows);
+
+  // rows [N, H] (dtype), row_expert / row_weight [N, K] (local expert or -1) ->
+  // combined [N, H] in dtype: each row's local pairs, weighted and summed.
+  void forward(const void* rows, int64_t N, const int32_t* row_expert, const float* row_weight, void* combined);
+  // grad_combined [N, H] (dtype) -> grad_rows [N, H] in grad_rows_dtype, the
+  // routing-weight gradient per (row, k) [N, K] (0 where no pair), and the weight
+  // gradients of the local experts (overwritten).
+  void backward(const void* grad_combined, void* grad_rows, DType grad_rows_dtype, float* grad_pair_weight);
+
+  // One optimizer step on the local experts' weights from grad_w13()/grad_w2().
+  void apply_update(const kernels::OptimizerConfig& cfg, int64_t step);
+
+  // One local expert's state, packed [w13 | w2] per array (ExpertState): in a
+  // train stage the fp32 masters and Adam moments, in a forward stage the
+  // weights it computes with.
+  void export_slot(int slot, ExpertState& out) const;
+  // Slot s's weights as the stage computes with them: w13 [2I, H], w2 [H, I].
+  void copy_weights(int slot, float* w13, float* w2) const;
+  void import_slot(int slot, const ExpertState& in);
+  // Slot `from` of src (weights, and in a train stage masters and moments) into
+  // slot `to` of this stage, bit for bit.
+  void copy_slot(const ExpertStage& src, int from, int to);
+  // Touches every buffer once (with `moments`, the Adam moments too), so a stage
+  // built ahead of use faults its pages in then rather than in its first step.
+  void touch(bool moments);
+  int num_local_experts() const { return L_; }
+
+  const float* grad_w13() const { return grad_w13_.as<float>(); }
+  float* grad_w13() { return grad_w13_.as<float>(); }
+  float* grad_w2() { return grad_w2_.as<float>(); }
+  const float* grad_w2() const { return grad_w2_.as<float>(); }
+  std::vector<int64_t> expert_rows() const;  // pairs per local expert, last forward
+  const ExpertStageTimes& times() const { return times_; }
+
+ private:
+  kernels::ExpertMlpConfig mlp_config() const;
+  void pack_weights(int first, int count);  // experts' w13_, w2_ -> packed_, after every change
+  MoeLayerConfig cfg_;
+  int L_;
+  kernels::Backend& be_;
+  int64_t capacity_rows_ = -1;
+  int64_t N_ = 0;
+  const void* rows_ = nullptr;
+  bool has_forward_ = false;
+  std::vector<int64_t> expert_offset_;  // host, [L + 1]
+  kernels::Buffer w13_, w2_, grad_w13_, grad_w2_;
+  kernels::Buffer perm_src_row_, perm_weight_, pair_pos_, y_, saved_gu_, grad_perm_x_, grad_perm_weight_;
+  kernels::Buffer layout_ws_, mlp_ws_;
+  TrainableTensor w13_param_, w2_param_;
+  std::unique_ptr<kernels::PackedWeights> packed_;  // w13_, w2_ as the GEMM engine reads them
+  ExpertStageTimes times_;
+};
+
+}  // namespace moe::ep

@@ -1,0 +1,51 @@
+// The training state of a layer's tensors: the fp32 master copy and Adam moments
+// beside the values the layer computes with (TrainableTensor), and that state as
+// checkpoints and live rebalances move it (TensorState).
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <vector>
+
+#include "moe/kernels/api.h"
+#include "moe/kernels/buffer.h"
+
+namespace moe::ep {
+
+using kernels::DType;
+
+// A trainable tensor as checkpoints hold it: fp32 master values and the Adam
+// moments (empty without them).
+struct TensorState {
+  std::vector<float> master, m, v;
+};
+
+// One trainable tensor of a stage: the values the layer computes with, an fp32
+// master copy (its own buffer only in a bf16 layer, where the compute copy holds
+// bf16-rounded values) and the optimizer's moments, allocated on first update.
+class TrainableTensor {
+ public:
+  // compute: the stage's buffer of `count` values; sync_master() after loading it.
+  void bind(kernels::Backend& be, float* compute, size_t count, DType dtype);
+  void sync_master();
+  void update(const kernels::OptimizerConfig& cfg, int64_t step, const float* grad);
+
+  // Elements [begin, begin + n) as they cross the wire: the fp32 master values
+  // and the Adam moments (zeros before the first update).
+  void read(size_t begin, size_t n, float* master, float* m, float* v) const;
+  // The inverse: sets master, the compute copy (bf16-rounded in a bf16 layer)
+  // and, given m and v, the moments.
+  void write(size_t begin, size_t n, const float* master, const float* m, const float* v);
+  // Elements [from, from + n) of src (compute, master, moments) into [to, to + n)
+  // of this tensor, bit for bit. Both in the same backend and dtype.
+  void copy_range(const TrainableTensor& src, size_t from, size_t to, size_t n);
+  void ensure_moments();  // allocates zero Adam moments (else on the first update)
+
+ private:
+  kernels::Backend* be_ = nullptr;
+  float* compute_ = nullptr;
+  size_t count_ = 0;
+  kernels::Buffer master_, m_, v_;  // master_ empty in an fp32 layer
+};
+
+}  // namespace moe::ep

@@ -1,0 +1,150 @@
+#include "moe/node/rebalance_session.h"
+
+#include <algorithm>
+#include <sstream>
+
+#include "moe/base/check.h"
+#include "moe/base/clock.h"
+#include "moe/base/log.h"
+
+namespace moe::node {
+
+FaultInjection FaultInjection::parse(const std::string& spec, const std::string& node) {
+  FaultInjection f;
+  std::stringstream in(spec);
+  for (std::string item; std::getline(in, item, ',');) {
+    if (item.empty()) continue;
+    const auto colon = item.find(':');
+    MOE_CHECK(colon != std::string::npos, "MOE_FAULT_INJECT: expects NODE:FAULT, got '", item, "'");
+    if (item.substr(0, colon) != node) continue;
+    const std::string fault = item.substr(colon + 1);
+    if (fault == "refuse-copy") f.refuse_copy = true;
+    else if (fault == "stall-copy") f.stall_copy = true;
+    else MOE_CHECK(false, "MOE_FAULT_INJECT: unknown fault '", fault, "' (refuse-copy, stall-copy)");
+  }
+  return f;
+}
+
+void RebalanceMailbox::prepare(const v1::PrepareRebalance& p) {
+  std::lock_guard<std::mutex> lock(mu_);
+  prepare_ = p;
+}
+
+void RebalanceMailbox::commit(int64_t epoch) {
+  std::lock_guard<std::mutex> lock(mu_);
+  committed_ = epoch;
+}
+
+void RebalanceMailbox::abort(int64_t epoch) {
+  std::lock_guard<std::mutex> lock(mu_);
+  aborted_ = epoch;
+  if (prepare_ && prepare_->epoch() == epoch) prepare_.reset();
+}
+
+RebalanceMailbox::View RebalanceMailbox::view() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return {prepare_, committed_, aborted_};
+}
+
+bool RebalanceMailbox::rank_ready(int64_t epoch) {
+  std::lock_guard<std::mutex> lock(mu_);
+  if (ready_epoch_ != epoch) {
+    ready_epoch_ = epoch;
+    ready_ranks_ = 0;
+  }
+  return ++ready_ranks_ == local_ranks_;
+}
+
+bool RebalanceMailbox::claim_refusal(int64_t epoch) {
+  std::lock_guard<std::mutex> lock(mu_);
+  if (refused_epoch_ == epoch) return false;
+  refused_epoch_ = epoch;
+  return true;
+}
+
+void RebalanceMailbox::done(int64_t epoch) {
+  std::lock_guard<std::mutex> lock(mu_);
+  if (prepare_ && prepare_->epoch() == epoch) prepare_.reset();
+}
+
+RebalanceSession::RebalanceSession(RebalanceSessionEnv env, ModelStack& stack, RebalanceMailbox& mailbox,
+                                   rpc::RpcClient& agent)
+    : env_(std::move(env)), stack_(stack), mailbox_(mailbox), agent_(agent) {}
+
+void RebalanceSession::vote(float* v) {
+  const RebalanceMailbox::View view = mailbox_.view();
+  std::fill(v, v + kVoteFloats, 0.0f);
+  voted_prepare_.reset();
+  if (!staged_ && view.prepare) {
+    voted_prepare_ = view.prepare;
+    v[0] = 1;
+    v[1] = static_cast<float>(view.prepare->epoch() & 0xfffff);
+  }
+  if (staged_) {
+    v[2] = view.committed == staged_->epoch() ? 1.0f : 0.0f;
+    v[3] = view.aborted == staged_->epoch() ? 1.0f : 0.0f;
+  }
+}
+
+void RebalanceSession::act(const float* sum, int step) {
+  const auto world = static_cast<float>(env_.world);
+  if (!staged_) {
+    if (voted_prepare_ && sum[0] == world &&
+        sum[1] == static_cast<float>(env_.world * (voted_prepare_->epoch() & 0xfffff)))
+      stage(*voted_prepare_, step);
+    return;
+  }
+  if (sum[3] > 0) drop(step);
+  else if (sum[2] == world) switch_staged(step);
+}
+
+void RebalanceSession::stage(const v1::PrepareRebalance& p, int step) {
+  staged_ = p;
+  staged_ready_ = false;
+  stack_.stage(p);
+  log::info("job ", env_.job_id, ": rank ", env_.rank, " staging epoch ", p.epoch(), " from step ", step);
+  const auto gained = std::find_if(p.copies().begin(), p.copies().end(),
+                                   [&](const v1::ExpertCopy& c) { return c.to_rank() == env_.rank; });
+  if (env_.faults.refuse_copy && gained != p.copies().end() && mailbox_.claim_refusal(p.epoch()))
+    tell_agent_ready(false, "rank " + std::to_string(env_.rank) + " refuses the copy of layer " +
+                                std::to_string(gained->layer()) + " expert " + std::to_string(gained->expert()) +
+                                " from rank " + std::to_string(gained->from_rank()) + " (injected fault)");
+}
+
+void RebalanceSession::drop(int step) {
+  log::info("job ", env_.job_id, ": rank ", env_.rank, " drops staged epoch ", staged_->epoch(), " before step ", step);
+  stack_.drop_staged();
+  mailbox_.done(staged_->epoch());
+  staged_.reset();
+}
+
+void RebalanceSession::switch_staged(int step) {
+  const int64_t copied = stack_.staged_bytes_received();
+  const double t0 = now_seconds();
+  stack_.switch_to_staged();
+  log::info("job ", env_.job_id, ": rank ", env_.rank, " switched to epoch ", staged_->epoch(), " before step ", step,
+            " in ", now_seconds() - t0, " s (", copied, " bytes copied in)");
+  if (env_.metrics) env_.metrics->record_rebalance_copy(copied);
+  mailbox_.done(staged_->epoch());
+  staged_.reset();
+}
+
+void RebalanceSession::after_step() {
+  if (!staged_ || staged_ready_ || !stack_.staged_ready()) return;
+  staged_ready_ = true;
+  if (env_.faults.stall_copy) return;  // test hook: this node's copies never complete
+  if (mailbox_.rank_ready(staged_->epoch())) tell_agent_ready(true, "");
+}
+
+void RebalanceSession::tell_agent_ready(bool ok, const std::string& reason) {
+  v1::Envelope msg;
+  v1::RebalanceReady* r = msg.mutable_rebalance_ready();
+  r->set_job_id(env_.job_id);
+  r->set_epoch(staged_->epoch());
+  r->set_node(env_.node_name);
+  r->set_ok(ok);
+  r->set_reason(reason);
+  agent_.call(msg, std::chrono::seconds(10));
+}
+
+}  // namespace moe::node

@@ -1,0 +1,137 @@
+#include "moe/rpc/server.h"
+
+#include <unistd.h>
+
+#include <optional>
+
+#include "frame_io.h"
+
+namespace moe::rpc {
+
+using asio::ip::tcp;
+using detail::read_frame;
+using detail::try_write_frame;
+using Clock = std::chrono::steady_clock;
+
+namespace {
+
+constexpr auto kDefaultRequestDeadline = std::chrono::seconds(30);
+constexpr int64_t kMaxRequestDeadlineMs = 3600 * 1000;
+
+}  // namespace
+
+struct RpcServer::Connection {
+  explicit Connection(tcp::socket s) : socket(std::move(s)) {}
+  tcp::socket socket;
+  std::string peer;
+};
+
+RpcServer::RpcServer(asio::io_context& io, ServerOptions options, Handler handler)
+    : io_(io), opts_(std::move(options)), handler_(std::move(handler)), acceptor_(io) {
+  const tcp::endpoint ep(asio::ip::make_address(opts_.host), static_cast<unsigned short>(opts_.port));
+  acceptor_.open(ep.protocol());
+  acceptor_.set_option(tcp::acceptor::reuse_address(true));
+  acceptor_.bind(ep);
+  acceptor_.listen();
+  port_ = acceptor_.local_endpoint().port();
+  asio::co_spawn(io_, accept_loop(), asio::detached);
+}
+
+RpcServer::~RpcServer() { stop(); }
+
+std::string RpcServer::address() const { return opts_.host + ":" + std::to_string(port_); }
+
+std::string RpcServer::advertised_address() const {
+  if (opts_.host != "0.0.0.0" && opts_.host != "::" && !opts_.host.empty()) return address();
+  char name[256] = {};
+  ::gethostname(name, sizeof name - 1);  // bound to every interface: the host's name reaches it
+  return std::string(name) + ":" + std::to_string(port_);
+}
+
+void RpcServer::stop() {
+  if (stopped_) return;
+  stopped_ = true;
+  boost::system::error_code ec;
+  acceptor_.close(ec);
+  for (const auto& c : connections_) c->socket.close(ec);
+  connections_.clear();
+}
+
+awaitable<void> RpcServer::accept_loop() {
+  while (!stopped_) {
+    boost::system::error_code ec;
+    tcp::socket s = co_await acceptor_.async_accept(asio::redirect_error(use_awaitable, ec));
+    if (ec) {
+      if (stopped_ || ec == asio::error::operation_aborted) co_return;
+      continue;  // e.g. the client reset before we accepted
+    }
+    auto conn = std::make_shared<Connection>(std::move(s));
+    boost::system::error_code pe;
+    const auto remote = conn->socket.remote_endpoint(pe);
+    conn->peer = pe ? "?" : remote.address().to_string() + ":" + std::to_string(remote.port());
+    connections_.insert(conn);
+    asio::co_spawn(io_, serve(conn), asio::detached);
+  }
+}
+
+awaitable<void> RpcServer::serve(std::shared_ptr<Connection> conn) {
+  bool authenticated = false;
+  RequestContext ctx;
+  ctx.peer = conn->peer;
+  for (;;) {
+    v1::Envelope request;
+    std::optional<v1::Envelope> fatal;  // an error reply after which the connection closes
+    try {
+      request = co_await read_frame(conn->socket, opts_.max_frame_bytes);
+    } catch (const RpcError& e) {
+      fatal = make_error(e.code(), e.what());
+    } catch (const std::exception&) {
+      break;  // the peer went away
+    }
+    if (!fatal && !authenticated) {
+      if (!request.has_hello()) {
+        fatal = make_error(v1::ERROR_CODE_UNAUTHENTICATED, "the first frame must be hello", request.request_id());
+      } else if (!opts_.token.empty() && request.hello().token() != opts_.token) {
+        fatal = make_error(v1::ERROR_CODE_UNAUTHENTICATED, "bad cluster token", request.request_id());
+      } else {
+        authenticated = true;
+        ctx.client_role = request.hello().role();
+        ctx.client_name = request.hello().name();
+        v1::Envelope reply;
+        reply.set_request_id(request.request_id());
+        reply.mutable_hello_reply()->set_role(opts_.role);
+        reply.mutable_hello_reply()->set_version("moe.v1");
+        if (!co_await try_write_frame(conn->socket, reply)) break;
+        continue;
+      }
+    }
+    if (fatal) {
+      co_await try_write_frame(conn->socket, *fatal);
+      break;
+    }
+    // A handler stops waiting a little before the caller gives up, so a wait that
+    // runs out ends with a reply, not with silence.
+    // Clamped: an absurd deadline_ms must not overflow the clock arithmetic.
+    const auto allowed = request.deadline_ms() > 0
+                             ? std::chrono::milliseconds(std::min<int64_t>(request.deadline_ms(), kMaxRequestDeadlineMs))
+                             : std::chrono::milliseconds(kDefaultRequestDeadline);
+    ctx.deadline = Clock::now() + allowed - std::min<std::chrono::milliseconds>(allowed / 10, std::chrono::milliseconds(500));
+    v1::Envelope reply;
+    try {
+      reply = co_await handler_(request, ctx);
+    } catch (const RpcError& e) {
+      reply = make_error(e.code(), e.what());
+    } catch (const InvalidArgument& e) {
+      reply = make_error(v1::ERROR_CODE_INVALID_ARGUMENT, e.what());
+    } catch (const std::exception& e) {
+      reply = make_error(v1::ERROR_CODE_INTERNAL, e.what());
+    }
+    reply.set_request_id(request.request_id());
+    if (!co_await try_write_frame(conn->socket, reply)) break;
+  }
+  boost::system::error_code ec;
+  conn->socket.close(ec);
+  connections_.erase(conn);
+}
+
+}  // namespace moe::rpc

@@ -1,0 +1,144 @@
+#!/usr/bin/env python3
+"""The layer rules (docs/architecture.md#layers-and-libraries), checked on the code
+and on the build's link graph, so a rule broken later fails CI.
+
+1. Includes: every source folder may include only the library roots
+   (`#include "moe/<root>/..."`) that its layer allows.
+2. Links: in the build's link graph (CMake's file API, written by the top
+   CMakeLists), no project target reaches a library its layer forbids, directly
+   or through another library.
+
+Usage: layer_rules.py SOURCE_DIR BUILD_DIR. Prints each broken rule; exit 1 if any.
+"""
+import json
+import os
+import re
+import sys
+
+# Include roots a folder's sources may use. The first matching prefix wins, so
+# list deeper folders before their parents. tests/ may include anything.
+ALLOWED_INCLUDES = [
+    ("base/map/", {"base", "map"}),
+    ("base/", {"base"}),
+    ("kernels/", {"base", "kernels", "ref"}),
+    ("proto/", {"base", "map", "v1", "rpc", "spec", "http"}),
+    ("daemon/model/", {"base", "kernels", "model"}),
+    ("daemon/transport/", {"base", "transport"}),
+    ("daemon/io/", {"base", "kernels", "model", "io"}),
+    ("daemon/ep/", {"base", "map", "kernels", "ref", "model", "transport", "ep"}),
+    ("daemon/metrics/", {"base", "http", "metrics"}),
+    ("daemon/", {"base", "map", "kernels", "ref", "model", "transport", "io", "ep", "metrics", "node",
+                 "v1", "rpc", "spec", "http"}),
+    ("agent/placement/", {"base", "map", "placement"}),
+    ("agent/", {"base", "map", "placement", "agent", "v1", "rpc", "spec", "http"}),
+    ("cli/", {"base", "map", "ctl", "v1", "rpc", "spec"}),
+]
+
+# Project libraries each group of targets must never reach in the link graph.
+KERNELS = {"moe_kernels_api", "moe_kernels_cpu", "moe_kernels_cuda", "moe_kernels_ref"}
+DAEMON = {"moe_model", "moe_layer", "moe_io", "moe_transport", "moe_transport_nccl", "moe_transport_factory",
+          "moe_ep", "moe_metrics", "moe_node"}
+TRANSPORT = {"moe_transport", "moe_transport_nccl", "moe_transport_factory"}
+CONTROL = {"moe_proto", "moe_rpc", "moe_rpc_server", "moe_spec", "moe_metrics_http"}
+AGENT = {"moe_agent_lib", "moe_placement"}
+CLI = {"moe_ctl"}
+FORBIDDEN_LINKS = [
+    # (what the rule is, targets it applies to, libraries they must not reach)
+    ("base links nothing of the project above it", {"moe_base", "moe_map"},
+     KERNELS | DAEMON | CONTROL | AGENT | CLI),
+    ("kernels never reach the daemon, the control plane, the agent or the CLI", KERNELS,
+     DAEMON | CONTROL | AGENT | CLI),
+    ("the control-plane libraries never reach kernels, daemon, agent or CLI", CONTROL,
+     KERNELS | DAEMON | AGENT | CLI),
+    ("the agent never links kernels or a transport (nor the daemon or the CLI)",
+     AGENT | {"moe-agent"}, KERNELS | DAEMON | TRANSPORT | CLI),
+    ("the placement solver is pure: no control plane either", {"moe_placement", "moe-placement-sim"},
+     CONTROL),
+    ("the CLI links only the control plane's client side", CLI | {"moectl"},
+     KERNELS | DAEMON | AGENT | {"moe_rpc_server", "moe_metrics_http"}),
+    ("the spec library needs no RPC", {"moe_spec"}, {"moe_rpc", "moe_rpc_server"}),
+    ("the daemon never links the agent or the CLI", DAEMON | {"moed"}, AGENT | CLI),
+    ("transports never reach the layer, the node or the control plane", TRANSPORT,
+     KERNELS | {"moe_layer", "moe_ep", "moe_node", "moe_io", "moe_model"} | CONTROL),
+]
+
+INCLUDE_RE = re.compile(r'^\s*#\s*include\s+"moe/([A-Za-z0-9_]+)/')
+SOURCE_EXT = (".h", ".cc", ".cu", ".cuh", ".cpp", ".hpp")
+
+
+def include_violations(src):
+    bad = []
+    for top in ("base", "kernels", "proto", "daemon", "agent", "cli"):
+        for root, _, files in os.walk(os.path.join(src, top)):
+            for name in files:
+                if not name.endswith(SOURCE_EXT):
+                    continue
+                path = os.path.join(root, name)
+                rel = os.path.relpath(path, src)
+                allowed = next(a for p, a in ALLOWED_INCLUDES if rel.startswith(p))
+                with open(path, encoding="utf-8", errors="replace") as f:
+                    for n, line in enumerate(f, 1):
+                        m = INCLUDE_RE.match(line)
+                        if m and m.group(1) not in allowed:
+                            bad.append(f"{rel}:{n}: includes moe/{m.group(1)}/, which its layer may not use")
+    return bad
+
+
+def link_graph(build):
+    """{target name: set of target names it depends on directly} from the file API."""
+    reply = os.path.join(build, ".cmake", "api", "v1", "reply")
+    if not os.path.isdir(reply):
+        raise SystemExit(f"no CMake file API reply in {reply}: configure the build with this tree's CMakeLists")
+    index = sorted(f for f in os.listdir(reply) if f.startswith("index-"))[-1]
+    with open(os.path.join(reply, index)) as f:
+        idx = json.load(f)
+    codemodel = next(o for o in idx["objects"] if o["kind"] == "codemodel")
+    with open(os.path.join(reply, codemodel["jsonFile"])) as f:
+        cm = json.load(f)
+    by_id, deps = {}, {}
+    for t in cm["configurations"][0]["targets"]:
+        with open(os.path.join(reply, t["jsonFile"])) as f:
+            tj = json.load(f)
+        by_id[tj["id"]] = tj["name"]
+        deps[tj["name"]] = [d["id"] for d in tj.get("dependencies", [])]
+    return {name: {by_id[d] for d in ids if d in by_id} for name, ids in deps.items()}
+
+
+def reach(graph, start):
+    seen, todo = set(), [start]
+    while todo:
+        for d in graph.get(todo.pop(), ()):
+            if d not in seen:
+                seen.add(d)
+                todo.append(d)
+    return seen
+
+
+def link_violations(graph):
+    bad = []
+    for rule, targets, forbidden in FORBIDDEN_LINKS:
+        for t in sorted(targets & graph.keys()):
+            for f in sorted(reach(graph, t) & forbidden):
+                bad.append(f"{t} reaches {f}: {rule}")
+    return bad
+
+
+def main():
+    if len(sys.argv) != 3:
+        raise SystemExit(__doc__)
+    src, build = sys.argv[1], sys.argv[2]
+    graph = link_graph(build)
+    # A rule over targets that no longer exist would guard nothing: the names must stay current.
+    known = set(graph) | {"moe_kernels_cuda", "moe_transport_nccl"}  # built only with CUDA
+    stale = sorted({t for _, ts, fs in FORBIDDEN_LINKS for t in ts | fs} - known)
+    bad = include_violations(src) + link_violations(graph)
+    bad += [f"layer_rules.py names target {t}, which the build does not have" for t in stale]
+    for line in bad:
+        print(line)
+    print(f"{len(graph)} targets, {len(FORBIDDEN_LINKS)} link rules, {len(ALLOWED_INCLUDES)} include rules: "
+          f"{len(bad)} violations")
+    return 1 if bad else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
