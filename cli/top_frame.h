@@ -18,7 +18,8 @@
 #include <string>
 #include <vector>
 
-#include "moe/v1/cluster.pb.h"
+#include "moe/v1/live_load.pb.h"
+#include "moe/v1/placement.pb.h"
 
 namespace moe::ctl {
 

@@ -22,8 +22,7 @@
 #include "moe/base/clock.h"
 #include "moe/kernels/cpu_backend.h"
 #include "moe/transport/bootstrap.h"
-#include "moe/transport/inproc_communicator.h"
-#include "moe/transport/ucx_communicator.h"
+#include "moe/transport/transport_factory.h"
 
 namespace moe::bench {
 namespace {
@@ -99,14 +98,13 @@ EpRankStats run_ep_rank(const EpBenchOptions& o, transport::Communicator& comm) 
   kernels::ThreadPool pool(o.threads);
   auto be = kernels::make_cpu_backend(pool);
   const int rank = comm.rank();
-  ep::MoeLayerConfig cfg;
-  cfg.hidden = o.hidden;
-  cfg.ffn_hidden = o.ffn;
-  cfg.num_experts = o.experts;
-  cfg.top_k = o.top_k;
-  cfg.dtype = o.dtype;
-  cfg.max_tokens = o.tokens;
-  cfg.train = true;
+  const ep::MoeLayerConfig cfg = ep::layer_config({.experts = o.experts,
+                                                    .top_k = o.top_k,
+                                                    .hidden = o.hidden,
+                                                    .ffn_hidden = o.ffn,
+                                                    .dtype = o.dtype,
+                                                    .tokens_per_rank = o.tokens,
+                                                    .train = true});
   const moe::ExpertMap map = moe::ExpertMap::contiguous(o.experts, o.ranks);
   ep::EpOptions eopts;
   eopts.isolate_transport_timing = true;
@@ -187,17 +185,21 @@ Report run_ep_bench(const EpBenchOptions& o, const std::string& self_exe) {
   MOE_CHECK(o.experts % o.ranks == 0, "--experts (", o.experts, ") must be divisible by --ranks (", o.ranks, ")");
   std::vector<EpRankStats> stats(o.ranks);
   if (o.transport == "inproc") {
-    transport::InProcGroup group(o.ranks);
+    // Every rank a thread of this process: the transport factory's in-process case.
+    std::vector<int> all(o.ranks);
+    for (int r = 0; r < o.ranks; ++r) all[r] = r;
+    const auto hub = std::make_shared<transport::LocalHub>(all);
     std::vector<std::string> errors(o.ranks);
     std::vector<std::thread> threads;
     for (int r = 0; r < o.ranks; ++r)
       threads.emplace_back([&, r] {
         try {
-          auto comm = group.communicator(r);
-          stats[r] = run_ep_rank(o, *comm);
+          const transport::RankTransports t =
+              transport::make_rank_transports({.rank = r, .world = o.ranks, .local = hub});
+          stats[r] = run_ep_rank(o, *t.host);
         } catch (const std::exception& e) {
           errors[r] = e.what();
-          group.abort(r, e.what());
+          hub->abort(r, e.what());
         }
       });
     for (auto& t : threads) t.join();

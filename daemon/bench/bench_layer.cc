@@ -5,6 +5,7 @@
 #include "benches.h"
 #include "moe/ep/moe_layer.h"
 #include "moe/io/layer_io.h"
+#include "moe/layer_spec/job_layers.h"
 #include "moe/model/synthetic.h"
 #include "moe/base/check.h"
 #include "moe/base/clock.h"
@@ -65,23 +66,11 @@ Report run_layer_bench(const LayerBenchOptions& o) {
   kernels::ThreadPool pool(o.threads);
   auto be = kernels::make_cpu_backend(pool);
 
-  ep::MoeLayerConfig cfg;
-  cfg.hidden = o.hidden;
-  cfg.ffn_hidden = o.ffn;
-  cfg.num_experts = o.experts;
-  cfg.top_k = o.top_k;
-  cfg.score = o.score;
-  cfg.num_groups = o.num_groups;
-  cfg.group_top_k = o.group_top_k;
-  cfg.capacity_factor = o.capacity_factor;
-  cfg.drop_policy = o.drop_policy;
-  cfg.dtype = o.dtype;
-  cfg.max_tokens = o.tokens;
-  cfg.train = o.train;
-  ep::MoeLayer layer(cfg, *be);
-  const model::LayerShape shape{o.hidden, o.ffn, o.experts};
-  model::LayerWeights w = model::make_layer_weights(o.seed, 0, shape);
-  w.logit_bias = model::skew_logit_bias(o.skew, o.seed, o.experts);
+  // The layer a one-rank job of these flags runs, built as the daemon builds it.
+  const v1::JobSpec job = spec_of(o);
+  ep::MoeLayer layer(layer_spec::layer_config(job), *be);
+  const model::LayerShape shape = layer_spec::layer_shape(job);
+  const model::LayerWeights w = layer_spec::layer_weights(job, 0, std::vector<bool>(o.experts, true));
   layer.set_weights(w);
 
   const int64_t T = o.tokens, H = o.hidden;

@@ -10,7 +10,7 @@
 #include "benches.h"
 #include "moe/base/check.h"
 #include "moe/transport/bootstrap.h"
-#include "moe/transport/ucx_communicator.h"
+#include "moe/transport/transport_factory.h"
 
 int main(int argc, char** argv) {
   using namespace moe;
@@ -95,10 +95,12 @@ int main(int argc, char** argv) {
     bench::Report r;
     eo.dtype = kernels::parse_dtype(ep_dtype);
     if (*ep_rank_cmd) {
+      // One process per rank: the transport factory gives it UCX.
       transport::TcpBootstrap boot("127.0.0.1", ep_port, ep_rank, eo.ranks);
-      transport::UcxCommunicator comm(ep_rank, eo.ranks, boot);
-      std::cout << bench::run_ep_rank(eo, comm).encode() << std::endl;
-      comm.barrier(transport::deadline_in(std::chrono::seconds(60)));
+      const transport::RankTransports t =
+          transport::make_rank_transports({.rank = ep_rank, .world = eo.ranks, .bootstrap = &boot});
+      std::cout << bench::run_ep_rank(eo, *t.host).encode() << std::endl;
+      t.host->barrier(transport::deadline_in(std::chrono::seconds(60)));
       return 0;
     }
     if (*ep) {

@@ -7,7 +7,7 @@
 #include "moe/base/check.h"
 #include "moe/base/file.h"
 #include "moe/io/safetensors.h"
-#include "moe/node/job_model.h"
+#include "moe/layer_spec/job_layers.h"
 #include "moe/spec/checkpoint_manifest.h"
 #include "moe/spec/expert_map_codec.h"
 #include "moe/spec/job_spec.h"
@@ -74,7 +74,7 @@ void write_router_file(const fs::path& folder, ModelStack& stack, const v1::JobS
     add_state(out, p + "gate.weight", {E, H}, st.gate.master.data(), ptr(st.gate.m), ptr(st.gate.v));
     if (!st.selection_bias.empty()) out.add_f32(p + "gate.e_score_correction_bias", {E}, st.selection_bias.data());
     if (!st.shared.weights.empty())
-      add_swiglu(out, p + "shared_experts.", st.shared, H, layer_shape(spec).shared_ffn_hidden);
+      add_swiglu(out, p + "shared_experts.", st.shared, H, layer_spec::layer_shape(spec).shared_ffn_hidden);
     if (!st.shared_gate.master.empty())
       add_state(out, p + "shared_expert_gate.weight", {1, H}, st.shared_gate.master.data(), ptr(st.shared_gate.m),
                 ptr(st.shared_gate.v));
@@ -132,7 +132,7 @@ ep::ExpertState read_swiglu(const io::SafetensorsReader& f, const std::string& p
 }
 
 void load_replicated(const io::SafetensorsReader& f, ModelStack& stack, const v1::JobSpec& spec) {
-  const int64_t H = spec.hidden(), E = spec.experts(), Is = layer_shape(spec).shared_ffn_hidden;
+  const int64_t H = spec.hidden(), E = spec.experts(), Is = layer_spec::layer_shape(spec).shared_ffn_hidden;
   for (int l = 0; l < stack.num_layers(); ++l) {
     const std::string p = layer_name(l);
     ep::EpLayer::ReplicatedState st;

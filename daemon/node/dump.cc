@@ -5,7 +5,7 @@
 #include "moe/base/file.h"
 #include "moe/ep/reference.h"
 #include "moe/io/layer_io.h"
-#include "moe/node/job_model.h"
+#include "moe/layer_spec/job_layers.h"
 #include "moe/spec/job_spec.h"
 
 namespace moe::node {
@@ -15,8 +15,8 @@ void dump_step(const v1::JobSpec& spec, const ModelStack& stack, const model::La
   const LayerSnapshot& s = stack.snapshot(0);
   const moe::ExpertMap& map = stack.map(0);
   io::LayerDump d;
-  d.dtype = job_dtype(spec);
-  d.shape = layer_shape(spec);
+  d.dtype = layer_spec::job_dtype(spec);
+  d.shape = layer_spec::layer_shape(spec);
   d.top_k = spec.top_k();
   d.num_tokens = spec.tokens_per_rank();
   d.x = s.x.data();

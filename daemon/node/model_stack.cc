@@ -1,7 +1,7 @@
 #include "moe/node/model_stack.h"
 
 #include "moe/base/clock.h"
-#include "moe/node/job_model.h"
+#include "moe/layer_spec/job_layers.h"
 #include "moe/spec/expert_map_codec.h"
 
 namespace moe::node {
@@ -12,9 +12,9 @@ namespace {
 
 // The teacher's layers: forward only, no balancing statistics (its spec has none).
 ep::MoeLayerConfig teacher_config(const v1::JobSpec& teacher_spec) {
-  ep::MoeLayerConfig c = layer_config(teacher_spec);
-  c.train = false;
-  return c;
+  ep::LayerSpec s = layer_spec::layer_spec(teacher_spec);
+  s.train = false;
+  return ep::layer_config(s);
 }
 
 }  // namespace
@@ -32,20 +32,20 @@ ModelStack::ModelStack(const v1::JobSpec& spec, const std::vector<moe::ExpertMap
       world_(world),
       T_(spec.tokens_per_rank()),
       H_(spec.hidden()),
-      dt_(job_dtype(spec)) {
+      dt_(layer_spec::job_dtype(spec)) {
   const int L = spec.layers();
   MOE_CHECK(static_cast<int>(maps.size()) == L, "start: ", maps.size(), " placement maps for ", L, " layers");
   const bool train = spec.mode() == v1::JobSpec::train;
-  const ep::MoeLayerConfig cfg = layer_config(spec);
-  const v1::JobSpec teacher_spec = teacher_of(spec);
+  const ep::MoeLayerConfig cfg = layer_spec::layer_config(spec);
+  const v1::JobSpec teacher_spec = layer_spec::teacher_of(spec);
   const ep::MoeLayerConfig teacher_cfg = teacher_config(teacher_spec);
   for (int l = 0; l < L; ++l) {
     const std::vector<bool> needed = maps[l].hosted(rank_);
     layers_.push_back(std::make_unique<ep::EpLayer>(cfg, maps[l], comm, be, layer_options(l)));
-    layers_.back()->set_weights(layer_weights(spec, l, needed));
+    layers_.back()->set_weights(layer_spec::layer_weights(spec, l, needed));
     if (!train) continue;
     teacher_.push_back(std::make_unique<ep::EpLayer>(teacher_cfg, maps[l], comm, be, layer_options(l)));
-    teacher_.back()->set_weights(layer_weights(teacher_spec, l, needed));
+    teacher_.back()->set_weights(layer_spec::layer_weights(teacher_spec, l, needed));
   }
   const size_t bytes = T_ * H_ * kernels::dtype_size(dt_) + 1;
   for (int l = 0; l <= L; ++l) xs_.emplace_back(be, bytes);
@@ -57,7 +57,7 @@ ModelStack::ModelStack(const v1::JobSpec& spec, const std::vector<moe::ExpertMap
   }
   snaps_.resize(L);
   loads_.assign(L, std::vector<float>(spec.experts(), 0.0f));
-  opt_ = optimizer_config(spec);
+  opt_ = layer_spec::optimizer_config(spec);
 }
 
 ep::EpOptions ModelStack::layer_options(int l) const {
@@ -78,13 +78,13 @@ void ModelStack::stage(const v1::PrepareRebalance& p) {
     layers_[l]->stage(spec::from_proto(p.maps(l)), std::move(copies), adam);
   }
   if (teacher_.empty()) return;
-  const v1::JobSpec teacher_spec = teacher_of(spec_);
+  const v1::JobSpec teacher_spec = layer_spec::teacher_of(spec_);
   const ep::MoeLayerConfig teacher_cfg = teacher_config(teacher_spec);
   staged_teacher_.clear();
   for (int l = 0; l < num_layers(); ++l) {
     const moe::ExpertMap next = spec::from_proto(p.maps(l));
     staged_teacher_.push_back(std::make_unique<ep::EpLayer>(teacher_cfg, next, comm_, be_, layer_options(l)));
-    staged_teacher_.back()->set_weights(layer_weights(teacher_spec, l, next.hosted(rank_)));
+    staged_teacher_.back()->set_weights(layer_spec::layer_weights(teacher_spec, l, next.hosted(rank_)));
   }
 }
 
@@ -115,7 +115,7 @@ std::vector<model::LayerWeights> ModelStack::weights_in_use(int step, transport:
   std::vector<model::LayerWeights> all;
   const bool trained = spec_.mode() == v1::JobSpec::train && step > 0;
   for (int l = 0; l < num_layers(); ++l) {
-    const model::LayerWeights spec_w = layer_weights(spec_, l, std::vector<bool>(spec_.experts(), !trained));
+    const model::LayerWeights spec_w = layer_spec::layer_weights(spec_, l, std::vector<bool>(spec_.experts(), !trained));
     if (!trained) {
       all.push_back(ep::weights_as_used(spec_w, dt_));
       all.back().selection_bias = layers_[l]->selection_bias();  // moved by bias updates
@@ -146,7 +146,7 @@ void ModelStack::forward(int step, StepReport& report, bool capture) {
   const int K = spec_.top_k();
   const size_t n = T_ * H_;
   const double t0 = now_seconds();
-  const std::vector<uint8_t> x = model::to_storage(step_inputs(spec_, rank_, step, pool_), dt_);
+  const std::vector<uint8_t> x = model::to_storage(layer_spec::step_inputs(spec_, rank_, step, pool_), dt_);
   be_.copy_to_device(xs_[0].get(), x.data(), n * kernels::dtype_size(dt_));
   report.set_inputs_seconds(now_seconds() - t0);
   for (int l = 0; l < num_layers(); ++l) {

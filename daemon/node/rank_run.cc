@@ -6,7 +6,7 @@
 #include "moe/base/log.h"
 #include "moe/node/checkpoint.h"
 #include "moe/node/dump.h"
-#include "moe/node/job_model.h"
+#include "moe/layer_spec/job_layers.h"
 #include "moe/node/verify.h"
 #include "moe/spec/checkpoint_manifest.h"
 #include "moe/spec/expert_map_codec.h"

@@ -4,7 +4,7 @@
 #include <cmath>
 
 #include "moe/ep/reference.h"
-#include "moe/node/job_model.h"
+#include "moe/layer_spec/job_layers.h"
 
 namespace moe::node {
 namespace {
@@ -59,7 +59,7 @@ ref::Forward check_forward(const LayerCase& c, v1::Verify& lv, bool& ok) {
   opts.global_tokens = static_cast<int64_t>(layer.global_tokens());
   ref::Forward f = ref::forward(c.rc, c.rw, c.x, T, opts);
   ok &= f.kept_idx == s.kept_idx;
-  compare(lv, model::from_storage(s.out.data(), T * c.spec.hidden(), job_dtype(c.spec)), f.out);
+  compare(lv, model::from_storage(s.out.data(), T * c.spec.hidden(), layer_spec::job_dtype(c.spec)), f.out);
   if (c.rc.aux_loss_coeff > 0 || c.rc.z_loss_coeff > 0) {  // this rank's shares of the losses
     const ep::BalanceLosses& got = layer.balance_losses();
     compare(lv, std::vector<double>{got.aux, got.z}, {f.aux_loss, f.z_loss});
@@ -72,7 +72,7 @@ void check_backward(const LayerCase& c, const ref::Forward& f, transport::Commun
                     transport::Deadline deadline, v1::Verify& lv, v1::Verify& gv) {
   const LayerSnapshot& s = c.stack.snapshot(c.layer);
   const size_t n = c.spec.tokens_per_rank() * c.spec.hidden();
-  const DType dt = job_dtype(c.spec);
+  const DType dt = layer_spec::job_dtype(c.spec);
   const ref::Grads g = ref::backward(c.rc, c.rw, c.x, f, to_double(model::from_storage(s.grad_out.data(), n, dt)));
   compare(lv, model::from_storage(s.grad_x.data(), n, dt), g.grad_x);
   std::vector<float> gate(g.grad_gate.begin(), g.grad_gate.end());
@@ -105,13 +105,13 @@ void check_backward(const LayerCase& c, const ref::Forward& f, transport::Commun
 
 v1::Verify verify_step(const v1::JobSpec& spec, const ModelStack& stack, const std::vector<model::LayerWeights>& weights,
                        int rank, transport::Communicator& comm, transport::Deadline deadline) {
-  const DType dt = job_dtype(spec);
+  const DType dt = layer_spec::job_dtype(spec);
   // Weight gradients are fp32 sums; in a bf16 job on the oneDNN engine one operand
   // of each (h or dgu) is rounded to bf16 first (2^-8 of each term): 1/64 of the
   // tensor's scale, as the bf16 outputs.
   const double tol = dt == DType::kF32 ? 1e-4 : 1.0 / 64, grad_tol = dt == DType::kF32 ? 1e-3 : 1.0 / 64;
   const bool train = spec.mode() == v1::JobSpec::train;
-  const ref::Config rc = ep::reference_config(layer_config(spec));
+  const ref::Config rc = ep::reference_config(layer_spec::layer_config(spec));
   v1::Verify out;
   bool ok = true;
   for (int l = 0; l < stack.num_layers(); ++l) {

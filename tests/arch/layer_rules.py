@@ -25,9 +25,10 @@ ALLOWED_INCLUDES = [
     ("daemon/model/", {"base", "kernels", "model"}),
     ("daemon/transport/", {"base", "transport"}),
     ("daemon/io/", {"base", "kernels", "model", "io"}),
-    ("daemon/ep/", {"base", "map", "kernels", "ref", "model", "transport", "ep"}),
+    ("daemon/layer_spec/", {"base", "kernels", "model", "io", "v1", "layer_spec"}),
+    ("daemon/ep/", {"base", "map", "kernels", "ref", "model", "layer_spec", "transport", "ep"}),
     ("daemon/metrics/", {"base", "http", "metrics"}),
-    ("daemon/", {"base", "map", "kernels", "ref", "model", "transport", "io", "ep", "metrics", "node",
+    ("daemon/", {"base", "map", "kernels", "ref", "model", "layer_spec", "transport", "io", "ep", "metrics", "node",
                  "v1", "rpc", "spec", "http"}),
     ("agent/placement/", {"base", "map", "placement"}),
     ("agent/", {"base", "map", "placement", "agent", "v1", "rpc", "spec", "http"}),
@@ -36,8 +37,8 @@ ALLOWED_INCLUDES = [
 
 # Project libraries each group of targets must never reach in the link graph.
 KERNELS = {"moe_kernels_api", "moe_kernels_cpu", "moe_kernels_cuda", "moe_kernels_ref"}
-DAEMON = {"moe_model", "moe_layer", "moe_io", "moe_transport", "moe_transport_nccl", "moe_transport_factory",
-          "moe_ep", "moe_metrics", "moe_node"}
+DAEMON = {"moe_model", "moe_layer_spec", "moe_job_layers", "moe_layer", "moe_io", "moe_transport",
+          "moe_transport_nccl", "moe_transport_factory", "moe_ep", "moe_metrics", "moe_node"}
 TRANSPORT = {"moe_transport", "moe_transport_nccl", "moe_transport_factory"}
 CONTROL = {"moe_proto", "moe_rpc", "moe_rpc_server", "moe_spec", "moe_metrics_http"}
 AGENT = {"moe_agent_lib", "moe_placement"}
@@ -57,6 +58,8 @@ FORBIDDEN_LINKS = [
     ("the CLI links only the control plane's client side", CLI | {"moectl"},
      KERNELS | DAEMON | AGENT | {"moe_rpc_server", "moe_metrics_http"}),
     ("the spec library needs no RPC", {"moe_spec"}, {"moe_rpc", "moe_rpc_server"}),
+    ("the single-rank layer and its spec are proto-free (the device check builds them)",
+     {"moe_layer_spec", "moe_layer", "moe_model"}, CONTROL | TRANSPORT | {"moe_io", "moe_job_layers"}),
     ("the daemon never links the agent or the CLI", DAEMON | {"moed"}, AGENT | CLI),
     ("transports never reach the layer, the node or the control plane", TRANSPORT,
      KERNELS | {"moe_layer", "moe_ep", "moe_node", "moe_io", "moe_model"} | CONTROL),

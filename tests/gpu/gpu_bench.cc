@@ -100,15 +100,14 @@ std::vector<std::string> bench_layer(const BenchShape& s, const model::LayerWeig
   be->copy_to_device(x.get(), x_host.data(), x_host.size());
   be->copy_to_device(grad.get(), x_host.data(), x_host.size());
   for (bool train : {false, true}) {
-    ep::MoeLayerConfig cfg;
-    cfg.hidden = s.hidden;
-    cfg.ffn_hidden = s.ffn_hidden;
-    cfg.num_experts = s.experts;
-    cfg.top_k = s.top_k;
-    cfg.dtype = DType::kBF16;
-    cfg.max_tokens = s.tokens;
-    cfg.train = train;
-    ep::MoeLayer layer(cfg, *be);
+    ep::MoeLayer layer(ep::layer_config({.experts = s.experts,
+                                         .top_k = s.top_k,
+                                         .hidden = s.hidden,
+                                         .ffn_hidden = s.ffn_hidden,
+                                         .dtype = DType::kBF16,
+                                         .tokens_per_rank = s.tokens,
+                                         .train = train}),
+                       *be);
     layer.set_weights(w);
     const double sec = time_synced(s, [&] {
       layer.forward(x.get(), s.tokens, out_buf.get());

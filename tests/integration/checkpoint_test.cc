@@ -11,7 +11,7 @@
 #include <google/protobuf/util/json_util.h>
 
 #include "local_cluster.h"
-#include "moe/v1/cluster.pb.h"
+#include "moe/v1/checkpoint.pb.h"
 
 namespace moe::test {
 namespace {

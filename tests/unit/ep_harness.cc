@@ -68,22 +68,20 @@ int64_t EpCase::token_begin(int rank) const {
 int64_t EpCase::total_tokens() const { return token_begin(ranks); }
 
 ep::MoeLayerConfig EpCase::layer_config() const {
-  ep::MoeLayerConfig cfg;
-  cfg.hidden = hidden;
-  cfg.ffn_hidden = ffn;
-  cfg.num_experts = experts;
-  cfg.top_k = top_k;
-  cfg.score = score;
-  cfg.capacity_factor = capacity_factor;
-  cfg.dtype = dtype;
-  cfg.max_tokens = std::max<int64_t>(1, *std::max_element(tokens.begin(), tokens.end()));
-  cfg.train = true;
-  cfg.aux_loss_coeff = aux;
-  cfg.z_loss_coeff = z;
-  cfg.global_counts = aux > 0 || z > 0;
-  cfg.shared_ffn_hidden = shared;
-  cfg.shared_gate = shared_gate;
-  return cfg;
+  return ep::layer_config({.experts = experts,
+                           .top_k = top_k,
+                           .hidden = hidden,
+                           .ffn_hidden = ffn,
+                           .score = score,
+                           .dtype = dtype,
+                           .capacity_factor = capacity_factor,
+                           .tokens_per_rank = std::max<int64_t>(1, *std::max_element(tokens.begin(), tokens.end())),
+                           .train = true,
+                           .aux_loss_coeff = aux,
+                           .z_loss_coeff = z,
+                           .shared_experts = shared > 0 ? 1 : 0,
+                           .shared_ffn_hidden = shared,
+                           .shared_expert_gate = shared_gate});
 }
 
 moe::ExpertMap EpCase::expert_map() const {

@@ -25,15 +25,8 @@ using namespace std::chrono_literals;
 constexpr int kRanks = 4, kE = 8, kH = 32, kI = 16, kK = 2, kT = 24, kSteps = 12;
 
 ep::MoeLayerConfig config(DType dtype) {
-  ep::MoeLayerConfig c;
-  c.num_experts = kE;
-  c.top_k = kK;
-  c.hidden = kH;
-  c.ffn_hidden = kI;
-  c.dtype = dtype;
-  c.max_tokens = kT;
-  c.train = true;
-  return c;
+  return ep::layer_config(
+      {.experts = kE, .top_k = kK, .hidden = kH, .ffn_hidden = kI, .dtype = dtype, .tokens_per_rank = kT, .train = true});
 }
 
 // A: contiguous, 2 slots per rank. B: 3 slots per rank, experts 0, 1, 4, 6 twice

@@ -15,7 +15,7 @@
 #include "moe/base/check.h"
 #include "moe/io/hf_checkpoint.h"
 #include "moe/io/layer_io.h"
-#include "moe/node/job_model.h"
+#include "moe/layer_spec/job_layers.h"
 
 namespace moe::test {
 namespace {
@@ -327,14 +327,14 @@ TEST_F(HfCheckpoint, JobLayersMapToCheckpointLayers) {
   spec.set_weights_prefix("model.layers.{layer}.mlp.");
   spec.set_weights_first_layer(1);
   const std::vector<bool> all_experts(8, true);
-  for (int l = 0; l < 2; ++l) expect_equal(node::layer_weights(spec, l, all_experts), as_stored(ws[1 + l], StDType::kBF16));
+  for (int l = 0; l < 2; ++l) expect_equal(layer_spec::layer_weights(spec, l, all_experts), as_stored(ws[1 + l], StDType::kBF16));
   spec.set_weights_prefix("model.layers.2.mlp.");
   spec.set_weights_first_layer(0);
-  for (int l = 0; l < 2; ++l) expect_equal(node::layer_weights(spec, l, all_experts), as_stored(ws[2], StDType::kBF16));
+  for (int l = 0; l < 2; ++l) expect_equal(layer_spec::layer_weights(spec, l, all_experts), as_stored(ws[2], StDType::kBF16));
 
   spec.set_weights_prefix("model.layers.{layer}.mlp.");
   spec.set_weights_first_layer(2);
-  const std::string e = error_of([&] { node::layer_weights(spec, 1, all_experts); });
+  const std::string e = error_of([&] { layer_spec::layer_weights(spec, 1, all_experts); });
   EXPECT_ERROR_HAS(e, "weights of layer 1 (checkpoint layer 3): ");
   EXPECT_ERROR_HAS(e, "no expert tensors under the prefix 'model.layers.3.mlp.'");
 }

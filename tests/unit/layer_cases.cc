@@ -47,22 +47,20 @@ std::string close_bounded(const std::string& what, const std::vector<double>& go
 
 // The case's layer config: a train layer with room for T tokens.
 ep::MoeLayerConfig layer_config(const LayerCase& c) {
-  ep::MoeLayerConfig cfg;
-  cfg.hidden = c.H;
-  cfg.ffn_hidden = c.I;
-  cfg.num_experts = c.E;
-  cfg.top_k = c.K;
-  cfg.score = c.score;
-  cfg.num_groups = c.groups;
-  cfg.group_top_k = c.group_top_k;
-  cfg.norm_topk_prob = c.norm;
-  cfg.routed_scaling_factor = c.scaling;
-  cfg.capacity_factor = c.cf;
-  cfg.drop_policy = c.policy;
-  cfg.dtype = c.dtype;
-  cfg.max_tokens = std::max<int64_t>(c.T, 1);
-  cfg.train = true;
-  return cfg;
+  return ep::layer_config({.experts = c.E,
+                           .top_k = c.K,
+                           .hidden = c.H,
+                           .ffn_hidden = c.I,
+                           .score = c.score,
+                           .num_groups = c.groups,
+                           .group_top_k = c.group_top_k,
+                           .norm_topk_prob = c.norm,
+                           .routed_scaling_factor = c.scaling,
+                           .dtype = c.dtype,
+                           .capacity_factor = c.cf,
+                           .drop_policy = c.policy,
+                           .tokens_per_rank = std::max<int64_t>(c.T, 1),
+                           .train = true});
 }
 
 // Seeded weights, bent by the case's special routing.

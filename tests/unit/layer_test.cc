@@ -68,15 +68,10 @@ INSTANTIATE_TEST_SUITE_P(Cases, LayerVsReference, ::testing::ValuesIn(layer_case
 TEST(MoeLayer, RejectsBadUse) {
   kernels::ThreadPool pool(1);
   auto be = kernels::make_cpu_backend(pool);
-  ep::MoeLayerConfig cfg;
-  cfg.hidden = 8;
-  cfg.ffn_hidden = 4;
-  cfg.num_experts = 4;
-  cfg.top_k = 5;
-  cfg.max_tokens = 4;
-  EXPECT_THROW(ep::MoeLayer(cfg, *be), Error);  // top_k > experts
-  cfg.top_k = 2;
-  ep::MoeLayer layer(cfg, *be);
+  ep::LayerSpec spec{.experts = 4, .top_k = 5, .hidden = 8, .ffn_hidden = 4, .tokens_per_rank = 4};
+  EXPECT_THROW(ep::MoeLayer(ep::layer_config(spec), *be), Error);  // top_k > experts
+  spec.top_k = 2;
+  ep::MoeLayer layer(ep::layer_config(spec), *be);
   std::vector<float> x(8 * 8), out(8 * 8);
   EXPECT_THROW(layer.forward(x.data(), 2, out.data()), Error);  // no weights yet
   model::LayerWeights w = model::make_layer_weights(1, 0, {8, 4, 4});

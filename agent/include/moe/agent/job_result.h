@@ -5,7 +5,7 @@
 #include <map>
 #include <vector>
 
-#include "moe/v1/cluster.pb.h"
+#include "moe/v1/job_run.pb.h"
 #include "moe/v1/job.pb.h"
 
 namespace moe::agent {

@@ -8,7 +8,7 @@
 #include "moe/agent/membership.h"
 #include "moe/agent/placement_service.h"
 #include "moe/agent/scheduler.h"
-#include "moe/v1/cluster.pb.h"
+#include "moe/v1/live_load.pb.h"
 
 namespace moe::agent {
 

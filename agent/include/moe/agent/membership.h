@@ -11,7 +11,8 @@
 #include <string>
 #include <vector>
 
-#include "moe/v1/cluster.pb.h"
+#include "moe/v1/agent_state.pb.h"
+#include "moe/v1/membership.pb.h"
 
 namespace moe::agent {
 

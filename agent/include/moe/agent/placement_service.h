@@ -16,7 +16,10 @@
 
 #include "moe/agent/load_window.h"
 #include "moe/placement/placement_map.h"
-#include "moe/v1/cluster.pb.h"
+#include "moe/v1/agent_state.pb.h"
+#include "moe/v1/checkpoint.pb.h"
+#include "moe/v1/placement.pb.h"
+#include "moe/v1/rebalance.pb.h"
 #include "moe/v1/job.pb.h"
 
 namespace moe::agent {

@@ -26,7 +26,9 @@
 #include "moe/agent/job_result.h"
 #include "moe/agent/membership.h"
 #include "moe/agent/placement_service.h"
-#include "moe/v1/cluster.pb.h"
+#include "moe/v1/agent_state.pb.h"
+#include "moe/v1/job_run.pb.h"
+#include "moe/v1/placement.pb.h"
 
 namespace moe::agent {
 

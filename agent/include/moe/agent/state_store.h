@@ -12,7 +12,7 @@
 #include <string>
 
 #include "moe/base/check.h"
-#include "moe/v1/cluster.pb.h"
+#include "moe/v1/agent_state.pb.h"
 
 namespace moe::agent {
 

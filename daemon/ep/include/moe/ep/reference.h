@@ -3,7 +3,7 @@
 // the tests, so the two describe a layer the same way.
 #pragma once
 
-#include "moe/ep/layer_config.h"
+#include "moe/layer_spec/layer_config.h"
 #include "moe/ref/moe_ref.h"
 
 namespace moe::ep {

@@ -8,7 +8,7 @@
 #include <memory>
 #include <vector>
 
-#include "moe/ep/layer_config.h"
+#include "moe/layer_spec/layer_config.h"
 #include "moe/ep/trainable_tensor.h"
 #include "moe/kernels/api.h"
 #include "moe/kernels/buffer.h"

@@ -17,7 +17,8 @@
 #include <string>
 
 #include "moe/node/model_stack.h"
-#include "moe/v1/cluster.pb.h"
+#include "moe/v1/checkpoint.pb.h"
+#include "moe/v1/job_run.pb.h"
 
 namespace moe::node {
 

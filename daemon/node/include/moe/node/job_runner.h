@@ -22,7 +22,8 @@
 #include "moe/node/rebalance_session.h"
 #include "moe/node/report_sender.h"
 #include "moe/transport/local_hub.h"
-#include "moe/v1/cluster.pb.h"
+#include "moe/v1/job_run.pb.h"
+#include "moe/v1/rebalance.pb.h"
 
 namespace moe::node {
 

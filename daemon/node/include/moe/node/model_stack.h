@@ -14,6 +14,7 @@
 #include "moe/kernels/thread_pool.h"
 #include "moe/node/step_report.h"
 #include "moe/v1/job.pb.h"
+#include "moe/v1/rebalance.pb.h"
 
 namespace moe::node {
 

@@ -17,7 +17,7 @@
 #include "moe/metrics/daemon_metrics.h"
 #include "moe/node/model_stack.h"
 #include "moe/rpc/client.h"
-#include "moe/v1/cluster.pb.h"
+#include "moe/v1/rebalance.pb.h"
 
 namespace moe::node {
 

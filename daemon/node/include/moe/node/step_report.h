@@ -6,7 +6,7 @@
 
 #include "moe/ep/ep_layer.h"
 #include "moe/metrics/daemon_metrics.h"
-#include "moe/v1/cluster.pb.h"
+#include "moe/v1/job_run.pb.h"
 
 namespace moe::node {
 

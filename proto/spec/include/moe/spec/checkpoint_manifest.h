@@ -5,7 +5,7 @@
 
 #include <string>
 
-#include "moe/v1/cluster.pb.h"
+#include "moe/v1/checkpoint.pb.h"
 
 namespace moe::spec {
 

@@ -3,7 +3,7 @@
 #pragma once
 
 #include "moe/map/expert_map.h"
-#include "moe/v1/cluster.pb.h"
+#include "moe/v1/placement.pb.h"
 
 namespace moe::spec {
 

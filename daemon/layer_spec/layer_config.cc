@@ -1,4 +1,4 @@
-#include "moe/ep/layer_config.h"
+#include "moe/layer_spec/layer_config.h"
 
 #include <cmath>
 
@@ -17,19 +17,51 @@ void MoeLayerConfig::validate() const {
   kernels::CapacityConfig{max_tokens, num_experts, top_k, capacity_factor, drop_policy}.validate();
 }
 
-MoeLayerConfig MoeLayerConfig::shared_experts() const {
+MoeLayerConfig layer_config(const LayerSpec& s) {
   MoeLayerConfig c;
-  c.hidden = hidden;
-  c.ffn_hidden = shared_ffn_hidden;
-  c.num_experts = 1;
-  c.top_k = 1;
-  c.score = kernels::ScoreFunc::kSigmoid;  // the gate's scale, when shared_gate
-  c.norm_topk_prob = false;
-  c.routed_scaling_factor = 1.0f;
-  c.dtype = dtype;
-  c.max_tokens = max_tokens;
-  c.train = train;
+  c.hidden = s.hidden;
+  c.ffn_hidden = s.ffn_hidden;
+  c.num_experts = s.experts;
+  c.top_k = s.top_k;
+  c.score = s.score;
+  c.num_groups = s.num_groups;
+  c.group_top_k = s.group_top_k;
+  c.norm_topk_prob = s.norm_topk_prob;
+  c.routed_scaling_factor = static_cast<float>(s.routed_scaling_factor);
+  c.capacity_factor = s.capacity_factor;
+  c.drop_policy = s.drop_policy;
+  c.dtype = s.dtype;
+  c.max_tokens = s.tokens_per_rank;
+  c.train = s.train;
+  c.aux_loss_coeff = s.train ? s.aux_loss_coeff : 0.0;
+  c.z_loss_coeff = s.train ? s.z_loss_coeff : 0.0;
+  c.global_counts = c.aux_loss_coeff > 0 || c.z_loss_coeff > 0 || s.bias_update_rate > 0;
+  c.shared_ffn_hidden = s.shared_experts * s.shared_ffn_hidden;
+  c.shared_gate = s.shared_expert_gate;
   return c;
+}
+
+model::LayerShape layer_shape(const LayerSpec& s) {
+  return {.hidden = s.hidden,
+          .ffn_hidden = s.ffn_hidden,
+          .num_experts = s.experts,
+          .shared_ffn_hidden = s.shared_experts * s.shared_ffn_hidden,
+          .shared_gate = s.shared_expert_gate};
+}
+
+// The shared experts as a one-expert, top-1 layer of their total width whose
+// router is the gate: sigmoid, unnormalised.
+MoeLayerConfig MoeLayerConfig::shared_experts() const {
+  return layer_config({.experts = 1,
+                       .top_k = 1,
+                       .hidden = hidden,
+                       .ffn_hidden = shared_ffn_hidden,
+                       .score = kernels::ScoreFunc::kSigmoid,
+                       .norm_topk_prob = false,
+                       .routed_scaling_factor = 1.0,
+                       .dtype = dtype,
+                       .tokens_per_rank = max_tokens,
+                       .train = train});
 }
 
 kernels::RouterConfig MoeLayerConfig::router(int64_t T) const {

@@ -1,9 +1,9 @@
-#include "moe/node/job_model.h"
+#include "moe/layer_spec/job_layers.h"
 
 #include "moe/base/check.h"
 #include "moe/io/layer_io.h"
 
-namespace moe::node {
+namespace moe::layer_spec {
 
 // The spec's enums in the kernels' terms. Each is an exhaustive switch: a value
 // added to the proto fails to compile (-Werror=switch) until it is mapped here.
@@ -46,6 +46,16 @@ kernels::OptimizerKind optimizer_kind(v1::JobSpec::Optimizer o) {
 
 }  // namespace
 
+bool is_train(const v1::JobSpec& s) {
+  switch (s.mode()) {
+    case v1::JobSpec::MODE_UNSPECIFIED:
+    case v1::JobSpec::forward: return false;
+    case v1::JobSpec::train: return true;
+    MOE_PROTO_ENUM_SENTINELS(JobSpec_Mode): break;
+  }
+  detail::fail("mode: unknown value ", static_cast<int>(s.mode()));
+}
+
 kernels::DType job_dtype(const v1::JobSpec& s) {
   switch (s.dtype()) {
     case v1::JobSpec::DTYPE_UNSPECIFIED:
@@ -56,29 +66,30 @@ kernels::DType job_dtype(const v1::JobSpec& s) {
   detail::fail("dtype: unknown value ", static_cast<int>(s.dtype()));
 }
 
-ep::MoeLayerConfig layer_config(const v1::JobSpec& s) {
-  ep::MoeLayerConfig c;
-  c.hidden = s.hidden();
-  c.ffn_hidden = s.ffn_hidden();
-  c.num_experts = s.experts();
-  c.top_k = s.top_k();
-  c.score = score_func(s.score());
-  c.num_groups = s.num_groups();
-  c.group_top_k = s.group_top_k();
-  c.norm_topk_prob = s.norm_topk_prob();
-  c.routed_scaling_factor = static_cast<float>(s.routed_scaling_factor());
-  c.capacity_factor = s.capacity_factor();
-  c.drop_policy = drop_policy(s.drop_policy());
-  c.dtype = job_dtype(s);
-  c.max_tokens = s.tokens_per_rank();
-  c.train = s.mode() == v1::JobSpec::train;
-  c.aux_loss_coeff = c.train ? s.aux_loss_coeff() : 0.0;
-  c.z_loss_coeff = c.train ? s.z_loss_coeff() : 0.0;
-  c.global_counts = c.aux_loss_coeff > 0 || c.z_loss_coeff > 0 || s.bias_update_rate() > 0;
-  c.shared_ffn_hidden = s.shared_experts() * s.shared_ffn_hidden();
-  c.shared_gate = s.shared_expert_gate();
-  return c;
+ep::LayerSpec layer_spec(const v1::JobSpec& s) {
+  return {.experts = s.experts(),
+          .top_k = s.top_k(),
+          .hidden = s.hidden(),
+          .ffn_hidden = s.ffn_hidden(),
+          .score = score_func(s.score()),
+          .num_groups = s.num_groups(),
+          .group_top_k = s.group_top_k(),
+          .norm_topk_prob = s.norm_topk_prob(),
+          .routed_scaling_factor = s.routed_scaling_factor(),
+          .dtype = job_dtype(s),
+          .capacity_factor = s.capacity_factor(),
+          .drop_policy = drop_policy(s.drop_policy()),
+          .tokens_per_rank = s.tokens_per_rank(),
+          .train = is_train(s),
+          .aux_loss_coeff = s.aux_loss_coeff(),
+          .z_loss_coeff = s.z_loss_coeff(),
+          .bias_update_rate = s.bias_update_rate(),
+          .shared_experts = s.shared_experts(),
+          .shared_ffn_hidden = s.shared_ffn_hidden(),
+          .shared_expert_gate = s.shared_expert_gate()};
 }
+
+ep::MoeLayerConfig layer_config(const v1::JobSpec& s) { return ep::layer_config(layer_spec(s)); }
 
 v1::JobSpec teacher_of(const v1::JobSpec& s) {
   v1::JobSpec t = s;
@@ -99,13 +110,7 @@ kernels::OptimizerConfig optimizer_config(const v1::JobSpec& s) {
   return o;
 }
 
-model::LayerShape layer_shape(const v1::JobSpec& s) {
-  return {.hidden = s.hidden(),
-          .ffn_hidden = s.ffn_hidden(),
-          .num_experts = s.experts(),
-          .shared_ffn_hidden = s.shared_experts() * s.shared_ffn_hidden(),
-          .shared_gate = s.shared_expert_gate()};
-}
+model::LayerShape layer_shape(const v1::JobSpec& s) { return ep::layer_shape(layer_spec(s)); }
 
 namespace {
 
@@ -150,4 +155,4 @@ std::vector<float> step_inputs(const v1::JobSpec& s, int rank, int step, kernels
   return x;
 }
 
-}  // namespace moe::node
+}  // namespace moe::layer_spec

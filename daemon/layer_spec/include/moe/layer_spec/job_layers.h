@@ -1,21 +1,26 @@
-// From a JobSpec to the things a rank runs (docs/jobs.md#spec): the layer config,
-// the weights of a layer (synthetic from the
-// seed, or read from a safetensors file), the inputs of a step, the teacher and
-// the optimizer. Specs have their defaults filled (spec::with_defaults).
+// The spec-to-layer library (docs/jobs.md#spec), job half: from a JobSpec to the
+// things a rank runs: the layer spec and config (through layer_config.h, the one
+// place they are built), the weights of a layer (synthetic from the seed, or read
+// from a safetensors file), the inputs of a step, the teacher and the optimizer.
+// The proto's enums map to the kernels' in exhaustive switches (a new value fails
+// to compile until it is mapped). Specs have their defaults filled
+// (spec::with_defaults).
 #pragma once
 
 #include <string>
 #include <vector>
 
-#include "moe/ep/layer_config.h"
+#include "moe/layer_spec/layer_config.h"
 #include "moe/kernels/thread_pool.h"
 #include "moe/model/synthetic.h"
 #include "moe/v1/job.pb.h"
 
-namespace moe::node {
+namespace moe::layer_spec {
 
+ep::LayerSpec layer_spec(const v1::JobSpec& spec);
 ep::MoeLayerConfig layer_config(const v1::JobSpec& spec);
 kernels::DType job_dtype(const v1::JobSpec& spec);
+bool is_train(const v1::JobSpec& spec);
 // E, H, I, and the shared experts' total width shared_experts x shared_ffn_hidden.
 model::LayerShape layer_shape(const v1::JobSpec& spec);
 // The teacher of a train job: the same architecture built from seed + 1.
@@ -35,4 +40,4 @@ model::LayerWeights layer_weights(const v1::JobSpec& spec, int layer, const std:
 // bf16 values for a bf16 job.
 std::vector<float> step_inputs(const v1::JobSpec& spec, int rank, int step, kernels::ThreadPool& pool);
 
-}  // namespace moe::node
+}  // namespace moe::layer_spec
