@@ -11,6 +11,7 @@
 #include "agent_call.h"
 #include "format.h"
 #include "moe/base/file.h"
+#include "moe/spec/expert_map_codec.h"
 #include "moe/spec/job_spec.h"
 
 namespace moe::ctl {
@@ -156,26 +157,26 @@ v1::PlacementImport parse_eplb(const std::string& file) {
     const std::string where = file + ": layer " + std::to_string(l);
     const ListValue& row = phy.values(l).list_value();
     if (row.values_size() % R != 0) usage(where + ": " + std::to_string(row.values_size()) + " slots do not divide over " + std::to_string(R) + " ranks");
-    v1::PlacementMap* m = imp.add_maps();
-    m->set_layer(l);
-    m->set_num_experts(E);
-    m->set_num_ranks(R);
-    m->set_slots_per_rank(row.values_size() / R);
-    std::vector<int> count(E, 0);
+    std::vector<int32_t> phy2log;
     for (int s = 0; s < row.values_size(); ++s) {
       const int e = as_int(row.values(s), where + " phy2log[" + std::to_string(s) + "]");
       if (e < 0 || e >= E) usage(where + ": phy2log[" + std::to_string(s) + "] = " + std::to_string(e) + " is not an expert");
-      m->add_phy2log(e);
-      ++count[e];
+      phy2log.push_back(e);
+    }
+    ExpertMap map;
+    try {
+      map = ExpertMap::make(E, R, row.values_size() / R, std::move(phy2log));
+    } catch (const Error& e) {
+      usage(where + ": " + e.what());
     }
     const ListValue& c = cnt.values(l).list_value();
     for (int e = 0; e < E; ++e) {
       const int given = e < c.values_size() ? as_int(c.values(e), where + " logcnt") : -1;
-      if (given != count[e])
+      if (given != map.logcnt[e])
         usage(where + ": logcnt[" + std::to_string(e) + "] = " + std::to_string(given) + ", phy2log places it " +
-              std::to_string(count[e]) + " time(s)");
-      m->add_logcnt(count[e]);
+              std::to_string(map.logcnt[e]) + " time(s)");
     }
+    *imp.add_maps() = spec::to_proto(map, l);
   }
   return imp;
 }
