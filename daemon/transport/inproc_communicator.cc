@@ -10,6 +10,7 @@
 #include <deque>
 #include <map>
 
+#include "p2p_collectives.h"
 #include "tags.h"
 
 namespace moe::transport {
@@ -45,24 +46,36 @@ struct InProcCommunicator::Impl {
     MOE_CHECK(peer >= 0 && peer < size && peer != rank, what, ": peer ", peer, " out of range or self");
   }
 
-  void post_send(Op& op, int peer, const void* buf, size_t bytes, uint64_t tag) {
+  void start_send(Op& op, int peer, const void* buf, size_t bytes, uint64_t tag) {
     op.peer = peer;
     op.bytes = bytes;
     hub->post_send(rank, peer, tag, buf, bytes, &op.done);
   }
-  void post_recv(Op& op, int peer, void* buf, size_t bytes, uint64_t tag) {
+  void start_recv(Op& op, int peer, void* buf, size_t bytes, uint64_t tag) {
     op.peer = peer;
     op.is_recv = true;
     op.bytes = bytes;
     hub->post_recv(peer, rank, tag, buf, bytes, &op.done);
   }
-  void send(int peer, const void* buf, size_t bytes, uint64_t tag, const char* what) {
+  // The ops of p2p_collectives.h.
+  void post_send(int peer, const void* buf, size_t bytes, uint64_t tag, const char* what) {
     check_peer(peer, what);
-    post_send(ops.emplace_back(), peer, buf, bytes, tag);
+    start_send(ops.emplace_back(), peer, buf, bytes, tag);
   }
-  void recv(int peer, void* buf, size_t bytes, uint64_t tag, const char* what) {
+  void post_recv(int peer, void* buf, size_t bytes, uint64_t tag, const char* what) {
     check_peer(peer, what);
-    post_recv(ops.emplace_back(), peer, buf, bytes, tag);
+    start_recv(ops.emplace_back(), peer, buf, bytes, tag);
+  }
+
+  // A background transfer's op, completed in test(); it holds `keep` (the
+  // buffer's owner) until then.
+  std::pair<uint64_t, Op*> new_background(int peer, const char* what, std::shared_ptr<const void> keep) {
+    check_usable();
+    check_peer(peer, what);
+    const uint64_t id = next_transfer++;
+    Op& op = background[id];
+    op.keep = std::move(keep);
+    return {id, &op};
   }
 
   // The hub forgets our receives, our siblings learn we stopped (blaming
@@ -115,18 +128,6 @@ struct InProcCommunicator::Impl {
       }
     }
   }
-
-  // One 1-byte message each way on every pair: barrier().
-  void token_round(Deadline deadline, const char* what) {
-    const uint64_t round_seq = seq++;
-    uint8_t token = 1;
-    std::vector<uint8_t> got(size);
-    for (int r = 0; r < size; ++r)
-      if (r != rank) recv(r, &got[r], 1, make_tag(TagKind::kBarrier, round_seq, r), what);
-    for (int r = 0; r < size; ++r)
-      if (r != rank) send(r, &token, 1, make_tag(TagKind::kBarrier, round_seq, rank), what);
-    wait_all(deadline, what);
-  }
 };
 
 InProcCommunicator::InProcCommunicator(std::shared_ptr<LocalHub> hub, int rank, int size)
@@ -151,109 +152,45 @@ InProcCommunicator::~InProcCommunicator() {
 }
 
 void InProcCommunicator::all_to_all_v(const std::vector<AllToAllBuffer>& buffers, Deadline deadline) {
-  Impl& m = *impl_;
-  m.check_usable();
-  for (const AllToAllBuffer& b : buffers) {
-    check_segments(b, size_);
-    MOE_CHECK(b.send_segs->bytes[rank_] == b.recv_segs->bytes[rank_], "all_to_all_v: self segment sizes differ (",
-              b.send_segs->bytes[rank_], " vs ", b.recv_segs->bytes[rank_], ")");
-  }
-  // As UcxCommunicator: one sequence number per buffer, receives posted first
-  // (a send that finds its receive is copied straight across), sends in ring order.
-  const uint64_t seq0 = m.seq;
-  m.seq += buffers.size();
-  for (size_t i = 0; i < buffers.size(); ++i) {
-    const AllToAllBuffer& b = buffers[i];
-    auto* out = static_cast<uint8_t*>(b.recv);
-    for (int r = 0; r < size_; ++r)
-      if (r != rank_ && b.recv_segs->bytes[r])
-        m.recv(r, out + b.recv_segs->offset[r], b.recv_segs->bytes[r], make_tag(TagKind::kAllToAll, seq0 + i, r),
-               "all_to_all_v");
-  }
-  for (int step = 1; step < size_; ++step) {
-    const int r = (rank_ + step) % size_;
-    for (size_t i = 0; i < buffers.size(); ++i) {
-      const AllToAllBuffer& b = buffers[i];
-      if (b.send_segs->bytes[r])
-        m.send(r, static_cast<const uint8_t*>(b.send) + b.send_segs->offset[r], b.send_segs->bytes[r],
-               make_tag(TagKind::kAllToAll, seq0 + i, rank_), "all_to_all_v");
-    }
-  }
-  for (const AllToAllBuffer& b : buffers)
-    if (b.send_segs->bytes[rank_])
-      std::memcpy(static_cast<uint8_t*>(b.recv) + b.recv_segs->offset[rank_],
-                  static_cast<const uint8_t*>(b.send) + b.send_segs->offset[rank_], b.send_segs->bytes[rank_]);
-  m.wait_all(deadline, "all_to_all_v");
+  impl_->check_usable();
+  detail::all_to_all_v(*impl_, rank_, size_, buffers, deadline);
 }
 
-// Reduce to rank 0 in rank order, then rank 0 sends the sum to everyone: every
-// rank ends with the same bits, summed 0 + 1 + ... + (R-1), as over UCX.
 void InProcCommunicator::all_reduce_sum(float* data, size_t count, Deadline deadline) {
-  Impl& m = *impl_;
-  m.check_usable();
-  const uint64_t seq = m.seq++;
-  const size_t bytes = count * sizeof(float);
-  if (size_ == 1 || count == 0) return;
-  if (rank_ == 0) {
-    std::vector<float>& parts = m.reduce_parts;
-    parts.resize((size_ - 1) * count);
-    for (int r = 1; r < size_; ++r)
-      m.recv(r, parts.data() + (r - 1) * count, bytes, make_tag(TagKind::kReduce, seq, r), "all_reduce");
-    m.wait_all(deadline, "all_reduce");
-    for (int r = 1; r < size_; ++r) {
-      const float* p = parts.data() + (r - 1) * count;
-      for (size_t i = 0; i < count; ++i) data[i] += p[i];
-    }
-    for (int r = 1; r < size_; ++r) m.send(r, data, bytes, make_tag(TagKind::kBroadcast, seq, 0), "all_reduce");
-    m.wait_all(deadline, "all_reduce");
-  } else {
-    m.send(0, data, bytes, make_tag(TagKind::kReduce, seq, rank_), "all_reduce");
-    m.wait_all(deadline, "all_reduce");
-    m.recv(0, data, bytes, make_tag(TagKind::kBroadcast, seq, 0), "all_reduce");
-    m.wait_all(deadline, "all_reduce");
-  }
+  impl_->check_usable();
+  detail::all_reduce_sum(*impl_, rank_, size_, data, count, deadline, impl_->reduce_parts);
 }
 
 void InProcCommunicator::barrier(Deadline deadline) {
   impl_->check_usable();
-  impl_->token_round(deadline, "barrier");
+  detail::token_round(*impl_, rank_, size_, TagKind::kBarrier, deadline, "barrier");
 }
 
 void InProcCommunicator::send(int peer, const void* data, size_t bytes, uint32_t tag, Deadline deadline) {
   Impl& m = *impl_;
   m.check_usable();
-  m.send(peer, data, bytes, make_tag(TagKind::kP2P, tag, rank_), "send");
+  m.post_send(peer, data, bytes, make_tag(TagKind::kP2P, tag, rank_), "send");
   m.wait_all(deadline, "send");
 }
 
 void InProcCommunicator::recv(int peer, void* data, size_t bytes, uint32_t tag, Deadline deadline) {
   Impl& m = *impl_;
   m.check_usable();
-  m.recv(peer, data, bytes, make_tag(TagKind::kP2P, tag, peer), "recv");
+  m.post_recv(peer, data, bytes, make_tag(TagKind::kP2P, tag, peer), "recv");
   m.wait_all(deadline, "recv");
 }
 
 Communicator::TransferId InProcCommunicator::isend(int peer, const void* data, size_t bytes, uint32_t tag,
                                                    std::shared_ptr<const void> keep) {
-  Impl& m = *impl_;
-  m.check_usable();
-  m.check_peer(peer, "isend");
-  const uint64_t id = m.next_transfer++;
-  Impl::Op& op = m.background[id];
-  op.keep = std::move(keep);
-  m.post_send(op, peer, data, bytes, make_tag(TagKind::kBackground, tag, rank_));
+  const auto [id, op] = impl_->new_background(peer, "isend", std::move(keep));
+  impl_->start_send(*op, peer, data, bytes, make_tag(TagKind::kBackground, tag, rank_));
   return id;
 }
 
 Communicator::TransferId InProcCommunicator::irecv(int peer, void* data, size_t bytes, uint32_t tag,
                                                    std::shared_ptr<const void> keep) {
-  Impl& m = *impl_;
-  m.check_usable();
-  m.check_peer(peer, "irecv");
-  const uint64_t id = m.next_transfer++;
-  Impl::Op& op = m.background[id];
-  op.keep = std::move(keep);
-  m.post_recv(op, peer, data, bytes, make_tag(TagKind::kBackground, tag, peer));
+  const auto [id, op] = impl_->new_background(peer, "irecv", std::move(keep));
+  impl_->start_recv(*op, peer, data, bytes, make_tag(TagKind::kBackground, tag, peer));
   return id;
 }
 

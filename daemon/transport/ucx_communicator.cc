@@ -11,6 +11,7 @@
 #include <map>
 #include <optional>
 
+#include "p2p_collectives.h"
 #include "tags.h"
 
 namespace moe::transport {
@@ -431,19 +432,6 @@ struct UcxCommunicator::Impl {
       }
     }
   }
-
-  // One 1-byte message each way on every pair, under the next collective sequence
-  // number: the wire-up round and barrier().
-  void token_round(Kind kind, Deadline deadline, const char* what) {
-    const uint64_t round_seq = seq++;
-    uint8_t token = 1;
-    std::vector<uint8_t> got(size);
-    for (int r = 0; r < size; ++r)
-      if (r != rank) post_recv(r, &got[r], 1, make_tag(kind, round_seq, r), what);
-    for (int r = 0; r < size; ++r)
-      if (r != rank) post_send(r, &token, 1, make_tag(kind, round_seq, rank), what);
-    wait_all(deadline, what);
-  }
 };
 
 UcxCommunicator::UcxCommunicator(int rank, int size, Bootstrap& bootstrap, const UcxOptions& options)
@@ -515,79 +503,25 @@ UcxCommunicator::UcxCommunicator(int rank, int size, Bootstrap& bootstrap, const
   }
   // Wire-up: one message each way on every pair, so every connection exists and a
   // peer that dies later is noticed by everyone.
-  m.token_round(Kind::kWireup, Clock::now() + options.connect_timeout, "connect");
+  detail::token_round(m, rank, size, Kind::kWireup, Clock::now() + options.connect_timeout, "connect");
 }
 
 UcxCommunicator::~UcxCommunicator() = default;  // Impl::~Impl tears down
 
 void UcxCommunicator::all_to_all_v(const std::vector<AllToAllBuffer>& buffers, Deadline deadline) {
-  Impl& m = *impl_;
-  m.check_usable();
-  for (const AllToAllBuffer& b : buffers) {
-    check_segments(b, size_);
-    MOE_CHECK(b.send_segs->bytes[rank_] == b.recv_segs->bytes[rank_], "all_to_all_v: self segment sizes differ (",
-              b.send_segs->bytes[rank_], " vs ", b.recv_segs->bytes[rank_], ")");
-  }
-  // One sequence number per buffer: every message of the call has its own tag.
-  const uint64_t seq0 = m.seq;
-  m.seq += buffers.size();
-  for (size_t i = 0; i < buffers.size(); ++i) {
-    const AllToAllBuffer& b = buffers[i];
-    auto* out = static_cast<uint8_t*>(b.recv);
-    for (int r = 0; r < size_; ++r)
-      if (r != rank_ && b.recv_segs->bytes[r])
-        m.post_recv(r, out + b.recv_segs->offset[r], b.recv_segs->bytes[r], make_tag(Kind::kAllToAll, seq0 + i, r),
-                    "all_to_all_v");
-  }
-  // Send in ring order from our right neighbour, so ranks do not all hit rank 0 first.
-  for (int step = 1; step < size_; ++step) {
-    const int r = (rank_ + step) % size_;
-    for (size_t i = 0; i < buffers.size(); ++i) {
-      const AllToAllBuffer& b = buffers[i];
-      if (b.send_segs->bytes[r])
-        m.post_send(r, static_cast<const uint8_t*>(b.send) + b.send_segs->offset[r], b.send_segs->bytes[r],
-                    make_tag(Kind::kAllToAll, seq0 + i, rank_), "all_to_all_v");
-    }
-  }
-  for (const AllToAllBuffer& b : buffers)
-    if (b.send_segs->bytes[rank_])
-      std::memcpy(static_cast<uint8_t*>(b.recv) + b.recv_segs->offset[rank_],
-                  static_cast<const uint8_t*>(b.send) + b.send_segs->offset[rank_], b.send_segs->bytes[rank_]);
-  m.wait_all(deadline, "all_to_all_v");
+  impl_->check_usable();
+  detail::all_to_all_v(*impl_, rank_, size_, buffers, deadline);
 }
 
 void UcxCommunicator::all_reduce_sum(float* data, size_t count, Deadline deadline) {
-  Impl& m = *impl_;
-  m.check_usable();
-  const uint64_t seq = m.seq++;
-  const size_t bytes = count * sizeof(float);
-  if (size_ == 1 || count == 0) return;
-  // Reduce to rank 0 in rank order, then rank 0 sends the sum to everyone: every
-  // rank ends with the same bits, summed 0 + 1 + ... + (R-1).
-  if (rank_ == 0) {
-    std::vector<float>& parts = m.reduce_parts;
-    parts.resize((size_ - 1) * count);
-    for (int r = 1; r < size_; ++r)
-      m.post_recv(r, parts.data() + (r - 1) * count, bytes, make_tag(Kind::kReduce, seq, r), "all_reduce");
-    m.wait_all(deadline, "all_reduce");
-    for (int r = 1; r < size_; ++r) {
-      const float* p = parts.data() + (r - 1) * count;
-      for (size_t i = 0; i < count; ++i) data[i] += p[i];
-    }
-    for (int r = 1; r < size_; ++r) m.post_send(r, data, bytes, make_tag(Kind::kBroadcast, seq, 0), "all_reduce");
-    m.wait_all(deadline, "all_reduce");
-  } else {
-    m.post_send(0, data, bytes, make_tag(Kind::kReduce, seq, rank_), "all_reduce");
-    m.wait_all(deadline, "all_reduce");
-    m.post_recv(0, data, bytes, make_tag(Kind::kBroadcast, seq, 0), "all_reduce");
-    m.wait_all(deadline, "all_reduce");
-  }
+  impl_->check_usable();
+  detail::all_reduce_sum(*impl_, rank_, size_, data, count, deadline, impl_->reduce_parts);
 }
 
 void UcxCommunicator::barrier(Deadline deadline) {
   Impl& m = *impl_;
   m.check_usable();
-  m.token_round(Kind::kBarrier, deadline, "barrier");
+  detail::token_round(m, rank_, size_, Kind::kBarrier, deadline, "barrier");
 }
 
 void UcxCommunicator::send(int peer, const void* data, size_t bytes, uint32_t tag, Deadline deadline) {
