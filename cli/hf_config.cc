@@ -120,8 +120,11 @@ void deepseek_groups(const Config& c, bool v3, HfModel& m) {
 HfModel deepseek(const Config& c, bool v3) {
   HfModel m = common(c, "n_routed_experts", "moe_intermediate_size", kMlpPrefix);
   const std::string score = c.text("scoring_func", v3 ? "sigmoid" : "softmax");
-  if (score != "softmax" && score != "sigmoid") c.bad("scoring_func", "must be softmax or sigmoid, got '" + score + "'");
-  m.spec.set_score(score == "sigmoid" ? v1::JobSpec::sigmoid : v1::JobSpec::softmax);
+  // Hugging Face spells the score functions as the spec's enum values do.
+  v1::JobSpec::Score parsed{};
+  if (!v1::JobSpec::Score_Parse(score, &parsed) || parsed == v1::JobSpec::SCORE_UNSPECIFIED)
+    c.bad("scoring_func", "must be softmax or sigmoid, got '" + score + "'");
+  m.spec.set_score(parsed);
   deepseek_groups(c, v3, m);
   const bool norm = c.boolean("norm_topk_prob", v3);
   m.spec.set_norm_topk_prob(norm);

@@ -258,11 +258,9 @@ rpc::awaitable<v1::Envelope> Daemon::handle(const v1::Envelope& req, const rpc::
     const std::string& job = req.has_prepare_rebalance() ? req.prepare_rebalance().job_id()
                              : req.has_commit_rebalance() ? req.commit_rebalance().job_id()
                                                           : req.abort_rebalance().job_id();
-    if (!runner_ || runner_->job_id() != job)
+    if (!runner_ || runner_->job_id() != job || (req.has_prepare_rebalance() && runner_->finished()))
       throw RpcError(v1::ERROR_CODE_FAILED_PRECONDITION, "job " + job + " is not running on " + opts_.name);
-    if (req.has_prepare_rebalance()) runner_->prepare(req.prepare_rebalance());
-    if (req.has_commit_rebalance()) runner_->commit(req.commit_rebalance());
-    if (req.has_abort_rebalance()) runner_->abort(req.abort_rebalance());
+    runner_->rebalance_mailbox().deliver(req);
     reply.mutable_ack();
   } else if (req.has_cancel_job()) {
     std::lock_guard<std::mutex> lock(mu_);

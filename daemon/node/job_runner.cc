@@ -7,7 +7,7 @@
 namespace moe::node {
 
 JobRunner::JobRunner(v1::StartJob job, RunnerEnv env)
-    : job_(std::move(job)), env_(std::move(env)), mailbox_(env_.devices) {
+    : job_(std::move(job)), env_(std::move(env)), mailbox_(job_.job_id(), env_.devices) {
   reports_ = std::make_unique<ReportSender>(
       rpc::ClientOptions::make(env_.agent_address, env_.token, "moed", env_.node_name + "/reports"), *env_.link,
       job_.job_id(), env_.devices);
@@ -43,25 +43,6 @@ void JobRunner::cancel(const std::string& reason) {
   if (cancel_.exchange(true)) return;
   cancel_reason_ = reason;
   log::info("job ", job_.job_id(), ": cancel requested (", reason, ")");
-}
-
-void JobRunner::prepare(const v1::PrepareRebalance& p) {
-  if (p.job_id() != job_id() || finished())
-    throw rpc::RpcError(v1::ERROR_CODE_FAILED_PRECONDITION, "job " + p.job_id() + " is not running here");
-  log::info("job ", job_id(), ": PREPARE epoch ", p.epoch(), " (", p.copies_size(), " copies)");
-  mailbox_.prepare(p);
-}
-
-void JobRunner::commit(const v1::CommitRebalance& c) {
-  if (c.job_id() != job_id()) return;
-  log::info("job ", job_id(), ": COMMIT epoch ", c.epoch());
-  mailbox_.commit(c.epoch());
-}
-
-void JobRunner::abort(const v1::AbortRebalance& a) {
-  if (a.job_id() != job_id()) return;
-  log::info("job ", job_id(), ": ABORT epoch ", a.epoch(), " (", a.reason(), ")");
-  mailbox_.abort(a.epoch());
 }
 
 std::string JobRunner::cancel_reason() const {

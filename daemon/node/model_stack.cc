@@ -2,7 +2,6 @@
 
 #include "moe/base/clock.h"
 #include "moe/layer_spec/job_layers.h"
-#include "moe/spec/expert_map_codec.h"
 
 namespace moe::node {
 
@@ -68,23 +67,18 @@ std::vector<uint8_t> ModelStack::host_bytes(const kernels::Buffer& b) const {
   return kernels::to_host<uint8_t>(be_, b.get(), T_ * H_ * kernels::dtype_size(dt_));
 }
 
-void ModelStack::stage(const v1::PrepareRebalance& p) {
-  MOE_CHECK(p.maps_size() == num_layers(), "rebalance: ", p.maps_size(), " maps for ", num_layers(), " layers");
+void ModelStack::stage(const std::vector<ExpertMap>& next, const std::vector<std::vector<ExpertCopy>>& copies) {
+  MOE_CHECK(static_cast<int>(next.size()) == num_layers() && static_cast<int>(copies.size()) == num_layers(),
+            "rebalance: ", next.size(), " maps for ", num_layers(), " layers");
   const bool adam = spec_.mode() == v1::JobSpec::train && spec_.optimizer() != v1::JobSpec::sgd;
-  for (int l = 0; l < num_layers(); ++l) {
-    std::vector<ExpertCopy> copies;
-    for (const v1::ExpertCopy& c : p.copies())
-      if (c.layer() == l) copies.push_back({c.expert(), c.from_rank(), c.to_rank(), c.to_slot()});
-    layers_[l]->stage(spec::from_proto(p.maps(l)), std::move(copies), adam);
-  }
+  for (int l = 0; l < num_layers(); ++l) layers_[l]->stage(next[l], copies[l], adam);
   if (teacher_.empty()) return;
   const v1::JobSpec teacher_spec = layer_spec::teacher_of(spec_);
   const ep::MoeLayerConfig teacher_cfg = teacher_config(teacher_spec);
   staged_teacher_.clear();
   for (int l = 0; l < num_layers(); ++l) {
-    const moe::ExpertMap next = spec::from_proto(p.maps(l));
-    staged_teacher_.push_back(std::make_unique<ep::EpLayer>(teacher_cfg, next, comm_, be_, layer_options(l)));
-    staged_teacher_.back()->set_weights(layer_spec::layer_weights(teacher_spec, l, next.hosted(rank_)));
+    staged_teacher_.push_back(std::make_unique<ep::EpLayer>(teacher_cfg, next[l], comm_, be_, layer_options(l)));
+    staged_teacher_.back()->set_weights(layer_spec::layer_weights(teacher_spec, l, next[l].hosted(rank_)));
   }
 }
 

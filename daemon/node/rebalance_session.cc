@@ -6,6 +6,7 @@
 #include "moe/base/check.h"
 #include "moe/base/clock.h"
 #include "moe/base/log.h"
+#include "moe/spec/expert_map_codec.h"
 
 namespace moe::node {
 
@@ -23,6 +24,25 @@ FaultInjection FaultInjection::parse(const std::string& spec, const std::string&
     else MOE_CHECK(false, "MOE_FAULT_INJECT: unknown fault '", fault, "' (refuse-copy, stall-copy)");
   }
   return f;
+}
+
+void RebalanceMailbox::deliver(const v1::Envelope& m) {
+  const std::string& job = m.has_prepare_rebalance() ? m.prepare_rebalance().job_id()
+                           : m.has_commit_rebalance() ? m.commit_rebalance().job_id()
+                                                      : m.abort_rebalance().job_id();
+  if (job != job_id_)
+    throw rpc::RpcError(v1::ERROR_CODE_FAILED_PRECONDITION, "job " + job + " is not running here (" + job_id_ + " is)");
+  if (m.has_prepare_rebalance()) {
+    const v1::PrepareRebalance& p = m.prepare_rebalance();
+    log::info("job ", job_id_, ": PREPARE epoch ", p.epoch(), " (", p.copies_size(), " copies)");
+    prepare(p);
+  } else if (m.has_commit_rebalance()) {
+    log::info("job ", job_id_, ": COMMIT epoch ", m.commit_rebalance().epoch());
+    commit(m.commit_rebalance().epoch());
+  } else if (m.has_abort_rebalance()) {
+    log::info("job ", job_id_, ": ABORT epoch ", m.abort_rebalance().epoch(), " (", m.abort_rebalance().reason(), ")");
+    abort(m.abort_rebalance().epoch());
+  }
 }
 
 void RebalanceMailbox::prepare(const v1::PrepareRebalance& p) {
@@ -99,9 +119,18 @@ void RebalanceSession::act(const float* sum, int step) {
 }
 
 void RebalanceSession::stage(const v1::PrepareRebalance& p, int step) {
+  MOE_CHECK(p.maps_size() == stack_.num_layers(), "rebalance: ", p.maps_size(), " maps for ", stack_.num_layers(),
+            " layers");
+  std::vector<ExpertMap> maps;
+  std::vector<std::vector<ExpertCopy>> copies(stack_.num_layers());
+  for (const v1::PlacementMap& m : p.maps()) maps.push_back(spec::from_proto(m));
+  for (const v1::ExpertCopy& c : p.copies()) {
+    MOE_CHECK(c.layer() >= 0 && c.layer() < stack_.num_layers(), "rebalance: a copy of layer ", c.layer());
+    copies[c.layer()].push_back({c.expert(), c.from_rank(), c.to_rank(), c.to_slot()});
+  }
   staged_ = p;
   staged_ready_ = false;
-  stack_.stage(p);
+  stack_.stage(maps, copies);
   log::info("job ", env_.job_id, ": rank ", env_.rank, " staging epoch ", p.epoch(), " from step ", step);
   const auto gained = std::find_if(p.copies().begin(), p.copies().end(),
                                    [&](const v1::ExpertCopy& c) { return c.to_rank() == env_.rank; });

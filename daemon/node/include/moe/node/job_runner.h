@@ -23,7 +23,6 @@
 #include "moe/node/report_sender.h"
 #include "moe/transport/local_hub.h"
 #include "moe/v1/job_run.pb.h"
-#include "moe/v1/rebalance.pb.h"
 
 namespace moe::node {
 
@@ -61,10 +60,8 @@ class JobRunner {
   void stop_for_agent(const std::string& reason);
   // The agent recorded the job's end (until then a re-registration names it).
   bool settled() const { return reports_->settled(); }
-  // The rebalance protocol (docs/placement.md#live-rebalance); throws rpc::RpcError for another job.
-  void prepare(const v1::PrepareRebalance& p);
-  void commit(const v1::CommitRebalance& c);
-  void abort(const v1::AbortRebalance& a);
+  // Where the agent's PREPARE / COMMIT / ABORT go (docs/placement.md#live-rebalance).
+  RebalanceMailbox& rebalance_mailbox() { return mailbox_; }
 
  private:
   void rank_main(int local);

@@ -14,7 +14,6 @@
 #include "moe/kernels/thread_pool.h"
 #include "moe/node/step_report.h"
 #include "moe/v1/job.pb.h"
-#include "moe/v1/rebalance.pb.h"
 
 namespace moe::node {
 
@@ -53,7 +52,8 @@ class ModelStack {
   // teacher's layers on them from the RNG: teacher weights are never copied);
   // staged_ready() progresses the copies; switch_to_staged() moves every layer
   // onto its new map; drop_staged() abandons the rebalance.
-  void stage(const v1::PrepareRebalance& p);
+  // next: one map per layer; copies: per layer, in the same order on every rank.
+  void stage(const std::vector<ExpertMap>& next, const std::vector<std::vector<ExpertCopy>>& copies);
   bool staged_ready();
   void switch_to_staged();
   void drop_staged();

@@ -18,6 +18,7 @@
 #include "moe/node/model_stack.h"
 #include "moe/rpc/client.h"
 #include "moe/v1/rebalance.pb.h"
+#include "moe/v1/rpc.pb.h"
 
 namespace moe::node {
 
@@ -35,12 +36,11 @@ struct FaultInjection {
 // boundaries.
 class RebalanceMailbox {
  public:
-  explicit RebalanceMailbox(int local_ranks) : local_ranks_(local_ranks) {}
+  RebalanceMailbox(std::string job_id, int local_ranks) : job_id_(std::move(job_id)), local_ranks_(local_ranks) {}
 
-  // Control thread.
-  void prepare(const v1::PrepareRebalance& p);
-  void commit(int64_t epoch);
-  void abort(int64_t epoch);
+  // Control thread: the agent's PREPARE, COMMIT or ABORT (the one the envelope
+  // holds), logged. Throws rpc::RpcError(FAILED_PRECONDITION) naming another job.
+  void deliver(const v1::Envelope& message);
 
   // Ranks, at step boundaries.
   struct View {
@@ -57,7 +57,12 @@ class RebalanceMailbox {
   void done(int64_t epoch);
 
  private:
+  void prepare(const v1::PrepareRebalance& p);
+  void commit(int64_t epoch);
+  void abort(int64_t epoch);
+
   mutable std::mutex mu_;
+  const std::string job_id_;
   const int local_ranks_;
   std::optional<v1::PrepareRebalance> prepare_;
   int64_t committed_ = 0, aborted_ = 0;
@@ -98,7 +103,7 @@ class RebalanceSession {
   void after_step();
 
  private:
-  void stage(const v1::PrepareRebalance& p, int step);
+  void stage(const v1::PrepareRebalance& p, int step);  // every layer's map and copies from p
   void drop(int step);
   void switch_staged(int step);
   void tell_agent_ready(bool ok, const std::string& reason);
