@@ -22,7 +22,7 @@ std::string read_file(const std::string& path) {
   return text.str();
 }
 
-// The flags' values; defaults are the reference setting (issue 3).
+// The flags' values; defaults are the reference setting (agent/placement/README.md).
 struct SimFlags {
   moe::placement::SimConfig config;
   std::string loads_path, prev_loads_path, output = "table";

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Live-rebalance benchmark (issue 10 targets): a local cluster, a zipf-skewed
+# Live-rebalance benchmark (docs/placement.md#live-rebalance): a local cluster, a zipf-skewed
 # train job, `moectl placement rebalance` mid-job; prints per epoch the measured
 # balancedness (pairs), tokens/s from the median step, the slowest rank's expert
 # time, and the switch's stall (the new epoch's first step minus its median).

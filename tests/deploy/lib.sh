@@ -74,7 +74,7 @@ cleanup_tmp() {
   [ -n "${TMP:-}" ] && rm -rf "$TMP"
 }
 
-# Flags the deployment files pass that the C++ side has announced (issue 12) but the binaries do
+# Flags the deployment files pass that the C++ side has announced but the binaries do
 # not accept yet, as BINARY:--flag. The tests that run or check command lines leave them out and
 # say so (a NOTE line); once a binary's --help lists one, those tests fail until it is taken off
 # this list, so the exception cannot outlive its reason.

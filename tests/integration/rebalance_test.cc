@@ -1,4 +1,4 @@
-// Live placement as a user drives it (docs/placement.md#live-rebalance, issue 10):
+// Live placement as a user drives it (docs/placement.md#live-rebalance):
 // real processes, a skewed job, `moectl placement rebalance` while it runs; the
 // faults a rebalance must survive; and the placement commands with no job, twice
 // in a job, dry runs, export/import and the loads file.

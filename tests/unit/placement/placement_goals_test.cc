@@ -1,4 +1,4 @@
-// The goals of issue 3, measured as moe-placement-sim measures them: moed's
+// The solver's goals (agent/placement/README.md), measured as moe-placement-sim measures them: moed's
 // solver gets the loads of window 0 and a routing sample of 4,096 tokens from
 // window 1; balancedness and fan-out are measured on window 0.
 #include <gtest/gtest.h>

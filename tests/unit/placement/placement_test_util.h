@@ -20,7 +20,7 @@ inline ExpertMap map_of(int num_experts, int num_ranks, std::vector<int32_t> phy
   return ExpertMap::make(num_experts, num_ranks, S, std::move(phy2log), 0, replica_order);
 }
 
-// The pinned reference setting of issue 3: 256 experts, top-8, 65,536 tokens,
+// The pinned reference setting (agent/placement/README.md): 256 experts, top-8, 65,536 tokens,
 // seed 0, alpha 1.2, 32 ranks on 4 nodes, 8 groups, 32 redundant slots.
 inline PlacementSpec reference_spec(int group_top_k) {
   return PlacementSpec{256, 32, 4, 32, 8, 8, group_top_k};

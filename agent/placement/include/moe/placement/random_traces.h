@@ -1,5 +1,5 @@
 // The random-trace comparison of moed's solver with EPLB's global policy
-// (issue 3: "on 100 random traces, never below EPLB global"), shared by the
+// (the solver's goal: "on 100 random traces, never below EPLB global"), shared by the
 // test and `moe-placement-sim --random-traces N`.
 #pragma once
 
