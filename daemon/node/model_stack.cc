@@ -1,5 +1,8 @@
 #include "moe/node/model_stack.h"
 
+#include <algorithm>
+#include <cmath>
+
 #include "moe/base/clock.h"
 #include "moe/layer_spec/job_layers.h"
 
@@ -192,6 +195,15 @@ void ModelStack::backward(StepReport& report, bool capture) {
   }
   be_.synchronize();
   report.set_backward_seconds(now_seconds() - t0);
+}
+
+int ModelStack::first_nonfinite_router_gradient() const {
+  const size_t n = static_cast<size_t>(spec_.experts()) * H_;
+  for (int l = 0; l < num_layers(); ++l) {
+    const std::vector<float> g = kernels::to_host<float>(be_, layers_[l]->grad_gate(), n);
+    if (!std::all_of(g.begin(), g.end(), [](float v) { return std::isfinite(v); })) return l;
+  }
+  return -1;
 }
 
 void ModelStack::update_selection_bias() {

@@ -1,6 +1,7 @@
 #include "moe/node/rank_run.h"
 
 #include <algorithm>
+#include <cmath>
 
 #include "moe/base/clock.h"
 #include "moe/base/log.h"
@@ -92,6 +93,35 @@ bool RankRun::agree_and_act(bool cancel_requested, int step) {
   return false;
 }
 
+// What this rank saw of its train step that is not finite: its share of the
+// loss, the balancing losses, or a router gradient (summed over every rank, so a
+// non-finite value in any rank's backward shows there); "" when all are finite.
+std::string RankRun::nonfinite(const StepReport& report) const {
+  const v1::StepStats& s = report.stats();
+  if (!std::isfinite(s.loss())) return "the loss is " + std::to_string(s.loss());
+  if (!std::isfinite(s.aux_loss()) || !std::isfinite(s.z_loss()))
+    return "the balancing losses are " + std::to_string(s.aux_loss()) + ", " + std::to_string(s.z_loss());
+  if (const int l = stack_.first_nonfinite_router_gradient(); l >= 0)
+    return "layer " + std::to_string(l) + "'s router gradient is not finite";
+  return "";
+}
+
+// Collective, after a train step: every rank learns whether any rank's step was
+// not finite, and then every rank fails the job with the same message naming the
+// step and the ranks, before a checkpoint or the next step uses the state.
+void RankRun::agree_finite(int step, const std::string& what) {
+  float any = what.empty() ? 0.0f : 1.0f;
+  comm_.all_reduce_sum(&any, 1, deadline());
+  if (any == 0.0f) return;
+  std::vector<float> ranks(job_.world_size(), 0.0f);
+  ranks[rank_] = what.empty() ? 0.0f : 1.0f;
+  comm_.all_reduce_sum(ranks.data(), ranks.size(), deadline());
+  std::string which;
+  for (size_t r = 0; r < ranks.size(); ++r)
+    if (ranks[r] > 0) which += (which.empty() ? "" : ", ") + std::to_string(r);
+  MOE_CHECK(false, "step ", step, ": not finite on rank(s) ", which, what.empty() ? "" : " (here: " + what + ")");
+}
+
 void RankRun::run_step(int step) {
   // A resumed run covers its first step when asked for an earlier one.
   const bool verify = spec_.verify() && step == std::max(spec_.verify_step(), first_step_);
@@ -117,6 +147,7 @@ void RankRun::run_step(int step) {
   r->set_rank(rank_);
   *r->mutable_stats() = report.stats();
   env_.reports->send(std::move(msg));  // held while the agent is away
+  if (train) agree_finite(step, nonfinite(report));
   // The covered step's snapshots, gradients (the optimizer leaves them) and
   // weights are what verify and the dump need.
   if (verify) verify_ = verify_step(spec_, stack_, weights, rank_, comm_, deadline());

@@ -147,6 +147,23 @@ TEST(Cluster, TrainJobVerifiesGradientsAndHalvesTheLossByStep20) {
   EXPECT_LT(rows, pairs) << out;
 }
 
+// A train job whose values stop being finite fails at that step, naming it and the
+// ranks, instead of ending SUCCEEDED with a nan loss. lr 1e30 makes step 0's Adam
+// update put every weight near 1e30, so step 1's expert outputs overflow fp32.
+TEST(Cluster, ANonFiniteLossFailsTheJobNamingTheStep) {
+  Cluster c(2, 1);
+  ASSERT_TRUE(c.up());
+  const auto [rc, out] = c.ctl({"--output", "json", "job", "submit", "--wait", "--mode", "train", "--experts", "8",
+                                "--top-k", "2", "--hidden", "16", "--ffn-hidden", "16", "--tokens-per-rank", "64",
+                                "--steps", "4", "--lr", "1e30"},
+                               120s);
+  ASSERT_EQ(rc, 1) << out << c.logs();
+  const v1::JobResult r = parse_result(out);
+  EXPECT_EQ(r.state(), v1::JOB_STATE_FAILED) << out;
+  EXPECT_NE(r.message().find("step 1: not finite on rank(s) 0, 1"), std::string::npos) << r.message();
+  EXPECT_TRUE(std::isfinite(r.loss(0))) << out;  // step 0 was fine
+}
+
 TEST(Cluster, TwoByTwoTrainGradientsEqualOneByOne) {
   // Distributed backward: router and expert gradients summed over ranks (and
   // replicas) equal a single rank's over the same global tokens.

@@ -65,6 +65,10 @@ class ModelStack {
   // primary replica with an all-reduce (collective: every rank calls it).
   std::vector<model::LayerWeights> weights_in_use(int step, transport::Deadline deadline) const;
 
+  // Train, after backward: the first layer whose router gradient (summed over
+  // every rank) holds a non-finite value, or -1.
+  int first_nonfinite_router_gradient() const;
+
   int num_layers() const { return static_cast<int>(layers_.size()); }
   const ep::EpLayer& layer(int l) const { return *layers_[l]; }
   ep::EpLayer& layer(int l) { return *layers_[l]; }

@@ -50,6 +50,8 @@ class RankRun {
   // rank's rebalance vote, so every rank acts before the same step. True: stop.
   bool agree_and_act(bool cancel_requested, int step);
   void run_step(int step);
+  std::string nonfinite(const StepReport& report) const;
+  void agree_finite(int step, const std::string& what);
   bool checkpoint_due(int steps_done) const;
 
   const v1::StartJob& job_;
