@@ -27,13 +27,38 @@ const std::string kSim = std::string(MOE_BIN_DIR) + "/agent/placement/moe-placem
 bool has(const std::string& out, const std::string& part) { return out.find(part) != std::string::npos; }
 
 // Polls until the job completed `steps` steps (or ended).
-void wait_steps(const Cluster& c, const std::string& id, int steps) {
+// Until the running job `id` completed `steps` steps. False, with a failure that
+// says why, when the job ended first (what follows would land after it) or at the
+// 60 s deadline: callers ASSERT it, so a test never goes on against a finished job.
+[[nodiscard]] bool wait_steps(const Cluster& c, const std::string& id, int steps) {
   const auto until = std::chrono::steady_clock::now() + 60s;
+  v1::JobResult j;
   while (std::chrono::steady_clock::now() < until) {
-    const v1::JobResult j = c.job(id);
-    if (j.steps_completed() >= steps || j.state() != v1::JOB_STATE_RUNNING) return;
+    j = c.job(id);
+    if (j.steps_completed() >= steps) return true;
+    if (j.state() != v1::JOB_STATE_RUNNING && j.state() != v1::JOB_STATE_QUEUED) {
+      ADD_FAILURE() << id << " ended (" << v1::JobState_Name(j.state()) << ", " << j.message() << ") after "
+                    << j.steps_completed() << " steps, before step " << steps;
+      return false;
+    }
     std::this_thread::sleep_for(10ms);  // polling the agent for the job's progress
   }
+  ADD_FAILURE() << id << " did not reach step " << steps << " within 60 s (at " << j.steps_completed() << ")";
+  return false;
+}
+
+// The agent's value of one series, once it equals `want` (the agent refreshes its
+// metrics once a second); fails naming the last value after 10 s.
+void expect_agent_series(const Cluster& c, const std::string& series, double want) {
+  const std::string address = c.status().agent_metrics_address();
+  const auto until = std::chrono::steady_clock::now() + 10s;
+  double got = -1;
+  while (std::chrono::steady_clock::now() < until) {
+    got = series_value(scrape(address), series);
+    if (got == want) return;
+    std::this_thread::sleep_for(100ms);  // polling the agent's next refresh
+  }
+  ADD_FAILURE() << series << " is " << got << ", expected " << want;
 }
 
 std::string submit(const Cluster& c, std::vector<std::string> args) {
@@ -92,7 +117,7 @@ TEST_P(LiveRebalance, MidJobTheLossCurveStaysAndTheLoadEvensOut) {
   ASSERT_EQ(plain.state(), v1::JOB_STATE_SUCCEEDED) << plain.message() << c.logs();
 
   const std::string id = submit(c, job_args(v, dumps / "moved"));
-  wait_steps(c, id, 4);
+  ASSERT_TRUE(wait_steps(c, id, 4));
   const auto [rc, out] = c.ctl({"placement", "rebalance", "--redundant-experts", "4"}, 120s);
   ASSERT_EQ(rc, 0) << out << c.logs();
   EXPECT_TRUE(has(out, "rebalance committed")) << out;
@@ -148,7 +173,7 @@ TEST(RebalanceFaults, ARefusedCopyAbortsAndTheJobGoesOn) {
   ASSERT_TRUE(c.up());
   const std::string id = submit(c, {"--experts", "8", "--top-k", "2", "--hidden", "32", "--ffn-hidden", "16",
                                     "--tokens-per-rank", "64", "--steps", "400", "--skew", "zipf:1.5"});
-  wait_steps(c, id, 3);
+  ASSERT_TRUE(wait_steps(c, id, 3));
   const auto [rc, out] = c.ctl({"placement", "rebalance", "--redundant-experts", "2"}, 120s);
   EXPECT_EQ(rc, 1) << out;
   EXPECT_TRUE(has(out, "node node1 refused: rank 1 refuses the copy of layer 0 expert")) << out;
@@ -157,6 +182,9 @@ TEST(RebalanceFaults, ARefusedCopyAbortsAndTheJobGoesOn) {
   EXPECT_EQ(j.steps_completed(), 400);
   EXPECT_EQ(j.epochs_size(), 1);
   EXPECT_TRUE(has(c.ctl({"placement", "show"}).second, "epoch 1,"));
+  // What the alert rules read (deploy/prometheus/rules.yml).
+  expect_agent_series(c, "moe_rebalances_total{result=\"aborted\"}", 1);
+  expect_agent_series(c, "moe_rebalance_seconds_count", 1);
 }
 
 // Copies that never complete: the agent's timeout aborts the rebalance.
@@ -169,10 +197,11 @@ TEST(RebalanceFaults, ACopyThatTimesOutAbortsAndTheJobGoesOn) {
   EXPECT_EQ(rc, 1) << out;
   EXPECT_TRUE(has(out, "did not complete within 1.5 s on node(s) node1 (layer 0 expert")) << out;
   const double before = c.job(id).steps_completed();
-  wait_steps(c, id, static_cast<int>(before) + 3);  // it still runs, on the old map
+  ASSERT_TRUE(wait_steps(c, id, static_cast<int>(before) + 3));  // it still runs, on the old map
   EXPECT_GE(c.job(id).steps_completed(), before + 3);
   c.ctl({"job", "cancel", id});
   EXPECT_EQ(wait_job(c, id).epochs_size(), 1);
+  expect_agent_series(c, "moe_rebalances_total{result=\"aborted\"}", 1);
 }
 
 // A daemon killed while its copies are staged fails the job naming its node;
@@ -195,6 +224,7 @@ TEST(RebalanceFaults, ADaemonKilledDuringPrepareFailsTheJobAndTheOldMapStays) {
   EXPECT_EQ(j.state(), v1::JOB_STATE_FAILED);
   EXPECT_TRUE(has(j.message(), "node1")) << j.message();
   EXPECT_TRUE(has(c.ctl({"placement", "show"}).second, "epoch 1,"));
+  expect_agent_series(c, "moe_rebalances_total{result=\"failed\"}", 1);
 }
 
 // The agent's own trigger (agent flags): a skewed job is rebalanced without a
@@ -261,11 +291,11 @@ TEST(PlacementCommands, WithoutAJobTwiceInAJobDryRunExportImportAndLoads) {
   std::vector<std::string> long_job = spec;
   long_job.insert(long_job.end(), {"--steps", "1000000"});
   const std::string id = submit(c, long_job);
-  wait_steps(c, id, 3);
+  ASSERT_TRUE(wait_steps(c, id, 3));
   EXPECT_EQ(c.ctl({"placement", "rebalance", "--redundant-experts", "4"}, 120s).first, 0);
-  wait_steps(c, id, static_cast<int>(c.job(id).steps_completed()) + 3);
+  ASSERT_TRUE(wait_steps(c, id, static_cast<int>(c.job(id).steps_completed()) + 3));
   EXPECT_EQ(c.ctl({"placement", "rebalance"}, 120s).first, 0);
-  wait_steps(c, id, static_cast<int>(c.job(id).steps_completed()) + 3);
+  ASSERT_TRUE(wait_steps(c, id, static_cast<int>(c.job(id).steps_completed()) + 3));
   c.ctl({"job", "cancel", id});
   const v1::JobResult j = wait_job(c, id);
   ASSERT_EQ(j.epochs_size(), 3) << j.DebugString();
