@@ -4,6 +4,8 @@
 // in a job, dry runs, export/import and the loads file.
 #include <gtest/gtest.h>
 
+#include <google/protobuf/util/json_util.h>
+
 #include <signal.h>
 
 #include <cmath>
@@ -321,6 +323,31 @@ TEST(PlacementCommands, WithoutAJobTwiceInAJobDryRunExportImportAndLoads) {
   Process sim = Process::spawn({kSim, "--loads", loads.string(), "--experts", "8", "--ranks", "2", "--nodes", "2",
                                 "--groups", "0", "--redundant-experts", "2"});
   EXPECT_EQ(sim.wait(60s), 0) << sim.output();
+}
+
+// --layer narrows a rebalance to one layer: the plan holds that layer alone, and
+// installing it moves that layer's epoch only; a layer the shape lacks is refused.
+TEST(PlacementCommands, ARebalanceOfOneLayerMovesThatLayerOnly) {
+  Cluster c(2, 1);
+  ASSERT_TRUE(c.up());
+  ASSERT_EQ(wait_job(c, submit(c, {"--experts", "8", "--top-k", "2", "--hidden", "32", "--ffn-hidden", "16",
+                                   "--tokens-per-rank", "64", "--layers", "2", "--skew", "zipf:1.5", "--steps", "5"}))
+                .state(),
+            v1::JOB_STATE_SUCCEEDED);
+  const auto [drc, dry] = c.ctl({"--output", "json", "placement", "rebalance", "--layer", "1", "--dry-run"});
+  ASSERT_EQ(drc, 0) << dry;
+  v1::RebalanceReply plan;
+  ASSERT_TRUE(google::protobuf::util::JsonStringToMessage(dry.substr(dry.find('{')), &plan).ok()) << dry;
+  ASSERT_EQ(plan.maps_size(), 1) << dry;
+  EXPECT_EQ(plan.maps(0).layer(), 1);
+  const auto [rc, out] = c.ctl({"placement", "rebalance", "--layer", "1"});
+  ASSERT_EQ(rc, 0) << out;
+  const std::string shown = c.ctl({"placement", "show"}).second;
+  EXPECT_TRUE(has(shown, "layer 0: epoch 1,")) << shown;
+  EXPECT_TRUE(has(shown, "layer 1: epoch 2,")) << shown;
+  const auto [brc, bad] = c.ctl({"placement", "rebalance", "--layer", "2"});
+  EXPECT_EQ(brc, 2) << bad;
+  EXPECT_TRUE(has(bad, "layer: must be in [0, 2), got 2")) << bad;
 }
 
 }  // namespace
