@@ -4,6 +4,7 @@
 #include <gtest/gtest.h>
 
 #include "moe/agent/job_result.h"
+#include "moe/agent/rebalancer.h"
 #include "moe/agent/scheduler.h"
 #include "moe/rpc/frame.h"
 
@@ -284,6 +285,119 @@ TEST_F(SchedulerTest, SilenceAndAnUnansweredFailureHaveDeadlines) {
   scheduler.tick(now + 601s + 46s);
   EXPECT_EQ(scheduler.record(id).state(), v1::JOB_STATE_FAILED);
   EXPECT_EQ(scheduler.record(id).message(), "no rank reported for 600 s (not every rank reported back)");
+}
+
+// The rebalancer's state machine driven by hand (docs/placement.md#live-rebalance):
+// a running 2x1 job, a recorder of the messages it sends.
+struct RebalanceRecorder : RebalanceActions {
+  std::vector<v1::PrepareRebalance> prepared;
+  std::vector<v1::CommitRebalance> committed;
+  std::vector<v1::AbortRebalance> aborted;
+  std::vector<v1::RebalanceReply> done;
+  void prepare(const v1::PrepareRebalance& p) override { prepared.push_back(p); }
+  void commit(const v1::CommitRebalance& c) override { committed.push_back(c); }
+  void abort(const v1::AbortRebalance& a) override { aborted.push_back(a); }
+  void rebalance_done(const v1::RebalanceReply& r) override { done.push_back(r); }
+};
+
+class RebalancerTest : public SchedulerTest {
+ protected:
+  RebalancerTest() : rebalancer({.timeout = 5s}, placement, scheduler, members, actions) {
+    add_nodes(2, 1);
+    job = scheduler.submit(spec()).job_id();
+    scheduler.try_start(now);
+  }
+  v1::RebalanceRequest request(int redundant) {
+    v1::RebalanceRequest r;
+    r.set_redundant_experts(redundant);
+    return r;
+  }
+  v1::RebalanceReady ready(const std::string& node, bool ok = true) {
+    v1::RebalanceReady r;
+    r.set_job_id(job);
+    r.set_epoch(actions.prepared.back().epoch());
+    r.set_node(node);
+    r.set_ok(ok);
+    if (!ok) r.set_reason("no room");
+    return r;
+  }
+  v1::RebalanceResult result_of(uint64_t id) {
+    const v1::RebalanceReply* r = rebalancer.result(id);
+    return r ? r->result() : v1::REBALANCE_RESULT_UNSPECIFIED;
+  }
+
+  RebalanceRecorder actions;
+  Rebalancer rebalancer;
+  std::string job;
+};
+
+TEST_F(RebalancerTest, EveryNodeReadyCommitsOnceAndInstallsTheEpoch) {
+  const uint64_t id = rebalancer.start(request(2), now);
+  ASSERT_EQ(actions.prepared.size(), 1u);
+  const int64_t epoch = actions.prepared[0].epoch();
+  EXPECT_EQ(actions.prepared[0].maps_size(), 2);  // every layer
+  EXPECT_TRUE(rebalancer.in_flight());
+  EXPECT_THROW(rebalancer.start(request(2), now), rpc::RpcError) << "one at a time";
+  rebalancer.on_ready(ready("node0"), now);
+  EXPECT_TRUE(actions.committed.empty()) << "node1 has not answered";
+  rebalancer.on_ready(ready("node1"), now + 1s);
+  ASSERT_EQ(actions.committed.size(), 1u);
+  EXPECT_EQ(actions.committed[0].epoch(), epoch);
+  EXPECT_EQ(result_of(id), v1::REBALANCE_RESULT_COMMITTED);
+  EXPECT_EQ(placement.epoch(), epoch);
+  rebalancer.tick(now + 60s);  // a committed epoch is never aborted
+  rebalancer.on_ready(ready("node1", false), now + 61s);
+  EXPECT_TRUE(actions.aborted.empty());
+  EXPECT_EQ(rebalancer.counts().at(v1::REBALANCE_RESULT_COMMITTED), 1);
+  ASSERT_EQ(rebalancer.durations().size(), 1u);
+  EXPECT_DOUBLE_EQ(rebalancer.durations()[0], 1.0);
+}
+
+TEST_F(RebalancerTest, ANoAbortsNamingTheNodeAndTheMapStays) {
+  const int64_t before = placement.epoch();
+  const uint64_t id = rebalancer.start(request(2), now);
+  rebalancer.on_ready(ready("node0"), now);
+  rebalancer.on_ready(ready("node1", false), now);
+  ASSERT_EQ(actions.aborted.size(), 1u);
+  EXPECT_EQ(actions.aborted[0].epoch(), actions.prepared[0].epoch());
+  EXPECT_TRUE(actions.committed.empty());
+  EXPECT_EQ(result_of(id), v1::REBALANCE_RESULT_ABORTED);
+  EXPECT_NE(rebalancer.result(id)->message().find("node node1 refused: no room"), std::string::npos);
+  EXPECT_EQ(placement.epoch(), before + 1) << "the aborted epoch is a gap; no map was installed";
+  EXPECT_FALSE(rebalancer.in_flight());
+  EXPECT_NO_THROW(rebalancer.start(request(2), now)) << "the next one may start";
+}
+
+TEST_F(RebalancerTest, TheTimeoutAbortsNamingTheNodesStillCopying) {
+  const uint64_t id = rebalancer.start(request(2), now);
+  rebalancer.on_ready(ready("node0"), now);
+  rebalancer.tick(now + 4s);
+  EXPECT_TRUE(rebalancer.in_flight()) << "not yet";
+  rebalancer.tick(now + 5s);
+  ASSERT_EQ(actions.aborted.size(), 1u);
+  EXPECT_EQ(result_of(id), v1::REBALANCE_RESULT_ABORTED);
+  EXPECT_NE(rebalancer.result(id)->message().find("did not complete within 5 s on node(s) node1"), std::string::npos)
+      << rebalancer.result(id)->message();
+  rebalancer.on_ready(ready("node1"), now + 6s);  // too late: nothing commits
+  EXPECT_TRUE(actions.committed.empty());
+}
+
+TEST_F(RebalancerTest, TheJobEndingFailsItWithoutAnAbort) {
+  const uint64_t id = rebalancer.start(request(2), now);
+  rebalancer.on_job_ended(job, "node node1 stopped responding", now);
+  EXPECT_EQ(result_of(id), v1::REBALANCE_RESULT_FAILED);
+  EXPECT_TRUE(actions.aborted.empty()) << "nobody is left to abort";
+  EXPECT_EQ(rebalancer.counts().at(v1::REBALANCE_RESULT_FAILED), 1);
+}
+
+TEST_F(RebalancerTest, ADryRunAndARequestBreakingTheSlotRuleChangeNothing) {
+  v1::RebalanceRequest dry = request(2);
+  dry.set_dry_run(true);
+  const uint64_t id = rebalancer.start(dry, now);
+  EXPECT_EQ(result_of(id), v1::REBALANCE_RESULT_DRY_RUN);
+  EXPECT_TRUE(actions.prepared.empty());
+  EXPECT_THROW(rebalancer.start(request(3), now), moe::InvalidArgument);  // 8 + 3 over 2 ranks
+  EXPECT_FALSE(rebalancer.in_flight());
 }
 
 }  // namespace

@@ -45,8 +45,8 @@ class Rebalancer {
              const Membership& members, RebalanceActions& actions);
 
   // Starts a rebalance and returns its id; a dry run, or one with no job on the
-  // shape, completes at once. Throws rpc::RpcError: INVALID_ARGUMENT for a
-  // request that breaks a rule, FAILED_PRECONDITION while another is in flight.
+  // shape, completes at once. Throws moe::InvalidArgument for a request that
+  // breaks a rule, rpc::RpcError(FAILED_PRECONDITION) while another is in flight.
   uint64_t start(const v1::RebalanceRequest& req, Clock::time_point now);
   // The reply of a finished rebalance; null while it runs (or for an unknown id).
   const v1::RebalanceReply* result(uint64_t id) const;
