@@ -2,7 +2,8 @@
 # Sourced by the deploy tests (tests/deploy/*_test.sh). ctest sets MOE_DEPLOY_CACHE (a folder in
 # the build tree for npm packages and locks) and MOE_BUILD_DIR.
 # Exit status 77 means "skipped" (ctest SKIP_RETURN_CODE): only for a package that cannot be
-# installed here, always with the reason.
+# installed here, always with the reason. Under CI=true (CI runs as root, with the packages the
+# scripts install) a missing prerequisite is a failure: a skip there would hide one.
 
 MOE_SRC=$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)
 MOE_BUILD_DIR=${MOE_BUILD_DIR:-$MOE_SRC/build}
@@ -11,7 +12,14 @@ mkdir -p "$MOE_DEPLOY_CACHE"
 
 log() { printf '[%s] %s\n' "$(date +%H:%M:%S)" "$*" >&2; }
 fail() { printf 'FAIL: %s\n' "$*" >&2; exit 1; }
-skip() { printf 'SKIP: %s\n' "$*" >&2; exit 77; }
+skip() {
+  if [ "${CI:-}" = true ]; then
+    printf 'FAIL (CI=true, where every prerequisite must be present): %s\n' "$*" >&2
+    exit 1
+  fi
+  printf 'SKIP: %s\n' "$*" >&2
+  exit 77
+}
 
 # need_packages PKG...: installs the Debian packages that are missing (apt-get; root or sudo),
 # or skips the test naming them. One installer at a time across parallel tests.

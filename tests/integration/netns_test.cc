@@ -13,6 +13,7 @@
 #include <sstream>
 #include <thread>
 
+#include "ci_skip.h"
 #include "process.h"
 #include "moe/rpc/client.h"
 
@@ -72,12 +73,12 @@ class Hosts {
 };
 
 TEST(SeveralHosts, ForwardJobAcrossNetworkNamespaces) {
-  if (::geteuid() != 0 || sh("command -v ip") != 0) GTEST_SKIP() << "network namespaces need root and iproute2";
+  if (::geteuid() != 0 || sh("command -v ip") != 0) MOE_SKIP_OR_FAIL_IN_CI("network namespaces need root and iproute2");
   Hosts hosts(3);
-  if (!hosts.ok()) GTEST_SKIP() << "cannot create network namespaces, veth pairs and a bridge here";
+  if (!hosts.ok()) MOE_SKIP_OR_FAIL_IN_CI("cannot create network namespaces, veth pairs and a bridge here");
   if (sh("ip netns exec " + hosts.name(1) + " ping -c 1 -W 2 " + hosts.address(0)) != 0 &&
       sh("command -v ping") == 0)
-    GTEST_SKIP() << "namespaces made, but they cannot reach each other over the bridge (filtered?)";
+    MOE_SKIP_OR_FAIL_IN_CI("namespaces made, but they cannot reach each other over the bridge (filtered?)");
 
   const fs::path dir = fs::temp_directory_path() / ("moe_netns_" + std::to_string(::getpid()));
   fs::create_directories(dir);

@@ -19,6 +19,7 @@
 #include <sstream>
 #include <thread>
 
+#include "ci_skip.h"
 #include "local_cluster.h"
 #include "process.h"
 
@@ -209,7 +210,7 @@ class TopInATerminal : public ::testing::Test {
  protected:
   void SetUp() override {
     tmux = find_tmux();
-    if (tmux.empty()) GTEST_SKIP() << "tmux is not installed and apt-get install tmux failed";
+    if (tmux.empty()) MOE_SKIP_OR_FAIL_IN_CI("tmux is not installed and apt-get install tmux failed");
   }
   std::string tmux;
 };

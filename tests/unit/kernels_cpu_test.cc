@@ -821,6 +821,18 @@ TEST(CpuEngineTable, FollowsTheCpuAndTheOverride) {
   ::unsetenv("MOE_GEMM_ENGINE");
 }
 
+// The probe behind every "oneDNN has no ... matmul on this CPU" skip agrees with
+// the ISA oneDNN reports: on a CPU that has the matmul, an error building it fails
+// here rather than turning the oneDNN cases into skips.
+TEST(CpuEngineTable, TheOneDnnProbeAgreesWithTheIsa) {
+  const std::string isa = cpu_backend_info().isa;
+  const bool avx2_or_more = isa.rfind("avx2", 0) == 0 || isa.rfind("avx512", 0) == 0;
+  const bool bf16_dot = isa == "avx512_core_bf16" || isa == "avx512_core_amx";
+  if (avx2_or_more) EXPECT_TRUE(onednn_supports(DType::kF32)) << "ISA " << isa;
+  if (bf16_dot) EXPECT_TRUE(onednn_supports(DType::kBF16)) << "ISA " << isa;
+  if (isa.rfind("avx2", 0) == 0) EXPECT_FALSE(onednn_supports(DType::kBF16)) << "ISA " << isa;  // none on AVX2
+}
+
 TEST(CpuEngineTable, OneDnnRunsOnTheCallingThreadAlone) {
   // A pool of two runs oneDNN matmuls as teams of one: the process gains no
   // OpenMP worker thread. (The peak measurement may use a team; it is not run here.)
