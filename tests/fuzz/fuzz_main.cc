@@ -5,10 +5,17 @@
 // a sanitizer report is the bug). With clang, the same targets build as libFuzzer
 // binaries (-DMOE_FUZZ=ON).
 //
-//   <target>_fuzz [ITERATIONS]
+//   <target>_fuzz [ITERATIONS] [CORPUS_DIR]
+//
+// With CORPUS_DIR (tests/fuzz/corpus/<target>/, what the libFuzzer campaigns of
+// tests/fuzz/campaign.sh kept) every file in it is replayed too, before the mutations.
+#include <algorithm>
 #include <cstdint>
 #include <cstdio>
 #include <cstdlib>
+#include <filesystem>
+#include <fstream>
+#include <iterator>
 #include <string>
 #include <vector>
 
@@ -63,11 +70,24 @@ int main(int argc, char** argv) {
   const long iterations = argc > 1 ? std::atol(argv[1]) : 5000;
   const std::vector<std::string> seeds = fuzz_seeds();
   for (const auto& s : seeds) LLVMFuzzerTestOneInput(reinterpret_cast<const uint8_t*>(s.data()), s.size());
+  size_t kept = 0;
+  if (argc > 2 && std::filesystem::is_directory(argv[2])) {
+    std::vector<std::filesystem::path> files;
+    for (const auto& f : std::filesystem::directory_iterator(argv[2]))
+      if (f.is_regular_file()) files.push_back(f.path());
+    std::sort(files.begin(), files.end());
+    for (const auto& f : files) {
+      std::ifstream in(f, std::ios::binary);
+      const std::string s((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+      LLVMFuzzerTestOneInput(reinterpret_cast<const uint8_t*>(s.data()), s.size());
+      ++kept;
+    }
+  }
   uint64_t rng = 12345;
   for (long i = 0; i < iterations; ++i) {
     const std::string s = mutate(seeds, rng);
     LLVMFuzzerTestOneInput(reinterpret_cast<const uint8_t*>(s.data()), s.size());
   }
-  std::printf("%zu seeds and %ld mutations: no crash\n", seeds.size(), iterations);
+  std::printf("%zu seeds, %zu corpus inputs and %ld mutations: no crash\n", seeds.size(), kept, iterations);
   return 0;
 }

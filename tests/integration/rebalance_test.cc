@@ -235,10 +235,16 @@ TEST(RebalanceFaults, ADaemonKilledDuringPrepareFailsTheJobAndTheOldMapStays) {
 TEST(AutoRebalance, TheAgentRebalancesASkewedJobAndTheMetricsShowIt) {
   Cluster c(2, 1, {"--rebalance-every", "5", "--balancedness-threshold", "0.95", "--redundant-experts", "2"});
   ASSERT_TRUE(c.up());
-  const v1::JobResult j = wait_job(c, submit(c, {"--experts", "8", "--top-k", "2", "--hidden", "32", "--ffn-hidden",
-                                                 "16", "--tokens-per-rank", "128", "--steps", "120", "--skew",
-                                                 "zipf:1.5"}));
-  ASSERT_EQ(j.state(), v1::JOB_STATE_SUCCEEDED) << j.message() << c.logs();
+  // A job that runs until the agent's own rebalance committed (a fixed step count
+  // would race it on a loaded machine), then a few steps more on the new map.
+  const std::string id = submit(c, {"--experts", "8", "--top-k", "2", "--hidden", "32", "--ffn-hidden", "16",
+                                    "--tokens-per-rank", "128", "--steps", "1000000", "--skew", "zipf:1.5"});
+  ASSERT_TRUE(poll_until([&] { return has(c.ctl({"placement", "show"}).second, "epoch 2,"); }, 60s))
+      << "no automatic rebalance committed within 60 s" << c.logs();
+  ASSERT_TRUE(wait_steps(c, id, static_cast<int>(c.job(id).steps_completed()) + 10));
+  c.ctl({"job", "cancel", id});
+  const v1::JobResult j = wait_job(c, id);
+  ASSERT_EQ(j.state(), v1::JOB_STATE_CANCELLED) << j.message() << c.logs();
   ASSERT_GE(j.epochs_size(), 2) << j.DebugString();
   EXPECT_GT(j.epochs(1).balancedness(), j.epochs(0).balancedness());
   const v1::ClusterStatus st = c.status();
