@@ -17,7 +17,10 @@ moe_install_deps
 moe_apt_install clang-14 libclang-rt-14-dev
 log "configuring the fuzz build in $build"
 CC=clang-14 CXX=clang++-14 cmake -S "$MOE_ROOT" -B "$build" -G Ninja -DCMAKE_BUILD_TYPE=RelWithDebInfo \
-  -DCMAKE_CXX_FLAGS_RELWITHDEBINFO="-O1 -g1 -DNDEBUG" -DMOE_FUZZ=ON -DMOE_WITH_CUDA=OFF >/dev/null
+  -DCMAKE_CXX_FLAGS_RELWITHDEBINFO="-O1 -g1 -DNDEBUG" -DMOE_FUZZ=ON -DMOE_WITH_CUDA=OFF \
+  `# Boost 1.74 enables co_await on clang only with libc++; libstdc++ has <coroutine> too.` \
+  -DCMAKE_CXX_FLAGS="-DBOOST_ASIO_HAS_CO_AWAIT=1 -DBOOST_ASIO_HAS_STD_COROUTINE=1" \
+  `# which libraries are instrumented: tests/fuzz/CMakeLists.txt` >/dev/null
 ninja -C "$build" -j "$MOE_JOBS" "${targets[@]/%/_libfuzzer}"
 
 export ASAN_OPTIONS="detect_leaks=1" UBSAN_OPTIONS="print_stacktrace=1:halt_on_error=1"
