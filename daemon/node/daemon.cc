@@ -255,9 +255,7 @@ rpc::awaitable<v1::Envelope> Daemon::handle(const v1::Envelope& req, const rpc::
     reply.mutable_ack();
   } else if (req.has_prepare_rebalance() || req.has_commit_rebalance() || req.has_abort_rebalance()) {
     std::lock_guard<std::mutex> lock(mu_);
-    const std::string& job = req.has_prepare_rebalance() ? req.prepare_rebalance().job_id()
-                             : req.has_commit_rebalance() ? req.commit_rebalance().job_id()
-                                                          : req.abort_rebalance().job_id();
+    const std::string& job = RebalanceMailbox::job_of(req);
     if (!runner_ || runner_->job_id() != job || (req.has_prepare_rebalance() && runner_->finished()))
       throw RpcError(v1::ERROR_CODE_FAILED_PRECONDITION, "job " + job + " is not running on " + opts_.name);
     runner_->rebalance_mailbox().deliver(req);

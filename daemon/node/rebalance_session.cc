@@ -26,10 +26,14 @@ FaultInjection FaultInjection::parse(const std::string& spec, const std::string&
   return f;
 }
 
+const std::string& RebalanceMailbox::job_of(const v1::Envelope& m) {
+  return m.has_prepare_rebalance() ? m.prepare_rebalance().job_id()
+         : m.has_commit_rebalance() ? m.commit_rebalance().job_id()
+                                    : m.abort_rebalance().job_id();
+}
+
 void RebalanceMailbox::deliver(const v1::Envelope& m) {
-  const std::string& job = m.has_prepare_rebalance() ? m.prepare_rebalance().job_id()
-                           : m.has_commit_rebalance() ? m.commit_rebalance().job_id()
-                                                      : m.abort_rebalance().job_id();
+  const std::string& job = job_of(m);
   if (job != job_id_)
     throw rpc::RpcError(v1::ERROR_CODE_FAILED_PRECONDITION, "job " + job + " is not running here (" + job_id_ + " is)");
   if (m.has_prepare_rebalance()) {

@@ -41,6 +41,8 @@ class RebalanceMailbox {
   // Control thread: the agent's PREPARE, COMMIT or ABORT (the one the envelope
   // holds), logged. Throws rpc::RpcError(FAILED_PRECONDITION) naming another job.
   void deliver(const v1::Envelope& message);
+  // The job a PREPARE, COMMIT or ABORT names.
+  static const std::string& job_of(const v1::Envelope& message);
 
   // Ranks, at step boundaries.
   struct View {
