@@ -3,6 +3,7 @@
 // membership change, job state change and map or epoch change, and at most once
 // a second while steps arrive (their load windows move every step).
 #include <chrono>
+#include <thread>
 
 #include "moe/agent/agent.h"
 #include "moe/base/clock.h"
@@ -13,6 +14,7 @@ namespace moe::agent {
 namespace {
 
 constexpr auto kStepPersistInterval = std::chrono::seconds(1);
+constexpr auto kRebindPatience = std::chrono::seconds(10);
 
 // The state with its running job failed and its nodes dropped: a new cluster.
 void forget_nodes(v1::AgentState& state) {
@@ -58,24 +60,43 @@ std::optional<v1::AgentState> Agent::load_state() {
   return saved;
 }
 
+// Serves on `address`. A fixed port may be held for a moment by another socket
+// (a client's connection that happens to come from it); wait for it rather than
+// give up an address the daemons dial.
+std::unique_ptr<rpc::RpcServer> Agent::listen_on(const std::string& address, const rpc::Handler& handler) {
+  const auto give_up = std::chrono::steady_clock::now() + kRebindPatience;
+  for (bool told = false;; told = true) {
+    try {
+      return std::make_unique<rpc::RpcServer>(io_, rpc::ServerOptions::make(address, opts_.token, "moe-agent"), handler);
+    } catch (const boost::system::system_error& e) {
+      const bool in_use = e.code() == boost::asio::error::address_in_use;
+      if (!in_use || rpc::split_address(address).second == 0 || std::chrono::steady_clock::now() >= give_up) throw;
+      if (!told) log::warn(address, " is in use; waiting up to ", kRebindPatience.count(), " s for it");
+      std::this_thread::sleep_for(std::chrono::milliseconds(100));
+    }
+  }
+}
+
 // --listen, or with port 0 the address of the previous run, which the daemons
-// dial. A new cluster (--forget-nodes) takes any port if that one is taken.
+// dial. A new cluster (--forget-nodes) takes any port if that one stays taken.
 void Agent::serve(const std::optional<v1::AgentState>& saved) {
-  auto handler = [this](const v1::Envelope& req, const rpc::RequestContext& ctx) { return handle(req, ctx); };
+  const rpc::Handler handler = [this](const v1::Envelope& req, const rpc::RequestContext& ctx) {
+    return handle(req, ctx);
+  };
   const auto [host, port] = rpc::split_address(opts_.listen);
   if (port != 0 || !saved || saved->address().empty()) {
-    server_ = std::make_unique<rpc::RpcServer>(io_, rpc::ServerOptions::make(opts_.listen, opts_.token, "moe-agent"), handler);
+    server_ = listen_on(opts_.listen, handler);
     return;
   }
   const std::string previous = host + ":" + std::to_string(rpc::split_address(saved->address()).second);
   try {
-    server_ = std::make_unique<rpc::RpcServer>(io_, rpc::ServerOptions::make(previous, opts_.token, "moe-agent"), handler);
+    server_ = listen_on(previous, handler);
   } catch (const std::exception& e) {
     const std::string why = "cannot bind " + previous + ", the address of the previous run (" +
                             store_->file().string() + "): " + e.what();
     if (!opts_.forget_nodes) throw moe::Error(why + "; the daemons look for the agent there");
     log::warn(why, "; a new cluster takes another port");
-    server_ = std::make_unique<rpc::RpcServer>(io_, rpc::ServerOptions::make(opts_.listen, opts_.token, "moe-agent"), handler);
+    server_ = listen_on(opts_.listen, handler);
   }
 }
 

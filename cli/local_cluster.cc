@@ -2,8 +2,11 @@
 // (docs/control-plane.md#finding-the-cluster), the agent and one moed per node as
 // background processes of their own session, with their logs, pids, token and the
 // agent's address in the state directory.
+#include <arpa/inet.h>
 #include <fcntl.h>
+#include <netinet/in.h>
 #include <signal.h>
+#include <sys/socket.h>
 #include <sys/stat.h>
 #include <sys/wait.h>
 #include <unistd.h>
@@ -12,6 +15,7 @@
 #include <filesystem>
 #include <fstream>
 #include <iomanip>
+#include <random>
 #include <sstream>
 #include <thread>
 
@@ -161,12 +165,37 @@ void write_token(const StateDir& s, const std::string& token) {
   ::chmod(s.token().c_str(), 0600);
 }
 
+// The local agent's port: free, and below the kernel's ephemeral range
+// (/proc/sys/net/ipv4/ip_local_port_range), so that while a restarted agent wants
+// it back no outgoing connection and no port-0 listener of another process can
+// have taken it. "0" (any port) when the range leaves no room below it.
+std::string pick_agent_port() {
+  int lo = 32768, hi = 60999;
+  std::ifstream("/proc/sys/net/ipv4/ip_local_port_range") >> lo >> hi;
+  const int first = std::max(1024, lo - 16384);
+  if (lo <= first) return "0";
+  std::mt19937 pick(static_cast<unsigned>(::getpid()) ^ static_cast<unsigned>(Clock::now().time_since_epoch().count()));
+  for (int attempt = 0; attempt < 64; ++attempt) {
+    const int port = first + static_cast<int>(pick() % static_cast<unsigned>(lo - first));
+    const int fd = ::socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
+    if (fd < 0) break;
+    sockaddr_in sa{};
+    sa.sin_family = AF_INET;
+    sa.sin_port = htons(static_cast<uint16_t>(port));
+    sa.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+    const bool free = ::bind(fd, reinterpret_cast<sockaddr*>(&sa), sizeof sa) == 0;
+    ::close(fd);
+    if (free) return std::to_string(port);
+  }
+  return "0";
+}
+
 // Starts the agent and waits for its address file; returns its address. The
 // agent keeps its history and maps in <state-dir>/agent; a new cluster forgets
 // the previous one's nodes (agent.argv restarts it without forgetting).
 std::string start_agent(const StateDir& s, const ClusterUpOptions& o, Clock::time_point until) {
   fs::create_directories(s.scrape_targets().parent_path());
-  std::vector<std::string> argv = {find_binary("moe-agent", "agent"), "--listen", "127.0.0.1:0", "--token-file",
+  std::vector<std::string> argv = {find_binary("moe-agent", "agent"), "--listen", "127.0.0.1:" + pick_agent_port(), "--token-file",
                                    s.token().string(), "--address-file", s.agent_address().string(), "--metrics-port",
                                    "127.0.0.1:0", "--prometheus-sd-file", s.scrape_targets().string(), "--state-dir",
                                    s.agent_state().string(), "--agent-grace", std::to_string(o.agent_grace)};

@@ -74,6 +74,14 @@ awaitable<void> RpcClient::Impl::connect_and_hello() {
   // connect to a host that never answers.
   socket = std::make_unique<tcp::socket>(io);
   co_await asio::async_connect(*socket, endpoints, use_awaitable);
+  // A loopback connect to a port nobody listens on can pick that same port as
+  // its own and connect to itself (TCP simultaneous open). That socket would
+  // then hold the port a restarting server needs; treat it as refused.
+  if (socket->local_endpoint() == socket->remote_endpoint()) {
+    boost::system::error_code ec;
+    socket->close(ec);
+    throw boost::system::system_error(asio::error::connection_refused, "connected to itself");
+  }
   socket->set_option(tcp::no_delay(true));
   v1::Envelope hello;
   hello.set_request_id(next_id++);

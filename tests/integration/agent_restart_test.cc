@@ -6,7 +6,10 @@
 // refused naming the file.
 #include <gtest/gtest.h>
 
+#include <arpa/inet.h>
+#include <netinet/in.h>
 #include <signal.h>
+#include <sys/socket.h>
 #include <unistd.h>
 
 #include <filesystem>
@@ -65,6 +68,10 @@ TEST(AgentRestart, BetweenJobsItKeepsHistoryAndMapsAndTheDaemonsReRegister) {
   ASSERT_EQ(show_rc, 0);
   ASSERT_NE(maps.find("\"epoch\": \"1\""), std::string::npos) << maps;
   const std::string address = c.agent();
+  int ephemeral_low = 0;
+  std::ifstream("/proc/sys/net/ipv4/ip_local_port_range") >> ephemeral_low;
+  EXPECT_LT(rpc::split_address(address).second, ephemeral_low)
+      << address << ": in the ephemeral range any connection may take it from a restarting agent";
 
   c.kill_agent();
   Process agent = c.start_agent_again();
@@ -77,6 +84,36 @@ TEST(AgentRestart, BetweenJobsItKeepsHistoryAndMapsAndTheDaemonsReRegister) {
   std::tie(rc, out) = c.ctl(job({"job", "submit", "--wait"}, {"--steps", "2"}), 60s);
   EXPECT_EQ(rc, 0) << out << agent.output() << c.logs();
   EXPECT_NE(out.find("job-2"), std::string::npos) << out;
+}
+
+// A socket that holds the agent's old port for a moment (a client connected from
+// that same ephemeral port, say) delays the restarted agent but does not stop it.
+TEST(AgentRestart, ItWaitsForItsOldPortWhileAnotherSocketHoldsIt) {
+  Cluster c(2, 1);
+  ASSERT_TRUE(c.up());
+  const std::string address = c.agent();
+  const int port = rpc::split_address(address).second;
+  c.kill_agent();
+
+  const int holder = ::socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);  // not into the agent
+  ASSERT_GE(holder, 0);
+  sockaddr_in sa{};
+  sa.sin_family = AF_INET;
+  sa.sin_port = htons(static_cast<uint16_t>(port));
+  sa.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  const int on = 1;  // the old agent's connections linger in TIME_WAIT
+  ASSERT_EQ(::setsockopt(holder, SOL_SOCKET, SO_REUSEADDR, &on, sizeof on), 0);
+  ASSERT_EQ(::bind(holder, reinterpret_cast<sockaddr*>(&sa), sizeof sa), 0) << "port " << port << ": " << errno;
+  ASSERT_EQ(::listen(holder, 1), 0);
+  std::thread release([holder] {
+    std::this_thread::sleep_for(2s);
+    ::close(holder);
+  });
+  Process agent = c.start_agent_again();
+  release.join();
+  EXPECT_NE(agent.output().find("is in use; waiting"), std::string::npos) << agent.output();
+  EXPECT_EQ(c.status().agent_address(), address);
+  EXPECT_TRUE(poll_until([&] { return every_node_alive(c, 2); }, 20s)) << agent.output() << c.logs();
 }
 
 TEST(AgentRestart, MidJobWithinTheGraceTheJobCompletesWithEveryStep) {

@@ -94,6 +94,7 @@ class Agent : private SchedulerActions, private RebalanceActions {
   // serve binds the address of the previous run when --listen's port is 0.
   std::optional<v1::AgentState> load_state();
   void serve(const std::optional<v1::AgentState>& saved);
+  std::unique_ptr<rpc::RpcServer> listen_on(const std::string& address, const rpc::Handler& handler);
   v1::AgentState snapshot() const;
   // Writes the state now; persist_soon at most once a second (step reports).
   void persist();
