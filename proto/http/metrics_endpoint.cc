@@ -1,10 +1,10 @@
 #include "moe/http/metrics_endpoint.h"
+#include "moe/http/request_head.h"
 
 #include <prometheus/registry.h>
 #include <prometheus/text_serializer.h>
 
 #include <chrono>
-#include <istream>
 #include <thread>
 
 #include <unistd.h>
@@ -42,15 +42,15 @@ struct Connection : std::enable_shared_from_this<Connection> {
   }
 
   void respond() {
-    std::istream head(&request);
-    std::string method, target;
-    head >> method >> target;
-    const bool found = method == "GET" && (target == "/metrics" || target.rfind("/metrics?", 0) == 0);
-    const std::string body =
-        found ? prometheus::TextSerializer().Serialize(registry.Collect()) : std::string("Not Found\n");
-    response = std::string("HTTP/1.1 ") + (found ? "200 OK" : "404 Not Found") +
+    const std::string head(asio::buffers_begin(request.data()), asio::buffers_end(request.data()));
+    const Answer a = answer_for(head);
+    const bool with_body = head.rfind("HEAD ", 0) != 0;
+    const std::string body = a.status == 200 ? prometheus::TextSerializer().Serialize(registry.Collect())
+                                             : a.reason + "\n";
+    response = "HTTP/1.1 " + std::to_string(a.status) + " " + a.reason +
                "\r\nContent-Type: text/plain; version=0.0.4; charset=utf-8\r\nContent-Length: " +
-               std::to_string(body.size()) + "\r\nConnection: close\r\n\r\n" + body;
+               std::to_string(body.size()) + (a.status == 405 ? "\r\nAllow: GET, HEAD" : "") +
+               "\r\nConnection: close\r\n\r\n" + (with_body ? body : "");
     auto self = shared_from_this();
     asio::async_write(socket, asio::buffer(response), [self](error_code, size_t) { self->close(); });
   }

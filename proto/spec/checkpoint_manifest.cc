@@ -9,6 +9,7 @@
 
 #include "moe/base/check.h"
 #include "moe/base/file.h"
+#include "moe/spec/expert_map_codec.h"
 
 namespace moe::spec {
 
@@ -34,16 +35,33 @@ std::string resolve_checkpoint(const std::string& path) {
   return (fs::path(path) / best).string();
 }
 
-v1::CheckpointManifest read_manifest(const std::string& folder) {
-  const std::string path = (fs::path(folder) / kManifestName).string();
-  MOE_CHECK(fs::exists(path), "checkpoint: ", path, " is missing (an incomplete checkpoint)");
+v1::CheckpointManifest manifest_from_json(const std::string& text, const std::string& path) {
   v1::CheckpointManifest m;
-  const auto st = google::protobuf::util::JsonStringToMessage(read_file(path), &m);
+  const auto st = google::protobuf::util::JsonStringToMessage(text, &m);
   MOE_CHECK(st.ok(), "checkpoint: ", path, " is malformed: ", st.message().as_string());
   MOE_CHECK(m.format() == 1, "checkpoint: ", path, " has format ", m.format(), ", this build reads 1");
   MOE_CHECK(m.maps_size() == m.spec().layers(), "checkpoint: ", path, " holds ", m.maps_size(), " maps for ",
             m.spec().layers(), " layers");
+  for (const v1::CheckpointFile& f : m.files()) {
+    const fs::path name(f.name());
+    MOE_CHECK(!f.name().empty() && name == name.filename() && name != "." && name != "..", "checkpoint: ", path,
+              " lists '", f.name(), "', not a file name in its folder");
+  }
+  for (int l = 0; l < m.maps_size(); ++l) {
+    MOE_CHECK(m.maps(l).layer() == l, "checkpoint: ", path, " holds the map of layer ", m.maps(l).layer(), " at ", l);
+    try {
+      (void)from_proto(m.maps(l));
+    } catch (const Error& e) {
+      throw Error("checkpoint: " + path + ": " + e.what());
+    }
+  }
   return m;
+}
+
+v1::CheckpointManifest read_manifest(const std::string& folder) {
+  const std::string path = (fs::path(folder) / kManifestName).string();
+  MOE_CHECK(fs::exists(path), "checkpoint: ", path, " is missing (an incomplete checkpoint)");
+  return manifest_from_json(read_file(path), path);
 }
 
 void check_files(const std::string& folder, const v1::CheckpointManifest& m) {

@@ -4,13 +4,14 @@
 # each for SECONDS (default 600) starting from its kept corpus, merges what found new
 # coverage into tests/fuzz/corpus/<target>/ (replayed by ctest), and prints per target the
 # executions, the coverage and any crash (a crash-* file and the command to reproduce it).
-#   tests/fuzz/campaign.sh [SECONDS] [TARGET...]      targets: frame safetensors checkpoint_index
+#   tests/fuzz/campaign.sh [SECONDS] [TARGET...]
+#     targets: frame safetensors checkpoint_index placement_file checkpoint_manifest metrics_request
 set -euo pipefail
 source "$(dirname "$0")/../../deploy/local/common.sh"
 seconds=${1:-600}
 shift || true
 targets=("$@")
-[ ${#targets[@]} -gt 0 ] || targets=(frame safetensors checkpoint_index)
+[ ${#targets[@]} -gt 0 ] || targets=(frame safetensors checkpoint_index placement_file checkpoint_manifest metrics_request)
 build="${MOE_BUILD_DIR}-fuzz"
 
 moe_install_deps

@@ -57,10 +57,18 @@ TEST_F(MetricsEndpointTest, ServesTheRegistryInTheTextFormat) {
   EXPECT_NE(reply.find("Content-Length: " + std::to_string(reply.size() - body) + "\r\n"), std::string::npos) << reply;
 }
 
-TEST_F(MetricsEndpointTest, OtherPathsAndMethodsAreNotFound) {
-  EXPECT_EQ(exchange(endpoint.port(), "GET / HTTP/1.1\r\n\r\n").rfind("HTTP/1.1 404", 0), 0u);
-  EXPECT_EQ(exchange(endpoint.port(), "POST /metrics HTTP/1.1\r\n\r\n").rfind("HTTP/1.1 404", 0), 0u);
-  EXPECT_EQ(exchange(endpoint.port(), "garbage\r\n\r\n").rfind("HTTP/1.1 404", 0), 0u);
+TEST_F(MetricsEndpointTest, OtherPathsMethodsAndGarbageGetTheirStatus) {
+  EXPECT_EQ(exchange(endpoint.port(), "GET / HTTP/1.1\r\n\r\n").rfind("HTTP/1.1 404 Not Found", 0), 0u);
+  EXPECT_EQ(exchange(endpoint.port(), "GET /metricsx HTTP/1.1\r\n\r\n").rfind("HTTP/1.1 404", 0), 0u);
+  const std::string post = exchange(endpoint.port(), "POST /metrics HTTP/1.1\r\n\r\n");
+  EXPECT_EQ(post.rfind("HTTP/1.1 405 Method Not Allowed", 0), 0u) << post;
+  EXPECT_NE(post.find("\r\nAllow: GET, HEAD\r\n"), std::string::npos) << post;
+  EXPECT_EQ(exchange(endpoint.port(), "garbage\r\n\r\n").rfind("HTTP/1.1 400 Bad Request", 0), 0u);
+  EXPECT_EQ(exchange(endpoint.port(), "GET /metrics HTTP/2\r\n\r\n").rfind("HTTP/1.1 400", 0), 0u);
+  // HEAD: the status and the length of the body, no body.
+  const std::string head = exchange(endpoint.port(), "HEAD /metrics?x=1 HTTP/1.0\r\n\r\n");
+  EXPECT_EQ(head.rfind("HTTP/1.1 200 OK", 0), 0u) << head;
+  EXPECT_EQ(head.substr(head.find("\r\n\r\n") + 4), "") << head;
 }
 
 TEST_F(MetricsEndpointTest, SurvivesOversizedAndUnfinishedRequests) {

@@ -21,6 +21,9 @@ std::string resolve_checkpoint(const std::string& path);
 // checkpoint.json of a step folder; throws moe::Error naming the file when it is
 // missing or malformed.
 v1::CheckpointManifest read_manifest(const std::string& folder);
+// The manifest in `text` (read from `path`, named in errors): format 1, one valid
+// map per layer in order, files named plainly within the folder.
+v1::CheckpointManifest manifest_from_json(const std::string& text, const std::string& path);
 
 // Every file the manifest lists exists with the bytes it recorded; throws
 // moe::Error naming the first missing or truncated one.
