@@ -22,7 +22,7 @@ Agent::Agent(rpc::asio::io_context& io, AgentOptions options)
       placement_(opts_.load_window),
       scheduler_(opts_.scheduler, members_, placement_, *this),
       rebalancer_(opts_.rebalance, placement_, scheduler_, members_, *this),
-      outbound_(std::make_unique<Outbound>(opts_.token)),
+      outbound_(std::make_unique<Outbound>(opts_.token, opts_.tls)),
       job_event_(io),
       bootstrap_event_(io),
       rebalance_event_(io),

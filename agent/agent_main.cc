@@ -7,6 +7,7 @@
 #include "moe/agent/metrics_exposer.h"
 #include "moe/base/file.h"
 #include "moe/base/log.h"
+#include "moe/rpc/tls_flags.h"
 
 namespace {
 
@@ -22,6 +23,7 @@ std::string host_name() {
 struct Flags {
   moe::agent::AgentOptions opts;
   std::string token_file, address_file, metrics;
+  moe::rpc::TlsFlags tls;
   int64_t hb_timeout_ms = 0, rebalance_timeout_ms = 0;
   double agent_grace_s = 30;
 
@@ -31,6 +33,7 @@ struct Flags {
     rebalance_timeout_ms = opts.rebalance.timeout.count();
     app.add_option("--listen", opts.listen, "HOST:PORT to serve on (port 0: ephemeral)")->capture_default_str();
     app.add_option("--token-file", token_file, "file holding the cluster token")->check(CLI::ExistingFile);
+    tls.add(app, true);
     app.add_option("--address-file", address_file, "write the bound HOST:PORT here once serving");
     app.add_option("--heartbeat-timeout-ms", hb_timeout_ms, "a node silent this long is dead")->capture_default_str();
     app.add_option("--metrics-port", metrics, "Prometheus metrics on this port (HOST:PORT or PORT; default off)");
@@ -77,6 +80,7 @@ struct Flags {
   // Converts what needs converting; reads the token.
   moe::agent::AgentOptions resolve() {
     if (!token_file.empty()) opts.token = moe::rpc::read_token_file(token_file);
+    opts.tls = tls.for_server("moe-agent");
     opts.heartbeat_timeout = std::chrono::milliseconds(hb_timeout_ms);
     opts.rebalance.timeout = std::chrono::milliseconds(rebalance_timeout_ms);
     opts.scheduler.restored_job_timeout =
@@ -118,6 +122,9 @@ int main(int argc, char** argv) {
     return 0;
   } catch (const agent::StateFileError& e) {
     log::error(e.what());  // the operator must look at the file: a usage error, not a crash
+    return 2;
+  } catch (const InvalidArgument& e) {  // a flag, or a file a flag names
+    log::error(e.what());
     return 2;
   } catch (const std::exception& e) {
     log::error(e.what());

@@ -67,7 +67,7 @@ std::unique_ptr<rpc::RpcServer> Agent::listen_on(const std::string& address, con
   const auto give_up = std::chrono::steady_clock::now() + kRebindPatience;
   for (bool told = false;; told = true) {
     try {
-      return std::make_unique<rpc::RpcServer>(io_, rpc::ServerOptions::make(address, opts_.token, "moe-agent"), handler);
+      return std::make_unique<rpc::RpcServer>(io_, rpc::ServerOptions::make(address, opts_.token, "moe-agent", opts_.tls), handler);
     } catch (const boost::system::system_error& e) {
       const bool in_use = e.code() == boost::asio::error::address_in_use;
       if (!in_use || rpc::split_address(address).second == 0 || std::chrono::steady_clock::now() >= give_up) throw;

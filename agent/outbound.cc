@@ -2,7 +2,8 @@
 
 namespace moe::agent {
 
-Outbound::Outbound(std::string token) : token_(std::move(token)), thread_([this] { loop(); }) {}
+Outbound::Outbound(std::string token, rpc::TlsFiles tls)
+    : token_(std::move(token)), tls_(std::move(tls)), thread_([this] { loop(); }) {}
 
 Outbound::~Outbound() {
   {
@@ -23,7 +24,7 @@ void Outbound::post(const std::string& address, std::function<void(rpc::RpcClien
 
 rpc::RpcClient& Outbound::client(const std::string& address) {
   auto& c = clients_[address];
-  if (!c) c = std::make_unique<rpc::RpcClient>(rpc::ClientOptions::make(address, token_, "moe-agent", "agent"));
+  if (!c) c = std::make_unique<rpc::RpcClient>(rpc::ClientOptions::make(address, token_, "moe-agent", "agent", tls_));
   return *c;
 }
 

@@ -18,7 +18,7 @@ namespace moe::agent {
 
 class Outbound {
  public:
-  explicit Outbound(std::string token);
+  Outbound(std::string token, rpc::TlsFiles tls);
   ~Outbound();  // drops tasks not yet run and joins the worker
   Outbound(const Outbound&) = delete;
   Outbound& operator=(const Outbound&) = delete;
@@ -31,6 +31,7 @@ class Outbound {
   rpc::RpcClient& client(const std::string& address);  // worker thread only
 
   const std::string token_;
+  const rpc::TlsFiles tls_;
   std::mutex mu_;
   std::condition_variable cv_;
   std::deque<std::function<void()>> tasks_;

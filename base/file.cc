@@ -28,9 +28,10 @@ void write_all(int fd, const std::string& data, const std::string& path) {
 
 }  // namespace
 
-void write_file_atomically(const std::string& path, const std::string& contents) {
+void write_file_atomically(const std::string& path, const std::string& contents, unsigned mode) {
   const std::string tmp = path + ".tmp";
-  const int fd = ::open(tmp.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
+  ::unlink(tmp.c_str());  // a leftover keeps its old mode otherwise
+  const int fd = ::open(tmp.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, static_cast<mode_t>(mode));
   MOE_CHECK(fd >= 0, tmp, ": cannot create: ", why());
   try {
     write_all(fd, contents, tmp);

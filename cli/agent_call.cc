@@ -38,7 +38,7 @@ int exit_code_of(const RpcError& e) {
 }
 
 rpc::RpcClient client(const Resolved& r) {
-  return rpc::RpcClient(rpc::ClientOptions::make(r.agent, r.token, "moectl", "moectl"));
+  return rpc::RpcClient(rpc::ClientOptions::make(r.agent, r.token, "moectl", "moectl", r.tls));
 }
 
 Resolved resolve(const Globals& g) {
@@ -52,6 +52,10 @@ Resolved resolve(const Globals& g) {
   std::string token_file = g.token_file;
   if (token_file.empty() && fs::exists(fs::path(r.state_dir) / "token")) token_file = (fs::path(r.state_dir) / "token").string();
   if (!token_file.empty()) r.token = rpc::read_token_file(token_file);
+  r.tls = g.tls;
+  const fs::path local = fs::path(r.state_dir) / "tls";
+  if (!r.tls.enabled() && fs::exists(local / "ca.pem"))
+    r.tls = {(local / "moectl.pem").string(), (local / "moectl.key").string(), (local / "ca.pem").string()};
   return r;
 }
 

@@ -21,6 +21,7 @@
 
 #include "agent_call.h"
 #include "moe/base/file.h"
+#include "moe/rpc/certs.h"
 
 namespace moe::ctl {
 
@@ -129,7 +130,29 @@ struct StateDir {
   fs::path scrape_targets() const { return dir / "prometheus" / "targets.json"; }
   fs::path agent_state() const { return dir / "agent"; }
   fs::path agent_argv() const { return dir / "agent.argv"; }  // restarts it on its state, one argument a line
+  fs::path tls() const { return dir / "tls"; }
 };
+
+// The local cluster's TLS: a CA kept in <state-dir>/tls (made once), and fresh
+// certificates for the agent, the daemons and moectl naming this machine.
+void make_local_certs(const StateDir& s) {
+  const fs::path ca_cert = s.tls() / "ca.pem", ca_key = s.tls() / "ca.key";
+  const rpc::CertAuthority ca = fs::exists(ca_cert) && fs::exists(ca_key)
+                                    ? rpc::CertAuthority::load({read_file(ca_cert.string()), read_file(ca_key.string())})
+                                    : rpc::CertAuthority::create("moed local cluster CA (" + s.dir.string() + ")", 3650);
+  rpc::write_pem(s.tls().string(), "ca", ca.pem());
+  char host[256] = {};
+  ::gethostname(host, sizeof host - 1);
+  const std::vector<std::string> hosts = {"127.0.0.1", "localhost", host};
+  for (const char* who : {"agent", "node", "moectl"}) rpc::write_pem(s.tls().string(), who, ca.issue(who, hosts, 365));
+}
+
+// The flags that give process `who` (agent, node) its TLS, or --plaintext.
+std::vector<std::string> tls_flags(const StateDir& s, const ClusterUpOptions& o, const std::string& who) {
+  if (o.plaintext) return {"--plaintext"};
+  return {"--tls-cert", (s.tls() / (who + ".pem")).string(), "--tls-key", (s.tls() / (who + ".key")).string(),
+          "--tls-ca", (s.tls() / "ca.pem").string()};
+}
 
 // cluster up stops with this exit code and message.
 struct UpFailure {
@@ -199,6 +222,8 @@ std::string start_agent(const StateDir& s, const ClusterUpOptions& o, Clock::tim
                                    s.token().string(), "--address-file", s.agent_address().string(), "--metrics-port",
                                    "127.0.0.1:0", "--prometheus-sd-file", s.scrape_targets().string(), "--state-dir",
                                    s.agent_state().string(), "--agent-grace", std::to_string(o.agent_grace)};
+  const std::vector<std::string> tls = tls_flags(s, o, "agent");
+  argv.insert(argv.end(), tls.begin(), tls.end());
   argv.insert(argv.end(), o.agent_args.begin(), o.agent_args.end());
   std::string lines;
   for (const std::string& a : argv) lines += a + "\n";
@@ -242,12 +267,14 @@ void start_daemon(const StateDir& s, const ClusterUpOptions& o, int i, const Res
   const int cores = static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
   const std::string name = "node" + std::to_string(i);
   const fs::path log = s.logs() / (name + ".log");
-  const pid_t pid = spawn({find_binary("moed", "daemon"), "--agent", r.agent, "--devices",
-                           std::to_string(o.devices_per_node), "--backend", o.backend, "--token-file",
-                           s.token().string(), "--name", name, "--listen", "127.0.0.1:0", "--metrics-port",
-                           "127.0.0.1:0", "--threads", std::to_string(std::max(1, cores / o.nodes)),
-                           "--agent-grace", std::to_string(o.agent_grace)},
-                          log, gpu_slice(o, i));
+  std::vector<std::string> argv = {find_binary("moed", "daemon"), "--agent", r.agent, "--devices",
+                                   std::to_string(o.devices_per_node), "--backend", o.backend, "--token-file",
+                                   s.token().string(), "--name", name, "--listen", "127.0.0.1:0", "--metrics-port",
+                                   "127.0.0.1:0", "--threads", std::to_string(std::max(1, cores / o.nodes)),
+                                   "--agent-grace", std::to_string(o.agent_grace)};
+  const std::vector<std::string> tls = tls_flags(s, o, "node");
+  argv.insert(argv.end(), tls.begin(), tls.end());
+  const pid_t pid = spawn(argv, log, gpu_slice(o, i));
   write_file_atomically((s.pids() / (name + ".pid")).string(), std::to_string(pid) + "\n");
   auto agent = client(r);
   while (alive_nodes(agent) < i + 1) {
@@ -278,6 +305,12 @@ int cluster_up(const Globals& g, const ClusterUpOptions& o, std::ostream& out, s
     fs::remove(s.agent_address());
     r.token = random_token();
     write_token(s, r.token);
+    if (o.plaintext) {
+      fs::remove_all(s.tls());  // moectl would otherwise speak TLS to this cluster
+    } else {
+      make_local_certs(s);
+    }
+    r.tls = g.tls.enabled() ? g.tls : resolve(Globals{.state_dir = r.state_dir}).tls;
     const auto until = Clock::now() + o.ready_timeout;
     r.agent = start_agent(s, o, until);
     for (int i = 0; i < o.nodes; ++i) start_daemon(s, o, i, r, until);

@@ -9,6 +9,7 @@
 
 #include "moe/ctl/ctl.h"
 #include "moe/ctl/job_flags.h"
+#include "moe/rpc/tls_flags.h"
 
 namespace {
 
@@ -36,6 +37,8 @@ void add_cluster(CLI::App& app, Commands& c) {
                   "seconds a job runs on while the agent is away (moed and moe-agent --agent-grace)")
       ->check(CLI::Range(0.0, 86400.0))
       ->capture_default_str();
+  cup->add_flag("--plaintext", up->plaintext,
+                "plain TCP, no TLS (default: a CA and certificates in the state directory's tls/)");
   // moe-agent's placement flags, passed through when given.
   auto agent_flags = std::make_shared<std::vector<std::pair<std::string, std::string>>>();
   agent_flags->reserve(8);  // CLI11 keeps references to the values: no reallocation
@@ -130,6 +133,17 @@ void add_placement(CLI::App& app, Commands& c) {
   c.add(reb, [&c, r] { return ctl::placement_rebalance(c.g, *r, std::cout, std::cerr); });
 }
 
+void add_tls(CLI::App& app, Commands& c) {
+  CLI::App* tls = app.add_subcommand("tls", "certificates for the control plane's TLS")->require_subcommand(1);
+  auto o = std::make_shared<ctl::TlsCreateOptions>();
+  CLI::App* create = tls->add_subcommand("create", "a CA in DIR (made once) and a certificate and key per --name");
+  create->add_option("dir", o->dir, "folder of ca.pem, ca.key, NAME.pem, NAME.key")->required();
+  create->add_option("--name", o->names, "who the certificate is for: agent, node0, moectl, ... (repeatable)")->required();
+  create->add_option("--host", o->hosts, "host name or IP address the certificate names (repeatable; servers need it)");
+  create->add_option("--days", o->days, "validity")->capture_default_str();
+  c.add(create, [o] { return ctl::tls_create(*o, std::cout, std::cerr); });
+}
+
 void add_top(CLI::App& app, Commands& c) {
   auto o = std::make_shared<ctl::TopOptions>();
   CLI::App* top = app.add_subcommand("top", "live load: per layer expert heat, rank bars, balancedness; q quits");
@@ -149,13 +163,18 @@ int main(int argc, char** argv) {
   app.add_option("--token-file", c.g.token_file, "cluster token file")->envname("MOE_TOKEN_FILE");
   app.add_option("--state-dir", c.g.state_dir, "local cluster state")->envname("MOE_STATE_DIR");
   app.add_option("--output", output, "table or json")->check(CLI::IsMember({"table", "json"}));
+  moe::rpc::TlsFlags tls;
+  tls.add(app, false);
   try {
     add_cluster(app, c);
     add_job(app, c);
     add_placement(app, c);
     add_checkpoint(app, c);
     add_top(app, c);
+    add_tls(app, c);
     app.parse(argc, argv);
+    c.g.tls = tls.files;
+    c.g.tls.check();
   } catch (const CLI::ParseError& e) {
     const int rc = app.exit(e);
     return rc == 0 ? 0 : ctl::kExitUsage;

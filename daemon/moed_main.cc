@@ -5,12 +5,15 @@
 
 #include "moe/node/daemon.h"
 #include "moe/base/log.h"
+#include "moe/rpc/tls_flags.h"
 
 int main(int argc, char** argv) {
   using namespace moe;
   CLI::App app{"moed: the moed node daemon"};
   node::DaemonOptions o;
   std::string token_file;
+  rpc::TlsFlags tls;
+  tls.add(app, true);
   app.add_option("--agent", o.agent, "HOST:PORT of moe-agent")->required()->envname("MOE_AGENT");
   app.add_option("--devices", o.devices, "devices (EP ranks) on this node; 0: one per GPU with the CUDA backend, 1 on CPU")
       ->check(CLI::Range(0, 1024));
@@ -33,6 +36,7 @@ int main(int argc, char** argv) {
   log::init("moed", o.name.empty() ? "starting" : o.name);
   try {
     if (!token_file.empty()) o.token = rpc::read_token_file(token_file);
+    o.tls = tls.for_server("moed");
     o.agent_grace = std::chrono::milliseconds(static_cast<int64_t>(agent_grace_s * 1000));
     rpc::asio::io_context io;
     // Signals first: once the daemon registers, whoever sees it may stop it at

@@ -109,7 +109,7 @@ Daemon::Daemon(rpc::asio::io_context& io, DaemonOptions options) : io_(io), opts
   opts_.devices = resolve_devices(opts_.devices, backend_);
   if (opts_.threads <= 0) opts_.threads = static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
   server_ = std::make_unique<rpc::RpcServer>(
-      io_, rpc::ServerOptions::make(opts_.listen, opts_.token, "moed"), [this](const v1::Envelope& req, const rpc::RequestContext& ctx) { return handle(req, ctx); });
+      io_, rpc::ServerOptions::make(opts_.listen, opts_.token, "moed", opts_.tls), [this](const v1::Envelope& req, const rpc::RequestContext& ctx) { return handle(req, ctx); });
   if (opts_.name.empty()) opts_.name = host_name() + ":" + std::to_string(server_->port());
   if (const char* f = std::getenv("MOE_FAULT_INJECT")) faults_ = FaultInjection::parse(f, opts_.name);
   if (!opts_.metrics.empty()) {
@@ -171,7 +171,7 @@ void Daemon::register_once(rpc::RpcClient& agent) {
 }
 
 void Daemon::heartbeat_loop() {
-  rpc::RpcClient agent(rpc::ClientOptions::make(opts_.agent, opts_.token, "moed", opts_.name));
+  rpc::RpcClient agent(rpc::ClientOptions::make(opts_.agent, opts_.token, "moed", opts_.name, opts_.tls));
   const auto started = std::chrono::steady_clock::now();
   bool registered = false;
   std::string last_error;
@@ -234,6 +234,7 @@ void Daemon::start_job(const v1::StartJob& start) {
   RunnerEnv env;
   env.agent_address = opts_.agent;
   env.token = opts_.token;
+  env.tls = opts_.tls;
   env.node_name = opts_.name;
   env.node_index = node_index_;
   env.devices = opts_.devices;

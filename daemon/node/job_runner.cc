@@ -9,7 +9,7 @@ namespace moe::node {
 JobRunner::JobRunner(v1::StartJob job, RunnerEnv env)
     : job_(std::move(job)), env_(std::move(env)), mailbox_(job_.job_id(), env_.devices) {
   reports_ = std::make_unique<ReportSender>(
-      rpc::ClientOptions::make(env_.agent_address, env_.token, "moed", env_.node_name + "/reports"), *env_.link,
+      rpc::ClientOptions::make(env_.agent_address, env_.token, "moed", env_.node_name + "/reports", env_.tls), *env_.link,
       job_.job_id(), env_.devices);
   env_.reports = reports_.get();
   std::vector<int> local;
@@ -53,7 +53,7 @@ std::string JobRunner::cancel_reason() const {
 void JobRunner::rank_main(int local) {
   const int rank = env_.node_index * env_.devices + local;
   rpc::RpcClient agent(rpc::ClientOptions::make(env_.agent_address, env_.token, "moed",
-                                                env_.node_name + "/rank" + std::to_string(rank)));
+                                                env_.node_name + "/rank" + std::to_string(rank), env_.tls));
   v1::Envelope done;
   auto* d = done.mutable_rank_done();
   d->set_job_id(job_.job_id());

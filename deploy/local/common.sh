@@ -12,7 +12,7 @@ MOE_PACKAGES=(
   cmake ninja-build g++ pkg-config
   libopenblas-dev libdnnl-dev
   libucx-dev ucx-utils
-  libboost-dev libboost-system-dev
+  libboost-dev libboost-system-dev libssl-dev
   libprotobuf-dev protobuf-compiler
   libcli11-dev prometheus-cpp-dev
   libgtest-dev libgmock-dev

@@ -10,8 +10,7 @@
 namespace moe::rpc {
 
 using asio::ip::tcp;
-using detail::read_frame;
-using detail::write_frame;
+using detail::Connection;
 using Clock = std::chrono::steady_clock;
 
 std::pair<std::string, int> split_address(const std::string& address) {
@@ -40,28 +39,29 @@ std::string read_token_file(const std::string& path) {
 }
 
 struct RpcClient::Impl {
-  explicit Impl(ClientOptions o) : opts(std::move(o)) {}
+  explicit Impl(ClientOptions o) : opts(std::move(o)) {
+    if (opts.tls.enabled()) tls.emplace(detail::client_context(opts.tls));
+  }
   awaitable<void> connect_and_hello();
   awaitable<v1::Envelope> roundtrip(const v1::Envelope& request);
 
   ClientOptions opts;
+  std::optional<detail::ssl::context> tls;
   std::mutex mu;
   asio::io_context io;
-  std::unique_ptr<tcp::socket> socket;
+  std::unique_ptr<Connection> conn;
   uint64_t next_id = 1;
 };
 
-RpcClient::RpcClient(ClientOptions options) : impl_(std::make_unique<Impl>(std::move(options))) {
-  split_address(impl_->opts.address);
+RpcClient::RpcClient(ClientOptions options) {
+  split_address(options.address);
+  impl_ = std::make_unique<Impl>(std::move(options));
 }
 
 RpcClient::RpcClient(RpcClient&&) noexcept = default;
 
 RpcClient::~RpcClient() {
-  if (impl_ && impl_->socket) {
-    boost::system::error_code ec;
-    impl_->socket->close(ec);
-  }
+  if (impl_ && impl_->conn) impl_->conn->close();
 }
 
 const std::string& RpcClient::address() const { return impl_->opts.address; }
@@ -70,19 +70,19 @@ awaitable<void> RpcClient::Impl::connect_and_hello() {
   const auto [host, port] = split_address(opts.address);
   tcp::resolver resolver(io);
   const auto endpoints = co_await resolver.async_resolve(host, std::to_string(port), use_awaitable);
-  // socket is set before connecting, so a deadline that closes it also ends a
+  // conn is set before connecting, so a deadline that closes it also ends a
   // connect to a host that never answers.
-  socket = std::make_unique<tcp::socket>(io);
-  co_await asio::async_connect(*socket, endpoints, use_awaitable);
+  conn = std::make_unique<Connection>(io);
+  co_await asio::async_connect(conn->socket(), endpoints, use_awaitable);
   // A loopback connect to a port nobody listens on can pick that same port as
   // its own and connect to itself (TCP simultaneous open). That socket would
   // then hold the port a restarting server needs; treat it as refused.
-  if (socket->local_endpoint() == socket->remote_endpoint()) {
-    boost::system::error_code ec;
-    socket->close(ec);
+  if (conn->socket().local_endpoint() == conn->socket().remote_endpoint()) {
+    conn->close();
     throw boost::system::system_error(asio::error::connection_refused, "connected to itself");
   }
-  socket->set_option(tcp::no_delay(true));
+  conn->socket().set_option(tcp::no_delay(true));
+  if (tls) co_await conn->handshake(*tls, detail::ssl::stream_base::client, host);
   v1::Envelope hello;
   hello.set_request_id(next_id++);
   hello.mutable_hello()->set_token(opts.token);
@@ -92,8 +92,8 @@ awaitable<void> RpcClient::Impl::connect_and_hello() {
 }
 
 awaitable<v1::Envelope> RpcClient::Impl::roundtrip(const v1::Envelope& request) {
-  co_await write_frame(*socket, request);
-  v1::Envelope reply = co_await read_frame(*socket, opts.max_frame_bytes);
+  co_await conn->write(request);
+  v1::Envelope reply = co_await conn->read(opts.max_frame_bytes);
   if (reply.request_id() != request.request_id() && !reply.has_error())
     throw RpcError(v1::ERROR_CODE_BAD_FRAME, "reply " + std::to_string(reply.request_id()) + " to request " +
                                                  std::to_string(request.request_id()));
@@ -113,7 +113,7 @@ v1::Envelope RpcClient::call(v1::Envelope request, std::chrono::milliseconds tim
   asio::co_spawn(
       m.io,
       [&]() -> awaitable<void> {
-        if (!m.socket) co_await m.connect_and_hello();
+        if (!m.conn) co_await m.connect_and_hello();
         reply = co_await m.roundtrip(request);
       },
       [&](std::exception_ptr e) {
@@ -123,30 +123,32 @@ v1::Envelope RpcClient::call(v1::Envelope request, std::chrono::milliseconds tim
   m.io.run_until(deadline);
   if (!done) {
     // Deadline: close the socket so the pending operation completes, then drain.
-    if (m.socket) {
-      boost::system::error_code ec;
-      m.socket->close(ec);
-    }
+    if (m.conn) m.conn->close();
     m.io.restart();
     m.io.run();
-    m.socket.reset();
+    m.conn.reset();
     throw RpcError(v1::ERROR_CODE_DEADLINE_EXCEEDED, "no reply from " + m.opts.address + " within " +
                                                          std::to_string(timeout.count()) + " ms (" +
                                                          payload_name(request) + ")");
   }
   if (error) {
-    m.socket.reset();
+    m.conn.reset();
     try {
       std::rethrow_exception(error);
     } catch (const RpcError&) {
       throw;
+    } catch (const boost::system::system_error& e) {
+      if (e.code().category() == asio::error::get_ssl_category())
+        throw RpcError(v1::ERROR_CODE_UNAVAILABLE, "TLS with " + m.opts.address + " failed: " +
+                                                       detail::handshake_failure(e.code(), false));
+      throw RpcError(v1::ERROR_CODE_UNAVAILABLE, "cannot reach " + m.opts.address + ": " + e.what());
     } catch (const std::exception& e) {
       throw RpcError(v1::ERROR_CODE_UNAVAILABLE, "cannot reach " + m.opts.address + ": " + e.what());
     }
   }
   if (reply->has_error()) {
     const auto code = reply->error().code();
-    if (code == v1::ERROR_CODE_BAD_FRAME || code == v1::ERROR_CODE_UNAUTHENTICATED) m.socket.reset();  // server closed it
+    if (code == v1::ERROR_CODE_BAD_FRAME || code == v1::ERROR_CODE_UNAUTHENTICATED) m.conn.reset();  // server closed it
     throw RpcError(code, reply->error().message());
   }
   return std::move(*reply);

@@ -5,29 +5,30 @@
 #include <optional>
 
 #include "frame_io.h"
+#include "moe/base/log.h"
 
 namespace moe::rpc {
 
 using asio::ip::tcp;
-using detail::read_frame;
-using detail::try_write_frame;
 using Clock = std::chrono::steady_clock;
 
 namespace {
 
 constexpr auto kDefaultRequestDeadline = std::chrono::seconds(30);
 constexpr int64_t kMaxRequestDeadlineMs = 3600 * 1000;
+constexpr auto kHandshakeTimeout = std::chrono::seconds(10);
 
 }  // namespace
 
 struct RpcServer::Connection {
-  explicit Connection(tcp::socket s) : socket(std::move(s)) {}
-  tcp::socket socket;
+  explicit Connection(tcp::socket s) : conn(std::move(s)) {}
+  detail::Connection conn;
   std::string peer;
 };
 
 RpcServer::RpcServer(asio::io_context& io, ServerOptions options, Handler handler)
     : io_(io), opts_(std::move(options)), handler_(std::move(handler)), acceptor_(io) {
+  if (opts_.tls.enabled()) tls_ = std::make_unique<detail::ssl::context>(detail::server_context(opts_.tls));
   const tcp::endpoint ep(asio::ip::make_address(opts_.host), static_cast<unsigned short>(opts_.port));
   acceptor_.open(ep.protocol());
   acceptor_.set_option(tcp::acceptor::reuse_address(true));
@@ -53,7 +54,7 @@ void RpcServer::stop() {
   stopped_ = true;
   boost::system::error_code ec;
   acceptor_.close(ec);
-  for (const auto& c : connections_) c->socket.close(ec);
+  for (const auto& c : connections_) c->conn.close();
   connections_.clear();
 }
 
@@ -67,14 +68,56 @@ awaitable<void> RpcServer::accept_loop() {
     }
     auto conn = std::make_shared<Connection>(std::move(s));
     boost::system::error_code pe;
-    const auto remote = conn->socket.remote_endpoint(pe);
+    const auto remote = conn->conn.socket().remote_endpoint(pe);
     conn->peer = pe ? "?" : remote.address().to_string() + ":" + std::to_string(remote.port());
     connections_.insert(conn);
     asio::co_spawn(io_, serve(conn), asio::detached);
   }
 }
 
+// TLS from the first byte, within kHandshakeTimeout. A plain client is told in
+// its own framing that TLS is required; a failed handshake is logged. False: the
+// connection is done.
+awaitable<bool> RpcServer::secure(std::shared_ptr<Connection> conn) {
+  asio::steady_timer timer(io_);
+  timer.expires_after(kHandshakeTimeout);
+  timer.async_wait([conn](boost::system::error_code ec) {
+    if (!ec) conn->conn.close();
+  });
+  try {
+    uint8_t first = 0;
+    co_await conn->conn.socket().async_receive(asio::buffer(&first, 1), tcp::socket::message_peek, use_awaitable);
+    if (first != detail::kTlsHandshakeRecord) {
+      uint64_t id = 0;  // the request's, when its frame is one
+      try {
+        id = (co_await conn->conn.read(opts_.max_frame_bytes)).request_id();
+      } catch (const RpcError&) {
+      }
+      co_await conn->conn.try_write(make_error(
+          v1::ERROR_CODE_UNAUTHENTICATED, opts_.role + " at " + address() + " requires TLS: give --tls-ca, --tls-cert and --tls-key", id));
+      timer.cancel();
+      co_return false;
+    }
+    co_await conn->conn.handshake(*tls_, detail::ssl::stream_base::server, "");
+  } catch (const boost::system::system_error& e) {
+    if (e.code() != asio::error::operation_aborted && e.code() != asio::error::eof)
+      log::warn("TLS handshake with ", conn->peer, " failed: ", detail::handshake_failure(e.code(), true));
+    timer.cancel();
+    co_return false;
+  } catch (const std::exception&) {
+    timer.cancel();
+    co_return false;
+  }
+  timer.cancel();
+  co_return true;
+}
+
 awaitable<void> RpcServer::serve(std::shared_ptr<Connection> conn) {
+  if (tls_ && !co_await secure(conn)) {
+    conn->conn.close();
+    connections_.erase(conn);
+    co_return;
+  }
   bool authenticated = false;
   RequestContext ctx;
   ctx.peer = conn->peer;
@@ -82,7 +125,7 @@ awaitable<void> RpcServer::serve(std::shared_ptr<Connection> conn) {
     v1::Envelope request;
     std::optional<v1::Envelope> fatal;  // an error reply after which the connection closes
     try {
-      request = co_await read_frame(conn->socket, opts_.max_frame_bytes);
+      request = co_await conn->conn.read(opts_.max_frame_bytes);
     } catch (const RpcError& e) {
       fatal = make_error(e.code(), e.what());
     } catch (const std::exception&) {
@@ -101,12 +144,12 @@ awaitable<void> RpcServer::serve(std::shared_ptr<Connection> conn) {
         reply.set_request_id(request.request_id());
         reply.mutable_hello_reply()->set_role(opts_.role);
         reply.mutable_hello_reply()->set_version("moe.v1");
-        if (!co_await try_write_frame(conn->socket, reply)) break;
+        if (!co_await conn->conn.try_write(reply)) break;
         continue;
       }
     }
     if (fatal) {
-      co_await try_write_frame(conn->socket, *fatal);
+      co_await conn->conn.try_write(*fatal);
       break;
     }
     // A handler stops waiting a little before the caller gives up, so a wait that
@@ -127,10 +170,9 @@ awaitable<void> RpcServer::serve(std::shared_ptr<Connection> conn) {
       reply = make_error(v1::ERROR_CODE_INTERNAL, e.what());
     }
     reply.set_request_id(request.request_id());
-    if (!co_await try_write_frame(conn->socket, reply)) break;
+    if (!co_await conn->conn.try_write(reply)) break;
   }
-  boost::system::error_code ec;
-  conn->socket.close(ec);
+  conn->conn.close();
   connections_.erase(conn);
 }
 

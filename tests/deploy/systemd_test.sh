@@ -57,6 +57,8 @@ for u in moe-agent.service moed.service; do
   need_line "$u" "EnvironmentFile=/etc/default/moed"
   need_line "$u" "LoadCredential=token:/etc/moed/token"
   grep -qE -- '--token-file %d/token' "$units/$u" || fail "$u does not read the token from its credentials (%d/token)"
+  grep -qE -- '--tls-cert %d/tls-cert --tls-key %d/tls-key --tls-ca %d/tls-ca' "$units/$u" ||
+    fail "$u does not take its TLS files from its credentials"
 done
 need_line moe-agent.service "StateDirectory=moe-agent moe-agent/prometheus"
 need_line moed.service "StateDirectory=moed"
@@ -75,17 +77,26 @@ env[MOE_AGENT_METRICS]=127.0.0.1:0
 env[MOE_AGENT_ARGS]="--address-file $TMP/agent_address"
 env[MOED_LISTEN]=127.0.0.1:0
 env[MOED_METRICS]=127.0.0.1:0
-mkdir -p "$TMP/credentials"
+# Each unit's credentials directory (%d): the token, and TLS files from `moectl tls create`.
+"$moectl" tls create "$TMP/tls" --name agent --name node --name moectl --host 127.0.0.1 --host localhost >/dev/null ||
+  fail "moectl tls create failed"
+for u in moe-agent:agent moed:node; do
+  d=$TMP/credentials/${u%%:*}
+  mkdir -p "$d"
+  cp "$root/etc/moed/token" "$d/token"
+  cp "$TMP/tls/${u#*:}.pem" "$d/tls-cert"
+  cp "$TMP/tls/${u#*:}.key" "$d/tls-key"
+  cp "$TMP/tls/ca.pem" "$d/tls-ca"
+done
 # The StateDirectory= folders systemd would create under %S.
 for u in moe-agent.service moed.service; do
   read -r -a dirs < <(sed -n 's/^StateDirectory=//p' "$units/$u")
   for d in "${dirs[@]}"; do mkdir -p "$TMP/state/$d"; done
 done
-cp "$root/etc/moed/token" "$TMP/credentials/token"
-# expand LINE: systemd's specifiers and variables; sets argv (split on white space, as $VAR is).
+# expand UNIT LINE: systemd's specifiers and variables; sets argv (split on white space, as $VAR is).
 expand() {
-  local s=$1 k
-  s=${s//%d/$TMP/credentials}
+  local s=$2 k
+  s=${s//%d/$TMP/credentials/$1}
   s=${s//%S/$TMP/state}
   s=${s//%H/$(hostname)}
   for k in "${!env[@]}"; do
@@ -107,7 +118,7 @@ without_flags() {
   done
   argv=("${out[@]}")
 }
-expand "$(exec_start "$units/moe-agent.service")"
+expand moe-agent "$(exec_start "$units/moe-agent.service")"
 [ "${argv[0]}" = /usr/local/bin/moe-agent ] || fail "moe-agent.service runs ${argv[0]}"
 pending_out=$(pending_flags moe-agent "$agent")
 read -r -d '' -a pending <<<"$pending_out" || true
@@ -123,7 +134,7 @@ done
 [ -s "$TMP/agent_address" ] || fail "moe-agent wrote no address within 10 s"
 env[MOE_AGENT]=$(cat "$TMP/agent_address")
 
-expand "$(exec_start "$units/moed.service")"
+expand moed "$(exec_start "$units/moed.service")"
 [ "${argv[0]}" = /usr/local/bin/moed ] || fail "moed.service runs ${argv[0]}"
 pending_out=$(pending_flags moed "$moed")
 read -r -d '' -a pending <<<"$pending_out" || true
@@ -131,7 +142,8 @@ without_flags "${pending[@]}"
 log "moed ${argv[*]:1}"
 (cd "$TMP/state/moed" && exec "$moed" "${argv[@]:1}") >"$TMP/moed.log" 2>&1 &
 pids+=($!)
-ctl=("$moectl" --agent "${env[MOE_AGENT]}" --token-file "$TMP/credentials/token" --output json)
+ctl=("$moectl" --agent "${env[MOE_AGENT]}" --token-file "$TMP/credentials/moed/token" --output json
+  --tls-cert "$TMP/tls/moectl.pem" --tls-key "$TMP/tls/moectl.key" --tls-ca "$TMP/tls/ca.pem")
 registered=""
 for _ in $(seq 150); do
   kill -0 "${pids[1]}" 2>/dev/null || { cat "$TMP/moed.log" >&2; fail "moed exited with the unit's command line"; }

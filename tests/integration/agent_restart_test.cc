@@ -41,8 +41,8 @@ bool every_node_alive(const Cluster& c, int nodes) {
   return s.nodes_size() == nodes && alive == nodes;
 }
 
-std::string running_on(const std::string& daemon, const std::string& token) {
-  rpc::RpcClient d(rpc::ClientOptions::make(daemon, token, "test", "test"));
+std::string running_on(const Cluster& c, const std::string& daemon) {
+  rpc::RpcClient d = c.client_of(daemon);
   v1::Envelope req;
   req.mutable_daemon_status();
   return d.call(req, 5s).daemon_status_reply().running_job();
@@ -150,12 +150,11 @@ TEST(AgentRestart, PastTheGraceTheDaemonsStopAndTheJobFailsAgentRestarted) {
   std::vector<std::string> daemons;
   const v1::ClusterStatus before = c.status();
   for (const auto& n : before.nodes()) daemons.push_back(n.control_address());
-  const std::string token = c.token();
 
   c.kill_agent();
   const auto killed = Clock::now();
   for (const std::string& d : daemons)
-    EXPECT_TRUE(poll_until([&] { return running_on(d, token).empty(); }, 30s)) << d << " still runs the job\n" << c.logs();
+    EXPECT_TRUE(poll_until([&] { return running_on(c, d).empty(); }, 30s)) << d << " still runs the job\n" << c.logs();
   EXPECT_GT(Clock::now() - killed, 2s) << "stopped before the grace";
   Process agent = c.start_agent_again();
 
@@ -176,7 +175,7 @@ TEST(AgentRestart, ADamagedStateFileIsRefusedNamingTheFile) {
   const fs::path dir = fs::temp_directory_path() / ("moe_agent_state_" + std::to_string(::getpid()));
   fs::remove_all(dir);
   const fs::path address = dir / "address", file = dir / "state" / "agent_state.pb";
-  const std::vector<std::string> argv = {kAgent, "--listen", "127.0.0.1:0", "--state-dir", (dir / "state").string(),
+  const std::vector<std::string> argv = {kAgent, "--plaintext", "--listen", "127.0.0.1:0", "--state-dir", (dir / "state").string(),
                                          "--address-file", address.string()};
   {  // A fresh state dir: the agent writes its state and serves.
     Process agent = Process::spawn(argv);

@@ -255,7 +255,7 @@ TEST(Cluster, BadInputGetsExitCodesAndClearErrors) {
   }
   // Both still serve.
   EXPECT_EQ(c.client().call(status, 10s).cluster_status_reply().nodes_size(), 1);
-  rpc::RpcClient daemon(rpc::ClientOptions::make(st.nodes(0).control_address(), c.token(), "test", "test"));
+  rpc::RpcClient daemon = c.client_of(st.nodes(0).control_address());
   EXPECT_EQ(daemon.call(req, 10s).daemon_status_reply().name(), "node0");
 
   // A stopped agent: exit 3, quickly.
@@ -283,8 +283,10 @@ TEST(Cluster, KilledDaemonFailsTheJobNamingItAndARestartRejoins) {
   // The agent keeps serving; a restarted node1 rejoins and runs the next job.
   std::tie(rc, out) = c.ctl({"cluster", "status"});
   EXPECT_EQ(rc, 0) << out;
-  Process restarted = Process::spawn({kMoed, "--agent", c.agent(), "--devices", "1", "--token-file",
-                                      (c.dir() / "token").string(), "--name", "node1", "--listen", "127.0.0.1:0"});
+  std::vector<std::string> argv = {kMoed, "--agent", c.agent(), "--devices", "1", "--token-file",
+                                   (c.dir() / "token").string(), "--name", "node1", "--listen", "127.0.0.1:0"};
+  for (const std::string& f : c.moed_tls_flags()) argv.push_back(f);
+  Process restarted = Process::spawn(argv);
   const auto rejoin_until = std::chrono::steady_clock::now() + 30s;
   for (;;) {
     v1::Envelope req;

@@ -47,6 +47,19 @@ Cluster::~Cluster() {
 std::string Cluster::agent() const { return read_text_file(dir_ / "agent_address"); }
 std::string Cluster::token() const { return read_text_file(dir_ / "token"); }
 
+rpc::TlsFiles Cluster::tls() const {
+  const fs::path t = dir_ / "tls";
+  if (!fs::exists(t / "ca.pem")) return {};
+  return {(t / "moectl.pem").string(), (t / "moectl.key").string(), (t / "ca.pem").string()};
+}
+
+std::vector<std::string> Cluster::moed_tls_flags() const {
+  const fs::path t = dir_ / "tls";
+  if (!fs::exists(t / "ca.pem")) return {"--plaintext"};
+  return {"--tls-cert", (t / "node.pem").string(), "--tls-key", (t / "node.key").string(), "--tls-ca",
+          (t / "ca.pem").string()};
+}
+
 std::pair<int, std::string> Cluster::ctl(const std::vector<std::string>& args, std::chrono::milliseconds timeout) const {
   std::vector<std::string> argv = {kMoectl, "--state-dir", dir_.string()};
   argv.insert(argv.end(), args.begin(), args.end());
@@ -63,8 +76,10 @@ std::string Cluster::logs() const {
   return s;
 }
 
-rpc::RpcClient Cluster::client() const {
-  return rpc::RpcClient(rpc::ClientOptions::make(agent(), token(), "test", "test"));
+rpc::RpcClient Cluster::client() const { return client_of(agent()); }
+
+rpc::RpcClient Cluster::client_of(const std::string& address) const {
+  return rpc::RpcClient(rpc::ClientOptions::make(address, token(), "test", "test", tls()));
 }
 
 v1::JobResult Cluster::job(const std::string& id) const {

@@ -30,12 +30,17 @@ class Cluster {
   const std::filesystem::path& dir() const { return dir_; }
   std::string agent() const;
   std::string token() const;
+  // The client files `cluster up` made in tls/ (none for a --plaintext cluster).
+  rpc::TlsFiles tls() const;
+  // moed's flags for this cluster's TLS: --tls-cert ... or --plaintext.
+  std::vector<std::string> moed_tls_flags() const;
 
   // Runs moectl with this cluster's state dir; returns (exit code, output).
   std::pair<int, std::string> ctl(const std::vector<std::string>& args,
                                   std::chrono::milliseconds timeout = std::chrono::seconds(60)) const;
   std::string logs() const;  // every process log, for failure messages
-  rpc::RpcClient client() const;
+  rpc::RpcClient client() const;  // to the agent
+  rpc::RpcClient client_of(const std::string& address) const;
   v1::JobResult job(const std::string& id) const;
   v1::ClusterStatus status() const;
   // Submits a job that runs until stopped and returns its id once `steps` steps

@@ -1,6 +1,7 @@
 // Several hosts on one machine: the agent and each daemon in a network namespace of
 // its own, joined by veth pairs to a bridge, with their own addresses, so the
-// control plane and UCX cross a real network stack. Skipped, with the reason, where
+// control plane (mutual TLS, a certificate per host from `moectl tls create`) and UCX
+// cross a real network stack. Skipped, with the reason, where
 // namespaces cannot be made (not root, no iproute2).
 #include <gtest/gtest.h>
 #include <unistd.h>
@@ -84,9 +85,25 @@ TEST(SeveralHosts, ForwardJobAcrossNetworkNamespaces) {
   fs::create_directories(dir);
   std::ofstream(dir / "token") << "netns-token\n";
   const std::string bin = MOE_BIN_DIR;
-  Process agent = Process::spawn(hosts.in(0, {bin + "/agent/moe-agent", "--listen", hosts.address(0) + ":0",
-                                              "--token-file", (dir / "token").string(), "--address-file",
-                                              (dir / "agent_address").string()}));
+  // Mutual TLS as on a real cluster: one certificate per host, naming its address.
+  const fs::path tls = dir / "tls";
+  for (int i = 0; i <= 2; ++i) {
+    Process make = Process::spawn({bin + "/cli/moectl", "tls", "create", tls.string(), "--name",
+                                   "host" + std::to_string(i), "--host", hosts.address(i)});
+    ASSERT_EQ(make.wait(30s), 0) << make.output();
+  }
+  auto tls_of = [&](int i) {
+    const std::string h = (tls / ("host" + std::to_string(i))).string();
+    return std::vector<std::string>{"--tls-cert", h + ".pem", "--tls-key", h + ".key", "--tls-ca", (tls / "ca.pem").string()};
+  };
+  auto with = [](std::vector<std::string> a, const std::vector<std::string>& b) {
+    a.insert(a.end(), b.begin(), b.end());
+    return a;
+  };
+  Process agent = Process::spawn(hosts.in(0, with({bin + "/agent/moe-agent", "--listen", hosts.address(0) + ":0",
+                                                   "--token-file", (dir / "token").string(), "--address-file",
+                                                   (dir / "agent_address").string()},
+                                                  tls_of(0))));
   const auto until = std::chrono::steady_clock::now() + 30s;
   while (!fs::exists(dir / "agent_address")) {
     ASSERT_LT(std::chrono::steady_clock::now(), until) << agent.output();
@@ -96,11 +113,14 @@ TEST(SeveralHosts, ForwardJobAcrossNetworkNamespaces) {
   EXPECT_EQ(address.rfind(hosts.address(0) + ":", 0), 0u) << address;
   std::vector<Process> daemons;
   for (int i = 1; i <= 2; ++i)
-    daemons.push_back(Process::spawn(hosts.in(i, {bin + "/daemon/moed", "--agent", address, "--devices", "2", "--listen",
-                                                  hosts.address(i) + ":0", "--token-file", (dir / "token").string(),
-                                                  "--name", "host" + std::to_string(i), "--threads", "1"})));
+    daemons.push_back(Process::spawn(hosts.in(i, with({bin + "/daemon/moed", "--agent", address, "--devices", "2",
+                                                       "--listen", hosts.address(i) + ":0", "--token-file",
+                                                       (dir / "token").string(), "--name", "host" + std::to_string(i),
+                                                       "--threads", "1"},
+                                                      tls_of(i)))));
   auto ctl = [&](std::vector<std::string> args, std::chrono::milliseconds timeout) {
-    std::vector<std::string> argv = {bin + "/cli/moectl", "--agent", address, "--token-file", (dir / "token").string()};
+    std::vector<std::string> argv =
+        with({bin + "/cli/moectl", "--agent", address, "--token-file", (dir / "token").string()}, tls_of(0));
     argv.insert(argv.end(), args.begin(), args.end());
     Process p = Process::spawn(hosts.in(0, argv));
     const int rc = p.wait(timeout);

@@ -128,10 +128,11 @@ for (const w of workloads) {
   const claims = Object.fromEntries((spec.volumeClaimTemplates || []).map((c) => [c.metadata.name, c]));
   for (const v of pod.volumes || []) {
     if (v.secret) {
-      if ((v.secret.defaultMode ?? 0o644) & 0o007) error(w.where, `volume ${v.name}: the token must not be world-readable (defaultMode)`);
+      if ((v.secret.defaultMode ?? 0o644) & 0o007) error(w.where, `volume ${v.name}: a secret must not be world-readable (defaultMode)`);
       const s = byName('Secret', v.secret.secretName);
+      const keys = v.secret.secretName === 'moed-tls-ca' ? ['ca.pem', 'ca.key'] : ['token'];
       if (!s) error(w.where, `volume ${v.name}: no Secret ${v.secret.secretName}`);
-      else if (!('token' in { ...s.obj.data, ...s.obj.stringData })) error(w.where, `Secret ${v.secret.secretName} has no key token`);
+      else for (const k of keys) if (!(k in { ...s.obj.data, ...s.obj.stringData })) error(w.where, `Secret ${v.secret.secretName} has no key ${k}`);
     }
   }
   for (const c of pod.containers || []) {
@@ -152,6 +153,26 @@ for (const w of workloads) {
     const tokenMount = tokenFile && mounts[path.dirname(tokenFile)];
     if (!tokenMount || !volumes[tokenMount.name]?.secret || path.basename(tokenFile) !== 'token') {
       error(cw, `--token-file ${tokenFile} is not the key token of a mounted Secret`);
+    }
+    // TLS: the three files in one memory-backed folder that an init container fills with
+    // `moectl tls create` from the CA Secret; the CA key never reaches this container.
+    const tlsDir = path.dirname(flagValue(c, '--tls-cert') || '');
+    const tlsName = path.basename(flagValue(c, '--tls-cert') || '', '.pem');
+    if (flagsOf(c).includes('--plaintext')) error(cw, 'runs without TLS (--plaintext)');
+    if (flagValue(c, '--tls-key') !== `${tlsDir}/${tlsName}.key` || flagValue(c, '--tls-ca') !== `${tlsDir}/ca.pem`) {
+      error(cw, '--tls-cert, --tls-key and --tls-ca must name NAME.pem, NAME.key and ca.pem of one folder');
+    }
+    const tlsVolume = mounts[tlsDir] && volumes[mounts[tlsDir].name];
+    if (!tlsVolume?.emptyDir || tlsVolume.emptyDir.medium !== 'Memory') error(cw, `${tlsDir} must be a memory-backed emptyDir`);
+    const issuer = (pod.initContainers || []).find((i) =>
+      (i.volumeMounts || []).some((m) => m.name === mounts[tlsDir]?.name && m.mountPath === tlsDir) &&
+      (i.args || []).join(' ').includes(`moectl tls create ${tlsDir} --name ${tlsName}`));
+    if (!issuer) error(cw, `no init container runs moectl tls create ${tlsDir} --name ${tlsName}`);
+    else if (!(issuer.volumeMounts || []).some((m) => volumes[m.name]?.secret?.secretName === 'moed-tls-ca')) {
+      error(cw, `init container ${issuer.name} does not mount the CA Secret moed-tls-ca`);
+    }
+    if ((c.volumeMounts || []).some((m) => volumes[m.name]?.secret?.secretName === 'moed-tls-ca')) {
+      error(cw, 'mounts the CA Secret: only the init container may hold the CA key');
     }
     // The metrics port: the flag, the container port named metrics and the probes agree.
     const metricsPort = Number((flagValue(c, '--metrics-port') || '').split(':').pop());

@@ -33,6 +33,7 @@ namespace moe::agent {
 struct AgentOptions {
   std::string listen = "127.0.0.1:0";
   std::string token;
+  rpc::TlsFiles tls;  // empty: plain TCP (--plaintext)
   std::string name = "agent";  // the node label of the agent's scrape target
   std::string metrics_address;  // HOST:PORT of the agent's /metrics, "" when off
   std::string prometheus_sd_file;  // "" = none; else rewritten on every membership change

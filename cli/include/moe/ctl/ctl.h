@@ -10,6 +10,7 @@
 #include <optional>
 #include <string>
 
+#include "moe/rpc/client.h"
 #include "moe/v1/rpc.pb.h"
 
 namespace moe::ctl {
@@ -21,13 +22,15 @@ struct Globals {
   std::string agent;       // --agent / MOE_AGENT (else the state dir's, 127.0.0.1:7400)
   std::string token_file;  // --token-file / MOE_TOKEN_FILE (else the state dir's)
   std::string state_dir;   // --state-dir / MOE_STATE_DIR (else ~/.local/state/moed)
+  rpc::TlsFiles tls;       // --tls-* / MOE_TLS_* (else the state dir's tls/, if any)
   bool json = false;       // --output json
   std::chrono::milliseconds timeout{10000};
 };
 
-// Fills agent, token and state dir from Globals and the state dir.
+// Fills agent, token, TLS files and state dir from Globals and the state dir.
 struct Resolved {
   std::string agent, token, state_dir;
+  rpc::TlsFiles tls;
 };
 Resolved resolve(const Globals& g);
 
@@ -40,10 +43,21 @@ struct ClusterUpOptions {
   // auto-rebalance settings.
   std::vector<std::string> agent_args;
   double agent_grace = 30;  // seconds: moed's and the agent's --agent-grace
+  bool plaintext = false;   // no TLS (else a CA and certificates in <state-dir>/tls)
 };
 
 int cluster_up(const Globals& g, const ClusterUpOptions& o, std::ostream& out, std::ostream& err);
 int cluster_down(const Globals& g, std::ostream& out, std::ostream& err);
+
+// moectl tls create DIR: DIR/ca.pem and ca.key (made if absent), and
+// DIR/NAME.pem and NAME.key for each name, naming `hosts` (docs/control-plane.md#tls).
+struct TlsCreateOptions {
+  std::string dir;
+  std::vector<std::string> names;
+  std::vector<std::string> hosts;
+  int days = 365;
+};
+int tls_create(const TlsCreateOptions& o, std::ostream& out, std::ostream& err);
 int cluster_status(const Globals& g, std::ostream& out, std::ostream& err);
 
 // Submits `spec` as built by JobFlags::build (the --hf-config fields, the -f file

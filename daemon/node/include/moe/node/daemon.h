@@ -22,6 +22,7 @@ namespace moe::node {
 struct DaemonOptions {
   std::string agent;              // HOST:PORT
   std::string token;
+  rpc::TlsFiles tls;  // empty: plain TCP (--plaintext)
   std::string name;               // stable node name (default: host name + control port)
   int devices = 0;                // EP ranks here; 0: one per GPU (cuda), 1 (cpu)
   std::string backend = "auto";   // auto | cpu | cuda

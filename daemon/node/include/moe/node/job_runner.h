@@ -33,6 +33,7 @@ using BackendFactory = std::function<std::unique_ptr<kernels::Backend>(kernels::
 struct RunnerEnv {
   std::string agent_address;
   std::string token;
+  rpc::TlsFiles tls;
   std::string node_name;
   int node_index = 0;
   int devices = 1;

@@ -18,17 +18,33 @@ std::pair<std::string, int> split_address(const std::string& address);
 // The token in a file (surrounding whitespace removed); throws naming the file.
 std::string read_token_file(const std::string& path);
 
+// The control plane's TLS (docs/control-plane.md#tls), as PEM files: this
+// process's certificate and key, and the CA that signed its peers'. All empty:
+// plain TCP. Otherwise all three are needed: every connection is mutual TLS 1.3,
+// each side verifying the other's certificate against the CA.
+struct TlsFiles {
+  std::string cert;
+  std::string key;
+  std::string ca;
+  bool enabled() const { return !cert.empty() || !key.empty() || !ca.empty(); }
+  // Throws moe::InvalidArgument naming a missing file or a flag given alone.
+  void check() const;
+};
+
 struct ClientOptions {
   std::string address;  // HOST:PORT
   std::string token;
+  TlsFiles tls;         // the server's certificate must name the address's host
   std::string role;     // told to the server in Hello
   std::string name;
   size_t max_frame_bytes = kDefaultMaxFrameBytes;
 
-  static ClientOptions make(std::string address, std::string token, std::string role, std::string name) {
+  static ClientOptions make(std::string address, std::string token, std::string role, std::string name,
+                            TlsFiles tls = {}) {
     ClientOptions o;
     o.address = std::move(address);
     o.token = std::move(token);
+    o.tls = std::move(tls);
     o.role = std::move(role);
     o.name = std::move(name);
     return o;

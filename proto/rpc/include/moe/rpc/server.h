@@ -12,22 +12,28 @@
 #include "moe/rpc/asio.h"
 #include "moe/rpc/client.h"
 
+namespace boost::asio::ssl {
+class context;
+}
+
 namespace moe::rpc {
 
 struct ServerOptions {
   std::string host = "127.0.0.1";
   int port = 0;           // 0: an ephemeral port (see RpcServer::port)
   std::string token;      // empty: no authentication
+  TlsFiles tls;           // empty: plain TCP; else clients must present a certificate the CA signed
   std::string role;       // told to clients in HelloReply
   size_t max_frame_bytes = kDefaultMaxFrameBytes;
 
   // listen is HOST:PORT; throws moe::InvalidArgument naming it when malformed.
-  static ServerOptions make(const std::string& listen, std::string token, std::string role) {
+  static ServerOptions make(const std::string& listen, std::string token, std::string role, TlsFiles tls = {}) {
     const auto [h, p] = split_address(listen);
     ServerOptions o;
     o.host = h;
     o.port = p;
     o.token = std::move(token);
+    o.tls = std::move(tls);
     o.role = std::move(role);
     return o;
   }
@@ -63,10 +69,12 @@ class RpcServer {
   struct Connection;
   awaitable<void> accept_loop();
   awaitable<void> serve(std::shared_ptr<Connection> conn);
+  awaitable<bool> secure(std::shared_ptr<Connection> conn);
 
   asio::io_context& io_;
   ServerOptions opts_;
   Handler handler_;
+  std::unique_ptr<asio::ssl::context> tls_;  // null: plain TCP
   asio::ip::tcp::acceptor acceptor_;
   int port_ = 0;
   std::set<std::shared_ptr<Connection>> connections_;
