@@ -3,6 +3,8 @@
 #include "moe/spec/checkpoint_manifest.h"
 
 #include <algorithm>
+#include <cstring>
+#include <random>
 #include <optional>
 
 #include "moe/base/check.h"
@@ -78,6 +80,22 @@ void Scheduler::try_start(Clock::time_point now) {
   }
 }
 
+namespace {
+
+// A job's data-plane key: 32 bytes from the kernel's CSPRNG (std::random_device
+// reads getrandom on Linux).
+std::string random_key() {
+  std::random_device dev;
+  std::string key(32, '\0');
+  for (size_t i = 0; i < key.size(); i += 4) {
+    const uint32_t word = dev();
+    std::memcpy(&key[i], &word, 4);
+  }
+  return key;
+}
+
+}  // namespace
+
 // QUEUED -> RUNNING, or -> FAILED when the cluster cannot run the spec.
 bool Scheduler::start(v1::JobResult& rec, Clock::time_point now) {
   const int world = members_.world_size();
@@ -110,6 +128,7 @@ bool Scheduler::start(v1::JobResult& rec, Clock::time_point now) {
   *msg.mutable_spec() = rec.spec();
   msg.set_world_size(world);
   msg.set_devices_per_node(members_.devices_per_node());
+  msg.set_data_plane_key(random_key());
   actions_.start_job(msg);
   return true;
 }

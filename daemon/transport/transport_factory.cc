@@ -40,6 +40,7 @@ std::unique_ptr<Communicator> make_host(const RankTransportSpec& s, Bootstrap* b
   UcxOptions o;
   o.hub = s.local;
   o.connect_timeout = s.connect_timeout;
+  o.job_key = s.job_key;
   return std::make_unique<UcxCommunicator>(s.rank, s.world, *boot, o);
 }
 

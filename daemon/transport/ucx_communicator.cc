@@ -5,12 +5,19 @@
 #include <ucp/api/ucp.h>
 #include <unistd.h>
 
+#include <openssl/crypto.h>
+#include <openssl/evp.h>
+#include <openssl/hmac.h>
+#include <openssl/sha.h>
+
 #include <algorithm>
+#include <array>
 #include <cstring>
 #include <deque>
 #include <map>
 #include <optional>
 
+#include "moe/base/log.h"
 #include "p2p_collectives.h"
 #include "tags.h"
 
@@ -30,6 +37,19 @@ constexpr auto kNoticeSendTimeout = std::chrono::milliseconds(200);
 constexpr auto kNoticeGrace = std::chrono::milliseconds(100);
 
 std::string status_str(ucs_status_t s) { return ucs_status_string(s); }
+
+// What rank `from` shows rank `to` at wire-up (docs/transport.md#job-key):
+// HMAC-SHA256 under the job's key of the pair, so a proof is good for one
+// direction of one pair of one job only.
+using Proof = std::array<uint8_t, SHA256_DIGEST_LENGTH>;
+Proof key_proof(const std::string& key, int from, int to) {
+  const std::string what = "moed data plane v1 " + std::to_string(from) + "->" + std::to_string(to);
+  Proof p{};
+  unsigned int n = 0;
+  HMAC(EVP_sha256(), key.data(), static_cast<int>(key.size()), reinterpret_cast<const unsigned char*>(what.data()),
+       what.size(), p.data(), &n);
+  return p;
+}
 
 }  // namespace
 
@@ -354,6 +374,32 @@ struct UcxCommunicator::Impl {
     if (std::find(to_close.begin(), to_close.end(), op.peer) == to_close.end()) to_close.push_back(op.peer);
   }
 
+  // Wire-up: one message each way on every pair, so every connection exists and a
+  // peer that dies later is noticed by everyone; each carries the sender's proof
+  // of the job key, checked before any tensor is read from that peer. A wrong or
+  // missing proof fails the communicator, naming the peer.
+  void prove_job_key(const std::string& key, Deadline deadline) {
+    const uint64_t round_seq = seq++;
+    std::vector<Proof> mine(size), got(size);
+    for (int r = 0; r < size; ++r)
+      if (r != rank) post_recv(r, got[r].data(), got[r].size(), make_tag(Kind::kWireup, round_seq, r), "connect");
+    for (int r = 0; r < size; ++r) {
+      if (r == rank) continue;
+      mine[r] = key_proof(key, rank, r);
+      post_send(r, mine[r].data(), mine[r].size(), make_tag(Kind::kWireup, round_seq, rank), "connect");
+    }
+    wait_all(deadline, "connect");
+    for (int r = 0; r < size; ++r) {
+      if (r == rank) continue;
+      const Proof want = key_proof(key, r, rank);
+      if (CRYPTO_memcmp(got[r].data(), want.data(), want.size()) == 0) continue;
+      const std::string why = "connect: the data-plane peer at rank " + std::to_string(r) +
+                              "'s address does not hold this job's key: refused before reading from it";
+      log::warn("ucx rank ", rank, ": ", why);
+      fail(r, why);
+    }
+  }
+
   [[noreturn]] void fail(int peer, const std::string& msg) {
     // Cancel what is still posted and make UCX release it, so no request writes
     // into (or reads from) a caller's buffer after we return: receives are
@@ -501,9 +547,7 @@ UcxCommunicator::UcxCommunicator(int rank, int size, Bootstrap& bootstrap, const
     s = ucp_ep_create(m.worker, &ep, &p.ep);
     MOE_CHECK(s == UCS_OK, "ucx: ucp_ep_create to rank ", r, ": ", status_str(s));
   }
-  // Wire-up: one message each way on every pair, so every connection exists and a
-  // peer that dies later is noticed by everyone.
-  detail::token_round(m, rank, size, Kind::kWireup, Clock::now() + options.connect_timeout, "connect");
+  m.prove_job_key(options.job_key, Clock::now() + options.connect_timeout);
 }
 
 UcxCommunicator::~UcxCommunicator() = default;  // Impl::~Impl tears down

@@ -24,7 +24,7 @@ MOE_PACKAGES=(
 # not: on a machine with systemd as init, prometheus, munge and slurm-wlm start their services
 # when installed. node 20 and npm come with the base image; the tests fetch their npm packages.
 MOE_TEST_PACKAGES=(
-  prometheus shellcheck systemd slurm-wlm munge python3-yaml
+  prometheus shellcheck systemd slurm-wlm munge python3-yaml nftables
 )
 
 log() { printf '[%s] %s\n' "$(date +%H:%M:%S)" "$*" >&2; }

@@ -35,6 +35,7 @@ struct RankTransportSpec {
   DataMemory data_memory = DataMemory::kHost;
   int device = 0;  // the rank's GPU, for kCuda
   std::chrono::milliseconds connect_timeout{30000};
+  std::string job_key;  // StartJob.data_plane_key: UCX peers prove it at wire-up
 };
 
 struct RankTransports {

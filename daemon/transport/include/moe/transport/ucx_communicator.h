@@ -30,6 +30,9 @@ struct UcxOptions {
   std::chrono::milliseconds connect_timeout{30000};
   // Ranks of this process; null: every peer is remote.
   std::shared_ptr<LocalHub> hub;
+  // The job's data-plane key (bytes, the same on every rank; docs/transport.md#job-key).
+  // Every peer proves it holds it at wire-up, or the communicator fails naming the peer.
+  std::string job_key;
 };
 
 class UcxCommunicator final : public Communicator {
