@@ -26,6 +26,7 @@ Agent::Agent(rpc::asio::io_context& io, AgentOptions options)
       job_event_(io),
       bootstrap_event_(io),
       rebalance_event_(io),
+      auto_gate_({.every = opts_.rebalance_every, .threshold = opts_.balancedness_threshold}),
       persist_timer_(io) {
   serve(load_state());
   rpc::asio::co_spawn(io_, watchdog(), rpc::asio::detached);
@@ -262,17 +263,9 @@ rpc::awaitable<v1::Envelope> Agent::on_rebalance(const v1::RebalanceRequest& r, 
   co_return reply;
 }
 
-// Auto-rebalance (agent flags): at most once every rebalance_every steps of a
-// job, when the window is below the threshold and the solver predicts at least
-// 0.05 more (mean over layers).
+// Auto-rebalance (agent flags; the gates in auto_rebalance.h).
 void Agent::maybe_auto_rebalance(const std::string& job_id, int step) {
-  if (opts_.rebalance_every <= 0 || rebalancer_.in_flight()) return;
-  if (last_auto_job_ != job_id) {
-    last_auto_job_ = job_id;
-    last_auto_step_ = 0;
-  }
-  if (step + 1 - last_auto_step_ < opts_.rebalance_every) return;
-  last_auto_step_ = step + 1;
+  if (rebalancer_.in_flight() || !auto_gate_.due(job_id, step)) return;
   const RunningJob* job = scheduler_.running();
   if (!job) return;
   try {
@@ -282,7 +275,7 @@ void Agent::maybe_auto_rebalance(const std::string& job_id, int step) {
       before += plan.before[l] / plan.maps.size();
       after += plan.predicted[l] / plan.maps.size();
     }
-    if (before >= opts_.balancedness_threshold || after - before < 0.05) return;
+    if (!auto_gate_.worth(before, after, plan.copies.size())) return;
     log::info("auto-rebalance: job ", job_id, " at step ", step, ": balancedness ", before, ", predicted ", after);
     v1::RebalanceRequest req;
     if (opts_.redundant_experts) req.set_redundant_experts(*opts_.redundant_experts);

@@ -2,7 +2,9 @@
 
 #include <arpa/inet.h>
 #include <gtest/gtest.h>
+#include <fcntl.h>
 #include <sys/socket.h>
+#include <sys/wait.h>
 #include <unistd.h>
 
 #include <google/protobuf/util/json_util.h>
@@ -28,9 +30,35 @@ namespace {
 const std::string kMoectl = std::string(MOE_BIN_DIR) + "/cli/moectl";
 }
 
+// If this test process dies without running ~Cluster (ctest kills it at its
+// timeout), a reaper stops the cluster's processes and removes its folder: a
+// shell in a session of its own (so a kill of the test's process group spares
+// it) that waits for EOF on a pipe only this process holds open.
+void Cluster::start_reaper() {
+  int fds[2];
+  if (::pipe2(fds, O_CLOEXEC) != 0) return;
+  const std::string dir = dir_.string();
+  const std::string script = "read -r _; for f in '" + dir + "'/pids/*.pid; do [ -f \"$f\" ] && kill -9 \"$(cat \"$f\")\" 2>/dev/null; done; rm -rf '" + dir + "'";
+  const pid_t pid = ::fork();
+  if (pid == 0) {
+    ::setsid();
+    ::dup2(fds[0], 0);  // dup2 clears FD_CLOEXEC on the copy
+    ::execl("/bin/sh", "sh", "-c", script.c_str(), static_cast<char*>(nullptr));
+    ::_exit(127);
+  }
+  ::close(fds[0]);
+  if (pid < 0) {
+    ::close(fds[1]);
+    return;
+  }
+  reaper_pid_ = pid;
+  reaper_fd_ = fds[1];
+}
+
 Cluster::Cluster(int nodes, int devices, const std::vector<std::string>& extra)
     : dir_(fs::temp_directory_path() / ("moe_cluster_" + std::to_string(::getpid()) + "_" + std::to_string(counter_++))) {
   fs::remove_all(dir_);
+  start_reaper();
   std::vector<std::string> args = {"cluster", "up", "--nodes", std::to_string(nodes), "--devices-per-node",
                                    std::to_string(devices)};
   args.insert(args.end(), extra.begin(), extra.end());
@@ -42,6 +70,10 @@ Cluster::Cluster(int nodes, int devices, const std::vector<std::string>& extra)
 Cluster::~Cluster() {
   ctl({"cluster", "down"}, 60s);
   fs::remove_all(dir_);
+  if (reaper_fd_ >= 0) {
+    ::close(reaper_fd_);  // EOF: the reaper finds nothing left and exits
+    ::waitpid(reaper_pid_, nullptr, 0);
+  }
 }
 
 std::string Cluster::agent() const { return read_text_file(dir_ / "agent_address"); }

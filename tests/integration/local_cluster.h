@@ -53,9 +53,13 @@ class Cluster {
   Process start_agent_again() const;
 
  private:
+  void start_reaper();
+
   static inline int counter_ = 0;
   std::filesystem::path dir_;
   bool up_ = false;
+  pid_t reaper_pid_ = -1;
+  int reaper_fd_ = -1;  // the reaper's pipe: closed when ~Cluster ran, or this process died
 };
 
 // Polls `done` every 20 ms until it holds or `timeout` passes; returns whether it held.

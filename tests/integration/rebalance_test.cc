@@ -8,6 +8,7 @@
 
 #include <signal.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdlib>
 #include <filesystem>
@@ -167,14 +168,33 @@ INSTANTIATE_TEST_SUITE_P(
                       Variant{"forward_fp32", {"--mode", "forward"}, 1e-5, 0.0}),
     [](const auto& info) { return info.param.name; });
 
+// The small training job of the fault tests, and its loss curve: a rebalance
+// that does not commit must leave the job computing exactly what it computes
+// without one (a stale staged slot, or a shadow replica's Adam step leaking into
+// the live weights, changes the loss bitwise).
+std::vector<std::string> fault_job(const std::string& steps) {
+  return {"--experts", "8", "--top-k", "2", "--hidden", "32", "--ffn-hidden", "16", "--tokens-per-rank", "64",
+          "--steps", steps, "--skew", "zipf:1.5", "--mode", "train", "--lr", "0.01", "--seed", "5"};
+}
+
+void expect_same_losses(const v1::JobResult& faulted, const v1::JobResult& plain, int steps) {
+  ASSERT_GE(faulted.loss_size(), steps);
+  ASSERT_GE(plain.loss_size(), steps);
+  for (int s = 0; s < steps; ++s)
+    ASSERT_EQ(faulted.loss(s), plain.loss(s)) << "step " << s << ": the rebalance that did not commit changed the job";
+}
+
 // A daemon refuses its copy: the rebalance aborts naming it, the old map stays,
-// and the job goes on to the end.
-TEST(RebalanceFaults, ARefusedCopyAbortsAndTheJobGoesOn) {
+// and the job goes on to the end exactly as it would have without the attempt.
+TEST(RebalanceFaults, ARefusedCopyAbortsAndTheJobGoesOnUnchanged) {
   ScopedEnv fault("MOE_FAULT_INJECT", "node1:refuse-copy");
   Cluster c(2, 1);
   ASSERT_TRUE(c.up());
-  const std::string id = submit(c, {"--experts", "8", "--top-k", "2", "--hidden", "32", "--ffn-hidden", "16",
-                                    "--tokens-per-rank", "64", "--steps", "400", "--skew", "zipf:1.5"});
+  std::vector<std::string> job = fault_job("400");
+  job.insert(job.end(), {"--verify", "--verify-step", "399"});
+  const v1::JobResult plain = wait_job(c, submit(c, job));
+  ASSERT_EQ(plain.state(), v1::JOB_STATE_SUCCEEDED) << plain.message() << c.logs();
+  const std::string id = submit(c, job);
   ASSERT_TRUE(wait_steps(c, id, 3));
   const auto [rc, out] = c.ctl({"placement", "rebalance", "--redundant-experts", "2"}, 120s);
   EXPECT_EQ(rc, 1) << out;
@@ -183,36 +203,51 @@ TEST(RebalanceFaults, ARefusedCopyAbortsAndTheJobGoesOn) {
   EXPECT_EQ(j.state(), v1::JOB_STATE_SUCCEEDED) << j.message();
   EXPECT_EQ(j.steps_completed(), 400);
   EXPECT_EQ(j.epochs_size(), 1);
+  EXPECT_TRUE(j.verify().passed()) << "verify at the last step, after the abort";
+  expect_same_losses(j, plain, 400);
   EXPECT_TRUE(has(c.ctl({"placement", "show"}).second, "epoch 1,"));
   // What the alert rules read (deploy/prometheus/rules.yml).
   expect_agent_series(c, "moe_rebalances_total{result=\"aborted\"}", 1);
   expect_agent_series(c, "moe_rebalance_seconds_count", 1);
 }
 
-// Copies that never complete: the agent's timeout aborts the rebalance.
-TEST(RebalanceFaults, ACopyThatTimesOutAbortsAndTheJobGoesOn) {
+// Copies that never complete: the agent's timeout aborts the rebalance, and the
+// job, which trained on while they were staged, computed what a job without the
+// attempt computes.
+TEST(RebalanceFaults, ACopyThatTimesOutAbortsAndTheJobGoesOnUnchanged) {
   ScopedEnv fault("MOE_FAULT_INJECT", "node1:stall-copy");
   Cluster c(2, 1, {"--rebalance-timeout-ms", "1500"});
   ASSERT_TRUE(c.up());
-  const std::string id = c.start_long_job(3);
+  const std::string id = submit(c, fault_job("1000000"));
+  ASSERT_TRUE(wait_steps(c, id, 3));
   const auto [rc, out] = c.ctl({"placement", "rebalance", "--redundant-experts", "2"}, 120s);
   EXPECT_EQ(rc, 1) << out;
   EXPECT_TRUE(has(out, "did not complete within 1.5 s on node(s) node1 (layer 0 expert")) << out;
-  const double before = c.job(id).steps_completed();
-  ASSERT_TRUE(wait_steps(c, id, static_cast<int>(before) + 3));  // it still runs, on the old map
-  EXPECT_GE(c.job(id).steps_completed(), before + 3);
+  const int before = c.job(id).steps_completed();
+  ASSERT_TRUE(wait_steps(c, id, before + 3));  // it still runs, on the old map
   c.ctl({"job", "cancel", id});
-  EXPECT_EQ(wait_job(c, id).epochs_size(), 1);
+  const v1::JobResult j = wait_job(c, id);
+  EXPECT_EQ(j.epochs_size(), 1);
   expect_agent_series(c, "moe_rebalances_total{result=\"aborted\"}", 1);
+  // The same job without the attempt, as many steps.
+  const int steps = j.loss_size();
+  ASSERT_GT(steps, before);
+  const v1::JobResult plain = wait_job(c, submit(c, fault_job(std::to_string(steps))));
+  ASSERT_EQ(plain.state(), v1::JOB_STATE_SUCCEEDED) << plain.message();
+  expect_same_losses(j, plain, steps);
 }
 
 // A daemon killed while its copies are staged fails the job naming its node;
-// the old map stays in force for the next job.
+// the steps before it are those of a job without the attempt, and the old map
+// stays in force for the next job.
 TEST(RebalanceFaults, ADaemonKilledDuringPrepareFailsTheJobAndTheOldMapStays) {
   ScopedEnv fault("MOE_FAULT_INJECT", "node1:stall-copy");
   Cluster c(2, 1);
   ASSERT_TRUE(c.up());
-  const std::string id = c.start_long_job(3);
+  const v1::JobResult plain = wait_job(c, submit(c, fault_job("60")));
+  ASSERT_EQ(plain.state(), v1::JOB_STATE_SUCCEEDED) << plain.message() << c.logs();
+  const std::string id = submit(c, fault_job("1000000"));
+  ASSERT_TRUE(wait_steps(c, id, 3));
   Process rebalance = Process::spawn({std::string(MOE_BIN_DIR) + "/cli/moectl", "--state-dir", c.dir().string(),
                                       "placement", "rebalance", "--redundant-experts", "2"});
   const auto until = std::chrono::steady_clock::now() + 30s;
@@ -225,6 +260,7 @@ TEST(RebalanceFaults, ADaemonKilledDuringPrepareFailsTheJobAndTheOldMapStays) {
   const v1::JobResult j = wait_job(c, id);
   EXPECT_EQ(j.state(), v1::JOB_STATE_FAILED);
   EXPECT_TRUE(has(j.message(), "node1")) << j.message();
+  expect_same_losses(j, plain, std::min(j.loss_size(), plain.loss_size()));
   EXPECT_TRUE(has(c.ctl({"placement", "show"}).second, "epoch 1,"));
   expect_agent_series(c, "moe_rebalances_total{result=\"failed\"}", 1);
 }

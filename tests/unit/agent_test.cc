@@ -3,6 +3,7 @@
 // recorder of the actions it asks for).
 #include <gtest/gtest.h>
 
+#include "moe/agent/auto_rebalance.h"
 #include "moe/agent/job_result.h"
 #include "moe/agent/rebalancer.h"
 #include "moe/agent/scheduler.h"
@@ -398,6 +399,31 @@ TEST_F(RebalancerTest, ADryRunAndARequestBreakingTheSlotRuleChangeNothing) {
   EXPECT_TRUE(actions.prepared.empty());
   EXPECT_THROW(rebalancer.start(request(3), now), moe::InvalidArgument);  // 8 + 3 over 2 ranks
   EXPECT_FALSE(rebalancer.in_flight());
+}
+
+// The auto-rebalance gates, each alone: the step count per job, the threshold,
+// the predicted gain and a plan that moves nothing.
+TEST(AutoRebalanceGate, AtMostOnceEveryNStepsOfAJob) {
+  AutoRebalanceGate gate({.every = 5, .threshold = 0.9});
+  std::vector<int> looks;
+  for (int step = 0; step < 23; ++step)
+    if (gate.due("job-1", step)) looks.push_back(step);
+  EXPECT_EQ(looks, (std::vector<int>{4, 9, 14, 19}));
+  // A new job counts from its own first step.
+  EXPECT_FALSE(gate.due("job-2", 0));
+  EXPECT_FALSE(gate.due("job-2", 3));
+  EXPECT_TRUE(gate.due("job-2", 4));
+  AutoRebalanceGate off({.every = 0});
+  for (int step = 0; step < 100; ++step) EXPECT_FALSE(off.due("job-1", step));
+}
+
+TEST(AutoRebalanceGate, OnlyBelowTheThresholdForAGainOfAtLeastMinGainWithSomethingToCopy) {
+  AutoRebalanceGate gate({.every = 5, .threshold = 0.9, .min_gain = 0.05});
+  EXPECT_TRUE(gate.worth(0.60, 0.80, 3));
+  EXPECT_FALSE(gate.worth(0.90, 0.99, 3)) << "at the threshold";
+  EXPECT_FALSE(gate.worth(0.60, 0.64, 3)) << "a gain under 0.05";
+  EXPECT_TRUE(gate.worth(0.60, 0.65, 3)) << "a gain of exactly 0.05";
+  EXPECT_FALSE(gate.worth(0.60, 0.80, 0)) << "the plan moves nothing";
 }
 
 }  // namespace

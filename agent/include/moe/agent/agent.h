@@ -19,6 +19,7 @@
 #include <string>
 #include <vector>
 
+#include "moe/agent/auto_rebalance.h"
 #include "moe/agent/bootstrap_relay.h"
 #include "moe/agent/membership.h"
 #include "moe/agent/placement_service.h"
@@ -127,8 +128,7 @@ class Agent : private SchedulerActions, private RebalanceActions {
   std::unique_ptr<rpc::RpcServer> server_;
   std::unique_ptr<Outbound> outbound_;
   rpc::AsyncEvent job_event_, bootstrap_event_, rebalance_event_;
-  int last_auto_step_ = -1;
-  std::string last_auto_job_;
+  AutoRebalanceGate auto_gate_;
   bool stopped_ = false;
   std::unique_ptr<StateStore> store_;
   int64_t incarnation_ = 0;  // changes on every start; daemons re-send their reports when it does
