@@ -103,7 +103,10 @@ TEST(AgentRestart, ItWaitsForItsOldPortWhileAnotherSocketHoldsIt) {
   sa.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
   const int on = 1;  // the old agent's connections linger in TIME_WAIT
   ASSERT_EQ(::setsockopt(holder, SOL_SOCKET, SO_REUSEADDR, &on, sizeof on), 0);
-  ASSERT_EQ(::bind(holder, reinterpret_cast<sockaddr*>(&sa), sizeof sa), 0) << "port " << port << ": " << errno;
+  // The killed agent's sockets may hold the port a moment longer (orphaned
+  // connections closing): take it as soon as it is free.
+  ASSERT_TRUE(poll_until([&] { return ::bind(holder, reinterpret_cast<sockaddr*>(&sa), sizeof sa) == 0; }, 10s))
+      << "port " << port << ": " << errno;
   ASSERT_EQ(::listen(holder, 1), 0);
   std::thread release([holder] {
     std::this_thread::sleep_for(2s);

@@ -13,10 +13,13 @@ Faults, one per iteration, chosen at random (seeded):
   rebalance        a live rebalance of the running job (moectl placement rebalance)
   checkpoint_gone  the job's checkpoint folder removed mid-job
   checkpoint_full  the job's checkpoints on a 192 KiB tmpfs (root; otherwise skipped)
+  slow_link        every loopback packet delayed 2-10 ms and rate-limited to 100 Mbit/s-1 Gbit/s
+                   for 1-4 s (tc netem on lo; root and tc, otherwise skipped). The daemons talk
+                   UCX over TCP (UCX_TLS=tcp), so the data plane crosses the slow link too.
 
 After each iteration (violations, each named):
   - the job reached an end state within its deadline, and one that is not SUCCEEDED has a
-    message; jobs under `none`, `bad_frames` and `rebalance` succeed;
+    message; jobs under `none`, `bad_frames`, `rebalance` and `slow_link` succeed;
   - every process is alive again and every node ALIVE within 30 s;
   - the history is intact: `job list` holds every job submitted so far, each ended;
   - `placement show` answers;
@@ -42,8 +45,9 @@ JOB_DEADLINE = 120  # seconds from submit to an end state
 RECOVER_DEADLINE = 30
 ENDED = ("SUCCEEDED", "FAILED", "CANCELLED")
 FAULTS = ["none", "kill_daemon", "stop_daemon", "kill_agent", "bad_frames", "rebalance", "checkpoint_gone",
-          "checkpoint_full"]
-MUST_SUCCEED = {"none", "bad_frames", "rebalance"}
+          "checkpoint_full", "slow_link"]
+MUST_SUCCEED = {"none", "bad_frames", "rebalance", "slow_link"}
+SHAPE_HANDLE = "7e57:"  # the harness's netem qdisc on lo, and only that one is ever removed
 
 
 class Harness:
@@ -111,12 +115,15 @@ class Harness:
     def up(self):
         shutil.rmtree(self.work, ignore_errors=True)
         os.makedirs(self.work)
+        self.unshape()  # a run killed mid-fault may have left lo shaped
+        os.environ["UCX_TLS"] = "tcp"  # between the daemons, over loopback: what slow_link shapes
         rc, out = self.ctl("cluster", "up", "--nodes", "2", "--devices-per-node", "2", "--backend", "cpu",
                            "--agent-grace", "20", "--rebalance-timeout-ms", "20000", timeout=120)
         if rc != 0:
             sys.exit("thrash: cluster up failed (%d): %s" % (rc, out))
 
     def down(self):
+        self.unshape()
         self.ctl("cluster", "down", timeout=60)
         for m in self.mounts:
             subprocess.run(["umount", "-l", m], capture_output=True)
@@ -225,6 +232,29 @@ class Harness:
     def fault_checkpoint_gone(self, job, ctx):
         shutil.rmtree(ctx["ckpt"], ignore_errors=True)
 
+    def can_shape(self):
+        return os.geteuid() == 0 and shutil.which("tc") is not None
+
+    def unshape(self):
+        if not self.can_shape():
+            return
+        out = subprocess.run(["tc", "qdisc", "show", "dev", "lo"], capture_output=True, text=True).stdout
+        if "netem " + SHAPE_HANDLE in out:
+            subprocess.run(["tc", "qdisc", "del", "dev", "lo", "root", "handle", SHAPE_HANDLE], capture_output=True)
+
+    def fault_slow_link(self, job, ctx):
+        delay, rate = self.rng.choice(["2ms", "5ms", "10ms"]), self.rng.choice(["100mbit", "1gbit"])
+        r = subprocess.run(["tc", "qdisc", "add", "dev", "lo", "root", "handle", SHAPE_HANDLE, "netem", "delay", delay,
+                            "rate", rate], capture_output=True, text=True)
+        if r.returncode != 0:
+            ctx["note"] = "tc refused: " + r.stderr.strip()
+            return
+        try:
+            time.sleep(self.rng.uniform(1, 4))  # the fault itself: a slow link for a while
+        finally:
+            self.unshape()
+        ctx["note"] = "lo delayed %s, %s" % (delay, rate)
+
     # --- one iteration -------------------------------------------------------------------
     def violate(self, it, text):
         self.violations.append((it, text))
@@ -244,6 +274,9 @@ class Harness:
                     fault = "none"
                 else:
                     self.mounts.append(ckpt)
+        if fault == "slow_link" and not self.can_shape():
+            self.skipped[fault] = self.skipped.get(fault, 0) + 1
+            fault = "none"
         self.faults[fault] = self.faults.get(fault, 0) + 1
         steps = self.rng.randrange(40, 160)
         spec = self.job_spec(train)
