@@ -161,8 +161,12 @@ void Daemon::register_once(rpc::RpcClient& agent) {
     if (runner_ && (!runner_->finished() || !runner_->settled())) r->set_running_job(runner_->job_id());
   }
   const v1::Envelope reply = agent.call(req, std::chrono::seconds(5));
+  const int64_t before = link_.incarnation();
   link_.registered(reply.register_node_reply().agent_incarnation());
   std::lock_guard<std::mutex> lock(mu_);
+  // A new agent knows nothing of a rebalance the old one had in flight: what this
+  // node staged for it will never be committed, so the job drops it.
+  if (runner_ && before != 0 && before != link_.incarnation()) runner_->rebalance_mailbox().abandon();
   node_index_ = reply.register_node_reply().node_index();
   heartbeat_ms_ = std::max<int64_t>(50, reply.register_node_reply().heartbeat_interval_ms());
   log::set_identity(opts_.name + "/node" + std::to_string(node_index_));
@@ -255,6 +259,10 @@ rpc::awaitable<v1::Envelope> Daemon::handle(const v1::Envelope& req, const rpc::
     start_job(req.start_job());
     reply.mutable_ack();
   } else if (req.has_prepare_rebalance() || req.has_commit_rebalance() || req.has_abort_rebalance()) {
+    if (req.has_commit_rebalance() && faults_.die_on_commit) {
+      log::error("MOE_FAULT_INJECT die-on-commit: exiting on COMMIT epoch ", req.commit_rebalance().epoch());
+      std::_Exit(137);  // as if SIGKILLed: no reply, no cleanup
+    }
     std::lock_guard<std::mutex> lock(mu_);
     const std::string& job = RebalanceMailbox::job_of(req);
     if (!runner_ || runner_->job_id() != job || (req.has_prepare_rebalance() && runner_->finished()))

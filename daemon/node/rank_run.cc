@@ -35,8 +35,12 @@ std::vector<std::string> AgentBootstrap::all_gather(const std::string& mine) {
   p->set_job_id(job_id_);
   p->set_rank(rank_);
   p->set_blob(mine);
-  const v1::Envelope reply = agent_.call(req, std::chrono::seconds(60));
-  return {reply.bootstrap_addresses().blobs().begin(), reply.bootstrap_addresses().blobs().end()};
+  try {
+    const v1::Envelope reply = agent_.call(req, std::chrono::seconds(60));
+    return {reply.bootstrap_addresses().blobs().begin(), reply.bootstrap_addresses().blobs().end()};
+  } catch (const rpc::RpcError& e) {
+    throw rpc::RpcError(e.code(), std::string("transport bootstrap through the agent: ") + e.what());
+  }
 }
 
 RankRun::RankRun(const v1::StartJob& job, const RunnerEnv& env, int rank, std::shared_ptr<transport::LocalHub> hub,

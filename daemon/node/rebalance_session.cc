@@ -21,7 +21,8 @@ FaultInjection FaultInjection::parse(const std::string& spec, const std::string&
     const std::string fault = item.substr(colon + 1);
     if (fault == "refuse-copy") f.refuse_copy = true;
     else if (fault == "stall-copy") f.stall_copy = true;
-    else MOE_CHECK(false, "MOE_FAULT_INJECT: unknown fault '", fault, "' (refuse-copy, stall-copy)");
+    else if (fault == "die-on-commit") f.die_on_commit = true;
+    else MOE_CHECK(false, "MOE_FAULT_INJECT: unknown fault '", fault, "' (refuse-copy, stall-copy, die-on-commit)");
   }
   return f;
 }
@@ -63,6 +64,14 @@ void RebalanceMailbox::abort(int64_t epoch) {
   std::lock_guard<std::mutex> lock(mu_);
   aborted_ = epoch;
   if (prepare_ && prepare_->epoch() == epoch) prepare_.reset();
+}
+
+void RebalanceMailbox::abandon() {
+  std::lock_guard<std::mutex> lock(mu_);
+  if (!prepare_) return;
+  log::info("job ", job_id_, ": the agent restarted; dropping what epoch ", prepare_->epoch(), " staged");
+  aborted_ = prepare_->epoch();
+  prepare_.reset();
 }
 
 RebalanceMailbox::View RebalanceMailbox::view() const {

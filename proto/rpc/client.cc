@@ -138,6 +138,8 @@ v1::Envelope RpcClient::call(v1::Envelope request, std::chrono::milliseconds tim
     } catch (const RpcError&) {
       throw;
     } catch (const boost::system::system_error& e) {
+      if (e.code() == asio::ssl::error::stream_truncated || e.code() == asio::error::eof)
+        throw RpcError(v1::ERROR_CODE_UNAVAILABLE, "cannot reach " + m.opts.address + ": the connection closed mid-call");
       if (e.code().category() == asio::error::get_ssl_category())
         throw RpcError(v1::ERROR_CODE_UNAVAILABLE, "TLS with " + m.opts.address + " failed: " +
                                                        detail::handshake_failure(e.code(), false));

@@ -174,6 +174,67 @@ TEST(AgentRestart, PastTheGraceTheDaemonsStopAndTheJobFailsAgentRestarted) {
   EXPECT_EQ(rc, 0) << out << agent.output() << c.logs();
 }
 
+// The agent dies while a job's ranks are still swapping their transport
+// addresses through it (node1 is held stopped, so node0's rank waits in the
+// bootstrap): the job fails, its rank naming the bootstrap call that broke, and
+// the next job runs.
+TEST(AgentRestart, DuringAJobsBootstrapTheJobFailsAndTheNextRuns) {
+  Cluster c(2, 1);
+  ASSERT_TRUE(c.up());
+  const pid_t node1 = std::stoi(read_text_file(c.dir() / "pids" / "node1.pid"));
+  ::kill(node1, SIGSTOP);
+  auto [rc, out] = c.ctl(job({"job", "submit"}, {"--steps", "5"}));
+  ASSERT_EQ(rc, 0) << out;
+  const std::string id = out.substr(0, out.find('\n'));
+  EXPECT_TRUE(poll_until([&] { return c.logs().find("starting " + id) != std::string::npos; }, 10s)) << c.logs();
+  c.kill_agent();
+  ::kill(node1, SIGCONT);
+  Process agent = c.start_agent_again();
+  std::tie(rc, out) = c.ctl({"--output", "json", "job", "wait", id}, 120s);
+  EXPECT_EQ(rc, 1) << out << agent.output() << c.logs();
+  const v1::JobResult r = parse_result(out);
+  EXPECT_EQ(r.state(), v1::JOB_STATE_FAILED);
+  EXPECT_NE(r.message().find("transport bootstrap through the agent: cannot reach " + c.agent()), std::string::npos)
+      << r.message();
+  EXPECT_EQ(r.steps_completed(), 0);
+  EXPECT_TRUE(poll_until([&] { return every_node_alive(c, 2); }, 30s)) << c.logs();
+  std::tie(rc, out) = c.ctl(job({"job", "submit", "--wait"}, {"--steps", "2"}), 60s);
+  EXPECT_EQ(rc, 0) << out << agent.output() << c.logs();
+}
+
+// The agent dies while a live rebalance has copies staged (node1 holds its copy):
+// the rebalance is lost (moectl says the agent went away), the job trains on on
+// the map in force, the daemons drop what they staged when they meet the new
+// agent, and the maps stay at epoch 1.
+TEST(AgentRestart, DuringALiveRebalanceTheJobGoesOnAndTheStagingIsDropped) {
+  ::setenv("MOE_FAULT_INJECT", "node1:stall-copy", 1);
+  Cluster c(2, 1);
+  ::unsetenv("MOE_FAULT_INJECT");
+  ASSERT_TRUE(c.up());
+  const std::string id = c.start_long_job(3);
+  Process rebalance = Process::spawn({std::string(MOE_BIN_DIR) + "/cli/moectl", "--state-dir", c.dir().string(),
+                                      "placement", "rebalance", "--redundant-experts", "2"});
+  EXPECT_TRUE(poll_until([&] { return c.logs().find("staging epoch") != std::string::npos; }, 30s)) << c.logs();
+  c.kill_agent();
+  EXPECT_EQ(rebalance.wait(60s), 3) << rebalance.output();
+  EXPECT_NE(rebalance.output().find("the connection closed mid-call"), std::string::npos) << rebalance.output();
+  Process agent = c.start_agent_again();
+  EXPECT_TRUE(poll_until([&] { return c.logs().find("the agent restarted; dropping what epoch") != std::string::npos; },
+                         30s))
+      << c.logs();
+  const double steps = c.job(id).steps_completed();
+  EXPECT_TRUE(poll_until([&] { return c.job(id).steps_completed() >= steps + 5; }, 30s)) << "the job stopped";
+  EXPECT_EQ(c.ctl({"job", "cancel", id}).first, 0);
+  auto [rc, out] = c.ctl({"--output", "json", "job", "wait", id}, 60s);
+  const v1::JobResult r = parse_result(out);
+  EXPECT_EQ(r.state(), v1::JOB_STATE_CANCELLED) << r.message() << c.logs();
+  EXPECT_EQ(r.epochs_size(), 1);
+  const auto [show_rc, maps] = c.ctl({"--output", "json", "placement", "show"});
+  EXPECT_NE(maps.find("\"epoch\": \"1\""), std::string::npos) << maps;
+  std::tie(rc, out) = c.ctl(job({"job", "submit", "--wait"}, {"--steps", "2"}), 60s);
+  EXPECT_EQ(rc, 0) << out << agent.output() << c.logs();
+}
+
 TEST(AgentRestart, ADamagedStateFileIsRefusedNamingTheFile) {
   const fs::path dir = fs::temp_directory_path() / ("moe_agent_state_" + std::to_string(::getpid()));
   fs::remove_all(dir);

@@ -13,6 +13,7 @@
 #include <cstdlib>
 #include <filesystem>
 #include <fstream>
+#include <sstream>
 #include <thread>
 
 #include "local_cluster.h"
@@ -263,6 +264,47 @@ TEST(RebalanceFaults, ADaemonKilledDuringPrepareFailsTheJobAndTheOldMapStays) {
   expect_same_losses(j, plain, std::min(j.loss_size(), plain.loss_size()));
   EXPECT_TRUE(has(c.ctl({"placement", "show"}).second, "epoch 1,"));
   expect_agent_series(c, "moe_rebalances_total{result=\"failed\"}", 1);
+}
+
+// A daemon that dies the moment its COMMIT arrives: the job fails naming the
+// node, the new epoch (every rank had staged it) stays in force, and a restarted
+// node runs the next job on it.
+TEST(RebalanceFaults, ADaemonDeadDuringCommitFailsTheJobAndTheNewEpochStays) {
+  ScopedEnv fault("MOE_FAULT_INJECT", "node1:die-on-commit");
+  Cluster c(2, 1);
+  ASSERT_TRUE(c.up());
+  const std::string id = submit(c, fault_job("1000000"));
+  ASSERT_TRUE(wait_steps(c, id, 3));
+  const pid_t node1 = std::stoi(read_text_file(c.dir() / "pids" / "node1.pid"));
+  const std::vector<std::string> node1_argv = [&] {
+    std::vector<std::string> argv;
+    std::istringstream in(read_text_file("/proc/" + std::to_string(node1) + "/cmdline"));
+    for (std::string a; std::getline(in, a, '\0');) argv.push_back(a);
+    return argv;
+  }();
+  const std::string old_address = c.status().nodes(1).control_address();
+  const auto [rc, out] = c.ctl({"placement", "rebalance", "--redundant-experts", "2"}, 120s);
+  EXPECT_TRUE(has(out, "rebalance committed")) << out << c.logs();
+  const v1::JobResult j = wait_job(c, id);
+  EXPECT_EQ(j.state(), v1::JOB_STATE_FAILED);
+  EXPECT_TRUE(has(j.message(), "node1")) << j.message();
+  EXPECT_TRUE(has(read_text_file(c.dir() / "logs" / "node1.log"), "die-on-commit: exiting on COMMIT"));
+  EXPECT_TRUE(has(c.ctl({"placement", "show"}).second, "epoch 2,")) << c.ctl({"placement", "show"}).second;
+  expect_agent_series(c, "moe_rebalances_total{result=\"committed\"}", 1);
+  // node1 again, without the fault: the next job runs on epoch 2.
+  ::unsetenv("MOE_FAULT_INJECT");
+  Process restarted = Process::spawn(node1_argv);
+  ASSERT_TRUE(poll_until(
+      [&] {
+        const v1::ClusterStatus s = c.status();
+        return s.nodes_size() == 2 && s.nodes(1).state() == v1::NODE_STATE_ALIVE &&
+               s.nodes(1).control_address() != old_address;  // the new registration
+      },
+      30s));
+  const v1::JobResult next = wait_job(c, submit(c, fault_job("5")));
+  EXPECT_EQ(next.state(), v1::JOB_STATE_SUCCEEDED) << next.message() << restarted.output();
+  ASSERT_GE(next.epochs_size(), 1);
+  EXPECT_EQ(next.epochs(0).epoch(), 2);
 }
 
 // The agent's own trigger (agent flags): a skewed job is rebalanced without a

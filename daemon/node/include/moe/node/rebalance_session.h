@@ -23,10 +23,12 @@
 namespace moe::node {
 
 // Test hooks (moed reads MOE_FAULT_INJECT="node1:refuse-copy,node2:stall-copy"):
-// a node that refuses every copy it gains, or whose copies never complete.
+// a node that refuses every copy it gains, whose copies never complete, or that
+// dies the moment a COMMIT reaches it.
 struct FaultInjection {
   bool refuse_copy = false;
   bool stall_copy = false;
+  bool die_on_commit = false;
   // The faults of `node` in a MOE_FAULT_INJECT value; throws moe::Error naming
   // an unknown fault.
   static FaultInjection parse(const std::string& spec, const std::string& node);
@@ -43,6 +45,9 @@ class RebalanceMailbox {
   void deliver(const v1::Envelope& message);
   // The job a PREPARE, COMMIT or ABORT names.
   static const std::string& job_of(const v1::Envelope& message);
+  // Control thread: the agent that sent the PREPARE in hand is gone (a new
+  // incarnation registered us): abort it, as if its ABORT had come.
+  void abandon();
 
   // Ranks, at step boundaries.
   struct View {
