@@ -121,7 +121,7 @@ TEST_F(Checkpoints, ResumeAfterALiveRebalanceKeepsTheCurve) {
   auto [rc, out] = c.ctl(concat(concat({"job", "submit"}, spec), {"--checkpoint-dir", dir.string(), "--checkpoint-every", "100"}));
   ASSERT_EQ(rc, 0) << out;
   const std::string id = out.substr(0, out.find('\n'));
-  while (c.job(id).steps_completed() < 3) std::this_thread::sleep_for(20ms);
+  ASSERT_TRUE(poll_until([&] { return c.job(id).steps_completed() >= 3; }, 60s)) << c.logs();
   std::tie(rc, out) = c.ctl({"placement", "rebalance", "--redundant-experts", "4"}, 120s);
   ASSERT_EQ(rc, 0) << out << c.logs();
   std::tie(rc, out) = c.ctl({"--output", "json", "job", "wait", id}, 180s);

