@@ -5,6 +5,7 @@
 #include <gtest/gtest.h>
 #include <ucp/api/ucp.h>
 
+#include <atomic>
 #include <condition_variable>
 #include <mutex>
 #include <thread>
@@ -94,7 +95,8 @@ TEST(UcxJobKey, APeerWithAnotherKeyIsRefusedNamingIt) {
   EXPECT_NE(errors[1].find("rank 0's address does not hold this job's key: refused"), std::string::npos) << errors[1];
 }
 
-// A UCX worker outside the job: connects to an address and sends bytes on a tag.
+// A UCX worker outside the job: connects to an address and sends bytes on a tag,
+// always by rendezvous, so a send completes only once the receiver matched it.
 struct Stranger {
   ucp_context_h context = nullptr;
   ucp_worker_h worker = nullptr;
@@ -103,7 +105,11 @@ struct Stranger {
     ucp_params_t params{};
     params.field_mask = UCP_PARAM_FIELD_FEATURES;
     params.features = UCP_FEATURE_TAG;
-    EXPECT_EQ(ucp_init(&params, nullptr, &context), UCS_OK);
+    ucp_config_t* config = nullptr;
+    EXPECT_EQ(ucp_config_read(nullptr, nullptr, &config), UCS_OK);
+    EXPECT_EQ(ucp_config_modify(config, "RNDV_THRESH", "0"), UCS_OK);
+    EXPECT_EQ(ucp_init(&params, config, &context), UCS_OK);
+    ucp_config_release(config);
     ucp_worker_params_t wp{};
     EXPECT_EQ(ucp_worker_create(context, &wp, &worker), UCS_OK);
   }
@@ -117,7 +123,7 @@ struct Stranger {
     ucp_worker_destroy(worker);
     ucp_cleanup(context);
   }
-  // Sends `bytes` to `address` on `tag` and waits until it left.
+  // Sends `bytes` to `address` on `tag` and waits until the receiver took them.
   void send(const std::string& address, const std::string& bytes, uint64_t tag) {
     ucp_ep_params_t ep_params{};
     ep_params.field_mask = UCP_EP_PARAM_FIELD_REMOTE_ADDRESS;
@@ -142,6 +148,9 @@ TEST(UcxJobKey, AStrangerAtTheRightAddressIsRefusedBeforeAnyTensorIsRead) {
     // Rank 1's wire-up message as the stranger can forge it: the right tag
     // (wire-up kind 1, sequence 0, source rank 1), 32 bytes, but no key.
     s.send(rank0, std::string(32, '\0'), uint64_t{1} << 56 | 1);
+    // Rank 0 has taken the stranger's message (a rendezvous send completes once
+    // the receiver matched it); only now may rank 1 speak: UCX does not order two
+    // endpoints' messages.
     boot.release(1);
   });
   EXPECT_NE(errors[0].find("rank 1's address does not hold this job's key: refused before reading from it"),
