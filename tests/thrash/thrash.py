@@ -13,9 +13,10 @@ Faults, one per iteration, chosen at random (seeded):
   rebalance        a live rebalance of the running job (moectl placement rebalance)
   checkpoint_gone  the job's checkpoint folder removed mid-job
   checkpoint_full  the job's checkpoints on a 192 KiB tmpfs (root; otherwise skipped)
-  slow_link        every loopback packet delayed 2-10 ms and rate-limited to 100 Mbit/s-1 Gbit/s
-                   for 1-4 s (tc netem on lo; root and tc, otherwise skipped). The daemons talk
-                   UCX over TCP (UCX_TLS=tcp), so the data plane crosses the slow link too.
+  slow_link        loopback shaped for 1-4 s: every packet delayed 2-10 ms at 100 Mbit/s-1 Gbit/s
+                   (tc netem), or where the kernel has no netem, rate-limited to 10-100 Mbit/s
+                   (tc tbf); root and tc, otherwise skipped. The daemons talk UCX over TCP
+                   (UCX_TLS=tcp), so the data plane crosses the slow link too.
 
 After each iteration (violations, each named):
   - the job reached an end state within its deadline, and one that is not SUCCEEDED has a
@@ -233,27 +234,45 @@ class Harness:
         shutil.rmtree(ctx["ckpt"], ignore_errors=True)
 
     def can_shape(self):
-        return os.geteuid() == 0 and shutil.which("tc") is not None
+        return self.shaper() is not None
+
+    def shaper(self):
+        """The qdisc this kernel has for a slow link: "netem", "tbf" or None (probed once)."""
+        if not hasattr(self, "_shaper"):
+            self._shaper = None
+            if os.geteuid() == 0 and shutil.which("tc"):
+                for kind, args in (("netem", ["netem", "delay", "1ms"]), ("tbf", ["tbf", "rate", "1gbit", "burst", "64kb",
+                                                                                  "latency", "50ms"])):
+                    add = ["tc", "qdisc", "add", "dev", "lo", "root", "handle", SHAPE_HANDLE] + args
+                    if subprocess.run(add, capture_output=True).returncode == 0:
+                        subprocess.run(["tc", "qdisc", "del", "dev", "lo", "root", "handle", SHAPE_HANDLE],
+                                       capture_output=True)
+                        self._shaper = kind
+                        break
+        return self._shaper
 
     def unshape(self):
         if not self.can_shape():
             return
         out = subprocess.run(["tc", "qdisc", "show", "dev", "lo"], capture_output=True, text=True).stdout
-        if "netem " + SHAPE_HANDLE in out:
+        if " " + SHAPE_HANDLE + " root" in out:
             subprocess.run(["tc", "qdisc", "del", "dev", "lo", "root", "handle", SHAPE_HANDLE], capture_output=True)
 
     def fault_slow_link(self, job, ctx):
-        delay, rate = self.rng.choice(["2ms", "5ms", "10ms"]), self.rng.choice(["100mbit", "1gbit"])
-        r = subprocess.run(["tc", "qdisc", "add", "dev", "lo", "root", "handle", SHAPE_HANDLE, "netem", "delay", delay,
-                            "rate", rate], capture_output=True, text=True)
-        if r.returncode != 0:
-            ctx["note"] = "tc refused: " + r.stderr.strip()
+        if self.shaper() == "netem":
+            how = ["netem", "delay", self.rng.choice(["2ms", "5ms", "10ms"]), "rate", self.rng.choice(["100mbit", "1gbit"])]
+        else:
+            how = ["tbf", "rate", self.rng.choice(["10mbit", "100mbit"]), "burst", "32kb", "latency", "100ms"]
+        r = subprocess.run(["tc", "qdisc", "add", "dev", "lo", "root", "handle", SHAPE_HANDLE] + how,
+                           capture_output=True, text=True)
+        if r.returncode != 0:  # probed at the start, so a harness fault: say so
+            self.violate(ctx["it"], "tc refused the slow link (%s): %s" % (" ".join(how), r.stderr.strip()))
             return
+        print("  lo shaped: " + " ".join(how), flush=True)
         try:
             time.sleep(self.rng.uniform(1, 4))  # the fault itself: a slow link for a while
         finally:
             self.unshape()
-        ctx["note"] = "lo delayed %s, %s" % (delay, rate)
 
     # --- one iteration -------------------------------------------------------------------
     def violate(self, it, text):
@@ -288,7 +307,7 @@ class Harness:
             return
         self.jobs.append(job)
         start = time.time()
-        ctx = {"ckpt": ckpt}
+        ctx = {"ckpt": ckpt, "it": it}
         if fault != "none" and self.wait_steps(job, self.rng.randrange(1, 20), start + JOB_DEADLINE):
             getattr(self, "fault_" + fault, lambda j, c: None)(job, ctx)
         state, r = self.wait_end(job, start + JOB_DEADLINE)
