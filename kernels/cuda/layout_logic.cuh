@@ -29,7 +29,9 @@ struct DispatchParams {
 
 // Token t: its is_token_in_rank row, and add(counter) for the pairs per slot and
 // for its chunk's count of every rank it goes to (an atomic add on the device).
+#ifdef __CUDACC__
 #pragma nv_exec_check_disable
+#endif
 template <typename Add>
 MOE_HOST_DEVICE ItemFault dispatch_count_token(const DispatchParams& p, const DispatchLayoutArgs& a, int64_t t,
                                                int32_t* counts, Add add) {

@@ -18,8 +18,8 @@ struct Result {
   std::string detail;  // the worst error seen, or what failed
 };
 
-// A check runs on the backend it is given (a CUDA backend; the layer checks also
-// run on the CPU backend in gpu_test, as a cross-check of the checks themselves).
+// A check runs on the backend it is given (a CUDA backend; the op checks also run
+// on the CPU backend in op_check_test, as a cross-check of the checks themselves).
 struct Check {
   std::string name;
   std::function<Result(kernels::Backend&)> run;

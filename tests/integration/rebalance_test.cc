@@ -223,7 +223,11 @@ TEST(RebalanceFaults, ACopyThatTimesOutAbortsAndTheJobGoesOnUnchanged) {
   ASSERT_TRUE(wait_steps(c, id, 3));
   const auto [rc, out] = c.ctl({"placement", "rebalance", "--redundant-experts", "2"}, 120s);
   EXPECT_EQ(rc, 1) << out;
-  EXPECT_TRUE(has(out, "did not complete within 1.5 s on node(s) node1 (layer 0 expert")) << out;
+  // node1 stalls; node0, on a loaded machine, may not have finished its copies
+  // within the 1.5 s either, so the list may name it as well.
+  const std::string waiting = out.substr(0, out.find(" (layer "));
+  EXPECT_TRUE(has(waiting, "did not complete within 1.5 s on node(s) ") && has(waiting, "node1")) << out;
+  EXPECT_TRUE(has(out, "(layer 0 expert")) << out;
   const int before = c.job(id).steps_completed();
   ASSERT_TRUE(wait_steps(c, id, before + 3));  // it still runs, on the old map
   c.ctl({"job", "cancel", id});
