@@ -2,7 +2,9 @@
 # deploy/nftables/moed.nft: nft accepts it, its port range is UCX_TCP_PORT_RANGE of moed.env and of
 # the Kubernetes DaemonSets, and it works: loaded in a network namespace, a connection to a port of
 # the range from an address outside cluster_nodes is dropped, and goes through once that address
-# is added to the set.
+# is added to the set. Both ends live in namespaces of their own: an interface with an address in
+# the host's namespace would be picked up by the UCX workers of tests running beside this one, and
+# its removal would break their connections.
 set -euo pipefail
 source "$(dirname "$0")/lib.sh"
 [ "$(id -u)" -eq 0 ] || skip "nftables in a network namespace needs root"
@@ -18,19 +20,20 @@ for f in moed-cpu.yaml moed-gpu.yaml; do
 done
 nft -c -f "$rules" || fail "nft rejects deploy/nftables/moed.nft"
 
-ns=moe-nft-$$ host_veth=mnft$$ ns_veth=mnftp$$
+ns=moe-nft-$$ client=moe-nftc-$$ client_veth=mnftc$$ ns_veth=mnftp$$
 cleanup() {
   ip netns del "$ns" 2>/dev/null || true
-  ip link del "$host_veth" 2>/dev/null || true
+  ip netns del "$client" 2>/dev/null || true
 }
 trap cleanup EXIT
 ip netns add "$ns" || skip "cannot create a network namespace here"
-ip link add "$host_veth" type veth peer name "$ns_veth"
-ip link set "$ns_veth" netns "$ns"
-ip addr add 10.77.0.1/24 dev "$host_veth" && ip link set "$host_veth" up
-ip netns exec "$ns" ip addr add 10.77.0.2/24 dev "$ns_veth"
-ip netns exec "$ns" ip link set "$ns_veth" up
-ip netns exec "$ns" ip link set lo up
+ip netns add "$client"
+ip -n "$ns" link add "$ns_veth" type veth peer name "$client_veth" netns "$client"
+ip -n "$client" addr add 10.77.0.1/24 dev "$client_veth"
+ip -n "$client" link set "$client_veth" up
+ip -n "$ns" addr add 10.77.0.2/24 dev "$ns_veth"
+ip -n "$ns" link set "$ns_veth" up
+ip -n "$ns" link set lo up
 ip netns exec "$ns" nft -f "$rules"
 port=${range%-*}
 # A listener in the namespace on the first port of the range, answering every connection.
@@ -43,7 +46,7 @@ while True:
 listener=$!
 trap 'kill $listener 2>/dev/null || true; cleanup' EXIT
 reach() {
-  python3 -c '
+  ip netns exec "$client" python3 -c '
 import socket, sys
 try:
     s = socket.create_connection(("10.77.0.2", int(sys.argv[1])), timeout=2); print(s.recv(2).decode())

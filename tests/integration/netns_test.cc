@@ -30,31 +30,35 @@ namespace fs = std::filesystem;
 
 int sh(const std::string& cmd) { return std::system((cmd + " >/dev/null 2>&1").c_str()); }
 
-// Namespaces "host0" (agent), "host1", "host2" (daemons) on 10.X.Y.0/24.
+// Namespaces "host0" (agent), "host1", "host2" (daemons) on 10.X.Y.0/24, joined
+// by a bridge in a namespace of its own ("switch"): nothing is added to the test
+// machine's own namespace, whose UCX workers (other tests running beside this
+// one) would pick up a new interface and lose their connections when it goes.
 class Hosts {
  public:
   explicit Hosts(int n) {
     const int id = ::getpid() % 100000;
     prefix_ = "moe" + std::to_string(id) + "h";
     bridge_ = "mbr" + std::to_string(id);
+    switch_ = prefix_ + "switch";
     subnet_ = "10." + std::to_string(200 + id % 50) + "." + std::to_string((id / 50) % 250);
-    ok_ = sh("ip link add " + bridge_ + " type bridge") == 0 && sh("ip link set " + bridge_ + " up") == 0;
+    ok_ = sh("ip netns add " + switch_) == 0 && sh("ip -n " + switch_ + " link add " + bridge_ + " type bridge") == 0 &&
+          sh("ip -n " + switch_ + " link set " + bridge_ + " up") == 0;
     for (int i = 0; ok_ && i < n; ++i) {
-      const std::string ns = name(i), host_end = "mv" + std::to_string(id) + "a" + std::to_string(i),
+      const std::string ns = name(i), switch_end = "mv" + std::to_string(id) + "a" + std::to_string(i),
                         ns_end = "mv" + std::to_string(id) + "b" + std::to_string(i);
-      ok_ = sh("ip netns add " + ns) == 0 && sh("ip link add " + host_end + " type veth peer name " + ns_end) == 0 &&
-            sh("ip link set " + ns_end + " netns " + ns) == 0 && sh("ip link set " + host_end + " master " + bridge_) == 0 &&
-            sh("ip link set " + host_end + " up") == 0 &&
+      ok_ = sh("ip netns add " + ns) == 0 &&
+            sh("ip -n " + switch_ + " link add " + switch_end + " type veth peer name " + ns_end + " netns " + ns) == 0 &&
+            sh("ip -n " + switch_ + " link set " + switch_end + " master " + bridge_) == 0 &&
+            sh("ip -n " + switch_ + " link set " + switch_end + " up") == 0 &&
             sh("ip -n " + ns + " addr add " + address(i) + "/24 dev " + ns_end) == 0 &&
             sh("ip -n " + ns + " link set " + ns_end + " up") == 0 && sh("ip -n " + ns + " link set lo up") == 0;
       if (ok_) count_ = i + 1;
-      veths_.push_back(host_end);
     }
   }
   ~Hosts() {
     for (int i = 0; i < count_; ++i) sh("ip netns del " + name(i));
-    for (const auto& v : veths_) sh("ip link del " + v);
-    sh("ip link del " + bridge_);
+    sh("ip netns del " + switch_);  // its bridge and veth ends go with it
   }
   bool ok() const { return ok_; }
   std::string name(int i) const { return prefix_ + std::to_string(i); }
@@ -67,8 +71,7 @@ class Hosts {
   }
 
  private:
-  std::string prefix_, bridge_, subnet_;
-  std::vector<std::string> veths_;
+  std::string prefix_, bridge_, switch_, subnet_;
   int count_ = 0;
   bool ok_ = false;
 };
