@@ -186,7 +186,15 @@ void RebalanceSession::tell_agent_ready(bool ok, const std::string& reason) {
   r->set_node(env_.node_name);
   r->set_ok(ok);
   r->set_reason(reason);
-  agent_.call(msg, std::chrono::seconds(10));
+  // An agent that does not hear it aborts the rebalance at its timeout, and one
+  // that restarted has lost it (the daemon drops the staging when it registers):
+  // either way the job goes on, so a READY that cannot be delivered fails nothing.
+  try {
+    agent_.call(msg, std::chrono::seconds(10));
+  } catch (const rpc::RpcError& e) {
+    log::warn("job ", env_.job_id, ": rank ", env_.rank, ": READY for epoch ", staged_->epoch(),
+              " did not reach the agent: ", e.what());
+  }
 }
 
 }  // namespace moe::node
