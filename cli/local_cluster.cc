@@ -136,11 +136,8 @@ struct StateDir {
 // The local cluster's TLS: a CA kept in <state-dir>/tls (made once), and fresh
 // certificates for the agent, the daemons and moectl naming this machine.
 void make_local_certs(const StateDir& s) {
-  const fs::path ca_cert = s.tls() / "ca.pem", ca_key = s.tls() / "ca.key";
-  const rpc::CertAuthority ca = fs::exists(ca_cert) && fs::exists(ca_key)
-                                    ? rpc::CertAuthority::load({read_file(ca_cert.string()), read_file(ca_key.string())})
-                                    : rpc::CertAuthority::create("moed local cluster CA (" + s.dir.string() + ")", 3650);
-  rpc::write_pem(s.tls().string(), "ca", ca.pem());
+  const rpc::CertAuthority ca =
+      rpc::CertAuthority::in_folder(s.tls().string(), "moed local cluster CA (" + s.dir.string() + ")", 3650);
   char host[256] = {};
   ::gethostname(host, sizeof host - 1);
   const std::vector<std::string> hosts = {"127.0.0.1", "localhost", host};

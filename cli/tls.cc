@@ -3,7 +3,6 @@
 #include <filesystem>
 #include <ostream>
 
-#include "moe/base/file.h"
 #include "moe/ctl/ctl.h"
 #include "moe/rpc/certs.h"
 
@@ -15,15 +14,11 @@ int tls_create(const TlsCreateOptions& o, std::ostream& out, std::ostream& err) 
   try {
     if (o.names.empty()) throw InvalidArgument("--name: give at least one (agent, node0, moectl, ...)");
     if (o.days < 1) throw InvalidArgument("--days must be >= 1");
-    const fs::path dir = o.dir, ca_cert = dir / "ca.pem", ca_key = dir / "ca.key";
-    const bool existing = fs::exists(ca_cert) && fs::exists(ca_key);
-    const rpc::CertAuthority ca =
-        existing ? rpc::CertAuthority::load({read_file(ca_cert.string()), read_file(ca_key.string())})
-                 : rpc::CertAuthority::create("moed cluster CA", 3650);
-    if (!existing) {
-      rpc::write_pem(dir.string(), "ca", ca.pem());
-      out << "made the CA " << ca_cert.string() << " (keep " << ca_key.string() << " private)\n";
-    }
+    const fs::path dir = o.dir;
+    bool made = false;
+    const rpc::CertAuthority ca = rpc::CertAuthority::in_folder(dir.string(), "moed cluster CA", 3650, &made);
+    if (made)
+      out << "made the CA " << (dir / "ca.pem").string() << " (keep " << (dir / "ca.key").string() << " private)\n";
     for (const std::string& name : o.names) {
       if (name.empty() || name.find('/') != std::string::npos || name == "ca")
         throw InvalidArgument("--name '" + name + "': a plain file name other than 'ca'");

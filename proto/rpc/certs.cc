@@ -124,6 +124,16 @@ CertAuthority CertAuthority::load(const Pem& pem) {
   return ca;
 }
 
+CertAuthority CertAuthority::in_folder(const std::string& dir, const std::string& name, int days, bool* made) {
+  const std::filesystem::path cert = std::filesystem::path(dir) / "ca.pem", key = std::filesystem::path(dir) / "ca.key";
+  const bool existing = std::filesystem::exists(cert) && std::filesystem::exists(key);
+  if (made) *made = !existing;
+  if (existing) return load({read_file(cert.string()), read_file(key.string())});
+  CertAuthority ca = create(name, days);
+  write_pem(dir, "ca", ca.pem());
+  return ca;
+}
+
 Pem CertAuthority::issue(const std::string& name, const std::vector<std::string>& hosts, int days) const {
   const Cert ca_cert = parse_cert(pem_.cert);
   const Key ca_key = parse_key(pem_.key);

@@ -84,10 +84,14 @@ awaitable<bool> RpcServer::secure(std::shared_ptr<Connection> conn) {
   timer.async_wait([conn](boost::system::error_code ec) {
     if (!ec) conn->conn.close();
   });
+  bool secured = false;
   try {
     uint8_t first = 0;
     co_await conn->conn.socket().async_receive(asio::buffer(&first, 1), tcp::socket::message_peek, use_awaitable);
-    if (first != detail::kTlsHandshakeRecord) {
+    if (first == detail::kTlsHandshakeRecord) {
+      co_await conn->conn.handshake(*tls_, detail::ssl::stream_base::server, "");
+      secured = true;
+    } else {
       uint64_t id = 0;  // the request's, when its frame is one
       try {
         id = (co_await conn->conn.read(opts_.max_frame_bytes)).request_id();
@@ -95,21 +99,14 @@ awaitable<bool> RpcServer::secure(std::shared_ptr<Connection> conn) {
       }
       co_await conn->conn.try_write(make_error(
           v1::ERROR_CODE_UNAUTHENTICATED, opts_.role + " at " + address() + " requires TLS: give --tls-ca, --tls-cert and --tls-key", id));
-      timer.cancel();
-      co_return false;
     }
-    co_await conn->conn.handshake(*tls_, detail::ssl::stream_base::server, "");
   } catch (const boost::system::system_error& e) {
     if (e.code() != asio::error::operation_aborted && e.code() != asio::error::eof)
       log::warn("TLS handshake with ", conn->peer, " failed: ", detail::handshake_failure(e.code(), true));
-    timer.cancel();
-    co_return false;
   } catch (const std::exception&) {
-    timer.cancel();
-    co_return false;
   }
   timer.cancel();
-  co_return true;
+  co_return secured;
 }
 
 awaitable<void> RpcServer::serve(std::shared_ptr<Connection> conn) {

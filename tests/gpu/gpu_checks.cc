@@ -5,6 +5,7 @@
 #include "gpu_checks.h"
 
 #include <algorithm>
+#include <cctype>
 #include <cmath>
 #include <cstring>
 #include <numeric>
@@ -723,5 +724,13 @@ const std::vector<Check>& all_checks() {
   static const std::vector<Check> checks = joined(op_checks(), layer_checks());
   return checks;
 }
+
+std::string case_name(const Check& c) {
+  std::string s = c.name;
+  std::replace_if(s.begin(), s.end(), [](char ch) { return !std::isalnum(static_cast<unsigned char>(ch)); }, '_');
+  return s;
+}
+
+void PrintTo(const Check& c, std::ostream* os) { *os << c.name; }
 
 }  // namespace moe::gpucheck

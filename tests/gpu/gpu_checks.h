@@ -6,6 +6,7 @@
 #pragma once
 
 #include <functional>
+#include <ostream>
 #include <string>
 #include <vector>
 
@@ -34,5 +35,10 @@ const std::vector<Check>& layer_checks();
 const std::vector<Check>& gemm_checks();
 // op_checks, then layer_checks.
 const std::vector<Check>& all_checks();
+
+// A check's name as a GoogleTest case name (every other character -> '_'), and
+// how GoogleTest prints a check (found by argument-dependent lookup).
+std::string case_name(const Check& c);
+void PrintTo(const Check& c, std::ostream* os);
 
 }  // namespace moe::gpucheck

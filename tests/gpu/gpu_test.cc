@@ -11,16 +11,9 @@
 
 namespace moe::gpucheck {
 
-// gtest prints a check by its name (found by argument-dependent lookup).
-void PrintTo(const Check& c, std::ostream* os) { *os << c.name; }
-
 namespace {
 
-std::string test_name(const ::testing::TestParamInfo<Check>& info) {
-  std::string s = info.param.name;
-  std::replace_if(s.begin(), s.end(), [](char c) { return !std::isalnum(static_cast<unsigned char>(c)); }, '_');
-  return s;
-}
+std::string test_name(const ::testing::TestParamInfo<Check>& info) { return case_name(info.param); }
 
 void expect_passes(const Check& c, kernels::Backend& be) {
   const Result r = c.run(be);

@@ -2,24 +2,15 @@
 // the checks themselves on any machine, nvcc or not (gpu_test runs them on CUDA).
 #include <gtest/gtest.h>
 
-#include <algorithm>
-#include <cctype>
 
 #include "gpu_checks.h"
 #include "moe/kernels/cpu_backend.h"
 
 namespace moe::gpucheck {
 
-// gtest prints a check by its name (found by argument-dependent lookup).
-void PrintTo(const Check& c, std::ostream* os) { *os << c.name; }
-
 namespace {
 
-std::string test_name(const ::testing::TestParamInfo<Check>& info) {
-  std::string s = info.param.name;
-  std::replace_if(s.begin(), s.end(), [](char c) { return !std::isalnum(static_cast<unsigned char>(c)); }, '_');
-  return s;
-}
+std::string test_name(const ::testing::TestParamInfo<Check>& info) { return case_name(info.param); }
 
 class OpCheck : public ::testing::TestWithParam<Check> {};
 

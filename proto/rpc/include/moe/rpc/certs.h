@@ -21,6 +21,9 @@ class CertAuthority {
   static CertAuthority create(const std::string& name, int days);
   // The CA in these PEM texts; throws moe::InvalidArgument when they do not parse.
   static CertAuthority load(const Pem& pem);
+  // The CA kept in DIR (ca.pem, ca.key), or a new one named `name` written there;
+  // `made` (optional) tells which.
+  static CertAuthority in_folder(const std::string& dir, const std::string& name, int days, bool* made = nullptr);
   const Pem& pem() const { return pem_; }
   // A certificate for `name` whose subjectAltName lists `hosts` (IP addresses
   // and DNS names), valid for `days`.
