@@ -81,17 +81,18 @@ rpc::awaitable<v1::Envelope> Agent::handle(const v1::Envelope& req, const rpc::R
       schedule_soon();
       co_return reply;
     case E::kGetJob:
-      *reply.mutable_job() = scheduler_.record(req.get_job().job_id());
+      *reply.mutable_job() = scheduler_.view(req.get_job().job_id());
       co_return reply;
     case E::kWaitJob:
       co_return co_await on_wait(req.wait_job(), ctx);
     case E::kListJobs: {
       auto* list = reply.mutable_list_jobs_reply();  // an empty list is a valid answer
-      for (const auto& [id, job] : scheduler_.jobs()) *list->add_jobs() = job;
+      for (v1::JobResult& job : scheduler_.list()) *list->add_jobs() = std::move(job);
       co_return reply;
     }
     case E::kCancelJobRequest:
-      *reply.mutable_job() = scheduler_.cancel(req.cancel_job_request().job_id(), Clock::now());
+      scheduler_.cancel(req.cancel_job_request().job_id(), Clock::now());
+      *reply.mutable_job() = scheduler_.view(req.cancel_job_request().job_id());
       co_return reply;
     case E::kClusterStatus:
       co_return cluster_status();
@@ -197,10 +198,14 @@ v1::Envelope Agent::on_rank_done(const v1::RankDone& d) {
 rpc::awaitable<v1::Envelope> Agent::on_wait(const v1::WaitJobRequest& r, const rpc::RequestContext& ctx) {
   const std::string id = r.job_id();
   scheduler_.record(id);  // NOT_FOUND before waiting
-  while (!Scheduler::finished(scheduler_.record(id).state()) && Clock::now() < ctx.deadline)
-    co_await job_event_.wait(ctx.deadline);
+  auto answered = [&] {
+    const v1::JobResult& rec = scheduler_.record(id);
+    if (Scheduler::finished(rec.state())) return true;
+    return r.has_after_step() && rec.state() == v1::JOB_STATE_RUNNING && rec.progress().step() > r.after_step();
+  };
+  while (!answered() && Clock::now() < ctx.deadline) co_await job_event_.wait(ctx.deadline);
   v1::Envelope reply;
-  *reply.mutable_job() = scheduler_.record(id);
+  *reply.mutable_job() = scheduler_.view(id);
   co_return reply;
 }
 
@@ -281,11 +286,18 @@ void Agent::maybe_auto_rebalance(const std::string& job_id, int step) {
     if (opts_.redundant_experts) req.set_redundant_experts(*opts_.redundant_experts);
     rebalancer_.start(req, Clock::now());
   } catch (const std::exception& e) {
-    log::warn("auto-rebalance: ", e.what());
+    // Counted as a failed rebalance (the alert on result="failed" fires) and
+    // shown on the job: a WARN in agent.log alone is seen by nobody.
+    const std::string why = "auto-rebalance at step " + std::to_string(step) + " failed: " + e.what();
+    log::warn(why);
+    rebalancer_.record_failed_attempt();
+    scheduler_.note_rebalance(job_id, why);
+    persist_soon();
   }
 }
 
 void Agent::step_completed(const std::string& job_id, int step) {
+  job_event_.notify_all();  // watchers of the job's progress
   rpc::asio::post(io_, [this, job_id, step] { maybe_auto_rebalance(job_id, step); });
 }
 
@@ -352,6 +364,7 @@ void Agent::rebalance_done(const v1::RebalanceReply&) {
 }
 
 void Agent::start_job(const v1::StartJob& start) {
+  job_event_.notify_all();  // watchers of a queued job see it start
   relay_.begin(start.job_id(), start.world_size());
   persist();
   v1::Envelope req;

@@ -145,8 +145,15 @@ void fill_epochs(const std::vector<const std::vector<v1::StepStats>*>& steps, co
     rec.set_placement_epoch(static_cast<double>(rec.epochs(rec.epochs_size() - 1).epoch()));
 }
 
+// Only for an ended job whose ranks ran the check: a rank that checked reports
+// its errors or a pass, one that never got there reports neither.
 void fill_verify(const JobReports& r, v1::JobState state, v1::JobResult& rec) {
-  if (!r.spec.verify()) return;
+  rec.clear_verify();
+  if (!r.spec.verify() || state == v1::JOB_STATE_RUNNING || state == v1::JOB_STATE_QUEUED) return;
+  const bool checked = std::any_of(r.verify.begin(), r.verify.end(), [](const v1::Verify& v) {
+    return v.passed() || v.max_abs_error() != 0 || v.max_rel_error() != 0;  // NaN counts
+  });
+  if (!checked) return;
   v1::Verify v;
   v.set_passed(state == v1::JOB_STATE_SUCCEEDED);
   for (const v1::Verify& rv : r.verify) {

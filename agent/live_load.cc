@@ -29,6 +29,9 @@ void fill_spec(const v1::JobResult& rec, v1::LiveJob& j) {
   j.set_dtype(rec.spec().dtype());
   j.set_top_k(rec.spec().top_k());
   j.set_message(rec.message());
+  if (rec.progress().has_loss()) j.set_loss(rec.progress().loss());
+  if (rec.state() == v1::JOB_STATE_RUNNING && rec.progress().has_eta_seconds())
+    j.set_eta_seconds(rec.progress().eta_seconds());
 }
 
 // The running job: its step time over the last complete steps.

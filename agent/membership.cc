@@ -3,6 +3,7 @@
 #include <algorithm>
 
 #include "moe/base/check.h"
+#include "moe/base/clock.h"
 #include "moe/rpc/frame.h"
 
 namespace moe::agent {
@@ -59,6 +60,7 @@ std::vector<int> Membership::expire(Clock::time_point now) {
     const bool waited = n.state == v1::NODE_STATE_ALIVE || n.state == v1::NODE_STATE_UNHEARD;
     if (!waited || now - n.last_heartbeat <= heartbeat_timeout_) continue;
     n.state = v1::NODE_STATE_DEAD;
+    n.dead_since_unix_ms = unix_ms();
     n.busy_job.clear();
     n.busy_ranks.clear();
     dead.push_back(n.index);
@@ -87,6 +89,20 @@ bool Membership::ready_for_job() const {
   if (nodes_.empty()) return false;
   return std::all_of(nodes_.begin(), nodes_.end(),
                      [](const NodeRecord& n) { return n.state == v1::NODE_STATE_ALIVE && n.busy_job.empty(); });
+}
+
+std::string Membership::not_ready_reason() const {
+  if (nodes_.empty()) return "no node has registered";
+  for (const NodeRecord& n : nodes_) {
+    if (n.state == v1::NODE_STATE_DEAD)
+      return "node " + n.name + " is dead" +
+             (n.dead_since_unix_ms > 0 ? " since " + utc_time_of_day(n.dead_since_unix_ms) : std::string()) +
+             " (restart it, or remove it: docs/cli.md#nodes)";
+    if (n.state == v1::NODE_STATE_UNHEARD) return "node " + n.name + " has not re-registered since the agent restarted";
+  }
+  for (const NodeRecord& n : nodes_)
+    if (!n.busy_job.empty()) return "node " + n.name + " is still finishing " + n.busy_job;
+  return "";
 }
 
 bool Membership::any_dead() const {
@@ -138,9 +154,11 @@ void Membership::fill_status(v1::ClusterStatus& s, Clock::time_point now) const 
     i->set_control_address(n.control_address);
     i->set_metrics_address(n.metrics_address);
     i->set_last_heartbeat_age_seconds(std::chrono::duration<double>(now - n.last_heartbeat).count());
+    if (n.state == v1::NODE_STATE_DEAD) i->set_dead_since_unix_ms(n.dead_since_unix_ms);
   }
   s.set_devices_per_node(devices_per_node_);
   s.set_world_size(alive_ranks());
+  s.set_registered_ranks(world_size());
 }
 
 v1::MembershipState Membership::state() const {

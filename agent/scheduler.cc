@@ -31,6 +31,51 @@ const v1::JobResult& Scheduler::record(const std::string& id) const {
   return it->second;
 }
 
+namespace {
+
+int64_t job_number(const std::string& id) {
+  return id.rfind("job-", 0) == 0 ? std::strtoll(id.c_str() + 4, nullptr, 10) : 0;
+}
+
+double median_of(std::deque<double> v) {
+  if (v.empty()) return 0;
+  std::sort(v.begin(), v.end());
+  return v[v.size() / 2];
+}
+
+}  // namespace
+
+v1::JobResult Scheduler::view(const std::string& id) const {
+  v1::JobResult rec = record(id);
+  if (rec.state() == v1::JOB_STATE_QUEUED) rec.mutable_progress()->set_waiting_for(waiting_for(id));
+  return rec;
+}
+
+std::vector<v1::JobResult> Scheduler::list() const {
+  std::vector<v1::JobResult> out;
+  for (const auto& [id, rec] : jobs_) out.push_back(view(id));
+  std::stable_sort(out.begin(), out.end(), [](const v1::JobResult& a, const v1::JobResult& b) {
+    return job_number(a.job_id()) < job_number(b.job_id());
+  });
+  return out;
+}
+
+// What a queued job waits for: the running job, the jobs ahead of it, or the
+// nodes (docs/jobs.md#progress).
+std::string Scheduler::waiting_for(const std::string& id) const {
+  const auto pos = std::find(queue_.begin(), queue_.end(), id);
+  if (running_) return running_->id + " to end (one job runs at a time)";
+  if (pos != queue_.begin() && pos != queue_.end())
+    return std::to_string(pos - queue_.begin()) + " job(s) ahead of it, first " + queue_.front();
+  const std::string nodes = members_.not_ready_reason();
+  return nodes.empty() ? "its start" : nodes;
+}
+
+void Scheduler::note_rebalance(const std::string& job_id, const std::string& why) {
+  const auto it = jobs_.find(job_id);
+  if (it != jobs_.end()) it->second.mutable_progress()->set_rebalance(why);
+}
+
 std::map<v1::JobState, int> Scheduler::counts() const {
   std::map<v1::JobState, int> c;
   for (int s = v1::JOB_STATE_QUEUED; s <= v1::JOB_STATE_CANCELLED; ++s) c[static_cast<v1::JobState>(s)] = 0;
@@ -41,6 +86,16 @@ std::map<v1::JobState, int> Scheduler::counts() const {
 const v1::JobResult& Scheduler::submit(v1::JobSpec spec) {
   spec = spec::with_defaults(std::move(spec));
   spec::validate(spec, members_.world_size());
+  if (!spec.resume().empty()) {  // refused now, not as a failed job later: the checkpoint exists and fits
+    try {
+      std::string folder;
+      spec::load_for_resume(spec, folder);
+    } catch (const moe::InvalidArgument&) {
+      throw;
+    } catch (const moe::Error& e) {
+      throw moe::InvalidArgument(e.what());
+    }
+  }
   const std::string id = "job-" + std::to_string(next_job_++);
   v1::JobResult& rec = jobs_[id];
   rec.set_job_id(id);
@@ -120,6 +175,9 @@ bool Scheduler::start(v1::JobResult& rec, Clock::time_point now) {
   running_->done.assign(world, false);
   running_->last_report = now;
   rec.set_state(v1::JOB_STATE_RUNNING);
+  rec.set_started_unix_ms(unix_ms());
+  rec.mutable_progress()->set_steps(rec.spec().steps());
+  rec.mutable_progress()->set_updated_unix_ms(unix_ms());
   for (const auto& m : msg.maps()) rec.set_placement_epoch(std::max(rec.placement_epoch(), static_cast<double>(m.epoch())));
   members_.mark_busy(rec.job_id());
   log::info("job ", rec.job_id(), " starting on ", world, " ranks (", members_.num_nodes(), " nodes), placement epoch ",
@@ -183,7 +241,46 @@ void Scheduler::on_step(const v1::StepReport& r, Clock::time_point now) {
   running_->recent_step_seconds.push_back(slowest);
   if (running_->recent_step_seconds.size() > RunningJob::kRecentSteps) running_->recent_step_seconds.pop_front();
   record_load(by_rank);
+  update_progress(rec, by_rank, now);
   actions_.step_completed(r.job_id(), r.stats().step());
+}
+
+// The running job's progress from its newest complete step; the result's
+// measured fields too, at most once a second (fill_result reads every step).
+void Scheduler::update_progress(v1::JobResult& rec, const std::vector<v1::StepStats>& by_rank, Clock::time_point now) {
+  const RunningJob& job = *running_;
+  const v1::JobSpec& spec = job.reports.spec;
+  v1::JobProgress& p = *rec.mutable_progress();
+  const int step = by_rank[0].step() + 1;
+  p.set_step(step);
+  p.set_steps(spec.steps());
+  double loss = 0;
+  int64_t epoch = 0;
+  for (const v1::StepStats& s : by_rank) {
+    loss += s.loss();
+    for (int64_t e : s.layer_epoch()) epoch = std::max(epoch, e);
+  }
+  if (spec.mode() == v1::JobSpec::train) p.set_loss(loss);
+  p.set_epoch(epoch);
+  const double step_seconds = median_of(job.recent_step_seconds);
+  p.set_step_seconds(step_seconds);
+  p.set_recent_steps(static_cast<int32_t>(job.recent_step_seconds.size()));
+  p.set_tokens_per_second(step_seconds > 0 ? static_cast<double>(spec.tokens_per_rank()) * job.reports.world / step_seconds
+                                           : 0.0);
+  p.set_eta_seconds(std::max(0, spec.steps() - step) * step_seconds);
+  p.set_updated_unix_ms(unix_ms());
+  if (now - job.last_fill < std::chrono::seconds(1) && step < spec.steps()) return;
+  running_->last_fill = now;
+  v1::JobProgress kept = p;
+  fill_result(job.reports, v1::JOB_STATE_RUNNING, rec);
+  *rec.mutable_progress() = kept;
+  const v1::PlacementReply window = placement_.describe(job.shape, std::nullopt);
+  double sum = 0;
+  int layers = 0;
+  for (const v1::LayerPlacement& l : window.layers())
+    if (l.rank_window_steps() > 0) sum += l.balancedness(), ++layers;
+  if (layers > 0) rec.mutable_progress()->set_window_balancedness(sum / layers);
+  else rec.mutable_progress()->clear_window_balancedness();
 }
 
 // A complete step's measured load into the placement window

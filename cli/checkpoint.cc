@@ -3,6 +3,7 @@
 #include <filesystem>
 #include <iostream>
 
+#include "moe/ctl/json.h"
 #include "format.h"
 #include "moe/base/check.h"
 #include "moe/ctl/ctl.h"
@@ -48,7 +49,7 @@ int checkpoint_show(const Globals& g, const std::string& dir, std::ostream& out,
     const std::string folder = spec::resolve_checkpoint(dir);
     const v1::CheckpointManifest m = spec::read_manifest(folder);
     spec::check_files(folder, m);
-    if (g.json) out << spec::to_json(m) << "\n";
+    if (g.json) out << to_json(m) << "\n";
     else print_manifest(out, std::filesystem::absolute(folder).string(), m);
     return kExitOk;
   } catch (const moe::Error& e) {

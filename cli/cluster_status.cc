@@ -1,4 +1,5 @@
 // moectl cluster status.
+#include "moe/ctl/json.h"
 #include "agent_call.h"
 #include "format.h"
 #include "moe/spec/job_spec.h"
@@ -28,7 +29,7 @@ int cluster_status(const Globals& g, std::ostream& out, std::ostream& err) {
     req.mutable_cluster_status();
     const v1::ClusterStatus st = c.call(req, g.timeout).cluster_status_reply();
     if (g.json) {
-      out << spec::to_json(st) << "\n";
+      out << to_json(st) << "\n";
       return kExitOk;
     }
     out << "agent " << r.agent << " (metrics " << (st.agent_metrics_address().empty() ? "off" : st.agent_metrics_address())

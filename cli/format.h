@@ -12,6 +12,16 @@ namespace moe::ctl {
 
 std::string state_name(v1::JobState s);  // "SUCCEEDED"
 std::string fmt(double v, int precision = 4);
+// "978 MB", "1.46 GB", "512 B": decimal units, three significant digits.
+std::string human_bytes(double bytes);
+// "45s", "3m05s", "2h03m": a duration for people.
+std::string human_seconds(double seconds);
+// A unix_ms time in local time: "14:03:04" today, else "12-01 14:03".
+std::string local_time(double unix_ms);
+// Columns of the terminal on stdout; when stdout is not one, $COLUMNS or `otherwise`.
+int terminal_columns(int otherwise);
+// text cut to at most width characters ("..." at the end when cut).
+std::string cut(const std::string& text, size_t width);
 // "key  value" lines with the values aligned.
 void print_rows(std::ostream& out, const std::vector<std::pair<std::string, std::string>>& rows);
 // Columns padded to their widest cell; the first row is the header.

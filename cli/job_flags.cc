@@ -14,6 +14,7 @@
 #include "moe/base/file.h"
 #include "moe/ctl/hf_config.h"
 #include "moe/rpc/frame.h"
+#include "moe/spec/checkpoint_manifest.h"
 #include "moe/spec/job_spec.h"
 
 namespace moe::ctl {
@@ -106,6 +107,25 @@ std::set<std::string> json_fields(const std::string& json) {
   return out;
 }
 
+// A resumed job's spec (docs/jobs.md#checkpoints-and-resume): the checkpoint's,
+// without its run-only fields (verify, dump, resume), with the fields the user set
+// over it; refused naming the field when one may not change, or when the steps
+// do not go past the checkpoint's.
+v1::JobSpec resumed_spec(v1::JobSpec given, const std::set<std::string>& set_by_user) {
+  const v1::CheckpointManifest m = spec::read_manifest(spec::resolve_checkpoint(given.resume()));
+  v1::JobSpec s = m.spec();
+  for (const char* run_only : {"verify", "verify_step", "dump_dir", "dump_step", "steps", "name", "labels"})
+    s.GetReflection()->ClearField(&s, &field_of(run_only));
+  std::set<std::string> names = set_by_user;
+  names.insert("resume");
+  std::vector<const FieldDescriptor*> fields;  // each once: a field swapped twice would swap back
+  for (const std::string& name : names) fields.push_back(&field_of(name));
+  s.GetReflection()->SwapFields(&s, &given, fields);
+  spec::check_resume_spec(m.spec(), s);
+  if (s.steps() > 0) spec::check_resume_steps(m, s);
+  return s;
+}
+
 }  // namespace
 
 const std::vector<JobFieldDoc>& job_field_docs() {
@@ -145,7 +165,12 @@ const std::vector<JobFieldDoc>& job_field_docs() {
       {"shared_expert_gate", "Qwen2-MoE gate: out = routed + sigmoid(x . w_g) x shared", false},
       {"checkpoint_dir", "train: write step-{s:06d}/ checkpoints here", false},
       {"checkpoint_every", "steps between checkpoints (0: only at the end)", false},
-      {"resume", "a checkpoint folder (or a checkpoint_dir: its latest complete step) to start from", false},
+      {"resume",
+       "a checkpoint folder (or a checkpoint_dir: its latest complete step) to start from; the spec is the "
+       "checkpoint's, flags change only what resume allows",
+       false},
+      {"name", "a name for the job, shown by job status and job list: 1-63 of [A-Za-z0-9._-]", false},
+      {"labels", "a label KEY=VALUE (repeatable), for job list --selector", false},
   };
   return docs;
 }
@@ -201,9 +226,13 @@ void JobFlags::add(CLI::App* c) {
     const auto& docs = job_field_docs();
     const auto doc = std::find_if(docs.begin(), docs.end(), [&](const JobFieldDoc& x) { return field == x.field; });
     MOE_CHECK(doc != docs.end(), "moectl: JobSpec field '", field, "' has no flag documentation");
-    std::string& value = values_[field];
     const std::string help = flag_help(*doc);
     const FieldDescriptor& f = *d->field(i);
+    if (f.is_map()) {  // labels: --label KEY=VALUE, repeatable
+      c->add_option("--label", labels_, help)->type_name("KEY=VALUE");
+      continue;
+    }
+    std::string& value = values_[field];
     CLI::Option* o = f.cpp_type() == FieldDescriptor::CPPTYPE_BOOL ? c->add_flag(flag_name(field), value, help)
                                                                     : c->add_option(flag_name(field), value, help);
     o->type_name(type_name(f));
@@ -223,6 +252,13 @@ v1::JobSpec JobFlags::build() const {
     set_field(s, field, text);
     set_by_user.insert(field);
   }
+  for (const std::string& kv : labels_) {
+    const size_t eq = kv.find('=');
+    if (eq == std::string::npos || eq == 0) bad("labels", kv, "expects KEY=VALUE");
+    (*s.mutable_labels())[kv.substr(0, eq)] = kv.substr(eq + 1);
+    set_by_user.insert("labels");
+  }
+  if (!s.resume().empty()) s = resumed_spec(s, set_by_user);
   if (!hf_config_.empty()) s = apply_hf_model(hf_model_from_config(read_file(hf_config_), hf_config_), s, set_by_user);
   // Paths as the user meant them, wherever the agent and the daemons run from.
   for (auto [get, set] : {std::pair{&v1::JobSpec::weights, &v1::JobSpec::set_weights<const std::string&>},

@@ -1,8 +1,15 @@
 // moectl job submit / status / wait / list / cancel.
+#include <signal.h>
+#include <unistd.h>
+
+#include <cstring>
 #include <iostream>
+#include <set>
 
 #include "agent_call.h"
 #include "format.h"
+#include "job_view.h"
+#include "moe/ctl/json.h"
 #include "moe/spec/job_spec.h"
 
 namespace moe::ctl {
@@ -13,44 +20,9 @@ bool finished(v1::JobState s) {
   return s == v1::JOB_STATE_SUCCEEDED || s == v1::JOB_STATE_FAILED || s == v1::JOB_STATE_CANCELLED;
 }
 
-// "router 0.002, dispatch 0.01, ..." for every phase that took time.
-std::string phases_line(const v1::PhaseSeconds& p) {
-  const auto* d = v1::PhaseSeconds::descriptor();
-  std::string line;
-  for (int f = 0; f < d->field_count(); ++f) {
-    const double v = v1::PhaseSeconds::GetReflection()->GetDouble(p, d->field(f));
-    if (v > 0) line += (line.empty() ? "" : ", ") + d->field(f)->name() + " " + fmt(v);
-  }
-  return line;
-}
-
-void print_job(std::ostream& out, const v1::JobResult& j, bool json) {
-  if (json) {
-    out << spec::to_json(j) << "\n";
-    return;
-  }
-  std::vector<std::pair<std::string, std::string>> rows = {{"job", j.job_id()}, {"state", state_name(j.state())}};
-  if (!j.message().empty()) rows.push_back({"message", j.message()});
-  if (j.steps_completed() > 0) {
-    const auto& p = j.phase_seconds();
-    rows.push_back({"steps", fmt(j.steps_completed())});
-    rows.push_back({"tokens/s", fmt(j.tokens_per_second(), 6)});
-    rows.push_back({"step p50 (s)", fmt(j.step_seconds_p50())});
-    rows.push_back({"phases (s)", phases_line(p)});
-    const double ratio = j.naive_dispatch_bytes() > 0 ? j.dispatch_bytes() / j.naive_dispatch_bytes() : 0;
-    rows.push_back({"dispatch bytes", fmt(j.dispatch_bytes(), 8) + " (" + fmt(100 * ratio, 3) + "% of naive)"});
-    rows.push_back({"combine bytes", fmt(j.combine_bytes(), 8)});
-    rows.push_back({"balancedness", fmt(j.balancedness())});
-    for (const auto& [name, curve] : {std::pair{"loss", &j.loss()}, std::pair{"aux loss", &j.aux_loss()},
-                                      std::pair{"z-loss", &j.z_loss()}})
-      if (!curve->empty() && (curve->at(0) != 0 || curve->at(curve->size() - 1) != 0))
-        rows.push_back({name, fmt(curve->at(0)) + " -> " + fmt(curve->at(curve->size() - 1)) + " (first and last step)"});
-  }
-  if (j.has_verify())
-    rows.push_back({"verify", std::string(j.verify().passed() ? "passed" : "FAILED") + " (max abs " +
-                                  fmt(j.verify().max_abs_error()) + ", max rel " + fmt(j.verify().max_rel_error()) + ")"});
-  rows.push_back({"placement epoch", fmt(j.placement_epoch())});
-  print_rows(out, rows);
+void print_record(std::ostream& out, const v1::JobResult& j, bool json) {
+  if (json) out << to_json(j) << "\n";
+  else print_job(out, j);
 }
 
 int job_exit(const v1::JobResult& j) {
@@ -58,19 +30,110 @@ int job_exit(const v1::JobResult& j) {
   return finished(j.state()) ? kExitJobFailed : kExitOk;
 }
 
-// Waits for a job, one agent-side wait at a time.
-v1::JobResult wait_for(rpc::RpcClient& c, const std::string& id) {
-  for (;;) {
-    v1::Envelope req;
-    req.mutable_wait_job()->set_job_id(id);
-    const v1::Envelope reply = c.call(req, std::chrono::seconds(30));
-    if (finished(reply.job().state())) return reply.job();
+// One agent-side wait of at most `slice`: the record when it ended, or, with
+// after_step, once its progress passed that step.
+v1::JobResult wait_once(rpc::RpcClient& c, const std::string& id, std::optional<int> after_step,
+                        std::chrono::milliseconds slice) {
+  v1::Envelope req;
+  req.mutable_wait_job()->set_job_id(id);
+  if (after_step) req.mutable_wait_job()->set_after_step(*after_step);
+  return c.call(req, slice).job();
+}
+
+// The message SIGINT prints while a wait is attached to a job, written by the
+// handler itself (async-signal-safe), which then exits 130.
+char detach_message[512];
+
+void on_interrupt(int) {
+  const ssize_t n = ::write(STDERR_FILENO, detach_message, std::strlen(detach_message));
+  (void)n;
+  ::_exit(128 + SIGINT);
+}
+
+// While alive, Ctrl-C leaves the job running and says how to come back to it.
+class DetachNotice {
+ public:
+  explicit DetachNotice(const std::string& id) {
+    std::snprintf(detach_message, sizeof detach_message,
+                  "\nmoectl: stopped waiting; %s keeps running. Reattach: moectl job wait %s; "
+                  "cancel: moectl job cancel %s\n",
+                  id.c_str(), id.c_str(), id.c_str());
+    struct sigaction sa {};
+    sa.sa_handler = on_interrupt;
+    sigaction(SIGINT, &sa, &old_);
   }
+  ~DetachNotice() { sigaction(SIGINT, &old_, nullptr); }
+
+ private:
+  struct sigaction old_ {};
+};
+
+// Waits for the job to end (or the timeout), streaming a progress line per step
+// to `progress` when given. nullopt: still not ended when the timeout ran out.
+std::optional<v1::JobResult> wait_for(rpc::RpcClient& c, const std::string& id, std::optional<double> timeout_s,
+                                      std::ostream* progress) {
+  const DetachNotice notice(id);
+  const auto deadline = std::chrono::steady_clock::now() +
+                        std::chrono::milliseconds(static_cast<int64_t>(timeout_s.value_or(1e9) * 1000));
+  int seen = -1;
+  v1::JobState seen_state = v1::JOB_STATE_UNSPECIFIED;
+  for (;;) {
+    const auto left = std::chrono::duration_cast<std::chrono::milliseconds>(deadline - std::chrono::steady_clock::now());
+    if (left.count() <= 0) return std::nullopt;
+    const v1::JobResult j = wait_once(c, id, progress ? std::optional<int>(seen) : std::nullopt,
+                                      std::min<std::chrono::milliseconds>(left, std::chrono::seconds(30)));
+    if (finished(j.state())) return j;
+    const int step = j.progress().step();
+    if (progress && (step > seen || j.state() != seen_state)) {
+      *progress << progress_line(j) << std::endl;
+      if (j.state() == v1::JOB_STATE_RUNNING) seen = step;
+      seen_state = j.state();
+    }
+  }
+}
+
+// The end of a wait: the result, or what --timeout means (docs/cli.md#exit-codes).
+int report_wait(const Globals& g, const std::string& id, const std::optional<v1::JobResult>& j, double timeout_s,
+                std::ostream& out, std::ostream& err) {
+  if (!j) {
+    err << "moectl: " << id << " had not ended after --timeout " << fmt(timeout_s) << " s; it keeps running\n";
+    return kExitTimedOut;
+  }
+  print_record(out, *j, g.json);
+  return job_exit(*j);
+}
+
+// --state values: "running,queued" (any case) -> the states.
+std::set<v1::JobState> parse_states(const std::vector<std::string>& names) {
+  std::set<v1::JobState> out;
+  for (const std::string& list : names) {
+    size_t at = 0;
+    while (at <= list.size()) {
+      const size_t comma = std::min(list.find(',', at), list.size());
+      std::string name = list.substr(at, comma - at);
+      for (char& ch : name) ch = static_cast<char>(std::toupper(static_cast<unsigned char>(ch)));
+      v1::JobState s;
+      if (!v1::JobState_Parse("JOB_STATE_" + name, &s) || s == v1::JOB_STATE_UNSPECIFIED)
+        throw InvalidArgument("--state: '" + list.substr(at, comma - at) +
+                              "' is not one of queued, running, succeeded, failed, cancelled");
+      out.insert(s);
+      at = comma + 1;
+    }
+  }
+  return out;
+}
+
+bool selected(const v1::JobResult& j, const std::vector<std::pair<std::string, std::string>>& selector) {
+  for (const auto& [k, v] : selector) {
+    const auto it = j.spec().labels().find(k);
+    if (it == j.spec().labels().end() || it->second != v) return false;
+  }
+  return true;
 }
 
 }  // namespace
 
-int job_submit(const Globals& g, const v1::JobSpec& given, bool wait, std::ostream& out, std::ostream& err) {
+int job_submit(const Globals& g, const v1::JobSpec& given, const WaitOptions& w, std::ostream& out, std::ostream& err) {
   v1::JobSpec spec = given;
   try {
     spec = spec::with_defaults(spec);
@@ -82,56 +145,83 @@ int job_submit(const Globals& g, const v1::JobSpec& given, bool wait, std::ostre
   return with_agent(g, err, [&](rpc::RpcClient& c, const Resolved&) {
     v1::Envelope req;
     *req.mutable_submit_job()->mutable_spec() = spec;
-    v1::JobResult job = c.call(req, g.timeout).job();
-    if (!wait) {
-      if (g.json) out << spec::to_json(job) << "\n";
+    const v1::JobResult job = c.call(req, g.timeout).job();
+    if (!w.wait) {
+      if (g.json) out << to_json(job) << "\n";
       else out << job.job_id() << "\n";
       return kExitOk;
     }
-    if (!g.json) out << job.job_id() << " submitted\n";
-    job = wait_for(c, job.job_id());
-    print_job(out, job, g.json);
-    return job_exit(job);
+    if (!g.json) out << job.job_id() << " submitted" << std::endl;  // seen even if the wait is interrupted
+    std::ostream* progress = isatty(STDERR_FILENO) && !g.json ? &err : nullptr;
+    return report_wait(g, job.job_id(), wait_for(c, job.job_id(), w.timeout_s, progress), w.timeout_s.value_or(0), out,
+                       err);
   });
 }
 
-int job_status(const Globals& g, const std::string& id, std::ostream& out, std::ostream& err) {
+int job_status(const Globals& g, const std::string& id, bool watch, std::ostream& out, std::ostream& err) {
   return with_agent(g, err, [&](rpc::RpcClient& c, const Resolved&) {
     v1::Envelope req;
     req.mutable_get_job()->set_job_id(id);
-    print_job(out, c.call(req, g.timeout).job(), g.json);
+    v1::JobResult j = c.call(req, g.timeout).job();
+    if (!watch || finished(j.state())) {
+      print_record(out, j, g.json);
+      return kExitOk;
+    }
+    // A line (a JSON object with -o json) per step until the job ends, then its record.
+    const DetachNotice notice(id);
+    int seen = -2;
+    v1::JobState seen_state = v1::JOB_STATE_UNSPECIFIED;
+    while (!finished(j.state())) {
+      if (j.progress().step() != seen || j.state() != seen_state) {
+        if (g.json) out << to_json(j.progress(), true) << std::endl;
+        else out << progress_line(j) << std::endl;
+        seen = j.state() == v1::JOB_STATE_RUNNING ? j.progress().step() : -1;
+        seen_state = j.state();
+      }
+      j = wait_once(c, id, std::max(seen, -1), std::chrono::seconds(30));
+    }
+    print_record(out, j, g.json);
     return kExitOk;
   });
 }
 
-int job_wait(const Globals& g, const std::string& id, std::ostream& out, std::ostream& err) {
+int job_wait(const Globals& g, const std::string& id, const WaitOptions& w, std::ostream& out, std::ostream& err) {
   return with_agent(g, err, [&](rpc::RpcClient& c, const Resolved&) {
-    const v1::JobResult job = wait_for(c, id);
-    print_job(out, job, g.json);
-    return job_exit(job);
+    std::ostream* progress = isatty(STDERR_FILENO) && !g.json ? &err : nullptr;
+    return report_wait(g, id, wait_for(c, id, w.timeout_s, progress), w.timeout_s.value_or(0), out, err);
   });
 }
 
-int job_list(const Globals& g, std::ostream& out, std::ostream& err) {
+int job_list(const Globals& g, const ListOptions& o, std::ostream& out, std::ostream& err) {
+  std::set<v1::JobState> states;
+  std::vector<std::pair<std::string, std::string>> selector;
+  try {
+    states = parse_states(o.states);
+    for (const std::string& kv : o.selector) {
+      const size_t eq = kv.find('=');
+      if (eq == std::string::npos || eq == 0) throw InvalidArgument("--selector: expects KEY=VALUE, got '" + kv + "'");
+      selector.emplace_back(kv.substr(0, eq), kv.substr(eq + 1));
+    }
+  } catch (const InvalidArgument& e) {
+    err << "moectl: " << e.what() << "\n";
+    return kExitUsage;
+  }
   return with_agent(g, err, [&](rpc::RpcClient& c, const Resolved&) {
     v1::Envelope req;
     req.mutable_list_jobs();
-    const v1::ListJobsReply list = c.call(req, g.timeout).list_jobs_reply();
+    v1::ListJobsReply list = c.call(req, g.timeout).list_jobs_reply();
+    std::vector<v1::JobResult> shown;
+    for (const v1::JobResult& j : list.jobs())
+      if ((states.empty() || states.count(j.state())) && selected(j, selector)) shown.push_back(j);
     if (g.json) {
-      out << spec::to_json(list) << "\n";
+      v1::ListJobsReply reply;
+      for (auto& j : shown) *reply.add_jobs() = std::move(j);
+      out << to_json(reply) << "\n";
       return kExitOk;
     }
-    if (list.jobs_size() == 0) {
-      out << "no jobs yet\n";
-      return kExitOk;
-    }
-    std::vector<std::vector<std::string>> rows = {{"JOB", "STATE", "MODE", "EXPERTS", "TOP-K", "STEPS", "TOKENS/S", "MESSAGE"}};
-    for (const auto& j : list.jobs())
-      rows.push_back({j.job_id(), state_name(j.state()), v1::JobSpec::Mode_Name(j.spec().mode()),
-                      std::to_string(j.spec().experts()), std::to_string(j.spec().top_k()),
-                      fmt(j.steps_completed()) + "/" + std::to_string(j.spec().steps()), fmt(j.tokens_per_second(), 6),
-                      j.message()});
-    print_table(out, rows);
+    if (list.jobs_size() == 0) out << "no jobs yet\n";
+    else if (shown.empty()) out << "no job matches\n";
+    else print_job_list(out, shown, terminal_columns(160));
     return kExitOk;
   });
 }
@@ -141,7 +231,7 @@ int job_cancel(const Globals& g, const std::string& id, std::ostream& out, std::
     v1::Envelope req;
     req.mutable_cancel_job_request()->set_job_id(id);
     const v1::JobResult job = c.call(req, g.timeout).job();
-    if (g.json) out << spec::to_json(job) << "\n";
+    if (g.json) out << to_json(job) << "\n";
     else out << job.job_id() << " " << state_name(job.state()) << (job.state() == v1::JOB_STATE_RUNNING ? " (cancelling)" : "") << "\n";
     return kExitOk;
   });

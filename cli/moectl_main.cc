@@ -6,6 +6,7 @@
 #include <functional>
 #include <iostream>
 #include <memory>
+#include <optional>
 
 #include "moe/ctl/ctl.h"
 #include "moe/ctl/job_flags.h"
@@ -62,13 +63,19 @@ void add_cluster(CLI::App& app, Commands& c) {
         [&c] { return ctl::cluster_status(c.g, std::cout, std::cerr); });
 }
 
+void add_timeout(CLI::App* cmd, std::optional<double>& timeout) {
+  cmd->add_option("--timeout", timeout, "seconds to wait; then exit 4 (the job keeps running)")
+      ->check(CLI::PositiveNumber);
+}
+
 void add_job(CLI::App& app, Commands& c) {
   CLI::App* job = app.add_subcommand("job", "jobs")->require_subcommand(1);
   auto flags = std::make_shared<ctl::JobFlags>();
-  auto wait = std::make_shared<bool>(false);
+  auto wait = std::make_shared<ctl::WaitOptions>();
   CLI::App* submit = job->add_subcommand("submit", "submit a job (flags are JobSpec fields in kebab-case)");
   flags->add(submit);
-  submit->add_flag("--wait", *wait, "wait for the result (exit 1 if it fails)");
+  submit->add_flag("--wait", wait->wait, "wait for the result (exit 1 if it fails); Ctrl-C stops waiting only");
+  add_timeout(submit, wait->timeout_s);
   c.add(submit, [&c, flags, wait] {
     v1::JobSpec spec;
     try {
@@ -80,16 +87,23 @@ void add_job(CLI::App& app, Commands& c) {
     return ctl::job_submit(c.g, spec, *wait, std::cout, std::cerr);
   });
   auto id = std::make_shared<std::string>();
-  using Fn = int (*)(const ctl::Globals&, const std::string&, std::ostream&, std::ostream&);
-  for (const auto& [name, help, fn] : std::vector<std::tuple<const char*, const char*, Fn>>{
-           {"status", "a job's record", &ctl::job_status},
-           {"wait", "wait for a job to end", &ctl::job_wait},
-           {"cancel", "cancel a queued or running job", &ctl::job_cancel}}) {
-    CLI::App* cmd = job->add_subcommand(name, help);
-    cmd->add_option("id", *id)->required();
-    c.add(cmd, [&c, id, fn = fn] { return fn(c.g, *id, std::cout, std::cerr); });
-  }
-  c.add(job->add_subcommand("list", "all jobs"), [&c] { return ctl::job_list(c.g, std::cout, std::cerr); });
+  auto watch = std::make_shared<bool>(false);
+  CLI::App* status = job->add_subcommand("status", "a job's record: progress while it runs, the result after");
+  status->add_option("id", *id)->required();
+  status->add_flag("-w,--watch", *watch, "a line per step until the job ends, then the record");
+  c.add(status, [&c, id, watch] { return ctl::job_status(c.g, *id, *watch, std::cout, std::cerr); });
+  CLI::App* wait_cmd = job->add_subcommand("wait", "wait for a job to end, print its result");
+  wait_cmd->add_option("id", *id)->required();
+  add_timeout(wait_cmd, wait->timeout_s);
+  c.add(wait_cmd, [&c, id, wait] { return ctl::job_wait(c.g, *id, *wait, std::cout, std::cerr); });
+  CLI::App* cancel = job->add_subcommand("cancel", "cancel a queued or running job");
+  cancel->add_option("id", *id)->required();
+  c.add(cancel, [&c, id] { return ctl::job_cancel(c.g, *id, std::cout, std::cerr); });
+  auto list = std::make_shared<ctl::ListOptions>();
+  CLI::App* ls = job->add_subcommand("list", "every job, in submit order");
+  ls->add_option("--state", list->states, "only these states: queued,running,succeeded,failed,cancelled");
+  ls->add_option("-l,--selector", list->selector, "only jobs with this label, KEY=VALUE (repeatable)");
+  c.add(ls, [&c, list] { return ctl::job_list(c.g, *list, std::cout, std::cerr); });
 }
 
 // --shape and --layer of a placement command.
@@ -157,12 +171,13 @@ void add_top(CLI::App& app, Commands& c) {
 int main(int argc, char** argv) {
   CLI::App app{"moectl: run and inspect a moed cluster"};
   app.require_subcommand(1);
+  app.fallthrough();  // global options anywhere on the line (subcommands inherit it)
   Commands c;
   std::string output = "table";
   app.add_option("--agent", c.g.agent, "HOST:PORT of moe-agent")->envname("MOE_AGENT");
   app.add_option("--token-file", c.g.token_file, "cluster token file")->envname("MOE_TOKEN_FILE");
   app.add_option("--state-dir", c.g.state_dir, "local cluster state")->envname("MOE_STATE_DIR");
-  app.add_option("--output", output, "table or json")->check(CLI::IsMember({"table", "json"}));
+  app.add_option("-o,--output", output, "table or json (anywhere on the line)")->check(CLI::IsMember({"table", "json"}));
   moe::rpc::TlsFlags tls;
   tls.add(app, false);
   try {

@@ -5,6 +5,7 @@
 #include <iomanip>
 #include <sstream>
 
+#include "moe/ctl/json.h"
 #include "agent_call.h"
 #include "format.h"
 #include "moe/base/file.h"
@@ -69,7 +70,7 @@ int placement_show(const Globals& g, const PlacementTarget& t, std::ostream& out
   return with_agent(g, err, [&](rpc::RpcClient& c, const Resolved&) {
     const v1::PlacementReply p = fetch(c, g, t);
     if (g.json) {
-      out << spec::to_json(p) << "\n";
+      out << to_json(p) << "\n";
       return kExitOk;
     }
     if (p.maps_size() == 0) {
@@ -104,7 +105,7 @@ int placement_import(const Globals& g, const std::string& file, std::ostream& ou
     v1::Envelope req;
     *req.mutable_placement_import() = spec::placement_import_from_json(read_file(file), file);
     const v1::PlacementReply p = c.call(req, g.timeout).placement_reply();
-    if (g.json) out << spec::to_json(p) << "\n";
+    if (g.json) out << to_json(p) << "\n";
     else out << "imported " << file << ": " << shape_text(p.shape()) << " now at epoch " << p.maps(0).epoch() << "\n";
     return kExitOk;
   });
@@ -169,7 +170,7 @@ int placement_rebalance(const Globals& g, const RebalanceOptions& o, std::ostrea
     r->set_dry_run(o.dry_run);
     // A live rebalance waits for its copies (the agent's --rebalance-timeout).
     const v1::RebalanceReply reply = c.call(req, std::max(g.timeout, std::chrono::milliseconds(180000))).rebalance_reply();
-    if (g.json) out << spec::to_json(reply) << "\n";
+    if (g.json) out << to_json(reply) << "\n";
     else print_rebalance(out, reply);
     const bool ok = reply.result() == v1::REBALANCE_RESULT_COMMITTED || reply.result() == v1::REBALANCE_RESULT_DRY_RUN;
     if (!ok) err << "moectl: rebalance " << (reply.result() == v1::REBALANCE_RESULT_ABORTED ? "aborted" : "failed")

@@ -14,6 +14,7 @@
 #include <ctime>
 #include <optional>
 
+#include "moe/ctl/json.h"
 #include "agent_call.h"
 #include "moe/spec/job_spec.h"
 #include "top_frame.h"
@@ -198,7 +199,7 @@ int run_view(rpc::RpcClient& c, const Globals& g, const Resolved& r, const TopOp
 int top(const Globals& g, const TopOptions& o, std::ostream& out, std::ostream& err) {
   return with_agent(g, err, [&](rpc::RpcClient& c, const Resolved& r) {
     if (g.json) {
-      out << spec::to_json(fetch(c, g)) << "\n";
+      out << to_json(fetch(c, g)) << "\n";
       return kExitOk;
     }
     if (o.once) {

@@ -53,7 +53,7 @@ print("loss by step:", " ".join(f"{x:.4f}" for x in loss))
 ratio = loss[20] / loss[0]
 print(f"state {r['state']} | verify at step 50 (after the switch): {'passed' if r['verify']['passed'] else 'FAILED'}"
       f" | step-20 / step-0 loss = {ratio:.3f} (must be <= 0.5)")
-ok = (r["state"] == "JOB_STATE_SUCCEEDED" and ratio <= 0.5 and r["verify"]["passed"]
+ok = (r["state"] == "SUCCEEDED" and ratio <= 0.5 and r["verify"]["passed"]
       and len(r["epochs"]) == 2 and r["epochs"][1]["balancedness"] > r["epochs"][0]["balancedness"])
 sys.exit(0 if ok else 1)
 PY

@@ -77,7 +77,7 @@ void check_files(const std::string& folder, const v1::CheckpointManifest& m) {
 void check_resume_spec(const v1::JobSpec& checkpoint, const v1::JobSpec& resumed) {
   static const std::set<std::string> may_differ = {
       "steps", "checkpoint_dir", "checkpoint_every", "resume", "verify", "verify_step", "dump_dir", "dump_step",
-      "tokens_per_rank"};
+      "tokens_per_rank", "name", "labels"};
   const auto* d = v1::JobSpec::descriptor();
   for (int i = 0; i < d->field_count(); ++i) {
     const auto* fd = d->field(i);
@@ -86,8 +86,15 @@ void check_resume_spec(const v1::JobSpec& checkpoint, const v1::JobSpec& resumed
     google::protobuf::TextFormat::PrintFieldValueToString(checkpoint, fd, -1, &a);
     google::protobuf::TextFormat::PrintFieldValueToString(resumed, fd, -1, &b);
     MOE_CHECK(a == b, "resume: ", fd->name(), " is ", b, " but the checkpoint was written with ", a,
-              " (only steps, checkpoint_*, verify/dump fields and tokens_per_rank may change)");
+              " (only steps, checkpoint_*, verify/dump fields, tokens_per_rank, name and labels may change)");
   }
+}
+
+void check_resume_steps(const v1::CheckpointManifest& m, const v1::JobSpec& resumed) {
+  if (m.step() < resumed.steps()) return;
+  throw InvalidArgument("steps: the checkpoint has " + std::to_string(m.step()) + " steps done and the job asks for " +
+                        std::to_string(resumed.steps()) + "; give --steps above " + std::to_string(m.step()) +
+                        " (steps count from step 0)");
 }
 
 v1::CheckpointManifest load_for_resume(const v1::JobSpec& resumed, std::string& folder) {
@@ -95,8 +102,7 @@ v1::CheckpointManifest load_for_resume(const v1::JobSpec& resumed, std::string& 
   v1::CheckpointManifest m = read_manifest(folder);
   check_files(folder, m);
   check_resume_spec(m.spec(), resumed);
-  MOE_CHECK(m.step() < resumed.steps(), "resume: the checkpoint has ", m.step(), " steps done, the job asks for ",
-            resumed.steps(), " (steps counts from step 0)");
+  check_resume_steps(m, resumed);
   return m;
 }
 

@@ -2,6 +2,8 @@
 
 #include <google/protobuf/util/json_util.h>
 
+#include <algorithm>
+#include <cctype>
 #include <cmath>
 #include <cstdlib>
 
@@ -16,6 +18,20 @@ namespace {
 
 void require(bool ok, const std::string& field, const std::string& reason) {
   if (!ok) invalid(field, reason);
+}
+
+// A field without a default: 0 means it was not given.
+void required(int64_t value, const std::string& field) {
+  if (value != 0) return;
+  std::string flag = field;
+  std::replace(flag.begin(), flag.end(), '_', '-');
+  invalid(field, "required (--" + flag + ")");
+}
+
+// Names and label keys and values: [A-Za-z0-9._-], 1 to 63 characters.
+bool is_name(const std::string& s) {
+  if (s.empty() || s.size() > 63) return false;
+  return std::all_of(s.begin(), s.end(), [](unsigned char c) { return std::isalnum(c) || c == '.' || c == '_' || c == '-'; });
 }
 
 }  // namespace
@@ -35,6 +51,14 @@ v1::JobSpec with_defaults(v1::JobSpec s) {
 }
 
 void validate(const v1::JobSpec& s, int world_size) {
+  for (const auto& [field, value] : {std::pair<const char*, int64_t>{"experts", s.experts()}, {"top_k", s.top_k()},
+                                     {"hidden", s.hidden()}, {"ffn_hidden", s.ffn_hidden()},
+                                     {"tokens_per_rank", s.tokens_per_rank()}, {"steps", s.steps()}})
+    required(value, field);
+  require(s.name().empty() || is_name(s.name()), "name",
+          "must be 1-63 of [A-Za-z0-9._-], got '" + s.name() + "'");
+  for (const auto& [k, v] : s.labels())
+    require(is_name(k) && is_name(v), "labels", "keys and values must be 1-63 of [A-Za-z0-9._-], got '" + k + "=" + v + "'");
   require(s.experts() >= 1, "experts", "must be >= 1, got " + std::to_string(s.experts()));
   require(s.experts() <= 65536, "experts", "must be <= 65536, got " + std::to_string(s.experts()));
   require(s.top_k() >= 1 && s.top_k() <= s.experts(), "top_k",

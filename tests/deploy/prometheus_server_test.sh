@@ -79,7 +79,7 @@ ctl job cancel "$id" >/dev/null
 ctl --output json job wait "$id" >"$TMP/result.json" || true
 state=$("$py" -c 'import json, sys; print(json.load(open(sys.argv[1])).get("state"))' "$TMP/result.json") ||
   fail "no result of $id: $(cat "$TMP/result.json")"
-[ "$state" = JOB_STATE_CANCELLED ] || fail "$id ended $state, not cancelled: $(head -c 2000 "$TMP/result.json")"
+[ "$state" = CANCELLED ] || fail "$id ended $state, not cancelled: $(head -c 2000 "$TMP/result.json")"
 end=$(date +%s.%N)
 log "$id cancelled after $(awk -v a="$start" -v b="$end" 'BEGIN { printf "%.1f", b - a }') s"
 

@@ -3,7 +3,7 @@
 # (slurmctld + slurmd on this machine) with its own slurm.conf, spool, state and munge socket in
 # a temporary folder (SLURM_CONF points there; nothing is written under /etc). The script is
 # submitted with sbatch for one node and the built binaries; the test checks that Slurm ran it to
-# completion, that the moectl job result says JOB_STATE_SUCCEEDED with verify passed, that the
+# completion, that the moectl job result says SUCCEEDED with verify passed, that the
 # agent and the daemon exited cleanly at the teardown and that the agent's file_sd file lists
 # both; then stops munged, slurmd and slurmctld by their pids.
 # Skips where the packages cannot be installed or slurmd does not come up idle within 30 s.
@@ -136,7 +136,7 @@ cat "$TMP/run/slurm-$job.out" || true
 import json, sys
 r = json.load(open(sys.argv[1]))
 print("job", r.get("job_id"), r.get("state"), "steps", r.get("steps_completed"), "verify passed:", r.get("verify", {}).get("passed"))
-sys.exit(0 if r.get("state") == "JOB_STATE_SUCCEEDED" and r.get("verify", {}).get("passed") else 1)
+sys.exit(0 if r.get("state") == "SUCCEEDED" and r.get("verify", {}).get("passed") else 1)
 PY
 grep -q "cluster torn down cleanly" "$TMP/run/slurm-$job.out" ||
   fail "the agent and the daemons did not all exit 0 on SIGTERM"

@@ -150,7 +150,7 @@ for _ in $(seq 150); do
   if "${ctl[@]}" cluster status 2>/dev/null | /usr/bin/python3 -c '
 import json, sys
 nodes = json.load(sys.stdin).get("nodes", [])
-sys.exit(0 if any(n.get("name") == sys.argv[1] and n.get("state") == "NODE_STATE_ALIVE" for n in nodes) else 1)
+sys.exit(0 if any(n.get("name") == sys.argv[1] and n.get("state") == "ALIVE" for n in nodes) else 1)
 ' "$(hostname)"; then
     registered=yes
     break

@@ -81,7 +81,7 @@ TEST_F(Checkpoints, ShowListsStepSpecMapsAndBytesPerRank) {
   std::tie(rc, out) = c.ctl({"--output", "json", "checkpoint", "show", (dir_ / "step-000005").string()});
   ASSERT_EQ(rc, 0) << out;
   v1::CheckpointManifest m;
-  ASSERT_TRUE(google::protobuf::util::JsonStringToMessage(out, &m).ok()) << out;
+  ASSERT_TRUE(parse_output(out, m));
   EXPECT_EQ(m.step(), 5);
   EXPECT_EQ(m.world_size(), 4);
   EXPECT_EQ(m.maps_size(), 2);
@@ -92,8 +92,10 @@ TEST_F(Checkpoints, ShowListsStepSpecMapsAndBytesPerRank) {
 TEST_F(Checkpoints, ResumeOnTheSameShapeIsBitwise) {
   Cluster c(2, 2);
   ASSERT_TRUE(c.up());
-  const v1::JobResult r = submit(c, concat(kSpec, {"--steps", "10", "--tokens-per-rank", "32", "--resume",
-                                                   (dir_ / "step-000005").string(), "--verify"}));
+  // Only what changes is given: the model, routing and training fields come from
+  // the checkpoint's spec; an empty --checkpoint-dir writes no checkpoints.
+  const v1::JobResult r = submit(c, {"--steps", "10", "--tokens-per-rank", "32", "--resume",
+                                     (dir_ / "step-000005").string(), "--verify", "--checkpoint-dir", ""});
   expect_continues(r, 0.0);
   // Verify covers the resumed run's first step (step 5), on the loaded state.
   EXPECT_TRUE(r.verify().passed()) << r.DebugString();
@@ -105,7 +107,9 @@ TEST_F(Checkpoints, ResumeOnOtherShapesKeepsTheCurve) {
     Cluster c(nodes, devices);
     ASSERT_TRUE(c.up());
     SCOPED_TRACE(std::to_string(nodes) + "x" + std::to_string(devices));
-    expect_continues(submit(c, concat(kSpec, {"--steps", "10", "--tokens-per-rank", tokens, "--resume", (dir_ / "step-000005").string()})),
+    // The flags may repeat the checkpoint's spec (they equal it).
+    expect_continues(submit(c, concat(kSpec, {"--steps", "10", "--tokens-per-rank", tokens, "--resume",
+                                              (dir_ / "step-000005").string(), "--checkpoint-dir", ""})),
                      1e-5);
   }
 }
@@ -131,9 +135,10 @@ TEST_F(Checkpoints, ResumeAfterALiveRebalanceKeepsTheCurve) {
   std::tie(rc, out) = c.ctl({"--output", "json", "checkpoint", "show", (dir / "step-000100").string()});
   ASSERT_EQ(rc, 0) << out;
   v1::CheckpointManifest m;
-  ASSERT_TRUE(google::protobuf::util::JsonStringToMessage(out, &m).ok()) << out;
+  ASSERT_TRUE(parse_output(out, m));
   EXPECT_EQ(m.maps(0).slots_per_rank(), 3) << "the checkpoint holds the rebalanced map (8 + 4 replicas on 4 ranks)";
-  const v1::JobResult resumed = submit(c, concat(spec, {"--resume", (dir / "step-000100").string(), "--verify"}));
+  const v1::JobResult resumed =
+      submit(c, concat(spec, {"--resume", (dir / "step-000100").string(), "--verify", "--checkpoint-dir", ""}));
   ASSERT_EQ(resumed.loss_size(), 100);
   EXPECT_TRUE(resumed.verify().passed()) << resumed.DebugString();
   for (int i = 0; i < 100; ++i) EXPECT_NEAR(resumed.loss(i), full.loss(100 + i), 1e-5 * full.loss(100 + i)) << 100 + i;
@@ -148,27 +153,32 @@ TEST_F(Checkpoints, DamagedOrMismatchedCheckpointsAreRefusedNamingTheProblem) {
   Cluster c(1, 1);
   ASSERT_TRUE(c.up());
   std::string out;
-  // A truncated rank file.
+  // A truncated rank file: refused at submit (exit 2), no job recorded.
   fs::resize_file(bad / "step-000005" / "rank2.safetensors", fs::file_size(bad / "step-000005" / "rank2.safetensors") / 2);
-  const Args resume = concat(kSpec, {"--steps", "10", "--tokens-per-rank", "128", "--resume", bad.string()});
-  v1::JobResult r = submit(c, resume, 1, &out);
-  EXPECT_NE(r.message().find("rank2.safetensors is truncated"), std::string::npos) << out;
+  const Args resume = {"--steps", "10", "--tokens-per-rank", "128", "--resume", bad.string()};
+  submit(c, resume, 2, &out);
+  EXPECT_NE(out.find("rank2.safetensors is truncated"), std::string::npos) << out;
   auto [rc, show] = c.ctl({"checkpoint", "show", bad.string()});
   EXPECT_EQ(rc, 2);
   EXPECT_NE(show.find("rank2.safetensors is truncated"), std::string::npos) << show;
   // A missing one.
   fs::remove(bad / "step-000005" / "rank2.safetensors");
-  r = submit(c, resume, 1, &out);
-  EXPECT_NE(r.message().find("rank2.safetensors is missing"), std::string::npos) << out;
+  submit(c, resume, 2, &out);
+  EXPECT_NE(out.find("rank2.safetensors is missing"), std::string::npos) << out;
   // A spec that differs in a field that may not change.
-  r = submit(c, concat(concat(kSpec, {"--steps", "10", "--tokens-per-rank", "128", "--resume", (dir_ / "step-000005").string()}),
-                       {"--dtype", "bf16"}),
-             1, &out);
-  EXPECT_NE(r.message().find("resume: dtype is bf16 but the checkpoint was written with fp32"), std::string::npos) << out;
+  submit(c, {"--steps", "10", "--resume", (dir_ / "step-000005").string(), "--dtype", "bf16"}, 2, &out);
+  EXPECT_NE(out.find("resume: dtype is bf16 but the checkpoint was written with fp32"), std::string::npos) << out;
+  // No --steps: required; fewer than the checkpoint holds: refused, naming both.
+  submit(c, {"--resume", (dir_ / "step-000005").string()}, 2, &out);
+  EXPECT_NE(out.find("steps: required (--steps)"), std::string::npos) << out;
+  submit(c, {"--resume", (dir_ / "step-000005").string(), "--steps", "3"}, 2, &out);
+  EXPECT_NE(out.find("steps: the checkpoint has 5 steps done and the job asks for 3"), std::string::npos) << out;
   // A half-written step folder (no checkpoint.json) is never taken.
   fs::remove(bad / "step-000005" / "checkpoint.json");
-  r = submit(c, resume, 1, &out);
-  EXPECT_NE(r.message().find("holds no complete checkpoint"), std::string::npos) << out;
+  submit(c, resume, 2, &out);
+  EXPECT_NE(out.find("holds no complete checkpoint"), std::string::npos) << out;
+  // None of these became a job.
+  EXPECT_NE(c.ctl({"job", "list"}).second.find("no jobs yet"), std::string::npos);
   fs::remove_all(bad);
 }
 

@@ -60,7 +60,7 @@ TEST(Cluster, TwoByTwoEqualsOneByOneWithFourTimesTheTokens) {
     args.insert(args.end(), spec.begin(), spec.end());
     const auto [rc, out] = c.ctl(args, 120s);
     ASSERT_EQ(rc, 0) << out << c.logs();
-    EXPECT_NE(out.find("\"state\": \"JOB_STATE_SUCCEEDED\""), std::string::npos) << out;
+    EXPECT_NE(out.find("\"state\": \"SUCCEEDED\""), std::string::npos) << out;
     EXPECT_NE(out.find("\"passed\": true"), std::string::npos) << out;
     EXPECT_NE(out.find("\"steps_completed\": 2"), std::string::npos) << out;
     small = dumped_out(dumps / "2x2", 4, 48, 64);
@@ -331,7 +331,7 @@ TEST(Cluster, CancelStopsARunningJob) {
                             60s);
   EXPECT_EQ(rc, 0) << out;
   std::tie(rc, out) = c.ctl({"--output", "json", "job", "list"});
-  EXPECT_NE(out.find("\"state\": \"JOB_STATE_CANCELLED\""), std::string::npos) << out;
+  EXPECT_NE(out.find("\"state\": \"CANCELLED\""), std::string::npos) << out;
 }
 
 }  // namespace

@@ -1,5 +1,7 @@
 #include "local_cluster.h"
 
+#include "moe/ctl/json.h"
+
 #include <arpa/inet.h>
 #include <gtest/gtest.h>
 #include <fcntl.h>
@@ -210,11 +212,20 @@ double series_value(const std::string& text, const std::string& series) {
   return -1;
 }
 
+bool parse_output(const std::string& text, google::protobuf::Message& m) {
+  const auto at = text.find('{');
+  try {
+    ctl::from_json(at == std::string::npos ? text : text.substr(at), m);
+    return true;
+  } catch (const std::exception& e) {
+    ADD_FAILURE() << e.what() << " in:\n" << text;
+    return false;
+  }
+}
+
 v1::JobResult parse_result(const std::string& json) {
   v1::JobResult r;
-  const auto at = json.find('{');
-  const auto st = google::protobuf::util::JsonStringToMessage(at == std::string::npos ? json : json.substr(at), &r);
-  EXPECT_TRUE(st.ok()) << json;
+  parse_output(json, r);
   return r;
 }
 

@@ -83,6 +83,9 @@ std::string exchange(const std::string& host, int port, const std::string& bytes
 std::string scrape(const std::string& address);
 // The value of one series in a Prometheus text exposition (-1 if absent).
 double series_value(const std::string& text, const std::string& series);
+// moectl's JSON output (docs/cli.md#json; text before the first '{' skipped) into m;
+// a test failure naming the problem when it does not parse.
+bool parse_output(const std::string& text, google::protobuf::Message& m);
 // The JobResult in moectl's JSON output (text before the first '{' skipped).
 v1::JobResult parse_result(const std::string& json);
 

@@ -430,7 +430,7 @@ TEST(PlacementCommands, ARebalanceOfOneLayerMovesThatLayerOnly) {
   const auto [drc, dry] = c.ctl({"--output", "json", "placement", "rebalance", "--layer", "1", "--dry-run"});
   ASSERT_EQ(drc, 0) << dry;
   v1::RebalanceReply plan;
-  ASSERT_TRUE(google::protobuf::util::JsonStringToMessage(dry.substr(dry.find('{')), &plan).ok()) << dry;
+  ASSERT_TRUE(parse_output(dry, plan));
   ASSERT_EQ(plan.maps_size(), 1) << dry;
   EXPECT_EQ(plan.maps(0).layer(), 1);
   const auto [rc, out] = c.ctl({"placement", "rebalance", "--layer", "1"});

@@ -47,7 +47,7 @@ void expect_within(const std::string& text, size_t width) {
 
 v1::LiveLoad parse_live_load(const std::string& json) {
   v1::LiveLoad l;
-  EXPECT_TRUE(google::protobuf::util::JsonStringToMessage(json, &l).ok()) << json;
+  EXPECT_TRUE(parse_output(json, l));
   return l;
 }
 

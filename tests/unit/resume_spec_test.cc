@@ -18,7 +18,7 @@ using google::protobuf::FieldDescriptor;
 
 const std::set<std::string> kMayDiffer = {"steps",  "checkpoint_dir", "checkpoint_every", "resume",
                                           "verify", "verify_step",    "dump_dir",         "dump_step",
-                                          "tokens_per_rank"};
+                                          "tokens_per_rank", "name", "labels"};
 
 v1::JobSpec base() {
   v1::JobSpec s;
@@ -34,6 +34,10 @@ v1::JobSpec base() {
 
 // `s` with field fd set to another value than it has.
 v1::JobSpec changed(v1::JobSpec s, const FieldDescriptor* fd) {
+  if (fd->is_map()) {  // labels
+    (*s.mutable_labels())["team"] = "x";
+    return s;
+  }
   const auto* r = s.GetReflection();
   switch (fd->cpp_type()) {
     case FieldDescriptor::CPPTYPE_INT32: r->SetInt32(&s, fd, r->GetInt32(s, fd) + 1); break;

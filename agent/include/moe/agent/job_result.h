@@ -19,7 +19,8 @@ struct JobReports {
 };
 
 // Fills rec's measured fields: steps_completed, tokens/s, step and phase
-// medians, bytes, loss, expert and rank loads, balancedness and verify. A step
+// medians, bytes, loss, expert and rank loads, balancedness and verify (ended
+// jobs whose ranks ran the check; absent otherwise). A step
 // counts once every rank reported it. Per step, a phase takes its slowest
 // rank's time; the result takes the median over steps. A rank's load is the
 // (token, expert) pairs its experts computed

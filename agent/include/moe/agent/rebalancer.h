@@ -62,6 +62,8 @@ class Rebalancer {
   // For metrics: rebalances by result, and the seconds of finished live ones.
   const std::map<v1::RebalanceResult, int64_t>& counts() const { return counts_; }
   const std::vector<double>& durations() const { return durations_; }
+  // An automatic attempt that could not start (its request broke a rule).
+  void record_failed_attempt() { ++counts_[v1::REBALANCE_RESULT_FAILED]; }
 
  private:
   struct Live {

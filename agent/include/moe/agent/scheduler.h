@@ -77,6 +77,7 @@ struct RunningJob {
   // kRecentSteps, newest last): the live step time of moectl top.
   static constexpr size_t kRecentSteps = 8;
   std::deque<double> recent_step_seconds;
+  Clock::time_point last_fill;  // when the record's result fields were last refreshed
   // Read back by a restarted agent: its daemons re-send every report. Until
   // each rank was heard from again, a failure is the restart's.
   bool restored = false;
@@ -96,6 +97,12 @@ class Scheduler {
   // Cancels a queued job at once, a running one through its daemons.
   const v1::JobResult& cancel(const std::string& id, Clock::time_point now);
   const v1::JobResult& record(const std::string& id) const;  // throws rpc::RpcError(NOT_FOUND)
+  // The record as moectl shows it: a queued job's progress says what it waits for.
+  v1::JobResult view(const std::string& id) const;
+  // Every record as view() shows it, in submit order (job-2 before job-10).
+  std::vector<v1::JobResult> list() const;
+  // An automatic rebalance of the running job could not run: why, on its record.
+  void note_rebalance(const std::string& job_id, const std::string& why);
   const std::map<std::string, v1::JobResult>& jobs() const { return jobs_; }
   const RunningJob* running() const { return running_.get(); }
   int queued() const { return static_cast<int>(queue_.size()); }
@@ -132,6 +139,8 @@ class Scheduler {
   void fail_unstarted(v1::JobResult& rec, const std::string& message);
   void note_cancelled_rank(const v1::RankDone& d, Clock::time_point now);
   void record_load(const std::vector<v1::StepStats>& by_rank);
+  void update_progress(v1::JobResult& rec, const std::vector<v1::StepStats>& by_rank, Clock::time_point now);
+  std::string waiting_for(const std::string& id) const;
   void fail_running(const std::string& message, Clock::time_point now);
   // why, prefixed "agent restarted: " while a restored job waits for its ranks.
   std::string after_restart(const std::string& why) const;

@@ -16,6 +16,8 @@
 namespace moe::ctl {
 
 constexpr int kExitOk = 0, kExitJobFailed = 1, kExitUsage = 2, kExitUnreachable = 3;
+// `job wait --timeout` ran out with the job still queued or running.
+constexpr int kExitTimedOut = 4;
 
 struct Globals {
   // Flags, or their environment variables (the main reads both).
@@ -60,15 +62,27 @@ struct TlsCreateOptions {
 int tls_create(const TlsCreateOptions& o, std::ostream& out, std::ostream& err);
 int cluster_status(const Globals& g, std::ostream& out, std::ostream& err);
 
+struct WaitOptions {
+  bool wait = false;                 // submit: wait for the job to end
+  std::optional<double> timeout_s;   // give up waiting after this long (exit 4; the job runs on)
+};
 // Submits `spec` as built by JobFlags::build (the --hf-config fields, the -f file
 // over them, the given flags over both), after filling its defaults and
 // validating it. Prints the job id (the record with --output json) and exits 0;
 // with `wait`, waits for the job to end, prints its result, and exits 0 if it
-// succeeded, 1 if it failed or was cancelled.
-int job_submit(const Globals& g, const v1::JobSpec& spec, bool wait, std::ostream& out, std::ostream& err);
-int job_status(const Globals& g, const std::string& id, std::ostream& out, std::ostream& err);
-int job_wait(const Globals& g, const std::string& id, std::ostream& out, std::ostream& err);
-int job_list(const Globals& g, std::ostream& out, std::ostream& err);
+// succeeded, 1 if it failed or was cancelled. Waits stream a progress line per
+// step to stderr when it is a terminal; Ctrl-C stops waiting (130) and says how
+// to reattach and cancel.
+int job_submit(const Globals& g, const v1::JobSpec& spec, const WaitOptions& w, std::ostream& out, std::ostream& err);
+// The record; with `watch`, a line per step until the job ends, then the record.
+int job_status(const Globals& g, const std::string& id, bool watch, std::ostream& out, std::ostream& err);
+int job_wait(const Globals& g, const std::string& id, const WaitOptions& w, std::ostream& out, std::ostream& err);
+struct ListOptions {
+  std::vector<std::string> states;    // "running,queued", repeatable; empty: every state
+  std::vector<std::string> selector;  // KEY=VALUE labels a job must carry
+};
+// In submit order; each row cut to the terminal's width (160 columns off a terminal).
+int job_list(const Globals& g, const ListOptions& o, std::ostream& out, std::ostream& err);
 int job_cancel(const Globals& g, const std::string& id, std::ostream& out, std::ostream& err);
 // Which placement a command is about (docs/placement.md#cluster-state): a shape
 // "EXPERTSxLAYERS@NODESxDEVICES" (empty: the last job's) and optionally one layer.

@@ -5,7 +5,8 @@
 // command line override `-f spec.json`, and both override `--hf-config
 // config.json` (hf_config.h); a boolean flag takes --flag, --flag=true or
 // --flag=false. A relative --weights path is made absolute (the daemons do not
-// run in the submitter's folder).
+// run in the submitter's folder). With --resume the spec is the checkpoint's,
+// the given flags over it (only those resume allows).
 #pragma once
 
 #include <map>
@@ -48,6 +49,7 @@ class JobFlags {
   std::string hf_config_;
   std::map<std::string, std::string> given_;  // field -> text, only flags that were given
   std::map<std::string, std::string> values_;  // storage CLI11 writes into
+  std::vector<std::string> labels_;            // --label KEY=VALUE
 };
 
 // Sets one field of spec from its command-line text; throws rpc::RpcError

@@ -30,8 +30,11 @@ v1::CheckpointManifest manifest_from_json(const std::string& text, const std::st
 void check_files(const std::string& folder, const v1::CheckpointManifest& m);
 
 // The fields a resumed run may change: steps, checkpoint_*, resume, verify/dump
-// fields, tokens_per_rank. Any other difference throws moe::Error naming the field.
+// fields, tokens_per_rank, name, labels. Any other difference throws moe::Error naming the field.
 void check_resume_spec(const v1::JobSpec& checkpoint, const v1::JobSpec& resumed);
+// A resumed job must ask for more steps than the checkpoint holds; throws
+// moe::InvalidArgument ("steps: ...") otherwise.
+void check_resume_steps(const v1::CheckpointManifest& m, const v1::JobSpec& resumed);
 
 // Everything above for a job about to resume: the resolved folder's manifest,
 // its files checked, the spec compared.
