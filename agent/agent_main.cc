@@ -2,6 +2,7 @@
 #include <unistd.h>
 
 #include <CLI/CLI.hpp>
+#include <iostream>
 
 #include "moe/agent/agent.h"
 #include "moe/agent/metrics_exposer.h"
@@ -61,7 +62,8 @@ struct Flags {
         ->check(CLI::Range(0.0, 1.0))
         ->capture_default_str();
     app.add_option("--redundant-experts", opts.redundant_experts,
-                   "redundant slots of an auto-rebalance (default: the shape's current count)");
+                   "redundant slots of an auto-rebalance (default: the shape's current count)")
+        ->check(CLI::Range(0, 1 << 20));
   }
 
   void add_state(CLI::App& app) {
@@ -94,10 +96,21 @@ int main(int argc, char** argv) {
   CLI::App app{"moe-agent: the moed cluster coordinator"};
   Flags f;
   f.add(app);
+  bool check_flags = false;
+  app.add_flag("--check-flags", check_flags, "check the flags and the files they name, print the problem, exit 0 or 2");
   try {
     app.parse(argc, argv);
   } catch (const CLI::ParseError& e) {
     return app.exit(e) == 0 ? 0 : 2;
+  }
+  if (check_flags) {  // moectl cluster up asks this before it starts anything
+    try {
+      f.resolve();
+      return 0;
+    } catch (const std::exception& e) {
+      std::cerr << e.what() << "\n";
+      return 2;
+    }
   }
   log::init("moe-agent", "agent");
   try {

@@ -63,6 +63,7 @@ v1::LiveLoad live_load(const Membership& members, const Scheduler& scheduler, co
   out.set_nodes(members.num_nodes());
   out.set_nodes_alive(members.counts().at(v1::NODE_STATE_ALIVE));
   out.set_world_size(members.world_size());
+  out.set_alive_ranks(members.alive_ranks());
   out.set_window_capacity(window_capacity);
   for (const auto& [state, n] : scheduler.counts()) (*out.mutable_jobs())[state_key(state)] = n;
   v1::PlacementReply p = placement.describe({}, std::nullopt);  // empty before any job

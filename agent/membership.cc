@@ -92,16 +92,16 @@ bool Membership::ready_for_job() const {
 }
 
 std::string Membership::not_ready_reason() const {
-  if (nodes_.empty()) return "no node has registered";
+  if (nodes_.empty()) return "a node to register";
   for (const NodeRecord& n : nodes_) {
     if (n.state == v1::NODE_STATE_DEAD)
-      return "node " + n.name + " is dead" +
+      return "node " + n.name + ": dead" +
              (n.dead_since_unix_ms > 0 ? " since " + utc_time_of_day(n.dead_since_unix_ms) : std::string()) +
-             " (restart it, or remove it: docs/cli.md#nodes)";
-    if (n.state == v1::NODE_STATE_UNHEARD) return "node " + n.name + " has not re-registered since the agent restarted";
+             " (start its moed again; a local cluster: moectl node restart " + n.name + ")";
+    if (n.state == v1::NODE_STATE_UNHEARD) return "node " + n.name + ": not re-registered since the agent restarted";
   }
   for (const NodeRecord& n : nodes_)
-    if (!n.busy_job.empty()) return "node " + n.name + " is still finishing " + n.busy_job;
+    if (!n.busy_job.empty()) return "node " + n.name + ": still finishing " + n.busy_job;
   return "";
 }
 

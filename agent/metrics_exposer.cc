@@ -6,6 +6,7 @@
 #include <prometheus/registry.h>
 
 #include <algorithm>
+#include <set>
 
 #include "moe/http/metrics_endpoint.h"
 
@@ -37,6 +38,18 @@ struct MetricsExposer::Impl {
                              .Help("PREPARE to COMMIT or ABORT of a live rebalance")
                              .Register(*registry)
                              .Add({}, Histogram::BucketBoundaries{0.01, 0.03, 0.1, 0.3, 1, 3, 10, 30, 100});
+    shape_info = &BuildGauge().Name("moe_placement_shape_info")
+                      .Help("The shape (EXPERTSxLAYERS@NODESxDEVICES) the placement series are of: the last job's")
+                      .Register(*registry);
+    job_step = &BuildGauge().Name("moe_job_step").Help("Complete steps of the running job").Register(*registry);
+    job_steps = &BuildGauge().Name("moe_job_steps").Help("Steps the running job asks for").Register(*registry);
+    job_loss = &BuildGauge().Name("moe_job_loss").Help("The running train job's latest step loss").Register(*registry);
+    job_tps = &BuildGauge().Name("moe_job_tokens_per_second")
+                  .Help("Tokens per second of the running job over its recent steps").Register(*registry);
+    job_step_seconds = &BuildGauge().Name("moe_job_step_seconds")
+                           .Help("Median slowest-rank step time of the running job's recent steps").Register(*registry);
+    job_eta = &BuildGauge().Name("moe_job_eta_seconds").Help("Seconds the running job has left at its recent pace")
+                  .Register(*registry);
     nodes = &BuildGauge().Name("moe_nodes").Help("Registered nodes by state").Register(*registry);
     jobs = &BuildGauge().Name("moe_jobs").Help("Jobs by state").Register(*registry);
     BuildGauge().Name("moe_build_info").Help("moed build").Register(*registry)
@@ -44,29 +57,69 @@ struct MetricsExposer::Impl {
     refresh();
   }
 
+  // Sets a gauge of this refresh; the ones a refresh does not set are removed
+  // (another shape's layers, an empty window, a job that ended).
+  void set(prometheus::Family<prometheus::Gauge>* f, const std::map<std::string, std::string>& labels, double v) {
+    prometheus::Gauge& g = f->Add(labels);
+    g.Set(v);
+    fresh.emplace(f, &g);
+  }
+
   void refresh() {
     for (const auto& [state, n] : agent.membership().counts())
       nodes->Add({{"state", lower_state(v1::NodeState_Name(state), 11)}}).Set(n);  // drop NODE_STATE_
     for (const auto& [state, n] : agent.scheduler().counts())
       jobs->Add({{"state", lower_state(v1::JobState_Name(state), 10)}}).Set(n);  // drop JOB_STATE_
-    // The last job's shape: its maps and live windows.
-    const v1::PlacementReply p = agent.placement().describe({}, std::nullopt);
-    for (const v1::LayerPlacement& lp : p.layers()) {
-      const v1::PlacementMap& m = lp.map();
-      const std::string layer = std::to_string(m.layer());
-      epoch->Add({{"layer", layer}}).Set(static_cast<double>(m.epoch()));
-      balanced->Add({{"layer", layer}}).Set(lp.balancedness());
-      for (int e = 0; e < m.logcnt_size(); ++e) {
-        const std::map<std::string, std::string> labels = {{"layer", layer}, {"expert", std::to_string(e)}};
-        replicas->Add(labels).Set(m.logcnt(e));
-        load->Add(labels).Set(e < lp.expert_loads_size() ? lp.expert_loads(e) : 0.0);
-      }
-    }
+    refresh_placement();
+    refresh_job();
+    for (const auto& [family, gauge] : shown)
+      if (!fresh.count({family, gauge})) family->Remove(gauge);
+    shown.swap(fresh);
+    fresh.clear();
     refresh_rebalances();
     timer.expires_after(std::chrono::seconds(1));
     timer.async_wait([this](boost::system::error_code ec) {
       if (!ec) refresh();
     });
+  }
+
+  // The last job's shape only (docs/metrics.md#agent): its maps and live windows.
+  void refresh_placement() {
+    const v1::PlacementReply p = agent.placement().describe({}, std::nullopt);
+    if (p.layers_size() > 0) {
+      const v1::PlacementShape& sh = p.shape();
+      set(shape_info, {{"shape", std::to_string(sh.experts()) + "x" + std::to_string(sh.layers()) + "@" +
+                                     std::to_string(sh.nodes()) + "x" + std::to_string(sh.devices_per_node())}},
+          1);
+    }
+    for (const v1::LayerPlacement& lp : p.layers()) {
+      const v1::PlacementMap& m = lp.map();
+      const std::string layer = std::to_string(m.layer());
+      set(epoch, {{"layer", layer}}, static_cast<double>(m.epoch()));
+      if (lp.rank_window_steps() > 0) set(balanced, {{"layer", layer}}, lp.balancedness());  // absent while empty
+      for (int e = 0; e < m.logcnt_size(); ++e) {
+        const std::map<std::string, std::string> labels = {{"layer", layer}, {"expert", std::to_string(e)}};
+        set(replicas, labels, m.logcnt(e));
+        if (lp.window_steps() > 0) set(load, labels, e < lp.expert_loads_size() ? lp.expert_loads(e) : 0.0);
+      }
+    }
+  }
+
+  // The running job's progress (docs/jobs.md#progress); nothing between jobs.
+  void refresh_job() {
+    const RunningJob* run = agent.scheduler().running();
+    if (!run) return;
+    const v1::JobResult& rec = agent.scheduler().record(run->id);
+    const v1::JobProgress& p = rec.progress();
+    const std::map<std::string, std::string> job = {{"job_id", rec.job_id()}, {"name", rec.spec().name()}};
+    set(job_step, job, p.step());
+    set(job_steps, job, rec.spec().steps());
+    if (p.has_loss()) set(job_loss, job, p.loss());
+    if (p.recent_steps() > 0) {
+      set(job_tps, job, p.tokens_per_second());
+      set(job_step_seconds, job, p.step_seconds());
+    }
+    if (p.has_eta_seconds()) set(job_eta, job, p.eta_seconds());
   }
 
   // Counters move by what happened since the last refresh.
@@ -94,6 +147,9 @@ struct MetricsExposer::Impl {
   prometheus::Family<prometheus::Gauge>* load;
   prometheus::Family<prometheus::Gauge>* nodes;
   prometheus::Family<prometheus::Gauge>* jobs;
+  prometheus::Family<prometheus::Gauge>*shape_info, *job_step, *job_steps, *job_loss, *job_tps, *job_step_seconds, *job_eta;
+  using Series = std::pair<prometheus::Family<prometheus::Gauge>*, prometheus::Gauge*>;
+  std::set<Series> shown, fresh;  // the gauges the last refresh set, and this one's
 };
 
 MetricsExposer::MetricsExposer(rpc::asio::io_context& io, const Agent& agent, const std::string& listen)

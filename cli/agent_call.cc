@@ -1,5 +1,7 @@
 #include "agent_call.h"
 
+#include <signal.h>
+
 #include <cstdlib>
 #include <filesystem>
 #include <fstream>
@@ -39,6 +41,19 @@ int exit_code_of(const RpcError& e) {
 
 rpc::RpcClient client(const Resolved& r) {
   return rpc::RpcClient(rpc::ClientOptions::make(r.agent, r.token, "moectl", "moectl", r.tls));
+}
+
+std::string unreachable_reason(const Globals& g) {
+  if (!g.agent.empty()) return "";  // --agent / MOE_AGENT: the plain error names it
+  const Resolved r = resolve(g);
+  const fs::path dir = r.state_dir;
+  if (!fs::exists(dir / "agent_address"))
+    return "no cluster is up in " + dir.string() + " (moectl cluster up; or --agent HOST:PORT for another cluster)";
+  const std::string pid = read_trimmed((dir / "pids" / "agent.pid").string());
+  if (!pid.empty() && ::kill(static_cast<pid_t>(std::stol(pid)), 0) != 0)
+    return "the agent of the cluster in " + dir.string() + " is not running (moectl logs agent; moectl cluster "
+           "restart-agent, or cluster down)";
+  return "";
 }
 
 Resolved resolve(const Globals& g) {

@@ -16,6 +16,10 @@ rpc::RpcClient client(const Resolved& r);
 std::string read_trimmed(const std::string& path);
 
 // Runs fn(agent client, resolved) and maps errors to exit codes with a message on err.
+// What an unreachable agent means when moectl found its address in the state
+// directory, or found none there: "no cluster is up in DIR ..." ("" otherwise).
+std::string unreachable_reason(const Globals& g);
+
 template <typename Fn>
 int with_agent(const Globals& g, std::ostream& err, Fn&& fn) {
   try {
@@ -23,7 +27,8 @@ int with_agent(const Globals& g, std::ostream& err, Fn&& fn) {
     auto c = client(r);
     return fn(c, r);
   } catch (const rpc::RpcError& e) {
-    err << "moectl: " << e.what() << "\n";
+    const std::string local = e.code() == v1::ERROR_CODE_UNAVAILABLE ? unreachable_reason(g) : "";
+    err << "moectl: " << (local.empty() ? e.what() : local) << "\n";
     return exit_code_of(e);
   } catch (const std::exception& e) {
     err << "moectl: " << e.what() << "\n";

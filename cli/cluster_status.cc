@@ -33,17 +33,19 @@ int cluster_status(const Globals& g, std::ostream& out, std::ostream& err) {
       return kExitOk;
     }
     out << "agent " << r.agent << " (metrics " << (st.agent_metrics_address().empty() ? "off" : st.agent_metrics_address())
-        << "), world " << st.world_size() << " ranks, "
+        << "), world " << ranks_text(st.registered_ranks(), st.world_size()) << ", "
         << (st.running_job().empty() ? "idle" : "running " + st.running_job()) << ", " << st.queued_jobs()
         << " queued\n";
     if (st.nodes_size() == 0) out << "no node has registered yet\n";
     std::vector<std::vector<std::string>> rows = {
         {"NODE", "NAME", "STATE", "RANKS", "BACKEND", "CONTROL", "METRICS", "HEARTBEAT"}};
     for (const auto& n : st.nodes())
-      rows.push_back({std::to_string(n.node_index()), n.name(), v1::NodeState_Name(n.state()).substr(11),
+      rows.push_back({std::to_string(n.node_index()), n.name(), short_enum_name(*v1::NodeState_descriptor()->FindValueByNumber(n.state())),
                       std::to_string(n.rank_base()) + "-" + std::to_string(n.rank_base() + n.devices() - 1),
                       backend_name(n), n.control_address(), n.metrics_address().empty() ? "off" : n.metrics_address(),
-                      fmt(n.last_heartbeat_age_seconds(), 2) + "s ago"});
+                      n.state() == v1::NODE_STATE_DEAD && n.dead_since_unix_ms() > 0
+                          ? "dead since " + local_time(n.dead_since_unix_ms())
+                          : fmt(n.last_heartbeat_age_seconds(), 2) + "s ago"});
     print_table(out, rows);
     return kExitOk;
   });

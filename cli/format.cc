@@ -56,6 +56,10 @@ int terminal_columns(int otherwise) {
   return otherwise;
 }
 
+std::string ranks_text(int registered, int alive) {
+  return std::to_string(registered) + " ranks" + (alive < registered ? " (" + std::to_string(alive) + " alive)" : "");
+}
+
 std::string cut(const std::string& text, size_t width) {
   if (text.size() <= width) return text;
   return width <= 3 ? text.substr(0, width) : text.substr(0, width - 3) + "...";

@@ -20,6 +20,9 @@ std::string human_seconds(double seconds);
 std::string local_time(double unix_ms);
 // Columns of the terminal on stdout; when stdout is not one, $COLUMNS or `otherwise`.
 int terminal_columns(int otherwise);
+// "4 ranks", or "4 ranks (2 alive)" when some are not: how cluster status and
+// top both count a cluster (a job runs on every registered rank).
+std::string ranks_text(int registered, int alive);
 // text cut to at most width characters ("..." at the end when cut).
 std::string cut(const std::string& text, size_t width);
 // "key  value" lines with the values aligned.

@@ -11,6 +11,7 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <cerrno>
 #include <cstdlib>
 #include <filesystem>
 #include <fstream>
@@ -20,6 +21,7 @@
 #include <thread>
 
 #include "agent_call.h"
+#include "local_process.h"
 #include "moe/base/file.h"
 #include "moe/rpc/certs.h"
 
@@ -31,65 +33,6 @@ using Clock = std::chrono::steady_clock;
 
 namespace {
 
-std::string env_or(const char* name, const std::string& fallback) {
-  const char* v = std::getenv(name);
-  return v && *v ? v : fallback;
-}
-
-fs::path self_dir() { return fs::read_symlink("/proc/self/exe").parent_path(); }
-
-// moe-agent and moed next to moectl (installed), in the build tree, or on PATH.
-std::string find_binary(const std::string& name, const std::string& build_subdir) {
-  for (const fs::path& p : {self_dir() / name, self_dir().parent_path() / build_subdir / name})
-    if (::access(p.c_str(), X_OK) == 0) return p.string();
-  const std::string path = env_or("PATH", "");
-  std::stringstream ss(path);
-  std::string dir;
-  while (std::getline(ss, dir, ':'))
-    if (!dir.empty() && ::access((fs::path(dir) / name).c_str(), X_OK) == 0) return (fs::path(dir) / name).string();
-  throw std::runtime_error("cannot find " + name + " next to moectl or on PATH");
-}
-
-// Starts a background process in its own session, output appended to log, with
-// `env` (NAME, VALUE) set on top of ours.
-pid_t spawn(const std::vector<std::string>& argv, const fs::path& log,
-            const std::vector<std::pair<std::string, std::string>>& env = {}) {
-  const pid_t pid = ::fork();
-  if (pid < 0) throw std::runtime_error("fork failed");
-  if (pid == 0) {
-    ::setsid();
-    const int fd = ::open(log.c_str(), O_WRONLY | O_CREAT | O_APPEND | O_CLOEXEC, 0644);
-    const int null = ::open("/dev/null", O_RDONLY);
-    if (fd >= 0) {
-      ::dup2(fd, 1);
-      ::dup2(fd, 2);
-    }
-    if (null >= 0) ::dup2(null, 0);
-    for (const auto& [name, value] : env) ::setenv(name.c_str(), value.c_str(), 1);
-    std::vector<char*> args;
-    for (const auto& a : argv) args.push_back(const_cast<char*>(a.c_str()));
-    args.push_back(nullptr);
-    ::execv(args[0], args.data());
-    ::_exit(127);
-  }
-  return pid;
-}
-
-// Running, and not a zombie waiting for a parent (ours exited long ago) to reap it.
-bool alive(pid_t pid) {
-  if (pid <= 0 || ::kill(pid, 0) != 0) return false;
-  std::ifstream stat("/proc/" + std::to_string(pid) + "/stat");
-  std::string line;
-  std::getline(stat, line);
-  const auto paren = line.rfind(')');
-  return paren == std::string::npos || paren + 2 >= line.size() || line[paren + 2] != 'Z';
-}
-
-pid_t read_pid(const fs::path& p) {
-  const std::string s = read_trimmed(p.string());
-  return s.empty() ? -1 : static_cast<pid_t>(std::stol(s));
-}
-
 std::string random_token() {
   std::ifstream in("/dev/urandom", std::ios::binary);
   unsigned char b[24];
@@ -98,40 +41,6 @@ std::string random_token() {
   for (unsigned char c : b) os << std::hex << std::setw(2) << std::setfill('0') << static_cast<int>(c);
   return os.str();
 }
-
-// Stops the processes of these pid files: SIGTERM, then SIGKILL after the grace.
-void stop_pids(const std::vector<fs::path>& files, std::chrono::milliseconds grace) {
-  std::vector<pid_t> pids;
-  for (const auto& f : files) {
-    const pid_t pid = read_pid(f);
-    if (alive(pid)) {
-      ::kill(pid, SIGTERM);
-      pids.push_back(pid);
-    }
-    fs::remove(f);
-  }
-  const auto until = Clock::now() + grace;
-  for (pid_t pid : pids) {
-    while (alive(pid) && Clock::now() < until) {
-      ::waitpid(pid, nullptr, WNOHANG);  // reap if it is our child
-      std::this_thread::sleep_for(std::chrono::milliseconds(20));  // polling another process's exit
-    }
-    if (alive(pid)) ::kill(pid, SIGKILL);
-  }
-}
-
-// The state directory of a local cluster.
-struct StateDir {
-  fs::path dir;
-  fs::path pids() const { return dir / "pids"; }
-  fs::path logs() const { return dir / "logs"; }
-  fs::path token() const { return dir / "token"; }
-  fs::path agent_address() const { return dir / "agent_address"; }
-  fs::path scrape_targets() const { return dir / "prometheus" / "targets.json"; }
-  fs::path agent_state() const { return dir / "agent"; }
-  fs::path agent_argv() const { return dir / "agent.argv"; }  // restarts it on its state, one argument a line
-  fs::path tls() const { return dir / "tls"; }
-};
 
 // The local cluster's TLS: a CA kept in <state-dir>/tls (made once), and fresh
 // certificates for the agent, the daemons and moectl naming this machine.
@@ -149,35 +58,6 @@ std::vector<std::string> tls_flags(const StateDir& s, const ClusterUpOptions& o,
   if (o.plaintext) return {"--plaintext"};
   return {"--tls-cert", (s.tls() / (who + ".pem")).string(), "--tls-key", (s.tls() / (who + ".key")).string(),
           "--tls-ca", (s.tls() / "ca.pem").string()};
-}
-
-// cluster up stops with this exit code and message.
-struct UpFailure {
-  int code;
-  std::string message;
-};
-
-// The text of the last ERROR line of a process log ("" if none).
-std::string last_error(const fs::path& log) {
-  std::istringstream in(fs::exists(log) ? read_file(log.string()) : "");
-  std::string last;
-  for (std::string line; std::getline(in, line);) {
-    const auto at = line.find(" ERROR ");
-    if (at != std::string::npos) last = line.substr(at + 7);
-  }
-  return last;
-}
-
-// A child that stopped before it was ready: its own reason, and exit code 2 when
-// it exited 2 (it refused its configuration), else 3.
-UpFailure exited(const std::string& who, pid_t pid, const fs::path& log) {
-  int status = 0;
-  const bool reaped = ::waitpid(pid, &status, WNOHANG) == pid;
-  const int code = reaped && WIFEXITED(status) ? WEXITSTATUS(status) : -1;
-  std::string why = last_error(log);
-  if (why.empty()) why = "see " + log.string();
-  const std::string how = code >= 0 ? "exited with status " + std::to_string(code) : "stopped";
-  return {code == kExitUsage ? kExitUsage : kExitUnreachable, who + " " + how + ": " + why};
 }
 
 void write_token(const StateDir& s, const std::string& token) {
@@ -210,6 +90,21 @@ std::string pick_agent_port() {
   return "0";
 }
 
+// Runs `moe-agent ... --check-flags` and waits for it: a flag the agent refuses
+// stops cluster up (exit 2) with the agent's own words, before anything started.
+void check_agent_flags(std::vector<std::string> argv, const fs::path& log) {
+  argv.push_back("--check-flags");
+  fs::remove(log);
+  const pid_t pid = spawn(argv, log);
+  int status = 0;
+  while (::waitpid(pid, &status, 0) < 0 && errno == EINTR) {
+  }
+  const int code = WIFEXITED(status) ? WEXITSTATUS(status) : -1;
+  if (code == 0) return;
+  std::string why = last_lines(log, 2);
+  throw UpFailure{kExitUsage, "moe-agent refused its flags: " + (why.empty() ? "exit " + std::to_string(code) : why)};
+}
+
 // Starts the agent and waits for its address file; returns its address. The
 // agent keeps its history and maps in <state-dir>/agent; a new cluster forgets
 // the previous one's nodes (agent.argv restarts it without forgetting).
@@ -222,6 +117,7 @@ std::string start_agent(const StateDir& s, const ClusterUpOptions& o, Clock::tim
   const std::vector<std::string> tls = tls_flags(s, o, "agent");
   argv.insert(argv.end(), tls.begin(), tls.end());
   argv.insert(argv.end(), o.agent_args.begin(), o.agent_args.end());
+  check_agent_flags(argv, s.logs() / "agent-flags.log");
   std::string lines;
   for (const std::string& a : argv) lines += a + "\n";
   write_file_atomically(s.agent_argv().string(), lines);
@@ -236,17 +132,6 @@ std::string start_agent(const StateDir& s, const ClusterUpOptions& o, Clock::tim
   return read_trimmed(s.agent_address().string());
 }
 
-int alive_nodes(rpc::RpcClient& agent) {
-  v1::Envelope req;
-  req.mutable_cluster_status();
-  int ready = 0;
-  try {
-    const v1::Envelope reply = agent.call(req, std::chrono::seconds(5));
-    for (const auto& n : reply.cluster_status_reply().nodes()) ready += n.state() == v1::NODE_STATE_ALIVE;
-  } catch (const RpcError&) {
-  }
-  return ready;
-}
 
 // The GPUs node i of a local cluster may use: GPUs i*D .. i*D+D-1 of this machine,
 // so the daemons on one machine never share a GPU (NCCL refuses that). Nothing
@@ -271,16 +156,12 @@ void start_daemon(const StateDir& s, const ClusterUpOptions& o, int i, const Res
                                    "--agent-grace", std::to_string(o.agent_grace)};
   const std::vector<std::string> tls = tls_flags(s, o, "node");
   argv.insert(argv.end(), tls.begin(), tls.end());
-  const pid_t pid = spawn(argv, log, gpu_slice(o, i));
-  write_file_atomically((s.pids() / (name + ".pid")).string(), std::to_string(pid) + "\n");
+  const Command cmd{argv, gpu_slice(o, i)};
+  write_command(s.node_argv(name), cmd);
+  const pid_t pid = spawn(cmd.argv, log, cmd.env);
+  write_file_atomically(s.node_pid(name).string(), std::to_string(pid) + "\n");
   auto agent = client(r);
-  while (alive_nodes(agent) < i + 1) {
-    if (!alive(pid)) throw exited(name + " (moed)", pid, log);
-    if (Clock::now() > until)
-      throw UpFailure{kExitUnreachable, name + " did not register within " +
-                                            std::to_string(o.ready_timeout.count() / 1000) + " s; see " + log.string()};
-    std::this_thread::sleep_for(std::chrono::milliseconds(20));  // polling for the registration
-  }
+  wait_registered(agent, name, pid, log, until);
 }
 
 }  // namespace

@@ -61,6 +61,25 @@ void add_cluster(CLI::App& app, Commands& c) {
         [&c] { return ctl::cluster_down(c.g, std::cout, std::cerr); });
   c.add(cluster->add_subcommand("status", "nodes, ranks and metrics addresses"),
         [&c] { return ctl::cluster_status(c.g, std::cout, std::cerr); });
+  c.add(cluster->add_subcommand("restart-agent", "restart the local cluster's agent on its state"),
+        [&c] { return ctl::agent_restart(c.g, std::cout, std::cerr); });
+}
+
+void add_node(CLI::App& app, Commands& c) {
+  CLI::App* node = app.add_subcommand("node", "a node of a local cluster")->require_subcommand(1);
+  auto name = std::make_shared<std::string>();
+  CLI::App* restart = node->add_subcommand("restart", "restart a node's daemon (dead, stopped or alive) and wait until it registered");
+  restart->add_option("NAME", *name, "node0, node1, ...")->required();
+  c.add(restart, [&c, name] { return ctl::node_restart(c.g, *name, std::cout, std::cerr); });
+}
+
+void add_logs(CLI::App& app, Commands& c) {
+  auto o = std::make_shared<ctl::LogsOptions>();
+  CLI::App* logs = app.add_subcommand("logs", "a local cluster's process log: agent or a node's name");
+  logs->add_option("NAME", o->name, "agent, node0, node1, ...")->required();
+  logs->add_flag("-f,--follow", o->follow, "keep printing what is appended (Ctrl-C stops)");
+  logs->add_option("--tail", o->tail, "only the last N lines")->check(CLI::NonNegativeNumber);
+  c.add(logs, [&c, o] { return ctl::logs(c.g, *o, std::cout, std::cerr); });
 }
 
 void add_timeout(CLI::App* cmd, std::optional<double>& timeout) {
@@ -182,6 +201,8 @@ int main(int argc, char** argv) {
   tls.add(app, false);
   try {
     add_cluster(app, c);
+    add_node(app, c);
+    add_logs(app, c);
     add_job(app, c);
     add_placement(app, c);
     add_checkpoint(app, c);

@@ -53,7 +53,7 @@ int count(const v1::LiveLoad& l, const char* state) {
 
 std::vector<std::string> header(const v1::LiveLoad& l, const FrameOptions& o) {
   std::string top = "moectl top   agent " + o.agent + "   " + std::to_string(l.nodes_alive()) + "/" +
-                    std::to_string(l.nodes()) + " nodes alive, " + std::to_string(l.world_size()) + " ranks";
+                    std::to_string(l.nodes()) + " nodes alive, " + ranks_text(l.world_size(), l.alive_ranks());
   if (!o.clock.empty() && static_cast<int>(top.size() + o.clock.size()) + 2 <= o.width)
     top += std::string(o.width - top.size() - o.clock.size(), ' ') + o.clock;
   std::string jobs = "jobs: " + std::to_string(count(l, "running")) + " running, " +
@@ -67,7 +67,10 @@ std::vector<std::string> header(const v1::LiveLoad& l, const FrameOptions& o) {
 std::string progress(const v1::LiveJob& j) {
   std::string s = "step " + std::to_string(j.steps_completed()) + "/" + std::to_string(j.steps()) + "   ";
   if (j.state() == v1::JOB_STATE_RUNNING && j.recent_steps() == 0) return s + "waiting for its first complete step";
-  return s + duration(j.step_seconds()) + "/step   " + human(j.tokens_per_second()) + " tokens/s";
+  if (j.has_loss()) s += "loss " + fmt(j.loss()) + "   ";
+  s += duration(j.step_seconds()) + "/step   " + human(j.tokens_per_second()) + " tokens/s";
+  if (j.has_eta_seconds()) s += "   eta " + human_seconds(j.eta_seconds());
+  return s;
 }
 
 // The job's line, its kind and shape, and why it ended if it failed.

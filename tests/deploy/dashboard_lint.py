@@ -49,6 +49,13 @@ DOCUMENTED_METRICS = {
     "moe_rebalance_seconds": ("histogram", set()),
     "moe_nodes": ("gauge", {"state"}),
     "moe_jobs": ("gauge", {"state"}),
+    "moe_placement_shape_info": ("gauge", {"shape"}),
+    "moe_job_step": ("gauge", {"job_id", "name"}),
+    "moe_job_steps": ("gauge", {"job_id", "name"}),
+    "moe_job_loss": ("gauge", {"job_id", "name"}),
+    "moe_job_tokens_per_second": ("gauge", {"job_id", "name"}),
+    "moe_job_step_seconds": ("gauge", {"job_id", "name"}),
+    "moe_job_eta_seconds": ("gauge", {"job_id", "name"}),
 }
 TARGET_LABELS = {"role", "node", "instance"}  # file_sd labels and Prometheus' instance
 GRAFANA_BUILTINS = {"__rate_interval", "__interval", "__interval_ms", "__range", "__range_s",
@@ -321,6 +328,9 @@ def main():
         ("throughput", "timeseries", r"sum by \(layer\) \(rate\(moe_rank_tokens_total"),
         ("nodes up", None, r'moe_nodes\{state="alive"'),
         ("job states", None, r"moe_jobs"),
+        ("job progress", "stat", r"moe_job_step / moe_job_steps"),
+        ("job loss", "timeseries", r"moe_job_loss"),
+        ("job throughput", "timeseries", r"moe_job_tokens_per_second"),
     ]
     for metric in ("moe_dispatch_seconds", "moe_combine_seconds", "moe_expert_compute_seconds"):
         for q in ("0.5", "0.99"):

@@ -57,8 +57,9 @@ class Membership {
   bool rank_done(const std::string& job_id, int rank);
   // At least one node, every node alive and idle: a job may start.
   bool ready_for_job() const;
-  // Why a job cannot start now ("" when it can): "node1 is dead since 12:03:04
-  // UTC", "no node has registered", "node0 is still finishing job-3".
+  // What a job waits for before it can start ("" for nothing): "node node1:
+  // dead since 12:03:04 UTC (...)", "a node to register", "node node0: still
+  // finishing job-3".
   std::string not_ready_reason() const;
   // "" when every node registered the same backend, else which differ: a job's
   // ranks share one data path (NCCL between GPUs, UCX between CPU ranks).

@@ -62,6 +62,18 @@ struct TlsCreateOptions {
 int tls_create(const TlsCreateOptions& o, std::ostream& out, std::ostream& err);
 int cluster_status(const Globals& g, std::ostream& out, std::ostream& err);
 
+// Local clusters (docs/cli.md#local-clusters): restart node NAME, or the agent,
+// from the command line `cluster up` recorded, and wait until it serves (a
+// restarted node registered again under its index).
+int node_restart(const Globals& g, const std::string& name, std::ostream& out, std::ostream& err);
+int agent_restart(const Globals& g, std::ostream& out, std::ostream& err);
+struct LogsOptions {
+  std::string name;     // "agent" or a node's name
+  bool follow = false;  // then what is appended, until interrupted
+  int tail = 0;         // only the last N lines (0: all)
+};
+int logs(const Globals& g, const LogsOptions& o, std::ostream& out, std::ostream& err);
+
 struct WaitOptions {
   bool wait = false;                 // submit: wait for the job to end
   std::optional<double> timeout_s;   // give up waiting after this long (exit 4; the job runs on)

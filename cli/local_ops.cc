@@ -1,0 +1,131 @@
+// Operating a local cluster's processes (docs/cli.md#local-clusters): restart one
+// node or the agent from the command lines `cluster up` recorded, and read or
+// follow their logs.
+#include <signal.h>
+#include <unistd.h>
+
+#include <fstream>
+#include <iostream>
+#include <thread>
+
+#include "agent_call.h"
+#include "local_process.h"
+#include "moe/base/check.h"
+#include "moe/base/file.h"
+
+namespace moe::ctl {
+namespace {
+
+using Clock = std::chrono::steady_clock;
+
+// The names `logs` knows: the agent and every node cluster up started.
+std::vector<std::string> process_names(const StateDir& s) {
+  std::vector<std::string> out = {"agent"};
+  if (fs::exists(s.dir / "nodes"))
+    for (const auto& f : fs::directory_iterator(s.dir / "nodes"))
+      if (f.path().extension() == ".argv") out.push_back(f.path().stem().string());
+  std::sort(out.begin() + 1, out.end());
+  return out;
+}
+
+std::string names_text(const StateDir& s) {
+  std::string out;
+  for (const std::string& n : process_names(s)) out += (out.empty() ? "" : ", ") + n;
+  return out;
+}
+
+}  // namespace
+
+int node_restart(const Globals& g, const std::string& name, std::ostream& out, std::ostream& err) {
+  try {
+    const Resolved r = resolve(g);
+    const StateDir s{r.state_dir};
+    if (!fs::exists(s.node_argv(name))) {
+      err << "moectl: no node '" << name << "' in " << s.dir.string() << " (its nodes: " << names_text(s) << ")\n";
+      return kExitUsage;
+    }
+    const Command cmd = read_command(s.node_argv(name));
+    stop_pids({s.node_pid(name)}, std::chrono::seconds(10));  // a stopped or hung daemon; none if it is dead
+    const pid_t pid = spawn(cmd.argv, s.node_log(name), cmd.env);
+    write_file_atomically(s.node_pid(name).string(), std::to_string(pid) + "\n");
+    auto agent = client(r);
+    wait_registered(agent, name, pid, s.node_log(name), Clock::now() + std::chrono::seconds(60));
+    if (!g.json) out << "node " << name << " restarted (pid " << pid << ") and registered\n";
+    return kExitOk;
+  } catch (const UpFailure& f) {
+    err << "moectl: node restart: " << f.message << "\n";
+    return f.code;
+  } catch (const rpc::RpcError& e) {
+    err << "moectl: node restart: " << e.what() << "\n";
+    return exit_code_of(e);
+  } catch (const std::exception& e) {
+    err << "moectl: node restart: " << e.what() << "\n";
+    return kExitUsage;
+  }
+}
+
+int agent_restart(const Globals& g, std::ostream& out, std::ostream& err) {
+  try {
+    const Resolved r = resolve(g);
+    const StateDir s{r.state_dir};
+    if (!fs::exists(s.agent_argv())) {
+      err << "moectl: no cluster was started in " << s.dir.string() << " (moectl cluster up)\n";
+      return kExitUsage;
+    }
+    std::vector<std::string> argv;
+    std::istringstream in(read_file(s.agent_argv().string()));
+    for (std::string line; std::getline(in, line);) argv.push_back(line);
+    stop_pids({s.pids() / "agent.pid"}, std::chrono::seconds(10));
+    fs::remove(s.agent_address());
+    const pid_t pid = spawn(argv, s.logs() / "agent.log");
+    write_file_atomically((s.pids() / "agent.pid").string(), std::to_string(pid) + "\n");
+    const auto until = Clock::now() + std::chrono::seconds(30);
+    while (!fs::exists(s.agent_address())) {
+      if (!alive(pid)) throw exited("moe-agent", pid, s.logs() / "agent.log");
+      if (Clock::now() > until) throw UpFailure{kExitUnreachable, "moe-agent did not start; see " + (s.logs() / "agent.log").string()};
+      std::this_thread::sleep_for(std::chrono::milliseconds(20));  // polling for the address file
+    }
+    if (!g.json) out << "agent restarted (pid " << pid << ") on " << read_trimmed(s.agent_address().string()) << "\n";
+    return kExitOk;
+  } catch (const UpFailure& f) {
+    err << "moectl: cluster restart-agent: " << f.message << "\n";
+    return f.code;
+  } catch (const std::exception& e) {
+    err << "moectl: cluster restart-agent: " << e.what() << "\n";
+    return kExitUsage;
+  }
+}
+
+int logs(const Globals& g, const LogsOptions& o, std::ostream& out, std::ostream& err) {
+  const Resolved r = resolve(g);
+  const StateDir s{r.state_dir};
+  const fs::path file = o.name == "agent" ? s.logs() / "agent.log" : s.node_log(o.name);
+  if (!fs::exists(file)) {
+    err << "moectl: no log of '" << o.name << "' in " << s.logs().string()
+        << (process_names(s).size() > 1 ? " (its processes: " + names_text(s) + ")"
+                                        : " (logs are kept for clusters moectl cluster up started; under systemd: "
+                                          "journalctl -u moed)")
+        << "\n";
+    return kExitUsage;
+  }
+  std::ifstream in(file);
+  std::vector<std::string> lines;
+  for (std::string line; std::getline(in, line);) {
+    lines.push_back(std::move(line));
+    if (o.tail > 0 && static_cast<int>(lines.size()) > o.tail) lines.erase(lines.begin());
+  }
+  for (const std::string& l : lines) out << l << "\n";
+  out.flush();
+  if (!o.follow) return kExitOk;
+  // -f: what is appended, until SIGINT/SIGTERM (the default action ends us).
+  in.clear();
+  for (;;) {
+    std::string line;
+    while (std::getline(in, line)) out << line << "\n";
+    out.flush();
+    in.clear();
+    std::this_thread::sleep_for(std::chrono::milliseconds(200));  // polling a file another process appends to
+  }
+}
+
+}  // namespace moe::ctl
