@@ -4,6 +4,7 @@
 #include <CLI/CLI.hpp>
 #include <iostream>
 
+#include "moe/base/version.h"
 #include "moe/agent/agent.h"
 #include "moe/agent/metrics_exposer.h"
 #include "moe/base/file.h"
@@ -94,6 +95,7 @@ struct Flags {
 int main(int argc, char** argv) {
   using namespace moe;
   CLI::App app{"moe-agent: the moed cluster coordinator"};
+  app.set_version_flag("--version", moe::version_line("moe-agent"));
   Flags f;
   f.add(app);
   bool check_flags = false;

@@ -176,7 +176,8 @@ RebalancePlan PlacementService::plan(ShapeKey key, std::optional<int> redundant,
   const Shape& s = find(key);
   const int current = s.maps[0].num_ranks() * s.maps[0].slots_per_rank() - key.experts;
   const int n = redundant.value_or(current);
-  if (n < 0 || (key.experts + n) % key.ranks() != 0)
+  if (n < 0) throw InvalidArgument("redundant_experts: must be >= 0, got " + std::to_string(n));
+  if ((key.experts + n) % key.ranks() != 0)
     throw InvalidArgument(
                    "redundant_experts: experts + redundant (" + std::to_string(key.experts) + " + " +
                        std::to_string(n) + ") must be divisible by the ranks (" + std::to_string(key.ranks()) + ")");

@@ -8,6 +8,8 @@
 #include <memory>
 #include <optional>
 
+#include "moe/base/version.h"
+#include "completion.h"
 #include "moe/ctl/ctl.h"
 #include "moe/ctl/job_flags.h"
 #include "moe/rpc/tls_flags.h"
@@ -71,6 +73,14 @@ void add_node(CLI::App& app, Commands& c) {
   CLI::App* restart = node->add_subcommand("restart", "restart a node's daemon (dead, stopped or alive) and wait until it registered");
   restart->add_option("NAME", *name, "node0, node1, ...")->required();
   c.add(restart, [&c, name] { return ctl::node_restart(c.g, *name, std::cout, std::cerr); });
+}
+
+void add_completion(CLI::App& app, Commands& c) {
+  CLI::App* completion = app.add_subcommand("completion", "print a shell completion script")->require_subcommand(1);
+  c.add(completion->add_subcommand("bash", "bash: moectl completion bash > /etc/bash_completion.d/moectl"), [&app] {
+    std::cout << moe::ctl::bash_completion(app, "moectl");
+    return ctl::kExitOk;
+  });
 }
 
 void add_logs(CLI::App& app, Commands& c) {
@@ -160,7 +170,8 @@ void add_placement(CLI::App& app, Commands& c) {
   auto r = std::make_shared<ctl::RebalanceOptions>();
   CLI::App* reb = placement->add_subcommand("rebalance", "new maps from the measured load, applied live");
   reb->add_option("--redundant-experts", r->redundant_experts,
-                  "redundant slots (default: the shape's current count); experts + N must divide over the ranks");
+                  "redundant slots (default: the shape's current count); experts + N must divide over the ranks")
+      ->check(CLI::Range(0, 1 << 20));
   reb->add_flag("--dry-run", r->dry_run, "print the new maps, the predicted balancedness and the copies only");
   add_target(reb, r->target, true);
   c.add(reb, [&c, r] { return ctl::placement_rebalance(c.g, *r, std::cout, std::cerr); });
@@ -189,6 +200,7 @@ void add_top(CLI::App& app, Commands& c) {
 
 int main(int argc, char** argv) {
   CLI::App app{"moectl: run and inspect a moed cluster"};
+  app.set_version_flag("--version", moe::version_line("moectl"));
   app.require_subcommand(1);
   app.fallthrough();  // global options anywhere on the line (subcommands inherit it)
   Commands c;
@@ -203,6 +215,7 @@ int main(int argc, char** argv) {
     add_cluster(app, c);
     add_node(app, c);
     add_logs(app, c);
+    add_completion(app, c);
     add_job(app, c);
     add_placement(app, c);
     add_checkpoint(app, c);

@@ -52,10 +52,15 @@ void print_layer(std::ostream& out, const v1::LayerPlacement& lp) {
   out << "\n";
 }
 
-std::string loads_text(const v1::PlacementLoads& l) {
+// The loads file (docs/formats.md#loads-file); its second line gives
+// moe-placement-sim the shape's ranks, nodes and redundant slots.
+std::string loads_text(const v1::PlacementLoads& l, int redundant) {
   std::ostringstream os;
   os << "# (token, expert) pairs per logical expert over " << l.steps() << " step(s) of the shape "
      << shape_text(l.shape()) << ", one line per layer (moe-placement-sim --loads)\n";
+  const v1::PlacementShape& s = l.shape();
+  os << "# moe-placement-sim: --ranks " << s.nodes() * s.devices_per_node() << " --nodes " << s.nodes()
+     << " --redundant-experts " << redundant << "\n";
   os << std::setprecision(17);
   for (const auto& layer : l.layers()) {
     for (int e = 0; e < layer.tokens_size(); ++e) os << (e ? " " : "") << layer.tokens(e);
@@ -117,7 +122,11 @@ int placement_loads(const Globals& g, const PlacementTarget& t, const std::strin
     v1::Envelope req;
     *req.mutable_placement_loads()->mutable_shape() = parse_shape(t.shape);
     const v1::PlacementLoads l = c.call(req, g.timeout).placement_loads_reply();
-    write_file_atomically(file, loads_text(l));
+    v1::Envelope show;
+    *show.mutable_placement()->mutable_shape() = l.shape();
+    const v1::PlacementReply p = c.call(show, g.timeout).placement_reply();
+    const int redundant = p.maps_size() > 0 ? p.maps(0).num_ranks() * p.maps(0).slots_per_rank() - p.maps(0).num_experts() : 0;
+    write_file_atomically(file, loads_text(l, redundant));
     if (!g.json) out << "wrote " << l.layers_size() << " layer(s), " << l.steps() << " step(s) of load to " << file << "\n";
     return kExitOk;
   });

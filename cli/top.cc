@@ -198,12 +198,18 @@ int run_view(rpc::RpcClient& c, const Globals& g, const Resolved& r, const TopOp
 
 int top(const Globals& g, const TopOptions& o, std::ostream& out, std::ostream& err) {
   return with_agent(g, err, [&](rpc::RpcClient& c, const Resolved& r) {
+    const v1::LiveLoad first = fetch(c, g);
+    // A layer the shape does not have is a usage error, as in placement show.
+    if (o.layer && first.layers_size() > 0 && (*o.layer < 0 || *o.layer >= first.layers_size())) {
+      err << "moectl: layer: must be in [0, " << first.layers_size() << "), got " << *o.layer << "\n";
+      return kExitUsage;
+    }
     if (g.json) {
-      out << to_json(fetch(c, g)) << "\n";
+      out << to_json(first) << "\n";
       return kExitOk;
     }
     if (o.once) {
-      for (const auto& l : frame(fetch(c, g), r, o, false)) out << l << "\n";
+      for (const auto& l : frame(first, r, o, false)) out << l << "\n";
       return kExitOk;
     }
     return run_view(c, g, r, o, out);

@@ -3,6 +3,8 @@
 
 #include <memory>
 
+#include "moe/base/version.h"
+#include "moe/kernels/cpu_backend.h"
 #include "moe/node/daemon.h"
 #include "moe/base/log.h"
 #include "moe/rpc/tls_flags.h"
@@ -10,6 +12,7 @@
 int main(int argc, char** argv) {
   using namespace moe;
   CLI::App app{"moed: the moed node daemon"};
+  app.set_version_flag("--version", [] { return moe::version_line("moed") + "\n" + moe::kernels::cpu_backend_summary(); });
   node::DaemonOptions o;
   std::string token_file;
   rpc::TlsFlags tls;

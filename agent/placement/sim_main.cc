@@ -7,6 +7,7 @@
 #include <iostream>
 #include <sstream>
 
+#include "moe/base/version.h"
 #include "moe/base/check.h"
 #include "moe/placement/random_traces.h"
 #include "moe/placement/sim_report.h"
@@ -80,10 +81,32 @@ void print_random_traces(const SimFlags& flags) {
 
 // --loads (and --prev-loads) into config: loads mode, experts from the file
 // (an explicit --experts must agree), no top-k hint unless --top-k is given.
+// A loads file written by `moectl placement loads` records its shape in a line
+// "# moe-placement-sim: --ranks R --nodes N --redundant-experts X": those values,
+// for the flags not given.
+void apply_header(const CLI::App& app, const std::string& text, moe::placement::PlacementSpec& spec) {
+  const std::string tag = "# moe-placement-sim:";
+  std::istringstream lines(text);
+  for (std::string line; std::getline(lines, line);) {
+    if (line.rfind(tag, 0) != 0) continue;
+    std::istringstream words(line.substr(tag.size()));
+    std::string flag;
+    int value = 0;
+    while (words >> flag >> value) {
+      if (app.count(flag) != 0) continue;  // the command line wins
+      if (flag == "--ranks") spec.num_ranks = value;
+      else if (flag == "--nodes") spec.num_nodes = value;
+      else if (flag == "--redundant-experts") spec.num_redundant = value;
+    }
+  }
+}
+
 void read_loads(const CLI::App& app, SimFlags& flags) {
   moe::placement::SimConfig& config = flags.config;
   const std::string& path = flags.loads_path;
-  config.loads = moe::placement::parse_loads(read_file(path), "loads file '" + path + "'");
+  const std::string text = read_file(path);
+  config.loads = moe::placement::parse_loads(text, "loads file '" + path + "'");
+  apply_header(app, text, config.spec);
   const int experts = static_cast<int>(config.loads.front().size());
   MOE_CHECK(app.count("--experts") == 0 || experts == config.spec.num_experts, "loads file has ",
             experts, " experts per line, --experts says ", config.spec.num_experts);
@@ -130,11 +153,14 @@ int dispatch(const CLI::App& app, SimFlags& flags) {
 
 int main(int argc, char** argv) {
   CLI::App app{"moe-placement-sim: compare moed's expert placement with deepseek-ai/EPLB"};
+  app.set_version_flag("--version", moe::version_line("moe-placement-sim"));
   SimFlags flags;
   add_flags(app, flags);
   try {
     app.parse(argc, argv);
   } catch (const CLI::CallForHelp& e) {
+    return app.exit(e);
+  } catch (const CLI::CallForVersion& e) {
     return app.exit(e);
   } catch (const CLI::ParseError& e) {
     std::cerr << "moe-placement-sim: " << e.what() << "\n";

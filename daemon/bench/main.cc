@@ -1,12 +1,16 @@
 // moe-bench: benchmark programs that print figures (never pass/fail on time).
-//   moe-bench layer   [--tokens ... --mode forward|train --dtype fp32|bf16 --threads N --dump DIR]
+//   moe-bench layer   [--tokens-per-rank ... --mode forward|train --dtype fp32|bf16 --threads N --dump DIR]
 //   moe-bench permute [--hidden ... --threads N]
-//   moe-bench ep      [--ranks R --transport ucx|inproc --tokens T ...]
+//   moe-bench ep      [--ranks R --transport ucx|inproc --tokens-per-rank T ...]
+// Flags are named as moectl's job flags (--ffn-hidden, --tokens-per-rank); the
+// older --ffn and --tokens still work.
 #include <CLI/CLI.hpp>
 
 #include <iostream>
 #include <thread>
 
+#include "moe/base/version.h"
+#include "moe/kernels/cpu_backend.h"
 #include "benches.h"
 #include "moe/base/check.h"
 #include "moe/transport/bootstrap.h"
@@ -15,7 +19,9 @@
 int main(int argc, char** argv) {
   using namespace moe;
   CLI::App app{"moe-bench: MoE benchmark programs"};
+  app.set_version_flag("--version", [] { return moe::version_line("moe-bench") + "\n" + moe::kernels::cpu_backend_summary(); });
   app.require_subcommand(1);
+  app.option_defaults()->always_capture_default();  // --help shows every default
   std::string output = "table";
   app.add_option("--output", output, "table or json")->check(CLI::IsMember({"table", "json"}));
   const int default_threads = static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
@@ -24,9 +30,9 @@ int main(int argc, char** argv) {
   lo.threads = default_threads;
   std::string mode = "forward", dtype = "fp32", score = "softmax", drop = "probs";
   CLI::App* layer = app.add_subcommand("layer", "one MoE layer on one rank");
-  layer->add_option("--tokens", lo.tokens, "tokens T");
+  layer->add_option("--tokens-per-rank,--tokens", lo.tokens, "tokens T (moectl's --tokens-per-rank)");
   layer->add_option("--hidden", lo.hidden, "hidden size H");
-  layer->add_option("--ffn", lo.ffn, "expert ffn size I");
+  layer->add_option("--ffn-hidden,--ffn", lo.ffn, "expert FFN width I");
   layer->add_option("--experts", lo.experts, "experts E");
   layer->add_option("--top-k", lo.top_k, "experts per token K");
   layer->add_option("--mode", mode, "forward or train")->check(CLI::IsMember({"forward", "train"}));
@@ -62,9 +68,9 @@ int main(int argc, char** argv) {
   int ep_rank = -1, ep_port = 0;
   auto add_ep_flags = [&](CLI::App* c) {
     c->add_option("--ranks", eo.ranks, "EP ranks");
-    c->add_option("--tokens", eo.tokens, "tokens per rank");
+    c->add_option("--tokens-per-rank,--tokens", eo.tokens, "tokens per rank");
     c->add_option("--hidden", eo.hidden, "hidden size H");
-    c->add_option("--ffn", eo.ffn, "expert ffn size I");
+    c->add_option("--ffn-hidden,--ffn", eo.ffn, "expert FFN width I");
     c->add_option("--experts", eo.experts, "experts E (divisible by ranks)");
     c->add_option("--top-k", eo.top_k, "experts per token K");
     c->add_option("--threads", eo.threads, "threads per rank");

@@ -132,4 +132,14 @@ double measure_gemm_gflops(GemmEngine engine, DType dtype, int threads, int n, i
   return cpu::measure_onednn_gflops(dtype, threads, n, repeats);
 }
 
+std::string cpu_backend_summary() {
+  try {
+    const CpuBackendInfo i = cpu_backend_info();
+    return "cpu backend on " + i.cpu_model + ": oneDNN ISA " + i.isa + ", GEMM fp32=" + i.gemm_engine(DType::kF32) +
+           " bf16=" + i.gemm_engine(DType::kBF16) + " (" + i.engine_source + ")";
+  } catch (const std::exception& e) {
+    return std::string("cpu backend: ") + e.what();
+  }
+}
+
 }  // namespace moe::kernels

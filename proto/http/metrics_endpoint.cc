@@ -45,8 +45,10 @@ struct Connection : std::enable_shared_from_this<Connection> {
     const std::string head(asio::buffers_begin(request.data()), asio::buffers_end(request.data()));
     const Answer a = answer_for(head);
     const bool with_body = head.rfind("HEAD ", 0) != 0;
-    const std::string body = a.status == 200 ? prometheus::TextSerializer().Serialize(registry.Collect())
-                                             : a.reason + "\n";
+    // /healthz: the process serves (liveness for probes; docs/metrics.md#health).
+    const std::string body = a.status != 200       ? a.reason + "\n"
+                             : a.path == "/healthz" ? std::string("ok\n")
+                                                    : prometheus::TextSerializer().Serialize(registry.Collect());
     response = "HTTP/1.1 " + std::to_string(a.status) + " " + a.reason +
                "\r\nContent-Type: text/plain; version=0.0.4; charset=utf-8\r\nContent-Length: " +
                std::to_string(body.size()) + (a.status == 405 ? "\r\nAllow: GET, HEAD" : "") +

@@ -29,9 +29,9 @@ Answer answer_for(std::string_view head) {
                          version = line.substr(sp2 + 1);
   if (!is_token(method) || !is_target(target) || (version != "HTTP/1.1" && version != "HTTP/1.0")) return bad;
   const std::string_view path = target.substr(0, target.find('?'));
-  if (path != "/metrics") return {404, "Not Found"};
-  if (method != "GET" && method != "HEAD") return {405, "Method Not Allowed"};
-  return {200, "OK"};
+  if (path != "/metrics" && path != "/healthz") return {404, "Not Found", ""};
+  if (method != "GET" && method != "HEAD") return {405, "Method Not Allowed", ""};
+  return {200, "OK", std::string(path)};
 }
 
 }  // namespace moe::http

@@ -22,7 +22,8 @@ std::string step_folder_name(int step) {
 }
 
 std::string resolve_checkpoint(const std::string& path) {
-  MOE_CHECK(fs::is_directory(path), "resume: ", path, " is not a folder");
+  MOE_CHECK(fs::exists(path), "checkpoint: ", path, " does not exist");
+  MOE_CHECK(fs::is_directory(path), "checkpoint: ", path, " is not a folder (a step folder or a checkpoint_dir)");
   if (fs::exists(fs::path(path) / kManifestName)) return path;
   std::string best;
   for (const auto& entry : fs::directory_iterator(path)) {
@@ -31,7 +32,7 @@ std::string resolve_checkpoint(const std::string& path) {
     if (!fs::exists(entry.path() / kManifestName)) continue;  // incomplete: never taken
     if (name > best) best = name;
   }
-  MOE_CHECK(!best.empty(), "resume: ", path, " holds no complete checkpoint (no step-NNNNNN/", kManifestName, ")");
+  MOE_CHECK(!best.empty(), "checkpoint: ", path, " holds no complete checkpoint (no step-NNNNNN/", kManifestName, ")");
   return (fs::path(path) / best).string();
 }
 

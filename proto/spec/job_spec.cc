@@ -1,11 +1,13 @@
 #include "moe/spec/job_spec.h"
 
+#include <google/protobuf/struct.pb.h>
 #include <google/protobuf/util/json_util.h>
 
 #include <algorithm>
 #include <cctype>
 #include <cmath>
 #include <cstdlib>
+#include <vector>
 
 #include "moe/base/check.h"
 
@@ -141,7 +143,47 @@ std::string to_json(const google::protobuf::Message& m, bool pretty) {
   return out;
 }
 
+namespace {
+
+size_t edit_distance(const std::string& a, const std::string& b) {
+  std::vector<size_t> row(b.size() + 1);
+  for (size_t j = 0; j <= b.size(); ++j) row[j] = j;
+  for (size_t i = 1; i <= a.size(); ++i) {
+    size_t diag = row[0];
+    row[0] = i;
+    for (size_t j = 1; j <= b.size(); ++j) {
+      const size_t up = row[j];
+      row[j] = std::min({row[j] + 1, row[j - 1] + 1, diag + (a[i - 1] == b[j - 1] ? 0 : 1)});
+      diag = up;
+    }
+  }
+  return row[b.size()];
+}
+
+// A key of the spec's JSON that is no JobSpec field: refused naming the nearest
+// field when one is close ("ffn_hiden" -> "ffn_hidden").
+void check_keys(const std::string& json) {
+  google::protobuf::Struct keys;
+  if (!google::protobuf::util::JsonStringToMessage(json, &keys).ok()) return;  // the parser names that
+  const auto* d = v1::JobSpec::descriptor();
+  for (const auto& [key, value] : keys.fields()) {
+    if (d->FindFieldByName(key) || d->FindFieldByCamelcaseName(key)) continue;
+    std::string best;
+    size_t best_distance = 4;  // suggest within 3 edits
+    for (int i = 0; i < d->field_count(); ++i) {
+      const size_t dist = edit_distance(key, d->field(i)->name());
+      if (dist < best_distance) best_distance = dist, best = d->field(i)->name();
+    }
+    throw moe::InvalidArgument("spec: unknown field '" + key + "'" +
+                               (best.empty() ? std::string(" (docs/jobs.md#spec lists the fields)")
+                                             : " (did you mean '" + best + "'?)"));
+  }
+}
+
+}  // namespace
+
 v1::JobSpec spec_from_json(const std::string& json) {
+  check_keys(json);
   v1::JobSpec s;
   google::protobuf::util::JsonParseOptions o;
   o.ignore_unknown_fields = false;

@@ -71,6 +71,13 @@ TEST_F(MetricsEndpointTest, OtherPathsMethodsAndGarbageGetTheirStatus) {
   EXPECT_EQ(head.substr(head.find("\r\n\r\n") + 4), "") << head;
 }
 
+TEST_F(MetricsEndpointTest, HealthzAnswersOkForProbes) {
+  const std::string reply = exchange(endpoint.port(), "GET /healthz HTTP/1.1\r\n\r\n");
+  EXPECT_EQ(reply.rfind("HTTP/1.1 200 OK", 0), 0u) << reply;
+  EXPECT_EQ(reply.substr(reply.find("\r\n\r\n") + 4), "ok\n") << reply;
+  EXPECT_EQ(exchange(endpoint.port(), "POST /healthz HTTP/1.1\r\n\r\n").rfind("HTTP/1.1 405", 0), 0u);
+}
+
 TEST_F(MetricsEndpointTest, SurvivesOversizedAndUnfinishedRequests) {
   // A head over the limit is dropped without an answer.
   EXPECT_EQ(exchange(endpoint.port(), "GET /metrics HTTP/1.1\r\nX: " + std::string(20000, 'a') + "\r\n\r\n"), "");

@@ -179,7 +179,7 @@ for (const w of workloads) {
     if (!ports.metrics || ports.metrics.containerPort !== metricsPort) error(cw, `no container port metrics = --metrics-port (${metricsPort})`);
     for (const probe of ['readinessProbe', 'livenessProbe']) {
       const p = c[probe]?.httpGet;
-      if (!p || p.port !== 'metrics' || p.path !== '/metrics') error(cw, `${probe} must GET /metrics on the metrics port`);
+      if (!p || p.port !== 'metrics' || p.path !== '/healthz') error(cw, `${probe} must GET /healthz on the metrics port`);
     }
     if (binary === 'moe-agent') {
       if (w.obj.kind !== 'StatefulSet' || spec.replicas !== 1) error(cw, 'the agent must be a one-replica StatefulSet');

@@ -43,6 +43,10 @@ struct CpuBackendInfo {
 // MOE_GEMM_ENGINE value, or an engine this CPU cannot run (oneDNN bf16 needs AVX-512).
 CpuBackendInfo cpu_backend_info();
 
+// One line for --version and logs: "cpu backend on <model>: oneDNN ISA <isa>,
+// GEMM fp32=<engine> bf16=<engine> (<source>)", or the reason it cannot run.
+std::string cpu_backend_summary();
+
 // The table alone: the engines for a CPU whose oneDNN ISA is `isa` (a name as in
 // CpuBackendInfo::isa).
 CpuEngines engine_table(const std::string& isa);

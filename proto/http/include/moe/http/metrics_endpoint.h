@@ -1,5 +1,6 @@
 // The Prometheus scrape endpoint of moed and moe-agent: GET /metrics answers the
-// registry in the text exposition format; anything else gets 404, 405 or 400
+// registry in the text exposition format, GET /healthz "ok" (the process serves:
+// what liveness probes ask); anything else gets 404, 405 or 400
 // (request_head.h). It runs on
 // its own thread and io_context, so a scrape never waits for the control plane.
 //
