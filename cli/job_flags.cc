@@ -236,6 +236,7 @@ void JobFlags::add(CLI::App* c) {
     CLI::Option* o = f.cpp_type() == FieldDescriptor::CPPTYPE_BOOL ? c->add_flag(flag_name(field), value, help)
                                                                     : c->add_option(flag_name(field), value, help);
     o->type_name(type_name(f));
+    o->multi_option_policy(CLI::MultiOptionPolicy::TakeLast);  // a flag given twice: the last one counts
     o->each([this, field](const std::string& v) { given_[field] = v; });
   }
 }

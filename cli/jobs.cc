@@ -2,6 +2,7 @@
 #include <signal.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cstring>
 #include <iostream>
 #include <set>
@@ -80,8 +81,9 @@ std::optional<v1::JobResult> wait_for(rpc::RpcClient& c, const std::string& id, 
   for (;;) {
     const auto left = std::chrono::duration_cast<std::chrono::milliseconds>(deadline - std::chrono::steady_clock::now());
     if (left.count() <= 0) return std::nullopt;
-    const v1::JobResult j = wait_once(c, id, progress ? std::optional<int>(seen) : std::nullopt,
-                                      std::min<std::chrono::milliseconds>(left, std::chrono::seconds(30)));
+    // At least a second per call: a shorter one could run out before the agent's reply arrives.
+    const auto slice = std::clamp<std::chrono::milliseconds>(left, std::chrono::seconds(1), std::chrono::seconds(30));
+    const v1::JobResult j = wait_once(c, id, progress ? std::optional<int>(seen) : std::nullopt, slice);
     if (finished(j.state())) return j;
     const int step = j.progress().step();
     if (progress && (step > seen || j.state() != seen_state)) {

@@ -94,12 +94,18 @@ std::vector<std::string> Cluster::moed_tls_flags() const {
           (t / "ca.pem").string()};
 }
 
-std::pair<int, std::string> Cluster::ctl(const std::vector<std::string>& args, std::chrono::milliseconds timeout) const {
-  std::vector<std::string> argv = {kMoectl, "--state-dir", dir_.string()};
+std::pair<int, std::string> moectl(const std::vector<std::string>& args, std::chrono::milliseconds timeout) {
+  std::vector<std::string> argv = {kMoectl};
   argv.insert(argv.end(), args.begin(), args.end());
   Process p = Process::spawn(argv);
   const int rc = p.wait(timeout);
   return {rc, p.output()};
+}
+
+std::pair<int, std::string> Cluster::ctl(const std::vector<std::string>& args, std::chrono::milliseconds timeout) const {
+  std::vector<std::string> argv = {"--state-dir", dir_.string()};
+  argv.insert(argv.end(), args.begin(), args.end());
+  return moectl(argv, timeout);
 }
 
 std::string Cluster::logs() const {

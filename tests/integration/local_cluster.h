@@ -62,6 +62,11 @@ class Cluster {
   int reaper_fd_ = -1;  // the reaper's pipe: closed when ~Cluster ran, or this process died
 };
 
+// Runs moectl with these arguments (give --state-dir: none is added); returns
+// (exit code, output).
+std::pair<int, std::string> moectl(const std::vector<std::string>& args,
+                                   std::chrono::milliseconds timeout = std::chrono::seconds(60));
+
 // Polls `done` every 20 ms until it holds or `timeout` passes; returns whether it held.
 template <typename F>
 bool poll_until(F done, std::chrono::milliseconds timeout) {
