@@ -190,6 +190,12 @@ int job_status(const Globals& g, const std::string& id, bool watch, std::ostream
 int job_wait(const Globals& g, const std::string& id, const WaitOptions& w, std::ostream& out, std::ostream& err) {
   return with_agent(g, err, [&](rpc::RpcClient& c, const Resolved&) {
     std::ostream* progress = isatty(STDERR_FILENO) && !g.json ? &err : nullptr;
+    if (!progress) {  // say once what a queued job waits for: a wait must not look like a hang
+      v1::Envelope req;
+      req.mutable_get_job()->set_job_id(id);
+      const v1::JobResult j = c.call(req, g.timeout).job();
+      if (j.state() == v1::JOB_STATE_QUEUED) err << "moectl: " << progress_line(j) << std::endl;
+    }
     return report_wait(g, id, wait_for(c, id, w.timeout_s, progress), w.timeout_s.value_or(0), out, err);
   });
 }

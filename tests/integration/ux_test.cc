@@ -231,6 +231,10 @@ TEST(Ux, AQueuedJobNamesTheDeadNodeAndNodeRestartBringsItBack) {
   EXPECT_TRUE(has(queued, "waiting for      node node1: dead since")) << queued;
   EXPECT_TRUE(has(queued, "moectl node restart node1")) << queued;
   EXPECT_TRUE(has(c.ctl({"job", "list"}).second, "waiting for node node1"));
+  // A wait on it says once what it waits for, then waits (here: into its --timeout).
+  const auto [wrc, wout] = c.ctl({"job", "wait", id, "--timeout", "1"});
+  EXPECT_EQ(wrc, 4) << wout;
+  EXPECT_TRUE(has(wout, id + " QUEUED: waiting for node node1: dead since")) << wout;
   const auto [rrc, rout] = c.ctl({"node", "restart", "node1"}, 90s);
   ASSERT_EQ(rrc, 0) << rout << c.logs();
   EXPECT_EQ(c.ctl({"job", "wait", id}, 60s).first, 0) << c.logs();
