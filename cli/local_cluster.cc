@@ -122,14 +122,7 @@ std::string start_agent(const StateDir& s, const ClusterUpOptions& o, Clock::tim
   for (const std::string& a : argv) lines += a + "\n";
   write_file_atomically(s.agent_argv().string(), lines);
   argv.push_back("--forget-nodes");
-  const pid_t pid = spawn(argv, s.logs() / "agent.log");
-  write_file_atomically((s.pids() / "agent.pid").string(), std::to_string(pid) + "\n");
-  while (!fs::exists(s.agent_address())) {
-    if (!alive(pid)) throw exited("moe-agent", pid, s.logs() / "agent.log");
-    if (Clock::now() > until) throw UpFailure{kExitUnreachable, "moe-agent did not start; see " + (s.logs() / "agent.log").string()};
-    std::this_thread::sleep_for(std::chrono::milliseconds(20));  // polling for the address file
-  }
-  return read_trimmed(s.agent_address().string());
+  return run_agent(s, argv, until);
 }
 
 
@@ -171,7 +164,7 @@ int cluster_up(const Globals& g, const ClusterUpOptions& o, std::ostream& out, s
     err << "moectl: --nodes and --devices-per-node must be >= 1\n";
     return kExitUsage;
   }
-  try {
+  return run_local("cluster up", err, [&] {
     Resolved r = resolve(g);
     const StateDir s{r.state_dir};
     if (alive(fs::exists(s.pids() / "agent.pid") ? read_pid(s.pids() / "agent.pid") : -1)) {
@@ -199,17 +192,11 @@ int cluster_up(const Globals& g, const ClusterUpOptions& o, std::ostream& out, s
     gs.agent = r.agent;
     gs.state_dir = r.state_dir;
     return cluster_status(gs, out, err);
-  } catch (const UpFailure& f) {
-    err << "moectl: cluster up: " << f.message << "\n";
-    return f.code;
-  } catch (const std::exception& e) {
-    err << "moectl: cluster up: " << e.what() << "\n";
-    return kExitUsage;
-  }
+  });
 }
 
 int cluster_down(const Globals& g, std::ostream& out, std::ostream& err) {
-  try {
+  return run_local("cluster down", err, [&] {
     const Resolved r = resolve(g);
     const fs::path dir = r.state_dir;
     // Daemons first (they stop their job at a step boundary), then the agent.
@@ -222,10 +209,7 @@ int cluster_down(const Globals& g, std::ostream& out, std::ostream& err) {
     fs::remove(dir / "agent_address");
     if (!g.json) out << "cluster down: " << dir.string() << "\n";
     return kExitOk;
-  } catch (const std::exception& e) {
-    err << "moectl: cluster down: " << e.what() << "\n";
-    return kExitUsage;
-  }
+  });
 }
 
 }  // namespace moe::ctl

@@ -37,7 +37,7 @@ std::string names_text(const StateDir& s) {
 }  // namespace
 
 int node_restart(const Globals& g, const std::string& name, std::ostream& out, std::ostream& err) {
-  try {
+  return run_local("node restart", err, [&] {
     const Resolved r = resolve(g);
     const StateDir s{r.state_dir};
     if (!fs::exists(s.node_argv(name))) {
@@ -52,20 +52,11 @@ int node_restart(const Globals& g, const std::string& name, std::ostream& out, s
     wait_registered(agent, name, pid, s.node_log(name), Clock::now() + std::chrono::seconds(60));
     if (!g.json) out << "node " << name << " restarted (pid " << pid << ") and registered\n";
     return kExitOk;
-  } catch (const UpFailure& f) {
-    err << "moectl: node restart: " << f.message << "\n";
-    return f.code;
-  } catch (const rpc::RpcError& e) {
-    err << "moectl: node restart: " << e.what() << "\n";
-    return exit_code_of(e);
-  } catch (const std::exception& e) {
-    err << "moectl: node restart: " << e.what() << "\n";
-    return kExitUsage;
-  }
+  });
 }
 
 int agent_restart(const Globals& g, std::ostream& out, std::ostream& err) {
-  try {
+  return run_local("cluster restart-agent", err, [&] {
     const Resolved r = resolve(g);
     const StateDir s{r.state_dir};
     if (!fs::exists(s.agent_argv())) {
@@ -77,23 +68,10 @@ int agent_restart(const Globals& g, std::ostream& out, std::ostream& err) {
     for (std::string line; std::getline(in, line);) argv.push_back(line);
     stop_pids({s.pids() / "agent.pid"}, std::chrono::seconds(10));
     fs::remove(s.agent_address());
-    const pid_t pid = spawn(argv, s.logs() / "agent.log");
-    write_file_atomically((s.pids() / "agent.pid").string(), std::to_string(pid) + "\n");
-    const auto until = Clock::now() + std::chrono::seconds(30);
-    while (!fs::exists(s.agent_address())) {
-      if (!alive(pid)) throw exited("moe-agent", pid, s.logs() / "agent.log");
-      if (Clock::now() > until) throw UpFailure{kExitUnreachable, "moe-agent did not start; see " + (s.logs() / "agent.log").string()};
-      std::this_thread::sleep_for(std::chrono::milliseconds(20));  // polling for the address file
-    }
-    if (!g.json) out << "agent restarted (pid " << pid << ") on " << read_trimmed(s.agent_address().string()) << "\n";
+    const std::string address = run_agent(s, argv, Clock::now() + std::chrono::seconds(30));
+    if (!g.json) out << "agent restarted on " << address << "\n";
     return kExitOk;
-  } catch (const UpFailure& f) {
-    err << "moectl: cluster restart-agent: " << f.message << "\n";
-    return f.code;
-  } catch (const std::exception& e) {
-    err << "moectl: cluster restart-agent: " << e.what() << "\n";
-    return kExitUsage;
-  }
+  });
 }
 
 int logs(const Globals& g, const LogsOptions& o, std::ostream& out, std::ostream& err) {

@@ -134,6 +134,18 @@ void wait_registered(rpc::RpcClient& agent, const std::string& name, pid_t pid, 
   }
 }
 
+std::string run_agent(const StateDir& s, const std::vector<std::string>& argv, Clock::time_point until) {
+  const fs::path log = s.logs() / "agent.log";
+  const pid_t pid = spawn(argv, log);
+  write_file_atomically((s.pids() / "agent.pid").string(), std::to_string(pid) + "\n");
+  while (!fs::exists(s.agent_address())) {
+    if (!alive(pid)) throw exited("moe-agent", pid, log);
+    if (Clock::now() > until) throw UpFailure{kExitUnreachable, "moe-agent did not start; see " + log.string()};
+    std::this_thread::sleep_for(std::chrono::milliseconds(20));  // polling for the address file
+  }
+  return read_trimmed(s.agent_address().string());
+}
+
 void write_command(const fs::path& file, const Command& c) {
   std::string text;
   for (const auto& [name, value] : c.env) text += name + "=" + value + "\n";

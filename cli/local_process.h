@@ -6,11 +6,13 @@
 #include <sys/types.h>
 
 #include <chrono>
+#include <ostream>
 #include <filesystem>
 #include <string>
 #include <utility>
 #include <vector>
 
+#include "agent_call.h"
 #include "moe/rpc/client.h"
 
 namespace moe::ctl {
@@ -62,6 +64,29 @@ UpFailure exited(const std::string& who, pid_t pid, const fs::path& log);
 // when the daemon (pid) exits first, or at `until`.
 void wait_registered(rpc::RpcClient& agent, const std::string& name, pid_t pid, const fs::path& log,
                      std::chrono::steady_clock::time_point until);
+
+// Spawns the agent with argv (pid file agent.pid, log agent.log) and waits for
+// its address file; returns its address. Throws UpFailure when it exits first,
+// or at `until`.
+std::string run_agent(const StateDir& s, const std::vector<std::string>& argv, std::chrono::steady_clock::time_point until);
+
+// Runs a local-cluster command: fn()'s exit code, or its failure mapped to one
+// (an UpFailure's own, an RPC error's, else 2) with "moectl: WHAT: message".
+template <typename Fn>
+int run_local(const char* what, std::ostream& err, Fn&& fn) {
+  try {
+    return fn();
+  } catch (const UpFailure& f) {
+    err << "moectl: " << what << ": " << f.message << "\n";
+    return f.code;
+  } catch (const rpc::RpcError& e) {
+    err << "moectl: " << what << ": " << e.what() << "\n";
+    return exit_code_of(e);
+  } catch (const std::exception& e) {
+    err << "moectl: " << what << ": " << e.what() << "\n";
+    return kExitUsage;
+  }
+}
 
 // moe-agent and moed next to moectl (installed), in the build tree, or on PATH.
 std::string find_binary(const std::string& name, const std::string& build_subdir);
