@@ -167,6 +167,9 @@ v1::PlacementLoads PlacementService::loads(ShapeKey key) const {
     steps = std::max(steps, w.expert_steps());
   }
   out.set_steps(steps);
+  out.set_num_groups(s.num_groups);
+  out.set_group_top_k(s.group_top_k);
+  out.set_top_k(s.top_k);
   return out;
 }
 

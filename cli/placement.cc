@@ -60,7 +60,8 @@ std::string loads_text(const v1::PlacementLoads& l, int redundant) {
      << shape_text(l.shape()) << ", one line per layer (moe-placement-sim --loads)\n";
   const v1::PlacementShape& s = l.shape();
   os << "# moe-placement-sim: --ranks " << s.nodes() * s.devices_per_node() << " --nodes " << s.nodes()
-     << " --redundant-experts " << redundant << "\n";
+     << " --redundant-experts " << redundant << " --groups " << l.num_groups() << " --group-top-k "
+     << l.group_top_k() << " --top-k " << l.top_k() << "\n";
   os << std::setprecision(17);
   for (const auto& layer : l.layers()) {
     for (int e = 0; e < layer.tokens_size(); ++e) os << (e ? " " : "") << layer.tokens(e);

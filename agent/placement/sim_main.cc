@@ -82,8 +82,8 @@ void print_random_traces(const SimFlags& flags) {
 // --loads (and --prev-loads) into config: loads mode, experts from the file
 // (an explicit --experts must agree), no top-k hint unless --top-k is given.
 // A loads file written by `moectl placement loads` records its shape in a line
-// "# moe-placement-sim: --ranks R --nodes N --redundant-experts X": those values,
-// for the flags not given.
+// "# moe-placement-sim: --ranks R --nodes N --redundant-experts X --groups G
+// --group-top-k GK --top-k K": those values, for the flags not given.
 void apply_header(const CLI::App& app, const std::string& text, moe::placement::PlacementSpec& spec) {
   const std::string tag = "# moe-placement-sim:";
   std::istringstream lines(text);
@@ -97,6 +97,9 @@ void apply_header(const CLI::App& app, const std::string& text, moe::placement::
       if (flag == "--ranks") spec.num_ranks = value;
       else if (flag == "--nodes") spec.num_nodes = value;
       else if (flag == "--redundant-experts") spec.num_redundant = value;
+      else if (flag == "--groups") spec.num_groups = value;
+      else if (flag == "--group-top-k") spec.group_top_k = value;
+      else if (flag == "--top-k") spec.top_k = value;
     }
   }
 }
@@ -106,13 +109,13 @@ void read_loads(const CLI::App& app, SimFlags& flags) {
   const std::string& path = flags.loads_path;
   const std::string text = read_file(path);
   config.loads = moe::placement::parse_loads(text, "loads file '" + path + "'");
-  apply_header(app, text, config.spec);
   const int experts = static_cast<int>(config.loads.front().size());
   MOE_CHECK(app.count("--experts") == 0 || experts == config.spec.num_experts, "loads file has ",
             experts, " experts per line, --experts says ", config.spec.num_experts);
   config.spec.num_experts = experts;
-  // Routing hints only when given: loads carry no top-k.
+  // Routing hints only when given (a flag or the file's header): loads alone carry no top-k.
   if (app.count("--top-k") == 0) config.spec.top_k = 0;
+  apply_header(app, text, config.spec);
   if (!flags.prev_loads_path.empty())
     config.prev_loads = moe::placement::parse_loads(
         read_file(flags.prev_loads_path), "previous loads file '" + flags.prev_loads_path + "'");
