@@ -24,10 +24,27 @@ void Scheduler::heard_from(int rank, Clock::time_point now) {
   if (running_->restored) running_->heard[rank] = true;
 }
 
+// A node of the running job registered again without it: the daemon restarted
+// (or, after an agent restart, lost the job). Its ranks' part ended with the old
+// process and they will never report: they count as done, the job fails at once
+// and the survivors abort their transports (docs/jobs.md#a-node-restarts).
 void Scheduler::on_node_registered(const NodeRecord& node, const std::string& running_job, Clock::time_point now) {
-  if (!running_ || running_->ending() || !running_->awaiting_ranks() || running_job == running_->id) return;
-  fail_running("agent restarted: " + members_.describe_node(node) + " came back " +
-                   (running_job.empty() ? "running no job" : "running " + running_job),
+  if (!running_ || running_job == running_->id) return;
+  RunningJob& job = *running_;
+  const int D = members_.devices_per_node();
+  for (int r = node.index * D; r < (node.index + 1) * D && r < job.reports.world; ++r)
+    if (!job.done[r]) {
+      job.done[r] = true;
+      ++job.done_count;
+    }
+  if (job.ending()) {
+    if (job.done_count == job.reports.world) finish(job.failed ? v1::JOB_STATE_FAILED : v1::JOB_STATE_CANCELLED, job.message);
+    return;
+  }
+  const std::string came_back =
+      members_.describe_node(node) + " came back " + (running_job.empty() ? "running no job" : "running " + running_job);
+  fail_running(job.awaiting_ranks() ? "agent restarted: " + came_back
+                                    : members_.describe_node(node) + " restarted during the job (its ranks' state is lost)",
                now);
 }
 

@@ -87,6 +87,7 @@ RankRun::RankRun(const v1::StartJob& job, const RunnerEnv& env, int rank, std::s
 
 void RankRun::abort_transport(const std::string& why) {
   if (transports_.data) transports_.data->abort(why);
+  comm_.abort(why);
 }
 
 bool RankRun::agree_and_act(bool cancel_requested, int step) {

@@ -11,6 +11,8 @@
 #include <openssl/sha.h>
 
 #include <algorithm>
+#include <atomic>
+#include <mutex>
 #include <array>
 #include <cstring>
 #include <deque>
@@ -82,7 +84,7 @@ struct UcxCommunicator::Impl {
   ucp_context_h context = nullptr;
   ucp_worker_h worker = nullptr;
   int event_fd = -1;  // the worker's, owned by UCX
-  int wake_fd = -1;   // ours: the hub signals completions of local ops here
+  int wake_fd = -1;   // ours: the hub signals completions of local ops here, abort() a failed group
   int epoll_fd = -1;
   std::shared_ptr<LocalHub> hub;
   std::vector<Peer> peers;
@@ -90,6 +92,11 @@ struct UcxCommunicator::Impl {
   bool broken = false;
   std::string broken_reason;
   int broken_peer = -1;
+  // Set by abort() from another thread: the agent saw the group fail (a node
+  // died or restarted); a wait ends at once instead of at UCX's endpoint timeout.
+  std::atomic<bool> aborted{false};
+  mutable std::mutex abort_mu;
+  std::string abort_reason;
   std::deque<Op> ops;
   // Background transfers (isend/irecv), by id; map nodes keep their addresses.
   std::map<uint64_t, Op> background;
@@ -191,6 +198,12 @@ struct UcxCommunicator::Impl {
 
   void check_usable() const {
     if (broken) throw TransportError(broken_peer, "communicator unusable after an earlier failure: " + broken_reason);
+    if (aborted.load()) throw TransportError(-1, "aborted: " + aborted_why());
+  }
+
+  std::string aborted_why() const {
+    std::lock_guard<std::mutex> lock(abort_mu);
+    return abort_reason;
   }
 
   // Why a peer failed, and whom to blame: the peer, or (for a local sibling that
@@ -436,6 +449,7 @@ struct UcxCommunicator::Impl {
   // Waits for every posted op; throws naming the peer on failure or deadline.
   void wait_all(Deadline deadline, const char* what) {
     for (;;) {
+      if (aborted.load()) fail(-1, std::string(what) + ": aborted: " + aborted_why());
       while (ucp_worker_progress(worker) != 0) {
       }
       bool all_done = true;
@@ -511,12 +525,12 @@ UcxCommunicator::UcxCommunicator(int rank, int size, Bootstrap& bootstrap, const
   epoll_event ev{};
   ev.events = EPOLLIN;
   MOE_CHECK(::epoll_ctl(m.epoll_fd, EPOLL_CTL_ADD, m.event_fd, &ev) == 0, "ucx: epoll_ctl: ", std::strerror(errno));
+  m.wake_fd = ::eventfd(0, EFD_NONBLOCK | EFD_CLOEXEC);
+  MOE_CHECK(m.wake_fd >= 0, "ucx: eventfd: ", std::strerror(errno));
+  MOE_CHECK(::epoll_ctl(m.epoll_fd, EPOLL_CTL_ADD, m.wake_fd, &ev) == 0, "ucx: epoll_ctl: ", std::strerror(errno));
   m.hub = options.hub;
   if (m.hub) {
     MOE_CHECK(m.hub->is_local(rank), "ucx: rank ", rank, " is not in the local hub it was given");
-    m.wake_fd = ::eventfd(0, EFD_NONBLOCK | EFD_CLOEXEC);
-    MOE_CHECK(m.wake_fd >= 0, "ucx: eventfd: ", std::strerror(errno));
-    MOE_CHECK(::epoll_ctl(m.epoll_fd, EPOLL_CTL_ADD, m.wake_fd, &ev) == 0, "ucx: epoll_ctl: ", std::strerror(errno));
     m.hub->attach(rank, m.wake_fd);
   }
 
@@ -596,6 +610,18 @@ Communicator::TransferId UcxCommunicator::irecv(int peer, void* data, size_t byt
   const auto [id, op] = m.new_background(peer, "irecv", std::move(keep));
   m.start_recv(*op, peer, data, bytes, make_tag(Kind::kBackground, tag, peer));
   return id;
+}
+
+void UcxCommunicator::abort(const std::string& why) {
+  Impl& m = *impl_;
+  {
+    std::lock_guard<std::mutex> lock(m.abort_mu);
+    if (m.aborted.load()) return;
+    m.abort_reason = why;
+  }
+  m.aborted.store(true);
+  const uint64_t one = 1;
+  (void)!::write(m.wake_fd, &one, sizeof one);  // a wait in epoll_wait looks at the flag now
 }
 
 bool UcxCommunicator::test(TransferId id) {

@@ -303,6 +303,30 @@ TEST(Cluster, KilledDaemonFailsTheJobNamingItAndARestartRejoins) {
   EXPECT_EQ(restarted.wait(30s), 0) << restarted.output();
 }
 
+// A daemon SIGKILLed and restarted under the same name before its heartbeats
+// run out used to hide its death: the job hung until UCX's endpoint timeout
+// (44-46 s) and the next job waited as long. Its new registration now ends the
+// old process's part at once: the job fails naming the restart, the survivors
+// abort their waits, and the next job runs on the restarted node.
+TEST(Cluster, ADaemonRestartedMidJobFailsTheJobAtOnceAndTheNextJobRuns) {
+  Cluster c(2, 2);
+  ASSERT_TRUE(c.up());
+  const std::string id = c.start_long_job(3);
+  ::kill(std::stoi(read_text_file(c.dir() / "pids" / "node1.pid")), SIGKILL);
+  const auto [rrc, rout] = c.ctl({"node", "restart", "node1"}, 60s);  // within the 3 s heartbeat timeout
+  ASSERT_EQ(rrc, 0) << rout << c.logs();
+  // rc -1: still hanging after 15 s (it took 44 s before).
+  auto [rc, out] = c.ctl({"job", "wait", id}, 15s);
+  EXPECT_EQ(rc, 1) << out << c.logs();
+  // Whichever comes first names node1: its new registration ("restarted during
+  // the job") or a survivor's transport error blaming one of its ranks.
+  EXPECT_NE(out.find("node node1"), std::string::npos) << out;
+  std::tie(rc, out) = c.ctl({"job", "submit", "--wait", "--experts", "4", "--top-k", "2", "--hidden", "32",
+                             "--ffn-hidden", "16", "--tokens-per-rank", "32", "--steps", "2"},
+                            15s);
+  EXPECT_EQ(rc, 0) << out << c.logs();
+}
+
 TEST(Cluster, ADaemonStoppedMidJobCancelsIt) {
   // SIGTERM: the daemon's ranks stop at a step boundary (so do everyone's); the job
   // is recorded CANCELLED with the reason, not SUCCEEDED with fewer steps.

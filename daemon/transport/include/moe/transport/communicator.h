@@ -101,10 +101,10 @@ class Communicator {
   // Throws TransportError naming the peer when it failed, like any wait.
   virtual bool test(TransferId id) = 0;
 
-  // Told from outside that the group failed (the agent saw a node die): a wait in
-  // progress on another thread, and every later call, fails with `why`. Thread-
-  // safe. Transports that detect a dead peer themselves (UCX's peer error
-  // handling, the in-process group) need nothing here; NCCL cannot, and aborts.
+  // Told from outside that the group failed (the agent saw a node die or
+  // restart): a wait in progress on another thread, and every later call, fails
+  // with `why`. Thread-safe. The in-process group needs nothing here (its ranks
+  // share a process); UCX and NCCL end their waits.
   virtual void abort(const std::string& why) { (void)why; }
 };
 

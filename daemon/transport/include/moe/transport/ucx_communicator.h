@@ -53,6 +53,10 @@ class UcxCommunicator final : public Communicator {
   TransferId isend(int peer, const void* data, size_t bytes, uint32_t tag, std::shared_ptr<const void> keep) override;
   TransferId irecv(int peer, void* data, size_t bytes, uint32_t tag, std::shared_ptr<const void> keep) override;
   bool test(TransferId id) override;
+  // The agent saw the group fail: a wait on another thread ends now with `why`
+  // (not at UCX's endpoint timeout, which a peer restarted under the same
+  // address can stretch to tens of seconds), and so does every later call.
+  void abort(const std::string& why) override;
 
  private:
   struct Impl;
