@@ -48,13 +48,17 @@ std::vector<int> eplb_balanced_packing(std::span<const double> weight, int num_p
 }
 
 std::vector<int> eplb_replicate_experts(std::span<const double> weight, int num_phy,
-                                        std::vector<int>* replica_rank, std::vector<int>* logcnt) {
+                                        std::vector<int>* replica_rank, std::vector<int>* logcnt,
+                                        int min_count) {
   const int n = static_cast<int>(weight.size());
-  MOE_CHECK(num_phy >= n, "replicate: physical experts (", num_phy,
-                      ") fewer than logical (", n, ")");
-  std::vector<int> phy2log(num_phy), rank(num_phy, 0), count(n, 1);
-  std::iota(phy2log.begin(), phy2log.begin() + n, 0);
-  for (int i = n; i < num_phy; ++i) {
+  MOE_CHECK(min_count >= 1 && static_cast<int64_t>(num_phy) >= static_cast<int64_t>(n) * min_count,
+            "replicate: physical experts (", num_phy, ") fewer than logical (", n, ") x ", min_count);
+  std::vector<int> phy2log(num_phy), rank(num_phy, 0), count(n, min_count);
+  for (int i = 0; i < n * min_count; ++i) {
+    phy2log[i] = i % n;
+    rank[i] = i / n;
+  }
+  for (int i = n * min_count; i < num_phy; ++i) {
     int best = 0;
     for (int e = 1; e < n; ++e)
       if (weight[e] / count[e] > weight[best] / count[best]) best = e;
@@ -71,6 +75,9 @@ ExpertMap eplb_rebalance(const PlacementSpec& spec_in, std::span<const double> l
   spec_in.validate();
   detail::check_loads(spec_in, loads);
   PlacementSpec spec = spec_in;
+  // Global: every expert gets at least min_node_replicas copies (spreading them
+  // over nodes is the solver's); hierarchical keeps an expert on one node.
+  const int min_count = policy == EplbPolicy::kGlobal ? spec_in.min_node_replicas : 1;
   if (policy == EplbPolicy::kGlobal) {
     spec.num_groups = 1;
     spec.num_nodes = 1;
@@ -78,6 +85,7 @@ ExpertMap eplb_rebalance(const PlacementSpec& spec_in, std::span<const double> l
     MOE_CHECK(eplb_hierarchical_applicable(spec), "EPLB hierarchical needs groups (",
                         spec.num_groups, ") divisible by nodes (", spec.num_nodes, ")");
   }
+  spec.min_node_replicas = 1;
   const int num_log = spec.num_experts;
   const int num_phy = spec.num_slots();
   const int num_groups = std::max(spec.num_groups, 1);
@@ -108,7 +116,7 @@ ExpertMap eplb_rebalance(const PlacementSpec& spec_in, std::span<const double> l
     for (int i = 0; i < log_per_node; ++i) mlog_load[i] = loads[mlog2log[node * log_per_node + i]];
     std::vector<int> phy_rank, mlog_count;
     const std::vector<int> phy2mlog =
-        eplb_replicate_experts(mlog_load, phy_per_node, &phy_rank, &mlog_count);
+        eplb_replicate_experts(mlog_load, phy_per_node, &phy_rank, &mlog_count, min_count);
     // Step 3: pack the node's physical experts to its ranks.
     std::vector<double> phy_load(phy_per_node);
     for (int j = 0; j < phy_per_node; ++j)

@@ -33,6 +33,12 @@ void PlacementSpec::validate() const {
                       group_top_k, ") must be in [0, groups (", num_groups, ")]");
   MOE_CHECK(group_top_k == 0 || num_groups > 1, "group_top_k (", group_top_k,
                       ") needs more than one group (groups = ", num_groups, ")");
+  MOE_CHECK(min_node_replicas >= 1 && min_node_replicas <= num_nodes, "min_node_replicas (", min_node_replicas,
+            ") must be in [1, nodes (", num_nodes, ")]");
+  MOE_CHECK(static_cast<int64_t>(num_experts) * min_node_replicas <= num_slots(), "min_node_replicas (",
+            min_node_replicas, ") needs experts x ", min_node_replicas, " = ",
+            static_cast<int64_t>(num_experts) * min_node_replicas, " slots, there are ", num_slots(),
+            " (experts + redundant)");
 }
 
 void validate_layer_map(const ExpertMap& map, const PlacementSpec& spec) {

@@ -99,4 +99,19 @@ int64_t copies_moved(const ExpertMap& before, const ExpertMap& after) {
   return moved;
 }
 
+std::vector<int> experts_lost_per_node(const ExpertMap& map, int num_nodes) {
+  const int slots = static_cast<int>(map.phy2log.size());
+  const int per_node = slots / num_nodes;
+  std::vector<int> home(map.num_experts, -1);  // the one node holding every copy; -2: several
+  for (int p = 0; p < slots; ++p) {
+    int& h = home[map.phy2log[p]];
+    const int node = p / per_node;
+    h = h == -1 ? node : (h == node ? h : -2);
+  }
+  std::vector<int> lost(num_nodes, 0);
+  for (int h : home)
+    if (h >= 0) ++lost[h];
+  return lost;
+}
+
 }  // namespace moe::placement

@@ -5,6 +5,7 @@
 
 #include "fanout_objective.h"
 #include "migration.h"
+#include "node_spread.h"
 #include "moe/placement/eplb.h"
 #include "moe/base/check.h"
 #include "moe/placement/placement_metrics.h"
@@ -308,6 +309,7 @@ double LayerSolver::fanout_of(const std::vector<int32_t>& phy2log) const {
 }
 
 ExpertMap LayerSolver::finish(SolveInfo* info) {
+  detail::spread_over_nodes(spec_, unit_, phy2log_);  // min_node_replicas: last, so no search undoes it
   ExpertMap map = ExpertMap::make(spec_.num_experts, spec_.num_ranks, spec_.slots_per_rank(), std::move(phy2log_));
   if (info) {
     info->fanout_objective = objective_name_;

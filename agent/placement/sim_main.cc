@@ -48,6 +48,9 @@ void add_flags(CLI::App& app, SimFlags& flags) {
   app.add_option("--redundant-experts", config.spec.num_redundant,
                  "redundant slots ((E + redundant) % R == 0)")
       ->capture_default_str();
+  app.add_option("--min-node-replicas", config.spec.min_node_replicas,
+                 "every expert's copies on at least this many nodes (moed's solver)")
+      ->capture_default_str();
   app.add_option("--top-k", config.spec.top_k,
                  "experts per token (with --loads: a hint for moed's fan-out model)")
       ->capture_default_str();

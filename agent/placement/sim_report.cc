@@ -1,5 +1,6 @@
 #include "moe/placement/sim_report.h"
 
+#include <algorithm>
 #include <cctype>
 #include <charconv>
 #include <chrono>
@@ -116,6 +117,7 @@ class LayerRun {
   // Balancedness; fan-out in trace mode; copies moved from prev when given.
   void measure(PolicyResult& r, const ExpertMap& map, const ExpertMap* prev) const {
     r.balancedness = balancedness(map, loads_);
+    r.lost_per_node = experts_lost_per_node(map, spec_.num_nodes);
     if (workload_.trace_mode) r.fanout = expected_fanout(map, spec_.num_nodes, workload_.trace);
     if (prev) r.copies_moved = copies_moved(*prev, map);
   }
@@ -239,19 +241,28 @@ std::string format_table(const SimReport& report) {
   }
   for (size_t l = 0; l < report.layers.size(); ++l) {
     if (report.layers.size() > 1) os << "\nlayer " << l << "\n";
-    os << "\npolicy              balancedness  fan-out  copies moved  solve ms\n";
+    os << "\npolicy              balancedness  fan-out  copies moved  solve ms  node loss\n";
     for (const PolicyResult& r : report.layers[l].policies) {
-      char line[160];
+      char line[200];
       if (!r.available) {
         std::snprintf(line, sizeof(line), "%-18s  n/a: %s\n", r.policy.c_str(), r.note.c_str());
       } else {
-        std::snprintf(line, sizeof(line), "%-18s  %12s  %7s  %12s  %8s\n", r.policy.c_str(),
+        const int worst = r.lost_per_node.empty() ? 0 : *std::max_element(r.lost_per_node.begin(), r.lost_per_node.end());
+        std::snprintf(line, sizeof(line), "%-18s  %12s  %7s  %12s  %8s  %9d\n", r.policy.c_str(),
                       fixed(r.balancedness, 4).c_str(),
                       r.fanout ? fixed(*r.fanout, 3).c_str() : "n/a",
                       r.copies_moved ? std::to_string(*r.copies_moved).c_str() : "n/a",
-                      fixed(r.solve_seconds * 1e3, 1).c_str());
+                      fixed(r.solve_seconds * 1e3, 1).c_str(), worst);
       }
       os << line;
+    }
+    // node loss: the most experts one node's death loses; per node below.
+    os << "experts lost if node n dies (n = 0.." << report.config.spec.num_nodes - 1 << "):\n";
+    for (const PolicyResult& r : report.layers[l].policies) {
+      if (!r.available) continue;
+      os << "  " << r.policy << ":";
+      for (int lost : r.lost_per_node) os << " " << lost;
+      os << "\n";
     }
   }
   return os.str();
@@ -264,7 +275,8 @@ std::string format_json(const SimReport& report) {
   os << "{\"config\": {\"experts\": " << s.num_experts << ", \"ranks\": " << s.num_ranks
      << ", \"nodes\": " << s.num_nodes << ", \"redundant_experts\": " << s.num_redundant
      << ", \"slots_per_rank\": " << s.slots_per_rank() << ", \"groups\": " << s.num_groups
-     << ", \"group_top_k\": " << s.group_top_k << ", \"top_k\": " << s.top_k;
+     << ", \"group_top_k\": " << s.group_top_k << ", \"top_k\": " << s.top_k
+     << ", \"min_node_replicas\": " << s.min_node_replicas;
   if (report.loads_mode) {
     os << ", \"source\": \"loads\"";
   } else {
@@ -287,7 +299,9 @@ std::string format_json(const SimReport& report) {
       os << ", \"balancedness\": " << fixed(r.balancedness, 6)
          << ", \"fanout\": " << (r.fanout ? fixed(*r.fanout, 6) : "null")
          << ", \"copies_moved\": " << (r.copies_moved ? std::to_string(*r.copies_moved) : "null")
-         << ", \"solve_seconds\": " << fixed(r.solve_seconds, 6) << "}";
+         << ", \"solve_seconds\": " << fixed(r.solve_seconds, 6) << ", \"experts_lost_if_node_dies\": [";
+      for (size_t n = 0; n < r.lost_per_node.size(); ++n) os << (n ? ", " : "") << r.lost_per_node[n];
+      os << "]}";
     }
     os << "]}";
   }

@@ -168,3 +168,69 @@ TEST(Solver, MultiLayerSolveMatchesPerLayer) {
 
 }  // namespace
 }  // namespace moe::placement
+
+namespace moe::placement {
+namespace {
+
+// docs/placement.md#node-redundancy: with min_node_replicas m, no expert has all
+// its copies on fewer than m nodes, on every shape and skew, with or without a
+// current map (a rebalance keeps the rule), and where the slots leave room for
+// hot replicas beyond the m copies of every expert, the balance stays close to
+// the unconstrained map's (with exactly E x m slots no hot expert can get a
+// third copy: that balance is the capacity's, whatever the placement).
+TEST(NodeRedundancy, EveryExpertSpansMinNodeReplicasNodes) {
+  struct Shape {
+    int experts, ranks, nodes, redundant, groups, top_k, m;
+  };
+  for (const Shape& s : {Shape{16, 4, 2, 24, 0, 4, 2}, Shape{16, 3, 3, 38, 0, 4, 3}, Shape{64, 8, 4, 96, 8, 4, 2},
+                         Shape{256, 64, 8, 384, 8, 8, 2}, Shape{32, 8, 4, 48, 0, 0, 2}, Shape{16, 4, 2, 16, 0, 4, 2}}) {
+    const bool room = s.redundant > s.experts * (s.m - 1);
+    for (double alpha : {0.0, 1.2, 2.0}) {
+      SCOPED_TRACE(testing::Message() << s.experts << " experts on " << s.ranks << " ranks, " << s.nodes
+                                      << " nodes, m " << s.m << ", zipf " << alpha);
+      PlacementSpec spec{s.experts, s.ranks, s.nodes, s.redundant, s.groups, s.top_k};
+      spec.min_node_replicas = s.m;
+      PlacementSpec routed = spec;  // the trace's routing (top-4 when the spec gives no hint)
+      routed.top_k = std::max(4, spec.top_k);
+      const Case c{routed, alpha, 0};
+      const std::vector<double> loads = trace_for(c, 0, 4096).expert_loads();
+      const ExpertMap map = solve_layer(spec, loads);
+      test::expect_valid_map(map, spec);
+      const std::vector<int> lost = experts_lost_per_node(map, s.nodes);
+      for (int n = 0; n < s.nodes; ++n) EXPECT_EQ(lost[n], 0) << "node " << n;
+      for (int e = 0; e < s.experts; ++e) EXPECT_GE(map.logcnt[e], s.m) << "expert " << e;
+      PlacementSpec free = spec;
+      free.min_node_replicas = 1;
+      if (room) EXPECT_GE(balancedness(map, loads), 0.95 * balancedness(solve_layer(free, loads), loads));
+      // A rebalance from it under other loads keeps the rule.
+      const std::vector<double> later = trace_for(Case{routed, alpha + 0.3, 0}, 2, 4096).expert_loads();
+      const ExpertMap next = solve_layer(spec, later, {&map, nullptr});
+      for (int lost_here : experts_lost_per_node(next, s.nodes)) EXPECT_EQ(lost_here, 0);
+    }
+  }
+}
+
+TEST(NodeRedundancy, ImpossibleRequestsAreRefusedNamingTheRule) {
+  PlacementSpec spec{16, 4, 2, 0, 0, 0};
+  spec.min_node_replicas = 2;  // 16 slots cannot hold two copies of 16 experts
+  try {
+    spec.validate();
+    ADD_FAILURE() << "accepted";
+  } catch (const moe::Error& e) {
+    EXPECT_NE(std::string(e.what()).find("min_node_replicas (2) needs experts x 2 = 32 slots, there are 16"),
+              std::string::npos)
+        << e.what();
+  }
+  spec.num_redundant = 48;
+  spec.min_node_replicas = 3;  // more than the 2 nodes
+  EXPECT_THROW(spec.validate(), moe::Error);
+}
+
+TEST(NodeRedundancy, LostExpertsPerNodeCountsExpertsHeldByOneNodeOnly) {
+  // 4 ranks x 2 slots on 2 nodes: node 0 = slots 0-3, node 1 = slots 4-7.
+  const ExpertMap map = ExpertMap::make(4, 4, 2, {0, 1, 0, 2, 3, 3, 1, 2});
+  EXPECT_EQ(experts_lost_per_node(map, 2), (std::vector<int>{1, 1}));  // expert 0 on node 0, 3 on node 1
+}
+
+}  // namespace
+}  // namespace moe::placement

@@ -35,10 +35,12 @@ ExpertMap eplb_rebalance(const PlacementSpec& spec, std::span<const double> load
 std::vector<int> eplb_balanced_packing(std::span<const double> weight, int num_packs,
                                        std::vector<int>* rank_in_pack = nullptr);
 
-// replicate_experts: num_phy >= n physical experts; the first n are the
-// logical ones, each further one replicates the expert with the largest
-// weight / count. Returns phy2log [num_phy]; replica_rank and logcnt outputs.
+// replicate_experts: num_phy >= n x min_count physical experts; the first n x
+// min_count are the logical ones min_count times over (EPLB's min_count is 1),
+// each further one replicates the expert with the largest weight / count.
+// Returns phy2log [num_phy]; replica_rank and logcnt outputs.
 std::vector<int> eplb_replicate_experts(std::span<const double> weight, int num_phy,
-                                        std::vector<int>* replica_rank, std::vector<int>* logcnt);
+                                        std::vector<int>* replica_rank, std::vector<int>* logcnt,
+                                        int min_count = 1);
 
 }  // namespace moe::placement

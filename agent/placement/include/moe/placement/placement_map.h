@@ -28,6 +28,10 @@ struct PlacementSpec {
   // models how many nodes a token reaches and keeps that number low.
   int top_k = 0;
   int group_top_k = 0;
+  // Every expert's copies span at least this many nodes (docs/placement.md#node-redundancy):
+  // with 2, losing any one node leaves a copy of every expert. Needs
+  // experts x min_node_replicas <= slots and <= nodes.
+  int min_node_replicas = 1;
 
   void validate() const;
   int num_slots() const { return num_experts + num_redundant; }

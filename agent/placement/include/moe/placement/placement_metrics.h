@@ -27,6 +27,11 @@ double balancedness(const ExpertMap& map, std::span<const double> loads);
 // node n. Exact, not sampled.
 double expected_fanout(const ExpertMap& map, int num_nodes, const Trace& trace);
 
+// Per node: the experts that have every copy on that node, which a job loses
+// when the node dies (docs/placement.md#node-redundancy). Slot p lives on node
+// p / (slots / num_nodes).
+std::vector<int> experts_lost_per_node(const ExpertMap& map, int num_nodes);
+
 // Expert copies a daemon must fetch to go from `before` to `after`: over all
 // ranks, the copies of an expert that `after` puts on the rank beyond those
 // `before` already had there (a multiset difference per rank). Moving a copy

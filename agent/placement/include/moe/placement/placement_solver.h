@@ -1,7 +1,8 @@
 // moed's expert placement solver (docs/placement.md#solver): replicate hot experts and pack
 // the replicas onto ranks so that rank loads are balanced, keeping each
 // expert group on few nodes (fewer nodes per token under group-limited
-// routing) and, given the current map, keeping expert copies where they are.
+// routing) and, given the current map, keeping expert copies where they are;
+// with spec.min_node_replicas > 1, every expert's copies span that many nodes.
 //
 // Pure computation: no I/O, no clocks, deterministic for the same input.
 #pragma once

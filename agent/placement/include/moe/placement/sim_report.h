@@ -50,6 +50,7 @@ struct PolicyResult {
   std::optional<double> fanout;         // expected nodes per token
   std::optional<int64_t> copies_moved;  // vs the previous window's map
   double solve_seconds = 0.0;
+  std::vector<int> lost_per_node;       // experts with every copy on node n (lost if it dies)
 };
 
 struct LayerResult {
