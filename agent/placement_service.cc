@@ -62,7 +62,23 @@ placement::PlacementSpec PlacementService::solver_spec(const ShapeKey& key, cons
   ps.num_groups = s.num_groups > 1 && s.num_groups % key.nodes == 0 ? s.num_groups : 0;
   ps.top_k = s.top_k;
   ps.group_top_k = ps.num_groups > 1 ? s.group_top_k : 0;
+  ps.min_node_replicas = std::min(s.min_node_replicas, key.nodes);
   return ps;
+}
+
+// Whether every layer's map keeps each expert on min_node_replicas nodes.
+bool PlacementService::spread_enough(const ShapeKey& key, const Shape& s) const {
+  const int m = std::min(s.min_node_replicas, key.nodes);
+  if (m <= 1) return true;
+  for (const v1::PlacementMap& pm : s.maps) {
+    const ExpertMap map = spec::from_proto(pm);
+    const size_t per_node = map.phy2log.size() / key.nodes;
+    std::vector<std::vector<char>> on(map.num_experts, std::vector<char>(key.nodes, 0));
+    for (size_t p = 0; p < map.phy2log.size(); ++p) on[map.phy2log[p]][p / per_node] = 1;
+    for (const auto& nodes : on)
+      if (std::count(nodes.begin(), nodes.end(), 1) < m) return false;
+  }
+  return true;
 }
 
 PlacementService::Shape& PlacementService::shape_for_job(const v1::JobSpec& spec, const ShapeKey& key) {
@@ -71,6 +87,7 @@ PlacementService::Shape& PlacementService::shape_for_job(const v1::JobSpec& spec
   s.num_groups = spec.num_groups();
   s.top_k = spec.top_k();
   s.group_top_k = spec.group_top_k();
+  s.min_node_replicas = std::max(1, spec.min_node_replicas());
   return s;
 }
 
@@ -102,10 +119,17 @@ std::vector<v1::PlacementMap> PlacementService::maps_for_resume(const v1::JobSpe
 
 std::vector<v1::PlacementMap> PlacementService::maps_for_job(const v1::JobSpec& spec, const ShapeKey& key) {
   Shape& s = shape_for_job(spec, key);
-  if (s.maps.empty()) {
+  if (s.maps.empty() || !spread_enough(key, s)) {
+    // A shape's first maps, or maps whose copies do not span min_node_replicas
+    // nodes: the solver's for uniform load, with the fewest redundant slots the
+    // rule needs (docs/placement.md#node-redundancy).
+    const int m = std::min(s.min_node_replicas, key.nodes);
+    int redundant = key.experts * (m - 1);
+    while ((key.experts + redundant) % key.ranks() != 0) ++redundant;
     const ExpertMap first =
-        placement::solve_layer(solver_spec(key, s, 0), std::vector<double>(key.experts, 1.0));
+        placement::solve_layer(solver_spec(key, s, redundant), std::vector<double>(key.experts, 1.0));
     ++epoch_;
+    s.maps.clear();
     for (int l = 0; l < key.layers; ++l) s.maps.push_back(layer_proto(first, l, epoch_));
     s.windows.assign(key.layers, LoadWindow(window_steps_));
   }
@@ -277,6 +301,7 @@ v1::PlacementState PlacementService::state() const {
     sp->set_num_groups(s.num_groups);
     sp->set_top_k(s.top_k);
     sp->set_group_top_k(s.group_top_k);
+    sp->set_min_node_replicas(s.min_node_replicas);
     for (const LoadWindow& w : s.windows) {
       v1::LoadWindowState* ws = sp->add_windows();
       for (const auto& e : w.expert_steps_data()) *ws->add_expert_steps()->mutable_tokens() = {e.begin(), e.end()};
@@ -297,6 +322,7 @@ void PlacementService::restore(const v1::PlacementState& st) {
     s.num_groups = sp.num_groups();
     s.top_k = sp.top_k();
     s.group_top_k = sp.group_top_k();
+    s.min_node_replicas = std::max(1, sp.min_node_replicas());
     s.windows.assign(s.maps.size(), LoadWindow(window_steps_));
     for (int l = 0; l < sp.windows_size() && l < static_cast<int>(s.windows.size()); ++l) {
       std::deque<std::vector<double>> expert, rank;

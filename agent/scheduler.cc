@@ -86,6 +86,10 @@ std::map<v1::JobState, int> Scheduler::counts() const {
 const v1::JobResult& Scheduler::submit(v1::JobSpec spec) {
   spec = spec::with_defaults(std::move(spec));
   spec::validate(spec, members_.world_size());
+  if (spec.min_node_replicas() > std::max(1, members_.num_nodes()))
+    throw moe::InvalidArgument("min_node_replicas: the job asks for every expert on " +
+                               std::to_string(spec.min_node_replicas()) + " nodes; the cluster has " +
+                               std::to_string(members_.num_nodes()));
   if (!spec.resume().empty()) {  // refused now, not as a failed job later: the checkpoint exists and fits
     try {
       std::string folder;

@@ -327,6 +327,46 @@ TEST(Cluster, ADaemonRestartedMidJobFailsTheJobAtOnceAndTheNextJobRuns) {
   EXPECT_EQ(rc, 0) << out << c.logs();
 }
 
+// docs/placement.md#node-redundancy: --min-node-replicas 2 puts a copy of every
+// expert on each of the two nodes (no node's death loses an expert); the train
+// job computes what the plain one does (replicas are exact copies; sums over
+// them change the order of additions only), and verify passes.
+TEST(Cluster, NodeRedundancyKeepsEveryExpertOnTwoNodesAndTheLossCurve) {
+  Cluster c(2, 2);
+  ASSERT_TRUE(c.up());
+  const std::vector<std::string> job = {"--output", "json", "job", "submit", "--wait", "--mode", "train",
+                                        "--experts", "16", "--top-k", "4", "--hidden", "32", "--ffn-hidden", "16",
+                                        "--tokens-per-rank", "64", "--steps", "10", "--skew", "zipf:1.2"};
+  auto [rc, out] = c.ctl(job, 120s);
+  ASSERT_EQ(rc, 0) << out << c.logs();
+  const v1::JobResult plain = parse_result(out);
+  std::vector<std::string> redundant = job;
+  redundant.insert(redundant.end(), {"--min-node-replicas", "2", "--verify"});
+  std::tie(rc, out) = c.ctl(redundant, 120s);
+  ASSERT_EQ(rc, 0) << out << c.logs();
+  const v1::JobResult r = parse_result(out);
+  EXPECT_TRUE(r.verify().passed()) << out;
+  ASSERT_EQ(r.loss_size(), plain.loss_size());
+  for (int i = 0; i < r.loss_size(); ++i) EXPECT_NEAR(r.loss(i), plain.loss(i), 1e-6 * plain.loss(i)) << "step " << i;
+  v1::Envelope req;
+  req.mutable_placement();
+  const v1::PlacementReply p = c.client().call(req, 10s).placement_reply();
+  ASSERT_EQ(p.maps_size(), 1);
+  EXPECT_EQ(p.maps(0).slots_per_rank(), 8);
+  for (int e = 0; e < 16; ++e) {  // node 0 holds slots 0-15, node 1 slots 16-31
+    bool on[2] = {false, false};
+    for (int slot = 0; slot < 32; ++slot)
+      if (p.maps(0).phy2log(slot) == e) on[slot / 16] = true;
+    EXPECT_TRUE(on[0] && on[1]) << "expert " << e;
+  }
+  std::tie(rc, out) = c.ctl({"job", "submit", "--experts", "4", "--top-k", "2", "--hidden", "8", "--ffn-hidden", "8",
+                             "--tokens-per-rank", "8", "--steps", "1", "--min-node-replicas", "3"});
+  EXPECT_EQ(rc, 2) << out;
+  EXPECT_NE(out.find("min_node_replicas: the job asks for every expert on 3 nodes; the cluster has 2"),
+            std::string::npos)
+      << out;
+}
+
 TEST(Cluster, ADaemonStoppedMidJobCancelsIt) {
   // SIGTERM: the daemon's ranks stop at a step boundary (so do everyone's); the job
   // is recorded CANCELLED with the reason, not SUCCEEDED with fewer steps.

@@ -7,6 +7,8 @@
 #include "moe/agent/job_result.h"
 #include "moe/agent/rebalancer.h"
 #include "moe/agent/scheduler.h"
+#include "moe/placement/placement_metrics.h"
+#include "moe/spec/expert_map_codec.h"
 #include "moe/rpc/frame.h"
 
 namespace moe::agent {
@@ -195,6 +197,49 @@ TEST_F(SchedulerTest, AJobWaitsForNodesThenRunsOnEveryRankAndSucceeds) {
   EXPECT_EQ(rec.ended[0].job_id(), id);
   EXPECT_TRUE(members.ready_for_job());
   EXPECT_EQ(scheduler.record(id).placement_epoch(), 1);
+}
+
+// docs/placement.md#node-redundancy: a job asking for min_node_replicas 2 starts on
+// maps that keep every expert on two nodes, with the redundant slots that need
+// (16 experts on 2x2: 32 slots, 8 per rank); more nodes than the cluster has is refused.
+TEST_F(SchedulerTest, NodeRedundancyGivesEveryExpertCopiesOnTwoNodes) {
+  add_nodes(2, 2);
+  v1::JobSpec s = spec(16);
+  s.set_min_node_replicas(3);
+  EXPECT_THROW(scheduler.submit(s), moe::InvalidArgument) << "2 nodes cannot hold copies on 3";
+  s.set_min_node_replicas(2);
+  scheduler.submit(s);
+  scheduler.try_start(now);
+  ASSERT_EQ(rec.started.size(), 1u);
+  for (const v1::PlacementMap& pm : rec.started[0].maps()) {
+    const ExpertMap map = spec::from_proto(pm);
+    EXPECT_EQ(map.slots_per_rank, 8);
+    EXPECT_EQ(placement::experts_lost_per_node(map, 2), (std::vector<int>{0, 0}));
+  }
+}
+
+// docs/jobs.md#a-node-restarts: a node of the running job that registers again
+// without it ended its part: the job fails at once naming it, its ranks count as
+// done, and once the survivors report the job has ended.
+TEST_F(SchedulerTest, ANodeRestartedDuringTheJobFailsItAtOnce) {
+  add_nodes(2, 1);
+  const std::string id = scheduler.submit(spec()).job_id();
+  scheduler.try_start(now);
+  report_steps(id, 2, 1);
+  v1::RegisterNodeRequest again;
+  again.set_name("node1");
+  again.set_devices(1);
+  const NodeRecord& n = members.register_node(again, true, now);
+  scheduler.on_node_registered(n, "", now);
+  ASSERT_EQ(rec.cancelled.size(), 1u);
+  EXPECT_NE(rec.cancelled[0].second.find("node node1 (ranks 1-1) restarted during the job"), std::string::npos)
+      << rec.cancelled[0].second;
+  EXPECT_TRUE(rec.cancelled_failed[0]) << "the survivors abort their transports";
+  EXPECT_EQ(scheduler.record(id).state(), v1::JOB_STATE_RUNNING) << "node0 has not reported yet";
+  members.rank_done(id, 0);
+  scheduler.on_rank_done(done(id, 0, false), now);
+  EXPECT_EQ(scheduler.record(id).state(), v1::JOB_STATE_FAILED);
+  EXPECT_TRUE(members.ready_for_job()) << "the restarted node is idle, the survivor done";
 }
 
 TEST_F(SchedulerTest, ASpecTheClusterCannotRunIsRefusedNamingTheField) {

@@ -98,9 +98,11 @@ class PlacementService {
     std::vector<v1::PlacementMap> maps;
     std::vector<LoadWindow> windows;
     int num_groups = 0, top_k = 0, group_top_k = 0;  // the last job's routing, for the solver
+    int min_node_replicas = 1;                        // ... and its node redundancy
   };
   const Shape& find(const ShapeKey& shape) const;  // throws NOT_FOUND
   Shape& shape_for_job(const v1::JobSpec& spec, const ShapeKey& shape);  // creates it, notes the routing
+  bool spread_enough(const ShapeKey& key, const Shape& s) const;  // its maps honour its min_node_replicas
   placement::PlacementSpec solver_spec(const ShapeKey& key, const Shape& s, int redundant) const;
   v1::LayerPlacement describe_layer(const Shape& s, int layer) const;
 
