@@ -228,7 +228,7 @@ rpc::awaitable<void> Agent::watchdog() {
     co_await timer.async_wait(rpc::asio::redirect_error(rpc::use_awaitable, ec));
     if (stopped_) co_return;
     const auto now = Clock::now();
-    for (const int index : members_.expire(now)) {
+    for (const int index : members_.expire(now, dead_node_timeout())) {
       const NodeRecord& n = members_.nodes()[index];
       if (n.restored) {  // read back from the state dir, never heard from since
         log::warn(members_.describe_node(n), " did not re-register within ", opts_.heartbeat_timeout.count(),
@@ -243,6 +243,14 @@ rpc::awaitable<void> Agent::watchdog() {
     scheduler_.tick(now);
     rebalancer_.tick(now);
   }
+}
+
+// The silence that makes a node dead now: the running job's own timeout, if it
+// set one, else --heartbeat-timeout-ms.
+Clock::duration Agent::dead_node_timeout() const {
+  const RunningJob* job = scheduler_.running();
+  if (!job || job->reports.spec.dead_node_timeout_ms() <= 0) return opts_.heartbeat_timeout;
+  return std::chrono::milliseconds(job->reports.spec.dead_node_timeout_ms());
 }
 
 void Agent::write_scrape_targets() const {

@@ -86,6 +86,7 @@ struct Flags {
     opts.tls = tls.for_server("moe-agent");
     opts.heartbeat_timeout = std::chrono::milliseconds(hb_timeout_ms);
     opts.rebalance.timeout = std::chrono::milliseconds(rebalance_timeout_ms);
+    opts.scheduler.heartbeat_interval = opts.heartbeat_interval;
     opts.scheduler.restored_job_timeout =
         std::chrono::milliseconds(static_cast<int64_t>(agent_grace_s * 1000)) + opts.heartbeat_timeout;
     return opts;

@@ -54,11 +54,11 @@ bool Membership::heartbeat(const v1::HeartbeatRequest& r, Clock::time_point now)
   return known;
 }
 
-std::vector<int> Membership::expire(Clock::time_point now) {
+std::vector<int> Membership::expire(Clock::time_point now, Clock::duration timeout) {
   std::vector<int> dead;
   for (NodeRecord& n : nodes_) {
     const bool waited = n.state == v1::NODE_STATE_ALIVE || n.state == v1::NODE_STATE_UNHEARD;
-    if (!waited || now - n.last_heartbeat <= heartbeat_timeout_) continue;
+    if (!waited || now - n.last_heartbeat <= timeout) continue;
     n.state = v1::NODE_STATE_DEAD;
     n.dead_since_unix_ms = unix_ms();
     n.busy_job.clear();

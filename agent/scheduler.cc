@@ -86,6 +86,10 @@ std::map<v1::JobState, int> Scheduler::counts() const {
 const v1::JobResult& Scheduler::submit(v1::JobSpec spec) {
   spec = spec::with_defaults(std::move(spec));
   spec::validate(spec, members_.world_size());
+  if (spec.dead_node_timeout_ms() > 0 && spec.dead_node_timeout_ms() < 4 * opts_.heartbeat_interval.count())
+    throw moe::InvalidArgument("dead_node_timeout_ms: at least 4 heartbeat intervals (" +
+                               std::to_string(4 * opts_.heartbeat_interval.count()) + " ms), got " +
+                               std::to_string(spec.dead_node_timeout_ms()));
   if (spec.min_node_replicas() > std::max(1, members_.num_nodes()))
     throw moe::InvalidArgument("min_node_replicas: the job asks for every expert on " +
                                std::to_string(spec.min_node_replicas()) + " nodes; the cluster has " +

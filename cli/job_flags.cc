@@ -171,6 +171,10 @@ const std::vector<JobFieldDoc>& job_field_docs() {
        false},
       {"name", "a name for the job, shown by job status and job list: 1-63 of [A-Za-z0-9._-]", false},
       {"labels", "a label KEY=VALUE (repeatable), for job list --selector", false},
+      {"dead_node_timeout_ms",
+       "while the job runs, a node silent this long is dead (0: the agent's --heartbeat-timeout-ms; at least 4 "
+       "heartbeat intervals, 1000 by default)",
+       false},
       {"min_node_replicas",
        "every expert's copies on at least this many nodes (2: a node's death loses no expert); the shape gets the "
        "redundant slots it needs",

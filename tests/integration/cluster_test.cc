@@ -367,6 +367,42 @@ TEST(Cluster, NodeRedundancyKeepsEveryExpertOnTwoNodesAndTheLossCurve) {
       << out;
 }
 
+// docs/jobs.md#dead-nodes: a SIGSTOPped daemon (alive, silent) is dead once the
+// job's own --dead-node-timeout-ms passed (here 1 s, not the agent's 3 s), the
+// survivors abort their waits and the job fails naming it; continued, the node
+// finds the agent no longer knows it, registers again, and the next job runs on
+// it (its ranks' part in the old job ended with the failure).
+TEST(Cluster, ASilentNodeIsDeadAfterTheJobsTimeoutAndRejoinsWhenItWakes) {
+  Cluster c(2, 1);
+  ASSERT_TRUE(c.up());
+  auto [rc, out] = c.ctl({"job", "submit", "--experts", "4", "--top-k", "2", "--hidden", "32", "--ffn-hidden", "16",
+                          "--tokens-per-rank", "32", "--steps", "1000000", "--dead-node-timeout-ms", "1000"});
+  ASSERT_EQ(rc, 0) << out;
+  const std::string id = out.substr(0, out.find('\n'));
+  ASSERT_TRUE(poll_until([&] { return c.job(id).progress().step() >= 2; }, 30s)) << c.logs();
+  const pid_t node1 = std::stoi(read_text_file(c.dir() / "pids" / "node1.pid"));
+  ::kill(node1, SIGSTOP);
+  std::tie(rc, out) = c.ctl({"job", "wait", id}, 30s);
+  ::kill(node1, SIGCONT);
+  EXPECT_EQ(rc, 1) << out << c.logs();
+  EXPECT_NE(out.find("node node1 (ranks 1-1) stopped responding"), std::string::npos) << out;
+  // The silence the agent waited for: the job's timeout, not --heartbeat-timeout-ms (3000).
+  const std::string agent_log = read_text_file(c.dir() / "logs" / "agent.log");
+  const auto at = agent_log.find("missed heartbeats for ");
+  ASSERT_NE(at, std::string::npos) << agent_log;
+  EXPECT_LT(std::stoi(agent_log.substr(at + 22)), 3000) << agent_log.substr(at, 80);
+  std::tie(rc, out) = c.ctl({"job", "submit", "--wait", "--experts", "4", "--top-k", "2", "--hidden", "32",
+                             "--ffn-hidden", "16", "--tokens-per-rank", "32", "--steps", "2"},
+                            60s);
+  EXPECT_EQ(rc, 0) << out << c.logs();
+  // Below 4 heartbeat intervals is refused, naming the floor.
+  std::tie(rc, out) = c.ctl({"job", "submit", "--experts", "4", "--top-k", "2", "--hidden", "32", "--ffn-hidden",
+                             "16", "--tokens-per-rank", "32", "--steps", "2", "--dead-node-timeout-ms", "500"});
+  EXPECT_EQ(rc, 2) << out;
+  EXPECT_NE(out.find("dead_node_timeout_ms: at least 4 heartbeat intervals (1000 ms), got 500"), std::string::npos)
+      << out;
+}
+
 TEST(Cluster, ADaemonStoppedMidJobCancelsIt) {
   // SIGTERM: the daemon's ranks stop at a step boundary (so do everyone's); the job
   // is recorded CANCELLED with the reason, not SUCCEEDED with fewer steps.

@@ -38,7 +38,7 @@ struct AgentOptions {
   std::string name = "agent";  // the node label of the agent's scrape target
   std::string metrics_address;  // HOST:PORT of the agent's /metrics, "" when off
   std::string prometheus_sd_file;  // "" = none; else rewritten on every membership change
-  std::chrono::milliseconds heartbeat_interval{500};
+  std::chrono::milliseconds heartbeat_interval{250};
   std::chrono::milliseconds heartbeat_timeout{3000};
   std::chrono::milliseconds daemon_call_timeout{10000};
   // Steps of measured load per (shape, layer) (docs/placement.md#load-and-balancedness).
@@ -88,6 +88,7 @@ class Agent : private SchedulerActions, private RebalanceActions {
   rpc::awaitable<v1::Envelope> on_wait(const v1::WaitJobRequest& r, const rpc::RequestContext& ctx);
   v1::Envelope cluster_status() const;
   rpc::awaitable<void> watchdog();
+  Clock::duration dead_node_timeout() const;
   void schedule_soon();
   void write_scrape_targets() const;
 

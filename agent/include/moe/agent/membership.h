@@ -49,7 +49,9 @@ class Membership {
   bool heartbeat(const v1::HeartbeatRequest& r, Clock::time_point now);
   // Marks nodes whose last heartbeat (or restore) is older than the timeout dead
   // (a dead daemon runs nothing) and returns their indices.
-  std::vector<int> expire(Clock::time_point now);
+  std::vector<int> expire(Clock::time_point now) { return expire(now, heartbeat_timeout_); }
+  // ... with another timeout: a running job's own (JobSpec.dead_node_timeout_ms).
+  std::vector<int> expire(Clock::time_point now, Clock::duration timeout);
 
   // Every node is busy with job_id until each of its ranks reports done.
   void mark_busy(const std::string& job_id);

@@ -44,6 +44,8 @@ struct SchedulerOptions {
   // when none of its ranks reports within this long: the daemons' --agent-grace
   // plus the heartbeat timeout.
   std::chrono::milliseconds restored_job_timeout{33000};
+  // The daemons' heartbeat interval: a job's dead_node_timeout_ms is at least 4 of them.
+  std::chrono::milliseconds heartbeat_interval{250};
 };
 
 // What the scheduler needs done outside itself.
