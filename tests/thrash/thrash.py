@@ -7,6 +7,8 @@ usage: thrash.py --bin-dir BUILD [--iterations N] [--seed S] [--work DIR] [--jso
 Faults, one per iteration, chosen at random (seeded):
   none             the control: the job must succeed
   kill_daemon      SIGKILL of a daemon mid-job, restarted with its command line
+  restart_daemon   SIGKILL of a daemon mid-job, restarted at once (within the heartbeat timeout): the job
+                   must end within 20 s
   stop_daemon      SIGSTOP of a daemon mid-job for 1-4 s, then SIGCONT
   kill_agent       SIGKILL of the agent mid-job, restarted from agent.argv (within its grace)
   bad_frames       garbage, a truncated frame and an oversized length into every port
@@ -45,8 +47,9 @@ import time
 JOB_DEADLINE = 120  # seconds from submit to an end state
 RECOVER_DEADLINE = 30
 ENDED = ("SUCCEEDED", "FAILED", "CANCELLED")
-FAULTS = ["none", "kill_daemon", "stop_daemon", "kill_agent", "bad_frames", "rebalance", "checkpoint_gone",
-          "checkpoint_full", "slow_link"]
+FAULTS = ["none", "kill_daemon", "restart_daemon", "stop_daemon", "kill_agent", "bad_frames", "rebalance",
+          "checkpoint_gone", "checkpoint_full", "slow_link"]
+RESTART_DEADLINE = 20  # seconds from a daemon's SIGKILL-and-restart to its job's end (it hung 44-46 s before)
 MUST_SUCCEED = {"none", "bad_frames", "rebalance", "slow_link"}
 SHAPE_HANDLE = "7e57:"  # the harness's netem qdisc on lo, and only that one is ever removed
 
@@ -185,9 +188,21 @@ class Harness:
             time.sleep(0.01)  # waiting for the kernel to reap it
         ctx["restart"] = lambda: self.spawn(name, argv)
         # Until the restarted daemon registered (a new control address), the agent may
-        # still count the dead one as alive: a daemon killed and restarted within the
-        # heartbeat timeout hides its death (the elastic-jobs work detects it).
+        # still count the dead one as alive (restart_daemon restarts it at once).
         ctx["reregistered"] = lambda: self.control_address(name) not in ("", old)
+
+    def fault_restart_daemon(self, job, ctx):
+        """SIGKILL a daemon and start it again at once, within the heartbeat timeout: its new
+        registration must end the job promptly (docs/jobs.md#a-node-restarts)."""
+        name = self.rng.choice(["node0", "node1"])
+        pid = self.pid_of(name)
+        argv = self.cmdline(pid)
+        os.kill(pid, signal.SIGKILL)
+        while self.alive(pid):
+            time.sleep(0.01)  # waiting for the kernel to reap it
+        self.spawn(name, argv)
+        ctx["end_by"] = time.time() + RESTART_DEADLINE
+        ctx["node"] = name
 
     def fault_stop_daemon(self, job, ctx):
         pid = self.pid_of(self.rng.choice(["node0", "node1"]))
@@ -311,6 +326,8 @@ class Harness:
         if fault != "none" and self.wait_steps(job, self.rng.randrange(1, 20), start + JOB_DEADLINE):
             getattr(self, "fault_" + fault, lambda j, c: None)(job, ctx)
         state, r = self.wait_end(job, start + JOB_DEADLINE)
+        if "end_by" in ctx and state is not None and not state.endswith("SUCCEEDED") and time.time() > ctx["end_by"]:
+            self.violate(it, "job %s ended more than %d s after %s restarted" % (job, RESTART_DEADLINE, ctx["node"]))
         if "restart" in ctx:
             ctx["restart"]()
         if state is None:
