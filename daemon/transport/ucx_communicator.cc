@@ -342,6 +342,10 @@ struct UcxCommunicator::Impl {
         return true;
       });
     }
+    // Closes still in progress (a peer that woke from SIGSTOP into aborted
+    // endpoints): released to UCX, which finishes them itself. An unreleased
+    // request makes ucp_worker_destroy assert.
+    for (void* req : closing) ucp_request_free(req);
   }
 
   ~Impl() {

@@ -75,6 +75,12 @@ grep -q "rebalance committed.*live in $id" <<<"$out" || fail "the rebalance did 
 log "$(head -1 <<<"$out")"
 # Every sample of the last 3 s at epoch 2 on every layer: 3 scrapes of the new map.
 check wait "$URL" 'min(min_over_time(moe_placement_epoch[3s]))' 2 20 || fail "epoch 2 not scraped"
+# The live /metrics while the job runs: the moe_job_* gauges exist only then.
+ctl --output json cluster status >"$TMP/status.json"
+read -r agent_metrics node_metrics < <("$py" -c 'import json, sys; s = json.load(open(sys.argv[1]))
+print(s["agent_metrics_address"], s["nodes"][0]["metrics_address"])' "$TMP/status.json")
+curl -sf "http://$agent_metrics/metrics" >"$TMP/agent.metrics"
+curl -sf "http://$node_metrics/metrics" >"$TMP/moed.metrics"
 ctl job cancel "$id" >/dev/null
 ctl --output json job wait "$id" >"$TMP/result.json" || true
 state=$("$py" -c 'import json, sys; print(json.load(open(sys.argv[1])).get("state"))' "$TMP/result.json") ||
@@ -84,11 +90,6 @@ end=$(date +%s.%N)
 log "$id cancelled after $(awk -v a="$start" -v b="$end" 'BEGIN { printf "%.1f", b - a }') s"
 
 # Every metric and label name the dashboard and the rules use, against live /metrics.
-ctl --output json cluster status >"$TMP/status.json"
-read -r agent_metrics node_metrics < <("$py" -c 'import json, sys; s = json.load(open(sys.argv[1]))
-print(s["agent_metrics_address"], s["nodes"][0]["metrics_address"])' "$TMP/status.json")
-curl -sf "http://$agent_metrics/metrics" >"$TMP/agent.metrics"
-curl -sf "http://$node_metrics/metrics" >"$TMP/moed.metrics"
 "$py" "$MOE_SRC/tests/deploy/dashboard_lint.py" "$MOE_SRC/deploy/grafana/moed.json" \
   "$MOE_SRC/deploy/prometheus/rules.yml" \
   --exposition "$TMP/agent.metrics" --exposition "$TMP/moed.metrics"
