@@ -14,12 +14,6 @@ std::string state_key(v1::JobState s) {
   return k;
 }
 
-double median(std::vector<double> v) {
-  if (v.empty()) return 0;
-  std::sort(v.begin(), v.end());
-  return v[v.size() / 2];
-}
-
 void fill_spec(const v1::JobResult& rec, v1::LiveJob& j) {
   j.set_job_id(rec.job_id());
   j.set_state(rec.state());
@@ -34,16 +28,15 @@ void fill_spec(const v1::JobResult& rec, v1::LiveJob& j) {
     j.set_eta_seconds(rec.progress().eta_seconds());
 }
 
-// The running job: its step time over the last complete steps.
+// The running job: its pace over the last complete steps (the scheduler's JobProgress).
 v1::LiveJob running_job(const Scheduler& s, const RunningJob& run) {
   v1::LiveJob j;
-  fill_spec(s.record(run.id), j);
-  const std::vector<double> recent(run.recent_step_seconds.begin(), run.recent_step_seconds.end());
-  const double step = median(recent);
-  j.set_recent_steps(static_cast<int32_t>(recent.size()));
-  j.set_step_seconds(step);
-  const double tokens = static_cast<double>(run.reports.spec.tokens_per_rank()) * run.reports.world;
-  j.set_tokens_per_second(step > 0 ? tokens / step : 0.0);
+  const v1::JobResult& rec = s.record(run.id);
+  fill_spec(rec, j);
+  if (run.recent_step_seconds.empty()) return j;  // none yet, or none since the agent restarted
+  j.set_recent_steps(rec.progress().recent_steps());
+  j.set_step_seconds(rec.progress().step_seconds());
+  j.set_tokens_per_second(rec.progress().tokens_per_second());
   return j;
 }
 

@@ -70,14 +70,8 @@ placement::PlacementSpec PlacementService::solver_spec(const ShapeKey& key, cons
 bool PlacementService::spread_enough(const ShapeKey& key, const Shape& s) const {
   const int m = std::min(s.min_node_replicas, key.nodes);
   if (m <= 1) return true;
-  for (const v1::PlacementMap& pm : s.maps) {
-    const ExpertMap map = spec::from_proto(pm);
-    const size_t per_node = map.phy2log.size() / key.nodes;
-    std::vector<std::vector<char>> on(map.num_experts, std::vector<char>(key.nodes, 0));
-    for (size_t p = 0; p < map.phy2log.size(); ++p) on[map.phy2log[p]][p / per_node] = 1;
-    for (const auto& nodes : on)
-      if (std::count(nodes.begin(), nodes.end(), 1) < m) return false;
-  }
+  for (const v1::PlacementMap& pm : s.maps)
+    if (placement::min_nodes_spanned(spec::from_proto(pm), key.nodes) < m) return false;
   return true;
 }
 

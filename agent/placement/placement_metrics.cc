@@ -114,4 +114,13 @@ std::vector<int> experts_lost_per_node(const ExpertMap& map, int num_nodes) {
   return lost;
 }
 
+int min_nodes_spanned(const ExpertMap& map, int num_nodes) {
+  const size_t per_node = map.phy2log.size() / num_nodes;
+  std::vector<std::vector<char>> on(map.num_experts, std::vector<char>(num_nodes, 0));
+  for (size_t p = 0; p < map.phy2log.size(); ++p) on[map.phy2log[p]][p / per_node] = 1;
+  int fewest = num_nodes;
+  for (const auto& nodes : on) fewest = std::min(fewest, static_cast<int>(std::count(nodes.begin(), nodes.end(), 1)));
+  return fewest;
+}
+
 }  // namespace moe::placement

@@ -31,6 +31,8 @@ double expected_fanout(const ExpertMap& map, int num_nodes, const Trace& trace);
 // when the node dies (docs/placement.md#node-redundancy). Slot p lives on node
 // p / (slots / num_nodes).
 std::vector<int> experts_lost_per_node(const ExpertMap& map, int num_nodes);
+// The fewest distinct nodes any expert's copies span (the map's node redundancy).
+int min_nodes_spanned(const ExpertMap& map, int num_nodes);
 
 // Expert copies a daemon must fetch to go from `before` to `after`: over all
 // ranks, the copies of an expert that `after` puts on the rank beyond those
