@@ -75,6 +75,10 @@ rpc::awaitable<v1::Envelope> Agent::handle(const v1::Envelope& req, const rpc::R
       co_return report_ack(req.step_report().job_id());
     case E::kRankDone:
       co_return on_rank_done(req.rank_done());
+    case E::kRankHalted:
+      scheduler_.on_rank_halted(req.rank_halted(), Clock::now());
+      persist_soon();
+      co_return report_ack(req.rank_halted().job_id());
     case E::kSubmitJob:
       *reply.mutable_job() = scheduler_.submit(req.submit_job().spec());
       persist();
@@ -150,12 +154,21 @@ rpc::awaitable<v1::Envelope> Agent::on_bootstrap(const v1::BootstrapPublish& p, 
   };
   if (ended() || relay_.job_id() != id)
     throw RpcError(v1::ERROR_CODE_FAILED_PRECONDITION, "job " + id + " is not running");
+  if (p.world_epoch() != relay_.epoch())
+    throw RpcError(v1::ERROR_CODE_FAILED_PRECONDITION, "job " + id + " runs world " + std::to_string(relay_.epoch()) +
+                                                           ", not world " + std::to_string(p.world_epoch()));
   if (p.rank() < 0 || p.rank() >= static_cast<int>(relay_.blobs().size()))
     throw InvalidArgument("rank: " + std::to_string(p.rank()) + " out of range");
   relay_.publish(p.rank(), p.blob());
   scheduler_.on_activity(id, Clock::now());
   bootstrap_event_.notify_all();
-  while (!ended() && !relay_.complete() && Clock::now() < ctx.deadline) co_await bootstrap_event_.wait(ctx.deadline);
+  const int64_t epoch = p.world_epoch();
+  auto superseded = [&] { return relay_.epoch() != epoch; };
+  while (!ended() && !superseded() && !relay_.complete() && Clock::now() < ctx.deadline)
+    co_await bootstrap_event_.wait(ctx.deadline);
+  if (!ended() && superseded())
+    throw RpcError(v1::ERROR_CODE_FAILED_PRECONDITION,
+                   "job " + id + ": world " + std::to_string(epoch) + " was replaced during its transport bootstrap");
   if (ended()) {
     const RunningJob* job = scheduler_.running();
     throw RpcError(v1::ERROR_CODE_FAILED_PRECONDITION,
@@ -189,7 +202,7 @@ v1::Envelope Agent::on_import(const v1::PlacementImport& imp) {
 
 v1::Envelope Agent::on_rank_done(const v1::RankDone& d) {
   // The node may still be busy with a job the agent already ended.
-  if (members_.rank_done(d.job_id(), d.rank())) schedule_soon();
+  if (members_.rank_done(d.job_id(), scheduler_.home_rank(d.rank(), d.world_epoch()))) schedule_soon();
   scheduler_.on_rank_done(d, Clock::now());
   persist_soon();
   return report_ack(d.job_id());
@@ -238,7 +251,7 @@ rpc::awaitable<void> Agent::watchdog() {
       }
       log::warn(members_.describe_node(n), " missed heartbeats for ",
                 std::chrono::duration_cast<std::chrono::milliseconds>(now - n.last_heartbeat).count(), " ms: dead");
-      scheduler_.on_node_dead(members_.describe_node(n) + " stopped responding", now);
+      scheduler_.on_node_dead(members_.describe_node(n) + " stopped responding", now, index);
     }
     scheduler_.tick(now);
     rebalancer_.tick(now);
@@ -404,6 +417,52 @@ void Agent::cancel_job(const std::string& job_id, const std::string& reason, boo
         daemon.call(req, opts_.daemon_call_timeout);
       } catch (const std::exception& e) {
         log::warn("cancel on ", daemon.address(), ": ", e.what());
+      }
+    });
+  }
+}
+
+// Elastic jobs: HaltWorld to each node of the world, with a short deadline (a
+// node that cannot be told is lost: the world change goes on without it).
+void Agent::halt_world(const std::string& job_id, int64_t epoch, const std::string& reason,
+                       const std::vector<int>& nodes) {
+  rebalancer_.on_world_halted(job_id, reason, Clock::now());
+  v1::Envelope req;
+  req.mutable_halt_world()->set_job_id(job_id);
+  req.mutable_halt_world()->set_world_epoch(epoch);
+  req.mutable_halt_world()->set_reason(reason);
+  for (const int index : nodes) {
+    const NodeRecord& n = members_.nodes()[index];
+    outbound_->post(n.control_address, [this, req, job_id, epoch, index](rpc::RpcClient& daemon) {
+      try {
+        daemon.call(req, opts_.halt_call_timeout);
+      } catch (const std::exception& e) {
+        const std::string error = e.what();
+        rpc::asio::post(io_, [this, job_id, epoch, index, error] {
+          scheduler_.on_halt_failed(job_id, epoch, index, error, Clock::now());
+        });
+      }
+    });
+  }
+}
+
+void Agent::new_world(const v1::NewWorld& world, const std::vector<int>& nodes) {
+  relay_.begin(world.job_id(), world.world_size(), world.world_epoch());
+  bootstrap_event_.notify_all();  // publishes for the old world end
+  job_event_.notify_all();
+  persist();
+  v1::Envelope req;
+  *req.mutable_new_world() = world;
+  for (const int index : nodes) {
+    const NodeRecord& n = members_.nodes()[index];
+    const std::string id = world.job_id(), name = n.name;
+    outbound_->post(n.control_address, [this, req, id, name](rpc::RpcClient& daemon) {
+      try {
+        daemon.call(req, opts_.daemon_call_timeout);
+      } catch (const std::exception& e) {
+        const std::string error = std::string("moving to world ") + std::to_string(req.new_world().world_epoch()) +
+                                  ": " + e.what();
+        rpc::asio::post(io_, [this, id, name, error] { scheduler_.on_start_failed(id, name, error, Clock::now()); });
       }
     });
   }

@@ -2,8 +2,9 @@
 
 namespace moe::agent {
 
-void BootstrapRelay::begin(const std::string& job_id, int world) {
+void BootstrapRelay::begin(const std::string& job_id, int world, int64_t epoch) {
   job_id_ = job_id;
+  epoch_ = epoch;
   blobs_.assign(world, "");
   published_.assign(world, false);
   published_count_ = 0;

@@ -11,14 +11,29 @@ double median(std::vector<double> v) {
   return v[v.size() / 2];
 }
 
-// Steps every rank reported, in step order.
+// The step of a complete step's reports (a whole step may miss some).
+int step_of(const std::vector<v1::StepStats>& by_rank) {
+  for (const v1::StepStats& s : by_rank)
+    if (s.step_seconds() > 0) return s.step();
+  return 0;
+}
+
+// The most ranks any step had (an elastic job's worlds differ).
+int max_world(const JobReports& r) {
+  size_t w = static_cast<size_t>(r.world);
+  for (const auto& [step, by_rank] : r.steps) w = std::max(w, by_rank.size());
+  return static_cast<int>(w);
+}
+
+// Steps every rank reported (or declared whole), in step order.
 std::vector<const std::vector<v1::StepStats>*> complete_steps(const JobReports& r) {
   std::vector<const std::vector<v1::StepStats>*> out;
   for (const auto& [step, by_rank] : r.steps) {
-    if (static_cast<int>(by_rank.size()) < r.world) continue;
-    const bool complete = std::all_of(by_rank.begin(), by_rank.end(), [&](const v1::StepStats& s) {
-      return s.step() == step && s.step_seconds() > 0;
-    });
+    auto reported = [&](const v1::StepStats& s) { return s.step() == step && s.step_seconds() > 0; };
+    const bool complete = r.whole.count(step)
+                              ? std::any_of(by_rank.begin(), by_rank.end(), reported)
+                              : static_cast<int>(by_rank.size()) >= r.world &&
+                                    std::all_of(by_rank.begin(), by_rank.end(), reported);
     if (complete) out.push_back(&by_rank);
   }
   return out;
@@ -45,7 +60,7 @@ void fill_times(const std::vector<const std::vector<v1::StepStats>*>& steps, int
   }
   const double p50 = median(step_time);
   // Counted from step 0: a resumed job's first step is its checkpoint's.
-  rec.set_steps_completed(steps.empty() ? 0.0 : static_cast<double>((*steps.back())[0].step() + 1));
+  rec.set_steps_completed(steps.empty() ? 0.0 : static_cast<double>(step_of(*steps.back()) + 1));
   rec.set_step_seconds_p50(p50);
   rec.set_tokens_per_second(p50 > 0 ? static_cast<double>(tokens_per_step) / p50 : 0.0);
   v1::PhaseSeconds* ph = rec.mutable_phase_seconds();
@@ -58,15 +73,18 @@ void fill_times(const std::vector<const std::vector<v1::StepStats>*>& steps, int
 // per layer, pairs per layer and rank.
 void fill_sums(const std::vector<const std::vector<v1::StepStats>*>& steps, const JobReports& r,
                v1::JobResult& rec) {
-  const int L = r.spec.layers(), E = r.spec.experts(), W = r.world;
+  const int L = r.spec.layers(), E = r.spec.experts(), W = max_world(r);
   std::vector<std::vector<double>> expert_tokens(L, std::vector<double>(E, 0.0));
   std::vector<std::vector<double>> layer_rank(L, std::vector<double>(W, 0.0));
   std::vector<double> received(W, 0.0);
   double dbytes = 0, nbytes = 0, cbytes = 0;
   for (const auto* by_rank : steps) {
     double loss = 0, aux = 0, z = 0;
-    for (int rank = 0; rank < W; ++rank) {
+    const v1::StepStats* whole = nullptr;  // a report with the step's losses over every rank
+    for (int rank = 0; rank < static_cast<int>(by_rank->size()); ++rank) {
       const v1::StepStats& s = (*by_rank)[rank];
+      if (s.step_seconds() <= 0) continue;  // missing from a whole step
+      if (s.has_job_loss()) whole = &s;
       aux += s.aux_loss();
       z += s.z_loss();
       dbytes += s.dispatch_bytes();
@@ -80,6 +98,7 @@ void fill_sums(const std::vector<const std::vector<v1::StepStats>*>& steps, cons
           expert_tokens[l][e] += s.expert_tokens(l).tokens(e);
     }
     if (r.spec.mode() != v1::JobSpec::train) continue;
+    if (whole) loss = whole->job_loss(), aux = whole->job_aux_loss(), z = whole->job_z_loss();
     rec.add_loss(loss);
     rec.add_aux_loss(aux);
     rec.add_z_loss(z);
@@ -113,7 +132,7 @@ int64_t step_epoch(const std::vector<v1::StepStats>& by_rank) {
 // and the medians of its step and slowest-rank expert times.
 void fill_epochs(const std::vector<const std::vector<v1::StepStats>*>& steps, const JobReports& r,
                  v1::JobResult& rec) {
-  const int L = r.spec.layers(), W = r.world;
+  const int L = r.spec.layers(), W = max_world(r);
   size_t i = 0;
   while (i < steps.size()) {
     const int64_t epoch = step_epoch(*steps[i]);
@@ -121,10 +140,10 @@ void fill_epochs(const std::vector<const std::vector<v1::StepStats>*>& steps, co
     std::vector<double> step_time, expert;
     v1::EpochRun* run = rec.add_epochs();
     run->set_epoch(epoch);
-    run->set_first_step((*steps[i])[0].step());
+    run->set_first_step(step_of(*steps[i]));
     for (; i < steps.size() && step_epoch(*steps[i]) == epoch; ++i) {
       double t = 0, pe = 0;
-      for (int rank = 0; rank < W; ++rank) {
+      for (int rank = 0; rank < static_cast<int>(steps[i]->size()); ++rank) {
         const v1::StepStats& s = (*steps[i])[rank];
         t = std::max(t, s.step_seconds());
         pe = std::max(pe, s.phase_seconds().expert());

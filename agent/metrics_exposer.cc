@@ -38,6 +38,15 @@ struct MetricsExposer::Impl {
                              .Help("PREPARE to COMMIT or ABORT of a live rebalance")
                              .Register(*registry)
                              .Add({}, Histogram::BucketBoundaries{0.01, 0.03, 0.1, 0.3, 1, 3, 10, 30, 100});
+    world_changes = &BuildCounter().Name("moe_world_changes_total")
+                         .Help("Elastic jobs' changes of world (a node lost, docs/jobs.md#elastic-jobs) by cause")
+                         .Register(*registry);
+    for (const char* kind : {"peer_failed", "node_dead", "node_restarted"}) world_changes->Add({{"cause", kind}});
+    recovery_seconds = &BuildHistogram()
+                            .Name("moe_world_change_recovery_seconds")
+                            .Help("An elastic job's halt to the new world's first complete step")
+                            .Register(*registry)
+                            .Add({}, Histogram::BucketBoundaries{0.1, 0.25, 0.5, 1, 2, 5, 10, 30, 60});
     shape_info = &BuildGauge().Name("moe_placement_shape_info")
                       .Help("The shape (EXPERTSxLAYERS@NODESxDEVICES) the placement series are of: the last job's")
                       .Register(*registry);
@@ -132,6 +141,12 @@ struct MetricsExposer::Impl {
     }
     const auto& d = agent.rebalancer().durations();
     for (; observed < d.size(); ++observed) rebalance_seconds->Observe(d[observed]);
+    for (const auto& [kind, n] : agent.scheduler().world_changes()) {
+      prometheus::Counter& c = world_changes->Add({{"cause", kind}});
+      c.Increment(static_cast<double>(n) - c.Value());
+    }
+    const auto& r = agent.scheduler().recovery_seconds();
+    for (; recoveries < r.size(); ++recoveries) recovery_seconds->Observe(r[recoveries]);
   }
 
   const Agent& agent;
@@ -139,6 +154,9 @@ struct MetricsExposer::Impl {
   prometheus::Family<prometheus::Counter>* rebalances;
   prometheus::Histogram* rebalance_seconds;
   size_t observed = 0;
+  prometheus::Family<prometheus::Counter>* world_changes;
+  prometheus::Histogram* recovery_seconds;
+  size_t recoveries = 0;
   std::shared_ptr<prometheus::Registry> registry;
   http::MetricsEndpoint endpoint;
   prometheus::Family<prometheus::Gauge>* epoch;

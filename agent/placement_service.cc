@@ -130,6 +130,27 @@ std::vector<v1::PlacementMap> PlacementService::maps_for_job(const v1::JobSpec& 
   return s.maps;
 }
 
+std::vector<v1::PlacementMap> PlacementService::maps_for_world(const v1::JobSpec& spec, const ShapeKey& old,
+                                                               const ShapeKey& next) {
+  std::vector<std::vector<double>> loads(next.layers, std::vector<double>(next.experts, 1.0));
+  if (const auto it = shapes_.find(old); it != shapes_.end())
+    for (int l = 0; l < next.layers && l < static_cast<int>(it->second.windows.size()); ++l) {
+      const std::vector<double> w = it->second.windows[l].expert_loads();
+      if (static_cast<int>(w.size()) == next.experts && std::any_of(w.begin(), w.end(), [](double v) { return v > 0; }))
+        loads[l] = w;
+    }
+  Shape& s = shape_for_job(spec, next);
+  const int m = std::min(std::max(1, s.min_node_replicas), next.nodes);
+  int redundant = next.experts * (m - 1);
+  while ((next.experts + redundant) % next.ranks() != 0) ++redundant;
+  ++epoch_;
+  s.maps.clear();
+  for (int l = 0; l < next.layers; ++l)
+    s.maps.push_back(layer_proto(placement::solve_layer(solver_spec(next, s, redundant), loads[l]), l, epoch_));
+  s.windows.assign(next.layers, LoadWindow(window_steps_));
+  return s.maps;
+}
+
 void PlacementService::record_step(const ShapeKey& key, const std::vector<std::vector<double>>& expert,
                                    const std::vector<std::vector<double>>& rank, const std::vector<int64_t>& epochs) {
   const auto it = shapes_.find(key);

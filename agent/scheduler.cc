@@ -94,6 +94,16 @@ const v1::JobResult& Scheduler::submit(v1::JobSpec spec) {
     throw moe::InvalidArgument("min_node_replicas: the job asks for every expert on " +
                                std::to_string(spec.min_node_replicas()) + " nodes; the cluster has " +
                                std::to_string(members_.num_nodes()));
+  if (spec.elastic() && spec.elastic_batch() == v1::JobSpec::global) {  // every world it may shrink to divides the batch
+    const int D = members_.devices_per_node();
+    const int64_t global = static_cast<int64_t>(spec.tokens_per_rank()) * members_.world_size();
+    for (int n = members_.num_nodes() - 1; n >= 1; --n)
+      if (global % (static_cast<int64_t>(n) * D) != 0)
+        throw moe::InvalidArgument("elastic_batch: global keeps the " + std::to_string(global) +
+                                   " tokens of a step, which do not divide over the " + std::to_string(n * D) +
+                                   " ranks of " + std::to_string(n) +
+                                   " surviving node(s); give another --tokens-per-rank, or --elastic-batch per_rank");
+  }
   if (!spec.resume().empty()) {  // refused now, not as a failed job later: the checkpoint exists and fits
     try {
       std::string folder;
@@ -143,11 +153,8 @@ void Scheduler::try_start(Clock::time_point now) {
   }
 }
 
-namespace {
-
-// A job's data-plane key: 32 bytes from the kernel's CSPRNG (std::random_device
-// reads getrandom on Linux).
-std::string random_key() {
+// std::random_device reads getrandom on Linux.
+std::string new_data_plane_key() {
   std::random_device dev;
   std::string key(32, '\0');
   for (size_t i = 0; i < key.size(); i += 4) {
@@ -156,8 +163,6 @@ std::string random_key() {
   }
   return key;
 }
-
-}  // namespace
 
 // QUEUED -> RUNNING, or -> FAILED when the cluster cannot run the spec.
 bool Scheduler::start(v1::JobResult& rec, Clock::time_point now) {
@@ -182,6 +187,7 @@ bool Scheduler::start(v1::JobResult& rec, Clock::time_point now) {
   running_->reports.verify.assign(world, {});
   running_->done.assign(world, false);
   running_->last_report = now;
+  for (int n = 0; n < members_.num_nodes(); ++n) running_->nodes.push_back(n);
   rec.set_state(v1::JOB_STATE_RUNNING);
   rec.set_started_unix_ms(unix_ms());
   rec.mutable_progress()->set_steps(rec.spec().steps());
@@ -194,7 +200,7 @@ bool Scheduler::start(v1::JobResult& rec, Clock::time_point now) {
   *msg.mutable_spec() = rec.spec();
   msg.set_world_size(world);
   msg.set_devices_per_node(members_.devices_per_node());
-  msg.set_data_plane_key(random_key());
+  msg.set_data_plane_key(new_data_plane_key());
   actions_.start_job(msg);
   return true;
 }
@@ -230,7 +236,12 @@ void Scheduler::fail_unstarted(v1::JobResult& rec, const std::string& message) {
 }
 
 void Scheduler::on_step(const v1::StepReport& r, Clock::time_point now) {
-  if (!running_ || running_->id != r.job_id() || r.rank() < 0 || r.rank() >= running_->reports.world) return;
+  if (!running_ || running_->id != r.job_id()) return;
+  if (r.stats().world_epoch() != running_->world_epoch) {
+    if (on_past_world_step(r)) heard_from(-1, now);
+    return;
+  }
+  if (r.rank() < 0 || r.rank() >= running_->reports.world) return;
   auto& by_rank = running_->reports.steps[r.stats().step()];
   by_rank.resize(running_->reports.world);
   by_rank[r.rank()] = r.stats();  // a re-sent report replaces its first copy
@@ -250,6 +261,7 @@ void Scheduler::on_step(const v1::StepReport& r, Clock::time_point now) {
   if (running_->recent_step_seconds.size() > RunningJob::kRecentSteps) running_->recent_step_seconds.pop_front();
   record_load(by_rank);
   update_progress(rec, by_rank, now);
+  if (running_->recovering_since) note_recovered(now);
   actions_.step_completed(r.job_id(), r.stats().step());
 }
 
@@ -268,6 +280,7 @@ void Scheduler::update_progress(v1::JobResult& rec, const std::vector<v1::StepSt
     loss += s.loss();
     for (int64_t e : s.layer_epoch()) epoch = std::max(epoch, e);
   }
+  if (by_rank[0].has_job_loss()) loss = by_rank[0].job_loss();  // the ranks' own sum, in rank order
   if (spec.mode() == v1::JobSpec::train) p.set_loss(loss);
   p.set_epoch(epoch);
   const double step_seconds = median_of(job.recent_step_seconds);
@@ -319,11 +332,12 @@ void Scheduler::note_cancelled_rank(const v1::RankDone& d, Clock::time_point now
   if (!job.cancelled) job.failed_at = now;
   job.cancelled = true;
   job.reason_known = d.cancel_requested_here();
-  job.message = members_.describe_rank(d.rank()) + ": " + d.message();
+  job.message = describe_rank(d.rank()) + ": " + d.message();
 }
 
 void Scheduler::on_rank_done(const v1::RankDone& d, Clock::time_point now) {
   if (!running_ || running_->id != d.job_id() || d.rank() < 0 || d.rank() >= running_->reports.world) return;
+  if (d.world_epoch() != running_->world_epoch) return;  // a rank fenced out of an elastic job's world
   RunningJob& job = *running_;
   if (!job.done[d.rank()]) {
     job.done[d.rank()] = true;
@@ -335,20 +349,20 @@ void Scheduler::on_rank_done(const v1::RankDone& d, Clock::time_point now) {
     // Its daemon stopped the job: the agent was away longer than its grace. The
     // peers it stopped may have reported first, as "cancelled by another rank".
     job.cancelled = false;
-    log::warn("job ", job.id, ": ", members_.describe_rank(d.rank()), " stopped without the agent: ", d.message());
-    return fail_running((job.restored ? "agent restarted: " : "") + members_.describe_rank(d.rank()) + ": " + d.message(),
+    log::warn("job ", job.id, ": ", describe_rank(d.rank()), " stopped without the agent: ", d.message());
+    return fail_running((job.restored ? "agent restarted: " : "") + describe_rank(d.rank()) + ": " + d.message(),
                         now);
   }
   if (!d.ok() && d.cancelled()) note_cancelled_rank(d, now);
   if (!d.ok() && !d.cancelled() && !job.ending()) {
-    log::warn("job ", job.id, ": ", members_.describe_rank(d.rank()), " failed: ", d.message());
+    log::warn("job ", job.id, ": ", describe_rank(d.rank()), " failed: ", d.message());
     // Name the rank (and node) the error blames when the reporter knows it.
     if (d.has_failed_peer() && d.failed_peer() >= 0 && d.failed_peer() != d.rank())
-      fail_running(members_.describe_rank(d.failed_peer()) + " failed (reported by " +
-                       members_.describe_rank(d.rank()) + "): " + d.message(),
+      fail_running(describe_rank(d.failed_peer()) + " failed (reported by " +
+                       describe_rank(d.rank()) + "): " + d.message(),
                    now);
     else
-      fail_running(members_.describe_rank(d.rank()) + ": " + d.message(), now);
+      fail_running(describe_rank(d.rank()) + ": " + d.message(), now);
     return;
   }
   if (job.done_count < job.reports.world) return;
@@ -363,14 +377,29 @@ void Scheduler::on_start_failed(const std::string& job_id, const std::string& no
     fail_running("cannot start on node " + node + ": " + error, now);
 }
 
-void Scheduler::on_node_dead(const std::string& why, Clock::time_point now) {
+void Scheduler::on_node_dead(const std::string& why, Clock::time_point now, int node) {
   if (!running_) return;
+  if (node >= 0 && elastic_running()) return node_lost(node, "node_dead", why, now);
   if (!running_->ending()) fail_running(after_restart(why), now);
   else finish(v1::JOB_STATE_FAILED, running_->message + "; " + why);  // it will never report
 }
 
 void Scheduler::tick(Clock::time_point now) {
   if (!running_) return;
+  if (running_->halt && !running_->ending() && now - running_->halt->started > opts_.halt_timeout) {
+    std::string missing;
+    for (size_t pos = 0; pos < running_->nodes.size(); ++pos) {
+      if (running_->halt->lost.count(running_->nodes[pos])) continue;
+      for (int d = 0; d < members_.devices_per_node(); ++d) {
+        const int r = static_cast<int>(pos) * members_.devices_per_node() + d;
+        if (!running_->halt->halted.count(r)) missing += (missing.empty() ? "" : ", ") + describe_rank(r);
+      }
+    }
+    return fail_running("elastic: " + missing + " did not halt within " +
+                            std::to_string(std::chrono::duration_cast<std::chrono::seconds>(opts_.halt_timeout).count()) +
+                            " s of the world change after: " + running_->halt->cause,
+                        now);
+  }
   if (running_->ending() && now - running_->failed_at > opts_.failed_job_grace)
     finish(running_->failed ? v1::JOB_STATE_FAILED : v1::JOB_STATE_CANCELLED,
            running_->message + " (not every rank reported back)");
@@ -381,7 +410,7 @@ void Scheduler::tick(Clock::time_point now) {
                  now);
   else if (!running_->ending() && running_->awaiting_ranks() && now - running_->restored_at > opts_.restored_job_timeout) {
     const int rank = static_cast<int>(std::find(running_->heard.begin(), running_->heard.end(), false) - running_->heard.begin());
-    fail_running("agent restarted: " + members_.describe_rank(rank) + " did not report within " +
+    fail_running("agent restarted: " + describe_rank(rank) + " did not report within " +
                      std::to_string(std::chrono::duration_cast<std::chrono::seconds>(opts_.restored_job_timeout).count()) +
                      " s",
                  now);

@@ -21,7 +21,7 @@ std::string Scheduler::after_restart(const std::string& why) const {
 
 void Scheduler::heard_from(int rank, Clock::time_point now) {
   running_->last_report = now;
-  if (running_->restored) running_->heard[rank] = true;
+  if (running_->restored && rank >= 0 && rank < static_cast<int>(running_->heard.size())) running_->heard[rank] = true;
 }
 
 // A node of the running job registered again without it: the daemon restarted
@@ -30,6 +30,9 @@ void Scheduler::heard_from(int rank, Clock::time_point now) {
 // and the survivors abort their transports (docs/jobs.md#a-node-restarts).
 void Scheduler::on_node_registered(const NodeRecord& node, const std::string& running_job, Clock::time_point now) {
   if (!running_ || running_job == running_->id) return;
+  if (elastic_running())
+    return node_lost(node.index, "node_restarted",
+                     members_.describe_node(node) + " restarted during the job (its ranks' state is lost)", now);
   RunningJob& job = *running_;
   const int D = members_.devices_per_node();
   for (int r = node.index * D; r < (node.index + 1) * D && r < job.reports.world; ++r)

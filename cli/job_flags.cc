@@ -179,6 +179,11 @@ const std::vector<JobFieldDoc>& job_field_docs() {
        "every expert's copies on at least this many nodes (2: a node's death loses no expert); the shape gets the "
        "redundant slots it needs",
        false},
+      {"elastic",
+       "when a node is lost, go on on the surviving nodes from the step in flight (experts from their replicas) "
+       "instead of failing",
+       false},
+      {"elastic_batch", "after an elastic job's world change: keep the global batch, or the tokens per rank", false},
   };
   return docs;
 }

@@ -89,6 +89,25 @@ void print_epochs(std::ostream& out, const v1::JobResult& j) {
   print_table(out, t);
 }
 
+// An elastic job's changes of world (docs/jobs.md#elastic-jobs).
+void print_world_changes(std::ostream& out, const v1::JobResult& j) {
+  if (j.world_changes_size() == 0) return;
+  std::vector<std::vector<std::string>> t = {
+      {"WORLD", "AT STEP", "RANKS", "LOST", "DETECTION", "RECOVERY", "FROM REPLICAS", "RECOMPUTED", "TOKENS/RANK", "CAUSE"}};
+  for (const v1::WorldChange& w : j.world_changes()) {
+    std::string lost;
+    for (const auto& n : w.lost_nodes()) lost += (lost.empty() ? "" : ",") + n;
+    t.push_back({std::to_string(w.world_epoch()), std::to_string(w.step()),
+                 std::to_string(w.old_world()) + " -> " + std::to_string(w.new_world()), lost.empty() ? "-" : lost,
+                 human_seconds(w.detection_seconds()),
+                 w.recovery_seconds() > 0 ? human_seconds(w.recovery_seconds()) : "-",
+                 std::to_string(w.experts_from_replicas()), std::to_string(w.steps_recomputed()),
+                 std::to_string(w.tokens_per_rank()), w.cause()});
+  }
+  out << "\nworld changes\n";
+  print_table(out, t);
+}
+
 }  // namespace
 
 void print_job(std::ostream& out, const v1::JobResult& j) {
@@ -114,6 +133,7 @@ void print_job(std::ostream& out, const v1::JobResult& j) {
   if (j.state() != v1::JOB_STATE_RUNNING) rows.push_back({"placement epoch", fmt(j.placement_epoch())});
   print_rows(out, rows);
   print_epochs(out, j);
+  print_world_changes(out, j);
 }
 
 std::string progress_line(const v1::JobResult& j) {
@@ -126,6 +146,10 @@ std::string progress_line(const v1::JobResult& j) {
   if (j.state() == v1::JOB_STATE_RUNNING && p.has_eta_seconds()) s += "  eta " + human_seconds(p.eta_seconds());
   if (p.epoch() > 0) s += "  epoch " + std::to_string(p.epoch());
   if (p.has_window_balancedness()) s += "  balancedness " + fmt(p.window_balancedness(), 3);
+  if (j.world_changes_size() > 0) {
+    const v1::WorldChange& w = j.world_changes(j.world_changes_size() - 1);
+    s += "  world " + std::to_string(w.world_epoch()) + " (" + std::to_string(w.new_world()) + " ranks)";
+  }
   if (!j.message().empty()) s += ": " + j.message();
   return s;
 }

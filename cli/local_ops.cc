@@ -45,11 +45,12 @@ int node_restart(const Globals& g, const std::string& name, std::ostream& out, s
       return kExitUsage;
     }
     const Command cmd = read_command(s.node_argv(name));
+    auto agent = client(r);
+    const std::string before = control_address(agent, name);
     stop_pids({s.node_pid(name)}, std::chrono::seconds(10));  // a stopped or hung daemon; none if it is dead
     const pid_t pid = spawn(cmd.argv, s.node_log(name), cmd.env);
     write_file_atomically(s.node_pid(name).string(), std::to_string(pid) + "\n");
-    auto agent = client(r);
-    wait_registered(agent, name, pid, s.node_log(name), Clock::now() + std::chrono::seconds(60));
+    wait_registered(agent, name, pid, s.node_log(name), Clock::now() + std::chrono::seconds(60), before);
     if (!g.json) out << "node " << name << " restarted (pid " << pid << ") and registered\n";
     return kExitOk;
   });

@@ -117,15 +117,28 @@ UpFailure exited(const std::string& who, pid_t pid, const fs::path& log) {
   return {code == kExitUsage ? kExitUsage : kExitUnreachable, who + " " + how + ": " + why};
 }
 
+std::string control_address(rpc::RpcClient& agent, const std::string& name) {
+  v1::Envelope req;
+  req.mutable_cluster_status();
+  try {
+    const v1::Envelope reply = agent.call(req, std::chrono::seconds(5));
+    for (const auto& n : reply.cluster_status_reply().nodes())
+      if (n.name() == name) return n.control_address();
+  } catch (const rpc::RpcError&) {
+  }
+  return "";
+}
+
 void wait_registered(rpc::RpcClient& agent, const std::string& name, pid_t pid, const fs::path& log,
-                     Clock::time_point until) {
+                     Clock::time_point until, const std::string& before) {
   for (;;) {
     v1::Envelope req;
     req.mutable_cluster_status();
     try {
       const v1::Envelope reply = agent.call(req, std::chrono::seconds(5));
       for (const auto& n : reply.cluster_status_reply().nodes())
-        if (n.name() == name && n.state() == v1::NODE_STATE_ALIVE) return;
+        if (n.name() == name && n.state() == v1::NODE_STATE_ALIVE && (before.empty() || n.control_address() != before))
+          return;
     } catch (const rpc::RpcError&) {
     }
     if (!alive(pid)) throw exited(name + " (moed)", pid, log);

@@ -60,10 +60,14 @@ std::string last_lines(const fs::path& log, size_t n);
 // line, else the log's last lines), and exit code 2 when it exited 2 (it
 // refused its configuration), else 3.
 UpFailure exited(const std::string& who, pid_t pid, const fs::path& log);
-// Polls the agent until node `name` is registered and alive; throws UpFailure
-// when the daemon (pid) exits first, or at `until`.
+// Polls the agent until node `name` is registered and alive (with another
+// control address than `before`, the one a restarted daemon had: the agent may
+// not have noticed the old one's death yet); throws UpFailure when the daemon
+// (pid) exits first, or at `until`.
 void wait_registered(rpc::RpcClient& agent, const std::string& name, pid_t pid, const fs::path& log,
-                     std::chrono::steady_clock::time_point until);
+                     std::chrono::steady_clock::time_point until, const std::string& before = "");
+// Node `name`'s control address as the agent has it ("" when unknown).
+std::string control_address(rpc::RpcClient& agent, const std::string& name);
 
 // Spawns the agent with argv (pid file agent.pid, log agent.log) and waits for
 // its address file; returns its address. Throws UpFailure when it exits first,

@@ -125,6 +125,11 @@ void Rebalancer::on_job_ended(const std::string& job_id, const std::string& why,
     finish(v1::REBALANCE_RESULT_FAILED, "job " + job_id + " ended: " + why, now);
 }
 
+void Rebalancer::on_world_halted(const std::string& job_id, const std::string& why, Clock::time_point now) {
+  if (live_ && live_->prepare.job_id() == job_id)
+    finish(v1::REBALANCE_RESULT_FAILED, "job " + job_id + " changes its world: " + why, now);
+}
+
 void Rebalancer::tick(Clock::time_point now) {
   if (!live_ || now - live_->started < opts_.timeout) return;
   std::string who;

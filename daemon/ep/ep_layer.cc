@@ -138,6 +138,14 @@ void EpLayer::set_replicated_state(const ReplicatedState& s) {
   if (shared_) shared_->set_state(s.shared, s.shared_gate);
 }
 
+void EpLayer::set_selection_bias(std::vector<float> bias) {
+  MOE_CHECK(bias.empty() || static_cast<int>(bias.size()) == cfg_.num_experts, "selection bias: ", bias.size(),
+            " values for ", cfg_.num_experts, " experts");
+  if (bias.empty() && selection_bias_.empty()) return;
+  selection_bias_ = std::move(bias);
+  router_.set_selection_bias(selection_bias_.empty() ? std::vector<float>(cfg_.num_experts, 0.0f) : selection_bias_);
+}
+
 void EpLayer::update_selection_bias(double rate) {
   MOE_CHECK(cfg_.global_counts, "bias update on a layer built without global_counts");
   if (rate <= 0) return;

@@ -278,6 +278,16 @@ rpc::awaitable<v1::Envelope> Daemon::handle(const v1::Envelope& req, const rpc::
         runner_->cancel(req.cancel_job().reason());
     }
     reply.mutable_ack();
+  } else if (req.has_halt_world() || req.has_new_world()) {  // elastic jobs (docs/jobs.md#elastic-jobs)
+    std::lock_guard<std::mutex> lock(mu_);
+    const std::string& job = req.has_halt_world() ? req.halt_world().job_id() : req.new_world().job_id();
+    if (!runner_ || runner_->job_id() != job || runner_->finished())
+      throw RpcError(v1::ERROR_CODE_FAILED_PRECONDITION, "job " + job + " is not running on " + opts_.name);
+    if (req.has_halt_world())
+      runner_->halt(req.halt_world().world_epoch(), req.halt_world().reason());
+    else
+      runner_->new_world(req.new_world());
+    reply.mutable_ack();
   } else if (req.has_daemon_status()) {
     std::lock_guard<std::mutex> lock(mu_);
     auto* s = reply.mutable_daemon_status_reply();

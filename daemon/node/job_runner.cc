@@ -12,9 +12,8 @@ JobRunner::JobRunner(v1::StartJob job, RunnerEnv env)
       rpc::ClientOptions::make(env_.agent_address, env_.token, "moed", env_.node_name + "/reports", env_.tls), *env_.link,
       job_.job_id(), env_.devices);
   env_.reports = reports_.get();
-  std::vector<int> local;
-  for (int i = 0; i < env_.devices; ++i) local.push_back(env_.node_index * env_.devices + i);
-  hub_ = std::make_shared<transport::LocalHub>(local);
+  for (int i = 0; i < env_.devices; ++i) local_ranks_.push_back(env_.node_index * env_.devices + i);
+  hubs_[job_.world_epoch()] = std::make_shared<transport::LocalHub>(local_ranks_);
   running_ = env_.devices;
   for (int i = 0; i < env_.devices; ++i) threads_.emplace_back([this, i] { rank_main(i); });
 }
@@ -39,10 +38,57 @@ void JobRunner::fail(const std::string& reason) {
 }
 
 void JobRunner::cancel(const std::string& reason) {
+  {
+    std::lock_guard<std::mutex> lock(cancel_mu_);
+    if (cancel_.exchange(true)) return;
+    cancel_reason_ = reason;
+    log::info("job ", job_.job_id(), ": cancel requested (", reason, ")");
+  }
+  std::lock_guard<std::mutex> lock(world_mu_);
+  world_cv_.notify_all();  // ranks waiting for a new world stop
+}
+
+void JobRunner::halt(int64_t epoch, const std::string& reason) {
+  log::warn("job ", job_.job_id(), ": the agent halts world ", epoch, ": ", reason);
   std::lock_guard<std::mutex> lock(cancel_mu_);
-  if (cancel_.exchange(true)) return;
-  cancel_reason_ = reason;
-  log::info("job ", job_.job_id(), ": cancel requested (", reason, ")");
+  for (auto& [local, run] : live_ranks_) run->abort_transport("world " + std::to_string(epoch) + " halted: " + reason, epoch);
+}
+
+void JobRunner::new_world(const v1::NewWorld& next) {
+  std::lock_guard<std::mutex> lock(world_mu_);
+  const int64_t newest = next_ ? next_->world_epoch() : job_.world_epoch();
+  if (next.world_epoch() <= newest)
+    throw rpc::RpcError(v1::ERROR_CODE_FAILED_PRECONDITION, "job " + job_.job_id() + ": world " +
+                                                                std::to_string(next.world_epoch()) + " is not newer than " +
+                                                                std::to_string(newest));
+  std::vector<int> ranks;
+  for (int r : local_ranks_) {
+    if (r < 0 || r >= next.new_rank_size() || next.new_rank(r) < 0 || next.new_rank(r) >= next.world_size())
+      throw rpc::RpcError(v1::ERROR_CODE_INVALID_ARGUMENT, "job " + job_.job_id() + ": world " +
+                                                               std::to_string(next.world_epoch()) + " has no rank for rank " +
+                                                               std::to_string(r) + " of this node");
+    ranks.push_back(next.new_rank(r));
+  }
+  local_ranks_ = ranks;
+  hubs_[next.world_epoch()] = std::make_shared<transport::LocalHub>(ranks);
+  next_ = next;
+  log::info("job ", job_.job_id(), ": world ", next.world_epoch(), " of ", next.world_size(), " ranks from step ",
+            next.resume_step());
+  world_cv_.notify_all();
+}
+
+std::optional<v1::NewWorld> JobRunner::next_world(int64_t epoch) {
+  std::unique_lock<std::mutex> lock(world_mu_);
+  world_cv_.wait(lock, [&] { return cancel_.load() || (next_ && next_->world_epoch() > epoch); });
+  if (next_ && next_->world_epoch() > epoch && !cancel_.load()) return next_;
+  return std::nullopt;
+}
+
+std::shared_ptr<transport::LocalHub> JobRunner::hub(int64_t epoch) {
+  std::lock_guard<std::mutex> lock(world_mu_);
+  const auto it = hubs_.find(epoch);
+  MOE_CHECK(it != hubs_.end(), "job ", job_.job_id(), ": no world ", epoch, " on this node");
+  return it->second;
 }
 
 std::string JobRunner::cancel_reason() const {
@@ -51,15 +97,15 @@ std::string JobRunner::cancel_reason() const {
 }
 
 void JobRunner::rank_main(int local) {
-  const int rank = env_.node_index * env_.devices + local;
+  int rank = env_.node_index * env_.devices + local;
   rpc::RpcClient agent(rpc::ClientOptions::make(env_.agent_address, env_.token, "moed",
                                                 env_.node_name + "/rank" + std::to_string(rank), env_.tls));
   v1::Envelope done;
   auto* d = done.mutable_rank_done();
   d->set_job_id(job_.job_id());
-  d->set_rank(rank);
+  int64_t epoch = job_.world_epoch();
   try {
-    RankRun run(job_, env_, rank, hub_, agent, mailbox_);
+    RankRun run(job_, env_, local, *this, agent);
     {  // fail() aborts its device transport from now on (at once if it already ran)
       std::lock_guard<std::mutex> lock(cancel_mu_);
       live_ranks_[local] = &run;
@@ -73,7 +119,16 @@ void JobRunner::rank_main(int local) {
         self->live_ranks_.erase(local);
       }
     } unregister{this, local};
-    const int steps = run.run([this] { return cancel_.load(); });
+    int steps = 0;
+    try {
+      steps = run.run([this] { return cancel_.load(); });
+    } catch (...) {
+      rank = run.rank();  // an elastic job's rank may have moved to another world
+      epoch = run.world_epoch();
+      throw;
+    }
+    rank = run.rank();
+    epoch = run.world_epoch();
     if (steps < job_.spec().steps()) {
       d->set_ok(false);
       d->set_cancelled(true);
@@ -88,12 +143,14 @@ void JobRunner::rank_main(int local) {
     d->set_ok(false);
     d->set_message(e.what());
     d->set_failed_peer(e.peer());
-    hub_->abort(rank, e.what(), e.peer());  // siblings waiting on us blame the same rank
+    hub(epoch)->abort(rank, e.what(), e.peer());  // siblings waiting on us blame the same rank
   } catch (const std::exception& e) {
     d->set_ok(false);
     d->set_message(e.what());
-    hub_->abort(rank, e.what());
+    hub(epoch)->abort(rank, e.what());
   }
+  d->set_rank(rank);
+  d->set_world_epoch(epoch);
   if (!d->ok() && !d->cancelled()) log::warn("job ", job_.job_id(), ": rank ", rank, " failed: ", d->message());
   // Finished before the report: once the agent hears from every rank it may start
   // the next job here, and the daemon must not find this one still running.

@@ -208,7 +208,16 @@ int ModelStack::first_nonfinite_router_gradient() const {
 
 void ModelStack::update_selection_bias() {
   if (spec_.bias_update_rate() <= 0) return;
-  for (auto& layer : layers_) layer->update_selection_bias(spec_.bias_update_rate());
+  bias_before_.clear();
+  for (auto& layer : layers_) {
+    bias_before_.push_back(layer->selection_bias());
+    layer->update_selection_bias(spec_.bias_update_rate());
+  }
+}
+
+void ModelStack::undo_selection_bias() {
+  for (size_t l = 0; l < bias_before_.size(); ++l) layers_[l]->set_selection_bias(bias_before_[l]);
+  bias_before_.clear();
 }
 
 void ModelStack::optimize(int step, StepReport& report) {

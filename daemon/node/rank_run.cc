@@ -2,6 +2,9 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstring>
+#include <set>
+#include <thread>
 
 #include "moe/base/clock.h"
 #include "moe/base/log.h"
@@ -35,6 +38,7 @@ std::vector<std::string> AgentBootstrap::all_gather(const std::string& mine) {
   p->set_job_id(job_id_);
   p->set_rank(rank_);
   p->set_blob(mine);
+  p->set_world_epoch(world_epoch_);
   try {
     const v1::Envelope reply = agent_.call(req, std::chrono::seconds(60));
     return {reply.bootstrap_addresses().blobs().begin(), reply.bootstrap_addresses().blobs().end()};
@@ -43,59 +47,96 @@ std::vector<std::string> AgentBootstrap::all_gather(const std::string& mine) {
   }
 }
 
-RankRun::RankRun(const v1::StartJob& job, const RunnerEnv& env, int rank, std::shared_ptr<transport::LocalHub> hub,
-                 rpc::RpcClient& agent, RebalanceMailbox& mailbox)
-    : job_(job),
-      spec_(job.spec()),
-      env_(env),
-      rank_(rank),
-      local_(rank - env.node_index * env.devices),
-      pool_(env.threads_per_rank),
-      backend_(env.make_backend(pool_, local_)),
-      boot_(agent, job.job_id(), rank),
-      transports_(transport::make_rank_transports({.rank = rank,
-                                                   .world = job.world_size(),
-                                                   .local = std::move(hub),
-                                                   .bootstrap = &boot_,
-                                                   .data_memory = data_memory(*backend_),
-                                                   .device = local_,
-                                                   .connect_timeout = env.transport_timeout,
-                                                   .job_key = job.data_plane_key()})),
-      comm_(*transports_.host),
-      stack_(spec_, expert_maps(job), rank, job.world_size(), comm_, *backend_, pool_, env.transport_timeout,
-             transports_.data.get()),
-      rebalance_({.job_id = job.job_id(),
-                  .node_name = env.node_name,
-                  .rank = rank,
-                  .world = job.world_size(),
-                  .faults = env.faults,
-                  .metrics = env.metrics},
-                 stack_, mailbox, agent) {
-  verify_.set_passed(true);
-  if (!spec_.resume().empty()) {  // the agent resolved and checked the folder
-    const v1::CheckpointManifest m = spec::read_manifest(spec_.resume());
-    load_checkpoint(spec_.resume(), m, stack_, rank_);
-    first_step_ = m.step();
-    log::info("job ", job_.job_id(), ": rank ", rank_, " resumed from ", spec_.resume(), " at step ", first_step_);
+// One world of the job: the rank's number in it, its transports (bootstrapped
+// among the world's ranks), the stack on the world's maps and the rebalance
+// session. `start` is this world's: the spec's tokens_per_rank, the size, the
+// maps and the data-plane key are the world's own.
+struct RankRun::World {
+  World(v1::StartJob s, int r, RankRun& run)
+      : start(std::move(s)),
+        rank(r),
+        boot(run.agent_, start.job_id(), rank, start.world_epoch()),
+        transports(transport::make_rank_transports({.rank = rank,
+                                                    .world = start.world_size(),
+                                                    .local = run.runner_.hub(start.world_epoch()),
+                                                    .bootstrap = &boot,
+                                                    .data_memory = data_memory(*run.backend_),
+                                                    .device = run.local_,
+                                                    .connect_timeout = run.env_.transport_timeout,
+                                                    .job_key = start.data_plane_key()})),
+        comm(*transports.host),
+        stack(start.spec(), expert_maps(start), rank, start.world_size(), comm, *run.backend_, run.pool_,
+              run.env_.transport_timeout, transports.data.get()),
+        rebalance({.job_id = start.job_id(),
+                   .node_name = run.env_.node_name,
+                   .rank = rank,
+                   .world = start.world_size(),
+                   .faults = run.env_.faults,
+                   .metrics = run.env_.metrics},
+                  stack, run.runner_.rebalance_mailbox(), run.agent_) {}
+
+  void abort(const std::string& why) {
+    if (transports.data) transports.data->abort(why);
+    comm.abort(why);
   }
-  log::info("job ", job_.job_id(), ": rank ", rank_, " of ", job.world_size(), " ready (", spec_.layers(),
-            " layers, ", spec_.tokens_per_rank(), " tokens, ", v1::JobSpec::Mode_Name(spec_.mode()), ", ",
-            backend_->name(), " backend on device ", local_, ", ", comm_.name(),
-            transports_.data ? ", " + transports_.data->name() + " for its memory" : "",
-            ")");
+
+  const v1::StartJob start;
+  const int rank;
+  AgentBootstrap boot;
+  transport::RankTransports transports;  // host, and the backend's memory (null: host)
+  transport::Communicator& comm;         // transports.host: control, counts, copies
+  ModelStack stack;
+  RebalanceSession rebalance;
+};
+
+RankRun::RankRun(const v1::StartJob& job, const RunnerEnv& env, int local, JobRunner& runner, rpc::RpcClient& agent)
+    : job_(job),
+      env_(env),
+      local_(local),
+      runner_(runner),
+      agent_(agent),
+      pool_(env.threads_per_rank),
+      backend_(env.make_backend(pool_, local_)) {
+  world_ = std::make_unique<World>(job, env.node_index * env.devices + local, *this);
+  verify_.set_passed(true);
+  const v1::JobSpec& spec = job.spec();
+  if (!spec.resume().empty()) {  // the agent resolved and checked the folder
+    const v1::CheckpointManifest m = spec::read_manifest(spec.resume());
+    load_checkpoint(spec.resume(), m, world_->stack, world_->rank);
+    first_step_ = m.step();
+    log::info("job ", job_.job_id(), ": rank ", world_->rank, " resumed from ", spec.resume(), " at step ", first_step_);
+  }
+  applied_ = world_first_step_ = first_step_;
+  log::info("job ", job_.job_id(), ": rank ", world_->rank, " of ", job.world_size(), " ready (", spec.layers(),
+            " layers, ", spec.tokens_per_rank(), " tokens, ", v1::JobSpec::Mode_Name(spec.mode()), ", ",
+            backend_->name(), " backend on device ", local_, ", ", world_->comm.name(),
+            world_->transports.data ? ", " + world_->transports.data->name() + " for its memory" : "",
+            spec.elastic() ? ", elastic" : "", ")");
 }
 
-void RankRun::abort_transport(const std::string& why) {
-  if (transports_.data) transports_.data->abort(why);
-  comm_.abort(why);
+RankRun::~RankRun() = default;
+
+int RankRun::rank() const {
+  std::lock_guard<std::mutex> lock(world_mu_);
+  return world_->rank;
+}
+
+int64_t RankRun::world_epoch() const {
+  std::lock_guard<std::mutex> lock(world_mu_);
+  return world_->start.world_epoch();
+}
+
+void RankRun::abort_transport(const std::string& why, int64_t epoch) {
+  std::lock_guard<std::mutex> lock(world_mu_);
+  if (world_ && (epoch < 0 || epoch == world_->start.world_epoch())) world_->abort(why);
 }
 
 bool RankRun::agree_and_act(bool cancel_requested, int step) {
   float vote[1 + RebalanceSession::kVoteFloats] = {cancel_requested ? 1.0f : 0.0f};
-  rebalance_.vote(vote + 1);
-  comm_.all_reduce_sum(vote, std::size(vote), deadline());
+  world_->rebalance.vote(vote + 1);
+  world_->comm.all_reduce_sum(vote, std::size(vote), deadline());
   if (vote[0] > 0) return true;
-  rebalance_.act(vote + 1, step);
+  world_->rebalance.act(vote + 1, step);
   return false;
 }
 
@@ -107,76 +148,287 @@ std::string RankRun::nonfinite(const StepReport& report) const {
   if (!std::isfinite(s.loss())) return "the loss is " + std::to_string(s.loss());
   if (!std::isfinite(s.aux_loss()) || !std::isfinite(s.z_loss()))
     return "the balancing losses are " + std::to_string(s.aux_loss()) + ", " + std::to_string(s.z_loss());
-  if (const int l = stack_.first_nonfinite_router_gradient(); l >= 0)
+  if (const int l = world_->stack.first_nonfinite_router_gradient(); l >= 0)
     return "layer " + std::to_string(l) + "'s router gradient is not finite";
   return "";
 }
 
-// Collective, after a train step: every rank learns whether any rank's step was
-// not finite, and then every rank fails the job with the same message naming the
-// step and the ranks, before a checkpoint or the next step uses the state.
-void RankRun::agree_finite(int step, const std::string& what) {
-  float any = what.empty() ? 0.0f : 1.0f;
-  comm_.all_reduce_sum(&any, 1, deadline());
-  if (any == 0.0f) return;
-  std::vector<float> ranks(job_.world_size(), 0.0f);
-  ranks[rank_] = what.empty() ? 0.0f : 1.0f;
-  comm_.all_reduce_sum(ranks.data(), ranks.size(), deadline());
+// Collective, after a train step's backward and before its optimizer step: every
+// rank learns every rank's loss shares (so each report carries the step's whole
+// loss, summed in rank order) and whether any rank's step was not finite; if so
+// every rank fails the job with the same message naming the step and the ranks,
+// before the optimizer or a checkpoint uses the state.
+void RankRun::agree(int step, const std::string& nonfinite_here, StepReport& report) {
+  transport::Communicator& comm = world_->comm;
+  const int R = comm.size();
+  const v1::StepStats& s = report.stats();
+  const double mine[4] = {nonfinite_here.empty() ? 0.0 : 1.0, s.loss(), s.aux_loss(), s.z_loss()};
+  std::vector<double> send(4 * R), recv(4 * R);
+  for (int r = 0; r < R; ++r) std::memcpy(&send[4 * r], mine, sizeof mine);
+  const transport::Segments segs = transport::Segments::packed(std::vector<size_t>(R, sizeof mine));
+  comm.all_to_all_v(send.data(), segs, recv.data(), segs, deadline());
+  double loss = 0, aux = 0, z = 0;
   std::string which;
-  for (size_t r = 0; r < ranks.size(); ++r)
-    if (ranks[r] > 0) which += (which.empty() ? "" : ", ") + std::to_string(r);
-  MOE_CHECK(false, "step ", step, ": not finite on rank(s) ", which, what.empty() ? "" : " (here: " + what + ")");
+  for (int r = 0; r < R; ++r) {
+    if (recv[4 * r] != 0) which += (which.empty() ? "" : ", ") + std::to_string(r);
+    loss += recv[4 * r + 1];
+    aux += recv[4 * r + 2];
+    z += recv[4 * r + 3];
+  }
+  report.set_job_losses(loss, aux, z);
+  if (which.empty()) return;
+  report.set_step_seconds(std::max(report.stats().step_seconds(), 1e-9));
+  v1::Envelope msg;  // the failing step's losses show in the result
+  auto* m = msg.mutable_step_report();
+  m->set_job_id(job_.job_id());
+  m->set_rank(world_->rank);
+  *m->mutable_stats() = report.stats();
+  env_.reports->send(std::move(msg));
+  MOE_CHECK(false, "step ", step, ": not finite on rank(s) ", which,
+            nonfinite_here.empty() ? "" : " (here: " + nonfinite_here + ")");
 }
 
 void RankRun::run_step(int step) {
+  const v1::JobSpec& spec = world_->start.spec();
+  ModelStack& stack = world_->stack;
   // A resumed run covers its first step when asked for an earlier one.
-  const bool verify = spec_.verify() && step == std::max(spec_.verify_step(), first_step_);
-  const bool dump = !spec_.dump_dir().empty() && step == std::max(spec_.dump_step(), first_step_);
+  const bool verify = spec.verify() && step == std::max(spec.verify_step(), first_step_);
+  const bool dump = !spec.dump_dir().empty() && step == std::max(spec.dump_step(), first_step_);
   const bool covered = verify || dump;
-  const bool train = spec_.mode() == v1::JobSpec::train;
-  StepReport report(step, spec_.experts());
+  const bool train = spec.mode() == v1::JobSpec::train;
+  StepReport report(step, spec.experts());
+  report.set_world_epoch(world_->start.world_epoch());
   const double t0 = now_seconds();
-  stack_.forward(step, report, covered);
+  stack.forward(step, report, covered);
   // The weights this step uses, before its optimizer step changes them.
   std::vector<model::LayerWeights> weights;
-  if (covered) weights = stack_.weights_in_use(step, deadline());
+  if (covered) weights = stack.weights_in_use(step, deadline());
   if (train) {
-    stack_.backward(report, covered);
-    stack_.optimize(step, report);
+    stack.backward(report, covered);
+    const std::string bad = nonfinite(report);
+    pending_ = true;  // from here its reduced gradients are whole: an elastic restart may apply them
+    pending_report_ = report;
+    agree(step, bad, report);
+    pending_report_ = report;
   }
-  stack_.update_selection_bias();
   report.set_step_seconds(now_seconds() - t0);
-  report.record(env_.metrics, rank_);
+  finish_step(step, report);
+  // The covered step's snapshots, gradients (the optimizer leaves them) and
+  // weights are what verify and the dump need.
+  if (verify) verify_ = verify_step(spec, stack, weights, world_->rank, world_->comm, deadline());
+  if (dump) dump_step(spec, stack, weights[0], world_->rank);
+}
+
+// The step's local end, which no peer can interrupt: the optimizer step (train),
+// the bias update, and the report.
+void RankRun::finish_step(int step, StepReport& report) {
+  ModelStack& stack = world_->stack;
+  if (world_->start.spec().mode() == v1::JobSpec::train) {
+    const double t = now_seconds();
+    stack.optimize(step, report);
+    report.set_step_seconds(report.stats().step_seconds() + now_seconds() - t);
+  }
+  stack.update_selection_bias();
+  applied_ = step + 1;
+  pending_ = false;
+  pending_report_.reset();
+  report.record(env_.metrics, world_->rank);
   v1::Envelope msg;
   auto* r = msg.mutable_step_report();
   r->set_job_id(job_.job_id());
-  r->set_rank(rank_);
+  r->set_rank(world_->rank);
   *r->mutable_stats() = report.stats();
   env_.reports->send(std::move(msg));  // held while the agent is away
-  if (train) agree_finite(step, nonfinite(report));
-  // The covered step's snapshots, gradients (the optimizer leaves them) and
-  // weights are what verify and the dump need.
-  if (verify) verify_ = verify_step(spec_, stack_, weights, rank_, comm_, deadline());
-  if (dump) dump_step(spec_, stack_, weights[0], rank_);
 }
 
 // A checkpoint after `done` steps: every checkpoint_every steps and at the end.
 bool RankRun::checkpoint_due(int done) const {
-  if (spec_.checkpoint_dir().empty()) return false;
-  const int every = spec_.checkpoint_every();
-  return done == spec_.steps() || (every > 0 && done % every == 0);
+  const v1::JobSpec& spec = world_->start.spec();
+  if (spec.checkpoint_dir().empty()) return false;
+  const int every = spec.checkpoint_every();
+  return done == spec.steps() || (every > 0 && done % every == 0);
+}
+
+int RankRun::run_world(const std::function<bool()>& cancel_requested) {
+  const int steps = world_->start.spec().steps();
+  int step = world_first_step_;
+  for (; step < steps; ++step) {
+    if (agree_and_act(cancel_requested(), step)) break;
+    run_step(step);
+    world_->rebalance.after_step();
+    if (checkpoint_due(step + 1))
+      write_checkpoint(world_->start, world_->stack, step + 1, world_->rank, world_->comm, deadline());
+  }
+  world_->comm.barrier(deadline());  // nobody tears down endpoints a peer still uses
+  return step;
 }
 
 int RankRun::run(const std::function<bool()>& cancel_requested) {
-  int step = first_step_;
-  for (; step < spec_.steps(); ++step) {
-    if (agree_and_act(cancel_requested(), step)) break;
-    run_step(step);
-    rebalance_.after_step();
-    if (checkpoint_due(step + 1)) write_checkpoint(job_, stack_, step + 1, rank_, comm_, deadline());
+  for (;;) {
+    try {
+      return run_world(cancel_requested);
+    } catch (const transport::TransportError& e) {
+      if (!job_.spec().elastic()) throw;
+      report_halted(e.what(), e.peer());
+    }
+    const std::optional<v1::NewWorld> next = runner_.next_world(world_->start.world_epoch());
+    if (!next) return applied_;  // cancelled, or the job failed, while it waited
+    enter(*next);
   }
-  comm_.barrier(deadline());  // nobody tears down endpoints a peer still uses
-  return step;
+}
+
+void RankRun::report_halted(const std::string& why, int failed_peer) {
+  log::warn("job ", job_.job_id(), ": rank ", world_->rank, " halted world ", world_->start.world_epoch(), " with ",
+            applied_, " step(s) applied", pending_ ? " and the next one's gradients" : "", ": ", why);
+  v1::Envelope msg;
+  auto* h = msg.mutable_rank_halted();
+  h->set_job_id(job_.job_id());
+  h->set_rank(world_->rank);
+  h->set_world_epoch(world_->start.world_epoch());
+  h->set_applied_steps(applied_);
+  h->set_pending(pending_);
+  h->set_message(why);
+  if (failed_peer >= 0) h->set_failed_peer(failed_peer);
+  for (int l = 0; l < world_->stack.num_layers(); ++l) {
+    const std::vector<bool> hosted = world_->stack.map(l).hosted(world_->rank);
+    auto* layer = h->add_hosted();
+    for (size_t e = 0; e < hosted.size(); ++e)
+      if (hosted[e]) layer->add_experts(static_cast<int>(e));
+  }
+  env_.reports->send(std::move(msg));
+}
+
+// Train: a rank that reached the agreement of the step the others applied applies
+// it too (its reduced gradients are those every rank applied). Forward: a rank
+// that finished a step no other survivor did takes its bias update back.
+void RankRun::catch_up(int resume_step) {
+  const bool train = world_->start.spec().mode() == v1::JobSpec::train;
+  if (train && applied_ == resume_step - 1 && pending_ && pending_report_) {
+    StepReport report = *pending_report_;
+    finish_step(resume_step - 1, report);
+    log::info("job ", job_.job_id(), ": rank ", world_->rank, " applied step ", resume_step - 1,
+              " from its reduced gradients before the world change");
+  } else if (!train && applied_ == resume_step + 1) {
+    world_->stack.undo_selection_bias();
+    applied_ = resume_step;
+  }
+  MOE_CHECK(applied_ == resume_step, "world change: rank ", world_->rank, " applied ", applied_,
+            " step(s); the new world resumes at step ", resume_step);
+}
+
+void RankRun::enter(const v1::NewWorld& next) {
+  const int old_rank = world_->rank;
+  MOE_CHECK(old_rank < next.new_rank_size() && next.new_rank(old_rank) >= 0, "world change: rank ", old_rank,
+            " is not in world ", next.world_epoch());
+  catch_up(next.resume_step());
+  world_->stack.drop_staged();
+  v1::StartJob start = world_->start;
+  start.set_world_size(next.world_size());
+  start.set_world_epoch(next.world_epoch());
+  start.set_data_plane_key(next.data_plane_key());
+  *start.mutable_maps() = next.maps();
+  start.mutable_spec()->set_tokens_per_rank(next.tokens_per_rank());
+  const double t0 = now_seconds();
+  std::unique_ptr<World> fresh = std::make_unique<World>(std::move(start), next.new_rank(old_rank), *this);
+  move_experts(*world_, *fresh, next);
+  {
+    std::lock_guard<std::mutex> lock(world_mu_);
+    std::swap(world_, fresh);
+  }
+  fresh.reset();  // the old world's transports and stack
+  world_first_step_ = next.resume_step();
+  log::info("job ", job_.job_id(), ": rank ", old_rank, " is rank ", world_->rank, " of ", next.world_size(),
+            " in world ", next.world_epoch(), " (", world_->start.spec().tokens_per_rank(),
+            " tokens), resuming at step ", world_first_step_, " after ", now_seconds() - t0, " s");
+}
+
+// The state every rank holds alike goes across as it is; each slot of the new
+// stack takes its expert from the old stack when this rank held it, else from
+// the rank the agent named (a surviving replica, bitwise equal to the lost one).
+void RankRun::move_experts(World& from, World& to, const v1::NewWorld& next) {
+  const v1::JobSpec& spec = to.start.spec();
+  const bool train = spec.mode() == v1::JobSpec::train;
+  const bool moments = train && spec.optimizer() != v1::JobSpec::sgd;
+  for (int l = 0; l < to.stack.num_layers(); ++l) {
+    if (train) to.stack.layer(l).set_replicated_state(from.stack.layer(l).replicated_state(moments));
+    to.stack.layer(l).set_selection_bias(from.stack.layer(l).selection_bias());
+  }
+  if (!train) return;  // a forward job's experts are the spec's, built by the new stack
+  auto old_slot = [&](int l, int e) {
+    const moe::ExpertMap& m = from.stack.map(l);
+    for (int s = 0; s < m.slots_per_rank; ++s)
+      if (m.expert_at(from.rank, s) == e) return s;
+    return -1;
+  };
+  auto import_all = [&](int l, int e, const ep::ExpertState& st) {
+    const moe::ExpertMap& m = to.stack.map(l);
+    for (int s = 0; s < m.slots_per_rank; ++s)
+      if (m.expert_at(to.rank, s) == e) to.stack.layer(l).import_slot(s, st);
+  };
+  struct Incoming {
+    int layer, expert;
+    std::shared_ptr<ep::ExpertState> state;
+    std::shared_ptr<std::vector<float>> wire;
+    transport::Communicator::TransferId id;
+  };
+  std::vector<Incoming> incoming;
+  std::vector<transport::Communicator::TransferId> outgoing;
+  std::set<std::pair<int, int>> moved_here;
+  for (int i = 0; i < next.moves_size(); ++i) {
+    const v1::ExpertMove& mv = next.moves(i);
+    if (mv.from_rank() == to.rank && mv.to_rank() != to.rank) {
+      ep::ExpertState st;
+      st.resize(spec.hidden(), spec.ffn_hidden(), moments);
+      const int s = old_slot(mv.layer(), mv.expert());
+      MOE_CHECK(s >= 0, "world change: told to send expert ", mv.expert(), " of layer ", mv.layer(),
+                ", which rank ", from.rank, " does not hold");
+      from.stack.layer(mv.layer()).export_slot(s, st);
+      auto wire = std::make_shared<std::vector<float>>();
+      wire->reserve(st.floats());
+      for (const auto* v : {&st.weights, &st.m, &st.v}) wire->insert(wire->end(), v->begin(), v->end());
+      outgoing.push_back(to.comm.isend(mv.to_rank(), wire->data(), wire->size() * sizeof(float), i, wire));
+    }
+    if (mv.to_rank() == to.rank && mv.from_rank() != to.rank) {
+      Incoming in{mv.layer(), mv.expert(), std::make_shared<ep::ExpertState>(), nullptr, 0};
+      in.state->resize(spec.hidden(), spec.ffn_hidden(), moments);
+      in.wire = std::make_shared<std::vector<float>>(in.state->floats());
+      in.id = to.comm.irecv(mv.from_rank(), in.wire->data(), in.wire->size() * sizeof(float), i, in.wire);
+      incoming.push_back(std::move(in));
+      moved_here.insert({mv.layer(), mv.expert()});
+    }
+  }
+  for (int l = 0; l < to.stack.num_layers(); ++l) {  // the experts this rank keeps
+    for (int s = 0; s < to.stack.map(l).slots_per_rank; ++s) {
+      const int e = to.stack.map(l).expert_at(to.rank, s);
+      if (e < 0 || moved_here.count({l, e})) continue;
+      const int o = old_slot(l, e);
+      MOE_CHECK(o >= 0, "world change: no source for expert ", e, " of layer ", l, " on rank ", to.rank);
+      ep::ExpertState st;
+      st.resize(spec.hidden(), spec.ffn_hidden(), moments);
+      from.stack.layer(l).export_slot(o, st);
+      to.stack.layer(l).import_slot(s, st);
+    }
+  }
+  const transport::Deadline until = deadline();
+  for (Incoming& in : incoming) {
+    while (!to.comm.test(in.id)) {
+      MOE_CHECK(transport::Clock::now() < until, "world change: expert ", in.expert, " of layer ", in.layer,
+                " did not arrive in time");
+      std::this_thread::yield();
+    }
+    size_t at = 0;
+    for (auto* v : {&in.state->weights, &in.state->m, &in.state->v}) {
+      std::copy(in.wire->begin() + at, in.wire->begin() + at + v->size(), v->begin());
+      at += v->size();
+    }
+    import_all(in.layer, in.expert, *in.state);
+  }
+  for (const auto id : outgoing)
+    while (!to.comm.test(id)) {
+      MOE_CHECK(transport::Clock::now() < until, "world change: an expert copy was not taken in time");
+      std::this_thread::yield();
+    }
+  to.comm.barrier(until);
 }
 
 }  // namespace moe::node

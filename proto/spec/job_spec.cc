@@ -49,6 +49,7 @@ v1::JobSpec with_defaults(v1::JobSpec s) {
   if (s.mode() == v1::JobSpec::MODE_UNSPECIFIED) s.set_mode(v1::JobSpec::forward);
   if (s.optimizer() == v1::JobSpec::OPTIMIZER_UNSPECIFIED) s.set_optimizer(v1::JobSpec::adam);
   if (s.skew().empty()) s.set_skew("uniform");
+  if (s.elastic_batch() == v1::JobSpec::ELASTIC_BATCH_UNSPECIFIED) s.set_elastic_batch(v1::JobSpec::global);
   return s;
 }
 

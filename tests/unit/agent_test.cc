@@ -113,7 +113,13 @@ struct Recorder : SchedulerActions {
   }
   void job_ended(const v1::JobResult& r) override { ended.push_back(r); }
   void step_completed(const std::string&, int step) override { completed_steps.push_back(step); }
+  void halt_world(const std::string&, int64_t epoch, const std::string&, const std::vector<int>& nodes) override {
+    halted.push_back({epoch, nodes});
+  }
+  void new_world(const v1::NewWorld& w, const std::vector<int>&) override { worlds.push_back(w); }
   std::vector<int> completed_steps;
+  std::vector<std::pair<int64_t, std::vector<int>>> halted;
+  std::vector<v1::NewWorld> worlds;
 };
 
 class SchedulerTest : public ::testing::Test {

@@ -1,5 +1,6 @@
 // The resume rule (docs/jobs.md#checkpoints-and-resume): a resumed job may change
-// only steps, checkpoint_*, the verify/dump fields and tokens_per_rank; any other
+// only steps, checkpoint_*, the verify/dump fields, tokens_per_rank, name, labels and
+// the node-loss policy (elastic, min_node_replicas, dead_node_timeout_ms); any other
 // field that differs from the checkpoint's spec is refused, naming the field. Every
 // field of JobSpec is tried, so a field added later is covered too.
 #include <gtest/gtest.h>
@@ -18,7 +19,8 @@ using google::protobuf::FieldDescriptor;
 
 const std::set<std::string> kMayDiffer = {"steps",  "checkpoint_dir", "checkpoint_every", "resume",
                                           "verify", "verify_step",    "dump_dir",         "dump_step",
-                                          "tokens_per_rank", "name", "labels"};
+                                          "tokens_per_rank", "name", "labels",
+                                          "elastic", "elastic_batch", "min_node_replicas", "dead_node_timeout_ms"};
 
 v1::JobSpec base() {
   v1::JobSpec s;

@@ -41,6 +41,8 @@ struct AgentOptions {
   std::chrono::milliseconds heartbeat_interval{250};
   std::chrono::milliseconds heartbeat_timeout{3000};
   std::chrono::milliseconds daemon_call_timeout{10000};
+  // HaltWorld (elastic jobs): a node that does not answer this fast is lost.
+  std::chrono::milliseconds halt_call_timeout{2000};
   // Steps of measured load per (shape, layer) (docs/placement.md#load-and-balancedness).
   int load_window = 32;
   RebalanceOptions rebalance;
@@ -109,6 +111,9 @@ class Agent : private SchedulerActions, private RebalanceActions {
   void cancel_job(const std::string& job_id, const std::string& reason, bool failed) override;
   void job_ended(const v1::JobResult& result) override;
   void step_completed(const std::string& job_id, int step) override;
+  void halt_world(const std::string& job_id, int64_t epoch, const std::string& reason,
+                  const std::vector<int>& nodes) override;
+  void new_world(const v1::NewWorld& world, const std::vector<int>& nodes) override;
 
   // RebalanceActions
   void prepare(const v1::PrepareRebalance& p) override;

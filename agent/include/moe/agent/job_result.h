@@ -3,6 +3,7 @@
 #pragma once
 
 #include <map>
+#include <set>
 #include <vector>
 
 #include "moe/v1/job_run.pb.h"
@@ -16,6 +17,10 @@ struct JobReports {
   int world = 0;
   std::map<int, std::vector<v1::StepStats>> steps;  // step -> by rank (world entries once all reported)
   std::vector<v1::Verify> verify;                   // by rank
+  // Steps an elastic job's world change declared whole though a lost rank's
+  // report is missing: they count with the reports present (the loss is whole
+  // in each, docs/jobs.md#elastic-jobs). Their ranks are numbered in their world.
+  std::set<int> whole;
 };
 
 // Fills rec's measured fields: steps_completed, tokens/s, step and phase

@@ -1,7 +1,8 @@
 // The agent's Prometheus metrics (docs/metrics.md#agent-metrics):
 // moe_placement_epoch{layer}, moe_placement_balancedness{layer},
 // moe_expert_replicas{layer,expert}, moe_expert_load{layer,expert},
-// moe_rebalances_total{result}, moe_rebalance_seconds, moe_nodes{state},
+// moe_rebalances_total{result}, moe_rebalance_seconds, moe_world_changes_total{cause},
+// moe_world_change_recovery_seconds, moe_nodes{state},
 // moe_jobs{state}, moe_build_info. Values are read from the Agent on its io thread
 // once a second.
 #pragma once

@@ -59,6 +59,11 @@ class PlacementService {
   // measured loads.
   std::vector<v1::PlacementMap> maps_for_resume(const v1::JobSpec& spec, const ShapeKey& shape,
                                                 const v1::CheckpointManifest& checkpoint);
+  // An elastic job's new world (docs/jobs.md#elastic-jobs): maps for `next`
+  // solved from the loads `old` measured (uniform where it measured none), with
+  // the fewest redundant slots the job's min_node_replicas needs on `next`,
+  // installed as `next`'s maps under a new epoch.
+  std::vector<v1::PlacementMap> maps_for_world(const v1::JobSpec& spec, const ShapeKey& old, const ShapeKey& next);
   // One complete step of a job: per layer, pairs per logical expert (summed
   // over ranks), pairs per rank, and the epoch the layer ran under.
   void record_step(const ShapeKey& shape, const std::vector<std::vector<double>>& expert,

@@ -57,6 +57,9 @@ class Rebalancer {
   void on_prepare_failed(int64_t epoch, const std::string& node, const std::string& error, Clock::time_point now);
   // The job ended (any state) while a rebalance of it was in flight.
   void on_job_ended(const std::string& job_id, const std::string& why, Clock::time_point now);
+  // An elastic job's world halted (docs/jobs.md#elastic-jobs): its rebalance in
+  // flight fails, since the ranks it names are gone.
+  void on_world_halted(const std::string& job_id, const std::string& why, Clock::time_point now);
   void tick(Clock::time_point now);
 
   // For metrics: rebalances by result, and the seconds of finished live ones.

@@ -20,6 +20,8 @@
 #include <deque>
 #include <map>
 #include <memory>
+#include <optional>
+#include <set>
 #include <string>
 #include <vector>
 
@@ -46,6 +48,9 @@ struct SchedulerOptions {
   std::chrono::milliseconds restored_job_timeout{33000};
   // The daemons' heartbeat interval: a job's dead_node_timeout_ms is at least 4 of them.
   std::chrono::milliseconds heartbeat_interval{250};
+  // An elastic job's world change fails when a surviving rank has not said what
+  // it applied this long after the halt (its node is alive but stuck).
+  std::chrono::milliseconds halt_timeout{20000};
 };
 
 // What the scheduler needs done outside itself.
@@ -61,6 +66,14 @@ class SchedulerActions {
   virtual void job_ended(const v1::JobResult& result) = 0;
   // Every rank reported this step of the running job (its load is recorded).
   virtual void step_completed(const std::string& job_id, int step) = 0;
+  // Elastic jobs (docs/jobs.md#elastic-jobs): stop world `epoch` of the job on
+  // these nodes (indices; their ranks keep their state and report RankHalted).
+  // A node that cannot be told comes back as Scheduler::on_halt_failed.
+  virtual void halt_world(const std::string& job_id, int64_t epoch, const std::string& reason,
+                          const std::vector<int>& nodes) = 0;
+  // Move the job's surviving nodes onto a new world (a failure comes back as
+  // Scheduler::on_start_failed).
+  virtual void new_world(const v1::NewWorld& world, const std::vector<int>& nodes) = 0;
 };
 
 // The job that runs, and what its ranks reported so far.
@@ -87,7 +100,33 @@ struct RunningJob {
   Clock::time_point restored_at;
   bool ending() const { return failed || cancelled; }
   bool awaiting_ranks() const;
+
+  // Elastic jobs (docs/jobs.md#elastic-jobs): the current world's number and
+  // nodes (indices, in rank order), each earlier world's nodes, and a world
+  // change in progress: from the halt until every survivor said what it applied.
+  int64_t world_epoch = 0;
+  std::vector<int> nodes;
+  struct PastWorld {
+    std::vector<int> nodes;
+    int next_step = 0;  // the step the next world resumed at: this world's steps end before it
+  };
+  std::map<int64_t, PastWorld> past_worlds;
+  struct Halt {
+    std::string kind;  // WorldChange.kind
+    std::string cause;
+    std::set<int> lost;                     // node indices
+    std::map<int, v1::RankHalted> halted;   // by rank of the halted world
+    Clock::time_point started;
+    double detection_seconds = 0;
+  };
+  std::optional<Halt> halt;
+  // The new world's first step is not complete yet: when it is, the change's
+  // recovery time is recorded (from this halt start).
+  std::optional<Clock::time_point> recovering_since;
 };
+
+// A job's data-plane key: 32 bytes from the kernel's CSPRNG (docs/transport.md#job-key).
+std::string new_data_plane_key();
 
 class Scheduler {
  public:
@@ -109,6 +148,10 @@ class Scheduler {
   const RunningJob* running() const { return running_.get(); }
   int queued() const { return static_cast<int>(queue_.size()); }
   std::map<v1::JobState, int> counts() const;  // every state present
+  // Elastic jobs' world changes since the start, by WorldChange.kind, and each
+  // one's recovery seconds (for the metrics).
+  const std::map<std::string, int>& world_changes() const { return world_changes_; }
+  const std::vector<double>& recovery_seconds() const { return recovery_seconds_; }
   static bool finished(v1::JobState s);
 
   // Starts the queue's head when every node is alive and idle.
@@ -121,8 +164,17 @@ class Scheduler {
   void on_rank_done(const v1::RankDone& d, Clock::time_point now);
   void on_start_failed(const std::string& job_id, const std::string& node, const std::string& error,
                        Clock::time_point now);
-  // A node stopped responding (why names it).
-  void on_node_dead(const std::string& why, Clock::time_point now);
+  // A node stopped responding (why names it; node: its index, -1 unknown).
+  void on_node_dead(const std::string& why, Clock::time_point now, int node = -1);
+  // Elastic jobs: a rank halted its world; a node could not be told to halt.
+  void on_rank_halted(const v1::RankHalted& h, Clock::time_point now);
+  void on_halt_failed(const std::string& job_id, int64_t epoch, int node, const std::string& error,
+                      Clock::time_point now);
+  // The rank `rank` of world `epoch` of the running job as the node's own
+  // numbering (node index x devices + local), which Membership counts.
+  int home_rank(int rank, int64_t epoch) const;
+  // "rank 3 (node node1)" in the running job's current world.
+  std::string describe_rank(int rank) const;
   // Grace and silence deadlines of the running job.
   void tick(Clock::time_point now);
   // A node (re-)registered, running `running_job` ("" for none). A job restored
@@ -148,6 +200,13 @@ class Scheduler {
   std::string after_restart(const std::string& why) const;
   void heard_from(int rank, Clock::time_point now);
   void finish(v1::JobState state, const std::string& message);
+  // Elastic (scheduler_elastic.cc).
+  bool elastic_running() const;
+  void node_lost(int node, const std::string& kind, const std::string& why, Clock::time_point now);
+  void begin_halt(const std::string& kind, const std::string& cause, std::set<int> lost, Clock::time_point now);
+  void try_new_world(Clock::time_point now);
+  void note_recovered(Clock::time_point now);
+  bool on_past_world_step(const v1::StepReport& r);
 
   SchedulerOptions opts_;
   Membership& members_;
@@ -157,6 +216,8 @@ class Scheduler {
   std::deque<std::string> queue_;
   int64_t next_job_ = 1;
   std::unique_ptr<RunningJob> running_;
+  std::map<std::string, int> world_changes_;
+  std::vector<double> recovery_seconds_;
 };
 
 }  // namespace moe::agent

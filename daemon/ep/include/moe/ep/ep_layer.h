@@ -129,8 +129,10 @@ class EpLayer {
   // After the step: the aux-loss-free bias update from global_counts() (every
   // rank applies the same counts, so the bias stays identical everywhere).
   void update_selection_bias(double rate);
-  // The selection bias in use (empty without one).
+  // The selection bias in use (empty without one), and a replacement for it
+  // (an elastic world change; empty: none).
   const std::vector<float>& selection_bias() const { return selection_bias_; }
+  void set_selection_bias(std::vector<float> bias);
 
   const int32_t* topk_idx() const { return router_.topk_idx(); }
   const int32_t* kept_idx() const { return router_.kept_idx(); }

@@ -7,6 +7,8 @@
 #pragma once
 
 #include <atomic>
+#include <condition_variable>
+#include <optional>
 #include <map>
 #include <functional>
 #include <memory>
@@ -64,13 +66,29 @@ class JobRunner {
   // Where the agent's PREPARE / COMMIT / ABORT go (docs/placement.md#live-rebalance).
   RebalanceMailbox& rebalance_mailbox() { return mailbox_; }
 
+  // Elastic jobs (docs/jobs.md#elastic-jobs). halt(): the agent stops world
+  // `epoch`: the ranks' transports of that world abort, and each rank reports
+  // what it applied. new_world(): the world the ranks move to (throws
+  // rpc::RpcError naming an epoch that is not newer, or ranks of other nodes).
+  void halt(int64_t epoch, const std::string& reason);
+  void new_world(const v1::NewWorld& next);
+  // Ranks: the world after `epoch` once the agent sent it; nullopt when the job
+  // was cancelled or failed first.
+  std::optional<v1::NewWorld> next_world(int64_t epoch);
+  // The in-process hub of this node's ranks in world `epoch`.
+  std::shared_ptr<transport::LocalHub> hub(int64_t epoch);
+
  private:
   void rank_main(int local);
   std::string cancel_reason() const;
 
   v1::StartJob job_;
   RunnerEnv env_;
-  std::shared_ptr<transport::LocalHub> hub_;
+  std::mutex world_mu_;
+  std::condition_variable world_cv_;
+  std::map<int64_t, std::shared_ptr<transport::LocalHub>> hubs_;  // by world epoch, guarded by world_mu_
+  std::vector<int> local_ranks_;                                   // in the newest world, guarded by world_mu_
+  std::optional<v1::NewWorld> next_;                               // guarded by world_mu_
   RebalanceMailbox mailbox_;
   std::unique_ptr<ReportSender> reports_;
   std::atomic<bool> cancel_{false};

@@ -46,6 +46,9 @@ class ModelStack {
   // After a step (train or forward): the aux-loss-free bias update of every layer
   // from the step's global counts, when bias_update_rate > 0.
   void update_selection_bias();
+  // Takes the last update_selection_bias back (an elastic forward job's world
+  // change resumes at a step this rank finished and another did not).
+  void undo_selection_bias();
 
   // Live rebalance (docs/placement.md#live-rebalance), at step boundaries every rank agreed on: stage()
   // starts filling the slots the new maps give this rank (and builds the
@@ -103,6 +106,7 @@ class ModelStack {
   std::vector<LayerSnapshot> snaps_;
   std::vector<std::vector<float>> loads_;
   kernels::OptimizerConfig opt_;
+  std::vector<std::vector<float>> bias_before_;  // per layer, before the last bias update
 };
 
 }  // namespace moe::node

@@ -1,8 +1,15 @@
-// One rank of one job: its pool, backend, communicators and model stack, and the
-// step loop. Cancellation and live rebalances are agreed on at step boundaries
-// (one all-reduce of the cancel flag and the rebalance votes), so every rank stops,
-// stages or switches before the same step. Every step is reported to the
-// agent; the covered step (docs/jobs.md#verify) is verified and dumped when asked.
+// One rank of one job: its pool, backend, and the world it runs on (communicators,
+// model stack, rebalance session), and the step loop. Cancellation and live
+// rebalances are agreed on at step boundaries (one all-reduce of the cancel flag
+// and the rebalance votes), so every rank stops, stages or switches before the
+// same step. Every step is reported to the agent; the covered step
+// (docs/jobs.md#verify) is verified and dumped when asked.
+//
+// An elastic job (docs/jobs.md#elastic-jobs) outlives its world: when a peer
+// fails or the agent halts the world, the rank keeps its state, tells the agent
+// what it applied (RankHalted), and when the agent's NewWorld comes it catches
+// up to the resume step, builds the new world's transports and stack, and moves
+// the expert states the new placement asks for from the old stack.
 #pragma once
 
 #include <functional>
@@ -12,6 +19,7 @@
 #include "moe/node/job_runner.h"
 #include "moe/node/model_stack.h"
 #include "moe/node/rebalance_session.h"
+#include "moe/node/step_report.h"
 #include "moe/rpc/client.h"
 #include "moe/transport/transport_factory.h"
 
@@ -20,54 +28,72 @@ namespace moe::node {
 // The transport bootstrap through the agent: publish our bytes, get everyone's.
 class AgentBootstrap final : public transport::Bootstrap {
  public:
-  AgentBootstrap(rpc::RpcClient& agent, std::string job_id, int rank)
-      : agent_(agent), job_id_(std::move(job_id)), rank_(rank) {}
+  AgentBootstrap(rpc::RpcClient& agent, std::string job_id, int rank, int64_t world_epoch)
+      : agent_(agent), job_id_(std::move(job_id)), rank_(rank), world_epoch_(world_epoch) {}
   std::vector<std::string> all_gather(const std::string& mine) override;
 
  private:
   rpc::RpcClient& agent_;
   std::string job_id_;
   int rank_;
+  int64_t world_epoch_;
 };
 
 class RankRun {
  public:
-  RankRun(const v1::StartJob& job, const RunnerEnv& env, int rank, std::shared_ptr<transport::LocalHub> hub,
-          rpc::RpcClient& agent, RebalanceMailbox& mailbox);
+  RankRun(const v1::StartJob& job, const RunnerEnv& env, int local, JobRunner& runner, rpc::RpcClient& agent);
+  ~RankRun();
 
   // Runs the steps (from the checkpoint's step when resuming) until done or a
-  // cancel agreed by every rank, writing checkpoints when due; returns the number
-  // of steps completed (counted from step 0).
+  // cancel agreed by every rank, writing checkpoints when due; an elastic job
+  // moves to each new world the agent sends. Returns the number of steps
+  // completed (counted from step 0).
   int run(const std::function<bool()>& cancel_requested);
-  // The job failed elsewhere (the agent said so): a wait on the device transport
-  // fails now with `why` instead of at its deadline. Thread-safe.
-  void abort_transport(const std::string& why);
+  // The job failed elsewhere, or (elastic) the agent halts world `epoch` (-1:
+  // whichever): a wait on this rank's transports fails now with `why` instead of
+  // at its deadline. Thread-safe.
+  void abort_transport(const std::string& why, int64_t epoch = -1);
   const v1::Verify& verification() const { return verify_; }
+  int rank() const;  // in the current world
+  int64_t world_epoch() const;
 
  private:
+  struct World;
   transport::Deadline deadline() const { return transport::deadline_in(env_.transport_timeout); }
+  // The steps of the current world, until done or cancelled.
+  int run_world(const std::function<bool()>& cancel_requested);
   // The step's own collective: one all-reduce carries the cancel flag and every
   // rank's rebalance vote, so every rank acts before the same step. True: stop.
   bool agree_and_act(bool cancel_requested, int step);
   void run_step(int step);
   std::string nonfinite(const StepReport& report) const;
-  void agree_finite(int step, const std::string& what);
+  void agree(int step, const std::string& nonfinite_here, StepReport& report);
+  void finish_step(int step, StepReport& report);
   bool checkpoint_due(int steps_done) const;
+  // Elastic: the world failed; tell the agent what this rank applied.
+  void report_halted(const std::string& why, int failed_peer);
+  // Elastic: catch up (or back) to the new world's resume step, then move onto it.
+  void enter(const v1::NewWorld& next);
+  void catch_up(int resume_step);
+  void move_experts(World& from, World& to, const v1::NewWorld& next);
 
   const v1::StartJob& job_;
-  const v1::JobSpec& spec_;
   const RunnerEnv& env_;
-  const int rank_;
   const int local_;  // the rank's device on this node
+  JobRunner& runner_;
+  rpc::RpcClient& agent_;
   kernels::ThreadPool pool_;
   std::unique_ptr<kernels::Backend> backend_;
-  AgentBootstrap boot_;
-  transport::RankTransports transports_;  // host, and the backend's memory (null: host)
-  transport::Communicator& comm_;         // transports_.host: control, counts, copies
-  ModelStack stack_;
-  RebalanceSession rebalance_;
+  mutable std::mutex world_mu_;  // world_'s pointer, against abort_transport
+  std::unique_ptr<World> world_;
   v1::Verify verify_;
-  int first_step_ = 0;  // a resumed run's first step
+  int first_step_ = 0;        // a resumed run's first step
+  int world_first_step_ = 0;  // the current world's
+  // What this rank applied, for RankHalted: steps whose optimizer (train) or bias
+  // update (forward) ran, and whether it holds the next one's reduced gradients.
+  int applied_ = 0;
+  bool pending_ = false;
+  std::optional<StepReport> pending_report_;  // that step's report, sent once applied
 };
 
 }  // namespace moe::node

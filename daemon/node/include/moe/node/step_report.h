@@ -28,6 +28,13 @@ class StepReport {
   void set_teacher_seconds(double s) { stats_.mutable_phase_seconds()->set_teacher(s); }
   void set_inputs_seconds(double s) { stats_.mutable_phase_seconds()->set_inputs(s); }
   void set_step_seconds(double s) { stats_.set_step_seconds(s); }
+  void set_world_epoch(int64_t e) { stats_.set_world_epoch(e); }
+  // The step's losses over every rank (the agreement after the backward).
+  void set_job_losses(double loss, double aux, double z) {
+    stats_.set_job_loss(loss);
+    stats_.set_job_aux_loss(aux);
+    stats_.set_job_z_loss(z);
+  }
 
   const v1::StepStats& stats() const { return stats_; }
   // Records the step in the daemon's metrics (m may be null).

@@ -1,0 +1,199 @@
+// The scheduler's side of elastic jobs (docs/jobs.md#elastic-jobs): a lost node,
+// or a rank whose world failed, halts the job's world; once every surviving rank
+// said what it applied, the agent decides the new world (world_change.h), places
+// the experts on it and moves the survivors there.
+#include <algorithm>
+
+#include "moe/agent/scheduler.h"
+#include "moe/agent/world_change.h"
+#include "moe/base/check.h"
+#include "moe/base/clock.h"
+#include "moe/base/log.h"
+
+namespace moe::agent {
+namespace {
+
+double seconds(Clock::duration d) { return std::chrono::duration<double>(d).count(); }
+
+}  // namespace
+
+bool Scheduler::elastic_running() const {
+  return running_ && running_->reports.spec.elastic() && !running_->ending();
+}
+
+int Scheduler::home_rank(int rank, int64_t epoch) const {
+  if (!running_ || rank < 0) return rank;
+  const int D = members_.devices_per_node();
+  const std::vector<int>* nodes = &running_->nodes;
+  if (epoch != running_->world_epoch) {
+    const auto it = running_->past_worlds.find(epoch);
+    if (it == running_->past_worlds.end()) return rank;
+    nodes = &it->second.nodes;
+  }
+  const size_t pos = static_cast<size_t>(rank / D);
+  return pos < nodes->size() ? (*nodes)[pos] * D + rank % D : rank;
+}
+
+std::string Scheduler::describe_rank(int rank) const {
+  if (!running_ || running_->world_epoch == 0) return members_.describe_rank(rank);
+  const int D = members_.devices_per_node();
+  const size_t pos = static_cast<size_t>(rank / D);
+  if (rank < 0 || pos >= running_->nodes.size()) return "rank " + std::to_string(rank);
+  return "rank " + std::to_string(rank) + " (node " + members_.nodes()[running_->nodes[pos]].name + ")";
+}
+
+void Scheduler::node_lost(int node, const std::string& kind, const std::string& why, Clock::time_point now) {
+  RunningJob& job = *running_;
+  if (std::find(job.nodes.begin(), job.nodes.end(), node) == job.nodes.end()) return;  // not in this world
+  if (!job.halt) return begin_halt(kind, why, {node}, now);
+  if (!job.halt->lost.insert(node).second) return;
+  job.halt->detection_seconds =
+      std::max(job.halt->detection_seconds, seconds(job.halt->started - members_.nodes()[node].last_heartbeat));
+  log::warn("job ", job.id, ": ", why, ": it leaves the job's world");
+  try_new_world(now);
+}
+
+void Scheduler::on_rank_halted(const v1::RankHalted& h, Clock::time_point now) {
+  if (!elastic_running() || running_->id != h.job_id() || h.world_epoch() != running_->world_epoch) return;
+  if (h.rank() < 0 || h.rank() >= running_->reports.world) return;
+  running_->last_report = now;
+  if (!running_->halt) {
+    const bool blames = h.has_failed_peer() && h.failed_peer() >= 0 && h.failed_peer() != h.rank();
+    begin_halt("peer_failed", blames ? describe_rank(h.failed_peer()) + " failed (reported by " + describe_rank(h.rank()) +
+                            "): " + h.message()
+                      : describe_rank(h.rank()) + ": " + h.message(),
+               {}, now);
+  }
+  running_->halt->halted[h.rank()] = h;
+  try_new_world(now);
+}
+
+void Scheduler::on_halt_failed(const std::string& job_id, int64_t epoch, int node, const std::string& error,
+                               Clock::time_point now) {
+  if (!elastic_running() || running_->id != job_id || epoch != running_->world_epoch || !running_->halt) return;
+  node_lost(node, "peer_failed", members_.describe_node(members_.nodes()[node]) + " cannot be reached (" + error + ")",
+            now);
+}
+
+// Every node of the world stops it; a node already known lost is not asked.
+void Scheduler::begin_halt(const std::string& kind, const std::string& cause, std::set<int> lost,
+                           Clock::time_point now) {
+  RunningJob& job = *running_;
+  job.halt = RunningJob::Halt{.kind = kind, .cause = cause, .lost = std::move(lost), .halted = {}, .started = now};
+  for (int n : job.halt->lost)
+    job.halt->detection_seconds = std::max(job.halt->detection_seconds, seconds(now - members_.nodes()[n].last_heartbeat));
+  log::warn("job ", job.id, ": world ", job.world_epoch, " halts: ", cause);
+  std::vector<int> told;
+  for (int n : job.nodes)
+    if (!job.halt->lost.count(n)) told.push_back(n);
+  actions_.halt_world(job.id, job.world_epoch, cause, told);
+  try_new_world(now);
+}
+
+// Once every node of the halted world is lost or has all of its ranks' reports:
+// the new world, its maps and moves, and the job's record of the change.
+void Scheduler::try_new_world(Clock::time_point now) {
+  RunningJob& job = *running_;
+  const RunningJob::Halt& h = *job.halt;
+  const int D = members_.devices_per_node();
+  for (size_t pos = 0; pos < job.nodes.size(); ++pos) {
+    if (h.lost.count(job.nodes[pos])) continue;
+    for (int d = 0; d < D; ++d)
+      if (!h.halted.count(static_cast<int>(pos) * D + d)) return;
+  }
+  WorldChangeInput in{.spec = job.reports.spec,
+                      .devices_per_node = D,
+                      .tokens_per_rank = job.reports.spec.tokens_per_rank(),
+                      .nodes = job.nodes,
+                      .lost = h.lost,
+                      .halted = h.halted,
+                      .old_maps = {},
+                      .node_names = {}};
+  if (const auto* maps = placement_.maps(job.shape)) in.old_maps = *maps;
+  for (const NodeRecord& n : members_.nodes()) in.node_names.push_back(n.name);
+  WorldChangePlan plan;
+  ShapeKey shape = job.shape;
+  std::vector<v1::ExpertMove> moves;
+  std::vector<v1::PlacementMap> maps;
+  try {
+    plan = plan_world(in);
+    shape.nodes = static_cast<int>(plan.nodes.size());
+    maps = placement_.maps_for_world(job.reports.spec, job.shape, shape);
+    moves = expert_moves(in, plan, maps);
+  } catch (const moe::Error& e) {
+    return fail_running("elastic: " + std::string(e.what()) + " (world " + std::to_string(job.world_epoch) +
+                            " halted: " + h.cause + ")",
+                        now);
+  }
+  v1::NewWorld& w = plan.world;
+  w.set_job_id(job.id);
+  w.set_world_epoch(job.world_epoch + 1);
+  for (auto& m : maps) *w.add_maps() = std::move(m);
+  for (auto& mv : moves) *w.add_moves() = std::move(mv);
+  w.set_data_plane_key(new_data_plane_key());
+
+  v1::JobResult& rec = jobs_.at(job.id);
+  v1::WorldChange& c = *rec.add_world_changes();
+  c.set_world_epoch(w.world_epoch());
+  c.set_step(w.resume_step());
+  c.set_old_world(job.reports.world);
+  c.set_new_world(w.world_size());
+  c.set_cause(h.cause);
+  c.set_kind(h.kind);
+  ++world_changes_[h.kind];
+  for (int n : h.lost) c.add_lost_nodes(members_.nodes()[n].name);
+  c.set_detection_seconds(h.detection_seconds);
+  c.set_experts_from_replicas(w.moves_size());
+  c.set_steps_recomputed(plan.steps_recomputed);
+  c.set_tokens_per_rank(w.tokens_per_rank());
+  c.set_unix_ms(unix_ms());
+  log::warn("job ", job.id, ": world ", w.world_epoch(), " of ", w.world_size(), " ranks (was ", job.reports.world,
+            ") resumes at step ", w.resume_step(), ", ", w.moves_size(), " expert state(s) from replicas, ",
+            w.tokens_per_rank(), " tokens per rank");
+
+  // The running job moves onto the new world. Steps before the resume step are
+  // whole (a lost rank's report of one may never come: its loss is in every
+  // survivor's report); the rest run again.
+  job.past_worlds[job.world_epoch] = {job.nodes, w.resume_step()};
+  job.nodes = plan.nodes;
+  job.world_epoch = w.world_epoch();
+  job.shape = shape;
+  job.reports.spec.set_tokens_per_rank(w.tokens_per_rank());
+  job.reports.world = w.world_size();
+  job.reports.verify.assign(w.world_size(), {});
+  job.done.assign(w.world_size(), false);
+  job.done_count = 0;
+  job.reports.steps.erase(job.reports.steps.lower_bound(w.resume_step()), job.reports.steps.end());
+  for (const auto& [step, by_rank] : job.reports.steps) job.reports.whole.insert(step);
+  job.steps_recorded = std::max(job.steps_recorded, w.resume_step());
+  rec.set_steps_completed(std::max(rec.steps_completed(), static_cast<double>(w.resume_step())));
+  job.recovering_since = h.started;
+  job.halt.reset();
+  actions_.new_world(w, job.nodes);
+}
+
+// The new world completed its first step: the change's recovery time.
+void Scheduler::note_recovered(Clock::time_point now) {
+  v1::JobResult& rec = jobs_.at(running_->id);
+  const double took = seconds(now - *running_->recovering_since);
+  if (rec.world_changes_size() > 0) rec.mutable_world_changes(rec.world_changes_size() - 1)->set_recovery_seconds(took);
+  recovery_seconds_.push_back(took);
+  running_->recovering_since.reset();
+}
+
+// A report from an earlier world: a survivor's step it applied on its way to
+// the new world (kept beside the step's other reports), or a step that will run
+// again (dropped). True when kept.
+bool Scheduler::on_past_world_step(const v1::StepReport& r) {
+  const auto past = running_->past_worlds.find(r.stats().world_epoch());
+  if (past == running_->past_worlds.end() || r.stats().step() >= past->second.next_step) return false;
+  const int world = static_cast<int>(past->second.nodes.size()) * members_.devices_per_node();
+  if (r.rank() < 0 || r.rank() >= world) return false;
+  auto& by_rank = running_->reports.steps[r.stats().step()];
+  by_rank.resize(std::max<size_t>(by_rank.size(), world));
+  by_rank[r.rank()] = r.stats();
+  running_->reports.whole.insert(r.stats().step());
+  return true;
+}
+
+}  // namespace moe::agent

@@ -1,0 +1,155 @@
+// Elastic jobs (docs/jobs.md#elastic-jobs) through moectl against real processes
+// killed with SIGKILL: a job goes on on the surviving nodes from the step in
+// flight, its lost experts taken from their replicas, and its loss curve is the
+// uninterrupted job's; without a surviving copy it fails naming the experts.
+#include <gtest/gtest.h>
+#include <signal.h>
+
+#include <chrono>
+#include <string>
+#include <vector>
+
+#include "local_cluster.h"
+#include "process.h"
+
+namespace moe::test {
+namespace {
+
+using namespace std::chrono_literals;
+using Args = std::vector<std::string>;
+
+Args with(Args a, const Args& b) {
+  a.insert(a.end(), b.begin(), b.end());
+  return a;
+}
+
+// A train job whose steps take long enough to kill a node mid-job on 2 cores.
+const Args kTrain = {"--mode", "train", "--experts", "16", "--top-k", "4", "--hidden", "128", "--ffn-hidden", "128",
+                     "--tokens-per-rank", "128", "--skew", "zipf:1.2", "--seed", "7", "--optimizer", "adam",
+                     "--dead-node-timeout-ms", "1000"};
+
+pid_t node_pid(const Cluster& c, const std::string& node) {
+  return std::stoi(read_text_file(c.dir() / "pids" / (node + ".pid")));
+}
+
+std::string submit(const Cluster& c, const Args& args) {
+  const auto [rc, out] = c.ctl(with({"job", "submit"}, args));
+  EXPECT_EQ(rc, 0) << out;
+  return out.substr(0, out.find('\n'));
+}
+
+v1::JobResult run_to_end(const Cluster& c, const Args& args) {
+  const auto [rc, out] = c.ctl(with({"--output", "json", "job", "submit", "--wait"}, args), 180s);
+  EXPECT_EQ(rc, 0) << out << c.logs();
+  return parse_result(out);
+}
+
+// Waits until job `id` completed `step` steps, then SIGKILLs `node`.
+void kill_at_step(const Cluster& c, const std::string& id, int step, const std::string& node) {
+  ASSERT_TRUE(poll_until([&] { return c.job(id).progress().step() >= step; }, 120s)) << c.logs();
+  ASSERT_EQ(::kill(node_pid(c, node), SIGKILL), 0);
+}
+
+v1::JobResult wait_for(const Cluster& c, const std::string& id, int want_rc) {
+  const auto [rc, out] = c.ctl({"--output", "json", "job", "wait", id}, 180s);
+  EXPECT_EQ(rc, want_rc) << out << c.logs();
+  return parse_result(out);
+}
+
+void expect_same_curve(const v1::JobResult& got, const v1::JobResult& want) {
+  ASSERT_EQ(got.loss_size(), want.loss_size());
+  for (int i = 0; i < got.loss_size(); ++i) EXPECT_NEAR(got.loss(i), want.loss(i), 1e-5 * want.loss(i)) << "step " << i;
+}
+
+// The first case: 2x2, E=16, K=4, zipf, Adam, every expert on both
+// nodes, the global batch kept; node1 killed at step 30 of 60.
+TEST(Elastic, ATrainJobLosesANodeAndKeepsItsLossCurve) {
+  Cluster c(2, 2);
+  ASSERT_TRUE(c.up());
+  const Args job = with(kTrain, {"--steps", "60", "--min-node-replicas", "2"});
+  const v1::JobResult plain = run_to_end(c, job);
+  const std::string id = submit(c, with(job, {"--elastic"}));
+  kill_at_step(c, id, 30, "node1");
+  const v1::JobResult r = wait_for(c, id, 0);
+  EXPECT_EQ(r.state(), v1::JOB_STATE_SUCCEEDED) << r.message();
+  EXPECT_EQ(r.steps_completed(), 60);
+  expect_same_curve(r, plain);
+  ASSERT_EQ(r.world_changes_size(), 1) << c.logs();
+  const v1::WorldChange& w = r.world_changes(0);
+  EXPECT_EQ(w.old_world(), 4);
+  EXPECT_EQ(w.new_world(), 2);
+  EXPECT_EQ(w.tokens_per_rank(), 256);  // the global batch kept
+  ASSERT_EQ(w.lost_nodes_size(), 1);
+  EXPECT_EQ(w.lost_nodes(0), "node1");
+  EXPECT_GE(w.step(), 30);
+  EXPECT_GT(w.experts_from_replicas(), 0);
+  EXPECT_LE(w.detection_seconds(), 1.0);
+  EXPECT_GT(w.recovery_seconds(), 0.0);
+  EXPECT_LE(w.recovery_seconds(), 5.0);
+  // What the user reads, and what Prometheus scrapes.
+  const auto [rc, text] = c.ctl({"job", "status", id});
+  EXPECT_NE(text.find("world changes"), std::string::npos) << text;
+  EXPECT_NE(text.find("node1"), std::string::npos) << text;
+  const std::string kind = "moe_world_changes_total{cause=\"" + w.kind() + "\"}";
+  ASSERT_TRUE(poll_until([&] { return series_value(scrape(c.status().agent_metrics_address()), kind) == 1; }, 10s))
+      << kind << " in\n" << scrape(c.status().agent_metrics_address());
+  EXPECT_TRUE(poll_until(  // the agent refreshes its metrics once a second
+      [&] { return series_value(scrape(c.status().agent_metrics_address()), "moe_world_change_recovery_seconds_count") == 1; },
+      10s))
+      << scrape(c.status().agent_metrics_address());
+}
+
+// Without a surviving copy the job cannot go on: it fails at once, naming the
+// experts and where they lived.
+TEST(Elastic, WithoutReplicasTheJobFailsNamingTheLostExperts) {
+  Cluster c(2, 2);
+  ASSERT_TRUE(c.up());
+  const std::string id = submit(c, with(kTrain, {"--steps", "1000000", "--elastic"}));
+  kill_at_step(c, id, 5, "node1");
+  const auto killed = std::chrono::steady_clock::now();
+  const v1::JobResult r = wait_for(c, id, 1);
+  EXPECT_LT(std::chrono::steady_clock::now() - killed, 2s);
+  EXPECT_EQ(r.state(), v1::JOB_STATE_FAILED);
+  EXPECT_NE(r.message().find("experts lost with no surviving copy: layer 0: expert(s) "), std::string::npos)
+      << r.message();
+  EXPECT_NE(r.message().find("(only on node node1)"), std::string::npos) << r.message();
+}
+
+// 3x1 losing two nodes in turn: 3 ranks, then 2, then 1, the curve unchanged.
+TEST(Elastic, ATrainJobLosesTwoNodesInTurn) {
+  Cluster c(3, 1);
+  ASSERT_TRUE(c.up());
+  const Args job = with(kTrain, {"--steps", "60", "--min-node-replicas", "2", "--experts", "12", "--top-k", "2"});
+  const v1::JobResult plain = run_to_end(c, job);
+  const std::string id = submit(c, with(job, {"--elastic"}));
+  kill_at_step(c, id, 15, "node1");
+  ASSERT_TRUE(poll_until([&] { return c.job(id).world_changes_size() == 1; }, 30s)) << c.logs();
+  kill_at_step(c, id, 35, "node2");
+  const v1::JobResult r = wait_for(c, id, 0);
+  EXPECT_EQ(r.steps_completed(), 60);
+  expect_same_curve(r, plain);
+  ASSERT_EQ(r.world_changes_size(), 2) << c.logs();
+  EXPECT_EQ(r.world_changes(0).new_world(), 2);
+  EXPECT_EQ(r.world_changes(1).new_world(), 1);
+  EXPECT_EQ(r.world_changes(1).tokens_per_rank(), 384);
+}
+
+// A forward job: the same protocol, no optimizer state (its experts are the
+// spec's); the selection bias moves on every step and carries over.
+TEST(Elastic, AForwardJobLosesANode) {
+  Cluster c(2, 1);
+  ASSERT_TRUE(c.up());
+  const Args job = {"--experts", "8", "--top-k", "2", "--hidden", "256", "--ffn-hidden", "256", "--tokens-per-rank",
+                    "256", "--steps", "60", "--skew", "zipf:1.2", "--bias-update-rate", "0.001", "--elastic",
+                    "--dead-node-timeout-ms", "1000"};
+  const std::string id = submit(c, job);
+  kill_at_step(c, id, 20, "node1");
+  const v1::JobResult r = wait_for(c, id, 0);
+  EXPECT_EQ(r.steps_completed(), 60);
+  ASSERT_EQ(r.world_changes_size(), 1) << c.logs();
+  EXPECT_EQ(r.world_changes(0).new_world(), 1);
+  EXPECT_EQ(r.world_changes(0).experts_from_replicas(), 0);
+}
+
+}  // namespace
+}  // namespace moe::test
