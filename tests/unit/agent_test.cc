@@ -479,3 +479,111 @@ TEST(AutoRebalanceGate, OnlyBelowTheThresholdForAGainOfAtLeastMinGainWithSomethi
 
 }  // namespace
 }  // namespace moe::agent
+
+namespace moe::agent {
+namespace {
+
+// docs/jobs.md#elastic-jobs: a dead node of an elastic job halts its world; once
+// every surviving rank said what it applied the agent sends the new world (the
+// ranks renumbered, the batch kept, the moves from replicas), steps go on under
+// its epoch, a late report of the old world's last step completes it, and the
+// job ends on the new world's ranks, recording the change.
+TEST_F(SchedulerTest, AnElasticJobMovesToTheSurvivorsWhenANodeDies) {
+  add_nodes(2, 2);
+  v1::JobSpec s = spec(8);
+  s.set_mode(v1::JobSpec::train);
+  s.set_elastic(true);
+  s.set_min_node_replicas(2);
+  s.set_steps(6);
+  const std::string id = scheduler.submit(s).job_id();
+  scheduler.try_start(now);
+  ASSERT_EQ(rec.started.size(), 1u);
+  report_steps(id, 4, 3);
+  scheduler.on_node_dead("node node1 (ranks 2-3) stopped responding", now, 1);
+  ASSERT_EQ(rec.halted.size(), 1u);
+  EXPECT_EQ(rec.halted[0], (std::pair<int64_t, std::vector<int>>{0, {0}}));
+  EXPECT_TRUE(rec.worlds.empty()) << "no survivor has reported yet";
+  for (int r = 0; r < 2; ++r) {
+    v1::RankHalted h;
+    h.set_job_id(id);
+    h.set_rank(r);
+    h.set_applied_steps(r == 0 ? 4 : 3);  // rank 1 reached step 3's agreement: it applies it
+    h.set_pending(r == 1);
+    for (int l = 0; l < 2; ++l) {
+      auto* layer = h.add_hosted();
+      const std::vector<bool> on = spec::from_proto(rec.started[0].maps(l)).hosted(r);
+      for (size_t e = 0; e < on.size(); ++e)
+        if (on[e]) layer->add_experts(static_cast<int>(e));
+    }
+    scheduler.on_rank_halted(h, now);
+  }
+  ASSERT_EQ(rec.worlds.size(), 1u);
+  const v1::NewWorld& w = rec.worlds[0];
+  EXPECT_EQ(w.world_epoch(), 1);
+  EXPECT_EQ(w.world_size(), 2);
+  EXPECT_EQ(w.resume_step(), 4);
+  EXPECT_EQ(w.tokens_per_rank(), 8);
+  EXPECT_EQ(std::vector<int>(w.new_rank().begin(), w.new_rank().end()), (std::vector<int>{0, 1, -1, -1}));
+  EXPECT_EQ(w.maps_size(), 2);
+  // Rank 0's report of step 3 came before the change; rank 1's comes from the
+  // old world after it (it applied the step on its way), node1's never.
+  v1::StepReport late;
+  late.set_job_id(id);
+  late.set_rank(1);
+  late.mutable_stats()->set_step(3);
+  late.mutable_stats()->set_step_seconds(0.1);
+  scheduler.on_step(late, now);
+  for (int step = 4; step < 6; ++step)
+    for (int r = 0; r < 2; ++r) {
+      v1::StepReport sr;
+      sr.set_job_id(id);
+      sr.set_rank(r);
+      sr.mutable_stats()->set_step(step);
+      sr.mutable_stats()->set_step_seconds(0.1);
+      sr.mutable_stats()->set_world_epoch(1);
+      scheduler.on_step(sr, now + 1s);
+    }
+  for (int r = 0; r < 2; ++r) {
+    v1::RankDone d = done(id, r);
+    d.set_world_epoch(1);
+    members.rank_done(id, scheduler.home_rank(r, 1));
+    scheduler.on_rank_done(d, now + 1s);
+  }
+  const v1::JobResult& j = scheduler.record(id);
+  EXPECT_EQ(j.state(), v1::JOB_STATE_SUCCEEDED) << j.message();
+  EXPECT_EQ(j.steps_completed(), 6);
+  ASSERT_EQ(j.world_changes_size(), 1);
+  EXPECT_EQ(j.world_changes(0).lost_nodes(0), "node1");
+  EXPECT_EQ(j.world_changes(0).kind(), "node_dead");
+  EXPECT_DOUBLE_EQ(j.world_changes(0).recovery_seconds(), 1.0);
+  EXPECT_EQ(scheduler.world_changes().at("node_dead"), 1);
+}
+
+// A rank of a world the job left (a node that woke after it was declared lost)
+// is fenced: its RankDone and halts change nothing.
+TEST_F(SchedulerTest, AnElasticJobIgnoresTheOldWorldsRanks) {
+  add_nodes(2, 1);
+  v1::JobSpec s = spec(8);
+  s.set_elastic(true);
+  const std::string id = scheduler.submit(s).job_id();
+  scheduler.try_start(now);
+  scheduler.on_node_dead("node node1 stopped responding", now, 1);
+  v1::RankHalted h;
+  h.set_job_id(id);
+  h.set_rank(0);
+  h.set_applied_steps(0);
+  h.add_hosted()->add_experts(0);
+  h.add_hosted()->add_experts(0);
+  scheduler.on_rank_halted(h, now);
+  ASSERT_EQ(rec.worlds.size(), 1u);
+  v1::RankDone stale = done(id, 1, false);  // node1's rank 1 of world 0
+  stale.set_message("all_to_all_v: rank 0 failed");
+  scheduler.on_rank_done(stale, now);
+  EXPECT_EQ(scheduler.record(id).state(), v1::JOB_STATE_RUNNING);
+  h.set_rank(1);
+  scheduler.on_rank_halted(h, now);
+  EXPECT_EQ(rec.halted.size(), 1u);
+}
+
+}  // namespace
+}  // namespace moe::agent
