@@ -163,12 +163,15 @@ rpc::awaitable<v1::Envelope> Agent::on_bootstrap(const v1::BootstrapPublish& p, 
   scheduler_.on_activity(id, Clock::now());
   bootstrap_event_.notify_all();
   const int64_t epoch = p.world_epoch();
-  auto superseded = [&] { return relay_.epoch() != epoch; };
+  auto superseded = [&] {
+    const RunningJob* job = scheduler_.running();
+    return relay_.epoch() != epoch || (job && job->halt && job->world_epoch == epoch);
+  };
   while (!ended() && !superseded() && !relay_.complete() && Clock::now() < ctx.deadline)
     co_await bootstrap_event_.wait(ctx.deadline);
   if (!ended() && superseded())
     throw RpcError(v1::ERROR_CODE_FAILED_PRECONDITION,
-                   "job " + id + ": world " + std::to_string(epoch) + " was replaced during its transport bootstrap");
+                   "job " + id + ": world " + std::to_string(epoch) + " halted during its transport bootstrap");
   if (ended()) {
     const RunningJob* job = scheduler_.running();
     throw RpcError(v1::ERROR_CODE_FAILED_PRECONDITION,
@@ -427,6 +430,7 @@ void Agent::cancel_job(const std::string& job_id, const std::string& reason, boo
 void Agent::halt_world(const std::string& job_id, int64_t epoch, const std::string& reason,
                        const std::vector<int>& nodes) {
   rebalancer_.on_world_halted(job_id, reason, Clock::now());
+  bootstrap_event_.notify_all();  // a bootstrap of the halted world ends
   v1::Envelope req;
   req.mutable_halt_world()->set_job_id(job_id);
   req.mutable_halt_world()->set_world_epoch(epoch);
@@ -446,26 +450,32 @@ void Agent::halt_world(const std::string& job_id, int64_t epoch, const std::stri
   }
 }
 
-void Agent::new_world(const v1::NewWorld& world, const std::vector<int>& nodes) {
+void Agent::new_world(const v1::NewWorld& world, const std::vector<int>& nodes, const v1::StartJob& join,
+                      const std::vector<int>& joining) {
   relay_.begin(world.job_id(), world.world_size(), world.world_epoch());
   bootstrap_event_.notify_all();  // publishes for the old world end
   job_event_.notify_all();
   persist();
-  v1::Envelope req;
+  v1::Envelope req, start;
   *req.mutable_new_world() = world;
-  for (const int index : nodes) {
-    const NodeRecord& n = members_.nodes()[index];
-    const std::string id = world.job_id(), name = n.name;
-    outbound_->post(n.control_address, [this, req, id, name](rpc::RpcClient& daemon) {
-      try {
-        daemon.call(req, opts_.daemon_call_timeout);
-      } catch (const std::exception& e) {
-        const std::string error = std::string("moving to world ") + std::to_string(req.new_world().world_epoch()) +
-                                  ": " + e.what();
-        rpc::asio::post(io_, [this, id, name, error] { scheduler_.on_start_failed(id, name, error, Clock::now()); });
-      }
-    });
-  }
+  *start.mutable_start_job() = join;
+  for (const int index : joining) nodes_told(index, start, world);
+  for (const int index : nodes) nodes_told(index, req, world);
+}
+
+// NewWorld to a survivor, or StartJob with join to a joining node.
+void Agent::nodes_told(int index, const v1::Envelope& req, const v1::NewWorld& world) {
+  const NodeRecord& n = members_.nodes()[index];
+  const std::string id = world.job_id(), name = n.name;
+  const std::string what = "moving to world " + std::to_string(world.world_epoch()) + ": ";
+  outbound_->post(n.control_address, [this, req, id, name, what](rpc::RpcClient& daemon) {
+    try {
+      daemon.call(req, opts_.daemon_call_timeout);
+    } catch (const std::exception& e) {
+      const std::string error = what + e.what();
+      rpc::asio::post(io_, [this, id, name, error] { scheduler_.on_start_failed(id, name, error, Clock::now()); });
+    }
+  });
 }
 
 void Agent::job_ended(const v1::JobResult& result) {

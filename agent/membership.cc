@@ -68,8 +68,9 @@ std::vector<int> Membership::expire(Clock::time_point now, Clock::duration timeo
   return dead;
 }
 
-void Membership::mark_busy(const std::string& job_id) {
+void Membership::mark_busy(const std::string& job_id, int node) {
   for (NodeRecord& n : nodes_) {
+    if (node >= 0 && n.index != node) continue;
     n.busy_job = job_id;
     n.busy_ranks.clear();
     for (int i = 0; i < devices_per_node_; ++i) n.busy_ranks.insert(n.index * devices_per_node_ + i);

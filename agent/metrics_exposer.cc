@@ -41,7 +41,7 @@ struct MetricsExposer::Impl {
     world_changes = &BuildCounter().Name("moe_world_changes_total")
                          .Help("Elastic jobs' changes of world (a node lost, docs/jobs.md#elastic-jobs) by cause")
                          .Register(*registry);
-    for (const char* kind : {"peer_failed", "node_dead", "node_restarted"}) world_changes->Add({{"cause", kind}});
+    for (const char* kind : {"peer_failed", "node_dead", "node_restarted", "node_joined"}) world_changes->Add({{"cause", kind}});
     recovery_seconds = &BuildHistogram()
                             .Name("moe_world_change_recovery_seconds")
                             .Help("An elastic job's halt to the new world's first complete step")

@@ -53,6 +53,25 @@ void Scheduler::node_lost(int node, const std::string& kind, const std::string& 
   try_new_world(now);
 }
 
+// A node outside the job's world registered idle: the world halts at once
+// (the step in flight is abandoned or rolled forward, as for a loss) and the
+// new one takes it in.
+void Scheduler::node_joins(const NodeRecord& node, Clock::time_point now) {
+  RunningJob& job = *running_;
+  if (job.halt) {
+    job.halt->joining.insert(node.index);
+    return try_new_world(now);
+  }
+  job.halt = RunningJob::Halt{.kind = "node_joined",
+                              .cause = members_.describe_node(node) + " registered: it joins the job",
+                              .lost = {},
+                              .joining = {node.index},
+                              .halted = {},
+                              .started = now};
+  log::info("job ", job.id, ": world ", job.world_epoch, " halts: ", job.halt->cause);
+  actions_.halt_world(job.id, job.world_epoch, job.halt->cause, job.nodes);
+}
+
 void Scheduler::on_rank_halted(const v1::RankHalted& h, Clock::time_point now) {
   if (!elastic_running() || running_->id != h.job_id() || h.world_epoch() != running_->world_epoch) return;
   if (h.rank() < 0 || h.rank() >= running_->reports.world) return;
@@ -79,7 +98,8 @@ void Scheduler::on_halt_failed(const std::string& job_id, int64_t epoch, int nod
 void Scheduler::begin_halt(const std::string& kind, const std::string& cause, std::set<int> lost,
                            Clock::time_point now) {
   RunningJob& job = *running_;
-  job.halt = RunningJob::Halt{.kind = kind, .cause = cause, .lost = std::move(lost), .halted = {}, .started = now};
+  job.halt = RunningJob::Halt{
+      .kind = kind, .cause = cause, .lost = std::move(lost), .joining = {}, .halted = {}, .started = now};
   for (int n : job.halt->lost)
     job.halt->detection_seconds = std::max(job.halt->detection_seconds, seconds(now - members_.nodes()[n].last_heartbeat));
   log::warn("job ", job.id, ": world ", job.world_epoch, " halts: ", cause);
@@ -106,6 +126,7 @@ void Scheduler::try_new_world(Clock::time_point now) {
                       .tokens_per_rank = job.reports.spec.tokens_per_rank(),
                       .nodes = job.nodes,
                       .lost = h.lost,
+                      .joining = h.joining,
                       .halted = h.halted,
                       .old_maps = {},
                       .node_names = {}};
@@ -131,6 +152,7 @@ void Scheduler::try_new_world(Clock::time_point now) {
   for (auto& m : maps) *w.add_maps() = std::move(m);
   for (auto& mv : moves) *w.add_moves() = std::move(mv);
   w.set_data_plane_key(new_data_plane_key());
+  for (int n : plan.nodes) w.add_nodes(members_.nodes()[n].name);
 
   v1::JobResult& rec = jobs_.at(job.id);
   v1::WorldChange& c = *rec.add_world_changes();
@@ -138,6 +160,7 @@ void Scheduler::try_new_world(Clock::time_point now) {
   c.set_step(w.resume_step());
   c.set_old_world(job.reports.world);
   c.set_new_world(w.world_size());
+  for (int n : h.joining) c.add_joined_nodes(members_.nodes()[n].name);
   c.set_cause(h.cause);
   c.set_kind(h.kind);
   ++world_changes_[h.kind];
@@ -168,8 +191,22 @@ void Scheduler::try_new_world(Clock::time_point now) {
   job.steps_recorded = std::max(job.steps_recorded, w.resume_step());
   rec.set_steps_completed(std::max(rec.steps_completed(), static_cast<double>(w.resume_step())));
   job.recovering_since = h.started;
+  std::vector<int> survivors, joining;
+  for (int n : job.nodes) (h.joining.count(n) ? joining : survivors).push_back(n);
+  v1::StartJob join;
+  if (!joining.empty()) {
+    join.set_job_id(job.id);
+    *join.mutable_spec() = job.reports.spec;
+    join.set_world_size(w.world_size());
+    join.set_devices_per_node(D);
+    *join.mutable_maps() = w.maps();
+    join.set_data_plane_key(w.data_plane_key());
+    join.set_world_epoch(w.world_epoch());
+    *join.mutable_join() = w;
+    for (int n : joining) members_.mark_busy(job.id, n);
+  }
   job.halt.reset();
-  actions_.new_world(w, job.nodes);
+  actions_.new_world(w, survivors, join, joining);
 }
 
 // The new world completed its first step: the change's recovery time.

@@ -30,9 +30,16 @@ void Scheduler::heard_from(int rank, Clock::time_point now) {
 // and the survivors abort their transports (docs/jobs.md#a-node-restarts).
 void Scheduler::on_node_registered(const NodeRecord& node, const std::string& running_job, Clock::time_point now) {
   if (!running_ || running_job == running_->id) return;
-  if (elastic_running())
-    return node_lost(node.index, "node_restarted",
-                     members_.describe_node(node) + " restarted during the job (its ranks' state is lost)", now);
+  if (elastic_running()) {  // docs/jobs.md#elastic-jobs
+    // A node of the world that restarted lost its ranks' state: it leaves the
+    // world and joins the next one as a new node (in one world change when
+    // the first is still being decided); a node the job lost came back.
+    if (std::find(running_->nodes.begin(), running_->nodes.end(), node.index) != running_->nodes.end())
+      node_lost(node.index, "node_restarted",
+                members_.describe_node(node) + " restarted during the job (its ranks' state is lost)", now);
+    if (elastic_running() && running_job.empty()) node_joins(node, now);
+    return;
+  }
   RunningJob& job = *running_;
   const int D = members_.devices_per_node();
   for (int r = node.index * D; r < (node.index + 1) * D && r < job.reports.world; ++r)

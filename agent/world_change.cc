@@ -32,13 +32,18 @@ WorldChangePlan plan_world(const WorldChangeInput& in) {
   for (int n : in.nodes)
     if (!in.lost.count(n)) plan.nodes.push_back(n);
   MOE_CHECK(!plan.nodes.empty(), "every node of the job was lost");
+  for (int n : in.joining)
+    if (std::find(plan.nodes.begin(), plan.nodes.end(), n) == plan.nodes.end()) plan.nodes.push_back(n);
+  std::sort(plan.nodes.begin(), plan.nodes.end());  // by node index: a world grown back is the first one
   const int old_world = static_cast<int>(in.nodes.size()) * D;
   const int new_world = static_cast<int>(plan.nodes.size()) * D;
   plan.world.set_world_size(new_world);
-  // Survivors keep their order; a node's ranks stay consecutive.
-  int next = 0;
-  for (size_t pos = 0; pos < in.nodes.size(); ++pos)
-    for (int d = 0; d < D; ++d) plan.world.add_new_rank(in.lost.count(in.nodes[pos]) ? -1 : next++);
+  // A node's ranks stay consecutive.
+  for (size_t pos = 0; pos < in.nodes.size(); ++pos) {
+    const auto at = std::find(plan.nodes.begin(), plan.nodes.end(), in.nodes[pos]);
+    for (int d = 0; d < D; ++d)
+      plan.world.add_new_rank(in.lost.count(in.nodes[pos]) ? -1 : static_cast<int>(at - plan.nodes.begin()) * D + d);
+  }
   // The resume step: train, the furthest any survivor applied (a survivor one
   // behind holds that step's reduced gradients and applies them); forward, the
   // least (a survivor one ahead takes its bias update back).
@@ -78,9 +83,10 @@ std::vector<v1::ExpertMove> expert_moves(const WorldChangeInput& in, const World
   std::vector<int> sends(plan.world.world_size(), 0);
   std::string lost;
   for (size_t l = 0; l < maps.size(); ++l) {
-    // Per expert, the new ranks that hold it now (their old slots).
+    // Per expert, the new ranks that hold it now (their old slots; a joining rank none).
     std::map<int, std::vector<int>> holders;
     for (int nr = 0; nr < plan.world.world_size(); ++nr) {
+      if (old_of[nr] < 0) continue;
       const v1::RankHalted& h = in.halted.at(old_of[nr]);
       MOE_CHECK(static_cast<int>(l) < h.hosted_size(), "rank ", old_of[nr], " reported ", h.hosted_size(),
                 " layers of experts, the job has ", maps.size());

@@ -1,5 +1,7 @@
 #include "moe/node/job_runner.h"
 
+#include <algorithm>
+
 #include "moe/base/log.h"
 #include "moe/node/rank_run.h"
 #include "moe/transport/communicator.h"
@@ -12,7 +14,7 @@ JobRunner::JobRunner(v1::StartJob job, RunnerEnv env)
       rpc::ClientOptions::make(env_.agent_address, env_.token, "moed", env_.node_name + "/reports", env_.tls), *env_.link,
       job_.job_id(), env_.devices);
   env_.reports = reports_.get();
-  for (int i = 0; i < env_.devices; ++i) local_ranks_.push_back(env_.node_index * env_.devices + i);
+  for (int i = 0; i < env_.devices; ++i) local_ranks_.push_back(first_rank() + i);
   hubs_[job_.world_epoch()] = std::make_shared<transport::LocalHub>(local_ranks_);
   running_ = env_.devices;
   for (int i = 0; i < env_.devices; ++i) threads_.emplace_back([this, i] { rank_main(i); });
@@ -50,6 +52,9 @@ void JobRunner::cancel(const std::string& reason) {
 
 void JobRunner::halt(int64_t epoch, const std::string& reason) {
   log::warn("job ", job_.job_id(), ": the agent halts world ", epoch, ": ", reason);
+  int64_t seen = halted_epoch_.load();
+  while (seen < epoch && !halted_epoch_.compare_exchange_weak(seen, epoch)) {
+  }
   std::lock_guard<std::mutex> lock(cancel_mu_);
   for (auto& [local, run] : live_ranks_) run->abort_transport("world " + std::to_string(epoch) + " halted: " + reason, epoch);
 }
@@ -96,8 +101,17 @@ std::string JobRunner::cancel_reason() const {
   return cancel_reason_.empty() ? "cancelled by another rank" : cancel_reason_;
 }
 
+int JobRunner::first_rank() const {
+  if (!job_.has_join()) return env_.node_index * env_.devices;
+  const auto& nodes = job_.join().nodes();
+  const auto at = std::find(nodes.begin(), nodes.end(), env_.node_name);
+  MOE_CHECK(at != nodes.end(), "job ", job_.job_id(), ": world ", job_.join().world_epoch(), " has no node ",
+            env_.node_name);
+  return static_cast<int>(at - nodes.begin()) * env_.devices;
+}
+
 void JobRunner::rank_main(int local) {
-  int rank = env_.node_index * env_.devices + local;
+  int rank = first_rank() + local;
   rpc::RpcClient agent(rpc::ClientOptions::make(env_.agent_address, env_.token, "moed",
                                                 env_.node_name + "/rank" + std::to_string(rank), env_.tls));
   v1::Envelope done;
@@ -105,11 +119,12 @@ void JobRunner::rank_main(int local) {
   d->set_job_id(job_.job_id());
   int64_t epoch = job_.world_epoch();
   try {
-    RankRun run(job_, env_, local, *this, agent);
+    RankRun run(job_, env_, rank, local, *this, agent);
     {  // fail() aborts its device transport from now on (at once if it already ran)
       std::lock_guard<std::mutex> lock(cancel_mu_);
       live_ranks_[local] = &run;
       if (!failure_.empty()) run.abort_transport("job failed: " + failure_);
+      if (halted_epoch_.load() >= run.world_epoch()) run.abort_transport("world halted", run.world_epoch());
     }
     struct Unregister {
       JobRunner* self;

@@ -89,7 +89,8 @@ struct RankRun::World {
   RebalanceSession rebalance;
 };
 
-RankRun::RankRun(const v1::StartJob& job, const RunnerEnv& env, int local, JobRunner& runner, rpc::RpcClient& agent)
+RankRun::RankRun(const v1::StartJob& job, const RunnerEnv& env, int rank, int local, JobRunner& runner,
+                 rpc::RpcClient& agent)
     : job_(job),
       env_(env),
       local_(local),
@@ -97,16 +98,21 @@ RankRun::RankRun(const v1::StartJob& job, const RunnerEnv& env, int local, JobRu
       agent_(agent),
       pool_(env.threads_per_rank),
       backend_(env.make_backend(pool_, local_)) {
-  world_ = std::make_unique<World>(job, env.node_index * env.devices + local, *this);
+  world_ = std::make_unique<World>(job, rank, *this);
   verify_.set_passed(true);
   const v1::JobSpec& spec = job.spec();
-  if (!spec.resume().empty()) {  // the agent resolved and checked the folder
+  if (job.has_join()) {  // a node that joins a running elastic job: its state comes from the others
+    move_state(nullptr, *world_, job.join());
+    first_step_ = job.join().resume_step();
+    log::info("job ", job_.job_id(), ": rank ", rank, " joined world ", job.world_epoch(), " at step ", first_step_);
+  } else if (!spec.resume().empty()) {  // the agent resolved and checked the folder
     const v1::CheckpointManifest m = spec::read_manifest(spec.resume());
     load_checkpoint(spec.resume(), m, world_->stack, world_->rank);
     first_step_ = m.step();
     log::info("job ", job_.job_id(), ": rank ", world_->rank, " resumed from ", spec.resume(), " at step ", first_step_);
   }
   applied_ = world_first_step_ = first_step_;
+  place_ = {job.world_epoch(), rank};
   log::info("job ", job_.job_id(), ": rank ", world_->rank, " of ", job.world_size(), " ready (", spec.layers(),
             " layers, ", spec.tokens_per_rank(), " tokens, ", v1::JobSpec::Mode_Name(spec.mode()), ", ",
             backend_->name(), " backend on device ", local_, ", ", world_->comm.name(),
@@ -116,19 +122,14 @@ RankRun::RankRun(const v1::StartJob& job, const RunnerEnv& env, int local, JobRu
 
 RankRun::~RankRun() = default;
 
-int RankRun::rank() const {
-  std::lock_guard<std::mutex> lock(world_mu_);
-  return world_->rank;
-}
+int RankRun::rank() const { return place_.rank; }
 
-int64_t RankRun::world_epoch() const {
-  std::lock_guard<std::mutex> lock(world_mu_);
-  return world_->start.world_epoch();
-}
+int64_t RankRun::world_epoch() const { return place_.epoch; }
 
 void RankRun::abort_transport(const std::string& why, int64_t epoch) {
   std::lock_guard<std::mutex> lock(world_mu_);
-  if (world_ && (epoch < 0 || epoch == world_->start.world_epoch())) world_->abort(why);
+  for (World* w : {world_.get(), entering_})
+    if (w && (epoch < 0 || epoch == w->start.world_epoch())) w->abort(why);
 }
 
 bool RankRun::agree_and_act(bool cancel_requested, int step) {
@@ -264,27 +265,34 @@ int RankRun::run_world(const std::function<bool()>& cancel_requested) {
 }
 
 int RankRun::run(const std::function<bool()>& cancel_requested) {
+  std::optional<v1::NewWorld> next;
   for (;;) {
     try {
+      if (next) enter(*next);
       return run_world(cancel_requested);
     } catch (const transport::TransportError& e) {
       if (!job_.spec().elastic()) throw;
       report_halted(e.what(), e.peer());
+    } catch (const rpc::RpcError& e) {
+      // A world halted (or replaced) while its ranks bootstrapped it.
+      if (!next || e.code() != v1::ERROR_CODE_FAILED_PRECONDITION) throw;
+      report_halted(e.what(), -1);
     }
-    const std::optional<v1::NewWorld> next = runner_.next_world(world_->start.world_epoch());
+    next = runner_.next_world(place_.epoch);
     if (!next) return applied_;  // cancelled, or the job failed, while it waited
-    enter(*next);
   }
 }
 
+// The rank's place is the world it was last told to be in (its stack may still be
+// an older world's, when it was halted while moving): `hosted` says what it holds.
 void RankRun::report_halted(const std::string& why, int failed_peer) {
-  log::warn("job ", job_.job_id(), ": rank ", world_->rank, " halted world ", world_->start.world_epoch(), " with ",
-            applied_, " step(s) applied", pending_ ? " and the next one's gradients" : "", ": ", why);
+  log::warn("job ", job_.job_id(), ": rank ", place_.rank, " halted world ", place_.epoch, " with ", applied_,
+            " step(s) applied", pending_ ? " and the next one's gradients" : "", ": ", why);
   v1::Envelope msg;
   auto* h = msg.mutable_rank_halted();
   h->set_job_id(job_.job_id());
-  h->set_rank(world_->rank);
-  h->set_world_epoch(world_->start.world_epoch());
+  h->set_rank(place_.rank);
+  h->set_world_epoch(place_.epoch);
   h->set_applied_steps(applied_);
   h->set_pending(pending_);
   h->set_message(why);
@@ -317,10 +325,11 @@ void RankRun::catch_up(int resume_step) {
 }
 
 void RankRun::enter(const v1::NewWorld& next) {
-  const int old_rank = world_->rank;
+  const int old_rank = place_.rank;
   MOE_CHECK(old_rank < next.new_rank_size() && next.new_rank(old_rank) >= 0, "world change: rank ", old_rank,
             " is not in world ", next.world_epoch());
   catch_up(next.resume_step());
+  place_ = {next.world_epoch(), next.new_rank(old_rank)};
   world_->stack.drop_staged();
   v1::StartJob start = world_->start;
   start.set_world_size(next.world_size());
@@ -329,11 +338,24 @@ void RankRun::enter(const v1::NewWorld& next) {
   *start.mutable_maps() = next.maps();
   start.mutable_spec()->set_tokens_per_rank(next.tokens_per_rank());
   const double t0 = now_seconds();
-  std::unique_ptr<World> fresh = std::make_unique<World>(std::move(start), next.new_rank(old_rank), *this);
-  move_experts(*world_, *fresh, next);
+  std::unique_ptr<World> fresh = std::make_unique<World>(std::move(start), place_.rank, *this);
+  {  // a halt of the new world from now on aborts its transports (at once if it came already)
+    std::lock_guard<std::mutex> lock(world_mu_);
+    entering_ = fresh.get();
+    if (runner_.halted_epoch() >= next.world_epoch()) fresh->abort("world " + std::to_string(next.world_epoch()) + " halted");
+  }
+  struct Entered {
+    RankRun* self;
+    ~Entered() {
+      std::lock_guard<std::mutex> lock(self->world_mu_);
+      self->entering_ = nullptr;
+    }
+  } entered{this};
+  move_state(world_.get(), *fresh, next);
   {
     std::lock_guard<std::mutex> lock(world_mu_);
     std::swap(world_, fresh);
+    entering_ = nullptr;
   }
   fresh.reset();  // the old world's transports and stack
   world_first_step_ = next.resume_step();
@@ -342,22 +364,107 @@ void RankRun::enter(const v1::NewWorld& next) {
             " tokens), resuming at step ", world_first_step_, " after ", now_seconds() - t0, " s");
 }
 
-// The state every rank holds alike goes across as it is; each slot of the new
-// stack takes its expert from the old stack when this rank held it, else from
-// the rank the agent named (a surviving replica, bitwise equal to the lost one).
-void RankRun::move_experts(World& from, World& to, const v1::NewWorld& next) {
+namespace {
+
+constexpr uint32_t kReplicatedTag = 1u << 30;  // apart from the moves' tags (their index)
+
+void wait_for(transport::Communicator& comm, transport::Communicator::TransferId id, transport::Deadline until,
+              const std::string& what) {
+  while (!comm.test(id)) {
+    MOE_CHECK(transport::Clock::now() < until, "world change: ", what, " did not complete in time");
+    std::this_thread::yield();
+  }
+}
+
+// A layer's replicated state as the arrays it is made of, in one order.
+std::vector<std::vector<float>*> arrays_of(ep::EpLayer::ReplicatedState& s) {
+  return {&s.gate.master, &s.gate.m,    &s.gate.v,           &s.selection_bias,   &s.shared.weights,
+          &s.shared.m,    &s.shared.v,  &s.shared_gate.master, &s.shared_gate.m, &s.shared_gate.v};
+}
+
+}  // namespace
+
+// What every rank holds alike (router, shared experts, their optimizer state,
+// the selection bias): a rank that had it keeps its own (identical on every
+// survivor once each caught up); a joining rank gets it from the first rank
+// that has it.
+void RankRun::move_replicated(World* from, World& to, const v1::NewWorld& next) {
   const v1::JobSpec& spec = to.start.spec();
   const bool train = spec.mode() == v1::JobSpec::train;
   const bool moments = train && spec.optimizer() != v1::JobSpec::sgd;
-  for (int l = 0; l < to.stack.num_layers(); ++l) {
-    if (train) to.stack.layer(l).set_replicated_state(from.stack.layer(l).replicated_state(moments));
-    to.stack.layer(l).set_selection_bias(from.stack.layer(l).selection_bias());
+  const int L = to.stack.num_layers();
+  std::vector<bool> has(next.world_size(), false);
+  for (int r : next.new_rank())
+    if (r >= 0) has[r] = true;
+  const int source = static_cast<int>(std::find(has.begin(), has.end(), true) - has.begin());
+  MOE_CHECK(source < next.world_size(), "world change: no rank of world ", next.world_epoch(), " has the job's state");
+  auto state_of = [&](const ep::EpLayer& layer) {
+    ep::EpLayer::ReplicatedState st;
+    if (train) st = layer.replicated_state(moments);
+    st.selection_bias = layer.selection_bias();
+    return st;
+  };
+  auto install = [&](ep::EpLayer& layer, const ep::EpLayer::ReplicatedState& st) {
+    if (train) layer.set_replicated_state(st);
+    layer.set_selection_bias(st.selection_bias);
+  };
+  const transport::Deadline until = deadline();
+  if (from) {
+    for (int l = 0; l < L; ++l) install(to.stack.layer(l), state_of(from->stack.layer(l)));
+    if (to.rank != source) return;
+    auto sizes = std::make_shared<std::vector<int64_t>>();
+    auto payload = std::make_shared<std::vector<float>>();
+    for (int l = 0; l < L; ++l) {
+      ep::EpLayer::ReplicatedState st = state_of(from->stack.layer(l));
+      for (const auto* v : arrays_of(st)) {
+        sizes->push_back(static_cast<int64_t>(v->size()));
+        payload->insert(payload->end(), v->begin(), v->end());
+      }
+    }
+    std::vector<transport::Communicator::TransferId> sent;
+    for (int r = 0; r < next.world_size(); ++r) {
+      if (has[r]) continue;
+      sent.push_back(to.comm.isend(r, sizes->data(), sizes->size() * sizeof(int64_t), kReplicatedTag, sizes));
+      sent.push_back(to.comm.isend(r, payload->data(), payload->size() * sizeof(float), kReplicatedTag + 1, payload));
+    }
+    for (const auto id : sent) wait_for(to.comm, id, until, "sending the replicated state to a joining rank");
+    return;
   }
-  if (!train) return;  // a forward job's experts are the spec's, built by the new stack
+  auto sizes = std::make_shared<std::vector<int64_t>>(10 * L);
+  wait_for(to.comm, to.comm.irecv(source, sizes->data(), sizes->size() * sizeof(int64_t), kReplicatedTag, sizes), until,
+           "the replicated state's sizes");
+  int64_t total = 0;
+  for (int64_t n : *sizes) total += n;
+  auto payload = std::make_shared<std::vector<float>>(total);
+  wait_for(to.comm, to.comm.irecv(source, payload->data(), payload->size() * sizeof(float), kReplicatedTag + 1, payload),
+           until, "the replicated state");
+  size_t at = 0, k = 0;
+  for (int l = 0; l < L; ++l) {
+    ep::EpLayer::ReplicatedState st;
+    for (auto* v : arrays_of(st)) {
+      v->assign(payload->begin() + at, payload->begin() + at + (*sizes)[k]);
+      at += (*sizes)[k++];
+    }
+    install(to.stack.layer(l), st);
+  }
+}
+
+// Each slot of the new stack takes its expert from the old stack when this rank
+// held it, else from the rank the agent named (a surviving replica, bitwise
+// equal to the lost one). A forward job's experts are the spec's, built by the
+// new stack.
+void RankRun::move_state(World* from, World& to, const v1::NewWorld& next) {
+  const v1::JobSpec& spec = to.start.spec();
+  const bool train = spec.mode() == v1::JobSpec::train;
+  const bool moments = train && spec.optimizer() != v1::JobSpec::sgd;
+  move_replicated(from, to, next);
+  const transport::Deadline until = deadline();
+  if (!train) return to.comm.barrier(until);
   auto old_slot = [&](int l, int e) {
-    const moe::ExpertMap& m = from.stack.map(l);
+    if (!from) return -1;
+    const moe::ExpertMap& m = from->stack.map(l);
     for (int s = 0; s < m.slots_per_rank; ++s)
-      if (m.expert_at(from.rank, s) == e) return s;
+      if (m.expert_at(from->rank, s) == e) return s;
     return -1;
   };
   auto import_all = [&](int l, int e, const ep::ExpertState& st) {
@@ -377,12 +484,12 @@ void RankRun::move_experts(World& from, World& to, const v1::NewWorld& next) {
   for (int i = 0; i < next.moves_size(); ++i) {
     const v1::ExpertMove& mv = next.moves(i);
     if (mv.from_rank() == to.rank && mv.to_rank() != to.rank) {
-      ep::ExpertState st;
-      st.resize(spec.hidden(), spec.ffn_hidden(), moments);
       const int s = old_slot(mv.layer(), mv.expert());
       MOE_CHECK(s >= 0, "world change: told to send expert ", mv.expert(), " of layer ", mv.layer(),
-                ", which rank ", from.rank, " does not hold");
-      from.stack.layer(mv.layer()).export_slot(s, st);
+                ", which this rank does not hold");
+      ep::ExpertState st;
+      st.resize(spec.hidden(), spec.ffn_hidden(), moments);
+      from->stack.layer(mv.layer()).export_slot(s, st);
       auto wire = std::make_shared<std::vector<float>>();
       wire->reserve(st.floats());
       for (const auto* v : {&st.weights, &st.m, &st.v}) wire->insert(wire->end(), v->begin(), v->end());
@@ -405,17 +512,12 @@ void RankRun::move_experts(World& from, World& to, const v1::NewWorld& next) {
       MOE_CHECK(o >= 0, "world change: no source for expert ", e, " of layer ", l, " on rank ", to.rank);
       ep::ExpertState st;
       st.resize(spec.hidden(), spec.ffn_hidden(), moments);
-      from.stack.layer(l).export_slot(o, st);
+      from->stack.layer(l).export_slot(o, st);
       to.stack.layer(l).import_slot(s, st);
     }
   }
-  const transport::Deadline until = deadline();
   for (Incoming& in : incoming) {
-    while (!to.comm.test(in.id)) {
-      MOE_CHECK(transport::Clock::now() < until, "world change: expert ", in.expert, " of layer ", in.layer,
-                " did not arrive in time");
-      std::this_thread::yield();
-    }
+    wait_for(to.comm, in.id, until, "expert " + std::to_string(in.expert) + " of layer " + std::to_string(in.layer));
     size_t at = 0;
     for (auto* v : {&in.state->weights, &in.state->m, &in.state->v}) {
       std::copy(in.wire->begin() + at, in.wire->begin() + at + v->size(), v->begin());
@@ -423,11 +525,7 @@ void RankRun::move_experts(World& from, World& to, const v1::NewWorld& next) {
     }
     import_all(in.layer, in.expert, *in.state);
   }
-  for (const auto id : outgoing)
-    while (!to.comm.test(id)) {
-      MOE_CHECK(transport::Clock::now() < until, "world change: an expert copy was not taken in time");
-      std::this_thread::yield();
-    }
+  for (const auto id : outgoing) wait_for(to.comm, id, until, "an expert copy");
   to.comm.barrier(until);
 }
 

@@ -5,6 +5,8 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <atomic>
+#include <mutex>
 #include <cerrno>
 #include <cstring>
 #include <deque>
@@ -33,13 +35,28 @@ struct InProcCommunicator::Impl {
   bool broken = false;
   std::string broken_reason;
   int broken_peer = -1;
+  // abort() from another thread: the next wait (or call) fails with the reason.
+  std::atomic<bool> aborted{false};
+  std::mutex abort_mu;
+  std::string abort_reason;  // guarded by abort_mu
   std::deque<Op> ops;
   std::map<uint64_t, Op> background;  // by transfer id
   uint64_t next_transfer = 1;
   std::vector<float> reduce_parts;  // rank 0's buffer for the other ranks' parts
 
-  void check_usable() const {
+  void check_usable() {
     if (broken) throw TransportError(broken_peer, "communicator unusable after an earlier failure: " + broken_reason);
+    check_aborted();
+  }
+
+  void check_aborted() {
+    if (!aborted.load(std::memory_order_acquire)) return;
+    std::string why;
+    {
+      std::lock_guard<std::mutex> lock(abort_mu);
+      why = abort_reason;
+    }
+    fail(-1, "aborted: " + why);
   }
 
   void check_peer(int peer, const char* what) const {
@@ -93,6 +110,7 @@ struct InProcCommunicator::Impl {
   // Throws when op completed badly (a size mismatch) or its peer stopped; true
   // once it completed.
   bool settled(const Op& op, const char* what) {
+    check_aborted();
     if (op.done.state.load(std::memory_order_acquire) != 0) {
       if (op.is_recv && op.done.bytes != op.bytes)
         fail(op.peer, std::string(what) + ": rank " + std::to_string(op.peer) + " sent " +
@@ -106,6 +124,7 @@ struct InProcCommunicator::Impl {
 
   // Waits for every posted op; throws naming the peer on failure or deadline.
   void wait_all(Deadline deadline, const char* what) {
+    check_aborted();
     for (;;) {
       bool all_done = true;
       for (const Op& op : ops) all_done &= settled(op, what);
@@ -192,6 +211,17 @@ Communicator::TransferId InProcCommunicator::irecv(int peer, void* data, size_t 
   const auto [id, op] = impl_->new_background(peer, "irecv", std::move(keep));
   impl_->start_recv(*op, peer, data, bytes, make_tag(TagKind::kBackground, tag, peer));
   return id;
+}
+
+void InProcCommunicator::abort(const std::string& why) {
+  Impl& m = *impl_;
+  {
+    std::lock_guard<std::mutex> lock(m.abort_mu);
+    m.abort_reason = why;
+  }
+  m.aborted.store(true, std::memory_order_release);
+  const uint64_t one = 1;
+  (void)!::write(m.wake_fd, &one, sizeof one);  // a wait in progress looks again
 }
 
 bool InProcCommunicator::test(TransferId id) {

@@ -62,19 +62,24 @@ void expect_same_curve(const v1::JobResult& got, const v1::JobResult& want) {
 }
 
 // The first case: 2x2, E=16, K=4, zipf, Adam, every expert on both
-// nodes, the global batch kept; node1 killed at step 30 of 60.
-TEST(Elastic, ATrainJobLosesANodeAndKeepsItsLossCurve) {
+// nodes, the global batch kept; node1 killed at step 30, restarted at step 40:
+// the job goes on on node0, grows back to 2x2, and its curve is the
+// uninterrupted job's.
+TEST(Elastic, ATrainJobLosesANodeGrowsBackAndKeepsItsLossCurve) {
   Cluster c(2, 2);
   ASSERT_TRUE(c.up());
-  const Args job = with(kTrain, {"--steps", "60", "--min-node-replicas", "2"});
+  const Args job = with(kTrain, {"--steps", "120", "--min-node-replicas", "2"});
   const v1::JobResult plain = run_to_end(c, job);
   const std::string id = submit(c, with(job, {"--elastic"}));
   kill_at_step(c, id, 30, "node1");
+  ASSERT_TRUE(poll_until([&] { return c.job(id).progress().step() >= 40; }, 60s)) << c.logs();
+  const auto [restart_rc, restarted] = c.ctl({"node", "restart", "node1"}, 60s);
+  ASSERT_EQ(restart_rc, 0) << restarted;
   const v1::JobResult r = wait_for(c, id, 0);
   EXPECT_EQ(r.state(), v1::JOB_STATE_SUCCEEDED) << r.message();
-  EXPECT_EQ(r.steps_completed(), 60);
+  EXPECT_EQ(r.steps_completed(), 120);
   expect_same_curve(r, plain);
-  ASSERT_EQ(r.world_changes_size(), 1) << c.logs();
+  ASSERT_EQ(r.world_changes_size(), 2) << c.logs();
   const v1::WorldChange& w = r.world_changes(0);
   EXPECT_EQ(w.old_world(), 4);
   EXPECT_EQ(w.new_world(), 2);
@@ -86,6 +91,13 @@ TEST(Elastic, ATrainJobLosesANodeAndKeepsItsLossCurve) {
   EXPECT_LE(w.detection_seconds(), 1.0);
   EXPECT_GT(w.recovery_seconds(), 0.0);
   EXPECT_LE(w.recovery_seconds(), 5.0);
+  const v1::WorldChange& back = r.world_changes(1);
+  EXPECT_EQ(back.kind(), "node_joined");
+  EXPECT_EQ(back.new_world(), 4);
+  EXPECT_EQ(back.tokens_per_rank(), 128);
+  ASSERT_EQ(back.joined_nodes_size(), 1);
+  EXPECT_EQ(back.joined_nodes(0), "node1");
+  EXPECT_GT(back.experts_from_replicas(), 0);  // the joiner's slots, from node0
   // What the user reads, and what Prometheus scrapes.
   const auto [rc, text] = c.ctl({"job", "status", id});
   EXPECT_NE(text.find("world changes"), std::string::npos) << text;
@@ -94,7 +106,7 @@ TEST(Elastic, ATrainJobLosesANodeAndKeepsItsLossCurve) {
   ASSERT_TRUE(poll_until([&] { return series_value(scrape(c.status().agent_metrics_address()), kind) == 1; }, 10s))
       << kind << " in\n" << scrape(c.status().agent_metrics_address());
   EXPECT_TRUE(poll_until(  // the agent refreshes its metrics once a second
-      [&] { return series_value(scrape(c.status().agent_metrics_address()), "moe_world_change_recovery_seconds_count") == 1; },
+      [&] { return series_value(scrape(c.status().agent_metrics_address()), "moe_world_change_recovery_seconds_count") == 2; },
       10s))
       << scrape(c.status().agent_metrics_address());
 }

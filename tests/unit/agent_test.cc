@@ -116,7 +116,12 @@ struct Recorder : SchedulerActions {
   void halt_world(const std::string&, int64_t epoch, const std::string&, const std::vector<int>& nodes) override {
     halted.push_back({epoch, nodes});
   }
-  void new_world(const v1::NewWorld& w, const std::vector<int>&) override { worlds.push_back(w); }
+  void new_world(const v1::NewWorld& w, const std::vector<int>&, const v1::StartJob& j,
+                 const std::vector<int>& joining) override {
+    worlds.push_back(w);
+    if (!joining.empty()) joins.push_back(j);
+  }
+  std::vector<v1::StartJob> joins;
   std::vector<int> completed_steps;
   std::vector<std::pair<int64_t, std::vector<int>>> halted;
   std::vector<v1::NewWorld> worlds;

@@ -113,7 +113,9 @@ class Agent : private SchedulerActions, private RebalanceActions {
   void step_completed(const std::string& job_id, int step) override;
   void halt_world(const std::string& job_id, int64_t epoch, const std::string& reason,
                   const std::vector<int>& nodes) override;
-  void new_world(const v1::NewWorld& world, const std::vector<int>& nodes) override;
+  void new_world(const v1::NewWorld& world, const std::vector<int>& nodes, const v1::StartJob& join,
+                 const std::vector<int>& joining) override;
+  void nodes_told(int index, const v1::Envelope& req, const v1::NewWorld& world);
 
   // RebalanceActions
   void prepare(const v1::PrepareRebalance& p) override;

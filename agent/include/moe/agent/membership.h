@@ -53,8 +53,9 @@ class Membership {
   // ... with another timeout: a running job's own (JobSpec.dead_node_timeout_ms).
   std::vector<int> expire(Clock::time_point now, Clock::duration timeout);
 
-  // Every node is busy with job_id until each of its ranks reports done.
-  void mark_busy(const std::string& job_id);
+  // Every node (or node `node` only: one joining an elastic job) is busy with
+  // job_id until each of its ranks reports done.
+  void mark_busy(const std::string& job_id, int node = -1);
   // A rank reported done; true when its node has no rank left busy.
   bool rank_done(const std::string& job_id, int rank);
   // At least one node, every node alive and idle: a job may start.

@@ -71,9 +71,11 @@ class SchedulerActions {
   // A node that cannot be told comes back as Scheduler::on_halt_failed.
   virtual void halt_world(const std::string& job_id, int64_t epoch, const std::string& reason,
                           const std::vector<int>& nodes) = 0;
-  // Move the job's surviving nodes onto a new world (a failure comes back as
+  // Move the job's surviving nodes onto a new world, and start the job on the
+  // joining nodes with `join` (its join field set; a failure comes back as
   // Scheduler::on_start_failed).
-  virtual void new_world(const v1::NewWorld& world, const std::vector<int>& nodes) = 0;
+  virtual void new_world(const v1::NewWorld& world, const std::vector<int>& nodes, const v1::StartJob& join,
+                         const std::vector<int>& joining) = 0;
 };
 
 // The job that runs, and what its ranks reported so far.
@@ -115,6 +117,7 @@ struct RunningJob {
     std::string kind;  // WorldChange.kind
     std::string cause;
     std::set<int> lost;                     // node indices
+    std::set<int> joining;                  // node indices that registered and join the new world
     std::map<int, v1::RankHalted> halted;   // by rank of the halted world
     Clock::time_point started;
     double detection_seconds = 0;
@@ -204,6 +207,7 @@ class Scheduler {
   bool elastic_running() const;
   void node_lost(int node, const std::string& kind, const std::string& why, Clock::time_point now);
   void begin_halt(const std::string& kind, const std::string& cause, std::set<int> lost, Clock::time_point now);
+  void node_joins(const NodeRecord& node, Clock::time_point now);
   void try_new_world(Clock::time_point now);
   void note_recovered(Clock::time_point now);
   bool on_past_world_step(const v1::StepReport& r);

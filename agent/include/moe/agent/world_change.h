@@ -21,19 +21,21 @@ struct WorldChangeInput {
   int tokens_per_rank = 0;                 // the old world's
   std::vector<int> nodes;                  // the old world's node indices, in rank order
   std::set<int> lost;                      // node indices that leave it
+  std::set<int> joining;                   // node indices that join it (no state; not in `nodes`)
   std::map<int, v1::RankHalted> halted;    // by old rank: every surviving rank's report
   std::vector<v1::PlacementMap> old_maps;  // the old world's maps, one per layer
   std::vector<std::string> node_names;     // by node index, for messages
 };
 
 struct WorldChangePlan {
-  std::vector<int> nodes;  // the new world's node indices, in rank order
-  v1::NewWorld world;      // new_rank, world_size, tokens_per_rank, resume_step (maps, moves, key, epoch: the caller's)
+  std::vector<int> nodes;  // the new world's node indices in rank order: the survivors and joiners by index
+  v1::NewWorld world;      // new_rank, world_size, tokens_per_rank, resume_step (maps, moves, key, epoch, nodes: the caller's)
   int steps_recomputed = 0;
 };
 
 // Throws moe::Error naming what cannot go on: no survivor, reports that do not
-// fit together, a global batch the new world cannot divide.
+// fit together, a global batch the new world cannot divide. A joining rank gets
+// every expert of its slots from a survivor.
 WorldChangePlan plan_world(const WorldChangeInput& in);
 
 // The expert states the new world's ranks need from another survivor, for

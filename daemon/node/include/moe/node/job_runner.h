@@ -77,6 +77,11 @@ class JobRunner {
   std::optional<v1::NewWorld> next_world(int64_t epoch);
   // The in-process hub of this node's ranks in world `epoch`.
   std::shared_ptr<transport::LocalHub> hub(int64_t epoch);
+  // The newest world the agent halted (-1: none).
+  int64_t halted_epoch() const { return halted_epoch_.load(); }
+  // This node's first rank in the job's first world here (a joining node's
+  // place in the world it joins).
+  int first_rank() const;
 
  private:
   void rank_main(int local);
@@ -93,6 +98,7 @@ class JobRunner {
   std::unique_ptr<ReportSender> reports_;
   std::atomic<bool> cancel_{false};
   std::atomic<bool> agent_lost_{false};
+  std::atomic<int64_t> halted_epoch_{-1};
   mutable std::mutex cancel_mu_;
   std::string cancel_reason_;  // guarded by cancel_mu_
   std::string failure_;        // fail()'s reason, guarded by cancel_mu_

@@ -41,7 +41,9 @@ class AgentBootstrap final : public transport::Bootstrap {
 
 class RankRun {
  public:
-  RankRun(const v1::StartJob& job, const RunnerEnv& env, int local, JobRunner& runner, rpc::RpcClient& agent);
+  // rank: in job's world (job.join's for a joining node, whose ranks then take
+  // their state from the others before the first step).
+  RankRun(const v1::StartJob& job, const RunnerEnv& env, int rank, int local, JobRunner& runner, rpc::RpcClient& agent);
   ~RankRun();
 
   // Runs the steps (from the checkpoint's step when resuming) until done or a
@@ -54,7 +56,8 @@ class RankRun {
   // at its deadline. Thread-safe.
   void abort_transport(const std::string& why, int64_t epoch = -1);
   const v1::Verify& verification() const { return verify_; }
-  int rank() const;  // in the current world
+  // The world this rank was last told to be in, and its rank there (rank thread).
+  int rank() const;
   int64_t world_epoch() const;
 
  private:
@@ -75,7 +78,10 @@ class RankRun {
   // Elastic: catch up (or back) to the new world's resume step, then move onto it.
   void enter(const v1::NewWorld& next);
   void catch_up(int resume_step);
-  void move_experts(World& from, World& to, const v1::NewWorld& next);
+  // Every rank of the new world: the state each rank lacks, from the ranks that
+  // have it (from: null on a joining rank, which has none).
+  void move_state(World* from, World& to, const v1::NewWorld& next);
+  void move_replicated(World* from, World& to, const v1::NewWorld& next);
 
   const v1::StartJob& job_;
   const RunnerEnv& env_;
@@ -84,8 +90,13 @@ class RankRun {
   rpc::RpcClient& agent_;
   kernels::ThreadPool pool_;
   std::unique_ptr<kernels::Backend> backend_;
-  mutable std::mutex world_mu_;  // world_'s pointer, against abort_transport
+  mutable std::mutex world_mu_;  // world_ and entering_, against abort_transport
   std::unique_ptr<World> world_;
+  World* entering_ = nullptr;  // the world enter() is moving the state to
+  struct Place {
+    int64_t epoch = 0;
+    int rank = 0;
+  } place_;
   v1::Verify verify_;
   int first_step_ = 0;        // a resumed run's first step
   int world_first_step_ = 0;  // the current world's

@@ -102,9 +102,9 @@ class Communicator {
   virtual bool test(TransferId id) = 0;
 
   // Told from outside that the group failed (the agent saw a node die or
-  // restart): a wait in progress on another thread, and every later call, fails
-  // with `why`. Thread-safe. The in-process group needs nothing here (its ranks
-  // share a process); UCX and NCCL end their waits.
+  // restart, or halted an elastic job's world): a wait in progress on another
+  // thread, and every later call, fails with `why`. Thread-safe. In-process,
+  // UCX and NCCL communicators end their waits.
   virtual void abort(const std::string& why) { (void)why; }
 };
 

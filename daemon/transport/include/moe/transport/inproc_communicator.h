@@ -4,7 +4,7 @@
 // algorithms over the hub's point-to-point messages (so a sum has the same bits
 // on either), and waits block on an eventfd the hub signals, never spin.
 //
-// Not thread-safe: one thread drives a communicator. After a TransportError the
+// Not thread-safe (but abort()): one thread drives a communicator. After a TransportError the
 // communicator is broken (every later call throws) and it has aborted its rank in
 // the hub, so peers waiting on it fail instead of running out their deadline.
 #pragma once
@@ -36,6 +36,9 @@ class InProcCommunicator final : public Communicator {
   TransferId isend(int peer, const void* data, size_t bytes, uint32_t tag, std::shared_ptr<const void> keep) override;
   TransferId irecv(int peer, void* data, size_t bytes, uint32_t tag, std::shared_ptr<const void> keep) override;
   bool test(TransferId id) override;
+  // From another thread (a halted elastic world): the wait in progress and
+  // every later call fail with `why`.
+  void abort(const std::string& why) override;
 
  private:
   struct Impl;
