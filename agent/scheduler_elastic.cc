@@ -9,11 +9,26 @@
 #include "moe/base/check.h"
 #include "moe/base/clock.h"
 #include "moe/base/log.h"
+#include "moe/spec/checkpoint_manifest.h"
 
 namespace moe::agent {
 namespace {
 
 double seconds(Clock::duration d) { return std::chrono::duration<double>(d).count(); }
+
+// The checkpoint an elastic job rolls back to when experts are lost with no
+// surviving copy: its checkpoint_dir's latest complete one. Throws moe::Error
+// with `lost` when it has none.
+std::string rollback_checkpoint(const v1::JobSpec& spec, const std::string& lost) {
+  if (spec.checkpoint_dir().empty())
+    detail::fail(lost, "; no checkpoint to roll back to (give --checkpoint-dir and --checkpoint-every, or "
+                       "--min-node-replicas 2)");
+  try {
+    return spec::resolve_checkpoint(spec.checkpoint_dir());
+  } catch (const moe::Error& e) {
+    detail::fail(lost, "; no checkpoint to roll back to (", e.what(), ")");
+  }
+}
 
 }  // namespace
 
@@ -136,11 +151,23 @@ void Scheduler::try_new_world(Clock::time_point now) {
   ShapeKey shape = job.shape;
   std::vector<v1::ExpertMove> moves;
   std::vector<v1::PlacementMap> maps;
+  int from_checkpoint = 0;
   try {
     plan = plan_world(in);
     shape.nodes = static_cast<int>(plan.nodes.size());
     maps = placement_.maps_for_world(job.reports.spec, job.shape, shape);
-    moves = expert_moves(in, plan, maps);
+    try {
+      moves = expert_moves(in, plan, maps);
+    } catch (const moe::Error& lost) {
+      const std::string folder = rollback_checkpoint(job.reports.spec, lost.what());
+      const v1::CheckpointManifest m = spec::read_manifest(folder);
+      spec::check_files(folder, m);
+      plan.steps_recomputed = plan.world.resume_step() - m.step();
+      plan.world.set_resume_step(m.step());
+      plan.world.set_rollback(folder);
+      from_checkpoint = lost_experts(in, plan);
+      log::warn("job ", job.id, ": ", lost.what(), ": every rank rolls back to ", folder);
+    }
   } catch (const moe::Error& e) {
     return fail_running("elastic: " + std::string(e.what()) + " (world " + std::to_string(job.world_epoch) +
                             " halted: " + h.cause + ")",
@@ -168,6 +195,8 @@ void Scheduler::try_new_world(Clock::time_point now) {
   c.set_detection_seconds(h.detection_seconds);
   c.set_experts_from_replicas(w.moves_size());
   c.set_steps_recomputed(plan.steps_recomputed);
+  c.set_experts_from_checkpoint(from_checkpoint);
+  c.set_checkpoint(w.rollback());
   c.set_tokens_per_rank(w.tokens_per_rank());
   c.set_unix_ms(unix_ms());
   log::warn("job ", job.id, ": world ", w.world_epoch(), " of ", w.world_size(), " ranks (was ", job.reports.world,
@@ -188,8 +217,8 @@ void Scheduler::try_new_world(Clock::time_point now) {
   job.done_count = 0;
   job.reports.steps.erase(job.reports.steps.lower_bound(w.resume_step()), job.reports.steps.end());
   for (const auto& [step, by_rank] : job.reports.steps) job.reports.whole.insert(step);
-  job.steps_recorded = std::max(job.steps_recorded, w.resume_step());
-  rec.set_steps_completed(std::max(rec.steps_completed(), static_cast<double>(w.resume_step())));
+  job.steps_recorded = w.resume_step();
+  rec.set_steps_completed(w.resume_step());
   job.recovering_since = h.started;
   std::vector<int> survivors, joining;
   for (int n : job.nodes) (h.joining.count(n) ? joining : survivors).push_back(n);

@@ -128,4 +128,17 @@ std::vector<v1::ExpertMove> expert_moves(const WorldChangeInput& in, const World
   return moves;
 }
 
+int lost_experts(const WorldChangeInput& in, const WorldChangePlan& plan) {
+  if (in.spec.mode() != v1::JobSpec::train) return 0;
+  int lost = 0;
+  for (size_t l = 0; l < in.old_maps.size(); ++l) {
+    std::set<int> held;
+    for (const auto& [r, h] : in.halted)
+      if (r < plan.world.new_rank_size() && plan.world.new_rank(r) >= 0 && static_cast<int>(l) < h.hosted_size())
+        held.insert(h.hosted(l).experts().begin(), h.hosted(l).experts().end());
+    lost += in.old_maps[l].num_experts() - static_cast<int>(held.size());
+  }
+  return lost;
+}
+
 }  // namespace moe::agent

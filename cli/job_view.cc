@@ -93,17 +93,20 @@ void print_epochs(std::ostream& out, const v1::JobResult& j) {
 void print_world_changes(std::ostream& out, const v1::JobResult& j) {
   if (j.world_changes_size() == 0) return;
   std::vector<std::vector<std::string>> t = {
-      {"WORLD", "AT STEP", "RANKS", "LOST", "DETECTION", "RECOVERY", "FROM REPLICAS", "RECOMPUTED", "TOKENS/RANK", "CAUSE"}};
-  for (const v1::WorldChange& w : j.world_changes()) {
-    std::string lost;
-    for (const auto& n : w.lost_nodes()) lost += (lost.empty() ? "" : ",") + n;
+      {"WORLD", "AT STEP", "RANKS", "LOST", "JOINED", "DETECTION", "RECOVERY", "FROM REPLICAS", "FROM CHECKPOINT",
+       "RECOMPUTED", "TOKENS/RANK", "CAUSE"}};
+  auto names = [](const auto& list) {
+    std::string s;
+    for (const auto& n : list) s += (s.empty() ? "" : ",") + n;
+    return s.empty() ? std::string("-") : s;
+  };
+  for (const v1::WorldChange& w : j.world_changes())
     t.push_back({std::to_string(w.world_epoch()), std::to_string(w.step()),
-                 std::to_string(w.old_world()) + " -> " + std::to_string(w.new_world()), lost.empty() ? "-" : lost,
-                 human_seconds(w.detection_seconds()),
+                 std::to_string(w.old_world()) + " -> " + std::to_string(w.new_world()), names(w.lost_nodes()),
+                 names(w.joined_nodes()), human_seconds(w.detection_seconds()),
                  w.recovery_seconds() > 0 ? human_seconds(w.recovery_seconds()) : "-",
-                 std::to_string(w.experts_from_replicas()), std::to_string(w.steps_recomputed()),
-                 std::to_string(w.tokens_per_rank()), w.cause()});
-  }
+                 std::to_string(w.experts_from_replicas()), std::to_string(w.experts_from_checkpoint()),
+                 std::to_string(w.steps_recomputed()), std::to_string(w.tokens_per_rank()), w.cause()});
   out << "\nworld changes\n";
   print_table(out, t);
 }

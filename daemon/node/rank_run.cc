@@ -102,7 +102,10 @@ RankRun::RankRun(const v1::StartJob& job, const RunnerEnv& env, int rank, int lo
   verify_.set_passed(true);
   const v1::JobSpec& spec = job.spec();
   if (job.has_join()) {  // a node that joins a running elastic job: its state comes from the others
-    move_state(nullptr, *world_, job.join());
+    if (job.join().rollback().empty())
+      move_state(nullptr, *world_, job.join());
+    else
+      roll_back(*world_, job.join());
     first_step_ = job.join().resume_step();
     log::info("job ", job_.job_id(), ": rank ", rank, " joined world ", job.world_epoch(), " at step ", first_step_);
   } else if (!spec.resume().empty()) {  // the agent resolved and checked the folder
@@ -328,7 +331,13 @@ void RankRun::enter(const v1::NewWorld& next) {
   const int old_rank = place_.rank;
   MOE_CHECK(old_rank < next.new_rank_size() && next.new_rank(old_rank) >= 0, "world change: rank ", old_rank,
             " is not in world ", next.world_epoch());
-  catch_up(next.resume_step());
+  if (next.rollback().empty()) {
+    catch_up(next.resume_step());
+  } else {  // every rank goes back to the checkpoint: what it applied since is dropped
+    applied_ = next.resume_step();
+    pending_ = false;
+    pending_report_.reset();
+  }
   place_ = {next.world_epoch(), next.new_rank(old_rank)};
   world_->stack.drop_staged();
   v1::StartJob start = world_->start;
@@ -351,7 +360,10 @@ void RankRun::enter(const v1::NewWorld& next) {
       self->entering_ = nullptr;
     }
   } entered{this};
-  move_state(world_.get(), *fresh, next);
+  if (next.rollback().empty())
+    move_state(world_.get(), *fresh, next);
+  else
+    roll_back(*fresh, next);
   {
     std::lock_guard<std::mutex> lock(world_mu_);
     std::swap(world_, fresh);
@@ -362,6 +374,17 @@ void RankRun::enter(const v1::NewWorld& next) {
   log::info("job ", job_.job_id(), ": rank ", old_rank, " is rank ", world_->rank, " of ", next.world_size(),
             " in world ", next.world_epoch(), " (", world_->start.spec().tokens_per_rank(),
             " tokens), resuming at step ", world_first_step_, " after ", now_seconds() - t0, " s");
+}
+
+// An expert was lost with no surviving copy: every rank of the new world reads
+// the checkpoint the agent chose (a consistent cut), whatever shape wrote it.
+void RankRun::roll_back(World& to, const v1::NewWorld& next) {
+  const v1::CheckpointManifest m = spec::read_manifest(next.rollback());
+  MOE_CHECK(m.step() == next.resume_step(), "world change: the checkpoint ", next.rollback(), " is of step ", m.step(),
+            ", the new world resumes at ", next.resume_step());
+  load_checkpoint(next.rollback(), m, to.stack, to.rank);
+  to.comm.barrier(deadline());
+  log::info("job ", job_.job_id(), ": rank ", to.rank, " rolled back to ", next.rollback(), " (step ", m.step(), ")");
 }
 
 namespace {

@@ -127,6 +127,29 @@ TEST(Elastic, WithoutReplicasTheJobFailsNamingTheLostExperts) {
   EXPECT_NE(r.message().find("(only on node node1)"), std::string::npos) << r.message();
 }
 
+// Without a surviving copy but with a checkpoint every 10 steps: every rank
+// rolls back to the latest (a consistent cut) and goes on on the survivors;
+// the steps since run again and the curve is the uninterrupted job's.
+TEST(Elastic, WithoutReplicasTheJobRollsBackToItsCheckpoint) {
+  Cluster c(2, 2);
+  ASSERT_TRUE(c.up());
+  const Args job = with(kTrain, {"--steps", "60", "--checkpoint-every", "10"});
+  const v1::JobResult plain = run_to_end(c, with(job, {"--checkpoint-dir", (c.dir() / "plain").string()}));
+  const std::string id = submit(c, with(job, {"--elastic", "--checkpoint-dir", (c.dir() / "elastic").string()}));
+  kill_at_step(c, id, 35, "node1");
+  const v1::JobResult r = wait_for(c, id, 0);
+  EXPECT_EQ(r.steps_completed(), 60);
+  expect_same_curve(r, plain);
+  ASSERT_EQ(r.world_changes_size(), 1) << c.logs();
+  const v1::WorldChange& w = r.world_changes(0);
+  EXPECT_EQ(w.step() % 10, 0);
+  EXPECT_GE(w.step(), 30);
+  EXPECT_GT(w.experts_from_checkpoint(), 0);
+  EXPECT_EQ(w.experts_from_replicas(), 0);
+  EXPECT_GE(w.steps_recomputed(), 1);
+  EXPECT_NE(w.checkpoint().find("step-0000"), std::string::npos) << w.checkpoint();
+}
+
 // 3x1 losing two nodes in turn: 3 ranks, then 2, then 1, the curve unchanged.
 TEST(Elastic, ATrainJobLosesTwoNodesInTurn) {
   Cluster c(3, 1);

@@ -46,4 +46,8 @@ WorldChangePlan plan_world(const WorldChangeInput& in);
 std::vector<v1::ExpertMove> expert_moves(const WorldChangeInput& in, const WorldChangePlan& plan,
                                          const std::vector<v1::PlacementMap>& maps);
 
+// The (layer, expert) states no survivor holds, for `maps`' experts; empty for
+// forward jobs (their experts are the spec's).
+int lost_experts(const WorldChangeInput& in, const WorldChangePlan& plan);
+
 }  // namespace moe::agent

@@ -82,6 +82,7 @@ class RankRun {
   // have it (from: null on a joining rank, which has none).
   void move_state(World* from, World& to, const v1::NewWorld& next);
   void move_replicated(World* from, World& to, const v1::NewWorld& next);
+  void roll_back(World& to, const v1::NewWorld& next);
 
   const v1::StartJob& job_;
   const RunnerEnv& env_;
