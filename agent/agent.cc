@@ -249,7 +249,7 @@ rpc::awaitable<void> Agent::watchdog() {
       if (n.restored) {  // read back from the state dir, never heard from since
         log::warn(members_.describe_node(n), " did not re-register within ", opts_.heartbeat_timeout.count(),
                   " ms of the agent's start: dead");
-        scheduler_.on_node_dead(members_.describe_node(n) + " did not re-register", now);
+        scheduler_.on_node_dead(members_.describe_node(n) + " did not re-register", now, index);
         continue;
       }
       log::warn(members_.describe_node(n), " missed heartbeats for ",

@@ -52,6 +52,8 @@ std::optional<v1::AgentState> Agent::load_state() {
     members_.restore(saved->membership(), now);
     placement_.restore(saved->placement());
     scheduler_.restore(saved->scheduler(), now);
+    // Ranks bootstrapping the running job's world publish again to this incarnation.
+    if (const RunningJob* job = scheduler_.running()) relay_.begin(job->id, job->reports.world, job->world_epoch);
   } catch (const moe::Error& e) {
     throw StateFileError("agent state file " + store_->file().string() + ": " + e.what());
   }

@@ -90,7 +90,7 @@ void Scheduler::node_joins(const NodeRecord& node, Clock::time_point now) {
 void Scheduler::on_rank_halted(const v1::RankHalted& h, Clock::time_point now) {
   if (!elastic_running() || running_->id != h.job_id() || h.world_epoch() != running_->world_epoch) return;
   if (h.rank() < 0 || h.rank() >= running_->reports.world) return;
-  running_->last_report = now;
+  heard_from(h.rank(), now);
   if (!running_->halt) {
     const bool blames = h.has_failed_peer() && h.failed_peer() >= 0 && h.failed_peer() != h.rank();
     begin_halt("peer_failed", blames ? describe_rank(h.failed_peer()) + " failed (reported by " + describe_rank(h.rank()) +
@@ -220,6 +220,7 @@ void Scheduler::try_new_world(Clock::time_point now) {
   job.steps_recorded = w.resume_step();
   rec.set_steps_completed(w.resume_step());
   job.recovering_since = h.started;
+  job.restored = false;  // this agent decided the world: its ranks answer to it
   std::vector<int> survivors, joining;
   for (int n : job.nodes) (h.joining.count(n) ? joining : survivors).push_back(n);
   v1::StartJob join;

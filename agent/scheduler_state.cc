@@ -68,6 +68,15 @@ v1::SchedulerState Scheduler::state() const {
     r->set_job_id(running_->id);
     *r->mutable_shape() = running_->shape.proto();
     r->set_world_size(running_->reports.world);
+    r->set_world_epoch(running_->world_epoch);
+    for (int n : running_->nodes) r->add_nodes(n);
+    r->set_tokens_per_rank(running_->reports.spec.tokens_per_rank());
+    for (const auto& [epoch, past] : running_->past_worlds) {
+      v1::PastWorldState* p = r->add_past_worlds();
+      p->set_world_epoch(epoch);
+      for (int n : past.nodes) p->add_nodes(n);
+      p->set_next_step(past.next_step);
+    }
   }
   return s;
 }
@@ -88,6 +97,11 @@ std::unique_ptr<RunningJob> restored_job(const v1::RunningJobState& r, const v1:
   job->restored = true;
   job->heard.assign(r.world_size(), false);
   job->restored_at = now;
+  job->world_epoch = r.world_epoch();
+  job->nodes.assign(r.nodes().begin(), r.nodes().end());
+  if (r.tokens_per_rank() > 0) job->reports.spec.set_tokens_per_rank(r.tokens_per_rank());
+  for (const v1::PastWorldState& p : r.past_worlds())
+    job->past_worlds[p.world_epoch()] = {{p.nodes().begin(), p.nodes().end()}, p.next_step()};
   return job;
 }
 
@@ -114,9 +128,20 @@ void Scheduler::restore(const v1::SchedulerState& s, Clock::time_point now) {
   if (!running.empty()) {
     MOE_CHECK(jobs.count(running), "scheduler.running.job_id: no record of ", running);
     MOE_CHECK(s.running().world_size() >= 1, "scheduler.running.world_size: ", s.running().world_size());
-    MOE_CHECK(s.running().world_size() == members_.world_size(), "scheduler.running.world_size: ",
-              s.running().world_size(), ", but the membership has ", members_.world_size(), " ranks");
+    const int D = members_.devices_per_node();
+    if (s.running().nodes_size() == 0) {  // a state written before elastic jobs: every node
+      MOE_CHECK(s.running().world_size() == members_.world_size(), "scheduler.running.world_size: ",
+                s.running().world_size(), ", but the membership has ", members_.world_size(), " ranks");
+    } else {
+      MOE_CHECK(s.running().world_size() == s.running().nodes_size() * D, "scheduler.running.world_size: ",
+                s.running().world_size(), ", but its ", s.running().nodes_size(), " node(s) hold ",
+                s.running().nodes_size() * D, " ranks");
+      for (int n : s.running().nodes())
+        MOE_CHECK(n >= 0 && n < members_.num_nodes(), "scheduler.running.nodes: no node ", n);
+    }
     job = restored_job(s.running(), jobs.at(running), now);
+    if (job->nodes.empty())
+      for (int n = 0; n < members_.num_nodes(); ++n) job->nodes.push_back(n);
     log::info("job ", running, " was running when the agent stopped (", job->steps_recorded,
               " steps recorded): waiting for its daemons");
   }

@@ -166,7 +166,7 @@ void Daemon::register_once(rpc::RpcClient& agent) {
   std::lock_guard<std::mutex> lock(mu_);
   // A new agent knows nothing of a rebalance the old one had in flight: what this
   // node staged for it will never be committed, so the job drops it.
-  if (runner_ && before != 0 && before != link_.incarnation()) runner_->rebalance_mailbox().abandon();
+  if (runner_ && before != 0 && before != link_.incarnation()) runner_->rebalance_mailbox().abandon("the agent restarted");
   node_index_ = reply.register_node_reply().node_index();
   heartbeat_ms_ = std::max<int64_t>(50, reply.register_node_reply().heartbeat_interval_ms());
   log::set_identity(opts_.name + "/node" + std::to_string(node_index_));

@@ -76,6 +76,7 @@ void JobRunner::new_world(const v1::NewWorld& next) {
   }
   local_ranks_ = ranks;
   hubs_[next.world_epoch()] = std::make_shared<transport::LocalHub>(ranks);
+  mailbox_.abandon("the job moves to world " + std::to_string(next.world_epoch()));  // its ranks are gone
   next_ = next;
   log::info("job ", job_.job_id(), ": world ", next.world_epoch(), " of ", next.world_size(), " ranks from step ",
             next.resume_step());

@@ -66,10 +66,10 @@ void RebalanceMailbox::abort(int64_t epoch) {
   if (prepare_ && prepare_->epoch() == epoch) prepare_.reset();
 }
 
-void RebalanceMailbox::abandon() {
+void RebalanceMailbox::abandon(const std::string& why) {
   std::lock_guard<std::mutex> lock(mu_);
   if (!prepare_) return;
-  log::info("job ", job_id_, ": the agent restarted; dropping what epoch ", prepare_->epoch(), " staged");
+  log::info("job ", job_id_, ": ", why, "; dropping what epoch ", prepare_->epoch(), " staged");
   aborted_ = prepare_->epoch();
   prepare_.reset();
 }

@@ -6,6 +6,7 @@
 #include <signal.h>
 
 #include <chrono>
+#include <thread>
 #include <string>
 #include <vector>
 
@@ -184,6 +185,67 @@ TEST(Elastic, AForwardJobLosesANode) {
   ASSERT_EQ(r.world_changes_size(), 1) << c.logs();
   EXPECT_EQ(r.world_changes(0).new_world(), 1);
   EXPECT_EQ(r.world_changes(0).experts_from_replicas(), 0);
+}
+
+// Faults during faults: a second node lost while the job moves to the world
+// without the first; each ends in a recovered job.
+TEST(ElasticFaults, ASecondNodeLostDuringARecovery) {
+  Cluster c(3, 1);
+  ASSERT_TRUE(c.up());
+  const Args job = with(kTrain, {"--steps", "60", "--min-node-replicas", "3", "--experts", "12", "--top-k", "2"});
+  const v1::JobResult plain = run_to_end(c, job);
+  const std::string id = submit(c, with(job, {"--elastic"}));
+  kill_at_step(c, id, 20, "node1");
+  std::this_thread::sleep_for(100ms);  // the world change is under way
+  ASSERT_EQ(::kill(node_pid(c, "node2"), SIGKILL), 0);
+  const v1::JobResult r = wait_for(c, id, 0);
+  EXPECT_EQ(r.steps_completed(), 60);
+  expect_same_curve(r, plain);
+  ASSERT_GE(r.world_changes_size(), 1) << c.logs();
+  EXPECT_EQ(r.world_changes(r.world_changes_size() - 1).new_world(), 1);
+}
+
+// A node lost while a live rebalance stages its copies: the rebalance fails
+// naming the world change, the job goes on without the node.
+TEST(ElasticFaults, ANodeLostDuringALiveRebalance) {
+  ScopedEnv fault("MOE_FAULT_INJECT", "node1:stall-copy");  // the rebalance stays staging
+  Cluster c(2, 2);
+  ASSERT_TRUE(c.up());
+  const Args job = with(kTrain, {"--steps", "1000000", "--min-node-replicas", "2", "--elastic"});
+  const std::string id = submit(c, job);
+  ASSERT_TRUE(poll_until([&] { return c.job(id).progress().step() >= 10; }, 60s)) << c.logs();
+  std::pair<int, std::string> rebalance;
+  std::thread t([&] { rebalance = c.ctl({"placement", "rebalance", "--redundant-experts", "20"}, 60s); });
+  std::this_thread::sleep_for(700ms);
+  ASSERT_EQ(::kill(node_pid(c, "node1"), SIGKILL), 0);
+  t.join();
+  EXPECT_NE(rebalance.first, 0) << rebalance.second;
+  EXPECT_NE(rebalance.second.find("changes its world"), std::string::npos) << rebalance.second;
+  ASSERT_TRUE(poll_until([&] { return c.job(id).world_changes_size() == 1; }, 30s)) << c.logs();
+  const int at = c.job(id).progress().step();
+  ASSERT_TRUE(poll_until([&] { return c.job(id).progress().step() >= at + 10; }, 60s)) << c.logs();
+  EXPECT_EQ(c.job(id).state(), v1::JOB_STATE_RUNNING);
+  EXPECT_EQ(c.ctl({"job", "cancel", id}).first, 0);
+}
+
+// The agent SIGKILLed with the node (before it decided the new world) and
+// restarted on its state file: the survivors report again and the job recovers.
+TEST(ElasticFaults, TheAgentKilledDuringARecovery) {
+  Cluster c(2, 2);
+  ASSERT_TRUE(c.up());
+  const Args job = with(kTrain, {"--steps", "60", "--min-node-replicas", "2"});
+  const v1::JobResult plain = run_to_end(c, job);
+  const std::string id = submit(c, with(job, {"--elastic"}));
+  ASSERT_TRUE(poll_until([&] { return c.job(id).progress().step() >= 20; }, 60s)) << c.logs();
+  ASSERT_EQ(::kill(node_pid(c, "agent"), SIGKILL), 0);
+  ASSERT_EQ(::kill(node_pid(c, "node1"), SIGKILL), 0);
+  const auto [rc, out] = c.ctl({"cluster", "restart-agent"}, 60s);
+  ASSERT_EQ(rc, 0) << out;
+  const v1::JobResult r = wait_for(c, id, 0);
+  EXPECT_EQ(r.steps_completed(), 60);
+  expect_same_curve(r, plain);
+  ASSERT_GE(r.world_changes_size(), 1) << c.logs();
+  EXPECT_EQ(r.world_changes(r.world_changes_size() - 1).new_world(), 2);
 }
 
 }  // namespace

@@ -77,13 +77,6 @@ v1::JobResult wait_job(const Cluster& c, const std::string& id) {
   return parse_result(out);
 }
 
-// Sets an environment variable for the processes a Cluster starts.
-struct ScopedEnv {
-  ScopedEnv(const char* name, const std::string& value) : name_(name) { ::setenv(name, value.c_str(), 1); }
-  ~ScopedEnv() { ::unsetenv(name_); }
-  const char* name_;
-};
-
 struct Variant {
   std::string name;
   std::vector<std::string> flags;

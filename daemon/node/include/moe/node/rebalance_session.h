@@ -46,8 +46,9 @@ class RebalanceMailbox {
   // The job a PREPARE, COMMIT or ABORT names.
   static const std::string& job_of(const v1::Envelope& message);
   // Control thread: the agent that sent the PREPARE in hand is gone (a new
-  // incarnation registered us): abort it, as if its ABORT had come.
-  void abandon();
+  // incarnation registered us), or the ranks it named are (an elastic job
+  // changed its world): abort it, as if its ABORT had come.
+  void abandon(const std::string& why);
 
   // Ranks, at step boundaries.
   struct View {
