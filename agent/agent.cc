@@ -205,7 +205,12 @@ v1::Envelope Agent::on_import(const v1::PlacementImport& imp) {
 
 v1::Envelope Agent::on_rank_done(const v1::RankDone& d) {
   // The node may still be busy with a job the agent already ended.
-  if (members_.rank_done(d.job_id(), scheduler_.home_rank(d.rank(), d.world_epoch()))) schedule_soon();
+  const int home = d.has_node_rank() ? d.node_rank() : scheduler_.home_rank(d.rank(), d.world_epoch());
+  if (members_.rank_done(d.job_id(), home)) {
+    schedule_soon();
+    const int D = members_.devices_per_node();
+    if (D > 0 && home / D < members_.num_nodes()) scheduler_.on_node_idle(members_.nodes()[home / D], Clock::now());
+  }
   scheduler_.on_rank_done(d, Clock::now());
   persist_soon();
   return report_ack(d.job_id());
@@ -474,6 +479,22 @@ void Agent::nodes_told(int index, const v1::Envelope& req, const v1::NewWorld& w
     } catch (const std::exception& e) {
       const std::string error = what + e.what();
       rpc::asio::post(io_, [this, id, name, error] { scheduler_.on_start_failed(id, name, error, Clock::now()); });
+    }
+  });
+}
+
+void Agent::fence(const std::string& job_id, int node, const std::string& reason) {
+  v1::Envelope req;
+  req.mutable_cancel_job()->set_job_id(job_id);
+  req.mutable_cancel_job()->set_reason(reason);
+  req.mutable_cancel_job()->set_failed(true);
+  const NodeRecord& n = members_.nodes()[node];
+  log::warn("job ", job_id, ": fencing ", members_.describe_node(n), ": ", reason);
+  outbound_->post(n.control_address, [req](rpc::RpcClient& daemon) {
+    try {
+      daemon.call(req, std::chrono::seconds(10));
+    } catch (const std::exception& e) {
+      log::warn("fencing ", daemon.address(), ": ", e.what());
     }
   });
 }

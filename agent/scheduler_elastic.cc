@@ -87,6 +87,12 @@ void Scheduler::node_joins(const NodeRecord& node, Clock::time_point now) {
   actions_.halt_world(job.id, job.world_epoch, job.halt->cause, job.nodes);
 }
 
+void Scheduler::on_node_idle(const NodeRecord& node, Clock::time_point now) {
+  if (elastic_running() && node.state == v1::NODE_STATE_ALIVE &&
+      std::find(running_->nodes.begin(), running_->nodes.end(), node.index) == running_->nodes.end())
+    node_joins(node, now);
+}
+
 void Scheduler::on_rank_halted(const v1::RankHalted& h, Clock::time_point now) {
   if (!elastic_running() || running_->id != h.job_id() || h.world_epoch() != running_->world_epoch) return;
   if (h.rank() < 0 || h.rank() >= running_->reports.world) return;

@@ -29,7 +29,20 @@ void Scheduler::heard_from(int rank, Clock::time_point now) {
 // process and they will never report: they count as done, the job fails at once
 // and the survivors abort their transports (docs/jobs.md#a-node-restarts).
 void Scheduler::on_node_registered(const NodeRecord& node, const std::string& running_job, Clock::time_point now) {
-  if (!running_ || running_job == running_->id) return;
+  // A node back from silence with the part of a job that ended meanwhile (an
+  // elastic job went on without it): nothing will come for that part; stop it.
+  if (const auto ended = jobs_.find(running_job);
+      ended != jobs_.end() && finished(ended->second.state()) && (!running_ || running_->id != running_job))
+    actions_.fence(running_job, node.index, members_.describe_node(node) + " came back after " + running_job + " ended");
+  if (!running_) return;
+  if (running_job == running_->id) {
+    // A node the elastic job left (silent, not dead) woke with its old part: fenced.
+    if (elastic_running() && std::find(running_->nodes.begin(), running_->nodes.end(), node.index) == running_->nodes.end())
+      actions_.fence(running_->id, node.index,
+                     members_.describe_node(node) + " left the job's world; world " +
+                         std::to_string(running_->world_epoch) + " runs without it");
+    return;
+  }
   if (elastic_running()) {  // docs/jobs.md#elastic-jobs
     // A node of the world that restarted lost its ranks' state: it leaves the
     // world and joins the next one as a new node (in one world change when

@@ -5,7 +5,13 @@ namespace moe::node {
 void AgentLink::registered(int64_t incarnation) {
   std::lock_guard<std::mutex> lock(mu_);
   incarnation_ = incarnation;
+  ++registrations_;
   unreachable_since_.reset();
+}
+
+int64_t AgentLink::registrations() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return registrations_;
 }
 
 int64_t AgentLink::incarnation() const {

@@ -85,8 +85,13 @@ void JobRunner::new_world(const v1::NewWorld& next) {
 
 std::optional<v1::NewWorld> JobRunner::next_world(int64_t epoch) {
   std::unique_lock<std::mutex> lock(world_mu_);
-  world_cv_.wait(lock, [&] { return cancel_.load() || (next_ && next_->world_epoch() > epoch); });
+  const bool told = world_cv_.wait_for(lock, kNewWorldPatience,
+                                       [&] { return cancel_.load() || (next_ && next_->world_epoch() > epoch); });
   if (next_ && next_->world_epoch() > epoch && !cancel_.load()) return next_;
+  lock.unlock();
+  if (!told)  // the agent never decided: the job ends here rather than wait forever
+    cancel("no new world within " + std::to_string(kNewWorldPatience.count()) + " s of world " +
+           std::to_string(epoch) + "'s halt");
   return std::nullopt;
 }
 
@@ -167,6 +172,7 @@ void JobRunner::rank_main(int local) {
   }
   d->set_rank(rank);
   d->set_world_epoch(epoch);
+  d->set_node_rank(env_.node_index * env_.devices + local);
   if (!d->ok() && !d->cancelled()) log::warn("job ", job_.job_id(), ": rank ", rank, " failed: ", d->message());
   // Finished before the report: once the agent hears from every rank it may start
   // the next job here, and the daemon must not find this one still running.

@@ -16,7 +16,8 @@ ReportSender::ReportSender(rpc::ClientOptions agent, AgentLink& link, std::strin
       link_(link),
       job_id_(std::move(job_id)),
       local_ranks_(local_ranks),
-      under_(link.incarnation()) {
+      under_(link.incarnation()),
+      registrations_(link.registrations()) {
   thread_ = std::thread([this] { run(); });
 }
 
@@ -60,8 +61,18 @@ void ReportSender::run() {
       unregistered_ = 0;
       next_ = 0;
     }
-    if (settled_) {  // nothing will be needed again
-      cv_.wait(lock, [&] { return stop_; });
+    // Registered again under the same incarnation (the agent declared us dead
+    // and took us back): it counts this node busy with the job until every
+    // local RankDone reaches it again.
+    if (const int64_t n = link_.registrations(); n != registrations_) {
+      if (settled_ || next_ > 0) {
+        settled_ = false;
+        next_ = 0;
+      }
+      registrations_ = n;
+    }
+    if (settled_) {  // nothing is needed unless the agent takes us back
+      cv_.wait_for(lock, kRetryInterval);
       continue;
     }
     const bool waiting = next_ == log_.size() || unregistered_ != 0 || (failing_ && Clock::now() < retry_at_);

@@ -47,6 +47,8 @@ DOCUMENTED_METRICS = {
     "moe_expert_load": ("gauge", {"layer", "expert"}),
     "moe_rebalances_total": ("counter", {"result"}),
     "moe_rebalance_seconds": ("histogram", set()),
+    "moe_world_changes_total": ("counter", {"cause"}),
+    "moe_world_change_recovery_seconds": ("histogram", set()),
     "moe_nodes": ("gauge", {"state"}),
     "moe_jobs": ("gauge", {"state"}),
     "moe_placement_shape_info": ("gauge", {"shape"}),

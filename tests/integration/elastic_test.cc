@@ -228,6 +228,31 @@ TEST(ElasticFaults, ANodeLostDuringALiveRebalance) {
   EXPECT_EQ(c.ctl({"job", "cancel", id}).first, 0);
 }
 
+// A SIGSTOPped node (alive, silent) is lost after the job's dead-node timeout;
+// when it wakes its old part is fenced (it must not rejoin the old world's
+// collectives), and once idle it joins the job at a new world.
+TEST(ElasticFaults, ASilentNodeIsLeftBehindFencedAndJoinsBack) {
+  Cluster c(2, 2);
+  ASSERT_TRUE(c.up());
+  const Args job = with(kTrain, {"--steps", "200", "--min-node-replicas", "2"});
+  const v1::JobResult plain = run_to_end(c, job);
+  const std::string id = submit(c, with(job, {"--elastic"}));
+  ASSERT_TRUE(poll_until([&] { return c.job(id).progress().step() >= 20; }, 60s)) << c.logs();
+  const pid_t node1 = node_pid(c, "node1");
+  ASSERT_EQ(::kill(node1, SIGSTOP), 0);
+  const bool left = poll_until([&] { return c.job(id).world_changes_size() == 1; }, 30s);
+  ::kill(node1, SIGCONT);
+  ASSERT_TRUE(left) << c.logs();
+  const v1::JobResult r = wait_for(c, id, 0);
+  expect_same_curve(r, plain);
+  ASSERT_EQ(r.world_changes_size(), 2) << c.logs();
+  EXPECT_EQ(r.world_changes(0).kind(), "node_dead");
+  EXPECT_GE(r.world_changes(0).detection_seconds(), 1.0);  // the job's --dead-node-timeout-ms of silence
+  EXPECT_LE(r.world_changes(0).detection_seconds(), 1.5);
+  EXPECT_EQ(r.world_changes(1).kind(), "node_joined");
+  EXPECT_NE(read_text_file(c.dir() / "logs" / "agent.log").find("fencing node node1"), std::string::npos);
+}
+
 // The agent SIGKILLed with the node (before it decided the new world) and
 // restarted on its state file: the survivors report again and the job recovers.
 TEST(ElasticFaults, TheAgentKilledDuringARecovery) {

@@ -20,9 +20,13 @@ Faults, one per iteration, chosen at random (seeded):
                    (tc tbf); root and tc, otherwise skipped. The daemons talk UCX over TCP
                    (UCX_TLS=tcp), so the data plane crosses the slow link too.
 
+Some jobs (two in five) are elastic (docs/jobs.md#elastic-jobs: --elastic, every expert on both
+nodes, a 1 s dead-node timeout): a node lost goes on without it, a node back joins it.
+
 After each iteration (violations, each named):
   - the job reached an end state within its deadline, and one that is not SUCCEEDED has a
-    message; jobs under `none`, `bad_frames`, `rebalance` and `slow_link` succeed;
+    message; jobs under `none`, `bad_frames`, `rebalance` and `slow_link` succeed, and elastic
+    ones under `kill_daemon`, `restart_daemon` and `stop_daemon` too;
   - every process is alive again and every node ALIVE within 30 s;
   - the history is intact: `job list` holds every job submitted so far, each ended;
   - `placement show` answers;
@@ -51,6 +55,8 @@ FAULTS = ["none", "kill_daemon", "restart_daemon", "stop_daemon", "kill_agent", 
           "checkpoint_gone", "checkpoint_full", "slow_link"]
 RESTART_DEADLINE = 20  # seconds from a daemon's SIGKILL-and-restart to its job's end (it hung 44-46 s before)
 MUST_SUCCEED = {"none", "bad_frames", "rebalance", "slow_link"}
+ELASTIC_MUST_SUCCEED = MUST_SUCCEED | {"kill_daemon", "restart_daemon", "stop_daemon"}
+ELASTIC = ["--elastic", "--min-node-replicas", "2", "--dead-node-timeout-ms", "1000"]
 SHAPE_HANDLE = "7e57:"  # the harness's netem qdisc on lo, and only that one is ever removed
 
 
@@ -138,11 +144,11 @@ class Harness:
         return rc == 0 and len(nodes) == 2 and all(str(n.get("state", "")).endswith("ALIVE") for n in nodes)
 
     # --- one job ---------------------------------------------------------------------
-    def job_spec(self, train):
+    def job_spec(self, train, elastic):
         """A small job's spec flags (what a resume must repeat)."""
         spec = ["--experts", "8", "--top-k", "2", "--hidden", "32", "--ffn-hidden", "32", "--tokens-per-rank", "256",
                 "--skew", "zipf:1.2", "--seed", str(self.rng.randrange(1 << 30))]
-        return spec + (["--mode", "train"] if train else [])
+        return spec + (["--mode", "train"] if train else []) + (ELASTIC if elastic else [])
 
     def submit(self, spec, steps, ckpt_dir):
         args = ["job", "submit", *spec, "--steps", str(steps)]
@@ -313,10 +319,12 @@ class Harness:
             fault = "none"
         self.faults[fault] = self.faults.get(fault, 0) + 1
         steps = self.rng.randrange(40, 160)
-        spec = self.job_spec(train)
+        elastic = self.rng.random() < 0.4
+        spec = self.job_spec(train, elastic)
         rc, job, out = self.submit(spec, steps, ckpt)
-        print("iteration %d: %s, %s job %s, %d steps%s" % (it, fault, "train" if train else "forward", job or "?",
-                                                            steps, ", checkpoints" if ckpt else ""), flush=True)
+        print("iteration %d: %s, %s%s job %s, %d steps%s" % (it, fault, "elastic " if elastic else "",
+                                                              "train" if train else "forward", job or "?", steps,
+                                                              ", checkpoints" if ckpt else ""), flush=True)
         if rc != 0 or not job:
             self.violate(it, "submit failed (%d): %s" % (rc, out.strip()))
             return
@@ -339,8 +347,14 @@ class Harness:
                   flush=True)
             if not state.endswith("SUCCEEDED") and not message:
                 self.violate(it, "job %s ended %s without a reason" % (job, state))
-            if fault in MUST_SUCCEED and not state.endswith("SUCCEEDED"):
-                self.violate(it, "job %s under %s ended %s: %s" % (job, fault, state, message))
+            if fault in (ELASTIC_MUST_SUCCEED if elastic else MUST_SUCCEED) and not state.endswith("SUCCEEDED"):
+                self.violate(it, "%sjob %s under %s ended %s: %s" % ("elastic " if elastic else "", job, fault, state,
+                                                                   message))
+            changes = r.get("world_changes", [])
+            if changes:
+                print("  world changes: " + "; ".join("%s at step %s, %s -> %s ranks" % (
+                    w.get("kind"), w.get("step", 0), w.get("old_world"), w.get("new_world")) for w in changes),
+                      flush=True)
         self.check_cluster(it, ctx)
         if ckpt and fault != "checkpoint_gone":
             self.check_checkpoints(it, ckpt, spec)

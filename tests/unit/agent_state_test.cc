@@ -31,6 +31,7 @@ struct Recorder : SchedulerActions {
   void step_completed(const std::string&, int step) override { completed_steps.push_back(step); }
   void halt_world(const std::string&, int64_t, const std::string&, const std::vector<int>&) override {}
   void new_world(const v1::NewWorld&, const std::vector<int>&, const v1::StartJob&, const std::vector<int>&) override {}
+  void fence(const std::string&, int, const std::string&) override {}
 };
 
 // One agent's rooms, as the Agent wires them.

@@ -122,6 +122,8 @@ struct Recorder : SchedulerActions {
     if (!joining.empty()) joins.push_back(j);
   }
   std::vector<v1::StartJob> joins;
+  void fence(const std::string&, int node, const std::string&) override { fenced.push_back(node); }
+  std::vector<int> fenced;
   std::vector<int> completed_steps;
   std::vector<std::pair<int64_t, std::vector<int>>> halted;
   std::vector<v1::NewWorld> worlds;

@@ -21,6 +21,7 @@ struct NoActions : SchedulerActions {
   void step_completed(const std::string&, int) override {}
   void halt_world(const std::string&, int64_t, const std::string&, const std::vector<int>&) override {}
   void new_world(const v1::NewWorld&, const std::vector<int>&, const v1::StartJob&, const std::vector<int>&) override {}
+  void fence(const std::string&, int, const std::string&) override {}
 };
 
 class LiveLoadTest : public ::testing::Test {

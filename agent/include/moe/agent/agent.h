@@ -116,6 +116,7 @@ class Agent : private SchedulerActions, private RebalanceActions {
   void new_world(const v1::NewWorld& world, const std::vector<int>& nodes, const v1::StartJob& join,
                  const std::vector<int>& joining) override;
   void nodes_told(int index, const v1::Envelope& req, const v1::NewWorld& world);
+  void fence(const std::string& job_id, int node, const std::string& reason) override;
 
   // RebalanceActions
   void prepare(const v1::PrepareRebalance& p) override;

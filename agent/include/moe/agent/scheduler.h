@@ -76,6 +76,9 @@ class SchedulerActions {
   // Scheduler::on_start_failed).
   virtual void new_world(const v1::NewWorld& world, const std::vector<int>& nodes, const v1::StartJob& join,
                          const std::vector<int>& joining) = 0;
+  // A node that left an elastic job's world still runs its part (it was
+  // silent, not dead): stop it there (the job failed, as far as it is concerned).
+  virtual void fence(const std::string& job_id, int node, const std::string& reason) = 0;
 };
 
 // The job that runs, and what its ranks reported so far.
@@ -183,6 +186,9 @@ class Scheduler {
   // A node (re-)registered, running `running_job` ("" for none). A job restored
   // as running fails when one of its nodes comes back without it.
   void on_node_registered(const NodeRecord& node, const std::string& running_job, Clock::time_point now);
+  // A node finished its part of a job (every rank reported done): an elastic
+  // job it had left takes it back.
+  void on_node_idle(const NodeRecord& node, Clock::time_point now);
 
   // Every job record, the queue and the running job, for the agent's state
   // directory; and back, where a running job waits for its daemons' reports.

@@ -19,6 +19,9 @@ class AgentLink {
   void registered(int64_t incarnation);
   // The incarnation of the last registration; 0 before the first.
   int64_t incarnation() const;
+  // Registrations so far (the agent may forget a silent node and take it
+  // back under the same incarnation: what it knew of our jobs went with it).
+  int64_t registrations() const;
   // A call reached the agent.
   void reached();
   // A call could not reach the agent (unavailable or timed out).
@@ -29,6 +32,7 @@ class AgentLink {
  private:
   mutable std::mutex mu_;
   int64_t incarnation_ = 0;
+  int64_t registrations_ = 0;
   std::optional<Clock::time_point> unreachable_since_;
 };
 

@@ -73,8 +73,11 @@ class JobRunner {
   void halt(int64_t epoch, const std::string& reason);
   void new_world(const v1::NewWorld& next);
   // Ranks: the world after `epoch` once the agent sent it; nullopt when the job
-  // was cancelled or failed first.
+  // was cancelled or failed first, or none came within kNewWorldPatience (the
+  // agent decides within its halt timeout, or fails the job: it never came
+  // back, or this node was left behind and never heard).
   std::optional<v1::NewWorld> next_world(int64_t epoch);
+  static constexpr std::chrono::seconds kNewWorldPatience{60};
   // The in-process hub of this node's ranks in world `epoch`.
   std::shared_ptr<transport::LocalHub> hub(int64_t epoch);
   // The newest world the agent halted (-1: none).

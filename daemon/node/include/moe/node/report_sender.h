@@ -54,6 +54,7 @@ class ReportSender {
   int dones_ = 0;                  // RankDones in log_
   size_t next_ = 0;                // log_[0, next_) reached the agent of incarnation under_
   int64_t under_ = 0;
+  int64_t registrations_ = 0;      // link_.registrations() when last looked at
   int64_t unregistered_ = 0;       // an incarnation the agent answered with that we have not registered with
   bool failing_ = false;           // the last call failed: retry at retry_at_
   Clock::time_point retry_at_;
