@@ -20,11 +20,6 @@ using namespace std::chrono_literals;
 namespace fs = std::filesystem;
 using Args = std::vector<std::string>;
 
-Args concat(Args a, const Args& b) {
-  a.insert(a.end(), b.begin(), b.end());
-  return a;
-}
-
 // Every option of the training issue on: balancing, bias, shared experts, Adam.
 const Args kSpec = {"--mode", "train", "--experts", "8", "--top-k", "2", "--hidden", "32", "--ffn-hidden", "16",
                     "--layers", "2", "--seed", "13", "--skew", "zipf:0.8", "--lr", "0.01",

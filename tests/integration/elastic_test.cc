@@ -19,11 +19,6 @@ namespace {
 using namespace std::chrono_literals;
 using Args = std::vector<std::string>;
 
-Args with(Args a, const Args& b) {
-  a.insert(a.end(), b.begin(), b.end());
-  return a;
-}
-
 // A train job whose steps take long enough to kill a node mid-job on 2 cores.
 const Args kTrain = {"--mode", "train", "--experts", "16", "--top-k", "4", "--hidden", "128", "--ffn-hidden", "128",
                      "--tokens-per-rank", "128", "--skew", "zipf:1.2", "--seed", "7", "--optimizer", "adam",
@@ -34,13 +29,13 @@ pid_t node_pid(const Cluster& c, const std::string& node) {
 }
 
 std::string submit(const Cluster& c, const Args& args) {
-  const auto [rc, out] = c.ctl(with({"job", "submit"}, args));
+  const auto [rc, out] = c.ctl(concat({"job", "submit"}, args));
   EXPECT_EQ(rc, 0) << out;
   return out.substr(0, out.find('\n'));
 }
 
 v1::JobResult run_to_end(const Cluster& c, const Args& args) {
-  const auto [rc, out] = c.ctl(with({"--output", "json", "job", "submit", "--wait"}, args), 180s);
+  const auto [rc, out] = c.ctl(concat({"--output", "json", "job", "submit", "--wait"}, args), 180s);
   EXPECT_EQ(rc, 0) << out << c.logs();
   return parse_result(out);
 }
@@ -69,9 +64,9 @@ void expect_same_curve(const v1::JobResult& got, const v1::JobResult& want) {
 TEST(Elastic, ATrainJobLosesANodeGrowsBackAndKeepsItsLossCurve) {
   Cluster c(2, 2);
   ASSERT_TRUE(c.up());
-  const Args job = with(kTrain, {"--steps", "120", "--min-node-replicas", "2"});
+  const Args job = concat(kTrain, {"--steps", "120", "--min-node-replicas", "2"});
   const v1::JobResult plain = run_to_end(c, job);
-  const std::string id = submit(c, with(job, {"--elastic"}));
+  const std::string id = submit(c, concat(job, {"--elastic"}));
   kill_at_step(c, id, 30, "node1");
   ASSERT_TRUE(poll_until([&] { return c.job(id).progress().step() >= 40; }, 60s)) << c.logs();
   const auto [restart_rc, restarted] = c.ctl({"node", "restart", "node1"}, 60s);
@@ -117,7 +112,7 @@ TEST(Elastic, ATrainJobLosesANodeGrowsBackAndKeepsItsLossCurve) {
 TEST(Elastic, WithoutReplicasTheJobFailsNamingTheLostExperts) {
   Cluster c(2, 2);
   ASSERT_TRUE(c.up());
-  const std::string id = submit(c, with(kTrain, {"--steps", "1000000", "--elastic"}));
+  const std::string id = submit(c, concat(kTrain, {"--steps", "1000000", "--elastic"}));
   kill_at_step(c, id, 5, "node1");
   const auto killed = std::chrono::steady_clock::now();
   const v1::JobResult r = wait_for(c, id, 1);
@@ -134,9 +129,9 @@ TEST(Elastic, WithoutReplicasTheJobFailsNamingTheLostExperts) {
 TEST(Elastic, WithoutReplicasTheJobRollsBackToItsCheckpoint) {
   Cluster c(2, 2);
   ASSERT_TRUE(c.up());
-  const Args job = with(kTrain, {"--steps", "60", "--checkpoint-every", "10"});
-  const v1::JobResult plain = run_to_end(c, with(job, {"--checkpoint-dir", (c.dir() / "plain").string()}));
-  const std::string id = submit(c, with(job, {"--elastic", "--checkpoint-dir", (c.dir() / "elastic").string()}));
+  const Args job = concat(kTrain, {"--steps", "60", "--checkpoint-every", "10"});
+  const v1::JobResult plain = run_to_end(c, concat(job, {"--checkpoint-dir", (c.dir() / "plain").string()}));
+  const std::string id = submit(c, concat(job, {"--elastic", "--checkpoint-dir", (c.dir() / "elastic").string()}));
   kill_at_step(c, id, 35, "node1");
   const v1::JobResult r = wait_for(c, id, 0);
   EXPECT_EQ(r.steps_completed(), 60);
@@ -155,9 +150,9 @@ TEST(Elastic, WithoutReplicasTheJobRollsBackToItsCheckpoint) {
 TEST(Elastic, ATrainJobLosesTwoNodesInTurn) {
   Cluster c(3, 1);
   ASSERT_TRUE(c.up());
-  const Args job = with(kTrain, {"--steps", "60", "--min-node-replicas", "2", "--experts", "12", "--top-k", "2"});
+  const Args job = concat(kTrain, {"--steps", "60", "--min-node-replicas", "2", "--experts", "12", "--top-k", "2"});
   const v1::JobResult plain = run_to_end(c, job);
-  const std::string id = submit(c, with(job, {"--elastic"}));
+  const std::string id = submit(c, concat(job, {"--elastic"}));
   kill_at_step(c, id, 15, "node1");
   ASSERT_TRUE(poll_until([&] { return c.job(id).world_changes_size() == 1; }, 30s)) << c.logs();
   kill_at_step(c, id, 35, "node2");
@@ -192,9 +187,9 @@ TEST(Elastic, AForwardJobLosesANode) {
 TEST(ElasticFaults, ASecondNodeLostDuringARecovery) {
   Cluster c(3, 1);
   ASSERT_TRUE(c.up());
-  const Args job = with(kTrain, {"--steps", "60", "--min-node-replicas", "3", "--experts", "12", "--top-k", "2"});
+  const Args job = concat(kTrain, {"--steps", "60", "--min-node-replicas", "3", "--experts", "12", "--top-k", "2"});
   const v1::JobResult plain = run_to_end(c, job);
-  const std::string id = submit(c, with(job, {"--elastic"}));
+  const std::string id = submit(c, concat(job, {"--elastic"}));
   kill_at_step(c, id, 20, "node1");
   std::this_thread::sleep_for(100ms);  // the world change is under way
   ASSERT_EQ(::kill(node_pid(c, "node2"), SIGKILL), 0);
@@ -211,7 +206,7 @@ TEST(ElasticFaults, ANodeLostDuringALiveRebalance) {
   ScopedEnv fault("MOE_FAULT_INJECT", "node1:stall-copy");  // the rebalance stays staging
   Cluster c(2, 2);
   ASSERT_TRUE(c.up());
-  const Args job = with(kTrain, {"--steps", "1000000", "--min-node-replicas", "2", "--elastic"});
+  const Args job = concat(kTrain, {"--steps", "1000000", "--min-node-replicas", "2", "--elastic"});
   const std::string id = submit(c, job);
   ASSERT_TRUE(poll_until([&] { return c.job(id).progress().step() >= 10; }, 60s)) << c.logs();
   std::pair<int, std::string> rebalance;
@@ -234,9 +229,9 @@ TEST(ElasticFaults, ANodeLostDuringALiveRebalance) {
 TEST(ElasticFaults, ASilentNodeIsLeftBehindFencedAndJoinsBack) {
   Cluster c(2, 2);
   ASSERT_TRUE(c.up());
-  const Args job = with(kTrain, {"--steps", "200", "--min-node-replicas", "2"});
+  const Args job = concat(kTrain, {"--steps", "200", "--min-node-replicas", "2"});
   const v1::JobResult plain = run_to_end(c, job);
-  const std::string id = submit(c, with(job, {"--elastic"}));
+  const std::string id = submit(c, concat(job, {"--elastic"}));
   ASSERT_TRUE(poll_until([&] { return c.job(id).progress().step() >= 20; }, 60s)) << c.logs();
   const pid_t node1 = node_pid(c, "node1");
   ASSERT_EQ(::kill(node1, SIGSTOP), 0);
@@ -258,9 +253,9 @@ TEST(ElasticFaults, ASilentNodeIsLeftBehindFencedAndJoinsBack) {
 TEST(ElasticFaults, TheAgentKilledDuringARecovery) {
   Cluster c(2, 2);
   ASSERT_TRUE(c.up());
-  const Args job = with(kTrain, {"--steps", "60", "--min-node-replicas", "2"});
+  const Args job = concat(kTrain, {"--steps", "60", "--min-node-replicas", "2"});
   const v1::JobResult plain = run_to_end(c, job);
-  const std::string id = submit(c, with(job, {"--elastic"}));
+  const std::string id = submit(c, concat(job, {"--elastic"}));
   ASSERT_TRUE(poll_until([&] { return c.job(id).progress().step() >= 20; }, 60s)) << c.logs();
   ASSERT_EQ(::kill(node_pid(c, "agent"), SIGKILL), 0);
   ASSERT_EQ(::kill(node_pid(c, "node1"), SIGKILL), 0);

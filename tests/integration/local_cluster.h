@@ -94,4 +94,10 @@ bool parse_output(const std::string& text, google::protobuf::Message& m);
 // The JobResult in moectl's JSON output (text before the first '{' skipped).
 v1::JobResult parse_result(const std::string& json);
 
+// a, then b: a command line from its parts.
+inline std::vector<std::string> concat(std::vector<std::string> a, const std::vector<std::string>& b) {
+  a.insert(a.end(), b.begin(), b.end());
+  return a;
+}
+
 }  // namespace moe::test

@@ -26,11 +26,6 @@ bool has(const std::string& out, const std::string& part) { return out.find(part
 
 const Args kTiny = {"--experts", "4", "--top-k", "2", "--hidden", "16", "--ffn-hidden", "8", "--tokens-per-rank", "16"};
 
-Args with(Args a, const Args& b) {
-  a.insert(a.end(), b.begin(), b.end());
-  return a;
-}
-
 std::vector<std::string> lines_of(const std::string& text) {
   std::vector<std::string> out;
   std::istringstream in(text);
@@ -40,7 +35,7 @@ std::vector<std::string> lines_of(const std::string& text) {
 
 // The submitted job's id from `job submit` (no --wait).
 std::string submit(const Cluster& c, const Args& args) {
-  const auto [rc, out] = c.ctl(with({"job", "submit"}, args));
+  const auto [rc, out] = c.ctl(concat({"job", "submit"}, args));
   EXPECT_EQ(rc, 0) << out;
   return out.substr(0, out.find('\n'));
 }
@@ -105,9 +100,9 @@ TEST(Ux, JobListIsInSubmitOrderWithTimesAndFitsTheWidth) {
   Cluster c(1, 1);
   ASSERT_TRUE(c.up());
   std::vector<std::string> ids;
-  for (int i = 0; i < 11; ++i) ids.push_back(submit(c, with(kTiny, {"--steps", "2"})));
+  for (int i = 0; i < 11; ++i) ids.push_back(submit(c, concat(kTiny, {"--steps", "2"})));
   // One failed job with a long message: weights that do not exist.
-  const std::string bad = submit(c, with(kTiny, {"--steps", "2", "--weights", "/nonexistent/" + std::string(150, 'w') + ".safetensors"}));
+  const std::string bad = submit(c, concat(kTiny, {"--steps", "2", "--weights", "/nonexistent/" + std::string(150, 'w') + ".safetensors"}));
   ASSERT_EQ(c.ctl({"job", "wait", bad}, 60s).first, 1);
   ::setenv("COLUMNS", "100", 1);
   const auto [rc, out] = c.ctl({"job", "list"});
@@ -139,7 +134,7 @@ TEST(Ux, AMissingRequiredFieldSaysRequired) {
 TEST(Ux, ClusterUpRefusesBadAgentFlagsAndFailedAutoRebalancesShow) {
   const fs::path state = fs::temp_directory_path() / ("moe_ux_flags_" + std::to_string(::getpid()));
   for (const Args& flag : {Args{"--load-window", "abc"}, Args{"--balancedness-threshold", "5"}}) {
-    const auto [rc, out] = moectl(with({"--state-dir", state.string(), "cluster", "up"}, flag));
+    const auto [rc, out] = moectl(concat({"--state-dir", state.string(), "cluster", "up"}, flag));
     EXPECT_EQ(rc, 2) << out;
     EXPECT_TRUE(has(out, "moe-agent refused its flags: " + flag[0])) << out;
     EXPECT_FALSE(fs::exists(state / "agent_address")) << "started an agent anyway";
@@ -148,7 +143,7 @@ TEST(Ux, ClusterUpRefusesBadAgentFlagsAndFailedAutoRebalancesShow) {
   // 8 experts + 3 redundant do not divide over 2 ranks: every attempt fails.
   Cluster c(1, 2, {"--redundant-experts", "3", "--rebalance-every", "2"});
   ASSERT_TRUE(c.up());
-  const std::string id = submit(c, with({"--experts", "8", "--top-k", "2", "--hidden", "16", "--ffn-hidden", "8",
+  const std::string id = submit(c, concat({"--experts", "8", "--top-k", "2", "--hidden", "16", "--ffn-hidden", "8",
                                          "--tokens-per-rank", "64", "--skew", "zipf:1.5"},
                                         {"--steps", "6"}));
   ASSERT_EQ(c.ctl({"job", "wait", id}, 60s).first, 0);
@@ -163,7 +158,7 @@ TEST(Ux, ClusterUpRefusesBadAgentFlagsAndFailedAutoRebalancesShow) {
 TEST(Ux, JsonAnywhereWithShortEnumsAndNumbers) {
   Cluster c(1, 1);
   ASSERT_TRUE(c.up());
-  const std::string id = submit(c, with(kTiny, {"--steps", "2"}));
+  const std::string id = submit(c, concat(kTiny, {"--steps", "2"}));
   ASSERT_EQ(c.ctl({"job", "wait", id}, 60s).first, 0);
   for (const Args& cmd : {Args{"job", "list", "--output", "json"}, Args{"job", "status", id, "-o", "json"},
                           Args{"-o", "json", "placement", "show"}, Args{"cluster", "status", "-o", "json"}}) {
@@ -185,8 +180,8 @@ TEST(Ux, JsonAnywhereWithShortEnumsAndNumbers) {
 TEST(Ux, InterruptingAWaitSaysHowToReattachAndTimeoutsEnd) {
   Cluster c(1, 1);
   ASSERT_TRUE(c.up());
-  Process waiting = Process::spawn(with({MOE_BIN_DIR "/cli/moectl", "--state-dir", c.dir().string(), "job", "submit", "--wait"},
-                                        with(kTiny, {"--steps", "1000000"})));
+  Process waiting = Process::spawn(concat({MOE_BIN_DIR "/cli/moectl", "--state-dir", c.dir().string(), "job", "submit", "--wait"},
+                                        concat(kTiny, {"--steps", "1000000"})));
   ASSERT_TRUE(poll_until([&] { return has(waiting.output(), " submitted"); }, 30s)) << waiting.output();
   const std::string id = waiting.output().substr(0, waiting.output().find(' '));
   waiting.kill(SIGINT);
@@ -205,9 +200,9 @@ TEST(Ux, InterruptingAWaitSaysHowToReattachAndTimeoutsEnd) {
 TEST(Ux, MetricsDescribeOnlyTheLastShape) {
   Cluster c(1, 1);
   ASSERT_TRUE(c.up());
-  ASSERT_EQ(c.ctl(with(with({"job", "submit", "--wait"}, kTiny), {"--steps", "2", "--layers", "2"}), 60s).first, 0);
+  ASSERT_EQ(c.ctl(concat(concat({"job", "submit", "--wait"}, kTiny), {"--steps", "2", "--layers", "2"}), 60s).first, 0);
   ASSERT_TRUE(poll_until([&] { return has(agent_metrics(c), "moe_placement_epoch{layer=\"1\"}"); }, 5s));
-  ASSERT_EQ(c.ctl(with(with({"job", "submit", "--wait"}, kTiny), {"--steps", "2", "--experts", "8"}), 60s).first, 0);
+  ASSERT_EQ(c.ctl(concat(concat({"job", "submit", "--wait"}, kTiny), {"--steps", "2", "--experts", "8"}), 60s).first, 0);
   ASSERT_TRUE(poll_until([&] { return has(agent_metrics(c), "moe_placement_shape_info{shape=\"8x1@1x1\"} 1"); }, 5s))
       << agent_metrics(c);
   const std::string m = agent_metrics(c);
@@ -226,7 +221,7 @@ TEST(Ux, AQueuedJobNamesTheDeadNodeAndNodeRestartBringsItBack) {
   EXPECT_TRUE(has(st, "world 2 ranks (1 alive)")) << st;
   EXPECT_TRUE(has(st, "dead since")) << st;
   EXPECT_TRUE(has(c.ctl({"top", "--once"}).second, "2 ranks (1 alive)"));
-  const std::string id = submit(c, with(kTiny, {"--steps", "2"}));
+  const std::string id = submit(c, concat(kTiny, {"--steps", "2"}));
   const std::string queued = c.ctl({"job", "status", id}).second;
   EXPECT_TRUE(has(queued, "waiting for      node node1: dead since")) << queued;
   EXPECT_TRUE(has(queued, "moectl node restart node1")) << queued;
@@ -251,7 +246,7 @@ TEST(Ux, AQueuedJobNamesTheDeadNodeAndNodeRestartBringsItBack) {
 TEST(Ux, VerifyThatNeverRanSaysSo) {
   Cluster c(1, 1);
   ASSERT_TRUE(c.up());
-  const auto [rc, out] = c.ctl(with(with({"job", "submit", "--wait", "--verify"}, kTiny),
+  const auto [rc, out] = c.ctl(concat(concat({"job", "submit", "--wait", "--verify"}, kTiny),
                                     {"--steps", "2", "--weights", "/nonexistent.safetensors"}),
                                60s);
   EXPECT_EQ(rc, 1) << out;
@@ -298,7 +293,7 @@ TEST(Ux, VersionCompletionHealthAndFriendlyErrors) {
   EXPECT_TRUE(has(out, "unknown field 'ffn_hiden' (did you mean 'ffn_hidden'?)")) << out;
   // The loads file a job leaves runs through moe-placement-sim on its defaults
   // (whose 256 experts in 8 groups on 32 ranks fit no 4-expert file).
-  ASSERT_EQ(c.ctl(with(with({"job", "submit", "--wait"}, kTiny), {"--steps", "2"}), 60s).first, 0);
+  ASSERT_EQ(c.ctl(concat(concat({"job", "submit", "--wait"}, kTiny), {"--steps", "2"}), 60s).first, 0);
   ASSERT_EQ(c.ctl({"placement", "loads", (c.dir() / "loads.txt").string()}).first, 0);
   Process sim = Process::spawn({MOE_BIN_DIR "/agent/placement/moe-placement-sim", "--loads", (c.dir() / "loads.txt").string()});
   EXPECT_EQ(sim.wait(30s), 0) << sim.output();

@@ -5,7 +5,7 @@
 #   tests/sanitize/run.sh asan [ctest args]   AddressSanitizer + UndefinedBehaviorSanitizer:
 #                                             the unit, integration and fuzz-replay suites
 #   tests/sanitize/run.sh tsan [ctest args]   ThreadSanitizer: the transport, EP layer,
-#                                             rebalance, agent, report-sender, RPC and TLS suites
+#                                             rebalance, agent, report-sender, RPC, TLS and elastic suites
 #
 # Build folder: ${MOE_BUILD_DIR:-build}-asan or -tsan. Every finding fails its test:
 # UBSan does not recover, ASan and TSan exit non-zero. Suppressions for third-party code
@@ -49,6 +49,6 @@ if [ "$kind" = asan ]; then
   ctest --test-dir "$build" --output-on-failure -j "$MOE_JOBS" -LE 'deploy|thrash' -E 'Cuda|Nccl|Gpu' "$@"
 else
   ctest --test-dir "$build" --output-on-failure -j "$MOE_JOBS" \
-    -R 'Communicator|Transport|Bootstrap|LocalHub|Ep[A-Z]|EpLayer|Rebalance|rebalance|Agent|Scheduler|ReportSender|LiveLoad|Rpc|Tls|UcxJobKey|OnTheWire' \
+    -R 'Communicator|Transport|Bootstrap|LocalHub|Ep[A-Z]|EpLayer|Rebalance|rebalance|Agent|Scheduler|ReportSender|LiveLoad|Rpc|Tls|UcxJobKey|OnTheWire|Elastic|WorldChange' \
     "$@"
 fi
