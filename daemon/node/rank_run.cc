@@ -269,6 +269,7 @@ int RankRun::run_world(const std::function<bool()>& cancel_requested) {
   for (; step < steps; ++step) {
     if (agree_and_act(cancel_requested(), step)) break;
     run_step(step);
+    retired_.clear();  // every rank of this world completed a step in it
     world_->rebalance.after_step();
     if (checkpoint_due(step + 1))
       write_checkpoint(world_->start, world_->stack, step + 1, world_->rank, world_->comm, deadline());
@@ -311,7 +312,11 @@ void RankRun::report_halted(const std::string& why, int failed_peer) {
   h->set_message(why);
   if (failed_peer >= 0) h->set_failed_peer(failed_peer);
   for (int l = 0; l < world_->stack.num_layers(); ++l) {
-    const std::vector<bool> hosted = world_->stack.map(l).hosted(world_->rank);
+    std::vector<bool> hosted = world_->stack.map(l).hosted(world_->rank);
+    for (const auto& w : retired_) {  // an earlier world's stack, kept until the new world proved itself
+      const std::vector<bool> also = w->stack.map(l).hosted(w->rank);
+      for (size_t e = 0; e < hosted.size() && e < also.size(); ++e) hosted[e] = hosted[e] || also[e];
+    }
     auto* layer = h->add_hosted();
     for (size_t e = 0; e < hosted.size(); ++e)
       if (hosted[e]) layer->add_experts(static_cast<int>(e));
@@ -379,7 +384,10 @@ void RankRun::enter(const v1::NewWorld& next) {
     std::swap(world_, fresh);
     entering_ = nullptr;
   }
-  fresh.reset();  // the old world's transports and stack
+  // The old stack stays until the new world completes a step: a peer may have
+  // been halted before it took the experts this rank gave it, and then this
+  // rank's old slots are where they are.
+  retired_.push_back(std::move(fresh));
   world_first_step_ = next.resume_step();
   log::info("job ", job_.job_id(), ": rank ", old_rank, " is rank ", world_->rank, " of ", next.world_size(),
             " in world ", next.world_epoch(), " (", world_->start.spec().tokens_per_rank(),
@@ -493,12 +501,18 @@ void RankRun::move_state(World* from, World& to, const v1::NewWorld& next) {
   move_replicated(from, to, next);
   const transport::Deadline until = deadline();
   if (!train) return to.comm.barrier(until);
-  auto old_slot = [&](int l, int e) {
-    if (!from) return -1;
-    const moe::ExpertMap& m = from->stack.map(l);
-    for (int s = 0; s < m.slots_per_rank; ++s)
-      if (m.expert_at(from->rank, s) == e) return s;
-    return -1;
+  // Where this rank holds expert e of layer l: the current stack, else one it
+  // retired (null: nowhere).
+  std::vector<World*> held;
+  if (from) held.push_back(from);
+  for (const auto& w : retired_) held.push_back(w.get());
+  auto holder = [&](int l, int e) -> std::pair<World*, int> {
+    for (World* w : held) {
+      const moe::ExpertMap& m = w->stack.map(l);
+      for (int s = 0; s < m.slots_per_rank; ++s)
+        if (m.expert_at(w->rank, s) == e) return {w, s};
+    }
+    return {nullptr, -1};
   };
   auto import_all = [&](int l, int e, const ep::ExpertState& st) {
     const moe::ExpertMap& m = to.stack.map(l);
@@ -517,12 +531,12 @@ void RankRun::move_state(World* from, World& to, const v1::NewWorld& next) {
   for (int i = 0; i < next.moves_size(); ++i) {
     const v1::ExpertMove& mv = next.moves(i);
     if (mv.from_rank() == to.rank && mv.to_rank() != to.rank) {
-      const int s = old_slot(mv.layer(), mv.expert());
-      MOE_CHECK(s >= 0, "world change: told to send expert ", mv.expert(), " of layer ", mv.layer(),
+      const auto [w, s] = holder(mv.layer(), mv.expert());
+      MOE_CHECK(w, "world change: told to send expert ", mv.expert(), " of layer ", mv.layer(),
                 ", which this rank does not hold");
       ep::ExpertState st;
       st.resize(spec.hidden(), spec.ffn_hidden(), moments);
-      from->stack.layer(mv.layer()).export_slot(s, st);
+      w->stack.layer(mv.layer()).export_slot(s, st);
       auto wire = std::make_shared<std::vector<float>>();
       wire->reserve(st.floats());
       for (const auto* v : {&st.weights, &st.m, &st.v}) wire->insert(wire->end(), v->begin(), v->end());
@@ -541,11 +555,11 @@ void RankRun::move_state(World* from, World& to, const v1::NewWorld& next) {
     for (int s = 0; s < to.stack.map(l).slots_per_rank; ++s) {
       const int e = to.stack.map(l).expert_at(to.rank, s);
       if (e < 0 || moved_here.count({l, e})) continue;
-      const int o = old_slot(l, e);
-      MOE_CHECK(o >= 0, "world change: no source for expert ", e, " of layer ", l, " on rank ", to.rank);
+      const auto [w, o] = holder(l, e);
+      MOE_CHECK(w, "world change: no source for expert ", e, " of layer ", l, " on rank ", to.rank);
       ep::ExpertState st;
       st.resize(spec.hidden(), spec.ffn_hidden(), moments);
-      from->stack.layer(l).export_slot(o, st);
+      w->stack.layer(l).export_slot(o, st);
       to.stack.layer(l).import_slot(s, st);
     }
   }

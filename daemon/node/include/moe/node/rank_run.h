@@ -94,6 +94,9 @@ class RankRun {
   mutable std::mutex world_mu_;  // world_ and entering_, against abort_transport
   std::unique_ptr<World> world_;
   World* entering_ = nullptr;  // the world enter() is moving the state to
+  // Stacks of worlds this rank left, until the current world completes a step
+  // (a halt before then may need the experts only they hold). Rank thread only.
+  std::vector<std::unique_ptr<World>> retired_;
   struct Place {
     int64_t epoch = 0;
     int rank = 0;

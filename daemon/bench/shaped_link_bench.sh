@@ -1,0 +1,118 @@
+#!/usr/bin/env bash
+# Shaped-link benchmark (issue: communication hidden behind compute): the agent and N daemons in
+# network namespaces of their own, joined by veth pairs to a bridge in a "switch" namespace,
+# `tc tbf` (and, with DELAY, `netem` delay) on every daemon's veth; forward and train jobs through
+# moectl at each link rate. Prints per mode and rate: tokens/s, the phases (dispatch, expert,
+# combine, backward), the communication seconds a step needs at that rate (the step's bytes per
+# rank over the link), and the bound max(compute, communication).
+#
+#   sudo daemon/bench/shaped_link_bench.sh [RATES] [STEPS]
+#     RATES: space-separated tbf rates, "none" = unshaped (default: "none 10gbit 1gbit 200mbit")
+#     STEPS: steps per job (default 6; the medians skip nothing, the first step included)
+#   Environment: NODES (2), DEVICES (1), JOB (the moectl job flags; default E=64 K=8 H=1024 I=512
+#   T=2048), DELAY (e.g. 1ms: netem delay on each veth, none by default), MOE_BUILD_DIR.
+# Needs root, iproute2 and tc; without them it says what is missing and exits 0 (a skip).
+set -euo pipefail
+build=${MOE_BUILD_DIR:-$(cd "$(dirname "$0")/../.." && pwd)/build}
+rates=${1:-"none 10gbit 1gbit 200mbit"}
+steps=${2:-6}
+nodes=${NODES:-2}
+devices=${DEVICES:-1}
+job=${JOB:-"--experts 64 --top-k 8 --hidden 1024 --ffn-hidden 512 --tokens-per-rank 2048"}
+skip() { echo "shaped_link_bench: skipped: $*"; exit 0; }
+[ "$(id -u)" = 0 ] || skip "needs root (network namespaces and tc)"
+command -v ip >/dev/null || skip "needs iproute2 (ip)"
+command -v tc >/dev/null || skip "needs tc (iproute2)"
+
+id=$$
+sw=msw$id br=mbr$id subnet="10.$((id % 200 + 20)).$((id / 200 % 250)).0"
+net=${subnet%.0}
+work=$(mktemp -d /tmp/moe-shaped.XXXXXX)
+pids=()
+cleanup() {
+  for p in "${pids[@]}"; do kill "$p" 2>/dev/null || true; done
+  wait 2>/dev/null || true
+  for i in $(seq 0 "$nodes"); do ip netns del "mh$id-$i" 2>/dev/null || true; done
+  ip netns del "$sw" 2>/dev/null || true
+  rm -rf "$work"
+}
+trap cleanup EXIT
+ip netns add "$sw" || skip "cannot create network namespaces here"
+ip -n "$sw" link add "$br" type bridge && ip -n "$sw" link set "$br" up
+for i in $(seq 0 "$nodes"); do  # host 0: the agent; hosts 1..N: the daemons
+  ns=mh$id-$i
+  ip netns add "$ns"
+  ip -n "$sw" link add "s$id-$i" type veth peer name eth0 netns "$ns"
+  ip -n "$sw" link set "s$id-$i" master "$br" up
+  ip -n "$ns" addr add "$net.$((i + 1))/24" dev eth0
+  ip -n "$ns" link set eth0 up
+  ip -n "$ns" link set lo up
+done
+addr() { echo "$net.$(($1 + 1))"; }
+in_ns() { local i=$1; shift; ip netns exec "mh$id-$i" "$@"; }
+
+echo netns-bench > "$work/token"
+export UCX_TLS=tcp UCX_NET_DEVICES=eth0
+in_ns 0 "$build/agent/moe-agent" --plaintext --listen "$(addr 0):7400" --token-file "$work/token" \
+  --address-file "$work/agent_address" >"$work/agent.log" 2>&1 &
+pids+=($!)
+for _ in $(seq 100); do [ -s "$work/agent_address" ] && break; sleep 0.1; done  # polling for the agent
+agent=$(cat "$work/agent_address")
+for i in $(seq 1 "$nodes"); do
+  in_ns "$i" "$build/daemon/moed" --plaintext --agent "$agent" --devices "$devices" --listen "$(addr "$i"):0" \
+    --token-file "$work/token" --name "host$i" >"$work/node$i.log" 2>&1 &
+  pids+=($!)
+done
+ctl() { in_ns 0 "$build/cli/moectl" --agent "$agent" --token-file "$work/token" "$@"; }
+for _ in $(seq 200); do  # polling for the registrations
+  ctl --output json cluster status 2>/dev/null | grep -q "\"registered_ranks\": $((nodes * devices))" && break
+  sleep 0.1
+done
+
+shape() {  # every daemon's veth, switch side (what it receives) and host side (what it sends)
+  local rate=$1
+  for i in $(seq 1 "$nodes"); do
+    for dev in "s$id-$i@$sw" "eth0@mh$id-$i"; do
+      local d=${dev%@*} n=${dev#*@}
+      tc -n "$n" qdisc del dev "$d" root 2>/dev/null || true
+      [ "$rate" = none ] && continue
+      if [ -n "${DELAY:-}" ]; then
+        tc -n "$n" qdisc add dev "$d" root netem delay "$DELAY" rate "$rate"
+      else
+        tc -n "$n" qdisc add dev "$d" root tbf rate "$rate" burst 256kb latency 100ms
+      fi
+    done
+  done
+}
+
+cpu=$(grep -m1 "model name" /proc/cpuinfo | cut -d: -f2 | sed 's/^ *//')
+echo "shaped links: $nodes daemon(s) x $devices device(s) in network namespaces; $cpu, $(nproc) cores; $(date -u +%F)"
+echo "job: $job, $steps steps; UCX over TCP${DELAY:+; netem delay $DELAY}"
+printf "%-8s %-9s %10s %9s %9s %9s %9s %9s %10s %9s\n" mode link tokens/s step_s dispatch expert combine backward comm_s bound_s
+for mode in forward train; do
+  for rate in $rates; do
+    shape "$rate"
+    # shellcheck disable=SC2086 # the job's flags are words
+    ctl --output json job submit --wait --mode "$mode" $job --steps "$steps" >"$work/job.json" || {
+      echo "$mode $rate: the job failed"; continue; }
+    python3 - "$work/job.json" "$mode" "$rate" "$nodes" "$devices" <<'PY'
+import json, re, sys
+r = json.load(open(sys.argv[1]))
+mode, rate, nodes, devices = sys.argv[2], sys.argv[3], int(sys.argv[4]), int(sys.argv[5])
+ph, steps = r["phase_seconds"], max(1, int(r["steps_completed"]))
+ranks = nodes * devices
+# The bytes one rank sends per step across the link (forward dispatch + combine; train twice),
+# against the shaped rate: what communication alone needs.
+per_rank = (r["dispatch_bytes"] + r["combine_bytes"]) / steps / ranks * (2 if mode == "train" else 1)
+remote = per_rank * (nodes - 1) / nodes if nodes > 1 else 0.0
+m = re.fullmatch(r"(\d+(?:\.\d+)?)([kmg])bit", rate)
+bps = float(m.group(1)) * {"k": 1e3, "m": 1e6, "g": 1e9}[m.group(2)] if m else 0.0
+comm = remote * 8 / bps if bps else 0.0
+compute = ph.get("expert", 0) + ph.get("router", 0) + (ph.get("backward", 0) - 0 if mode == "train" else 0)
+print("%-8s %-9s %10.0f %9.3f %9.3f %9.3f %9.3f %9.3f %10.3f %9.3f" % (
+    mode, rate, r["tokens_per_second"], r["step_seconds_p50"], ph.get("dispatch", 0), ph.get("expert", 0),
+    ph.get("combine", 0), ph.get("backward", 0), comm, max(compute, comm)))
+PY
+  done
+done
+shape none
