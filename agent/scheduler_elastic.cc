@@ -131,19 +131,42 @@ void Scheduler::begin_halt(const std::string& kind, const std::string& cause, st
   try_new_world(now);
 }
 
-// Once every node of the halted world is lost or has all of its ranks' reports:
-// the new world, its maps and moves, and the job's record of the change.
-void Scheduler::try_new_world(Clock::time_point now) {
-  RunningJob& job = *running_;
-  const RunningJob::Halt& h = *job.halt;
+// Every node of the halted world is lost or has all of its ranks' reports.
+bool Scheduler::halt_complete() const {
+  const RunningJob& job = *running_;
   const int D = members_.devices_per_node();
   for (size_t pos = 0; pos < job.nodes.size(); ++pos) {
-    if (h.lost.count(job.nodes[pos])) continue;
+    if (job.halt->lost.count(job.nodes[pos])) continue;
     for (int d = 0; d < D; ++d)
-      if (!h.halted.count(static_cast<int>(pos) * D + d)) return;
+      if (!job.halt->halted.count(static_cast<int>(pos) * D + d)) return false;
   }
+  return true;
+}
+
+// Once the halt is complete: the new world decided, recorded and sent; or the
+// job failed naming why it cannot go on.
+void Scheduler::try_new_world(Clock::time_point now) {
+  if (!halt_complete()) return;
+  DecidedWorld next;
+  try {
+    next = decide_world();
+  } catch (const moe::Error& e) {
+    return fail_running("elastic: " + std::string(e.what()) + " (world " + std::to_string(running_->world_epoch) +
+                            " halted: " + running_->halt->cause + ")",
+                        now);
+  }
+  record_change(next);
+  enter_world(next);
+}
+
+// The new world (world_change.h) with its maps and expert moves; when an expert
+// has no surviving copy, a rollback to the job's latest checkpoint instead.
+// Throws moe::Error naming what cannot go on.
+Scheduler::DecidedWorld Scheduler::decide_world() {
+  RunningJob& job = *running_;
+  const RunningJob::Halt& h = *job.halt;
   WorldChangeInput in{.spec = job.reports.spec,
-                      .devices_per_node = D,
+                      .devices_per_node = members_.devices_per_node(),
                       .tokens_per_rank = job.reports.spec.tokens_per_rank(),
                       .nodes = job.nodes,
                       .lost = h.lost,
@@ -153,69 +176,72 @@ void Scheduler::try_new_world(Clock::time_point now) {
                       .node_names = {}};
   if (const auto* maps = placement_.maps(job.shape)) in.old_maps = *maps;
   for (const NodeRecord& n : members_.nodes()) in.node_names.push_back(n.name);
-  WorldChangePlan plan;
-  ShapeKey shape = job.shape;
+  WorldChangePlan plan = plan_world(in);
+  DecidedWorld d{.world = {}, .nodes = plan.nodes, .shape = job.shape, .steps_recomputed = 0, .from_checkpoint = 0};
+  d.shape.nodes = static_cast<int>(plan.nodes.size());
+  const std::vector<v1::PlacementMap> maps = placement_.maps_for_world(job.reports.spec, job.shape, d.shape);
   std::vector<v1::ExpertMove> moves;
-  std::vector<v1::PlacementMap> maps;
-  int from_checkpoint = 0;
   try {
-    plan = plan_world(in);
-    shape.nodes = static_cast<int>(plan.nodes.size());
-    maps = placement_.maps_for_world(job.reports.spec, job.shape, shape);
-    try {
-      moves = expert_moves(in, plan, maps);
-    } catch (const moe::Error& lost) {
-      const std::string folder = rollback_checkpoint(job.reports.spec, lost.what());
-      const v1::CheckpointManifest m = spec::read_manifest(folder);
-      spec::check_files(folder, m);
-      plan.steps_recomputed = plan.world.resume_step() - m.step();
-      plan.world.set_resume_step(m.step());
-      plan.world.set_rollback(folder);
-      from_checkpoint = lost_experts(in, plan);
-      log::warn("job ", job.id, ": ", lost.what(), ": every rank rolls back to ", folder);
-    }
-  } catch (const moe::Error& e) {
-    return fail_running("elastic: " + std::string(e.what()) + " (world " + std::to_string(job.world_epoch) +
-                            " halted: " + h.cause + ")",
-                        now);
+    moves = expert_moves(in, plan, maps);
+  } catch (const moe::Error& lost) {
+    const std::string folder = rollback_checkpoint(job.reports.spec, lost.what());
+    const v1::CheckpointManifest m = spec::read_manifest(folder);
+    spec::check_files(folder, m);
+    plan.steps_recomputed = plan.world.resume_step() - m.step();
+    plan.world.set_resume_step(m.step());
+    plan.world.set_rollback(folder);
+    d.from_checkpoint = lost_experts(in, plan);
+    log::warn("job ", job.id, ": ", lost.what(), ": every rank rolls back to ", folder);
   }
-  v1::NewWorld& w = plan.world;
-  w.set_job_id(job.id);
-  w.set_world_epoch(job.world_epoch + 1);
-  for (auto& m : maps) *w.add_maps() = std::move(m);
-  for (auto& mv : moves) *w.add_moves() = std::move(mv);
-  w.set_data_plane_key(new_data_plane_key());
-  for (int n : plan.nodes) w.add_nodes(members_.nodes()[n].name);
+  d.steps_recomputed = plan.steps_recomputed;
+  d.world = std::move(plan.world);
+  d.world.set_job_id(job.id);
+  d.world.set_world_epoch(job.world_epoch + 1);
+  for (const auto& m : maps) *d.world.add_maps() = m;
+  for (auto& mv : moves) *d.world.add_moves() = std::move(mv);
+  d.world.set_data_plane_key(new_data_plane_key());
+  for (int n : d.nodes) d.world.add_nodes(members_.nodes()[n].name);
+  return d;
+}
 
-  v1::JobResult& rec = jobs_.at(job.id);
-  v1::WorldChange& c = *rec.add_world_changes();
+// The change in the job's record (and the counters behind the metrics).
+void Scheduler::record_change(const DecidedWorld& d) {
+  const RunningJob& job = *running_;
+  const RunningJob::Halt& h = *job.halt;
+  const v1::NewWorld& w = d.world;
+  v1::WorldChange& c = *jobs_.at(job.id).add_world_changes();
   c.set_world_epoch(w.world_epoch());
   c.set_step(w.resume_step());
   c.set_old_world(job.reports.world);
   c.set_new_world(w.world_size());
-  for (int n : h.joining) c.add_joined_nodes(members_.nodes()[n].name);
   c.set_cause(h.cause);
   c.set_kind(h.kind);
-  ++world_changes_[h.kind];
   for (int n : h.lost) c.add_lost_nodes(members_.nodes()[n].name);
+  for (int n : h.joining) c.add_joined_nodes(members_.nodes()[n].name);
   c.set_detection_seconds(h.detection_seconds);
   c.set_experts_from_replicas(w.moves_size());
-  c.set_steps_recomputed(plan.steps_recomputed);
-  c.set_experts_from_checkpoint(from_checkpoint);
+  c.set_experts_from_checkpoint(d.from_checkpoint);
   c.set_checkpoint(w.rollback());
+  c.set_steps_recomputed(d.steps_recomputed);
   c.set_tokens_per_rank(w.tokens_per_rank());
   c.set_unix_ms(unix_ms());
+  ++world_changes_[h.kind];
   log::warn("job ", job.id, ": world ", w.world_epoch(), " of ", w.world_size(), " ranks (was ", job.reports.world,
             ") resumes at step ", w.resume_step(), ", ", w.moves_size(), " expert state(s) from replicas, ",
             w.tokens_per_rank(), " tokens per rank");
+}
 
-  // The running job moves onto the new world. Steps before the resume step are
-  // whole (a lost rank's report of one may never come: its loss is in every
-  // survivor's report); the rest run again.
+// The running job moves onto the new world and its nodes are told. Steps
+// before the resume step are whole (a lost rank's report of one may never
+// come: its loss is in every survivor's report); the rest run again.
+void Scheduler::enter_world(const DecidedWorld& d) {
+  RunningJob& job = *running_;
+  const v1::NewWorld& w = d.world;
+  const std::set<int> joined = job.halt->joining;
   job.past_worlds[job.world_epoch] = {job.nodes, w.resume_step()};
-  job.nodes = plan.nodes;
+  job.nodes = d.nodes;
   job.world_epoch = w.world_epoch();
-  job.shape = shape;
+  job.shape = d.shape;
   job.reports.spec.set_tokens_per_rank(w.tokens_per_rank());
   job.reports.world = w.world_size();
   job.reports.verify.assign(w.world_size(), {});
@@ -224,24 +250,24 @@ void Scheduler::try_new_world(Clock::time_point now) {
   job.reports.steps.erase(job.reports.steps.lower_bound(w.resume_step()), job.reports.steps.end());
   for (const auto& [step, by_rank] : job.reports.steps) job.reports.whole.insert(step);
   job.steps_recorded = w.resume_step();
-  rec.set_steps_completed(w.resume_step());
-  job.recovering_since = h.started;
+  jobs_.at(job.id).set_steps_completed(w.resume_step());
+  job.recovering_since = job.halt->started;
   job.restored = false;  // this agent decided the world: its ranks answer to it
+  job.halt.reset();
   std::vector<int> survivors, joining;
-  for (int n : job.nodes) (h.joining.count(n) ? joining : survivors).push_back(n);
+  for (int n : job.nodes) (joined.count(n) ? joining : survivors).push_back(n);
   v1::StartJob join;
   if (!joining.empty()) {
     join.set_job_id(job.id);
     *join.mutable_spec() = job.reports.spec;
     join.set_world_size(w.world_size());
-    join.set_devices_per_node(D);
+    join.set_devices_per_node(members_.devices_per_node());
     *join.mutable_maps() = w.maps();
     join.set_data_plane_key(w.data_plane_key());
     join.set_world_epoch(w.world_epoch());
     *join.mutable_join() = w;
     for (int n : joining) members_.mark_busy(job.id, n);
   }
-  job.halt.reset();
   actions_.new_world(w, survivors, join, joining);
 }
 

@@ -215,6 +215,16 @@ class Scheduler {
   void begin_halt(const std::string& kind, const std::string& cause, std::set<int> lost, Clock::time_point now);
   void node_joins(const NodeRecord& node, Clock::time_point now);
   void try_new_world(Clock::time_point now);
+  bool halt_complete() const;
+  struct DecidedWorld {
+    v1::NewWorld world;
+    std::vector<int> nodes;  // node indices, in rank order
+    ShapeKey shape;
+    int steps_recomputed = 0, from_checkpoint = 0;
+  };
+  DecidedWorld decide_world();
+  void record_change(const DecidedWorld& d);
+  void enter_world(const DecidedWorld& d);
   void note_recovered(Clock::time_point now);
   bool on_past_world_step(const v1::StepReport& r);
 
