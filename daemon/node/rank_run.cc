@@ -490,48 +490,28 @@ void RankRun::move_replicated(World* from, World& to, const v1::NewWorld& next) 
   }
 }
 
-// Each slot of the new stack takes its expert from the old stack when this rank
-// held it, else from the rank the agent named (a surviving replica, bitwise
-// equal to the lost one). A forward job's experts are the spec's, built by the
-// new stack.
-void RankRun::move_state(World* from, World& to, const v1::NewWorld& next) {
-  const v1::JobSpec& spec = to.start.spec();
-  const bool train = spec.mode() == v1::JobSpec::train;
-  const bool moments = train && spec.optimizer() != v1::JobSpec::sgd;
-  move_replicated(from, to, next);
-  const transport::Deadline until = deadline();
-  if (!train) return to.comm.barrier(until);
-  // Where this rank holds expert e of layer l: the current stack, else one it
-  // retired (null: nowhere).
-  std::vector<World*> held;
-  if (from) held.push_back(from);
-  for (const auto& w : retired_) held.push_back(w.get());
-  auto holder = [&](int l, int e) -> std::pair<World*, int> {
-    for (World* w : held) {
-      const moe::ExpertMap& m = w->stack.map(l);
-      for (int s = 0; s < m.slots_per_rank; ++s)
-        if (m.expert_at(w->rank, s) == e) return {w, s};
-    }
-    return {nullptr, -1};
-  };
-  auto import_all = [&](int l, int e, const ep::ExpertState& st) {
-    const moe::ExpertMap& m = to.stack.map(l);
+// Where this rank holds expert e of layer l: the stack it moves from, else one
+// it retired (null: nowhere).
+std::pair<RankRun::World*, int> RankRun::holder(const std::vector<World*>& held, int l, int e) const {
+  for (World* w : held) {
+    const moe::ExpertMap& m = w->stack.map(l);
     for (int s = 0; s < m.slots_per_rank; ++s)
-      if (m.expert_at(to.rank, s) == e) to.stack.layer(l).import_slot(s, st);
-  };
-  struct Incoming {
-    int layer, expert;
-    std::shared_ptr<ep::ExpertState> state;
-    std::shared_ptr<std::vector<float>> wire;
-    transport::Communicator::TransferId id;
-  };
+      if (m.expert_at(w->rank, s) == e) return {w, s};
+  }
+  return {nullptr, -1};
+}
+
+// Posts every move of `next` this rank sends or receives; returns the receives.
+std::vector<RankRun::Incoming> RankRun::post_moves(const std::vector<World*>& held, World& to,
+                                                   const v1::NewWorld& next,
+                                                   std::vector<transport::Communicator::TransferId>& outgoing) {
+  const v1::JobSpec& spec = to.start.spec();
+  const bool moments = spec.optimizer() != v1::JobSpec::sgd;
   std::vector<Incoming> incoming;
-  std::vector<transport::Communicator::TransferId> outgoing;
-  std::set<std::pair<int, int>> moved_here;
   for (int i = 0; i < next.moves_size(); ++i) {
     const v1::ExpertMove& mv = next.moves(i);
     if (mv.from_rank() == to.rank && mv.to_rank() != to.rank) {
-      const auto [w, s] = holder(mv.layer(), mv.expert());
+      const auto [w, s] = holder(held, mv.layer(), mv.expert());
       MOE_CHECK(w, "world change: told to send expert ", mv.expert(), " of layer ", mv.layer(),
                 ", which this rank does not hold");
       ep::ExpertState st;
@@ -548,14 +528,33 @@ void RankRun::move_state(World* from, World& to, const v1::NewWorld& next) {
       in.wire = std::make_shared<std::vector<float>>(in.state->floats());
       in.id = to.comm.irecv(mv.from_rank(), in.wire->data(), in.wire->size() * sizeof(float), i, in.wire);
       incoming.push_back(std::move(in));
-      moved_here.insert({mv.layer(), mv.expert()});
     }
   }
+  return incoming;
+}
+
+// Each slot of the new stack takes its expert from the old stack when this rank
+// held it, else from the rank the agent named (a surviving replica, bitwise
+// equal to the lost one). A forward job's experts are the spec's, built by the
+// new stack.
+void RankRun::move_state(World* from, World& to, const v1::NewWorld& next) {
+  const v1::JobSpec& spec = to.start.spec();
+  move_replicated(from, to, next);
+  const transport::Deadline until = deadline();
+  if (spec.mode() != v1::JobSpec::train) return to.comm.barrier(until);
+  const bool moments = spec.optimizer() != v1::JobSpec::sgd;
+  std::vector<World*> held;
+  if (from) held.push_back(from);
+  for (const auto& w : retired_) held.push_back(w.get());
+  std::vector<transport::Communicator::TransferId> outgoing;
+  std::vector<Incoming> incoming = post_moves(held, to, next, outgoing);
+  std::set<std::pair<int, int>> moved_here;
+  for (const Incoming& in : incoming) moved_here.insert({in.layer, in.expert});
   for (int l = 0; l < to.stack.num_layers(); ++l) {  // the experts this rank keeps
     for (int s = 0; s < to.stack.map(l).slots_per_rank; ++s) {
       const int e = to.stack.map(l).expert_at(to.rank, s);
       if (e < 0 || moved_here.count({l, e})) continue;
-      const auto [w, o] = holder(l, e);
+      const auto [w, o] = holder(held, l, e);
       MOE_CHECK(w, "world change: no source for expert ", e, " of layer ", l, " on rank ", to.rank);
       ep::ExpertState st;
       st.resize(spec.hidden(), spec.ffn_hidden(), moments);
@@ -570,7 +569,9 @@ void RankRun::move_state(World* from, World& to, const v1::NewWorld& next) {
       std::copy(in.wire->begin() + at, in.wire->begin() + at + v->size(), v->begin());
       at += v->size();
     }
-    import_all(in.layer, in.expert, *in.state);
+    const moe::ExpertMap& m = to.stack.map(in.layer);  // every slot of the expert here
+    for (int s = 0; s < m.slots_per_rank; ++s)
+      if (m.expert_at(to.rank, s) == in.expert) to.stack.layer(in.layer).import_slot(s, *in.state);
   }
   for (const auto id : outgoing) wait_for(to.comm, id, until, "an expert copy");
   to.comm.barrier(until);

@@ -82,6 +82,15 @@ class RankRun {
   // have it (from: null on a joining rank, which has none).
   void move_state(World* from, World& to, const v1::NewWorld& next);
   void move_replicated(World* from, World& to, const v1::NewWorld& next);
+  struct Incoming {  // an expert state on its way to this rank
+    int layer, expert;
+    std::shared_ptr<ep::ExpertState> state;
+    std::shared_ptr<std::vector<float>> wire;
+    transport::Communicator::TransferId id;
+  };
+  std::pair<World*, int> holder(const std::vector<World*>& held, int layer, int expert) const;
+  std::vector<Incoming> post_moves(const std::vector<World*>& held, World& to, const v1::NewWorld& next,
+                                   std::vector<transport::Communicator::TransferId>& outgoing);
   void roll_back(World& to, const v1::NewWorld& next);
 
   const v1::StartJob& job_;
