@@ -11,7 +11,8 @@
 #     STEPS: steps per job (default 6; the medians skip nothing, the first step included)
 #   Environment: NODES (2), DEVICES (1), JOB (the moectl job flags; default E=64 K=8 H=1024 I=512
 #   T=2048), DELAY (e.g. 1ms: netem delay on each veth, none by default), MOE_BUILD_DIR.
-# Needs root, iproute2 and tc; without them it says what is missing and exits 0 (a skip).
+# Needs root, iproute2 and tc; without them it says what is missing and exits 0 (a skip; under
+# CI=true, where CI has them, 1).
 set -euo pipefail
 build=${MOE_BUILD_DIR:-$(cd "$(dirname "$0")/../.." && pwd)/build}
 rates=${1:-"none 10gbit 1gbit 200mbit"}
@@ -19,7 +20,11 @@ steps=${2:-6}
 nodes=${NODES:-2}
 devices=${DEVICES:-1}
 job=${JOB:-"--experts 64 --top-k 8 --hidden 1024 --ffn-hidden 512 --tokens-per-rank 2048"}
-skip() { echo "shaped_link_bench: skipped: $*"; exit 0; }
+skip() {
+  echo "shaped_link_bench: skipped: $*"
+  [ "${CI:-}" != true ] || exit 1
+  exit 0
+}
 [ "$(id -u)" = 0 ] || skip "needs root (network namespaces and tc)"
 command -v ip >/dev/null || skip "needs iproute2 (ip)"
 command -v tc >/dev/null || skip "needs tc (iproute2)"
