@@ -59,7 +59,18 @@ std::string Scheduler::describe_rank(int rank) const {
 
 void Scheduler::node_lost(int node, const std::string& kind, const std::string& why, Clock::time_point now) {
   RunningJob& job = *running_;
-  if (std::find(job.nodes.begin(), job.nodes.end(), node) == job.nodes.end()) return;  // not in this world
+  const auto pos = std::find(job.nodes.begin(), job.nodes.end(), node);
+  if (pos == job.nodes.end()) return;  // not in this world
+  if (job.steps_recorded >= job.reports.spec.steps() && !job.halt) {
+    // Every step is complete: nothing to go on with. The node's ranks count as
+    // done (their RankDones may never come); the job ends with the others'.
+    log::warn("job ", job.id, ": ", why, " after its last step");
+    const int D = members_.devices_per_node();
+    for (int r = static_cast<int>(pos - job.nodes.begin()) * D, end = r + D; r < end; ++r)
+      if (!job.done[r]) job.done[r] = true, ++job.done_count;
+    if (job.done_count == job.reports.world) finish(v1::JOB_STATE_SUCCEEDED, "");
+    return;
+  }
   if (!job.halt) return begin_halt(kind, why, {node}, now);
   if (!job.halt->lost.insert(node).second) return;
   job.halt->detection_seconds =
@@ -95,6 +106,7 @@ void Scheduler::on_node_idle(const NodeRecord& node, Clock::time_point now) {
 
 void Scheduler::on_rank_halted(const v1::RankHalted& h, Clock::time_point now) {
   if (!elastic_running() || running_->id != h.job_id() || h.world_epoch() != running_->world_epoch) return;
+  if (running_->steps_recorded >= running_->reports.spec.steps() && !running_->halt) return;  // its end is near
   if (h.rank() < 0 || h.rank() >= running_->reports.world) return;
   heard_from(h.rank(), now);
   if (!running_->halt) {

@@ -286,6 +286,9 @@ int RankRun::run(const std::function<bool()>& cancel_requested) {
       return run_world(cancel_requested);
     } catch (const transport::TransportError& e) {
       if (!job_.spec().elastic()) throw;
+      // Every step done: the failure was in the closing barrier, which only
+      // keeps endpoints up while a peer may still use them.
+      if (applied_ >= job_.spec().steps()) return applied_;
       report_halted(e.what(), e.peer());
     } catch (const rpc::RpcError& e) {
       // A world halted (or replaced) while its ranks bootstrapped it.

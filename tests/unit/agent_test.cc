@@ -566,6 +566,22 @@ TEST_F(SchedulerTest, AnElasticJobMovesToTheSurvivorsWhenANodeDies) {
   EXPECT_EQ(scheduler.world_changes().at("node_dead"), 1);
 }
 
+// A node lost after the job's last step completed changes nothing: its ranks
+// count as done and the job succeeds with the others' (thrash: a SIGSTOP at the
+// very end made the survivors' finished daemons look lost too).
+TEST_F(SchedulerTest, AnElasticJobThatLosesANodeAfterItsLastStepSucceeds) {
+  add_nodes(2, 2);
+  v1::JobSpec s = spec(8);
+  s.set_elastic(true);
+  const std::string id = scheduler.submit(s).job_id();
+  scheduler.try_start(now);
+  report_steps(id, 4, 2);
+  for (int r = 0; r < 2; ++r) scheduler.on_rank_done(done(id, r), now);
+  scheduler.on_node_dead("node node1 (ranks 2-3) stopped responding", now, 1);
+  EXPECT_TRUE(rec.halted.empty()) << "no world change after the last step";
+  EXPECT_EQ(scheduler.record(id).state(), v1::JOB_STATE_SUCCEEDED) << scheduler.record(id).message();
+}
+
 // A rank of a world the job left (a node that woke after it was declared lost)
 // is fenced: its RankDone and halts change nothing.
 TEST_F(SchedulerTest, AnElasticJobIgnoresTheOldWorldsRanks) {
