@@ -414,20 +414,23 @@ void Agent::start_job(const v1::StartJob& start) {
 }
 
 void Agent::cancel_job(const std::string& job_id, const std::string& reason, bool failed) {
+  for (const NodeRecord& n : members_.nodes())
+    if (n.state == v1::NODE_STATE_ALIVE) send_cancel(n, job_id, reason, failed);
+}
+
+// CancelJob to one node; a failure is logged (the node is dead or will be).
+void Agent::send_cancel(const NodeRecord& n, const std::string& job_id, const std::string& reason, bool failed) {
   v1::Envelope req;
   req.mutable_cancel_job()->set_job_id(job_id);
   req.mutable_cancel_job()->set_reason(reason);
   req.mutable_cancel_job()->set_failed(failed);
-  for (const NodeRecord& n : members_.nodes()) {
-    if (n.state != v1::NODE_STATE_ALIVE) continue;
-    outbound_->post(n.control_address, [this, req](rpc::RpcClient& daemon) {
-      try {
-        daemon.call(req, opts_.daemon_call_timeout);
-      } catch (const std::exception& e) {
-        log::warn("cancel on ", daemon.address(), ": ", e.what());
-      }
-    });
-  }
+  outbound_->post(n.control_address, [this, req](rpc::RpcClient& daemon) {
+    try {
+      daemon.call(req, opts_.daemon_call_timeout);
+    } catch (const std::exception& e) {
+      log::warn("cancel on ", daemon.address(), ": ", e.what());
+    }
+  });
 }
 
 // Elastic jobs: HaltWorld to each node of the world, with a short deadline (a
@@ -464,12 +467,12 @@ void Agent::new_world(const v1::NewWorld& world, const std::vector<int>& nodes, 
   v1::Envelope req, start;
   *req.mutable_new_world() = world;
   *start.mutable_start_job() = join;
-  for (const int index : joining) nodes_told(index, start, world);
-  for (const int index : nodes) nodes_told(index, req, world);
+  for (const int index : joining) tell_world(index, start, world);
+  for (const int index : nodes) tell_world(index, req, world);
 }
 
 // NewWorld to a survivor, or StartJob with join to a joining node.
-void Agent::nodes_told(int index, const v1::Envelope& req, const v1::NewWorld& world) {
+void Agent::tell_world(int index, const v1::Envelope& req, const v1::NewWorld& world) {
   const NodeRecord& n = members_.nodes()[index];
   const std::string id = world.job_id(), name = n.name;
   const std::string what = "moving to world " + std::to_string(world.world_epoch()) + ": ";
@@ -484,19 +487,9 @@ void Agent::nodes_told(int index, const v1::Envelope& req, const v1::NewWorld& w
 }
 
 void Agent::fence(const std::string& job_id, int node, const std::string& reason) {
-  v1::Envelope req;
-  req.mutable_cancel_job()->set_job_id(job_id);
-  req.mutable_cancel_job()->set_reason(reason);
-  req.mutable_cancel_job()->set_failed(true);
   const NodeRecord& n = members_.nodes()[node];
   log::warn("job ", job_id, ": fencing ", members_.describe_node(n), ": ", reason);
-  outbound_->post(n.control_address, [req](rpc::RpcClient& daemon) {
-    try {
-      daemon.call(req, std::chrono::seconds(10));
-    } catch (const std::exception& e) {
-      log::warn("fencing ", daemon.address(), ": ", e.what());
-    }
-  });
+  send_cancel(n, job_id, reason, true);
 }
 
 void Agent::job_ended(const v1::JobResult& result) {

@@ -61,7 +61,7 @@ void Scheduler::node_lost(int node, const std::string& kind, const std::string& 
   RunningJob& job = *running_;
   const auto pos = std::find(job.nodes.begin(), job.nodes.end(), node);
   if (pos == job.nodes.end()) return;  // not in this world
-  if (job.steps_recorded >= job.reports.spec.steps() && !job.halt) {
+  if (job.past_last_step()) {
     // Every step is complete: nothing to go on with. The node's ranks count as
     // done (their RankDones may never come); the job ends with the others'.
     log::warn("job ", job.id, ": ", why, " after its last step");
@@ -106,7 +106,7 @@ void Scheduler::on_node_idle(const NodeRecord& node, Clock::time_point now) {
 
 void Scheduler::on_rank_halted(const v1::RankHalted& h, Clock::time_point now) {
   if (!elastic_running() || running_->id != h.job_id() || h.world_epoch() != running_->world_epoch) return;
-  if (running_->steps_recorded >= running_->reports.spec.steps() && !running_->halt) return;  // its end is near
+  if (running_->past_last_step()) return;  // its end is near
   if (h.rank() < 0 || h.rank() >= running_->reports.world) return;
   heard_from(h.rank(), now);
   if (!running_->halt) {

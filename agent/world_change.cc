@@ -3,6 +3,7 @@
 #include <algorithm>
 
 #include "moe/base/check.h"
+#include "moe/spec/expert_map_codec.h"
 
 namespace moe::agent {
 namespace {
@@ -14,12 +15,11 @@ std::string join(const std::vector<int>& v) {
 }
 
 // The experts of rank `rank`'s slots in a map.
-std::set<int> experts_on(const v1::PlacementMap& m, int rank) {
+std::set<int> experts_on(const ExpertMap& m, int rank) {
   std::set<int> out;
-  for (int s = 0; s < m.slots_per_rank(); ++s) {
-    const int i = rank * m.slots_per_rank() + s;
-    if (i < m.phy2log_size() && m.phy2log(i) >= 0) out.insert(m.phy2log(i));
-  }
+  const std::vector<bool> hosted = m.hosted(rank);
+  for (size_t e = 0; e < hosted.size(); ++e)
+    if (hosted[e]) out.insert(static_cast<int>(e));
   return out;
 }
 
@@ -93,8 +93,9 @@ std::vector<v1::ExpertMove> expert_moves(const WorldChangeInput& in, const World
       for (int e : h.hosted(l).experts()) holders[e].push_back(nr);
     }
     std::vector<int> missing;
+    const ExpertMap next = spec::from_proto(maps[l]);
     for (int nr = 0; nr < plan.world.world_size(); ++nr) {
-      for (int e : experts_on(maps[l], nr)) {
+      for (int e : experts_on(next, nr)) {
         auto& from = holders[e];
         if (std::find(from.begin(), from.end(), nr) != from.end()) continue;  // it keeps its own
         if (from.empty()) {
@@ -113,9 +114,10 @@ std::vector<v1::ExpertMove> expert_moves(const WorldChangeInput& in, const World
     if (missing.empty()) continue;
     std::sort(missing.begin(), missing.end());
     std::set<std::string> where;
+    const ExpertMap old = l < in.old_maps.size() ? spec::from_proto(in.old_maps[l]) : ExpertMap{};
     for (int e : missing)
       for (int r = 0; r < old_world && l < in.old_maps.size(); ++r)
-        if (experts_on(in.old_maps[l], r).count(e)) {
+        if (experts_on(old, r).count(e)) {
           const int node = in.nodes[r / in.devices_per_node];
           where.insert(node < static_cast<int>(in.node_names.size()) ? in.node_names[node] : std::to_string(node));
         }

@@ -192,12 +192,7 @@ void RankRun::agree(int step, const std::string& nonfinite_here, StepReport& rep
   report.set_job_losses(loss, aux, z);
   if (which.empty()) return;
   report.set_step_seconds(std::max(report.stats().step_seconds(), 1e-9));
-  v1::Envelope msg;  // the failing step's losses show in the result
-  auto* m = msg.mutable_step_report();
-  m->set_job_id(job_.job_id());
-  m->set_rank(world_->rank);
-  *m->mutable_stats() = report.stats();
-  env_.reports->send(std::move(msg));
+  send_report(report);  // the failing step's losses show in the result
   MOE_CHECK(false, "step ", step, ": not finite on rank(s) ", which,
             nonfinite_here.empty() ? "" : " (here: " + nonfinite_here + ")");
 }
@@ -221,9 +216,8 @@ void RankRun::run_step(int step) {
     stack.backward(report, covered);
     const std::string bad = nonfinite(report);
     pending_ = true;  // from here its reduced gradients are whole: an elastic restart may apply them
-    pending_report_ = report;
+    if (spec.elastic()) pending_report_ = report;
     agree(step, bad, report);
-    pending_report_ = report;
   }
   report.set_step_seconds(now_seconds() - t0);
   finish_step(step, report);
@@ -247,6 +241,10 @@ void RankRun::finish_step(int step, StepReport& report) {
   pending_ = false;
   pending_report_.reset();
   report.record(env_.metrics, world_->rank);
+  send_report(report);
+}
+
+void RankRun::send_report(const StepReport& report) {
   v1::Envelope msg;
   auto* r = msg.mutable_step_report();
   r->set_job_id(job_.job_id());

@@ -115,7 +115,8 @@ class Agent : private SchedulerActions, private RebalanceActions {
                   const std::vector<int>& nodes) override;
   void new_world(const v1::NewWorld& world, const std::vector<int>& nodes, const v1::StartJob& join,
                  const std::vector<int>& joining) override;
-  void nodes_told(int index, const v1::Envelope& req, const v1::NewWorld& world);
+  void tell_world(int index, const v1::Envelope& req, const v1::NewWorld& world);
+  void send_cancel(const NodeRecord& n, const std::string& job_id, const std::string& reason, bool failed);
   void fence(const std::string& job_id, int node, const std::string& reason) override;
 
   // RebalanceActions

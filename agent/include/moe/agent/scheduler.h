@@ -105,6 +105,8 @@ struct RunningJob {
   Clock::time_point restored_at;
   bool ending() const { return failed || cancelled; }
   bool awaiting_ranks() const;
+  // Every step complete and no world change under way: a lost node changes nothing.
+  bool past_last_step() const { return steps_recorded >= reports.spec.steps() && !halt; }
 
   // Elastic jobs (docs/jobs.md#elastic-jobs): the current world's number and
   // nodes (indices, in rank order), each earlier world's nodes, and a world

@@ -72,6 +72,7 @@ class RankRun {
   std::string nonfinite(const StepReport& report) const;
   void agree(int step, const std::string& nonfinite_here, StepReport& report);
   void finish_step(int step, StepReport& report);
+  void send_report(const StepReport& report);
   bool checkpoint_due(int steps_done) const;
   // Elastic: the world failed; tell the agent what this rank applied.
   void report_halted(const std::string& why, int failed_peer);
