@@ -67,6 +67,10 @@ void fill_times(const std::vector<const std::vector<v1::StepStats>*>& steps, int
   for (int f = 0; f < desc->field_count(); ++f) refl->SetDouble(ph, desc->field(f), median(phases[f]));
   // Each step's expert phase is already its slowest rank's.
   rec.set_slowest_rank_expert_seconds(ph->expert());
+  int chunks = 0;
+  if (!steps.empty())
+    for (const v1::StepStats& s : *steps.back()) chunks = std::max(chunks, s.overlap_chunks());
+  rec.set_overlap_chunks(chunks);
 }
 
 // Sums over steps and ranks: bytes, loss per step, received rows, expert tokens

@@ -184,6 +184,10 @@ const std::vector<JobFieldDoc>& job_field_docs() {
        "instead of failing",
        false},
       {"elastic_batch", "after an elastic job's world change: keep the global batch, or the tokens per rank", false},
+      {"overlap_chunks",
+       "chunks of each forward dispatch/combine pipelined with the experts: 0 chooses from the measured link, 1 is "
+       "serial, up to 8",
+       false},
   };
   return docs;
 }

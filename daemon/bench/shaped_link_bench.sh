@@ -4,13 +4,17 @@
 # `tc tbf` (and, with DELAY, `netem` delay) on every daemon's veth; forward and train jobs through
 # moectl at each link rate. Prints per mode and rate: tokens/s, the phases (dispatch, expert,
 # combine, backward), the communication seconds a step needs at that rate (the step's bytes per
-# rank over the link), and the bound max(compute, communication).
+# rank over the link), the bound max(compute, communication) and the step's ratio to it. Compute
+# is the same job's unshaped step time when "none" runs first, else its expert, router and
+# backward phases.
 #
 #   sudo daemon/bench/shaped_link_bench.sh [RATES] [STEPS]
 #     RATES: space-separated tbf rates, "none" = unshaped (default: "none 10gbit 1gbit 200mbit")
 #     STEPS: steps per job (default 6; the medians skip nothing, the first step included)
 #   Environment: NODES (2), DEVICES (1), JOB (the moectl job flags; default E=64 K=8 H=1024 I=512
-#   T=2048), DELAY (e.g. 1ms: netem delay on each veth, none by default), MOE_BUILD_DIR.
+#   T=2048), OVERLAP (the --overlap-chunks values to compare, default "1 0": serial, then chosen
+#   per step; docs/layer.md#overlap), DELAY (e.g. 1ms: netem delay on each veth, none by default),
+#   MOE_BUILD_DIR.
 # Needs root, iproute2 and tc; without them it says what is missing and exits 0 (a skip; under
 # CI=true, where CI has them, 1).
 set -euo pipefail
@@ -20,6 +24,7 @@ steps=${2:-6}
 nodes=${NODES:-2}
 devices=${DEVICES:-1}
 job=${JOB:-"--experts 64 --top-k 8 --hidden 1024 --ffn-hidden 512 --tokens-per-rank 2048"}
+overlaps=${OVERLAP:-"1 0"}
 skip() {
   echo "shaped_link_bench: skipped: $*"
   [ "${CI:-}" != true ] || exit 1
@@ -35,11 +40,15 @@ net=${subnet%.0}
 work=$(mktemp -d /tmp/moe-shaped.XXXXXX)
 pids=()
 cleanup() {
+  # Every process of our namespaces (in_ns runs them through a subshell: its pid is not theirs).
+  for i in $(seq 0 "$nodes"); do
+    ip netns pids "mh$id-$i" 2>/dev/null | xargs -r kill 2>/dev/null || true
+  done
   for p in "${pids[@]}"; do kill "$p" 2>/dev/null || true; done
   wait 2>/dev/null || true
   for i in $(seq 0 "$nodes"); do ip netns del "mh$id-$i" 2>/dev/null || true; done
   ip netns del "$sw" 2>/dev/null || true
-  rm -rf "$work"
+  if [ -n "${KEEP:-}" ]; then echo "logs kept in $work"; else rm -rf "$work"; fi
 }
 trap cleanup EXIT
 ip netns add "$sw" || skip "cannot create network namespaces here"
@@ -93,31 +102,43 @@ shape() {  # every daemon's veth, switch side (what it receives) and host side (
 cpu=$(grep -m1 "model name" /proc/cpuinfo | cut -d: -f2 | sed 's/^ *//')
 echo "shaped links: $nodes daemon(s) x $devices device(s) in network namespaces; $cpu, $(nproc) cores; $(date -u +%F)"
 echo "job: $job, $steps steps; UCX over TCP${DELAY:+; netem delay $DELAY}"
-printf "%-8s %-9s %10s %9s %9s %9s %9s %9s %10s %9s\n" mode link tokens/s step_s dispatch expert combine backward comm_s bound_s
-for mode in forward train; do
+printf "%-8s %-9s %-7s %10s %9s %9s %9s %9s %9s %10s %9s %7s\n" mode link overlap tokens/s step_s dispatch expert \
+  combine backward comm_s bound_s step/bd
+for mode in ${MODES:-forward train}; do
   for rate in $rates; do
     shape "$rate"
+    for ov in $overlaps; do
     # shellcheck disable=SC2086 # the job's flags are words
-    ctl --output json job submit --wait --mode "$mode" $job --steps "$steps" >"$work/job.json" || {
-      echo "$mode $rate: the job failed"; continue; }
-    python3 - "$work/job.json" "$mode" "$rate" "$nodes" "$devices" <<'PY'
-import json, re, sys
+    ctl --output json job submit --wait --mode "$mode" $job --steps "$steps" --overlap-chunks "$ov" >"$work/job.json" || {
+      echo "$mode $rate overlap $ov: the job failed"; continue; }
+    python3 - "$work/job.json" "$mode" "$rate" "$nodes" "$devices" "$ov" "$work/unshaped-$mode-$ov" <<'PY'
+import json, os, re, sys
 r = json.load(open(sys.argv[1]))
-mode, rate, nodes, devices = sys.argv[2], sys.argv[3], int(sys.argv[4]), int(sys.argv[5])
+mode, rate, nodes, devices, ov = sys.argv[2], sys.argv[3], int(sys.argv[4]), int(sys.argv[5]), int(sys.argv[6])
+unshaped_file = sys.argv[7]
 ph, steps = r["phase_seconds"], max(1, int(r["steps_completed"]))
 ranks = nodes * devices
-# The bytes one rank sends per step across the link (forward dispatch + combine; train twice),
-# against the shaped rate: what communication alone needs.
+# The bytes one rank hands the transport per step for other ranks (forward dispatch + combine;
+# train twice), of which the share for ranks on other nodes crosses its link: against the shaped
+# rate (each direction of a veth has it), what communication alone needs.
 per_rank = (r["dispatch_bytes"] + r["combine_bytes"]) / steps / ranks * (2 if mode == "train" else 1)
-remote = per_rank * (nodes - 1) / nodes if nodes > 1 else 0.0
+remote = per_rank * (ranks - devices) / (ranks - 1) if ranks > 1 else 0.0
 m = re.fullmatch(r"(\d+(?:\.\d+)?)([kmg])bit", rate)
 bps = float(m.group(1)) * {"k": 1e3, "m": 1e6, "g": 1e9}[m.group(2)] if m else 0.0
 comm = remote * 8 / bps if bps else 0.0
-compute = ph.get("expert", 0) + ph.get("router", 0) + (ph.get("backward", 0) - 0 if mode == "train" else 0)
-print("%-8s %-9s %10.0f %9.3f %9.3f %9.3f %9.3f %9.3f %10.3f %9.3f" % (
-    mode, rate, r["tokens_per_second"], r["step_seconds_p50"], ph.get("dispatch", 0), ph.get("expert", 0),
-    ph.get("combine", 0), ph.get("backward", 0), comm, max(compute, comm)))
+compute = ph.get("expert", 0) + ph.get("router", 0) + (ph.get("backward", 0) if mode == "train" else 0)
+if rate == "none":
+    open(unshaped_file, "w").write(str(r["step_seconds_p50"]))
+if os.path.exists(unshaped_file):
+    compute = float(open(unshaped_file).read())
+bound = max(compute, comm)
+print("%-8s %-9s %-7s %10.0f %9.3f %9.3f %9.3f %9.3f %9.3f %10.3f %9.3f %7.2f" % (
+    mode, rate, ("auto:%d" if ov == 0 else "%d") % r.get("overlap_chunks", 1) if ov != 1 else "serial",
+    r["tokens_per_second"],
+    r["step_seconds_p50"], ph.get("dispatch", 0), ph.get("expert", 0), ph.get("combine", 0), ph.get("backward", 0),
+    comm, bound, r["step_seconds_p50"] / bound if bound else 0))
 PY
+    done
   done
 done
 shape none

@@ -1,6 +1,7 @@
 #include "moe/ep/dispatcher.h"
 
 #include <algorithm>
+#include <cmath>
 
 #include "moe/base/check.h"
 #include "moe/base/clock.h"
@@ -22,7 +23,25 @@ Segments scaled(const std::vector<int64_t>& rows, size_t bytes_per_row) {
   return Segments::packed(std::move(b));
 }
 
+// Rows [c n / C, (c + 1) n / C) of n: chunk c of a peer's rows, on both sides.
+int64_t chunk_begin(int64_t n, int c, int C) { return n * c / C; }
+int64_t chunk_rows(int64_t n, int c, int C) { return chunk_begin(n, c + 1, C) - chunk_begin(n, c, C); }
+
+// A count and a chunk proposal in one int64 of the count exchange.
+constexpr int kChunkBits = 8;
+static_assert(kMaxChunks < (1 << kChunkBits));
+
 }  // namespace
+
+int chunk_rule(double transfer_seconds, double compute_seconds, double rows_per_expert) {
+  if (transfer_seconds <= 0 || compute_seconds <= 0) return 1;
+  constexpr double kUnhiddenShare = 0.1, kWorthChunking = 0.2;
+  const double lo = std::min(transfer_seconds, compute_seconds), hi = std::max(transfer_seconds, compute_seconds);
+  if (lo < kWorthChunking * hi) return 1;  // the smaller chunks' GEMMs and messages would cost more than they hide
+  const int wanted = static_cast<int>(std::ceil(lo / (kUnhiddenShare * hi)));
+  const int room = static_cast<int>(rows_per_expert / kMinExpertRows);
+  return std::clamp(std::min(wanted, room), 1, kMaxChunks);
+}
 
 Dispatcher::Dispatcher(const DispatcherConfig& cfg, transport::Communicator& comm, kernels::Backend& be,
                        const DispatcherOptions& options)
@@ -93,11 +112,42 @@ void Dispatcher::build_layout(const void* x, int64_t T, const float* topk_weight
                .out = send_rows_.get()});
 }
 
-// Counts, then rows + slots + weights in one all-to-all round.
-void Dispatcher::exchange(int64_t T) {
+// A chunked forward needs the transfer thread (host memory: the CPU backend)
+// and no backward (whose pair reads the handle in rank-major order).
+bool Dispatcher::can_chunk() const { return !cfg_.train && be_.name() == "cpu" && cfg_.num_ranks > 1; }
+
+int Dispatcher::propose_chunks() const {
+  if (opts_.overlap_chunks > 0) return std::min(opts_.overlap_chunks, kMaxChunks);
+  return chunk_rule(last_transfer_, last_compute_, last_rows_per_expert_);
+}
+
+// Rows per peer both ways; a dispatcher that can chunk sends its chunk
+// proposal with every count, and all ranks take the largest.
+void Dispatcher::exchange_counts_and_chunks() {
   const int R = cfg_.num_ranks;
   for (int r = 0; r < R; ++r) h_.send_counts_[r] = h_.rank_offset_[r + 1] - h_.rank_offset_[r];
-  comm_.exchange_counts(h_.send_counts_.data(), h_.recv_counts_.data(), deadline());
+  if (!can_chunk()) {
+    h_.chunks_ = 1;
+    comm_.exchange_counts(h_.send_counts_.data(), h_.recv_counts_.data(), deadline());
+    return;
+  }
+  const int64_t mine = propose_chunks();
+  std::vector<int64_t> send(R), recv(R);
+  for (int r = 0; r < R; ++r) send[r] = (h_.send_counts_[r] << kChunkBits) | mine;
+  comm_.exchange_counts(send.data(), recv.data(), deadline());
+  int64_t agreed = mine;
+  for (int r = 0; r < R; ++r) {
+    h_.recv_counts_[r] = recv[r] >> kChunkBits;
+    agreed = std::max(agreed, recv[r] & ((1 << kChunkBits) - 1));
+  }
+  h_.chunks_ = static_cast<int>(agreed);
+}
+
+// Counts, then rows + slots + weights in one all-to-all round, or chunk 0 of a
+// chunked pair.
+void Dispatcher::exchange(int64_t T) {
+  const int R = cfg_.num_ranks;
+  exchange_counts_and_chunks();
   int64_t N = 0;
   for (int r = 0; r < R; ++r) N += h_.recv_counts_[r];
   reserve(N);
@@ -108,6 +158,11 @@ void Dispatcher::exchange(int64_t T) {
   h_.send_meta_ = scaled(h_.send_counts_, meta_bytes_);
   h_.recv_meta_ = scaled(h_.recv_counts_, meta_bytes_);
   be_.synchronize();
+  if (h_.chunks_ > 1) {
+    plan_chunks();
+    post_dispatch_chunk(0);
+    return;
+  }
   if (opts_.isolate_transport_timing) comm_.barrier(deadline());
   const double t0 = now_seconds();
   comm_.all_to_all_v({AllToAllBuffer{send_rows_.get(), &h_.send_rows_, h_.recv_rows_.get(), &h_.recv_rows_segs_},
@@ -115,6 +170,85 @@ void Dispatcher::exchange(int64_t T) {
                       AllToAllBuffer{send_weight_.get(), &h_.send_meta_, h_.recv_weight_.get(), &h_.recv_meta_}},
                      deadline());
   stats_.dispatch_transport = now_seconds() - t0;
+}
+
+// Chunk c takes rows [c n / C, (c + 1) n / C) of every peer's n. Sent from the
+// rank-major send buffer; received chunk-major (chunk c's rows from every peer,
+// in rank order, after chunk c - 1's), so a chunk is contiguous for the experts.
+void Dispatcher::plan_chunks() {
+  const int R = cfg_.num_ranks, C = h_.chunks_;
+  plan_.assign(C, {});
+  next_chunk_ = 0;
+  if (!worker_) worker_ = std::make_unique<transport::TransferWorker>();
+  int64_t row = 0;
+  for (int c = 0; c < C; ++c) {
+    ChunkPlan& p = plan_[c];
+    std::vector<size_t> send_bytes(R), send_off(R), recv_bytes(R), recv_off(R);
+    p.first_row = row;
+    for (int r = 0; r < R; ++r) {
+      const int64_t out = chunk_rows(h_.send_counts_[r], c, C), in = chunk_rows(h_.recv_counts_[r], c, C);
+      send_off[r] = h_.rank_offset_[r] + chunk_begin(h_.send_counts_[r], c, C);
+      send_bytes[r] = out;
+      recv_off[r] = row;
+      recv_bytes[r] = in;
+      row += in;
+    }
+    p.num_rows = row - p.first_row;
+    auto segs = [](const std::vector<size_t>& rows, const std::vector<size_t>& first, size_t unit) {
+      transport::Segments s;
+      for (size_t r = 0; r < rows.size(); ++r) {
+        s.bytes.push_back(rows[r] * unit);
+        s.offset.push_back(first[r] * unit);
+      }
+      return s;
+    };
+    p.send_rows = segs(send_bytes, send_off, row_bytes_);
+    p.recv_rows = segs(recv_bytes, recv_off, row_bytes_);
+    p.send_meta = segs(send_bytes, send_off, meta_bytes_);
+    p.recv_meta = segs(recv_bytes, recv_off, meta_bytes_);
+  }
+}
+
+void Dispatcher::post_dispatch_chunk(int c) {
+  ChunkPlan& p = plan_[c];
+  p.arrived = last_op_ = worker_->post([this, &p] {
+    const double t0 = now_seconds();
+    comm_.all_to_all_v({AllToAllBuffer{send_rows_.get(), &p.send_rows, h_.recv_rows_.get(), &p.recv_rows},
+                        AllToAllBuffer{send_slot_.get(), &p.send_meta, h_.recv_slot_.get(), &p.recv_meta},
+                        AllToAllBuffer{send_weight_.get(), &p.send_meta, h_.recv_weight_.get(), &p.recv_meta}},
+                       deadline());
+    stats_.dispatch_transport += now_seconds() - t0;
+  });
+}
+
+// Chunk c's results go back where its rows came from: into back_rows_ at the
+// rows' send positions, so the unpermute reads what a serial combine leaves.
+void Dispatcher::post_combine_chunk(int c, const void* y) {
+  const ChunkPlan& p = plan_[c];
+  last_op_ = worker_->post([this, &p, y] {
+    const double t0 = now_seconds();
+    comm_.all_to_all_v(y, p.recv_rows, back_rows_.get(), p.send_rows, deadline());
+    stats_.combine_transport += now_seconds() - t0;
+  });
+}
+
+ChunkRows Dispatcher::next_chunk() {
+  MOE_CHECK(h_.chunks_ > 1 && next_chunk_ < h_.chunks_, "dispatcher: next_chunk without a chunked dispatch (chunk ",
+            next_chunk_, " of ", h_.chunks_, ")");
+  const int c = next_chunk_;
+  try {
+    stats_.exposed_transport += worker_->wait(plan_[c].arrived);
+  } catch (...) {
+    worker_->drain();
+    throw;
+  }
+  if (c + 1 < h_.chunks_) post_dispatch_chunk(c + 1);
+  return {.index = c, .first_row = plan_[c].first_row, .num_rows = plan_[c].num_rows};
+}
+
+void Dispatcher::chunk_done(const void* y) {
+  MOE_CHECK(next_chunk_ < h_.chunks_, "dispatcher: chunk_done without a chunk");
+  post_combine_chunk(next_chunk_++, y);
 }
 
 // The accounting (docs/transport.md#accounting) of the forward pair: rows for ourselves are not
@@ -143,20 +277,34 @@ void Dispatcher::count_bytes() {
 const DispatchHandle& Dispatcher::dispatch(const void* x, int64_t T, const int32_t* topk_slot,
                                            const float* topk_weight) {
   MOE_CHECK(T >= 0 && T <= cfg_.max_tokens, "dispatch: ", T, " tokens, the layer holds at most ", cfg_.max_tokens);
+  if (worker_) worker_->drain();  // a chunked pair abandoned by an error
   stats_ = {};
   h_.topk_slot_ = topk_slot;
   build_layout(x, T, topk_weight);
   exchange(T);
+  stats_.chunks = h_.chunks_;
   count_bytes();
   return h_;
 }
 
 void Dispatcher::combine(const DispatchHandle& h, const void* y, void* out) {
   check(h);
-  if (opts_.isolate_transport_timing) comm_.barrier(deadline());
-  const double t0 = now_seconds();
-  comm_.all_to_all_v(y, h_.recv_rows_segs_, back_rows_.get(), h_.send_rows_, deadline());
-  stats_.combine_transport = now_seconds() - t0;
+  if (h_.chunks_ > 1) {
+    MOE_CHECK(next_chunk_ == h_.chunks_, "dispatcher: combine after ", next_chunk_, " of ", h_.chunks_, " chunks");
+    try {
+      stats_.exposed_transport += worker_->wait(last_op_);
+    } catch (...) {
+      worker_->drain();
+      throw;
+    }
+    last_transfer_ = stats_.dispatch_transport + stats_.combine_transport;
+  } else {
+    if (opts_.isolate_transport_timing) comm_.barrier(deadline());
+    const double t0 = now_seconds();
+    comm_.all_to_all_v(y, h_.recv_rows_segs_, back_rows_.get(), h_.send_rows_, deadline());
+    stats_.combine_transport = now_seconds() - t0;
+    last_transfer_ = stats_.dispatch_transport + stats_.combine_transport;
+  }
   // A token's rows from every rank, summed in rank order.
   be_.unpermute({.num_rows = h_.num_tokens_, .top_k = cfg_.num_ranks, .hidden = cfg_.hidden,
                  .out_dtype = cfg_.dtype, .accumulate = false, .in_dtype = cfg_.dtype},

@@ -46,8 +46,10 @@ std::unique_ptr<Dispatcher> EpLayer::make_dispatcher(const ExpertMap& map) const
                             .num_ranks = map.num_ranks,
                             .slots_per_rank = map.slots_per_rank,
                             .train = cfg_.train};
-  return std::make_unique<Dispatcher>(
-      dc, data_, be_, DispatcherOptions{.timeout = opts_.timeout, .isolate_transport_timing = opts_.isolate_transport_timing});
+  return std::make_unique<Dispatcher>(dc, data_, be_,
+                                      DispatcherOptions{.timeout = opts_.timeout,
+                                                        .isolate_transport_timing = opts_.isolate_transport_timing,
+                                                        .overlap_chunks = opts_.overlap_chunks});
 }
 
 // The replica tables the router's replica choice reads.
@@ -175,22 +177,53 @@ void EpLayer::forward(const void* x, int64_t T, int64_t token_begin, void* out) 
   reserve_rows(h.num_recv_rows());
   t0 = now_seconds();
   stats_.dispatch = t0 - t1;
-
-  experts_->forward(h.recv_rows(), h.num_recv_rows(), h.recv_slot(), h.recv_weight(), combined_.get());
-  for (int64_t n : experts_->expert_rows()) stats_.computed_pairs += n;
-  t1 = now_seconds();
-  stats_.expert = t1 - t0;
-
-  dispatcher_->combine(h, combined_.get(), out);
-  be_.synchronize();
+  if (dispatcher_->chunks() > 1) {
+    forward_chunks(h, out);
+  } else {
+    experts_->forward(h.recv_rows(), h.num_recv_rows(), h.recv_slot(), h.recv_weight(), combined_.get());
+    for (int64_t n : experts_->expert_rows()) stats_.computed_pairs += n;
+    t1 = now_seconds();
+    stats_.expert = t1 - t0;
+    dispatcher_->combine(h, combined_.get(), out);
+    be_.synchronize();
+    stats_.combine = now_seconds() - t1;
+  }
+  dispatcher_->note_compute(stats_.expert,
+                            static_cast<double>(stats_.computed_pairs) / std::max(1, map_.slots_per_rank));
   t0 = now_seconds();
-  stats_.combine = t0 - t1;
   if (shared_) {  // on the rank's own tokens: counted as expert time
     shared_->forward(x, T, out);
     be_.synchronize();
     stats_.expert += now_seconds() - t0;
   }
   stats_.transfer = dispatcher_->stats();
+}
+
+// The experts chunk by chunk while the dispatcher moves the next chunk's rows
+// and the last one's results (docs/layer.md#overlap). Dispatch and combine time
+// is what this thread waited for them.
+void EpLayer::forward_chunks(const DispatchHandle& h, void* out) {
+  const size_t K = cfg_.top_k, row_bytes = kernels::dtype_size(cfg_.dtype) * cfg_.hidden;
+  auto* rows = static_cast<const uint8_t*>(h.recv_rows());
+  auto* combined = static_cast<uint8_t*>(combined_.get());
+  for (int c = 0; c < dispatcher_->chunks(); ++c) {
+    double t0 = now_seconds();
+    const ChunkRows ch = dispatcher_->next_chunk();
+    double t1 = now_seconds();
+    stats_.dispatch += t1 - t0;
+    if (ch.num_rows > 0) {
+      const int64_t first = ch.first_row;
+      experts_->forward(rows + first * row_bytes, ch.num_rows, h.recv_slot() + first * K,
+                        h.recv_weight() + first * K, combined + first * row_bytes);
+      for (int64_t n : experts_->expert_rows()) stats_.computed_pairs += n;
+    }
+    stats_.expert += now_seconds() - t1;
+    dispatcher_->chunk_done(combined);
+  }
+  const double t0 = now_seconds();
+  dispatcher_->combine(h, combined, out);
+  be_.synchronize();
+  stats_.combine = now_seconds() - t0;
 }
 
 void EpLayer::backward(const void* grad_out, void* grad_x) {

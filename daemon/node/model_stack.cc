@@ -63,7 +63,10 @@ ModelStack::ModelStack(const v1::JobSpec& spec, const std::vector<moe::ExpertMap
 }
 
 ep::EpOptions ModelStack::layer_options(int l) const {
-  return {.timeout = timeout_, .tag_base = static_cast<uint32_t>(l) << 24, .data_comm = data_comm_};
+  return {.timeout = timeout_,
+          .tag_base = static_cast<uint32_t>(l) << 24,
+          .overlap_chunks = spec_.overlap_chunks(),
+          .data_comm = data_comm_};
 }
 
 std::vector<uint8_t> ModelStack::host_bytes(const kernels::Buffer& b) const {
@@ -165,6 +168,7 @@ void ModelStack::backward(StepReport& report, bool capture) {
   be_.copy(xt_.get(), xs_[0].get(), n * kernels::dtype_size(dt_));
   for (auto& teacher : teacher_) {
     teacher->forward(xt_.get(), T_, token_begin(), out_.get());
+    report.note_chunks(teacher->stats().transfer.chunks);
     be_.add(xt_.get(), out_.get(), dt_, static_cast<int64_t>(n));
   }
   report.set_teacher_seconds(now_seconds() - t_teacher);

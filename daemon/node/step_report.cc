@@ -1,5 +1,7 @@
 #include "moe/node/step_report.h"
 
+#include <algorithm>
+
 namespace moe::node {
 
 StepReport::StepReport(int step, int num_experts) : num_experts_(num_experts) { stats_.set_step(step); }
@@ -16,6 +18,7 @@ void StepReport::add_forward(int layer, const ep::EpLayer& l, int64_t T, int K) 
   stats_.set_naive_dispatch_bytes(stats_.naive_dispatch_bytes() + tr.naive_dispatch_bytes);
   stats_.set_combine_bytes(stats_.combine_bytes() + tr.combine_bytes);
   stats_.set_received_rows(stats_.received_rows() + tr.received_rows);
+  note_chunks(tr.chunks);
   stats_.add_layer_pairs(static_cast<double>(es.computed_pairs));
   stats_.add_layer_epoch(l.map().epoch);
 

@@ -510,6 +510,9 @@ UcxCommunicator::UcxCommunicator(int rank, int size, Bootstrap& bootstrap, const
   MOE_CHECK(s == UCS_OK, "ucx: ucp_config_read: ", status_str(s));
   if (options.allow_shared_memory && std::getenv("UCX_MM_ERROR_HANDLING") == nullptr)
     ucp_config_modify(config, "MM_ERROR_HANDLING", "y");
+  // Every message eager (docs/transport.md#eager-messages): a rendezvous handshake
+  // would wait behind the bulk data queued on a slow TCP link.
+  if (std::getenv("UCX_RNDV_THRESH") == nullptr) ucp_config_modify(config, "RNDV_THRESH", "inf");
   ucp_params_t params{};
   params.field_mask = UCP_PARAM_FIELD_FEATURES;
   params.features = UCP_FEATURE_TAG | UCP_FEATURE_WAKEUP;
@@ -519,7 +522,7 @@ UcxCommunicator::UcxCommunicator(int rank, int size, Bootstrap& bootstrap, const
 
   ucp_worker_params_t wp{};
   wp.field_mask = UCP_WORKER_PARAM_FIELD_THREAD_MODE;
-  wp.thread_mode = UCS_THREAD_MODE_SINGLE;
+  wp.thread_mode = UCS_THREAD_MODE_SERIALIZED;  // a TransferWorker may make the calls (one thread at a time)
   s = ucp_worker_create(m.context, &wp, &m.worker);
   MOE_CHECK(s == UCS_OK, "ucx: ucp_worker_create: ", status_str(s));
   s = ucp_worker_get_efd(m.worker, &m.event_fd);

@@ -78,7 +78,8 @@ void check_files(const std::string& folder, const v1::CheckpointManifest& m) {
 void check_resume_spec(const v1::JobSpec& checkpoint, const v1::JobSpec& resumed) {
   static const std::set<std::string> may_differ = {
       "steps", "checkpoint_dir", "checkpoint_every", "resume", "verify", "verify_step", "dump_dir", "dump_step",
-      "tokens_per_rank", "name", "labels", "elastic", "elastic_batch", "min_node_replicas", "dead_node_timeout_ms"};
+      "tokens_per_rank", "name", "labels", "elastic", "elastic_batch", "min_node_replicas", "dead_node_timeout_ms",
+      "overlap_chunks"};
   const auto* d = v1::JobSpec::descriptor();
   for (int i = 0; i < d->field_count(); ++i) {
     const auto* fd = d->field(i);
@@ -87,7 +88,7 @@ void check_resume_spec(const v1::JobSpec& checkpoint, const v1::JobSpec& resumed
     google::protobuf::TextFormat::PrintFieldValueToString(checkpoint, fd, -1, &a);
     google::protobuf::TextFormat::PrintFieldValueToString(resumed, fd, -1, &b);
     MOE_CHECK(a == b, "resume: ", fd->name(), " is ", b, " but the checkpoint was written with ", a,
-              " (only steps, checkpoint_*, verify/dump fields, tokens_per_rank, name, labels and the elastic and node-loss fields may change)");
+              " (only steps, checkpoint_*, verify/dump fields, tokens_per_rank, name, labels and the elastic, node-loss and overlap fields may change)");
   }
 }
 

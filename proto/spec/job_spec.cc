@@ -64,6 +64,8 @@ void validate(const v1::JobSpec& s, int world_size) {
     require(is_name(k) && is_name(v), "labels", "keys and values must be 1-63 of [A-Za-z0-9._-], got '" + k + "=" + v + "'");
   require(s.dead_node_timeout_ms() >= 0, "dead_node_timeout_ms",
           "must be >= 0, got " + std::to_string(s.dead_node_timeout_ms()));
+  require(s.overlap_chunks() >= 0 && s.overlap_chunks() <= 8, "overlap_chunks",
+          "must be in [0, 8] (0: chosen per step), got " + std::to_string(s.overlap_chunks()));
   require(s.min_node_replicas() >= 0, "min_node_replicas", "must be >= 0, got " + std::to_string(s.min_node_replicas()));
   require(s.experts() >= 1, "experts", "must be >= 1, got " + std::to_string(s.experts()));
   require(s.experts() <= 65536, "experts", "must be <= 65536, got " + std::to_string(s.experts()));

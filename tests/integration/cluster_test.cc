@@ -367,6 +367,56 @@ TEST(Cluster, NodeRedundancyKeepsEveryExpertOnTwoNodesAndTheLossCurve) {
       << out;
 }
 
+// docs/layer.md#overlap: forward jobs with their dispatch/combine in 3 chunks give
+// the serial job's output at step 0 (dumped) and verify against the fp64
+// reference; a train job's teacher chunks too, and its loss curve stays the serial
+// one. Over UCX between two daemons. (Bit for bit where the GEMM engine computes
+// rows independently; tests/unit/ep_overlap_test.cc holds that; here 1e-6.)
+TEST(Cluster, ChunkedDispatchGivesTheSerialOutputAndLoss) {
+  const fs::path dumps = fs::temp_directory_path() / ("moe_overlap_" + std::to_string(::getpid()));
+  fs::remove_all(dumps);
+  Cluster c(2, 1);
+  ASSERT_TRUE(c.up());
+  const std::vector<std::string> shape = {"--experts", "16", "--top-k", "4", "--hidden", "64", "--ffn-hidden", "32",
+                                          "--tokens-per-rank", "256", "--layers", "2", "--skew", "zipf:0.8"};
+  std::vector<float> outs[2];
+  for (int i = 0; i < 2; ++i) {
+    const std::string chunks = i == 0 ? "1" : "3", dir = (dumps / chunks).string();
+    std::vector<std::string> args = {"--output", "json", "job", "submit", "--wait", "--steps", "2", "--verify",
+                                     "--overlap-chunks", chunks, "--dump-dir", dir};
+    args.insert(args.end(), shape.begin(), shape.end());
+    const auto [rc, out] = c.ctl(args, 120s);
+    ASSERT_EQ(rc, 0) << out << c.logs();
+    const v1::JobResult r = parse_result(out);
+    EXPECT_TRUE(r.verify().passed()) << out;
+    EXPECT_EQ(r.overlap_chunks(), i == 0 ? 1 : 3) << out;
+    outs[i] = dumped_out(dir, 2, 256, 64);
+  }
+  ASSERT_EQ(outs[0].size(), outs[1].size());
+  double scale = 0, worst = 0;
+  for (size_t i = 0; i < outs[0].size(); ++i) {
+    scale = std::max(scale, static_cast<double>(std::fabs(outs[0][i])));
+    worst = std::max(worst, static_cast<double>(std::fabs(outs[0][i] - outs[1][i])));
+  }
+  EXPECT_GT(scale, 1e-3);
+  EXPECT_LE(worst, 1e-6 * scale) << "chunked and serial outputs differ by " << worst;
+
+  std::vector<v1::JobResult> train;
+  for (const char* chunks : {"1", "2"}) {
+    std::vector<std::string> args = {"--output", "json", "job", "submit", "--wait", "--mode", "train", "--steps", "6",
+                                     "--overlap-chunks", chunks};
+    args.insert(args.end(), shape.begin(), shape.end());
+    const auto [rc, out] = c.ctl(args, 120s);
+    ASSERT_EQ(rc, 0) << out << c.logs();
+    train.push_back(parse_result(out));
+  }
+  EXPECT_EQ(train[1].overlap_chunks(), 2);  // the teacher's forward layers
+  ASSERT_EQ(train[0].loss_size(), train[1].loss_size());
+  for (int i = 0; i < train[0].loss_size(); ++i)
+    EXPECT_NEAR(train[1].loss(i), train[0].loss(i), 1e-6 * train[0].loss(i)) << "step " << i;
+  fs::remove_all(dumps);
+}
+
 // docs/jobs.md#dead-nodes: a SIGSTOPped daemon (alive, silent) is dead once the
 // job's own --dead-node-timeout-ms passed (here 1 s, not the agent's 3 s), the
 // survivors abort their waits and the job fails naming it; continued, the node

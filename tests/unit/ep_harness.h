@@ -31,6 +31,8 @@ struct EpCase {
   double aux = 0, z = 0;     // balancing loss coefficients (global counts when either is on)
   int shared = 0;            // shared experts' width (0: none)
   bool shared_gate = false;
+  bool train = true;        // false: a forward-only layer (forward checked, no backward)
+  int overlap_chunks = 0;   // EpOptions::overlap_chunks (forward-only layers chunk)
 
   int64_t token_begin(int rank) const;
   int64_t total_tokens() const;
@@ -60,6 +62,7 @@ struct RankResult {
   std::vector<float> grad_gate;           // [E, H]
   std::vector<float> grad_w13, grad_w2;   // per local slot: [S, 2I, H], [S, H, I]
   int64_t dispatch_bytes = 0, combine_bytes = 0, naive_dispatch_bytes = 0;
+  int chunks = 0;                         // of the forward's dispatch/combine
   std::vector<float> losses;              // this rank's shares {aux, z}
   std::vector<float> grad_shared_w13, grad_shared_w2, grad_shared_gate;  // summed over ranks
 

@@ -20,7 +20,8 @@ using google::protobuf::FieldDescriptor;
 const std::set<std::string> kMayDiffer = {"steps",  "checkpoint_dir", "checkpoint_every", "resume",
                                           "verify", "verify_step",    "dump_dir",         "dump_step",
                                           "tokens_per_rank", "name", "labels",
-                                          "elastic", "elastic_batch", "min_node_replicas", "dead_node_timeout_ms"};
+                                          "elastic", "elastic_batch", "min_node_replicas", "dead_node_timeout_ms",
+                                          "overlap_chunks"};
 
 v1::JobSpec base() {
   v1::JobSpec s;

@@ -17,15 +17,32 @@
 //   a combined row    = row_bytes
 //   a backward row    = row_bytes (+ K fp32 weight gradients on the way back)
 //   the naive scheme  = one row + one slot + one weight per (token, expert) pair
+//
+// Overlap (docs/layer.md#overlap): a forward-only dispatcher may split the pair
+// into chunks of rows, moved by a TransferWorker while the caller computes:
+//
+//   h = dispatch(...)                      // chunks() > 1: chunk 0 is on its way
+//   for c in 0..chunks()-1:
+//     ch = next_chunk()                    // chunk c has arrived; c + 1 goes out
+//     compute rows [ch.first_row, + ch.num_rows) of y
+//     chunk_done(y)                        // chunk c's results go back
+//   combine(h, y, out)                     // waits for every result; same bits
+//
+// The ranks agree on the chunk count at every dispatch (the largest any rank
+// proposes). A row is computed the same way in any chunk, and a token's rows are
+// summed in rank order after all of them are back, so the output does not
+// depend on the chunking.
 #pragma once
 
 #include <cstdint>
+#include <memory>
 #include <vector>
 
 #include "moe/map/expert_map.h"
 #include "moe/kernels/api.h"
 #include "moe/kernels/buffer.h"
 #include "moe/transport/communicator.h"
+#include "moe/transport/transfer_worker.h"
 
 namespace moe::ep {
 
@@ -36,7 +53,20 @@ struct DispatcherOptions {
   // Benchmarks: a barrier before each timed all-to-all, so transport times do not
   // include waiting for a slower rank's compute. Off in production.
   bool isolate_transport_timing = false;
+  // Chunks of the forward pair (a forward-only dispatcher on host memory): 0
+  // chooses by chunk_rule from the last step, n >= 1 asks for n (1: serial).
+  int overlap_chunks = 0;
 };
+
+// The chunk count this rank proposes (docs/layer.md#overlap): 1 (serial) before
+// anything was measured or while the shorter of transfer and compute is under a
+// fifth of the longer; else enough chunks that the part left unhidden, about
+// min(transfer, compute) / chunks, stays under a tenth of the longer; at most
+// kMaxChunks, and no fewer than kMinExpertRows rows per local expert in a chunk
+// (fewer, and the GEMMs read an expert's weights for too few rows).
+constexpr int kMaxChunks = 8;
+constexpr double kMinExpertRows = 128;
+int chunk_rule(double transfer_seconds, double compute_seconds, double rows_per_expert);
 
 struct DispatcherConfig {
   int hidden = 0;
@@ -60,6 +90,15 @@ struct DispatchStats {
   int64_t backward_dispatch_bytes = 0, backward_dispatch_received_bytes = 0;
   int64_t backward_combine_bytes = 0, backward_combine_received_bytes = 0;
   double backward_dispatch_transport = 0, backward_combine_transport = 0;
+  int chunks = 1;                      // of the forward pair
+  double exposed_transport = 0;        // chunked: seconds the caller waited for transfers
+};
+
+// One chunk of a chunked dispatch: rows [first_row, first_row + num_rows) of the
+// handle's received rows (and their slots and weights).
+struct ChunkRows {
+  int index = 0;
+  int64_t first_row = 0, num_rows = 0;
 };
 
 class Dispatcher;
@@ -77,6 +116,7 @@ class DispatchHandle {
  private:
   friend class Dispatcher;
   int64_t num_tokens_ = 0, num_recv_rows_ = 0, recv_capacity_ = -1;
+  int chunks_ = 1;
   const int32_t* topk_slot_ = nullptr;             // [T, K], the caller's
   std::vector<int64_t> send_counts_, recv_counts_;  // rows per peer
   std::vector<int64_t> rank_offset_;                // [R + 1] host
@@ -93,8 +133,21 @@ class Dispatcher {
   // x [T, H] dtype; topk_slot [T, K] physical slots or -1 (select_replicas);
   // topk_weight [T, K]. topk_slot must stay valid until dispatch_backward.
   const DispatchHandle& dispatch(const void* x, int64_t T, const int32_t* topk_slot, const float* topk_weight);
-  // y [N, H] dtype, one row per received row -> out [T, H] dtype.
+  // The agreed chunk count of the last dispatch (1: everything arrived already).
+  int chunks() const { return h_.chunks_; }
+  // Chunked: waits for the next chunk's rows and sends the one after it.
+  ChunkRows next_chunk();
+  // Chunked: the rows of the chunk next_chunk() gave are computed in y [N, H]; sends them back.
+  void chunk_done(const void* y);
+  // y [N, H] dtype, one row per received row -> out [T, H] dtype. Chunked: waits
+  // for every chunk's results (y was sent by chunk_done).
   void combine(const DispatchHandle& h, const void* y, void* out);
+  // The forward's expert seconds and (token, expert) pairs per local expert of
+  // the step, for the next chunk proposal.
+  void note_compute(double seconds, double rows_per_expert) {
+    last_compute_ = seconds;
+    last_rows_per_expert_ = rows_per_expert;
+  }
   // grad_out [T, H] dtype -> the grad rows [N, H] dtype each receiver gets.
   const void* combine_backward(const DispatchHandle& h, const void* grad_out);
   // grad_rows [N, H] dtype, grad_pair_weight [N, K] -> grad_x32 [T, H] (=, rank
@@ -110,6 +163,12 @@ class Dispatcher {
   transport::Deadline deadline() const { return transport::deadline_in(opts_.timeout); }
   void build_layout(const void* x, int64_t T, const float* topk_weight);
   void exchange(int64_t T);
+  void exchange_counts_and_chunks();
+  int propose_chunks() const;
+  bool can_chunk() const;
+  void plan_chunks();
+  void post_dispatch_chunk(int c);
+  void post_combine_chunk(int c, const void* y);
   void count_bytes();
   void reserve(int64_t rows);
   void check(const DispatchHandle& h) const;
@@ -124,6 +183,17 @@ class Dispatcher {
   kernels::Buffer send_slot_, send_weight_, send_rows_, back_rows_, back_gw_, grad_recv_rows_;
   std::vector<int32_t> per_slot_host_;  // pairs per physical slot, for the naive figures
   DispatchStats stats_;
+  // Chunked forward: per chunk, the segments of rows and of metadata each way.
+  struct ChunkPlan {
+    transport::Segments send_rows, recv_rows, send_meta, recv_meta;
+    int64_t first_row = 0, num_rows = 0;  // of the received rows (chunk-major)
+    transport::TransferWorker::OpId arrived = 0;  // the dispatch op
+  };
+  std::vector<ChunkPlan> plan_;
+  int next_chunk_ = 0;
+  transport::TransferWorker::OpId last_op_ = 0;
+  std::unique_ptr<transport::TransferWorker> worker_;  // made at the first chunked dispatch
+  double last_compute_ = 0, last_transfer_ = 0, last_rows_per_expert_ = 0;
 };
 
 }  // namespace moe::ep

@@ -35,6 +35,9 @@ struct EpOptions {
   // Benchmarks: a barrier before each timed all-to-all, so transport times do not
   // include waiting for a slower rank's compute. Off in production.
   bool isolate_transport_timing = false;
+  // Chunks of a forward-only layer's dispatch/combine (DispatcherOptions): 0 by
+  // the rule of docs/layer.md#overlap, n fixed (1: serial).
+  int overlap_chunks = 0;
   // The communicator for the backend's memory: the dispatcher's all-to-alls and
   // the all-reduce of the replicated weights' gradients (NCCL in a CUDA job). Null:
   // the layer's own communicator, which otherwise carries only host memory
@@ -144,6 +147,7 @@ class EpLayer {
   void reserve_rows(int64_t recv_rows);
   void gather_counts();
   RouterBalance balance_terms() const;
+  void forward_chunks(const DispatchHandle& h, void* out);
   void all_reduce_replicated_grads();
   std::unique_ptr<Dispatcher> make_dispatcher(const ExpertMap& map) const;
   void install_map(const ExpertMap& map);

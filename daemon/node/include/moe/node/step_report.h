@@ -2,6 +2,7 @@
 // StepStats proto the agent aggregates and into the daemon's Prometheus metrics.
 #pragma once
 
+#include <algorithm>
 #include <vector>
 
 #include "moe/ep/ep_layer.h"
@@ -26,6 +27,8 @@ class StepReport {
   void set_backward_seconds(double s) { stats_.mutable_phase_seconds()->set_backward(s); }
   void set_optimizer_seconds(double s) { stats_.mutable_phase_seconds()->set_optimizer(s); }
   void set_teacher_seconds(double s) { stats_.mutable_phase_seconds()->set_teacher(s); }
+  // A forward layer that is not the job's own (a train job's teacher): only its chunk count.
+  void note_chunks(int chunks) { stats_.set_overlap_chunks(std::max(stats_.overlap_chunks(), chunks)); }
   void set_inputs_seconds(double s) { stats_.mutable_phase_seconds()->set_inputs(s); }
   void set_step_seconds(double s) { stats_.set_step_seconds(s); }
   void set_world_epoch(int64_t e) { stats_.set_world_epoch(e); }

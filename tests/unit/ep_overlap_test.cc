@@ -1,0 +1,174 @@
+// Chunked dispatch/combine pipelined with the experts (docs/layer.md#overlap):
+// the forward gives the same bits for every chunk count, over in-process ranks and
+// over UCX; the ranks agree on the count; a rank lost mid-pipeline fails its peers
+// with an error instead of a hang; the chunk rule.
+#include <gtest/gtest.h>
+
+#include <random>
+
+#include "ep_harness.h"
+#include "moe/ep/dispatcher.h"
+#include "moe/kernels/cpu_backend.h"
+#include "rank_threads.h"
+#include "test_util.h"
+
+namespace moe::test {
+namespace {
+
+EpCase forward_case(const std::string& name, std::vector<int64_t> tokens, MapKind map) {
+  EpCase c = small_case(name, std::move(tokens), map);
+  c.train = false;
+  return c;
+}
+
+std::vector<EpCase> overlap_cases() {
+  std::vector<EpCase> v;
+  v.push_back(forward_case("plain_R2", {150, 97}, MapKind::kContiguous));
+  v.push_back(forward_case("replicas_R3_idle_rank", {120, 0, 88}, MapKind::kReplicas));
+  v.push_back(forward_case("empty_rank_R3", {70, 64, 5}, MapKind::kEmptyRank));
+  EpCase c = forward_case("skewed_R4", {90, 90, 90, 90}, MapKind::kReplicas);
+  c.skew = "zipf:1.5";
+  v.push_back(c);
+  c = forward_case("bf16_capacity_R2", {130, 111}, MapKind::kReplicas);
+  c.dtype = kernels::DType::kBF16;
+  c.capacity_factor = 0.9;
+  v.push_back(c);
+  c = forward_case("shared_gate_R3", {60, 75, 33}, MapKind::kReplicas);
+  c.shared = 24;
+  c.shared_gate = true;
+  v.push_back(c);
+  return v;
+}
+
+// Whether a row's GEMM result is independent of the other rows of its call on
+// this engine (docs/layer.md#overlap): true for oneDNN and OpenBLAS's blocked
+// kernels; OpenBLAS's AVX-512 small-matrix kernel sums in another order.
+bool rows_independent(kernels::DType dtype) {
+  const kernels::CpuBackendInfo info = kernels::cpu_backend_info();
+  return info.engines.of(dtype) == kernels::GemmEngine::kOneDnn || info.isa.rfind("avx512", 0) != 0;
+}
+
+void expect_same_out(const RankResult& got, const RankResult& want, kernels::DType dtype) {
+  if (rows_independent(dtype))
+    EXPECT_EQ(got.out, want.out);
+  else
+    EXPECT_TRUE(close("out", to_double(got.out), to_double(want.out), 1e-5, 1e-6, want.out.empty()));
+}
+
+class Overlap : public ::testing::TestWithParam<EpCase> {};
+
+// chunks = 1 is the serial path; every other count must give its bits exactly
+// (where the engine's rows are independent), 8 included (more chunks than some
+// ranks have rows), and match the reference.
+TEST_P(Overlap, EveryChunkCountGivesTheSerialBits) {
+  EpCase serial = GetParam();
+  serial.overlap_chunks = 1;
+  const std::vector<RankResult> want = run_inproc(serial);
+  check_against_reference(serial, want);
+  for (int chunks : {2, 3, 8}) {
+    EpCase c = serial;
+    c.overlap_chunks = chunks;
+    const std::vector<RankResult> got = run_inproc(c, 2);
+    check_against_reference(c, got);
+    for (int r = 0; r < c.ranks; ++r) {
+      SCOPED_TRACE(c.name + " chunks " + std::to_string(chunks) + " rank " + std::to_string(r));
+      EXPECT_EQ(got[r].chunks, chunks);
+      expect_same_out(got[r], want[r], c.dtype);
+      EXPECT_EQ(got[r].topk_idx, want[r].topk_idx);
+      EXPECT_EQ(got[r].dispatch_bytes, want[r].dispatch_bytes);
+      EXPECT_EQ(got[r].combine_bytes, want[r].combine_bytes);
+    }
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(Cases, Overlap, ::testing::ValuesIn(overlap_cases()),
+                         [](const ::testing::TestParamInfo<EpCase>& i) { return i.param.name; });
+
+TEST(OverlapUcx, ChunksOverUcxGiveTheSerialBits) {
+  EpCase c = forward_case("hybrid_R4", {82, 61, 0, 47}, MapKind::kReplicas);
+  c.overlap_chunks = 1;
+  const std::vector<RankResult> want = run_inproc(c);
+  c.overlap_chunks = 3;
+  const std::vector<RankResult> got = run_hybrid(c);
+  for (int r = 0; r < c.ranks; ++r) {
+    SCOPED_TRACE("rank " + std::to_string(r));
+    EXPECT_EQ(got[r].chunks, 3);
+    expect_same_out(got[r], want[r], c.dtype);
+  }
+}
+
+// A dispatcher alone, with experts that return their rows: combine then gives
+// each token x times the number of ranks it went to.
+struct IdentityRun {
+  int chunks = 0;
+  std::vector<float> out, want;
+};
+
+IdentityRun identity_pair(transport::Communicator& comm, int asked_chunks, int64_t T, bool die_after_dispatch) {
+  const int R = comm.size(), K = 3, H = 16, S = 2;
+  kernels::ThreadPool pool(1);
+  auto be = kernels::make_cpu_backend(pool);
+  ep::Dispatcher d({.hidden = H, .top_k = K, .max_tokens = T, .num_ranks = R, .slots_per_rank = S}, comm, *be,
+                   {.timeout = std::chrono::seconds(20), .overlap_chunks = asked_chunks});
+  std::mt19937 rng(17 + comm.rank());
+  std::vector<float> x(T * H), weight(T * K, 1.0f);
+  std::vector<int32_t> slot(T * K);
+  for (float& v : x) v = std::uniform_real_distribution<float>(-1, 1)(rng);
+  for (int32_t& s : slot) s = std::uniform_int_distribution<int32_t>(-1, R * S - 1)(rng);
+  const ep::DispatchHandle& h = d.dispatch(x.data(), T, slot.data(), weight.data());
+  if (die_after_dispatch) throw std::runtime_error("rank gone");
+  std::vector<float> y(h.num_recv_rows() * H);
+  for (int c = 0; c < d.chunks(); ++c) {
+    const ep::ChunkRows ch = d.next_chunk();
+    std::copy_n(static_cast<const float*>(h.recv_rows()) + ch.first_row * H, ch.num_rows * H, y.data() + ch.first_row * H);
+    d.chunk_done(y.data());
+  }
+  IdentityRun run;
+  run.chunks = d.chunks();
+  run.out.resize(T * H);
+  d.combine(h, y.data(), run.out.data());
+  run.want.assign(T * H, 0.0f);
+  for (int64_t t = 0; t < T; ++t) {
+    std::vector<bool> to(R, false);
+    for (int k = 0; k < K; ++k)
+      if (slot[t * K + k] >= 0) to[slot[t * K + k] / S] = true;
+    for (int r = 0; r < R; ++r)
+      if (to[r])
+        for (int i = 0; i < H; ++i) run.want[t * H + i] += x[t * H + i];
+  }
+  return run;
+}
+
+TEST(OverlapDispatcher, RanksAgreeOnTheLargestProposal) {
+  const std::vector<int> asked = {2, 1, 5};
+  std::vector<IdentityRun> runs(3);
+  const auto errors = run_ranks(Kind::kInProc, 3, [&](transport::Communicator& comm) {
+    runs[comm.rank()] = identity_pair(comm, asked[comm.rank()], 200, false);
+  });
+  for (int r = 0; r < 3; ++r) {
+    ASSERT_EQ(errors[r], "") << "rank " << r;
+    EXPECT_EQ(runs[r].chunks, 5) << "rank " << r;
+    EXPECT_EQ(runs[r].out, runs[r].want) << "rank " << r;
+  }
+}
+
+TEST(OverlapDispatcher, ARankLostMidPipelineFailsItsPeers) {
+  const auto errors = run_ranks(Kind::kInProc, 3, [&](transport::Communicator& comm) {
+    identity_pair(comm, 4, 300, comm.rank() == 1);
+  });
+  EXPECT_NE(errors[1].find("rank gone"), std::string::npos) << errors[1];
+  for (int r : {0, 2}) EXPECT_NE(errors[r].find("rank 1"), std::string::npos) << "rank " << r << ": " << errors[r];
+}
+
+TEST(ChunkRule, HidesTheShorterSideAndKeepsChunksWorthComputing) {
+  EXPECT_EQ(ep::chunk_rule(0, 0.5, 4096), 1);        // nothing measured yet
+  EXPECT_EQ(ep::chunk_rule(0.07, 0.4, 4096), 1);     // transfer under a fifth of compute: not worth it
+  EXPECT_EQ(ep::chunk_rule(0.1, 0.4, 4096), 3);      // ceil(0.1 / 0.04)
+  EXPECT_EQ(ep::chunk_rule(0.78, 0.37, 4096), 5);    // link-bound: hide the compute
+  EXPECT_EQ(ep::chunk_rule(10, 10, 1e6), ep::kMaxChunks);
+  EXPECT_EQ(ep::chunk_rule(10, 10, 3 * ep::kMinExpertRows), 3);  // each chunk >= kMinExpertRows rows an expert
+  EXPECT_EQ(ep::chunk_rule(10, 10, 100), 1);
+}
+
+}  // namespace
+}  // namespace moe::test
