@@ -184,6 +184,11 @@ const std::vector<JobFieldDoc>& job_field_docs() {
        "instead of failing",
        false},
       {"elastic_batch", "after an elastic job's world change: keep the global batch, or the tokens per rank", false},
+      {"dispatch_wire",
+       "the format the forward dispatch's rows travel in (unset: the layer dtype); fp8 is e4m3 with a scale per 128 "
+       "values",
+       false},
+      {"combine_wire", "the format the combine's results travel back in (unset: the layer dtype)", false},
       {"overlap_chunks",
        "chunks of each forward dispatch/combine pipelined with the experts: 0 chooses from the measured link, 1 is "
        "serial, up to 8",

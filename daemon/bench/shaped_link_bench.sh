@@ -13,7 +13,9 @@
 #     STEPS: steps per job (default 6; the medians skip nothing, the first step included)
 #   Environment: NODES (2), DEVICES (1), JOB (the moectl job flags; default E=64 K=8 H=1024 I=512
 #   T=2048), OVERLAP (the --overlap-chunks values to compare, default "1 0": serial, then chosen
-#   per step; docs/layer.md#overlap), DELAY (e.g. 1ms: netem delay on each veth, none by default),
+#   per step; docs/layer.md#overlap), WIRES (the wire formats to compare, default "layer": layer =
+#   the job's dtype, bf16 = bf16 dispatch and combine, fp8 = fp8 dispatch and bf16 combine; each
+#   runs with the last OVERLAP value; docs/layer.md#wire-formats), DELAY (e.g. 1ms: netem delay on each veth, none by default),
 #   MOE_BUILD_DIR.
 # Needs root, iproute2 and tc; without them it says what is missing and exits 0 (a skip; under
 # CI=true, where CI has them, 1).
@@ -25,6 +27,15 @@ nodes=${NODES:-2}
 devices=${DEVICES:-1}
 job=${JOB:-"--experts 64 --top-k 8 --hidden 1024 --ffn-hidden 512 --tokens-per-rank 2048"}
 overlaps=${OVERLAP:-"1 0"}
+wires=${WIRES:-layer}
+wire_flags() {
+  case $1 in
+    layer) ;;
+    bf16) echo "--dispatch-wire bf16 --combine-wire bf16" ;;
+    fp8) echo "--dispatch-wire fp8 --combine-wire bf16" ;;
+    *) echo "shaped_link_bench: unknown wire '$1' (layer | bf16 | fp8)" >&2; exit 2 ;;
+  esac
+}
 skip() {
   echo "shaped_link_bench: skipped: $*"
   [ "${CI:-}" != true ] || exit 1
@@ -102,20 +113,23 @@ shape() {  # every daemon's veth, switch side (what it receives) and host side (
 cpu=$(grep -m1 "model name" /proc/cpuinfo | cut -d: -f2 | sed 's/^ *//')
 echo "shaped links: $nodes daemon(s) x $devices device(s) in network namespaces; $cpu, $(nproc) cores; $(date -u +%F)"
 echo "job: $job, $steps steps; UCX over TCP${DELAY:+; netem delay $DELAY}"
-printf "%-8s %-9s %-7s %10s %9s %9s %9s %9s %9s %10s %9s %7s\n" mode link overlap tokens/s step_s dispatch expert \
+printf "%-8s %-9s %-7s %-5s %10s %9s %9s %9s %9s %9s %10s %9s %7s\n" mode link overlap wire tokens/s step_s dispatch expert \
   combine backward comm_s bound_s step/bd
 for mode in ${MODES:-forward train}; do
   for rate in $rates; do
     shape "$rate"
-    for ov in $overlaps; do
-    # shellcheck disable=SC2086 # the job's flags are words
-    ctl --output json job submit --wait --mode "$mode" $job --steps "$steps" --overlap-chunks "$ov" >"$work/job.json" || {
-      echo "$mode $rate overlap $ov: the job failed"; continue; }
-    python3 - "$work/job.json" "$mode" "$rate" "$nodes" "$devices" "$ov" "$work/unshaped-$mode-$ov" <<'PY'
+    last_ov=${overlaps##* }
+    runs=$(for ov in $overlaps; do echo "$ov:layer"; done; for w in $wires; do [ "$w" = layer ] || echo "$last_ov:$w"; done)
+    for run in $runs; do
+    ov=${run%%:*} wire=${run#*:}
+    # shellcheck disable=SC2086,SC2046 # the job's flags are words
+    ctl --output json job submit --wait --mode "$mode" $job --steps "$steps" --overlap-chunks "$ov" \
+      $(wire_flags "$wire") >"$work/job.json" || { echo "$mode $rate overlap $ov wire $wire: the job failed"; continue; }
+    python3 - "$work/job.json" "$mode" "$rate" "$nodes" "$devices" "$ov" "$work/unshaped-$mode-$ov-$wire" "$wire" <<'PY'
 import json, os, re, sys
 r = json.load(open(sys.argv[1]))
 mode, rate, nodes, devices, ov = sys.argv[2], sys.argv[3], int(sys.argv[4]), int(sys.argv[5]), int(sys.argv[6])
-unshaped_file = sys.argv[7]
+unshaped_file, wire = sys.argv[7], sys.argv[8]
 ph, steps = r["phase_seconds"], max(1, int(r["steps_completed"]))
 ranks = nodes * devices
 # The bytes one rank hands the transport per step for other ranks (forward dispatch + combine;
@@ -132,8 +146,8 @@ if rate == "none":
 if os.path.exists(unshaped_file):
     compute = float(open(unshaped_file).read())
 bound = max(compute, comm)
-print("%-8s %-9s %-7s %10.0f %9.3f %9.3f %9.3f %9.3f %9.3f %10.3f %9.3f %7.2f" % (
-    mode, rate, ("auto:%d" if ov == 0 else "%d") % r.get("overlap_chunks", 1) if ov != 1 else "serial",
+print("%-8s %-9s %-7s %-5s %10.0f %9.3f %9.3f %9.3f %9.3f %9.3f %10.3f %9.3f %7.2f" % (
+    mode, rate, ("auto:%d" if ov == 0 else "%d") % r.get("overlap_chunks", 1) if ov != 1 else "serial", wire,
     r["tokens_per_second"],
     r["step_seconds_p50"], ph.get("dispatch", 0), ph.get("expert", 0), ph.get("combine", 0), ph.get("backward", 0),
     comm, bound, r["step_seconds_p50"] / bound if bound else 0))

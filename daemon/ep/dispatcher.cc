@@ -33,6 +33,19 @@ static_assert(kMaxChunks < (1 << kChunkBits));
 
 }  // namespace
 
+namespace {
+
+// The dtype rows travel in on a wire that is not fp8, checked against the layer's.
+DType wire_dtype(Wire w, DType layer, const char* which) {
+  if (w == Wire::kLayer || w == Wire::kFP8) return layer;
+  const DType d = w == Wire::kF32 ? DType::kF32 : DType::kBF16;
+  MOE_CHECK(kernels::dtype_size(d) <= kernels::dtype_size(layer), which, " wire ", wire_name(w),
+            " is wider than the layer's ", kernels::dtype_name(layer), " rows");
+  return d;
+}
+
+}  // namespace
+
 int chunk_rule(double transfer_seconds, double compute_seconds, double rows_per_expert) {
   if (transfer_seconds <= 0 || compute_seconds <= 0) return 1;
   constexpr double kUnhiddenShare = 0.1, kWorthChunking = 0.2;
@@ -50,9 +63,15 @@ Dispatcher::Dispatcher(const DispatcherConfig& cfg, transport::Communicator& com
       be_(be),
       opts_(options),
       row_bytes_(kernels::dtype_size(cfg.dtype) * cfg.hidden),
-      meta_bytes_(cfg.top_k * kSlotBytes) {
+      meta_bytes_(cfg.top_k * kSlotBytes),
+      dispatch_dtype_(wire_dtype(cfg.dispatch_wire, cfg.dtype, "dispatch")),
+      combine_dtype_(wire_dtype(cfg.combine_wire, cfg.dtype, "combine")),
+      fp8_(cfg.dispatch_wire == Wire::kFP8),
+      wire_bytes_(fp8_ ? kernels::fp8_row_bytes(cfg.hidden) : kernels::dtype_size(dispatch_dtype_) * cfg.hidden),
+      combine_bytes_(kernels::dtype_size(combine_dtype_) * cfg.hidden) {
   MOE_CHECK(cfg.num_ranks == comm.size(), "dispatcher: ", cfg.num_ranks, " ranks, the communicator has ",
             comm.size());
+  MOE_CHECK(cfg.combine_wire != Wire::kFP8, "combine wire fp8: results go back in fp32 or bf16");
   const size_t T = cfg.max_tokens, K = cfg.top_k, R = cfg.num_ranks, S = cfg.slots_per_rank;
   const size_t max_send_rows = T * std::min(R, K);  // a token goes to at most min(R, K) ranks
   auto make = [&](size_t bytes) { return Buffer(be_, bytes); };
@@ -64,7 +83,8 @@ Dispatcher::Dispatcher(const DispatcherConfig& cfg, transport::Communicator& com
   send_slot_ = make(kSlotBytes * max_send_rows * K);
   send_weight_ = make(kWeightBytes * max_send_rows * K);
   send_rows_ = make(max_send_rows * row_bytes_);
-  back_rows_ = make(max_send_rows * row_bytes_);
+  back_rows_ = make(max_send_rows * row_bytes_);  // >= combine_bytes_ a row
+  if (encoded_dispatch()) send_wire_ = make(max_send_rows * wire_bytes_);
   layout_ws_ = make(be_.dispatch_layout_workspace_bytes({cfg.max_tokens, cfg.top_k, cfg.num_ranks, cfg.slots_per_rank}));
   if (cfg.train) back_gw_ = make(kWeightBytes * max_send_rows * K);
   h_.rank_offset_.assign(R + 1, 0);
@@ -81,6 +101,42 @@ void Dispatcher::reserve(int64_t n) {
   h_.recv_slot_ = Buffer(be_, kSlotBytes * N * K);
   h_.recv_weight_ = Buffer(be_, kWeightBytes * N * K);
   if (cfg_.train) grad_recv_rows_ = Buffer(be_, N * row_bytes_);
+  if (encoded_dispatch()) recv_wire_ = Buffer(be_, N * wire_bytes_);
+  if (encoded_combine()) y_wire_ = Buffer(be_, N * combine_bytes_);
+}
+
+// The send rows in the dispatch wire's format: x permuted rank-major into
+// send_rows_ (the layer dtype, or a bf16 wire's rows directly), then, for fp8,
+// quantized.
+void Dispatcher::encode_send_rows(const void* x, int64_t T) {
+  const int R = cfg_.num_ranks;
+  const int64_t rows = h_.rank_offset_[R];
+  const bool direct = encoded_dispatch() && !fp8_;  // a bf16 wire: permute converts
+  be_.permute({.num_rows = T, .top_k = R, .num_out_rows = rows, .hidden = cfg_.hidden, .in_dtype = cfg_.dtype,
+               .out_dtype = direct ? dispatch_dtype_ : cfg_.dtype},
+              {.rows = x, .src_row = h_.send_src_token_.as<int32_t>(), .pair_pos = h_.token_send_row_.as<int32_t>(),
+               .out = direct ? send_wire_.get() : send_rows_.get()});
+  if (fp8_) be_.quantize_fp8_rows(send_rows_.get(), cfg_.dtype, rows, cfg_.hidden, send_wire_.get());
+}
+
+// Received rows [first, first + n) from the dispatch wire into the handle's rows.
+void Dispatcher::decode_rows(int64_t first, int64_t n) {
+  if (!encoded_dispatch() || n == 0) return;
+  const void* in = recv_wire_.as<uint8_t>() + first * wire_bytes_;
+  void* out = h_.recv_rows_.as<uint8_t>() + first * row_bytes_;
+  if (fp8_)
+    be_.dequantize_fp8_rows(in, n, cfg_.hidden, out, cfg_.dtype);
+  else
+    be_.convert(in, dispatch_dtype_, out, cfg_.dtype, n * cfg_.hidden);
+}
+
+// Results [first, first + n) of y in the combine wire's format: y itself, or y_wire_.
+const void* Dispatcher::encode_results(const void* y, int64_t first, int64_t n) {
+  if (!encoded_combine()) return y;
+  if (n > 0)
+    be_.convert(static_cast<const uint8_t*>(y) + first * row_bytes_, cfg_.dtype,
+                y_wire_.as<uint8_t>() + first * combine_bytes_, combine_dtype_, n * cfg_.hidden);
+  return y_wire_.get();
 }
 
 void Dispatcher::check(const DispatchHandle& h) const {
@@ -106,10 +162,7 @@ void Dispatcher::build_layout(const void* x, int64_t T, const float* topk_weight
       .workspace = layout_ws_.get(),
   };
   be_.dispatch_layout({.num_tokens = T, .top_k = K, .num_ranks = R, .slots_per_rank = S}, dl);
-  be_.permute({.num_rows = T, .top_k = R, .num_out_rows = h_.rank_offset_[R], .hidden = cfg_.hidden,
-               .in_dtype = cfg_.dtype, .out_dtype = cfg_.dtype},
-              {.rows = x, .src_row = h_.send_src_token_.as<int32_t>(), .pair_pos = h_.token_send_row_.as<int32_t>(),
-               .out = send_rows_.get()});
+  encode_send_rows(x, T);
 }
 
 // A chunked forward needs the transfer thread (host memory: the CPU backend)
@@ -157,6 +210,10 @@ void Dispatcher::exchange(int64_t T) {
   h_.recv_rows_segs_ = scaled(h_.recv_counts_, row_bytes_);
   h_.send_meta_ = scaled(h_.send_counts_, meta_bytes_);
   h_.recv_meta_ = scaled(h_.recv_counts_, meta_bytes_);
+  h_.send_wire_ = scaled(h_.send_counts_, wire_bytes_);
+  h_.recv_wire_ = scaled(h_.recv_counts_, wire_bytes_);
+  h_.send_results_ = scaled(h_.send_counts_, combine_bytes_);
+  h_.recv_results_ = scaled(h_.recv_counts_, combine_bytes_);
   be_.synchronize();
   if (h_.chunks_ > 1) {
     plan_chunks();
@@ -165,11 +222,12 @@ void Dispatcher::exchange(int64_t T) {
   }
   if (opts_.isolate_transport_timing) comm_.barrier(deadline());
   const double t0 = now_seconds();
-  comm_.all_to_all_v({AllToAllBuffer{send_rows_.get(), &h_.send_rows_, h_.recv_rows_.get(), &h_.recv_rows_segs_},
+  comm_.all_to_all_v({AllToAllBuffer{wire_send(), &h_.send_wire_, wire_recv(), &h_.recv_wire_},
                       AllToAllBuffer{send_slot_.get(), &h_.send_meta_, h_.recv_slot_.get(), &h_.recv_meta_},
                       AllToAllBuffer{send_weight_.get(), &h_.send_meta_, h_.recv_weight_.get(), &h_.recv_meta_}},
                      deadline());
   stats_.dispatch_transport = now_seconds() - t0;
+  decode_rows(0, N);
 }
 
 // Chunk c takes rows [c n / C, (c + 1) n / C) of every peer's n. Sent from the
@@ -202,8 +260,10 @@ void Dispatcher::plan_chunks() {
       }
       return s;
     };
-    p.send_rows = segs(send_bytes, send_off, row_bytes_);
-    p.recv_rows = segs(recv_bytes, recv_off, row_bytes_);
+    p.send_rows = segs(send_bytes, send_off, wire_bytes_);
+    p.recv_rows = segs(recv_bytes, recv_off, wire_bytes_);
+    p.send_results = segs(send_bytes, send_off, combine_bytes_);
+    p.recv_results = segs(recv_bytes, recv_off, combine_bytes_);
     p.send_meta = segs(send_bytes, send_off, meta_bytes_);
     p.recv_meta = segs(recv_bytes, recv_off, meta_bytes_);
   }
@@ -213,7 +273,7 @@ void Dispatcher::post_dispatch_chunk(int c) {
   ChunkPlan& p = plan_[c];
   p.arrived = last_op_ = worker_->post([this, &p] {
     const double t0 = now_seconds();
-    comm_.all_to_all_v({AllToAllBuffer{send_rows_.get(), &p.send_rows, h_.recv_rows_.get(), &p.recv_rows},
+    comm_.all_to_all_v({AllToAllBuffer{wire_send(), &p.send_rows, wire_recv(), &p.recv_rows},
                         AllToAllBuffer{send_slot_.get(), &p.send_meta, h_.recv_slot_.get(), &p.recv_meta},
                         AllToAllBuffer{send_weight_.get(), &p.send_meta, h_.recv_weight_.get(), &p.recv_meta}},
                        deadline());
@@ -227,7 +287,7 @@ void Dispatcher::post_combine_chunk(int c, const void* y) {
   const ChunkPlan& p = plan_[c];
   last_op_ = worker_->post([this, &p, y] {
     const double t0 = now_seconds();
-    comm_.all_to_all_v(y, p.recv_rows, back_rows_.get(), p.send_rows, deadline());
+    comm_.all_to_all_v(y, p.recv_results, back_rows_.get(), p.send_results, deadline());
     stats_.combine_transport += now_seconds() - t0;
   });
 }
@@ -243,12 +303,16 @@ ChunkRows Dispatcher::next_chunk() {
     throw;
   }
   if (c + 1 < h_.chunks_) post_dispatch_chunk(c + 1);
+  decode_rows(plan_[c].first_row, plan_[c].num_rows);
   return {.index = c, .first_row = plan_[c].first_row, .num_rows = plan_[c].num_rows};
 }
 
 void Dispatcher::chunk_done(const void* y) {
   MOE_CHECK(next_chunk_ < h_.chunks_, "dispatcher: chunk_done without a chunk");
-  post_combine_chunk(next_chunk_++, y);
+  const ChunkPlan& p = plan_[next_chunk_];
+  const void* results = encode_results(y, p.first_row, p.num_rows);
+  be_.synchronize();
+  post_combine_chunk(next_chunk_++, results);
 }
 
 // The accounting (docs/transport.md#accounting) of the forward pair: rows for ourselves are not
@@ -257,9 +321,9 @@ void Dispatcher::count_bytes() {
   const int R = cfg_.num_ranks, S = cfg_.slots_per_rank, me = comm_.rank();
   per_slot_host_.resize(static_cast<size_t>(R) * S);
   be_.copy_to_host(per_slot_host_.data(), num_tokens_per_slot_.get(), 4 * per_slot_host_.size());
-  const int64_t dispatched_row = static_cast<int64_t>(row_bytes_ + meta_bytes_ + cfg_.top_k * kWeightBytes);
-  const int64_t naive_pair = static_cast<int64_t>(row_bytes_ + kSlotBytes + kWeightBytes);
-  const int64_t row = static_cast<int64_t>(row_bytes_);
+  const int64_t dispatched_row = static_cast<int64_t>(wire_bytes_ + meta_bytes_ + cfg_.top_k * kWeightBytes);
+  const int64_t naive_pair = static_cast<int64_t>(wire_bytes_ + kSlotBytes + kWeightBytes);
+  const int64_t row = static_cast<int64_t>(combine_bytes_);
   for (int r = 0; r < R; ++r) {
     if (r == me) continue;
     stats_.dispatch_bytes += h_.send_counts_[r] * dispatched_row;
@@ -299,15 +363,17 @@ void Dispatcher::combine(const DispatchHandle& h, const void* y, void* out) {
     }
     last_transfer_ = stats_.dispatch_transport + stats_.combine_transport;
   } else {
+    const void* results = encode_results(y, 0, h_.num_recv_rows_);
+    be_.synchronize();
     if (opts_.isolate_transport_timing) comm_.barrier(deadline());
     const double t0 = now_seconds();
-    comm_.all_to_all_v(y, h_.recv_rows_segs_, back_rows_.get(), h_.send_rows_, deadline());
+    comm_.all_to_all_v(results, h_.recv_results_, back_rows_.get(), h_.send_results_, deadline());
     stats_.combine_transport = now_seconds() - t0;
     last_transfer_ = stats_.dispatch_transport + stats_.combine_transport;
   }
   // A token's rows from every rank, summed in rank order.
   be_.unpermute({.num_rows = h_.num_tokens_, .top_k = cfg_.num_ranks, .hidden = cfg_.hidden,
-                 .out_dtype = cfg_.dtype, .accumulate = false, .in_dtype = cfg_.dtype},
+                 .out_dtype = cfg_.dtype, .accumulate = false, .in_dtype = combine_dtype_},
                 {.perm = back_rows_.get(), .pair_pos = h_.token_send_row_.as<int32_t>(), .pair_weight = nullptr,
                  .out = out});
 }

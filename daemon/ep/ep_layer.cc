@@ -45,7 +45,9 @@ std::unique_ptr<Dispatcher> EpLayer::make_dispatcher(const ExpertMap& map) const
                             .max_tokens = cfg_.max_tokens,
                             .num_ranks = map.num_ranks,
                             .slots_per_rank = map.slots_per_rank,
-                            .train = cfg_.train};
+                            .train = cfg_.train,
+                            .dispatch_wire = opts_.dispatch_wire,
+                            .combine_wire = opts_.combine_wire};
   return std::make_unique<Dispatcher>(dc, data_, be_,
                                       DispatcherOptions{.timeout = opts_.timeout,
                                                         .isolate_transport_timing = opts_.isolate_transport_timing,

@@ -66,6 +66,18 @@ kernels::DType job_dtype(const v1::JobSpec& s) {
   detail::fail("dtype: unknown value ", static_cast<int>(s.dtype()));
 }
 
+ep::Wire wire(v1::Wire w) {
+  switch (w) {
+    case v1::WIRE_UNSPECIFIED: return ep::Wire::kLayer;
+    case v1::fp32: return ep::Wire::kF32;
+    case v1::bf16: return ep::Wire::kBF16;
+    case v1::fp8: return ep::Wire::kFP8;
+    case v1::Wire_INT_MIN_SENTINEL_DO_NOT_USE_:  // a file-level enum's sentinels
+    case v1::Wire_INT_MAX_SENTINEL_DO_NOT_USE_: break;
+  }
+  detail::fail("wire: unknown value ", static_cast<int>(w));
+}
+
 ep::LayerSpec layer_spec(const v1::JobSpec& s) {
   return {.experts = s.experts(),
           .top_k = s.top_k(),

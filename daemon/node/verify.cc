@@ -40,6 +40,7 @@ struct LayerCase {
   ref::Config rc;
   ref::Weights rw;
   std::vector<double> x;
+  std::vector<double> expert_x;  // after the dispatch wire; empty: x
 };
 
 // The reference's own selection must agree except at near-ties fp32 cannot
@@ -57,6 +58,7 @@ ref::Forward check_forward(const LayerCase& c, v1::Verify& lv, bool& ok) {
   ref::ForwardOptions opts = ref::forced(s.topk_idx.data());
   opts.global_counts.assign(layer.global_counts().begin(), layer.global_counts().end());
   opts.global_tokens = static_cast<int64_t>(layer.global_tokens());
+  if (!c.expert_x.empty()) opts.expert_x = &c.expert_x;
   ref::Forward f = ref::forward(c.rc, c.rw, c.x, T, opts);
   ok &= f.kept_idx == s.kept_idx;
   compare(lv, model::from_storage(s.out.data(), T * c.spec.hidden(), layer_spec::job_dtype(c.spec)), f.out);
@@ -109,15 +111,21 @@ v1::Verify verify_step(const v1::JobSpec& spec, const ModelStack& stack, const s
   // Weight gradients are fp32 sums; in a bf16 job on the oneDNN engine one operand
   // of each (h or dgu) is rounded to bf16 first (2^-8 of each term): 1/64 of the
   // tensor's scale, as the bf16 outputs.
-  const double tol = dt == DType::kF32 ? 1e-4 : 1.0 / 64, grad_tol = dt == DType::kF32 ? 1e-3 : 1.0 / 64;
+  // A bf16 combine wire rounds each rank's partial rows: out is held as a bf16 job's.
+  const bool bf16_out = dt == DType::kBF16 || spec.combine_wire() == v1::bf16;
+  const double tol = bf16_out ? 1.0 / 64 : 1e-4, grad_tol = dt == DType::kF32 ? 1e-3 : 1.0 / 64;
+  const ref::DispatchWire wire = spec.dispatch_wire() == v1::fp8    ? ref::DispatchWire::kFP8
+                                 : spec.dispatch_wire() == v1::bf16 ? ref::DispatchWire::kBF16
+                                                                    : ref::DispatchWire::kExact;
   const bool train = spec.mode() == v1::JobSpec::train;
   const ref::Config rc = ep::reference_config(layer_spec::layer_config(spec));
   v1::Verify out;
   bool ok = true;
   for (int l = 0; l < stack.num_layers(); ++l) {
     const LayerSnapshot& s = stack.snapshot(l);
-    LayerCase c{spec, stack, l, rank, rc, ep::reference_weights(weights[l]),
-                to_double(model::from_storage(s.x.data(), spec.tokens_per_rank() * spec.hidden(), dt))};
+    const std::vector<float> x = model::from_storage(s.x.data(), spec.tokens_per_rank() * spec.hidden(), dt);
+    LayerCase c{spec, stack, l, rank, rc, ep::reference_weights(weights[l]), to_double(x),
+                ref::expert_rows_through(wire, dt == DType::kBF16, x, spec.hidden())};
     v1::Verify lv, gv;  // out and grad_x (held to tol); weight gradients (grad_tol)
     const ref::Forward f = check_forward(c, lv, ok);
     if (train) check_backward(c, f, comm, deadline, lv, gv);

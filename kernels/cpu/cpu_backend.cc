@@ -67,6 +67,12 @@ class CpuBackend final : public Backend {
   void add(void* dst, const void* src, DType dtype, int64_t count) override {
     cpu::add(pool(), dst, src, dtype, count);
   }
+  void quantize_fp8_rows(const void* rows, DType dtype, int64_t n, int hidden, void* wire) override {
+    cpu::quantize_fp8_rows(pool(), rows, dtype, n, hidden, wire);
+  }
+  void dequantize_fp8_rows(const void* wire, int64_t n, int hidden, void* rows, DType dtype) override {
+    cpu::dequantize_fp8_rows(pool(), wire, n, hidden, rows, dtype);
+  }
 
   std::unique_ptr<PackedWeights> make_router_weights(const RouterConfig& c) override {
     return cpu::make_router_weights(c, exec_.engines.of(c.x_dtype));

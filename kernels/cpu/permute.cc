@@ -1,5 +1,6 @@
 // Row movement: dtype conversion, permute (gather rows into expert-major order)
 // and unpermute (the weighted local combine, a per-row sum in k order).
+#include <cmath>
 #include <cstring>
 
 #include "cpu_ops.h"
@@ -54,6 +55,45 @@ void add(ThreadPool& pool, void* dst, const void* src, DType dtype, int64_t coun
     auto* d = static_cast<bf16_t*>(dst);
     const auto* s = static_cast<const bf16_t*>(src);
     for (int64_t i = i0; i < i1; ++i) d[i] = f32_to_bf16(bf16_to_f32(d[i]) + bf16_to_f32(s[i]));
+  });
+}
+
+// types.h#fp8 wire rows: e4m3 bytes, then the groups' fp32 scales.
+void quantize_fp8_rows(ThreadPool& pool, const void* rows, DType dtype, int64_t num_rows, int hidden, void* wire) {
+  const size_t in_bytes = dtype_size(dtype) * hidden, out_bytes = fp8_row_bytes(hidden);
+  const int64_t groups = fp8_groups(hidden);
+  parallel_blocks(pool, num_rows, 64, [&](int64_t r0, int64_t r1, int) {
+    std::vector<float> x(hidden);
+    for (int64_t r = r0; r < r1; ++r) {
+      load_row_f32(static_cast<const uint8_t*>(rows) + r * in_bytes, dtype, x.data(), hidden);
+      auto* out = static_cast<uint8_t*>(wire) + r * out_bytes;
+      for (int64_t g = 0; g < groups; ++g) {
+        const int64_t i0 = g * kFp8GroupSize, i1 = std::min<int64_t>(hidden, i0 + kFp8GroupSize);
+        float amax = 0;
+        for (int64_t i = i0; i < i1; ++i) amax = std::max(amax, std::fabs(x[i]));  // NaN: skipped here, kept below
+        const float scale = amax > 0 ? amax / kFp8Max : 1.0f;
+        for (int64_t i = i0; i < i1; ++i) out[i] = f32_to_e4m3(x[i] / scale);
+        std::memcpy(out + hidden + 4 * g, &scale, 4);
+      }
+    }
+  });
+}
+
+void dequantize_fp8_rows(ThreadPool& pool, const void* wire, int64_t num_rows, int hidden, void* rows, DType dtype) {
+  const size_t in_bytes = fp8_row_bytes(hidden), out_bytes = dtype_size(dtype) * hidden;
+  const int64_t groups = fp8_groups(hidden);
+  parallel_blocks(pool, num_rows, 64, [&](int64_t r0, int64_t r1, int) {
+    std::vector<float> x(hidden);
+    for (int64_t r = r0; r < r1; ++r) {
+      const auto* in = static_cast<const uint8_t*>(wire) + r * in_bytes;
+      for (int64_t g = 0; g < groups; ++g) {
+        float scale;
+        std::memcpy(&scale, in + hidden + 4 * g, 4);
+        const int64_t i0 = g * kFp8GroupSize, i1 = std::min<int64_t>(hidden, i0 + kFp8GroupSize);
+        for (int64_t i = i0; i < i1; ++i) x[i] = e4m3_to_f32(in[i]) * scale;
+      }
+      store_row_f32(x.data(), static_cast<uint8_t*>(rows) + r * out_bytes, dtype, hidden);
+    }
   });
 }
 

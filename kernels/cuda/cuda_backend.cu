@@ -164,6 +164,12 @@ class CudaBackend final : public Backend {
   void convert(const void* src, DType sd, void* dst, DType dd, int64_t n) override {
     cuda::convert(ex(), src, sd, dst, dd, n);
   }
+  void quantize_fp8_rows(const void* rows, DType dtype, int64_t n, int hidden, void* wire) override {
+    cuda::quantize_fp8_rows(ex(), rows, dtype, n, hidden, wire);
+  }
+  void dequantize_fp8_rows(const void* wire, int64_t n, int hidden, void* rows, DType dtype) override {
+    cuda::dequantize_fp8_rows(ex(), wire, n, hidden, rows, dtype);
+  }
   void add(void* dst, const void* src, DType dtype, int64_t n) override { cuda::add(ex(), dst, src, dtype, n); }
 
   std::unique_ptr<PackedWeights> make_router_weights(const RouterConfig& c) override {

@@ -20,6 +20,37 @@ __global__ void add_kernel(T* dst, const T* src, int64_t n) {
     dst[i] = from_f32<T>(to_f32(dst[i]) + to_f32(src[i]));
 }
 
+// FP8 wire rows (types.h): one block of kFp8GroupSize threads per (row, group).
+template <typename In>
+__global__ void quantize_fp8_kernel(const In* rows, int64_t num_rows, int hidden, uint8_t* wire) {
+  __shared__ float amax[kFp8GroupSize];
+  const int64_t groups = fp8_groups(hidden), row = blockIdx.x / groups, g = blockIdx.x % groups;
+  const int64_t i = g * kFp8GroupSize + threadIdx.x;
+  const bool in = i < hidden;
+  const float x = in ? to_f32(rows[row * hidden + i]) : 0.0f;
+  amax[threadIdx.x] = in && x == x ? fabsf(x) : 0.0f;  // NaN: skipped here, kept below
+  __syncthreads();
+  for (int stride = kFp8GroupSize / 2; stride > 0; stride /= 2) {
+    if (threadIdx.x < stride) amax[threadIdx.x] = fmaxf(amax[threadIdx.x], amax[threadIdx.x + stride]);
+    __syncthreads();
+  }
+  const float scale = amax[0] > 0 ? __fdiv_rn(amax[0], kFp8Max) : 1.0f;
+  uint8_t* out = wire + row * static_cast<int64_t>(fp8_row_bytes(hidden));
+  if (in) out[i] = f32_to_e4m3(__fdiv_rn(x, scale));
+  if (threadIdx.x == 0) memcpy(out + hidden + 4 * g, &scale, 4);
+}
+
+template <typename Out>
+__global__ void dequantize_fp8_kernel(const uint8_t* wire, int64_t num_rows, int hidden, Out* rows) {
+  const int64_t groups = fp8_groups(hidden), row = blockIdx.x / groups, g = blockIdx.x % groups;
+  const int64_t i = g * kFp8GroupSize + threadIdx.x;
+  if (i >= hidden) return;
+  const uint8_t* in = wire + row * static_cast<int64_t>(fp8_row_bytes(hidden));
+  float scale;
+  memcpy(&scale, in + hidden + 4 * g, 4);
+  rows[row * hidden + i] = from_f32<Out>(__fmul_rn(e4m3_to_f32(in[i]), scale));
+}
+
 // Grid of at most 64K blocks; the kernels stride over the rest.
 unsigned grid_for(int64_t n) { return static_cast<unsigned>(std::min<int64_t>(blocks_for(n), 65535)); }
 
@@ -90,6 +121,30 @@ void convert(CudaExec& ex, const void* src, DType sd, void* dst, DType dd, int64
     });
   });
   check(cudaGetLastError(), "convert");
+}
+
+void quantize_fp8_rows(CudaExec& ex, const void* rows, DType dtype, int64_t num_rows, int hidden, void* wire) {
+  const int64_t blocks = num_rows * fp8_groups(hidden);
+  if (blocks <= 0) return;
+  MOE_CHECK(blocks < (int64_t{1} << 31), "quantize_fp8_rows: ", num_rows, " rows is too many for one launch");
+  with_dtype(dtype, [&](auto tag) {
+    using T = decltype(tag);
+    quantize_fp8_kernel<<<static_cast<unsigned>(blocks), kFp8GroupSize, 0, ex.stream>>>(
+        static_cast<const T*>(rows), num_rows, hidden, static_cast<uint8_t*>(wire));
+  });
+  check(cudaGetLastError(), "quantize_fp8_rows");
+}
+
+void dequantize_fp8_rows(CudaExec& ex, const void* wire, int64_t num_rows, int hidden, void* rows, DType dtype) {
+  const int64_t blocks = num_rows * fp8_groups(hidden);
+  if (blocks <= 0) return;
+  MOE_CHECK(blocks < (int64_t{1} << 31), "dequantize_fp8_rows: ", num_rows, " rows is too many for one launch");
+  with_dtype(dtype, [&](auto tag) {
+    using T = decltype(tag);
+    dequantize_fp8_kernel<<<static_cast<unsigned>(blocks), kFp8GroupSize, 0, ex.stream>>>(
+        static_cast<const uint8_t*>(wire), num_rows, hidden, static_cast<T*>(rows));
+  });
+  check(cudaGetLastError(), "dequantize_fp8_rows");
 }
 
 void add(CudaExec& ex, void* dst, const void* src, DType dtype, int64_t count) {

@@ -207,6 +207,12 @@ Forward forward(const Config& cfg, const Weights& w, const std::vector<double>& 
   }
 
   // Experts: y = down(silu(gate x) * up x), weighted sum into out.
+  if (opts.expert_x) {
+    MOE_CHECK(static_cast<int64_t>(opts.expert_x->size()) == T * H, "ref: expert_x holds ", opts.expert_x->size(),
+              " values, expected ", T * H);
+    f.expert_x = *opts.expert_x;
+  }
+  const std::vector<double>& ex = opts.expert_x ? *opts.expert_x : x;
   f.gu.assign(T * K * 2 * I, 0.0);
   f.expert_out.assign(T * K * H, 0.0);
   f.out.assign(T * H, 0.0);
@@ -217,7 +223,7 @@ Forward forward(const Config& cfg, const Weights& w, const std::vector<double>& 
       double* gu = &f.gu[(t * K + k) * 2 * I];
       for (int j = 0; j < 2 * I; ++j) {
         double acc = 0.0;
-        for (int h = 0; h < H; ++h) acc += w.w13[(static_cast<int64_t>(e) * 2 * I + j) * H + h] * x[t * H + h];
+        for (int h = 0; h < H; ++h) acc += w.w13[(static_cast<int64_t>(e) * 2 * I + j) * H + h] * ex[t * H + h];
         gu[j] = acc;
       }
       double* y = &f.expert_out[(t * K + k) * H];
@@ -322,6 +328,7 @@ Grads backward(const Config& cfg, const Weights& w, const std::vector<double>& x
   g.grad_topk_weight.assign(T * K, 0.0);
   g.grad_logits.assign(T * E, 0.0);
   g.grad_gu.assign(T * K * 2 * I, 0.0);
+  const std::vector<double>& ex = f.expert_x.empty() ? x : f.expert_x;
 
   for (int64_t t = 0; t < T; ++t) {
     const double* go = &grad_out[t * H];
@@ -350,8 +357,8 @@ Grads backward(const Config& cfg, const Weights& w, const std::vector<double>& x
         for (int h = 0; h < H; ++h) {
           const int64_t gate_row = (static_cast<int64_t>(e) * 2 * I + i) * H;
           const int64_t up_row = (static_cast<int64_t>(e) * 2 * I + I + i) * H;
-          g.grad_w13[gate_row + h] += dg * x[t * H + h];
-          g.grad_w13[up_row + h] += du * x[t * H + h];
+          g.grad_w13[gate_row + h] += dg * ex[t * H + h];
+          g.grad_w13[up_row + h] += du * ex[t * H + h];
           g.grad_x[t * H + h] += dg * w.w13[gate_row + h] + du * w.w13[up_row + h];
         }
       }
@@ -433,6 +440,64 @@ DispatchLayout dispatch_layout(const std::vector<int32_t>& topk_slot, const std:
       }
     }
   return d;
+}
+
+double round_e4m3(double v) {
+  if (std::isnan(v)) return v;
+  const double a = std::fabs(v);
+  double q;
+  if (a >= 448.0) {
+    q = 448.0;
+  } else if (a < std::ldexp(1.0, -6)) {  // subnormals: multiples of 2^-9
+    q = std::nearbyint(a * 512.0) / 512.0;  // the default mode rounds half to even
+  } else {
+    const double step = std::ldexp(1.0, static_cast<int>(std::floor(std::log2(a))) - 3);
+    q = std::min(448.0, std::nearbyint(a / step) * step);
+  }
+  return std::copysign(q, v);
+}
+
+std::vector<double> through_fp8_wire(const std::vector<float>& rows, int64_t n, int H) {
+  MOE_CHECK(static_cast<int64_t>(rows.size()) == n * H, "ref: ", rows.size(), " values for ", n, " rows of ", H);
+  constexpr int kGroup = 128;
+  // fp32 division and multiplication, each correctly rounded: the exact quotient
+  // or product in fp64 rounded once to fp32 (fp64 holds them exactly enough).
+  auto f32 = [](double v) { return static_cast<double>(static_cast<float>(v)); };
+  std::vector<double> out(rows.size());
+  for (int64_t r = 0; r < n; ++r)
+    for (int g0 = 0; g0 < H; g0 += kGroup) {
+      const int g1 = std::min(H, g0 + kGroup);
+      double amax = 0;
+      for (int i = g0; i < g1; ++i)
+        if (!std::isnan(rows[r * H + i])) amax = std::max(amax, std::fabs(static_cast<double>(rows[r * H + i])));
+      const double scale = amax > 0 ? f32(amax / 448.0) : 1.0;
+      for (int i = g0; i < g1; ++i) out[r * H + i] = f32(round_e4m3(f32(rows[r * H + i] / scale)) * scale);
+    }
+  return out;
+}
+
+std::vector<double> through_bf16_wire(const std::vector<float>& rows) {
+  std::vector<double> out(rows.size());
+  for (size_t i = 0; i < rows.size(); ++i) {  // to nearest even at 8 significant bits
+    const double v = rows[i];
+    if (v == 0 || !std::isfinite(v)) {
+      out[i] = v;
+      continue;
+    }
+    const double step = std::ldexp(1.0, static_cast<int>(std::floor(std::log2(std::fabs(v)))) - 7);
+    out[i] = std::nearbyint(v / step) * step;
+  }
+  return out;
+}
+
+std::vector<double> expert_rows_through(DispatchWire wire, bool layer_bf16, const std::vector<float>& x, int H) {
+  if (wire == DispatchWire::kFP8) {
+    std::vector<double> ex = through_fp8_wire(x, static_cast<int64_t>(x.size()) / H, H);
+    if (!layer_bf16) return ex;
+    return through_bf16_wire(std::vector<float>(ex.begin(), ex.end()));  // decoded into bf16 rows
+  }
+  if (wire == DispatchWire::kBF16 && !layer_bf16) return through_bf16_wire(x);
+  return {};
 }
 
 }  // namespace moe::ref

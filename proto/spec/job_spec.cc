@@ -64,6 +64,11 @@ void validate(const v1::JobSpec& s, int world_size) {
     require(is_name(k) && is_name(v), "labels", "keys and values must be 1-63 of [A-Za-z0-9._-], got '" + k + "=" + v + "'");
   require(s.dead_node_timeout_ms() >= 0, "dead_node_timeout_ms",
           "must be >= 0, got " + std::to_string(s.dead_node_timeout_ms()));
+  require(s.combine_wire() != v1::fp8, "combine_wire", "must be fp32 or bf16 (results go back at 16 bits or more)");
+  for (const auto& [field, wire] : {std::pair<const char*, v1::Wire>{"dispatch_wire", s.dispatch_wire()},
+                                    {"combine_wire", s.combine_wire()}})
+    require(wire != v1::fp32 || s.dtype() != v1::JobSpec::bf16, field,
+            "fp32 is wider than the layer's bf16 rows (leave it unset for the layer dtype)");
   require(s.overlap_chunks() >= 0 && s.overlap_chunks() <= 8, "overlap_chunks",
           "must be in [0, 8] (0: chosen per step), got " + std::to_string(s.overlap_chunks()));
   require(s.min_node_replicas() >= 0, "min_node_replicas", "must be >= 0, got " + std::to_string(s.min_node_replicas()));

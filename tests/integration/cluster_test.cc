@@ -2,6 +2,8 @@
 // loopback, each test with its own state directory.
 #include <gtest/gtest.h>
 
+#include <map>
+
 #include <arpa/inet.h>
 #include <signal.h>
 #include <sys/socket.h>
@@ -415,6 +417,39 @@ TEST(Cluster, ChunkedDispatchGivesTheSerialOutputAndLoss) {
   for (int i = 0; i < train[0].loss_size(); ++i)
     EXPECT_NEAR(train[1].loss(i), train[0].loss(i), 1e-6 * train[0].loss(i)) << "step " << i;
   fs::remove_all(dumps);
+}
+
+// docs/layer.md#wire-formats through moectl: fp8 and bf16 wires pass verify (the
+// reference runs the experts on what the wire delivers), forward and train; the
+// dispatch bytes shrink by the rows' sizes; a bad wire is refused at submit.
+TEST(Cluster, WireFormatsVerifyAndShrinkTheDispatch) {
+  Cluster c(2, 1);
+  ASSERT_TRUE(c.up());
+  const std::vector<std::string> shape = {"--experts", "16", "--top-k", "4", "--hidden", "256", "--ffn-hidden", "64",
+                                          "--tokens-per-rank", "128", "--skew", "zipf:0.8", "--verify"};
+  std::map<std::string, v1::JobResult> runs;
+  for (const auto& [name, wire] :
+       std::vector<std::pair<std::string, std::vector<std::string>>>{
+           {"fp32", {"--steps", "1"}},
+           {"fp8", {"--steps", "1", "--dispatch-wire", "fp8", "--combine-wire", "bf16"}},
+           {"train-bf16", {"--mode", "train", "--steps", "3", "--dispatch-wire", "bf16", "--combine-wire", "bf16"}},
+           {"train-fp8", {"--mode", "train", "--steps", "3", "--dispatch-wire", "fp8"}}}) {
+    std::vector<std::string> args = {"--output", "json", "job", "submit", "--wait"};
+    args.insert(args.end(), shape.begin(), shape.end());
+    args.insert(args.end(), wire.begin(), wire.end());
+    const auto [rc, out] = c.ctl(args, 120s);
+    ASSERT_EQ(rc, 0) << name << ": " << out << c.logs();
+    runs[name] = parse_result(out);
+    EXPECT_TRUE(runs[name].verify().passed()) << name << ": " << out;
+  }
+  // fp8: H + 4 x 2 scales + 8K bytes a row against 4H + 8K.
+  const double want = (256.0 + 8 + 32) / (4 * 256 + 32);
+  EXPECT_NEAR(runs["fp8"].dispatch_bytes() / runs["fp32"].dispatch_bytes(), want, 1e-9);
+  EXPECT_NEAR(runs["fp8"].combine_bytes() / runs["fp32"].combine_bytes(), 0.5, 1e-9);
+  const auto [rc, out] = c.ctl({"job", "submit", "--experts", "4", "--top-k", "2", "--hidden", "8", "--ffn-hidden", "8",
+                                "--tokens-per-rank", "8", "--steps", "1", "--combine-wire", "fp8"});
+  EXPECT_EQ(rc, 2) << out;
+  EXPECT_NE(out.find("combine_wire: must be fp32 or bf16"), std::string::npos) << out;
 }
 
 // docs/jobs.md#dead-nodes: a SIGSTOPped daemon (alive, silent) is dead once the

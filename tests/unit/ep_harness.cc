@@ -34,6 +34,13 @@ model::LayerWeights case_weights(const EpCase& c) {
 
 }  // namespace
 
+std::vector<double> expert_input(const EpCase& c, const std::vector<float>& x) {
+  const ref::DispatchWire w = c.dispatch_wire == ep::Wire::kFP8    ? ref::DispatchWire::kFP8
+                              : c.dispatch_wire == ep::Wire::kBF16 ? ref::DispatchWire::kBF16
+                                                                    : ref::DispatchWire::kExact;
+  return ref::expert_rows_through(w, c.dtype == kernels::DType::kBF16, x, c.hidden);
+}
+
 EpCase small_case(const std::string& name, std::vector<int64_t> tokens, MapKind map) {
   EpCase c;
   c.name = name;
@@ -119,7 +126,8 @@ std::string EpCase::encode() const {
   os << ";H=" << hidden << ";I=" << ffn << ";E=" << experts << ";K=" << top_k << ";score=" << kernels::score_name(score)
      << ";cf=" << capacity_factor << ";dtype=" << kernels::dtype_name(dtype) << ";map=" << static_cast<int>(map)
      << ";seed=" << seed << ";skew=" << skew << ";aux=" << aux << ";z=" << z << ";shared=" << shared
-     << ";sgate=" << shared_gate << ";train=" << train << ";chunks=" << overlap_chunks;
+     << ";sgate=" << shared_gate << ";train=" << train << ";chunks=" << overlap_chunks
+     << ";dwire=" << static_cast<int>(dispatch_wire) << ";cwire=" << static_cast<int>(combine_wire);
   return os.str();
 }
 
@@ -154,6 +162,8 @@ EpCase EpCase::decode(const std::string& s) {
     else if (k == "sgate") c.shared_gate = v == "1";
     else if (k == "train") c.train = v == "1";
     else if (k == "chunks") c.overlap_chunks = std::stoi(v);
+    else if (k == "dwire") c.dispatch_wire = static_cast<ep::Wire>(std::stoi(v));
+    else if (k == "cwire") c.combine_wire = static_cast<ep::Wire>(std::stoi(v));
     else detail::fail("ep case: unknown key '", k, "'");
   }
   MOE_CHECK(static_cast<int>(c.tokens.size()) == c.ranks, "ep case: ", c.tokens.size(), " token counts for ", c.ranks,
@@ -220,6 +230,8 @@ RankResult run_rank(const EpCase& c, transport::Communicator& comm, kernels::Bac
                     {.timeout = std::chrono::seconds(30),
                      .tag_base = 0,
                      .overlap_chunks = c.overlap_chunks,
+                     .dispatch_wire = c.dispatch_wire,
+                     .combine_wire = c.combine_wire,
                      .data_comm = data_comm});
   layer.set_weights(case_weights(c));
   const int64_t T = c.tokens[rank], begin = c.token_begin(rank);
@@ -370,7 +382,10 @@ void check_against_reference(const EpCase& c, const std::vector<RankResult>& res
     if (own.selection_margin[t] <= 1e-5) continue;  // a near-tie fp32 cannot break like fp64
     for (int k = 0; k < K; ++k) ASSERT_EQ(topk[t * K + k], own.topk_idx[t * K + k]) << "token " << t;
   }
-  const ref::Forward f = ref::forward(rc, rw, x, Ttot, ref::forced(topk.data(), c.tokens));
+  ref::ForwardOptions fo = ref::forced(topk.data(), c.tokens);
+  const std::vector<double> ex = expert_input(c, inputs(c.seed, 0, Ttot, H, c.dtype));
+  if (!ex.empty()) fo.expert_x = &ex;
+  const ref::Forward f = ref::forward(rc, rw, x, Ttot, fo);
   const ref::Grads g = ref::backward(rc, rw, x, f, go);
 
   // bf16: every rank's partial combine row and the final output are each rounded
@@ -379,11 +394,14 @@ void check_against_reference(const EpCase& c, const std::vector<RankResult>& res
   // engine also rounds h and dgu to bf16 before the GEMMs that read them: an
   // element moves by at most 2^-8 of its sum of |terms| (RoundingSums, numeric.h),
   // allowed twice over for the fp32 accumulation behind those operands.
+  // A bf16 combine wire rounds the partial rows alone: the same bound for out.
   const bool bf16 = c.dtype == kernels::DType::kBF16;
+  const bool bf16_out = bf16 || c.combine_wire == ep::Wire::kBF16;
   const double rt = bf16 ? 0x1.0p-7 : 1e-4, at = bf16 ? 0x1.0p-8 : 1e-5;
+  const double out_rt = bf16_out ? 0x1.0p-7 : rt, out_at = bf16_out ? 0x1.0p-8 : at;
   const bool rounds_operands = bf16 && kernels::cpu_backend_info().engines.bf16 == kernels::GemmEngine::kOneDnn;
   const double coef = rounds_operands ? 2 * kBf16Roundoff : 0.0;
-  const RoundingSums sums = rounding_sums(rc, rw, x, f, g, go);
+  const RoundingSums sums = rounding_sums(rc, rw, ex.empty() ? x : ex, f, g, go);
   std::vector<double> out_all, gx_all;
   std::vector<int32_t> kept_all;
   for (const RankResult& r : results) {
@@ -392,7 +410,7 @@ void check_against_reference(const EpCase& c, const std::vector<RankResult>& res
     kept_all.insert(kept_all.end(), r.kept_idx.begin(), r.kept_idx.end());
   }
   EXPECT_EQ(kept_all, f.kept_idx);
-  EXPECT_TRUE(close_bounded("out", out_all, f.out, sums.out, coef, rt, at, Ttot == 0));
+  EXPECT_TRUE(close_bounded("out", out_all, f.out, sums.out, coef, out_rt, out_at, Ttot == 0));
   if (Ttot > 0) EXPECT_GT(nonzero_fraction(out_all), 0.5);
   if (!c.train) return;  // a forward-only layer
   EXPECT_TRUE(close_bounded("grad_x", gx_all, g.grad_x, sums.grad_x, coef, rt, at, Ttot == 0));

@@ -33,6 +33,7 @@ struct EpCase {
   bool shared_gate = false;
   bool train = true;        // false: a forward-only layer (forward checked, no backward)
   int overlap_chunks = 0;   // EpOptions::overlap_chunks (forward-only layers chunk)
+  ep::Wire dispatch_wire = ep::Wire::kLayer, combine_wire = ep::Wire::kLayer;  // EpOptions
 
   int64_t token_begin(int rank) const;
   int64_t total_tokens() const;
@@ -82,6 +83,10 @@ std::vector<RankResult> run_inproc_with_data_comm(const EpCase& c);
 // Every rank a thread too, but as two "daemons" of this process: UCX between the
 // halves, each half's ranks in-process through a LocalHub.
 std::vector<RankResult> run_hybrid(const EpCase& c);
+
+// The rows the routed experts see after c's dispatch wire (x: the layer dtype's
+// values); empty when the wire carries them as they are.
+std::vector<double> expert_input(const EpCase& c, const std::vector<float>& x);
 
 // Compares the ranks' results with the reference; ADD_FAILURE()s with the case name.
 void check_against_reference(const EpCase& c, const std::vector<RankResult>& results);

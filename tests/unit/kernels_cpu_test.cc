@@ -75,6 +75,68 @@ TEST(Bf16, RoundsToNearestEvenAndKeepsNaN) {
   for (size_t i = 0; i < v.size(); ++i) ASSERT_EQ(vec[i], f32_to_bf16(v[i])) << i;
 }
 
+// FP8 wire rows (kernels/types.h, docs/layer.md#wire-formats) against ref::round_e4m3
+// and ref::through_fp8_wire.
+TEST(Fp8, EveryCodeRoundTripsAndRoundingMatchesTheReference) {
+  for (int q = 0; q < 256; ++q) {
+    const float v = e4m3_to_f32(static_cast<uint8_t>(q));
+    if ((q & 0x7f) == 0x7f) {
+      EXPECT_TRUE(std::isnan(v)) << q;
+      continue;
+    }
+    EXPECT_EQ(f32_to_e4m3(v), q == 0x80 ? 0x80 : q) << q;  // -0 keeps its sign
+    EXPECT_EQ(ref::round_e4m3(v), v) << q;
+  }
+  EXPECT_EQ(e4m3_to_f32(0x7e), 448.0f);
+  EXPECT_EQ(e4m3_to_f32(0x01), 0x1p-9f);
+  EXPECT_EQ(e4m3_to_f32(f32_to_e4m3(1.0f + 1.0f / 16)), 1.0f);      // tie -> even (down)
+  EXPECT_EQ(e4m3_to_f32(f32_to_e4m3(1.0f + 3.0f / 16)), 1.25f);     // tie -> even (up)
+  EXPECT_EQ(e4m3_to_f32(f32_to_e4m3(0x1.8p-9f)), 0x1p-8f);          // subnormal tie -> even
+  EXPECT_EQ(e4m3_to_f32(f32_to_e4m3(470.0f)), 448.0f);              // saturates
+  EXPECT_EQ(e4m3_to_f32(f32_to_e4m3(-1e30f)), -448.0f);
+  EXPECT_TRUE(std::isnan(e4m3_to_f32(f32_to_e4m3(std::numeric_limits<float>::quiet_NaN()))));
+  const std::vector<float> v = normal_vector(20000, 9, 60.0);
+  for (float x : v)
+    for (float s : {1.0f, 0x1p-7f, 0x1p-12f}) ASSERT_EQ(e4m3_to_f32(f32_to_e4m3(x * s)), ref::round_e4m3(x * s)) << x * s;
+}
+
+TEST_F(CpuOps, Fp8WireRowsMatchTheReference) {
+  const int H = 300;  // groups of 128, 128 and 44
+  const int64_t n = 37;
+  for (DType dtype : {DType::kF32, DType::kBF16}) {
+    SCOPED_TRACE(dtype_name(dtype));
+    std::vector<float> x = normal_vector(n * H, 11, 3.0);
+    for (int i = 0; i < 128; ++i) x[5 * H + i] = 0;       // an all-zero group: scale 1
+    x[7 * H + 3] = 5000.0f;                                 // one large value in a group
+    x[9 * H + 200] = std::numeric_limits<float>::quiet_NaN();
+    std::vector<uint8_t> rows(n * H * dtype_size(dtype));
+    cpu::store_row_f32(x.data(), rows.data(), dtype, n * H);
+    if (dtype == DType::kBF16)
+      for (float& v : x) v = bf16_to_f32(f32_to_bf16(v));
+    std::vector<uint8_t> wire(n * fp8_row_bytes(H));
+    be->quantize_fp8_rows(rows.data(), dtype, n, H, wire.data());
+    std::vector<float> back(n * H);
+    be->dequantize_fp8_rows(wire.data(), n, H, back.data(), DType::kF32);
+    const std::vector<double> want = ref::through_fp8_wire(x, n, H);
+    for (int64_t i = 0; i < n * H; ++i) {
+      if (std::isnan(x[i])) {
+        EXPECT_TRUE(std::isnan(back[i])) << i;
+        continue;
+      }
+      ASSERT_EQ(back[i], want[i]) << "element " << i;
+      const int64_t g0 = i / H * H + i % H / 128 * 128, g1 = std::min<int64_t>(g0 + 128, (i / H + 1) * H);
+      double amax = 0;
+      for (int64_t j = g0; j < g1; ++j)
+        if (!std::isnan(x[j])) amax = std::max(amax, std::fabs(static_cast<double>(x[j])));
+      // The documented bound: 2^-4 of the value plus half a subnormal step
+      // (2^-10 of the scale), and the scale's own fp32 rounding.
+      ASSERT_LE(std::fabs(back[i] - x[i]), (0x1p-4 * std::fabs(x[i]) + 0x1p-10 * amax / 448) * (1 + 0x1p-20))
+          << "element " << i;
+    }
+    EXPECT_EQ(back[5 * H + 1], 0.0f);
+  }
+}
+
 // ---------------------------------------------------------------------------
 // Router
 

@@ -12,9 +12,15 @@
 //   dispatch_backward(handle, grad_rows, grad_pair_weight) brings the grad rows
 //       and per-pair routing-weight gradients back like a combine.
 //
+// Wire formats (docs/layer.md#wire-formats): the forward pair's rows may travel
+// narrower than the layer computes (dispatch: bf16, or fp8 with a scale per 128
+// values; combine: bf16); every row is encoded, the rank's own included, so the
+// result does not depend on where an expert lives. The backward pair moves rows
+// in the layer dtype.
+//
 // Wire sizes (docs/transport.md#accounting: bytes for OTHER ranks only):
-//   a dispatched row  = row_bytes + K x (int32 slot + fp32 weight)
-//   a combined row    = row_bytes
+//   a dispatched row  = wire row bytes + K x (int32 slot + fp32 weight)
+//   a combined row    = combine wire row bytes
 //   a backward row    = row_bytes (+ K fp32 weight gradients on the way back)
 //   the naive scheme  = one row + one slot + one weight per (token, expert) pair
 //
@@ -38,6 +44,7 @@
 #include <memory>
 #include <vector>
 
+#include "moe/layer_spec/layer_config.h"
 #include "moe/map/expert_map.h"
 #include "moe/kernels/api.h"
 #include "moe/kernels/buffer.h"
@@ -76,6 +83,8 @@ struct DispatcherConfig {
   int num_ranks = 0;
   int slots_per_rank = 0;
   bool train = false;  // keep what the backward pair needs
+  Wire dispatch_wire = Wire::kLayer;  // kFP8 allowed; never wider than dtype
+  Wire combine_wire = Wire::kLayer;   // kLayer, kF32 or kBF16; never wider than dtype
 };
 
 // Bytes and seconds of the last dispatch/combine pair (forward) and of its
@@ -120,7 +129,8 @@ class DispatchHandle {
   const int32_t* topk_slot_ = nullptr;             // [T, K], the caller's
   std::vector<int64_t> send_counts_, recv_counts_;  // rows per peer
   std::vector<int64_t> rank_offset_;                // [R + 1] host
-  transport::Segments send_rows_, recv_rows_segs_, send_meta_, recv_meta_;
+  transport::Segments send_rows_, recv_rows_segs_, send_meta_, recv_meta_;  // rows: layer dtype
+  transport::Segments send_wire_, recv_wire_, send_results_, recv_results_;  // the forward's wires
   kernels::Buffer token_send_row_, send_src_token_;  // the layout, [T, R] and [rows]
   kernels::Buffer recv_rows_, recv_slot_, recv_weight_;
 };
@@ -157,10 +167,16 @@ class Dispatcher {
 
   const DispatchStats& stats() const { return stats_; }
   size_t row_bytes() const { return row_bytes_; }
+  size_t dispatch_wire_row_bytes() const { return wire_bytes_; }
   size_t meta_bytes_per_row() const { return meta_bytes_; }
 
  private:
   transport::Deadline deadline() const { return transport::deadline_in(opts_.timeout); }
+  bool encoded_dispatch() const { return fp8_ || dispatch_dtype_ != cfg_.dtype; }
+  bool encoded_combine() const { return combine_dtype_ != cfg_.dtype; }
+  // The dispatch wire's rows: sent from, received into.
+  const void* wire_send() const { return encoded_dispatch() ? send_wire_.get() : send_rows_.get(); }
+  void* wire_recv() { return encoded_dispatch() ? recv_wire_.get() : h_.recv_rows_.get(); }
   void build_layout(const void* x, int64_t T, const float* topk_weight);
   void exchange(int64_t T);
   void exchange_counts_and_chunks();
@@ -169,6 +185,9 @@ class Dispatcher {
   void plan_chunks();
   void post_dispatch_chunk(int c);
   void post_combine_chunk(int c, const void* y);
+  void encode_send_rows(const void* x, int64_t T);
+  void decode_rows(int64_t first, int64_t n);
+  const void* encode_results(const void* y, int64_t first, int64_t n);
   void count_bytes();
   void reserve(int64_t rows);
   void check(const DispatchHandle& h) const;
@@ -178,14 +197,22 @@ class Dispatcher {
   kernels::Backend& be_;
   DispatcherOptions opts_;
   const size_t row_bytes_, meta_bytes_;
+  // The wires, resolved: dtype of a bf16/fp32 wire, fp8 flag, bytes of a row.
+  DType dispatch_dtype_, combine_dtype_;
+  bool fp8_;
+  size_t wire_bytes_, combine_bytes_;
   DispatchHandle h_;
   kernels::Buffer num_tokens_per_rank_, num_tokens_per_slot_, in_rank_, layout_ws_;
   kernels::Buffer send_slot_, send_weight_, send_rows_, back_rows_, back_gw_, grad_recv_rows_;
+  // Encoded rows when a wire is narrower than the layer (else empty): what is
+  // sent and received, and the results before they go back.
+  kernels::Buffer send_wire_, recv_wire_, y_wire_;
   std::vector<int32_t> per_slot_host_;  // pairs per physical slot, for the naive figures
   DispatchStats stats_;
   // Chunked forward: per chunk, the segments of rows and of metadata each way.
   struct ChunkPlan {
-    transport::Segments send_rows, recv_rows, send_meta, recv_meta;
+    transport::Segments send_rows, recv_rows, send_meta, recv_meta;  // rows: dispatch wire bytes
+    transport::Segments send_results, recv_results;                 // combine wire bytes, back
     int64_t first_row = 0, num_rows = 0;  // of the received rows (chunk-major)
     transport::TransferWorker::OpId arrived = 0;  // the dispatch op
   };

@@ -38,6 +38,9 @@ struct EpOptions {
   // Chunks of a forward-only layer's dispatch/combine (DispatcherOptions): 0 by
   // the rule of docs/layer.md#overlap, n fixed (1: serial).
   int overlap_chunks = 0;
+  // The forward pair's wire formats (DispatcherConfig; docs/layer.md#wire-formats).
+  Wire dispatch_wire = Wire::kLayer;
+  Wire combine_wire = Wire::kLayer;
   // The communicator for the backend's memory: the dispatcher's all-to-alls and
   // the all-reduce of the replicated weights' gradients (NCCL in a CUDA job). Null:
   // the layer's own communicator, which otherwise carries only host memory

@@ -20,6 +20,7 @@ namespace moe::layer_spec {
 ep::LayerSpec layer_spec(const v1::JobSpec& spec);
 ep::MoeLayerConfig layer_config(const v1::JobSpec& spec);
 kernels::DType job_dtype(const v1::JobSpec& spec);
+ep::Wire wire(v1::Wire w);  // unset: kLayer
 bool is_train(const v1::JobSpec& spec);
 // E, H, I, and the shared experts' total width shared_experts x shared_ffn_hidden.
 model::LayerShape layer_shape(const v1::JobSpec& spec);

@@ -55,6 +55,10 @@ struct ForwardOptions {
   // batch's own), and T_g, its tokens (0: T).
   std::vector<double> global_counts;
   int64_t global_tokens = 0;
+  // The rows the routed experts see, when a lossy wire carried them there
+  // (docs/layer.md#wire-formats); null: x. The router and the shared experts see x;
+  // the backward passes the experts' input gradient straight through to x.
+  const std::vector<double>* expert_x = nullptr;
 };
 
 // Options with a forced selection (and the source ranks' token counts), or with
@@ -87,6 +91,7 @@ struct Forward {
   // Margin between the K-th and (K+1)-th biased score per token (inf if K = E);
   // tests treat a smaller margin than fp32 can resolve as a near-tie.
   std::vector<double> selection_margin;  // [T]
+  std::vector<double> expert_x;          // [T, H] ForwardOptions::expert_x; empty: x
 };
 
 struct Grads {
@@ -108,6 +113,19 @@ Forward forward(const Config& cfg, const Weights& w, const std::vector<double>& 
 
 Grads backward(const Config& cfg, const Weights& w, const std::vector<double>& x,
                const Forward& fwd, const std::vector<double>& grad_out);
+
+// The wire formats (docs/layer.md#wire-formats), plainly in fp64: OCP e4m3 rounding
+// (to nearest even, saturating at 448), and the values rows [n, H] of fp32 take
+// through the FP8 wire (a scale of amax / 448 per group of 128, all in fp32
+// arithmetic) or the bf16 wire.
+double round_e4m3(double v);
+std::vector<double> through_fp8_wire(const std::vector<float>& rows, int64_t n, int H);
+std::vector<double> through_bf16_wire(const std::vector<float>& rows);
+// What the routed experts compute with after a dispatch wire: x (rows [n, H] of
+// the layer dtype's values) through fp8 or bf16, then stored in the layer dtype;
+// empty for a wire that carries x as it is.
+enum class DispatchWire { kExact, kBF16, kFP8 };
+std::vector<double> expert_rows_through(DispatchWire wire, bool layer_bf16, const std::vector<float>& x, int H);
 
 // Capacity of one source of T tokens: ceil(cf * T * K / E), cf = 0 meaning none.
 int64_t capacity(double capacity_factor, int64_t T, int top_k, int num_experts);
