@@ -75,6 +75,50 @@ uint32_t bits_of(float f) {
 }
 
 // ---------------------------------------------------------------------------
+// FP8 wire rows (kernels/types.h): the bytes and scales, and the values back, bit
+// for bit against the host's scalar definition, for fp32 and bf16 rows.
+
+Result check_fp8_rows(Backend& be) {
+  Checker ck;
+  const int H = 300;  // groups of 128, 128 and 44
+  const int64_t n = 23;
+  std::vector<float> x = normal_vector(n * H, 3, 4.0);
+  for (int i = 0; i < 128; ++i) x[2 * H + i] = 0;  // an all-zero group
+  x[4 * H + 7] = 3000.0f;
+  x[6 * H + 250] = 1e-30f;
+  for (DType dtype : {DType::kF32, DType::kBF16}) {
+    const std::string tag = std::string(" (") + kernels::dtype_name(dtype) + ")";
+    std::vector<float> xs = x;
+    if (dtype == DType::kBF16)
+      for (float& v : xs) v = kernels::round_to_bf16(v);
+    Buffer rows = dtype == DType::kF32 ? to_backend(be, xs) : to_backend(be, test::float_to_bf16(xs));
+    Buffer wire(be, n * kernels::fp8_row_bytes(H)), back(be, 4 * n * H);
+    be.quantize_fp8_rows(rows.get(), dtype, n, H, wire.get());
+    be.dequantize_fp8_rows(wire.get(), n, H, back.get(), DType::kF32);
+    std::vector<uint8_t> want(n * kernels::fp8_row_bytes(H));
+    std::vector<uint32_t> want_back(n * H);
+    for (int64_t r = 0; r < n; ++r)
+      for (int g0 = 0; g0 < H; g0 += kernels::kFp8GroupSize) {
+        const int g1 = std::min(H, g0 + kernels::kFp8GroupSize);
+        float amax = 0;
+        for (int i = g0; i < g1; ++i) amax = std::max(amax, std::fabs(xs[r * H + i]));
+        const float scale = amax > 0 ? amax / kernels::kFp8Max : 1.0f;
+        uint8_t* row = want.data() + r * kernels::fp8_row_bytes(H);
+        for (int i = g0; i < g1; ++i) {
+          row[i] = kernels::f32_to_e4m3(xs[r * H + i] / scale);
+          want_back[r * H + i] = bits_of(kernels::e4m3_to_f32(row[i]) * scale);
+        }
+        std::memcpy(row + H + 4 * (g0 / kernels::kFp8GroupSize), &scale, 4);
+      }
+    ck.equal("fp8 wire bytes" + tag, to_host<uint8_t>(be, wire.get(), want.size()), want);
+    std::vector<uint32_t> got_back;
+    for (float f : to_host<float>(be, back.get(), n * H)) got_back.push_back(bits_of(f));
+    ck.equal("fp8 wire values" + tag, got_back, want_back);
+  }
+  return ck.result();
+}
+
+// ---------------------------------------------------------------------------
 // convert, add
 
 Result check_convert_add(Backend& be) {
@@ -671,7 +715,7 @@ std::vector<Check> layer_list() {
 
 std::vector<Check> op_list() {
   using kernels::DropPolicy;
-  std::vector<Check> v = {{"convert_add", check_convert_add}};
+  std::vector<Check> v = {{"convert_add", check_convert_add}, {"fp8_rows", check_fp8_rows}};
   for (Check& c : router_checks()) v.push_back(std::move(c));
   v.push_back({"capacity/probs", [](Backend& be) { return check_capacity(be, DropPolicy::kProbs); }});
   v.push_back({"capacity/position", [](Backend& be) { return check_capacity(be, DropPolicy::kPosition); }});
