@@ -166,13 +166,15 @@ TEST(Elastic, ATrainJobLosesTwoNodesInTurn) {
 }
 
 // A forward job: the same protocol, no optimizer state (its experts are the
-// spec's); the selection bias moves on every step and carries over.
+// spec's); the selection bias moves on every step and carries over. Its
+// dispatch runs in 3 chunks over the fp8 wire, so the node dies with chunks in
+// flight (docs/layer.md#overlap).
 TEST(Elastic, AForwardJobLosesANode) {
   Cluster c(2, 1);
   ASSERT_TRUE(c.up());
   const Args job = {"--experts", "8", "--top-k", "2", "--hidden", "256", "--ffn-hidden", "256", "--tokens-per-rank",
                     "256", "--steps", "60", "--skew", "zipf:1.2", "--bias-update-rate", "0.001", "--elastic",
-                    "--dead-node-timeout-ms", "1000"};
+                    "--dead-node-timeout-ms", "1000", "--overlap-chunks", "3", "--dispatch-wire", "fp8"};
   const std::string id = submit(c, job);
   kill_at_step(c, id, 20, "node1");
   const v1::JobResult r = wait_for(c, id, 0);
