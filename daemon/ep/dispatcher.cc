@@ -23,6 +23,16 @@ Segments scaled(const std::vector<int64_t>& rows, size_t bytes_per_row) {
   return Segments::packed(std::move(b));
 }
 
+// Segments of `rows[r]` rows from row `first[r]`, `unit` bytes a row.
+Segments segs(const std::vector<size_t>& rows, const std::vector<size_t>& first, size_t unit) {
+  Segments s;
+  for (size_t r = 0; r < rows.size(); ++r) {
+    s.bytes.push_back(rows[r] * unit);
+    s.offset.push_back(first[r] * unit);
+  }
+  return s;
+}
+
 // Rows [c n / C, (c + 1) n / C) of n: chunk c of a peer's rows, on both sides.
 int64_t chunk_begin(int64_t n, int c, int C) { return n * c / C; }
 int64_t chunk_rows(int64_t n, int c, int C) { return chunk_begin(n, c + 1, C) - chunk_begin(n, c, C); }
@@ -30,10 +40,6 @@ int64_t chunk_rows(int64_t n, int c, int C) { return chunk_begin(n, c + 1, C) - 
 // A count and a chunk proposal in one int64 of the count exchange.
 constexpr int kChunkBits = 8;
 static_assert(kMaxChunks < (1 << kChunkBits));
-
-}  // namespace
-
-namespace {
 
 // The dtype rows travel in on a wire that is not fp8, checked against the layer's.
 DType wire_dtype(Wire w, DType layer, const char* which) {
@@ -252,14 +258,6 @@ void Dispatcher::plan_chunks() {
       row += in;
     }
     p.num_rows = row - p.first_row;
-    auto segs = [](const std::vector<size_t>& rows, const std::vector<size_t>& first, size_t unit) {
-      transport::Segments s;
-      for (size_t r = 0; r < rows.size(); ++r) {
-        s.bytes.push_back(rows[r] * unit);
-        s.offset.push_back(first[r] * unit);
-      }
-      return s;
-    };
     p.send_rows = segs(send_bytes, send_off, wire_bytes_);
     p.recv_rows = segs(recv_bytes, recv_off, wire_bytes_);
     p.send_results = segs(send_bytes, send_off, combine_bytes_);
@@ -296,15 +294,21 @@ ChunkRows Dispatcher::next_chunk() {
   MOE_CHECK(h_.chunks_ > 1 && next_chunk_ < h_.chunks_, "dispatcher: next_chunk without a chunked dispatch (chunk ",
             next_chunk_, " of ", h_.chunks_, ")");
   const int c = next_chunk_;
+  wait_for(plan_[c].arrived);
+  if (c + 1 < h_.chunks_) post_dispatch_chunk(c + 1);
+  decode_rows(plan_[c].first_row, plan_[c].num_rows);
+  return {.first_row = plan_[c].first_row, .num_rows = plan_[c].num_rows};
+}
+
+// Waits for the worker's op `id`; on a failure, lets every posted op end first
+// (they use this dispatcher's buffers).
+void Dispatcher::wait_for(transport::TransferWorker::OpId id) {
   try {
-    stats_.exposed_transport += worker_->wait(plan_[c].arrived);
+    worker_->wait(id);
   } catch (...) {
     worker_->drain();
     throw;
   }
-  if (c + 1 < h_.chunks_) post_dispatch_chunk(c + 1);
-  decode_rows(plan_[c].first_row, plan_[c].num_rows);
-  return {.index = c, .first_row = plan_[c].first_row, .num_rows = plan_[c].num_rows};
 }
 
 void Dispatcher::chunk_done(const void* y) {
@@ -355,13 +359,7 @@ void Dispatcher::combine(const DispatchHandle& h, const void* y, void* out) {
   check(h);
   if (h_.chunks_ > 1) {
     MOE_CHECK(next_chunk_ == h_.chunks_, "dispatcher: combine after ", next_chunk_, " of ", h_.chunks_, " chunks");
-    try {
-      stats_.exposed_transport += worker_->wait(last_op_);
-    } catch (...) {
-      worker_->drain();
-      throw;
-    }
-    last_transfer_ = stats_.dispatch_transport + stats_.combine_transport;
+    wait_for(last_op_);
   } else {
     const void* results = encode_results(y, 0, h_.num_recv_rows_);
     be_.synchronize();
@@ -369,8 +367,8 @@ void Dispatcher::combine(const DispatchHandle& h, const void* y, void* out) {
     const double t0 = now_seconds();
     comm_.all_to_all_v(results, h_.recv_results_, back_rows_.get(), h_.send_results_, deadline());
     stats_.combine_transport = now_seconds() - t0;
-    last_transfer_ = stats_.dispatch_transport + stats_.combine_transport;
   }
+  last_transfer_ = stats_.dispatch_transport + stats_.combine_transport;
   // A token's rows from every rank, summed in rank order.
   be_.unpermute({.num_rows = h_.num_tokens_, .top_k = cfg_.num_ranks, .hidden = cfg_.hidden,
                  .out_dtype = cfg_.dtype, .accumulate = false, .in_dtype = combine_dtype_},

@@ -1,7 +1,5 @@
 #include "moe/node/step_report.h"
 
-#include <algorithm>
-
 namespace moe::node {
 
 StepReport::StepReport(int step, int num_experts) : num_experts_(num_experts) { stats_.set_step(step); }

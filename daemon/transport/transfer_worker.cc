@@ -1,9 +1,5 @@
 #include "moe/transport/transfer_worker.h"
 
-#include <utility>
-
-#include "moe/base/clock.h"
-
 namespace moe::transport {
 
 TransferWorker::TransferWorker() : thread_([this] { run(); }) {}
@@ -25,23 +21,16 @@ TransferWorker::OpId TransferWorker::post(std::function<void()> op) {
   return ++posted_;
 }
 
-double TransferWorker::wait(OpId id) {
-  const double t0 = now_seconds();
+void TransferWorker::wait(OpId id) {
   std::unique_lock lock(mu_);
   cv_.wait(lock, [&] { return done_ >= id; });
   if (error_) std::rethrow_exception(error_);
-  return now_seconds() - t0;
 }
 
 void TransferWorker::drain() noexcept {
   std::unique_lock lock(mu_);
   cv_.wait(lock, [&] { return done_ >= posted_; });
   error_ = nullptr;
-}
-
-double TransferWorker::take_busy_seconds() {
-  std::lock_guard lock(mu_);
-  return std::exchange(busy_, 0.0);
 }
 
 void TransferWorker::run() {
@@ -53,7 +42,6 @@ void TransferWorker::run() {
     queue_.pop_front();
     const bool skip = error_ != nullptr;  // a failed op fails what was queued after it
     lock.unlock();
-    const double t0 = now_seconds();
     std::exception_ptr failed;
     if (!skip) {
       try {
@@ -64,7 +52,6 @@ void TransferWorker::run() {
     }
     op = nullptr;
     lock.lock();
-    busy_ += now_seconds() - t0;
     if (failed && !error_) error_ = failed;
     ++done_;
     cv_.notify_all();

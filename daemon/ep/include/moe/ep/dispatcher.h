@@ -99,14 +99,12 @@ struct DispatchStats {
   int64_t backward_dispatch_bytes = 0, backward_dispatch_received_bytes = 0;
   int64_t backward_combine_bytes = 0, backward_combine_received_bytes = 0;
   double backward_dispatch_transport = 0, backward_combine_transport = 0;
-  int chunks = 1;                      // of the forward pair
-  double exposed_transport = 0;        // chunked: seconds the caller waited for transfers
+  int chunks = 1;  // of the forward pair
 };
 
 // One chunk of a chunked dispatch: rows [first_row, first_row + num_rows) of the
 // handle's received rows (and their slots and weights).
 struct ChunkRows {
-  int index = 0;
   int64_t first_row = 0, num_rows = 0;
 };
 
@@ -185,6 +183,7 @@ class Dispatcher {
   void plan_chunks();
   void post_dispatch_chunk(int c);
   void post_combine_chunk(int c, const void* y);
+  void wait_for(transport::TransferWorker::OpId id);
   void encode_send_rows(const void* x, int64_t T);
   void decode_rows(int64_t first, int64_t n);
   const void* encode_results(const void* y, int64_t first, int64_t n);

@@ -33,13 +33,11 @@ class TransferWorker {
   // Queues op; returns its id (ids rise by one from 1).
   OpId post(std::function<void()> op);
   // Blocks until op `id` and every op before it ran; rethrows the worker's
-  // error if one failed. Returns the seconds the caller waited.
-  double wait(OpId id);
+  // error if one failed.
+  void wait(OpId id);
   // Waits for everything posted and forgets the error: after a failure, and
   // when unwinding (the buffers the ops use must outlive them).
   void drain() noexcept;
-  // Seconds ops spent running since the last call (the transfer time, overlapped or not).
-  double take_busy_seconds();
 
  private:
   void run();
@@ -49,7 +47,6 @@ class TransferWorker {
   std::deque<std::function<void()>> queue_;
   OpId posted_ = 0, done_ = 0;
   std::exception_ptr error_;
-  double busy_ = 0;
   bool stop_ = false;
   std::thread thread_;  // last: starts after the state above exists
 };
