@@ -37,6 +37,12 @@ Segments segs(const std::vector<size_t>& rows, const std::vector<size_t>& first,
 int64_t chunk_begin(int64_t n, int c, int C) { return n * c / C; }
 int64_t chunk_rows(int64_t n, int c, int C) { return chunk_begin(n, c + 1, C) - chunk_begin(n, c, C); }
 
+// The pieces of the row order (build_row_order): every chunk count up to
+// kMaxChunks divides it, so chunk boundaries are piece boundaries.
+constexpr int kOrderPieces = 840;  // lcm(1, ..., 8)
+static_assert(kMaxChunks <= 8 && kOrderPieces % 8 == 0 && kOrderPieces % 7 == 0 && kOrderPieces % 5 == 0 &&
+              kOrderPieces % 3 == 0);
+
 // A count and a chunk proposal in one int64 of the count exchange.
 constexpr int kChunkBits = 8;
 static_assert(kMaxChunks < (1 << kChunkBits));
@@ -107,6 +113,7 @@ void Dispatcher::reserve(int64_t n) {
   h_.recv_slot_ = Buffer(be_, kSlotBytes * N * K);
   h_.recv_weight_ = Buffer(be_, kWeightBytes * N * K);
   if (cfg_.train) grad_recv_rows_ = Buffer(be_, N * row_bytes_);
+  if (cfg_.train && can_chunk()) h_.row_order_ = Buffer(be_, 4 * N);
   if (encoded_dispatch()) recv_wire_ = Buffer(be_, N * wire_bytes_);
   if (encoded_combine()) y_wire_ = Buffer(be_, N * combine_bytes_);
 }
@@ -171,9 +178,8 @@ void Dispatcher::build_layout(const void* x, int64_t T, const float* topk_weight
   encode_send_rows(x, T);
 }
 
-// A chunked forward needs the transfer thread (host memory: the CPU backend)
-// and no backward (whose pair reads the handle in rank-major order).
-bool Dispatcher::can_chunk() const { return !cfg_.train && be_.name() == "cpu" && cfg_.num_ranks > 1; }
+// Chunks need the transfer thread, so host memory: the CPU backend.
+bool Dispatcher::can_chunk() const { return be_.name() == "cpu" && cfg_.num_ranks > 1; }
 
 int Dispatcher::propose_chunks() const {
   if (opts_.overlap_chunks > 0) return std::min(opts_.overlap_chunks, kMaxChunks);
@@ -220,6 +226,8 @@ void Dispatcher::exchange(int64_t T) {
   h_.recv_wire_ = scaled(h_.recv_counts_, wire_bytes_);
   h_.send_results_ = scaled(h_.send_counts_, combine_bytes_);
   h_.recv_results_ = scaled(h_.recv_counts_, combine_bytes_);
+  h_.has_row_order_ = cfg_.train && can_chunk();
+  if (h_.has_row_order_) build_row_order();
   be_.synchronize();
   if (h_.chunks_ > 1) {
     plan_chunks();
@@ -234,6 +242,33 @@ void Dispatcher::exchange(int64_t T) {
                      deadline());
   stats_.dispatch_transport = now_seconds() - t0;
   decode_rows(0, N);
+}
+
+// The order of the received rows that every chunk count C <= kMaxChunks cuts into
+// its chunks: each peer's n rows split into kOrderPieces pieces [m n / P, (m + 1) n / P),
+// piece by piece, in rank order within a piece. Chunk c of C is the run of pieces
+// [c P / C, (c + 1) P / C), laid out chunk-major as plan_chunks receives it.
+void Dispatcher::build_row_order() {
+  const int R = cfg_.num_ranks, C = h_.chunks_, P = kOrderPieces;
+  std::vector<int64_t> chunk_first(static_cast<size_t>(C) * R);  // received row of chunk c's first row from r
+  int64_t row = 0;
+  for (int c = 0; c < C; ++c)
+    for (int r = 0; r < R; ++r) {
+      chunk_first[c * R + r] = row;
+      row += chunk_rows(h_.recv_counts_[r], c, C);
+    }
+  std::vector<int32_t> order;
+  order.reserve(h_.num_recv_rows_);
+  std::vector<int> chunk(R, 0);  // the chunk of peer r's current row
+  for (int m = 0; m < P; ++m)
+    for (int r = 0; r < R; ++r) {
+      const int64_t n = h_.recv_counts_[r];
+      for (int64_t j = n * m / P; j < n * (m + 1) / P; ++j) {
+        while (j >= chunk_begin(n, chunk[r] + 1, C)) ++chunk[r];
+        order.push_back(static_cast<int32_t>(chunk_first[chunk[r] * R + r] + j - chunk_begin(n, chunk[r], C)));
+      }
+    }
+  be_.copy_to_device(h_.row_order_.get(), order.data(), 4 * order.size());
 }
 
 // Chunk c takes rows [c n / C, (c + 1) n / C) of every peer's n. Sent from the
@@ -264,17 +299,26 @@ void Dispatcher::plan_chunks() {
     p.recv_results = segs(recv_bytes, recv_off, combine_bytes_);
     p.send_meta = segs(send_bytes, send_off, meta_bytes_);
     p.recv_meta = segs(recv_bytes, recv_off, meta_bytes_);
+    p.send_grad = segs(send_bytes, send_off, row_bytes_);
+    p.recv_grad = segs(recv_bytes, recv_off, row_bytes_);
+    p.send_grad_w = segs(send_bytes, send_off, cfg_.top_k * kWeightBytes);
+    p.recv_grad_w = segs(recv_bytes, recv_off, cfg_.top_k * kWeightBytes);
   }
 }
 
+// Chunk c's rows; with chunk 0, every chunk's slots and weights, so the receiver
+// can lay out all its rows' pairs before it computes the first chunk.
 void Dispatcher::post_dispatch_chunk(int c) {
   ChunkPlan& p = plan_[c];
-  p.arrived = last_op_ = worker_->post([this, &p] {
+  std::vector<AllToAllBuffer> bufs{AllToAllBuffer{wire_send(), &p.send_rows, wire_recv(), &p.recv_rows}};
+  if (c == 0)
+    for (const ChunkPlan& q : plan_) {
+      bufs.push_back({send_slot_.get(), &q.send_meta, h_.recv_slot_.get(), &q.recv_meta});
+      bufs.push_back({send_weight_.get(), &q.send_meta, h_.recv_weight_.get(), &q.recv_meta});
+    }
+  p.arrived = last_op_ = worker_->post([this, bufs = std::move(bufs)] {
     const double t0 = now_seconds();
-    comm_.all_to_all_v({AllToAllBuffer{wire_send(), &p.send_rows, wire_recv(), &p.recv_rows},
-                        AllToAllBuffer{send_slot_.get(), &p.send_meta, h_.recv_slot_.get(), &p.recv_meta},
-                        AllToAllBuffer{send_weight_.get(), &p.send_meta, h_.recv_weight_.get(), &p.recv_meta}},
-                       deadline());
+    comm_.all_to_all_v(bufs, deadline());
     stats_.dispatch_transport += now_seconds() - t0;
   });
 }
@@ -290,11 +334,17 @@ void Dispatcher::post_combine_chunk(int c, const void* y) {
   });
 }
 
-ChunkRows Dispatcher::next_chunk() {
-  MOE_CHECK(h_.chunks_ > 1 && next_chunk_ < h_.chunks_, "dispatcher: next_chunk without a chunked dispatch (chunk ",
+// The chunk the caller computes next, once its rows have arrived.
+int Dispatcher::take_chunk(const char* what) {
+  MOE_CHECK(h_.chunks_ > 1 && next_chunk_ < h_.chunks_, "dispatcher: ", what, " without a chunked pair (chunk ",
             next_chunk_, " of ", h_.chunks_, ")");
   const int c = next_chunk_;
   wait_for(plan_[c].arrived);
+  return c;
+}
+
+ChunkRows Dispatcher::next_chunk() {
+  const int c = take_chunk("next_chunk");
   if (c + 1 < h_.chunks_) post_dispatch_chunk(c + 1);
   decode_rows(plan_[c].first_row, plan_[c].num_rows);
   return {.first_row = plan_[c].first_row, .num_rows = plan_[c].num_rows};
@@ -376,25 +426,71 @@ void Dispatcher::combine(const DispatchHandle& h, const void* y, void* out) {
                  .out = out});
 }
 
+// Bytes of the backward pair (docs/transport.md#accounting).
+void Dispatcher::count_backward_bytes() {
+  const int R = cfg_.num_ranks;
+  const int64_t row = static_cast<int64_t>(row_bytes_), row_back = static_cast<int64_t>(row_bytes_ + cfg_.top_k * kWeightBytes);
+  for (int r = 0; r < R; ++r) {
+    if (r == comm_.rank()) continue;
+    stats_.backward_dispatch_bytes += h_.send_counts_[r] * row;
+    stats_.backward_dispatch_received_bytes += h_.recv_counts_[r] * row;
+    stats_.backward_combine_bytes += h_.recv_counts_[r] * row_back;
+    stats_.backward_combine_received_bytes += h_.send_counts_[r] * row_back;
+  }
+}
+
 const void* Dispatcher::combine_backward(const DispatchHandle& h, const void* grad_out) {
   check(h);
   MOE_CHECK(cfg_.train, "combine_backward on a dispatcher built without train = true");
   const int R = cfg_.num_ranks;
+  count_backward_bytes();
   be_.permute({.num_rows = h_.num_tokens_, .top_k = R, .num_out_rows = h_.rank_offset_[R], .hidden = cfg_.hidden,
                .in_dtype = cfg_.dtype, .out_dtype = cfg_.dtype},
               {.rows = grad_out, .src_row = h_.send_src_token_.as<int32_t>(),
                .pair_pos = h_.token_send_row_.as<int32_t>(), .out = send_rows_.get()});
   be_.synchronize();
+  if (h_.chunks_ > 1) {
+    next_chunk_ = 0;
+    post_grad_chunk(0);
+    return grad_recv_rows_.get();
+  }
   const double t0 = now_seconds();
   comm_.all_to_all_v(send_rows_.get(), h_.send_rows_, grad_recv_rows_.get(), h_.recv_rows_segs_, deadline());
   stats_.backward_dispatch_transport = now_seconds() - t0;
-  const int64_t row = static_cast<int64_t>(row_bytes_);
-  for (int r = 0; r < R; ++r) {
-    if (r == comm_.rank()) continue;
-    stats_.backward_dispatch_bytes += h_.send_counts_[r] * row;
-    stats_.backward_dispatch_received_bytes += h_.recv_counts_[r] * row;
-  }
   return grad_recv_rows_.get();
+}
+
+void Dispatcher::post_grad_chunk(int c) {
+  ChunkPlan& p = plan_[c];
+  p.arrived = last_op_ = worker_->post([this, &p] {
+    const double t0 = now_seconds();
+    comm_.all_to_all_v(send_rows_.get(), p.send_grad, grad_recv_rows_.get(), p.recv_grad, deadline());
+    stats_.backward_dispatch_transport += now_seconds() - t0;
+  });
+}
+
+// Chunk c's grad rows and weight gradients go back where its rows came from.
+void Dispatcher::post_grad_result_chunk(int c, const void* grad_rows, const float* grad_pair_weight) {
+  const ChunkPlan& p = plan_[c];
+  last_op_ = worker_->post([this, &p, grad_rows, grad_pair_weight] {
+    const double t0 = now_seconds();
+    comm_.all_to_all_v({AllToAllBuffer{grad_rows, &p.recv_grad, back_rows_.get(), &p.send_grad},
+                        AllToAllBuffer{grad_pair_weight, &p.recv_grad_w, back_gw_.get(), &p.send_grad_w}},
+                       deadline());
+    stats_.backward_combine_transport += now_seconds() - t0;
+  });
+}
+
+ChunkRows Dispatcher::next_backward_chunk() {
+  const int c = take_chunk("next_backward_chunk");
+  if (c + 1 < h_.chunks_) post_grad_chunk(c + 1);
+  return {.first_row = plan_[c].first_row, .num_rows = plan_[c].num_rows};
+}
+
+void Dispatcher::backward_chunk_done(const void* grad_rows, const float* grad_pair_weight) {
+  MOE_CHECK(next_chunk_ < h_.chunks_, "dispatcher: backward_chunk_done without a chunk");
+  be_.synchronize();
+  post_grad_result_chunk(next_chunk_++, grad_rows, grad_pair_weight);
 }
 
 void Dispatcher::dispatch_backward(const DispatchHandle& h, const void* grad_rows, const float* grad_pair_weight,
@@ -403,25 +499,25 @@ void Dispatcher::dispatch_backward(const DispatchHandle& h, const void* grad_row
   MOE_CHECK(cfg_.train, "dispatch_backward on a dispatcher built without train = true");
   const int K = cfg_.top_k, R = cfg_.num_ranks;
   be_.synchronize();
-  const double t0 = now_seconds();
-  const Segments grad_meta_recv = scaled(h_.recv_counts_, K * kWeightBytes);
-  const Segments grad_meta_send = scaled(h_.send_counts_, K * kWeightBytes);
-  comm_.all_to_all_v({AllToAllBuffer{grad_rows, &h_.recv_rows_segs_, back_rows_.get(), &h_.send_rows_},
-                      AllToAllBuffer{grad_pair_weight, &grad_meta_recv, back_gw_.get(), &grad_meta_send}},
-                     deadline());
-  stats_.backward_combine_transport = now_seconds() - t0;
+  if (h_.chunks_ > 1) {
+    MOE_CHECK(next_chunk_ == h_.chunks_, "dispatcher: dispatch_backward after ", next_chunk_, " of ", h_.chunks_,
+              " chunks");
+    wait_for(last_op_);
+  } else {
+    const double t0 = now_seconds();
+    const Segments grad_meta_recv = scaled(h_.recv_counts_, K * kWeightBytes);
+    const Segments grad_meta_send = scaled(h_.send_counts_, K * kWeightBytes);
+    comm_.all_to_all_v({AllToAllBuffer{grad_rows, &h_.recv_rows_segs_, back_rows_.get(), &h_.send_rows_},
+                        AllToAllBuffer{grad_pair_weight, &grad_meta_recv, back_gw_.get(), &grad_meta_send}},
+                       deadline());
+    stats_.backward_combine_transport = now_seconds() - t0;
+  }
   be_.unpermute({.num_rows = h_.num_tokens_, .top_k = R, .hidden = cfg_.hidden, .out_dtype = DType::kF32,
                  .accumulate = false, .in_dtype = cfg_.dtype},
                 {.perm = back_rows_.get(), .pair_pos = h_.token_send_row_.as<int32_t>(), .pair_weight = nullptr,
                  .out = grad_x32});
   be_.combine_pair_scalars(h_.topk_slot_, h_.token_send_row_.as<int32_t>(), h_.num_tokens_, K, R,
                            cfg_.slots_per_rank, back_gw_.as<float>(), grad_topk_weight);
-  const int64_t row_back = static_cast<int64_t>(row_bytes_ + K * kWeightBytes);
-  for (int r = 0; r < R; ++r) {
-    if (r == comm_.rank()) continue;
-    stats_.backward_combine_bytes += h_.recv_counts_[r] * row_back;
-    stats_.backward_combine_received_bytes += h_.send_counts_[r] * row_back;
-  }
 }
 
 }  // namespace moe::ep

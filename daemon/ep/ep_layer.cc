@@ -182,7 +182,8 @@ void EpLayer::forward(const void* x, int64_t T, int64_t token_begin, void* out) 
   if (dispatcher_->chunks() > 1) {
     forward_chunks(h, out);
   } else {
-    experts_->forward(h.recv_rows(), h.num_recv_rows(), h.recv_slot(), h.recv_weight(), combined_.get());
+    experts_->forward(h.recv_rows(), h.num_recv_rows(), h.recv_slot(), h.recv_weight(), combined_.get(),
+                      h.row_order());
     for (int64_t n : experts_->expert_rows()) stats_.computed_pairs += n;
     t1 = now_seconds();
     stats_.expert = t1 - t0;
@@ -202,28 +203,25 @@ void EpLayer::forward(const void* x, int64_t T, int64_t token_begin, void* out) 
 }
 
 // The experts chunk by chunk while the dispatcher moves the next chunk's rows
-// and the last one's results (docs/layer.md#overlap). Dispatch and combine time
-// is what this thread waited for them.
+// and the last one's results (docs/layer.md#overlap): every row's pairs are laid
+// out when the first chunk (with every row's slots) has arrived. Dispatch and
+// combine time is what this thread waited for them.
 void EpLayer::forward_chunks(const DispatchHandle& h, void* out) {
-  const size_t K = cfg_.top_k, row_bytes = kernels::dtype_size(cfg_.dtype) * cfg_.hidden;
-  auto* rows = static_cast<const uint8_t*>(h.recv_rows());
-  auto* combined = static_cast<uint8_t*>(combined_.get());
   for (int c = 0; c < dispatcher_->chunks(); ++c) {
     double t0 = now_seconds();
     const ChunkRows ch = dispatcher_->next_chunk();
     double t1 = now_seconds();
     stats_.dispatch += t1 - t0;
-    if (ch.num_rows > 0) {
-      const int64_t first = ch.first_row;
-      experts_->forward(rows + first * row_bytes, ch.num_rows, h.recv_slot() + first * K,
-                        h.recv_weight() + first * K, combined + first * row_bytes);
+    if (c == 0) {
+      experts_->layout(h.recv_slot(), h.recv_weight(), h.num_recv_rows(), h.row_order());
       for (int64_t n : experts_->expert_rows()) stats_.computed_pairs += n;
     }
+    experts_->forward_rows(h.recv_rows(), ch.first_row, ch.num_rows, combined_.get());
     stats_.expert += now_seconds() - t1;
-    dispatcher_->chunk_done(combined);
+    dispatcher_->chunk_done(combined_.get());
   }
   const double t0 = now_seconds();
-  dispatcher_->combine(h, combined, out);
+  dispatcher_->combine(h, combined_.get(), out);
   be_.synchronize();
   stats_.combine = now_seconds() - t0;
 }
@@ -233,12 +231,7 @@ void EpLayer::backward(const void* grad_out, void* grad_x) {
   MOE_CHECK(handle_, "backward called before forward");
   const int64_t T = router_.num_tokens();
   const double t0 = now_seconds();
-  const void* grad_rows = dispatcher_->combine_backward(*handle_, grad_out);
-  const double t1 = now_seconds();
-  // The received rows' gradients overwrite their combined outputs (no longer needed).
-  experts_->backward(grad_rows, combined_.get(), cfg_.dtype, grad_pair_weight_.as<float>());
-  be_.synchronize();
-  stats_.expert_backward = now_seconds() - t1;
+  experts_backward(grad_out);
   dispatcher_->dispatch_backward(*handle_, combined_.get(), grad_pair_weight_.as<float>(), grad_x32_.as<float>(),
                                 grad_topk_weight_.as<float>());
   router_.backward(x_, grad_topk_weight_.as<float>(), grad_x32_.as<float>(), balance_terms());
@@ -250,6 +243,34 @@ void EpLayer::backward(const void* grad_out, void* grad_x) {
   be_.synchronize();
   stats_.backward = now_seconds() - t0;
   stats_.transfer = dispatcher_->stats();
+}
+
+// The grad rows to the experts and their gradients back, chunk by chunk as the
+// forward ran (docs/layer.md#overlap): each chunk's dgrad while the next chunk's
+// grad rows arrive and the last one's results leave, then the weight gradients
+// (no transfer) while the last results are in flight. The received rows'
+// gradients overwrite their combined outputs (no longer needed).
+void EpLayer::experts_backward(const void* grad_out) {
+  const void* grad_rows = dispatcher_->combine_backward(*handle_, grad_out);
+  float* grad_pair_weight = grad_pair_weight_.as<float>();
+  if (dispatcher_->chunks() == 1) {
+    const double t0 = now_seconds();
+    experts_->backward(grad_rows, combined_.get(), cfg_.dtype, grad_pair_weight);
+    be_.synchronize();
+    stats_.expert_backward = now_seconds() - t0;
+    return;
+  }
+  for (int c = 0; c < dispatcher_->chunks(); ++c) {
+    const ChunkRows ch = dispatcher_->next_backward_chunk();
+    const double t0 = now_seconds();
+    experts_->backward_rows(grad_rows, ch.first_row, ch.num_rows, combined_.get(), cfg_.dtype, grad_pair_weight);
+    stats_.expert_backward += now_seconds() - t0;
+    dispatcher_->backward_chunk_done(combined_.get(), grad_pair_weight);
+  }
+  const double t0 = now_seconds();
+  experts_->weight_grads();
+  be_.synchronize();
+  stats_.expert_backward += now_seconds() - t0;
 }
 
 // The router's and the shared experts' gradients, summed over ranks in rank order.

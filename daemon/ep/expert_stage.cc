@@ -145,14 +145,27 @@ void ExpertStage::reserve(int64_t rows) {
 }
 
 void ExpertStage::forward(const void* rows, int64_t N, const int32_t* row_expert, const float* row_weight,
-                          void* combined) {
+                          void* combined, const int32_t* row_order) {
+  layout(row_expert, row_weight, N, row_order);
+  run_forward(rows, 0, N, combined, {});
+}
+
+void ExpertStage::backward(const void* grad_combined, void* grad_rows, DType grad_rows_dtype,
+                           float* grad_pair_weight) {
+  run_dgrad(grad_combined, 0, N_, grad_rows, grad_rows_dtype, grad_pair_weight, {});
+  weight_grads();
+}
+
+void ExpertStage::layout(const int32_t* row_expert, const float* row_weight, int64_t N, const int32_t* row_order) {
   reserve(N);
   N_ = N;
-  rows_ = rows;
-  has_forward_ = true;
+  rows_ = nullptr;
+  has_layout_ = true;
+  has_forward_ = false;
+  parts_.clear();
+  dgrad_rows_ = 0;
   times_ = {};
-  const int K = cfg_.top_k, H = cfg_.hidden;
-  double t0 = now_seconds();
+  const double t0 = now_seconds();
   kernels::PermuteLayoutArgs pl;
   pl.row_expert = row_expert;
   pl.row_weight = row_weight;
@@ -161,13 +174,62 @@ void ExpertStage::forward(const void* rows, int64_t N, const int32_t* row_expert
   pl.perm_weight = perm_weight_.as<float>();
   pl.pair_pos = pair_pos_.as<int32_t>();
   pl.workspace = layout_ws_.get();
-  be_.permute_layout({N, K, L_}, pl);
+  pl.row_order = row_order;
+  be_.permute_layout({N, cfg_.top_k, L_}, pl);
   MOE_CHECK(expert_offset_[L_] <= mlp_config().max_rows, "expert stage: ", expert_offset_[L_],
             " pairs exceed the reserved ", mlp_config().max_rows);
   be_.synchronize();
-  double t1 = now_seconds();
-  times_.layout = t1 - t0;
+  times_.layout = now_seconds() - t0;
+}
 
+// The next part: each expert's pairs from where the last part ended, as long as
+// their rows are in [first, first + n); all of the rows' pairs must be found.
+const ExpertStage::Part& ExpertStage::add_part(int64_t first, int64_t n) {
+  const int K = cfg_.top_k;
+  if (parts_.empty()) {
+    const int64_t M = expert_offset_[L_];
+    host_src_row_.resize(M);
+    host_pair_pos_.resize(N_ * K);
+    be_.copy_to_host(host_src_row_.data(), perm_src_row_.get(), 4 * M);
+    be_.copy_to_host(host_pair_pos_.data(), pair_pos_.get(), 4 * N_ * K);
+  }
+  Part p{.first = first, .n = n, .begin = std::vector<int64_t>(L_), .end = std::vector<int64_t>(L_)};
+  int64_t found = 0, want = 0;
+  for (int e = 0; e < L_; ++e) {
+    int64_t m = parts_.empty() ? expert_offset_[e] : parts_.back().end[e];
+    p.begin[e] = m;
+    while (m < expert_offset_[e + 1] && host_src_row_[m] >= first && host_src_row_[m] < first + n) ++m;
+    p.end[e] = m;
+    found += m - p.begin[e];
+  }
+  for (int64_t i = first * K; i < (first + n) * K; ++i) want += host_pair_pos_[i] >= 0;
+  MOE_CHECK(found == want, "expert stage: rows [", first, ", ", first + n, ") are not the next part of the layout's ",
+            "row order (", found, " of their ", want, " pairs follow the last part)");
+  parts_.push_back(std::move(p));
+  return parts_.back();
+}
+
+const ExpertStage::Part* ExpertStage::part_of(int64_t first, int64_t n) const {
+  for (const Part& p : parts_)
+    if (p.first == first && p.n == n) return &p;
+  return nullptr;
+}
+
+void ExpertStage::forward_rows(const void* rows, int64_t first, int64_t n, void* combined) {
+  MOE_CHECK(has_layout_, "expert stage: forward_rows before layout");
+  MOE_CHECK(first >= 0 && n >= 0 && first + n <= N_, "expert stage: rows [", first, ", ", first + n,
+            ") of a layout of ", N_);
+  const Part& p = add_part(first, n);
+  run_forward(rows, first, n, combined, {.pair_begin = p.begin.data(), .pair_end = p.end.data()});
+}
+
+// The MLP over the part's pairs, then the local combine of rows [first, first + n).
+void ExpertStage::run_forward(const void* rows, int64_t first, int64_t n, void* combined,
+                              const kernels::ExpertMlpPart& part) {
+  rows_ = rows;
+  has_forward_ = true;
+  const int K = cfg_.top_k, H = cfg_.hidden;
+  double t0 = now_seconds();
   kernels::ExpertMlpForwardArgs a;
   a.rows = rows;
   a.expert_offset = expert_offset_.data();
@@ -180,22 +242,22 @@ void ExpertStage::forward(const void* rows, int64_t N, const int32_t* row_expert
   a.saved_gu = cfg_.train ? saved_gu_.as<float>() : nullptr;
   a.workspace = mlp_ws_.get();
   a.stats = &times_.mlp_stats;
+  a.part = part;
   be_.expert_mlp_forward(mlp_config(), a);
   be_.synchronize();
-  t0 = now_seconds();
-  times_.mlp = t0 - t1;
+  double t1 = now_seconds();
+  times_.mlp += t1 - t0;
 
   // y is already weighted: the local combine is a plain per-row sum.
-  be_.unpermute({N, K, H, cfg_.dtype, false, DType::kF32}, {y_.get(), pair_pos_.as<int32_t>(), nullptr, combined});
+  const size_t out_row = kernels::dtype_size(cfg_.dtype) * H;
+  be_.unpermute({n, K, H, cfg_.dtype, false, DType::kF32},
+                {y_.get(), pair_pos_.as<int32_t>() + first * K, nullptr, static_cast<uint8_t*>(combined) + first * out_row});
   be_.synchronize();
-  times_.combine = now_seconds() - t0;
+  times_.combine += now_seconds() - t1;
 }
 
-void ExpertStage::backward(const void* grad_combined, void* grad_rows, DType grad_rows_dtype,
-                           float* grad_pair_weight) {
-  MOE_CHECK(cfg_.train, "backward on a layer built without train = true");
-  MOE_CHECK(has_forward_, "backward called before forward");
-  const int K = cfg_.top_k, H = cfg_.hidden;
+kernels::ExpertMlpBackwardArgs ExpertStage::backward_args(const void* grad_combined,
+                                                          kernels::MlpBackwardPhase phase) const {
   kernels::ExpertMlpBackwardArgs m;
   m.grad_rows = grad_combined;
   m.rows = rows_;
@@ -211,10 +273,40 @@ void ExpertStage::backward(const void* grad_combined, void* grad_rows, DType gra
   m.grad_w13 = grad_w13_.as<float>();
   m.grad_w2 = grad_w2_.as<float>();
   m.workspace = mlp_ws_.get();
+  m.phase = phase;
+  return m;
+}
+
+void ExpertStage::backward_rows(const void* grad_combined, int64_t first, int64_t n, void* grad_rows,
+                                DType grad_rows_dtype, float* grad_pair_weight) {
+  const Part* p = part_of(first, n);
+  MOE_CHECK(p, "expert stage: backward of rows [", first, ", ", first + n, ") that no forward part computed");
+  run_dgrad(grad_combined, first, n, grad_rows, grad_rows_dtype, grad_pair_weight,
+            {.pair_begin = p->begin.data(), .pair_end = p->end.data()});
+}
+
+// The dgrad chain over the part's pairs, then the gradients of rows [first, first + n).
+void ExpertStage::run_dgrad(const void* grad_combined, int64_t first, int64_t n, void* grad_rows,
+                            DType grad_rows_dtype, float* grad_pair_weight, const kernels::ExpertMlpPart& part) {
+  MOE_CHECK(cfg_.train, "backward on a layer built without train = true");
+  MOE_CHECK(has_forward_, "backward called before forward");
+  const int K = cfg_.top_k, H = cfg_.hidden;
+  kernels::ExpertMlpBackwardArgs m = backward_args(grad_combined, kernels::MlpBackwardPhase::kDgrad);
+  m.part = part;
   be_.expert_mlp_backward(mlp_config(), m);
-  be_.unpermute({N_, K, H, grad_rows_dtype, false, DType::kF32},
-                {grad_perm_x_.get(), pair_pos_.as<int32_t>(), nullptr, grad_rows});
-  be_.unpermute_scalars(pair_pos_.as<int32_t>(), N_, K, grad_perm_weight_.as<float>(), grad_pair_weight);
+  const size_t out_row = kernels::dtype_size(grad_rows_dtype) * H;
+  be_.unpermute({n, K, H, grad_rows_dtype, false, DType::kF32},
+                {grad_perm_x_.get(), pair_pos_.as<int32_t>() + first * K, nullptr,
+                 static_cast<uint8_t*>(grad_rows) + first * out_row});
+  be_.unpermute_scalars(pair_pos_.as<int32_t>() + first * K, n, K, grad_perm_weight_.as<float>(),
+                        grad_pair_weight + first * K);
+  dgrad_rows_ += n;
+}
+
+void ExpertStage::weight_grads() {
+  MOE_CHECK(has_forward_ && dgrad_rows_ == N_, "expert stage: weight gradients after the dgrad of ", dgrad_rows_,
+            " of ", N_, " rows");
+  be_.expert_mlp_backward(mlp_config(), backward_args(nullptr, kernels::MlpBackwardPhase::kWgrad));
 }
 
 std::vector<int64_t> ExpertStage::expert_rows() const {

@@ -154,4 +154,11 @@ void ExpertMlpConfig::check_offsets(const int64_t* off) const {
             max_rows, ")");
 }
 
+void ExpertMlpConfig::check_part(const int64_t* off, const int64_t* begin, const int64_t* end) const {
+  MOE_CHECK(begin && end, "expert mlp: a part needs both pair_begin and pair_end");
+  for (int e = 0; e < num_experts; ++e)
+    MOE_CHECK(off[e] <= begin[e] && begin[e] <= end[e] && end[e] <= off[e + 1], "expert mlp: the part's pairs [",
+              begin[e], ", ", end[e], ") of expert ", e, " leave its range [", off[e], ", ", off[e + 1], ")");
+}
+
 }  // namespace moe::kernels

@@ -73,7 +73,7 @@ void forward_blas(CpuExec& exec, const ExpertMlpConfig& c, const ExpertMlpForwar
   const int64_t H = c.hidden, I = c.ffn_hidden;
   const MlpWorkspace ws = carve(c, a.workspace, exec.pool.num_threads());
   PhaseTotals totals;
-  for_each_row_tile(exec, a.expert_offset, c.num_experts,
+  for_each_row_tile(exec, a.expert_offset, a.part, c.num_experts,
                     [&](const GemmTile& t, int64_t rows, int thread, PhaseClock& clock) {
     float* xp = ws.xp(c, thread);
     float* gu = a.saved_gu ? a.saved_gu + t.begin * 2 * I : ws.gup(c, thread);
@@ -92,14 +92,28 @@ void forward_blas(CpuExec& exec, const ExpertMlpConfig& c, const ExpertMlpForwar
   totals.flush(a.stats);
 }
 
+void dgrad_blas(CpuExec& exec, const ExpertMlpConfig& c, const ExpertMlpBackwardArgs& a, const MlpWorkspace& ws);
+
 void backward_blas(CpuExec& exec, const ExpertMlpConfig& c, const ExpertMlpBackwardArgs& a) {
   const int64_t H = c.hidden, I = c.ffn_hidden;
   const MlpWorkspace ws = carve(c, a.workspace, exec.pool.num_threads());
 
-  // Row tiles: dgrad chain. dh' = g w2; SwiGLU backward gives dgu, the scaled h and
-  // the routing-weight gradient; dx = dgu w13.
+  if (a.phase != MlpBackwardPhase::kWgrad) dgrad_blas(exec, c, a, ws);
+  if (a.phase == MlpBackwardPhase::kDgrad) return;
+  // Weight gradients: dW2_e = g_e^T h_e ([H, I]); dW13_e = dgu_e^T x_e ([2I, H]).
+  GroupedGemmConfig w2cfg{GemmKind::kWgrad, c.num_experts, H, I, false};
+  grouped_gemm(exec, w2cfg, {a.expert_offset, ws.g_perm, ws.h_perm, a.grad_w2});
+  GroupedGemmConfig w13cfg{GemmKind::kWgrad, c.num_experts, 2 * I, H, false};
+  grouped_gemm(exec, w13cfg, {a.expert_offset, ws.dgu, ws.x_perm, a.grad_w13});
+}
+
+// Row tiles of the part: the dgrad chain. dh' = g w2; SwiGLU backward gives dgu,
+// the scaled h and the routing-weight gradient; dx = dgu w13. Leaves g, x, dgu and
+// h per pair in the workspace for the weight gradients.
+void dgrad_blas(CpuExec& exec, const ExpertMlpConfig& c, const ExpertMlpBackwardArgs& a, const MlpWorkspace& ws) {
+  const int64_t H = c.hidden, I = c.ffn_hidden;
   PhaseTotals totals;
-  for_each_row_tile(exec, a.expert_offset, c.num_experts,
+  for_each_row_tile(exec, a.expert_offset, a.part, c.num_experts,
                     [&](const GemmTile& t, int64_t rows, int thread, PhaseClock& clock) {
     const float* w13 = a.w13 + static_cast<int64_t>(t.group) * 2 * I * H;
     const float* w2 = a.w2 + static_cast<int64_t>(t.group) * H * I;
@@ -120,12 +134,6 @@ void backward_blas(CpuExec& exec, const ExpertMlpConfig& c, const ExpertMlpBackw
     clock.lap(totals.gemm);
   });
   totals.flush(a.stats);
-
-  // Weight gradients: dW2_e = g_e^T h_e ([H, I]); dW13_e = dgu_e^T x_e ([2I, H]).
-  GroupedGemmConfig w2cfg{GemmKind::kWgrad, c.num_experts, H, I, false};
-  grouped_gemm(exec, w2cfg, {a.expert_offset, ws.g_perm, ws.h_perm, a.grad_w2});
-  GroupedGemmConfig w13cfg{GemmKind::kWgrad, c.num_experts, 2 * I, H, false};
-  grouped_gemm(exec, w13cfg, {a.expert_offset, ws.dgu, ws.x_perm, a.grad_w13});
 }
 
 }  // namespace
@@ -152,6 +160,7 @@ void expert_mlp_forward(CpuExec& exec, const ExpertMlpConfig& c, const ExpertMlp
   c.validate();
   const CpuExpertWeights& p = checked_for(exec, c, a.packed, false);
   c.check_offsets(a.expert_offset);
+  if (!a.part.whole()) c.check_part(a.expert_offset, a.part.pair_begin, a.part.pair_end);
   if (p.engine == GemmEngine::kOneDnn)
     forward_onednn(exec, c, a, p);
   else
@@ -163,6 +172,10 @@ void expert_mlp_backward(CpuExec& exec, const ExpertMlpConfig& c, const ExpertMl
   MOE_CHECK(c.train, "expert mlp backward needs a config with train = true (workspace)");
   const CpuExpertWeights& p = checked_for(exec, c, a.packed, true);
   c.check_offsets(a.expert_offset);
+  if (!a.part.whole()) {
+    MOE_CHECK(a.phase == MlpBackwardPhase::kDgrad, "expert mlp backward: a part computes the dgrad phase only");
+    c.check_part(a.expert_offset, a.part.pair_begin, a.part.pair_end);
+  }
   if (p.engine == GemmEngine::kOneDnn)
     backward_onednn(exec, c, a, p);
   else

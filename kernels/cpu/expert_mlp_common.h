@@ -40,10 +40,14 @@ struct PhaseTotals {
 };
 
 // Runs body(tile, rows, thread, clock) on every row tile (at most kMlpMaxTileRows
-// rows of one expert) on the pool, the clock started for each tile.
+// rows of one expert) of the part's pairs on the pool, the clock started for each tile.
 template <typename Body>
-void for_each_row_tile(CpuExec& exec, const int64_t* expert_offset, int num_experts, const Body& body) {
-  plan_row_tiles(exec, expert_offset, num_experts, kMlpMaxTileRows);
+void for_each_row_tile(CpuExec& exec, const int64_t* expert_offset, const ExpertMlpPart& part, int num_experts,
+                       const Body& body) {
+  if (part.whole())
+    plan_row_tiles(exec, expert_offset, num_experts, kMlpMaxTileRows);
+  else
+    plan_row_tiles(exec, part.pair_begin, part.pair_end, num_experts, kMlpMaxTileRows);
   exec.pool.parallel_for(static_cast<int64_t>(exec.tiles.size()), [&](int64_t i, int thread) {
     PhaseClock clock;
     clock.start();

@@ -118,7 +118,7 @@ void forward_onednn(CpuExec& exec, const ExpertMlpConfig& c, const ExpertMlpForw
   const Workspace ws(c, a.workspace, exec.pool.num_threads());
   const size_t row_bytes = ws.lay.es * H;
   PhaseTotals totals;
-  for_each_row_tile(exec, a.expert_offset, c.num_experts,
+  for_each_row_tile(exec, a.expert_offset, a.part, c.num_experts,
                     [&](const GemmTile& t, int64_t rows, int thread, PhaseClock& clock) {
     uint8_t* xp = ws.xp(thread);
     float* gu = a.saved_gu ? a.saved_gu + t.begin * 2 * I : ws.gup(thread);
@@ -135,16 +135,17 @@ void forward_onednn(CpuExec& exec, const ExpertMlpConfig& c, const ExpertMlpForw
   totals.flush(a.stats);
 }
 
-void backward_onednn(CpuExec& exec, const ExpertMlpConfig& c, const ExpertMlpBackwardArgs& a,
-                     const CpuExpertWeights& p) {
-  const int64_t H = c.hidden, I = c.ffn_hidden;
-  const Workspace ws(c, a.workspace, exec.pool.num_threads());
-  const size_t es = ws.lay.es;
+namespace {
 
-  // Row tiles: dgrad chain. dh' = g w2; SwiGLU backward gives dgu, the scaled h and
-  // the routing-weight gradient; dx = dgu w13.
+// Row tiles of the part: the dgrad chain. dh' = g w2; SwiGLU backward gives dgu,
+// the scaled h and the routing-weight gradient; dx = dgu w13. Leaves g, x, dgu and
+// h per pair in the workspace for the weight gradients.
+void dgrad_onednn(CpuExec& exec, const ExpertMlpConfig& c, const ExpertMlpBackwardArgs& a, const CpuExpertWeights& p,
+                  const Workspace& ws) {
+  const int64_t H = c.hidden, I = c.ffn_hidden;
+  const size_t es = ws.lay.es;
   PhaseTotals totals;
-  for_each_row_tile(exec, a.expert_offset, c.num_experts,
+  for_each_row_tile(exec, a.expert_offset, a.part, c.num_experts,
                     [&](const GemmTile& t, int64_t rows, int thread, PhaseClock& clock) {
     uint8_t* g = ws.g_perm + t.begin * H * es;
     uint8_t* dgu = ws.dgu + t.begin * 2 * I * es;
@@ -161,10 +162,19 @@ void backward_onednn(CpuExec& exec, const ExpertMlpConfig& c, const ExpertMlpBac
     clock.lap(totals.gemm);
   });
   totals.flush(a.stats);
+}
 
+}  // namespace
+
+void backward_onednn(CpuExec& exec, const ExpertMlpConfig& c, const ExpertMlpBackwardArgs& a,
+                     const CpuExpertWeights& p) {
+  const Workspace ws(c, a.workspace, exec.pool.num_threads());
+  if (a.phase != MlpBackwardPhase::kWgrad) dgrad_onednn(exec, c, a, p, ws);
+  if (a.phase == MlpBackwardPhase::kDgrad) return;
   // Weight gradients: dW2_e = g_e^T h_e ([H, I]); dW13_e = dgu_e^T x_e ([2I, H]).
-  wgrad(exec, a.expert_offset, c.num_experts, H, I, *p.down_wgrad, ws.g_perm, ws.h_perm, a.grad_w2, es);
-  wgrad(exec, a.expert_offset, c.num_experts, 2 * I, H, *p.gate_up_wgrad, ws.dgu, ws.x_perm, a.grad_w13, es);
+  const int64_t H = c.hidden, I = c.ffn_hidden;
+  wgrad(exec, a.expert_offset, c.num_experts, H, I, *p.down_wgrad, ws.g_perm, ws.h_perm, a.grad_w2, ws.lay.es);
+  wgrad(exec, a.expert_offset, c.num_experts, 2 * I, H, *p.gate_up_wgrad, ws.dgu, ws.x_perm, a.grad_w13, ws.lay.es);
 }
 
 }  // namespace moe::kernels::cpu

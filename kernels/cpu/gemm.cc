@@ -71,16 +71,21 @@ void sgemm(bool trans_a, bool trans_b, int64_t m, int64_t n, int64_t k, float al
 }
 
 void plan_row_tiles(CpuExec& exec, const int64_t* offset, int num_groups, int64_t max_rows) {
-  const int64_t total = offset[num_groups] - offset[0];
+  plan_row_tiles(exec, offset, offset + 1, num_groups, max_rows);
+}
+
+void plan_row_tiles(CpuExec& exec, const int64_t* begin, const int64_t* end, int num_groups, int64_t max_rows) {
+  int64_t total = 0;
+  for (int g = 0; g < num_groups; ++g) total += end[g] - begin[g];
   const int64_t per_thread = ceil_div(total, 2 * static_cast<int64_t>(exec.pool.num_threads()));
   const int64_t tile = std::clamp<int64_t>(per_thread, std::min(kMinTileRows, max_rows), max_rows);
   exec.tiles.clear();
   for (int g = 0; g < num_groups; ++g) {
-    const int64_t m = offset[g + 1] - offset[g];
+    const int64_t m = end[g] - begin[g];
     if (m == 0) continue;
     const int64_t pieces = ceil_div(m, tile);
     for (int64_t p = 0; p < pieces; ++p)
-      exec.tiles.push_back({g, offset[g] + m * p / pieces, offset[g] + m * (p + 1) / pieces});
+      exec.tiles.push_back({g, begin[g] + m * p / pieces, begin[g] + m * (p + 1) / pieces});
   }
   sort_largest_first(exec.tiles);
 }

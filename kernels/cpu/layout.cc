@@ -109,6 +109,18 @@ size_t permute_layout_workspace_bytes(const PermuteLayoutConfig& cfg, int) {
   return align64(8 * kMaxBlocks * static_cast<size_t>(std::max(cfg.num_experts, 1)));
 }
 
+namespace {
+
+// The row visited at position i: row_order[i], or i.
+int64_t row_at(const PermuteLayoutArgs& a, int64_t N, int64_t i) {
+  if (!a.row_order) return i;
+  const int64_t n = a.row_order[i];
+  MOE_CHECK(n >= 0 && n < N, "permute layout: row_order[", i, "] = ", n, " is out of range [0, ", N, ")");
+  return n;
+}
+
+}  // namespace
+
 void permute_layout(ThreadPool& pool, const PermuteLayoutConfig& cfg, const PermuteLayoutArgs& a) {
   cfg.validate();
   const int64_t N = cfg.num_rows;
@@ -119,12 +131,15 @@ void permute_layout(ThreadPool& pool, const PermuteLayoutConfig& cfg, const Perm
   pool.parallel_for(blocks.count, [&](int64_t b, int) {
     int64_t* c = count + b * L;
     std::fill(c, c + L, 0);
-    const int64_t n1 = std::min(N, (b + 1) * blocks.size);
-    for (int64_t p = b * blocks.size * K; p < n1 * K; ++p) {
-      const int32_t e = a.row_expert[p];
-      MOE_CHECK(e >= -1 && e < L, "permute layout: row_expert[", p / K, ",", p % K, "] = ", e,
-                " is out of range [0, ", L, ")");
-      if (e >= 0) ++c[e];
+    const int64_t i1 = std::min(N, (b + 1) * blocks.size);
+    for (int64_t i = b * blocks.size; i < i1; ++i) {
+      const int64_t n = row_at(a, N, i);
+      for (int k = 0; k < K; ++k) {
+        const int32_t e = a.row_expert[n * K + k];
+        MOE_CHECK(e >= -1 && e < L, "permute layout: row_expert[", n, ",", k, "] = ", e, " is out of range [0, ",
+                  L, ")");
+        if (e >= 0) ++c[e];
+      }
     }
   });
 
@@ -142,8 +157,9 @@ void permute_layout(ThreadPool& pool, const PermuteLayoutConfig& cfg, const Perm
 
   pool.parallel_for(blocks.count, [&](int64_t b, int) {
     int64_t* next = count + b * L;
-    const int64_t n1 = std::min(N, (b + 1) * blocks.size);
-    for (int64_t n = b * blocks.size; n < n1; ++n)
+    const int64_t i1 = std::min(N, (b + 1) * blocks.size);
+    for (int64_t i = b * blocks.size; i < i1; ++i) {
+      const int64_t n = row_at(a, N, i);
       for (int k = 0; k < K; ++k) {
         const int32_t e = a.row_expert[n * K + k];
         if (e < 0) {
@@ -155,6 +171,7 @@ void permute_layout(ThreadPool& pool, const PermuteLayoutConfig& cfg, const Perm
         a.perm_src_row[m] = static_cast<int32_t>(n);
         if (a.row_weight && a.perm_weight) a.perm_weight[m] = a.row_weight[n * K + k];
       }
+    }
   });
 }
 

@@ -108,6 +108,7 @@ void expert_mlp_forward(CudaExec& ex, const ExpertMlpConfig& c, const ExpertMlpF
   c.validate();
   const CudaExpertWeights& p = checked_weights(c, a.packed);
   c.check_offsets(a.expert_offset);
+  MOE_CHECK(a.part.whole(), "expert mlp: the CUDA backend computes whole layouts, not parts (overlap chunks run on CPU)");
   const int64_t M = a.expert_offset[c.num_experts], H = c.hidden, I = c.ffn_hidden;
   if (M == 0) return;
   const MlpWorkspace w = carve(c, a.workspace);
@@ -143,14 +144,18 @@ void expert_mlp_backward(CudaExec& ex, const ExpertMlpConfig& c, const ExpertMlp
   const MlpWorkspace w = carve(c, a.workspace);
   const ExpertGemmWeights gw = gemm_weights(c, p, a.w13, a.w2);
   const cudaDataType_t xt = cuda_type(c.x_dtype);
-  gather_rows(ex, a.grad_rows, c.x_dtype, c.hidden, a.perm_src_row, M, c.max_src_rows, w.g_perm);
-  gather_rows(ex, a.rows, c.x_dtype, c.hidden, a.perm_src_row, M, c.max_src_rows, w.x_perm);
-  // dh [M, I] = g w2_e; SwiGLU backward -> dgu, h (recomputed, scaled), the routing-weight gradient.
-  grouped_gemm(ex, {GemmKind::kDgrad, L, H, I, false}, a.expert_offset, {w.g_perm, xt, gw.w2, gw.type, w.dh});
-  swiglu_backward(ex, M, c.ffn_hidden, a.saved_gu, w.dh, a.perm_weight, w.dgu, a.grad_perm_weight, w.h, c.x_dtype);
-  // grad_perm_x [M, H] = dgu w13_e.
-  grouped_gemm(ex, {GemmKind::kDgrad, L, 2 * I, H, false}, a.expert_offset,
-               {w.dgu, xt, gw.w13, gw.type, a.grad_perm_x});
+  MOE_CHECK(a.part.whole(), "expert mlp backward: the CUDA backend computes whole layouts, not parts");
+  if (a.phase != MlpBackwardPhase::kWgrad) {
+    gather_rows(ex, a.grad_rows, c.x_dtype, c.hidden, a.perm_src_row, M, c.max_src_rows, w.g_perm);
+    gather_rows(ex, a.rows, c.x_dtype, c.hidden, a.perm_src_row, M, c.max_src_rows, w.x_perm);
+    // dh [M, I] = g w2_e; SwiGLU backward -> dgu, h (recomputed, scaled), the routing-weight gradient.
+    grouped_gemm(ex, {GemmKind::kDgrad, L, H, I, false}, a.expert_offset, {w.g_perm, xt, gw.w2, gw.type, w.dh});
+    swiglu_backward(ex, M, c.ffn_hidden, a.saved_gu, w.dh, a.perm_weight, w.dgu, a.grad_perm_weight, w.h, c.x_dtype);
+    // grad_perm_x [M, H] = dgu w13_e.
+    grouped_gemm(ex, {GemmKind::kDgrad, L, 2 * I, H, false}, a.expert_offset,
+                 {w.dgu, xt, gw.w13, gw.type, a.grad_perm_x});
+  }
+  if (a.phase == MlpBackwardPhase::kDgrad) return;
   // dW2_e = g_e^T h_e [H, I]; dW13_e = dgu_e^T x_e [2I, H] (zero for an expert with no rows).
   grouped_gemm(ex, {GemmKind::kWgrad, L, H, I, false}, a.expert_offset, {w.g_perm, xt, w.h, xt, a.grad_w2});
   grouped_gemm(ex, {GemmKind::kWgrad, L, 2 * I, H, false}, a.expert_offset, {w.dgu, xt, w.x_perm, xt, a.grad_w13});

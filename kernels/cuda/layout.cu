@@ -150,6 +150,7 @@ size_t permute_layout_workspace_bytes(const PermuteLayoutConfig& cfg) {
 
 void permute_layout(CudaExec& ex, const PermuteLayoutConfig& cfg, const PermuteLayoutArgs& a) {
   cfg.validate();
+  MOE_CHECK(!a.row_order, "permute layout: the CUDA backend orders pairs by row (row_order is a CPU feature)");
   const int64_t N = cfg.num_rows;
   const int L = cfg.num_experts;
   const PermuteParams p{N, cfg.top_k, L, chunks(N)};

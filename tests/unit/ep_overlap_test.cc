@@ -1,6 +1,6 @@
 // Chunked dispatch/combine pipelined with the experts (docs/layer.md#overlap):
-// the forward gives the same bits for every chunk count, over in-process ranks and
-// over UCX; the ranks agree on the count; a rank lost mid-pipeline fails its peers
+// the forward, and a train layer's backward, give the same bits for every chunk
+// count, over in-process ranks and over UCX; the ranks agree on the count; a rank lost mid-pipeline fails its peers
 // with an error instead of a hang; the chunk rule.
 #include <gtest/gtest.h>
 
@@ -41,18 +41,29 @@ std::vector<EpCase> overlap_cases() {
 }
 
 // Whether a row's GEMM result is independent of the other rows of its call on
-// this engine (docs/layer.md#overlap): true for oneDNN and OpenBLAS's blocked
-// kernels; OpenBLAS's AVX-512 small-matrix kernel sums in another order.
+// this engine (docs/layer.md#overlap): fp32 on oneDNN and on OpenBLAS's blocked
+// kernels; OpenBLAS's AVX-512 small-matrix kernel, and oneDNN's bf16 kernels for
+// a few rows, sum in another order.
 bool rows_independent(kernels::DType dtype) {
   const kernels::CpuBackendInfo info = kernels::cpu_backend_info();
+  if (dtype != kernels::DType::kF32) return false;
   return info.engines.of(dtype) == kernels::GemmEngine::kOneDnn || info.isa.rfind("avx512", 0) != 0;
 }
 
-void expect_same_out(const RankResult& got, const RankResult& want, kernels::DType dtype) {
+// The same bits where rows are independent; else the same values to rounding
+// (fp32: of the sums; bf16: one bf16 rounding of the values).
+void expect_same(const char* what, const std::vector<float>& got, const std::vector<float>& want,
+                 kernels::DType dtype) {
   if (rows_independent(dtype))
-    EXPECT_EQ(got.out, want.out);
+    EXPECT_EQ(got, want) << what;
+  else if (dtype == kernels::DType::kF32)
+    EXPECT_TRUE(close(what, to_double(got), to_double(want), 1e-5, 1e-6, want.empty()));
   else
-    EXPECT_TRUE(close("out", to_double(got.out), to_double(want.out), 1e-5, 1e-6, want.out.empty()));
+    EXPECT_TRUE(close(what, to_double(got), to_double(want), 0x1.0p-7, 0x1.0p-8, want.empty()));
+}
+
+void expect_same_out(const RankResult& got, const RankResult& want, kernels::DType dtype) {
+  expect_same("out", got.out, want.out, dtype);
 }
 
 class Overlap : public ::testing::TestWithParam<EpCase> {};
@@ -83,6 +94,67 @@ TEST_P(Overlap, EveryChunkCountGivesTheSerialBits) {
 
 INSTANTIATE_TEST_SUITE_P(Cases, Overlap, ::testing::ValuesIn(overlap_cases()),
                          [](const ::testing::TestParamInfo<EpCase>& i) { return i.param.name; });
+
+std::vector<EpCase> train_overlap_cases() {
+  std::vector<EpCase> v;
+  for (EpCase c : overlap_cases()) {
+    c.train = true;
+    v.push_back(c);
+  }
+  EpCase c = small_case("fp8_wire_aux_R2", {140, 120}, MapKind::kReplicas);
+  c.dispatch_wire = ep::Wire::kFP8;
+  c.combine_wire = ep::Wire::kBF16;
+  c.aux = 0.01;
+  v.push_back(c);
+  return v;
+}
+
+class TrainOverlap : public ::testing::TestWithParam<EpCase> {};
+
+// A train layer chunks both pairs; its output and every gradient keep the serial
+// bits at every chunk count (the weight gradients sum rows in the handle's row
+// order, which the chunking does not change), and match the reference.
+TEST_P(TrainOverlap, EveryChunkCountGivesTheSerialGradients) {
+  EpCase serial = GetParam();
+  serial.overlap_chunks = 1;
+  const std::vector<RankResult> want = run_inproc(serial);
+  check_against_reference(serial, want);
+  for (int chunks : {2, 3, 8}) {
+    EpCase c = serial;
+    c.overlap_chunks = chunks;
+    const std::vector<RankResult> got = run_inproc(c, 2);
+    check_against_reference(c, got);
+    for (int r = 0; r < c.ranks; ++r) {
+      SCOPED_TRACE(c.name + " chunks " + std::to_string(chunks) + " rank " + std::to_string(r));
+      EXPECT_EQ(got[r].chunks, chunks);
+      expect_same("out", got[r].out, want[r].out, c.dtype);
+      expect_same("grad_x", got[r].grad_x, want[r].grad_x, c.dtype);
+      expect_same("grad_gate", got[r].grad_gate, want[r].grad_gate, c.dtype);
+      expect_same("grad_w13", got[r].grad_w13, want[r].grad_w13, c.dtype);
+      expect_same("grad_w2", got[r].grad_w2, want[r].grad_w2, c.dtype);
+      expect_same("grad_shared_w13", got[r].grad_shared_w13, want[r].grad_shared_w13, c.dtype);
+    }
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(Cases, TrainOverlap, ::testing::ValuesIn(train_overlap_cases()),
+                         [](const ::testing::TestParamInfo<EpCase>& i) { return i.param.name; });
+
+TEST(OverlapUcx, TrainChunksOverUcxGiveTheSerialGradients) {
+  EpCase c = small_case("hybrid_train_R4", {82, 61, 0, 47}, MapKind::kReplicas);
+  c.overlap_chunks = 1;
+  const std::vector<RankResult> want = run_inproc(c);
+  c.overlap_chunks = 3;
+  const std::vector<RankResult> got = run_hybrid(c);
+  check_against_reference(c, got);
+  for (int r = 0; r < c.ranks; ++r) {
+    SCOPED_TRACE("rank " + std::to_string(r));
+    EXPECT_EQ(got[r].chunks, 3);
+    expect_same("grad_x", got[r].grad_x, want[r].grad_x, c.dtype);
+    expect_same("grad_w13", got[r].grad_w13, want[r].grad_w13, c.dtype);
+    expect_same("grad_w2", got[r].grad_w2, want[r].grad_w2, c.dtype);
+  }
+}
 
 TEST(OverlapUcx, ChunksOverUcxGiveTheSerialBits) {
   EpCase c = forward_case("hybrid_R4", {82, 61, 0, 47}, MapKind::kReplicas);

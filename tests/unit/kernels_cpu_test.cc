@@ -546,6 +546,25 @@ TEST_F(CpuOps, PermuteLayoutIsStableExpertMajorAndInvertible) {
       EXPECT_EQ(perm_w[m], row_w[n * K + k]);
     }
 
+  // With a row order (here: rows reversed), each expert's pairs follow it instead.
+  std::vector<int32_t> order(N);
+  for (int64_t i = 0; i < N; ++i) order[i] = static_cast<int32_t>(N - 1 - i);
+  std::vector<int64_t> offset_r(L + 1);
+  std::vector<int32_t> src_r(N * K), pos_r(N * K);
+  PermuteLayoutArgs ordered{row_expert.data(), row_w.data(), offset_r.data(), src_r.data(), perm_w.data(),
+                            pos_r.data(), workspace(be->permute_layout_workspace_bytes(cfg))};
+  ordered.row_order = order.data();
+  be->permute_layout(cfg, ordered);
+  EXPECT_EQ(offset_r, offset);
+  for (int e = 0; e < L; ++e)
+    for (int64_t m = offset[e]; m < offset[e + 1]; ++m) ASSERT_EQ(src_r[m], src[offset[e + 1] - 1 - (m - offset[e])]);
+  for (int64_t i = 0; i < N * K; ++i)
+    if (pos[i] >= 0) ASSERT_EQ(src_r[pos_r[i]], i / K);
+  order[5] = static_cast<int32_t>(N);  // out of range: refused
+  EXPECT_THROW(be->permute_layout(cfg, ordered), Error);
+  be->permute_layout(cfg, {row_expert.data(), row_w.data(), offset.data(), src.data(), perm_w.data(), pos.data(),
+                           workspace(be->permute_layout_workspace_bytes(cfg))});
+
   // permute then weighted unpermute equals the direct weighted sum; both dtypes.
   const int H = 40;
   const std::vector<float> rows = normal_vector(N * H, 4);
@@ -800,6 +819,57 @@ TEST_P(ExpertMlpOp, ForwardBackwardMatchComposition) {
   EXPECT_TRUE(close_bounded("grad_w2", to_double(g2), wg2, sg2, coef, 1e-4, 1e-5));
   // Expert 2 had no rows: its gradient is exactly zero (overwritten, not left at 7).
   for (int64_t i = 2 * 2 * I * H; i < 3 * 2 * I * H; ++i) ASSERT_EQ(g13[i], 0.0f);
+
+  // In parts (a chunked layer, docs/layer.md#overlap): each expert's pairs in
+  // three runs, forward then dgrad part by part, then the weight gradients alone.
+  // fp32: the same bits where the engine computes rows independently (oneDNN;
+  // OpenBLAS off AVX-512), else the same values to fp32 rounding; bf16 to one
+  // rounding of the bf16 values.
+  {
+    std::vector<float> y2(M * H, 3.0f), gu2(M * 2 * I), gx2(M * H), gpw2(M), g13b(g13.size(), 7.0f), g2b(g2.size(), 7.0f);
+    ExpertMlpForwardArgs fp = f;
+    fp.y = y2.data();
+    fp.saved_gu = gu2.data();
+    ExpertMlpBackwardArgs bp = b;
+    bp.saved_gu = gu2.data();
+    bp.grad_perm_x = gx2.data();
+    bp.grad_perm_weight = gpw2.data();
+    bp.grad_w13 = g13b.data();
+    bp.grad_w2 = g2b.data();
+    bp.phase = MlpBackwardPhase::kDgrad;
+    std::vector<std::vector<int64_t>> cut(4, std::vector<int64_t>(L));
+    for (int p = 0; p <= 3; ++p)
+      for (int e = 0; e < L; ++e) cut[p][e] = off[e] + (off[e + 1] - off[e]) * p / 3;
+    for (int p = 0; p < 3; ++p) {
+      fp.part = bp.part = {.pair_begin = cut[p].data(), .pair_end = cut[p + 1].data()};
+      be->expert_mlp_forward(cfg, fp);
+      be->expert_mlp_backward(cfg, bp);
+    }
+    bp.part = {};
+    bp.phase = MlpBackwardPhase::kWgrad;
+    be->expert_mlp_backward(cfg, bp);
+    const bool exact = !bf16 && (engine == GemmEngine::kOneDnn || cpu_backend_info().isa.rfind("avx512", 0) != 0);
+    auto same = [&](const char* what, const std::vector<float>& got, const std::vector<float>& want) {
+      if (exact)
+        EXPECT_EQ(got, want) << what;
+      else
+        EXPECT_TRUE(close(what, to_double(got), to_double(want), bf16 ? 0x1.0p-7 : 1e-5, bf16 ? 0x1.0p-8 : 1e-6));
+    };
+    same("parts y", y2, y);
+    same("parts saved_gu", gu2, gu);
+    same("parts grad_perm_x", gx2, gx);
+    same("parts grad_perm_weight", gpw2, gpw);
+    same("parts grad_w13", g13b, g13);
+    same("parts grad_w2", g2b, g2);
+    // A part beyond its expert's pairs, or a part given to a whole backward, is refused.
+    std::vector<int64_t> bad_end = cut[3];
+    bad_end[0] += 1;
+    fp.part = {.pair_begin = cut[0].data(), .pair_end = bad_end.data()};
+    EXPECT_THROW(be->expert_mlp_forward(cfg, fp), Error);
+    bp.part = {.pair_begin = cut[0].data(), .pair_end = cut[1].data()};
+    bp.phase = MlpBackwardPhase::kAll;
+    EXPECT_THROW(be->expert_mlp_backward(cfg, bp), Error);
+  }
 
   // No rows at all (T = 0 on a rank): nothing to compute, every gradient zero.
   const std::vector<int64_t> none = {0, 0, 0, 0};

@@ -195,6 +195,10 @@ struct PermuteLayoutArgs {
   float* perm_weight = nullptr;         // [N * K] out, written when row_weight is given
   int32_t* pair_pos = nullptr;          // [N, K] out: permuted row of pair (n, k), or -1
   void* workspace = nullptr;            // permute_layout_workspace_bytes
+  // [N] or null: a permutation of the rows. Set, an expert's pairs are ordered by
+  // their row's position in row_order instead of by row (a chunked layer's order
+  // that does not depend on the chunking, docs/layer.md#overlap). CPU backend only.
+  const int32_t* row_order = nullptr;
 };
 
 // Permute: out[m] = rows[src_row[m]], converting dtype. Both maps come from
@@ -307,7 +311,25 @@ struct ExpertMlpConfig {
   // Throws unless expert_offset [L + 1] (HOST) starts at 0, never decreases and
   // stays within max_rows.
   void check_offsets(const int64_t* expert_offset) const;
+  // Throws unless every part range [pair_begin[e], pair_end[e]) lies in expert e's
+  // range of expert_offset.
+  void check_part(const int64_t* expert_offset, const int64_t* pair_begin, const int64_t* pair_end) const;
 };
+
+// A part of a layout (docs/layer.md#overlap): pairs [pair_begin[e], pair_end[e])
+// of each expert e, HOST memory [L] each. A call given a part computes those pairs
+// only and leaves every other pair's outputs as they are. CPU backend only.
+struct ExpertMlpPart {
+  const int64_t* pair_begin = nullptr;  // null: every pair of expert_offset
+  const int64_t* pair_end = nullptr;
+  bool whole() const { return pair_begin == nullptr; }
+};
+
+// What an expert_mlp_backward call computes: everything, or, to overlap the
+// backward's transfers, the dgrad chain of a part (per pair: grad_perm_x,
+// grad_perm_weight) and, after dgrad calls that covered every pair with the same
+// layout and workspace, the weight gradients alone.
+enum class MlpBackwardPhase : uint8_t { kAll, kDgrad, kWgrad };
 
 // Where a fused call spent its time, in thread-seconds summed over the pool's
 // threads (divide by the thread count for a wall-clock share).
@@ -329,6 +351,7 @@ struct ExpertMlpForwardArgs {
   float* saved_gu = nullptr;              // [M, 2I] out for backward, or null
   void* workspace = nullptr;              // expert_mlp_workspace_bytes
   ExpertMlpStats* stats = nullptr;        // HOST, accumulated into when not null
+  ExpertMlpPart part;                     // the pairs to compute (default: all)
 };
 
 // Backward of the above given grad_rows (the gradient reaching each source row's
@@ -350,6 +373,8 @@ struct ExpertMlpBackwardArgs {
   float* grad_w2 = nullptr;               // [L, H, I] out (overwritten)
   void* workspace = nullptr;              // expert_mlp_workspace_bytes
   ExpertMlpStats* stats = nullptr;        // HOST, accumulated into when not null
+  MlpBackwardPhase phase = MlpBackwardPhase::kAll;
+  ExpertMlpPart part;                     // kDgrad only: the pairs to compute
 };
 
 // ---------------------------------------------------------------------------

@@ -24,20 +24,29 @@
 //   a backward row    = row_bytes (+ K fp32 weight gradients on the way back)
 //   the naive scheme  = one row + one slot + one weight per (token, expert) pair
 //
-// Overlap (docs/layer.md#overlap): a forward-only dispatcher may split the pair
-// into chunks of rows, moved by a TransferWorker while the caller computes:
+// Overlap (docs/layer.md#overlap): on host memory the dispatcher may split both
+// pairs into chunks of rows, moved by a TransferWorker while the caller computes:
 //
-//   h = dispatch(...)                      // chunks() > 1: chunk 0 is on its way
+//   h = dispatch(...)                      // chunks() > 1: every row's slots and
+//                                          // weights, and chunk 0's rows, on their way
 //   for c in 0..chunks()-1:
 //     ch = next_chunk()                    // chunk c has arrived; c + 1 goes out
 //     compute rows [ch.first_row, + ch.num_rows) of y
 //     chunk_done(y)                        // chunk c's results go back
 //   combine(h, y, out)                     // waits for every result; same bits
 //
+//   g = combine_backward(h, grad_out)      // chunk 0's grad rows on their way
+//   for c in 0..chunks()-1:
+//     ch = next_backward_chunk()           // chunk c's grad rows are in g
+//     compute rows ch of grad_rows, grad_pair_weight
+//     backward_chunk_done(grad_rows, grad_pair_weight)
+//   dispatch_backward(h, grad_rows, grad_pair_weight, ...)  // waits; same bits
+//
 // The ranks agree on the chunk count at every dispatch (the largest any rank
-// proposes). A row is computed the same way in any chunk, and a token's rows are
-// summed in rank order after all of them are back, so the output does not
-// depend on the chunking.
+// proposes); the backward uses the forward's. A row is computed the same way in
+// any chunk, and a token's rows are summed in rank order after all of them are
+// back, so the outputs do not depend on the chunking. Sums over rows (weight
+// gradients) take them in h.row_order(), which no chunking changes.
 #pragma once
 
 #include <cstdint>
@@ -119,18 +128,23 @@ class DispatchHandle {
   const void* recv_rows() const { return recv_rows_.get(); }                 // [N, H] dtype
   const int32_t* recv_slot() const { return recv_slot_.as<int32_t>(); }     // [N, K] local slot or -1
   const float* recv_weight() const { return recv_weight_.as<float>(); }     // [N, K]
+  // A train dispatcher that can chunk: the received rows in an order every chunk
+  // count cuts into runs, chunk c being the c-th run ([N], docs/layer.md#overlap);
+  // null otherwise.
+  const int32_t* row_order() const { return has_row_order_ ? row_order_.as<int32_t>() : nullptr; }
 
  private:
   friend class Dispatcher;
   int64_t num_tokens_ = 0, num_recv_rows_ = 0, recv_capacity_ = -1;
   int chunks_ = 1;
+  bool has_row_order_ = false;
   const int32_t* topk_slot_ = nullptr;             // [T, K], the caller's
   std::vector<int64_t> send_counts_, recv_counts_;  // rows per peer
   std::vector<int64_t> rank_offset_;                // [R + 1] host
   transport::Segments send_rows_, recv_rows_segs_, send_meta_, recv_meta_;  // rows: layer dtype
   transport::Segments send_wire_, recv_wire_, send_results_, recv_results_;  // the forward's wires
   kernels::Buffer token_send_row_, send_src_token_;  // the layout, [T, R] and [rows]
-  kernels::Buffer recv_rows_, recv_slot_, recv_weight_;
+  kernels::Buffer recv_rows_, recv_slot_, recv_weight_, row_order_;
 };
 
 class Dispatcher {
@@ -157,9 +171,16 @@ class Dispatcher {
     last_rows_per_expert_ = rows_per_expert;
   }
   // grad_out [T, H] dtype -> the grad rows [N, H] dtype each receiver gets.
+  // Chunked: they arrive chunk by chunk (next_backward_chunk).
   const void* combine_backward(const DispatchHandle& h, const void* grad_out);
+  // Chunked: waits for the next chunk's grad rows and sends the one after it.
+  ChunkRows next_backward_chunk();
+  // Chunked: that chunk's rows of grad_rows [N, H] and grad_pair_weight [N, K] are
+  // computed; sends them back.
+  void backward_chunk_done(const void* grad_rows, const float* grad_pair_weight);
   // grad_rows [N, H] dtype, grad_pair_weight [N, K] -> grad_x32 [T, H] (=, rank
-  // order) and grad_topk_weight [T, K] at the source.
+  // order) and grad_topk_weight [T, K] at the source. Chunked: waits for every
+  // chunk (sent by backward_chunk_done).
   void dispatch_backward(const DispatchHandle& h, const void* grad_rows, const float* grad_pair_weight,
                          float* grad_x32, float* grad_topk_weight);
 
@@ -181,13 +202,18 @@ class Dispatcher {
   int propose_chunks() const;
   bool can_chunk() const;
   void plan_chunks();
+  void build_row_order();
   void post_dispatch_chunk(int c);
   void post_combine_chunk(int c, const void* y);
+  void post_grad_chunk(int c);
+  void post_grad_result_chunk(int c, const void* grad_rows, const float* grad_pair_weight);
+  int take_chunk(const char* what);
   void wait_for(transport::TransferWorker::OpId id);
   void encode_send_rows(const void* x, int64_t T);
   void decode_rows(int64_t first, int64_t n);
   const void* encode_results(const void* y, int64_t first, int64_t n);
   void count_bytes();
+  void count_backward_bytes();
   void reserve(int64_t rows);
   void check(const DispatchHandle& h) const;
 
@@ -208,12 +234,14 @@ class Dispatcher {
   kernels::Buffer send_wire_, recv_wire_, y_wire_;
   std::vector<int32_t> per_slot_host_;  // pairs per physical slot, for the naive figures
   DispatchStats stats_;
-  // Chunked forward: per chunk, the segments of rows and of metadata each way.
+  // Chunked pairs: per chunk, the segments of rows and of metadata each way.
   struct ChunkPlan {
     transport::Segments send_rows, recv_rows, send_meta, recv_meta;  // rows: dispatch wire bytes
     transport::Segments send_results, recv_results;                 // combine wire bytes, back
+    transport::Segments send_grad, recv_grad;                       // backward rows: row_bytes_
+    transport::Segments send_grad_w, recv_grad_w;                   // K weight gradients a row, back
     int64_t first_row = 0, num_rows = 0;  // of the received rows (chunk-major)
-    transport::TransferWorker::OpId arrived = 0;  // the dispatch op
+    transport::TransferWorker::OpId arrived = 0;  // the op bringing its rows (forward or backward)
   };
   std::vector<ChunkPlan> plan_;
   int next_chunk_ = 0;

@@ -151,6 +151,7 @@ class EpLayer {
   void gather_counts();
   RouterBalance balance_terms() const;
   void forward_chunks(const DispatchHandle& h, void* out);
+  void experts_backward(const void* grad_out);
   void all_reduce_replicated_grads();
   std::unique_ptr<Dispatcher> make_dispatcher(const ExpertMap& map) const;
   void install_map(const ExpertMap& map);

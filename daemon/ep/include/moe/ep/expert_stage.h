@@ -46,11 +46,29 @@ class ExpertStage {
 
   // rows [N, H] (dtype), row_expert / row_weight [N, K] (local expert or -1) ->
   // combined [N, H] in dtype: each row's local pairs, weighted and summed.
-  void forward(const void* rows, int64_t N, const int32_t* row_expert, const float* row_weight, void* combined);
+  // row_order: as in layout().
+  void forward(const void* rows, int64_t N, const int32_t* row_expert, const float* row_weight, void* combined,
+               const int32_t* row_order = nullptr);
   // grad_combined [N, H] (dtype) -> grad_rows [N, H] in grad_rows_dtype, the
   // routing-weight gradient per (row, k) [N, K] (0 where no pair), and the weight
   // gradients of the local experts (overwritten).
   void backward(const void* grad_combined, void* grad_rows, DType grad_rows_dtype, float* grad_pair_weight);
+
+  // The same in parts, to overlap a chunked dispatch (docs/layer.md#overlap):
+  //   layout(row_expert, row_weight, N, row_order)     // all rows' pairs, once
+  //   forward_rows(rows, first, n, combined)           // part by part, in row_order's order
+  //   backward_rows(grad_combined, first, n, ...)      // the forward's parts: the dgrad chain
+  //   weight_grads()                                   // after every part's backward
+  // A part is a range of rows that is also a range of row_order (null: the rows'
+  // own order), so each expert's pairs of a part are contiguous in the layout; a
+  // part that is not throws. Every pair is computed as in the whole call, and the
+  // weight gradients sum the pairs in the same order, so the results do not
+  // depend on the parts.
+  void layout(const int32_t* row_expert, const float* row_weight, int64_t N, const int32_t* row_order);
+  void forward_rows(const void* rows, int64_t first, int64_t n, void* combined);
+  void backward_rows(const void* grad_combined, int64_t first, int64_t n, void* grad_rows, DType grad_rows_dtype,
+                     float* grad_pair_weight);
+  void weight_grads();
 
   // One optimizer step on the local experts' weights from grad_w13()/grad_w2().
   void apply_update(const kernels::OptimizerConfig& cfg, int64_t step);
@@ -78,7 +96,18 @@ class ExpertStage {
   const ExpertStageTimes& times() const { return times_; }
 
  private:
+  // Pairs [begin[e], end[e]) of each expert: the part of rows [first, first + n).
+  struct Part {
+    int64_t first = 0, n = 0;
+    std::vector<int64_t> begin, end;
+  };
   kernels::ExpertMlpConfig mlp_config() const;
+  const Part& add_part(int64_t first, int64_t n);
+  const Part* part_of(int64_t first, int64_t n) const;
+  void run_forward(const void* rows, int64_t first, int64_t n, void* combined, const kernels::ExpertMlpPart& part);
+  void run_dgrad(const void* grad_combined, int64_t first, int64_t n, void* grad_rows, DType grad_rows_dtype,
+                 float* grad_pair_weight, const kernels::ExpertMlpPart& part);
+  kernels::ExpertMlpBackwardArgs backward_args(const void* grad_combined, kernels::MlpBackwardPhase phase) const;
   void pack_weights(int first, int count);  // experts' w13_, w2_ -> packed_, after every change
   MoeLayerConfig cfg_;
   int L_;
@@ -86,7 +115,10 @@ class ExpertStage {
   int64_t capacity_rows_ = -1;
   int64_t N_ = 0;
   const void* rows_ = nullptr;
-  bool has_forward_ = false;
+  bool has_layout_ = false, has_forward_ = false;
+  std::vector<Part> parts_;          // of the last forward, when it ran in parts
+  int64_t dgrad_rows_ = 0;           // rows whose dgrad ran since the forward
+  std::vector<int32_t> host_src_row_, host_pair_pos_;  // the layout, read to find parts
   std::vector<int64_t> expert_offset_;  // host, [L + 1]
   kernels::Buffer w13_, w2_, grad_w13_, grad_w2_;
   kernels::Buffer perm_src_row_, perm_weight_, pair_pos_, y_, saved_gu_, grad_perm_x_, grad_perm_weight_;
