@@ -5,8 +5,10 @@
 # moectl at each link rate. Prints per mode and rate: tokens/s, the phases (dispatch, expert,
 # combine, backward), the communication seconds a step needs at that rate (the step's bytes per
 # rank over the link), the bound max(compute, communication) and the step's ratio to it. Compute
-# is the same job's unshaped step time when "none" runs first, else its expert, router and
-# backward phases.
+# is the fastest unshaped step of the same mode and wire when "none" runs first (serial and
+# chunked do the same work), else the job's expert, router and backward phases. The last column is the step over the per-pass bound: the sum over a train
+# step's passes (teacher forward, forward, backward) of max(pass compute, pass transfer), plus the
+# phases without transfers: the best that overlap within each pass can reach.
 #
 #   sudo daemon/bench/shaped_link_bench.sh [RATES] [STEPS]
 #     RATES: space-separated tbf rates, "none" = unshaped (default: "none 10gbit 1gbit 200mbit")
@@ -113,8 +115,8 @@ shape() {  # every daemon's veth, switch side (what it receives) and host side (
 cpu=$(grep -m1 "model name" /proc/cpuinfo | cut -d: -f2 | sed 's/^ *//')
 echo "shaped links: $nodes daemon(s) x $devices device(s) in network namespaces; $cpu, $(nproc) cores; $(date -u +%F)"
 echo "job: $job, $steps steps; UCX over TCP${DELAY:+; netem delay $DELAY}"
-printf "%-8s %-9s %-7s %-5s %10s %9s %9s %9s %9s %9s %10s %9s %7s\n" mode link overlap wire tokens/s step_s dispatch expert \
-  combine backward comm_s bound_s step/bd
+printf "%-8s %-9s %-7s %-5s %10s %9s %9s %9s %9s %9s %10s %9s %7s %7s\n" mode link overlap wire tokens/s step_s dispatch \
+  expert combine backward comm_s bound_s step/bd pass/bd
 for mode in ${MODES:-forward train}; do
   for rate in $rates; do
     shape "$rate"
@@ -125,32 +127,48 @@ for mode in ${MODES:-forward train}; do
     # shellcheck disable=SC2086,SC2046 # the job's flags are words
     ctl --output json job submit --wait --mode "$mode" $job --steps "$steps" --overlap-chunks "$ov" \
       $(wire_flags "$wire") >"$work/job.json" || { echo "$mode $rate overlap $ov wire $wire: the job failed"; continue; }
-    python3 - "$work/job.json" "$mode" "$rate" "$nodes" "$devices" "$ov" "$work/unshaped-$mode-$ov-$wire" "$wire" <<'PY'
+    python3 - "$work/job.json" "$mode" "$rate" "$nodes" "$devices" "$ov" "$work/unshaped-$mode-$wire" "$wire" <<'PY'
 import json, os, re, sys
 r = json.load(open(sys.argv[1]))
 mode, rate, nodes, devices, ov = sys.argv[2], sys.argv[3], int(sys.argv[4]), int(sys.argv[5]), int(sys.argv[6])
 unshaped_file, wire = sys.argv[7], sys.argv[8]
 ph, steps = r["phase_seconds"], max(1, int(r["steps_completed"]))
 ranks = nodes * devices
-# The bytes one rank hands the transport per step for other ranks (forward dispatch + combine;
-# train twice), of which the share for ranks on other nodes crosses its link: against the shaped
-# rate (each direction of a veth has it), what communication alone needs.
-per_rank = (r["dispatch_bytes"] + r["combine_bytes"]) / steps / ranks * (2 if mode == "train" else 1)
+# The bytes one rank hands the transport per step for other ranks, of which the share for ranks
+# on other nodes crosses its link: against the shaped rate (each direction of a veth has it), what
+# communication alone needs. The job reports the layer's forward pair (dispatch + combine); a
+# train step also runs the backward pair (the same rows, the other way) and the teacher's forward
+# pair (a layer of the same shape over the same tokens): three times the layer's forward bytes,
+# to within the per-row metadata.
+passes = 3 if mode == "train" else 1
+per_rank = (r["dispatch_bytes"] + r["combine_bytes"]) / steps / ranks * passes
 remote = per_rank * (ranks - devices) / (ranks - 1) if ranks > 1 else 0.0
 m = re.fullmatch(r"(\d+(?:\.\d+)?)([kmg])bit", rate)
 bps = float(m.group(1)) * {"k": 1e3, "m": 1e6, "g": 1e9}[m.group(2)] if m else 0.0
 comm = remote * 8 / bps if bps else 0.0
-compute = ph.get("expert", 0) + ph.get("router", 0) + (ph.get("backward", 0) if mode == "train" else 0)
-if rate == "none":
-    open(unshaped_file, "w").write(str(r["step_seconds_p50"]))
+# Compute: the fastest unshaped step of this mode and wire (serial and chunked are the same work;
+# the faster one is the conservative bound), else this run's compute phases.
+step = r["step_seconds_p50"]
+if rate == "none" and (not os.path.exists(unshaped_file) or step < json.load(open(unshaped_file))["step"]):
+    json.dump({"step": step, "phases": ph}, open(unshaped_file, "w"))
 if os.path.exists(unshaped_file):
-    compute = float(open(unshaped_file).read())
+    u = json.load(open(unshaped_file))
+    compute, uph = u["step"], u["phases"]
+else:
+    compute, uph = ph.get("expert", 0) + ph.get("router", 0) + ph.get("backward", 0), None
 bound = max(compute, comm)
-print("%-8s %-9s %-7s %-5s %10.0f %9.3f %9.3f %9.3f %9.3f %9.3f %10.3f %9.3f %7.2f" % (
+# The per-pass bound: a pass's transfers hide only behind that pass's compute, so a step is at
+# best the sum over its passes (train: the teacher's forward, the layer's forward, the backward)
+# of max(the pass's unshaped seconds, its transfer), plus what has no transfer (optimizer, inputs).
+pass_bound = bound
+if mode == "train" and uph:
+    fwd = sum(uph.get(k, 0) for k in ("router", "dispatch", "expert", "combine"))
+    timed = [uph.get("teacher", 0), fwd, uph.get("backward", 0)]
+    pass_bound = sum(max(t, comm / passes) for t in timed) + max(0.0, compute - sum(timed))
+print("%-8s %-9s %-7s %-5s %10.0f %9.3f %9.3f %9.3f %9.3f %9.3f %10.3f %9.3f %7.2f %7.2f" % (
     mode, rate, ("auto:%d" if ov == 0 else "%d") % r.get("overlap_chunks", 1) if ov != 1 else "serial", wire,
-    r["tokens_per_second"],
-    r["step_seconds_p50"], ph.get("dispatch", 0), ph.get("expert", 0), ph.get("combine", 0), ph.get("backward", 0),
-    comm, bound, r["step_seconds_p50"] / bound if bound else 0))
+    r["tokens_per_second"], step, ph.get("dispatch", 0), ph.get("expert", 0), ph.get("combine", 0),
+    ph.get("backward", 0), comm, bound, step / bound if bound else 0, step / pass_bound if pass_bound else 0))
 PY
     done
   done
