@@ -60,7 +60,7 @@ void result_rows(const v1::JobResult& j, Rows& rows) {
   rows.push_back({"dispatch bytes", human_bytes(j.dispatch_bytes()) + " (" + fmt(100 * ratio, 3) + "% of naive)"});
   rows.push_back({"combine bytes", human_bytes(j.combine_bytes())});
   if (j.overlap_chunks() > 1)
-    rows.push_back({"overlap", std::to_string(j.overlap_chunks()) + " chunks a forward dispatch/combine (last step)"});
+    rows.push_back({"overlap", std::to_string(j.overlap_chunks()) + " chunks a dispatch/combine pair (last step)"});
   rows.push_back({"balancedness", fmt(j.balancedness(), 3)});
   for (const auto& [name, curve] : {std::pair{"loss", &j.loss()}, std::pair{"aux loss", &j.aux_loss()},
                                     std::pair{"z-loss", &j.z_loss()}})

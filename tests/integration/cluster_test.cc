@@ -371,8 +371,9 @@ TEST(Cluster, NodeRedundancyKeepsEveryExpertOnTwoNodesAndTheLossCurve) {
 
 // docs/layer.md#overlap: forward jobs with their dispatch/combine in 3 chunks give
 // the serial job's output at step 0 (dumped) and verify against the fp64
-// reference; a train job's teacher chunks too, and its loss curve stays the serial
-// one. Over UCX between two daemons. (Bit for bit where the GEMM engine computes
+// reference; a train job chunks its layers' forward and backward pairs (and its
+// teacher's), and its loss curve, through 6 optimizer steps on chunked gradients,
+// stays the serial one. Over UCX between two daemons. (Bit for bit where the GEMM engine computes
 // rows independently; tests/unit/ep_overlap_test.cc holds that; here 1e-6.)
 TEST(Cluster, ChunkedDispatchGivesTheSerialOutputAndLoss) {
   const fs::path dumps = fs::temp_directory_path() / ("moe_overlap_" + std::to_string(::getpid()));
@@ -412,7 +413,7 @@ TEST(Cluster, ChunkedDispatchGivesTheSerialOutputAndLoss) {
     ASSERT_EQ(rc, 0) << out << c.logs();
     train.push_back(parse_result(out));
   }
-  EXPECT_EQ(train[1].overlap_chunks(), 2);  // the teacher's forward layers
+  EXPECT_EQ(train[1].overlap_chunks(), 2);
   ASSERT_EQ(train[0].loss_size(), train[1].loss_size());
   for (int i = 0; i < train[0].loss_size(); ++i)
     EXPECT_NEAR(train[1].loss(i), train[0].loss(i), 1e-6 * train[0].loss(i)) << "step " << i;

@@ -32,7 +32,7 @@ struct EpCase {
   int shared = 0;            // shared experts' width (0: none)
   bool shared_gate = false;
   bool train = true;        // false: a forward-only layer (forward checked, no backward)
-  int overlap_chunks = 0;   // EpOptions::overlap_chunks (forward-only layers chunk)
+  int overlap_chunks = 0;   // EpOptions::overlap_chunks
   ep::Wire dispatch_wire = ep::Wire::kLayer, combine_wire = ep::Wire::kLayer;  // EpOptions
 
   int64_t token_begin(int rank) const;

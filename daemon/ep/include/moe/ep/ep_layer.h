@@ -35,7 +35,7 @@ struct EpOptions {
   // Benchmarks: a barrier before each timed all-to-all, so transport times do not
   // include waiting for a slower rank's compute. Off in production.
   bool isolate_transport_timing = false;
-  // Chunks of a forward-only layer's dispatch/combine (DispatcherOptions): 0 by
+  // Chunks of the layer's dispatch/combine pairs (DispatcherOptions): 0 by
   // the rule of docs/layer.md#overlap, n fixed (1: serial).
   int overlap_chunks = 0;
   // The forward pair's wire formats (DispatcherConfig; docs/layer.md#wire-formats).
