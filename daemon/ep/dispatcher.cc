@@ -58,24 +58,6 @@ DType wire_dtype(Wire w, DType layer, const char* which) {
 
 }  // namespace
 
-void LinkRate::note(double bytes, double seconds) {
-  if (bytes > 0 && seconds > 0) step_best_ = std::max(step_best_, bytes / seconds);
-}
-
-void LinkRate::end_step() {
-  if (step_best_ <= 0) return;
-  if (steps_.size() < kWindow)
-    steps_.push_back(step_best_);
-  else
-    steps_[next_++ % kWindow] = step_best_;
-  step_best_ = 0;
-}
-
-double LinkRate::seconds_for(double bytes) const {
-  const double best = steps_.empty() ? 0 : *std::max_element(steps_.begin(), steps_.end());
-  return best > 0 ? bytes / best : 0;
-}
-
 int chunk_rule(double transfer_seconds, double compute_seconds, double rows_per_expert) {
   if (transfer_seconds <= 0 || compute_seconds <= 0) return 1;
   constexpr double kUnhiddenShare = 0.1, kWorthChunking = 0.2;
@@ -199,9 +181,18 @@ void Dispatcher::build_layout(const void* x, int64_t T, const float* topk_weight
 // Chunks need the transfer thread, so host memory: the CPU backend.
 bool Dispatcher::can_chunk() const { return be_.name() == "cpu" && cfg_.num_ranks > 1; }
 
-int Dispatcher::propose_chunks() const {
+// An asked count, or the rule applied to the ranks' mean transfer and expert
+// seconds of the last step (an all-reduce, so every rank proposes the same). The
+// mean because an all-to-all's time on one rank holds its wait for a peer that
+// posted late while that peer's own time is short by as much: skew between the
+// ranks' compute cancels in the mean and would not in any one rank's figure.
+int Dispatcher::propose_chunks() {
   if (opts_.overlap_chunks > 0) return std::min(opts_.overlap_chunks, kMaxChunks);
-  return chunk_rule(last_transfer_, last_compute_, last_rows_per_expert_);
+  float m[3] = {static_cast<float>(last_transfer_), static_cast<float>(last_compute_),
+                static_cast<float>(last_rows_per_expert_)};
+  comm_.all_reduce_sum(m, 3, deadline());
+  const double R = cfg_.num_ranks;
+  return chunk_rule(m[0] / R, m[1] / R, m[2] / R);
 }
 
 // Rows per peer both ways; a dispatcher that can chunk sends its chunk
@@ -254,13 +245,11 @@ void Dispatcher::exchange(int64_t T) {
   }
   if (opts_.isolate_transport_timing) comm_.barrier(deadline());
   const double t0 = now_seconds();
-  const std::vector<AllToAllBuffer> bufs{
-      AllToAllBuffer{wire_send(), &h_.send_wire_, wire_recv(), &h_.recv_wire_},
-      AllToAllBuffer{send_slot_.get(), &h_.send_meta_, h_.recv_slot_.get(), &h_.recv_meta_},
-      AllToAllBuffer{send_weight_.get(), &h_.send_meta_, h_.recv_weight_.get(), &h_.recv_meta_}};
-  comm_.all_to_all_v(bufs, deadline());
+  comm_.all_to_all_v({AllToAllBuffer{wire_send(), &h_.send_wire_, wire_recv(), &h_.recv_wire_},
+                      AllToAllBuffer{send_slot_.get(), &h_.send_meta_, h_.recv_slot_.get(), &h_.recv_meta_},
+                      AllToAllBuffer{send_weight_.get(), &h_.send_meta_, h_.recv_weight_.get(), &h_.recv_meta_}},
+                     deadline());
   stats_.dispatch_transport = now_seconds() - t0;
-  note_forward_op(bufs, stats_.dispatch_transport);
   decode_rows(0, N);
 }
 
@@ -339,9 +328,7 @@ void Dispatcher::post_dispatch_chunk(int c) {
   p.arrived = last_op_ = worker_->post([this, bufs = std::move(bufs)] {
     const double t0 = now_seconds();
     comm_.all_to_all_v(bufs, deadline());
-    const double t = now_seconds() - t0;
-    stats_.dispatch_transport += t;
-    note_forward_op(bufs, t);
+    stats_.dispatch_transport += now_seconds() - t0;
   });
 }
 
@@ -351,11 +338,8 @@ void Dispatcher::post_combine_chunk(int c, const void* y) {
   const ChunkPlan& p = plan_[c];
   last_op_ = worker_->post([this, &p, y] {
     const double t0 = now_seconds();
-    const std::vector<AllToAllBuffer> bufs{AllToAllBuffer{y, &p.recv_results, back_rows_.get(), &p.send_results}};
-    comm_.all_to_all_v(bufs, deadline());
-    const double t = now_seconds() - t0;
-    stats_.combine_transport += t;
-    note_forward_op(bufs, t);
+    comm_.all_to_all_v(y, p.recv_results, back_rows_.get(), p.send_results, deadline());
+    stats_.combine_transport += now_seconds() - t0;
   });
 }
 
@@ -373,17 +357,6 @@ ChunkRows Dispatcher::next_chunk() {
   if (c + 1 < h_.chunks_) post_dispatch_chunk(c + 1);
   decode_rows(plan_[c].first_row, plan_[c].num_rows);
   return {.first_row = plan_[c].first_row, .num_rows = plan_[c].num_rows};
-}
-
-void Dispatcher::note_forward_op(const std::vector<AllToAllBuffer>& bufs, double seconds) {
-  size_t out = 0, in = 0;
-  for (const AllToAllBuffer& b : bufs)
-    for (int r = 0; r < cfg_.num_ranks; ++r)
-      if (r != comm_.rank()) {
-        out += b.send_segs->bytes[r];
-        in += b.recv_segs->bytes[r];
-      }
-  link_.note(static_cast<double>(std::max(out, in)), seconds);
 }
 
 // Waits for the worker's op `id`; on a failure, lets every posted op end first
@@ -451,16 +424,10 @@ void Dispatcher::combine(const DispatchHandle& h, const void* y, void* out) {
     be_.synchronize();
     if (opts_.isolate_transport_timing) comm_.barrier(deadline());
     const double t0 = now_seconds();
-    const std::vector<AllToAllBuffer> bufs{AllToAllBuffer{results, &h_.recv_results_, back_rows_.get(), &h_.send_results_}};
-    comm_.all_to_all_v(bufs, deadline());
+    comm_.all_to_all_v(results, h_.recv_results_, back_rows_.get(), h_.send_results_, deadline());
     stats_.combine_transport = now_seconds() - t0;
-    note_forward_op(bufs, stats_.combine_transport);
   }
-  // What the pair needs of the link at its best measured rate, whatever the peers' skew.
-  link_.end_step();
-  last_transfer_ = link_.seconds_for(
-      static_cast<double>(std::max(stats_.dispatch_bytes, stats_.dispatch_received_bytes) +
-                          std::max(stats_.combine_bytes, stats_.combine_received_bytes)));
+  last_transfer_ = stats_.dispatch_transport + stats_.combine_transport;
   // A token's rows from every rank, summed in rank order.
   be_.unpermute({.num_rows = h_.num_tokens_, .top_k = cfg_.num_ranks, .hidden = cfg_.hidden,
                  .out_dtype = cfg_.dtype, .accumulate = false, .in_dtype = combine_dtype_},

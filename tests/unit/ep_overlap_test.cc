@@ -232,22 +232,6 @@ TEST(OverlapDispatcher, ARankLostMidPipelineFailsItsPeers) {
   for (int r : {0, 2}) EXPECT_NE(errors[r].find("rank 1"), std::string::npos) << "rank " << r << ": " << errors[r];
 }
 
-TEST(LinkRate, TheFastestOpOfTheLastStepsIsTheLink) {
-  ep::LinkRate link;
-  EXPECT_EQ(link.seconds_for(1e6), 0.0);  // nothing measured
-  link.note(1e6, 0.5);   // an op that waited for a late peer
-  link.note(1e6, 0.01);  // the link's own speed: 100 MB/s
-  link.note(0, 0.2);     // moved nothing: no rate
-  link.end_step();
-  EXPECT_DOUBLE_EQ(link.seconds_for(2e6), 0.02);
-  for (int s = 0; s < ep::LinkRate::kWindow; ++s) {  // the link slows to 10 MB/s
-    EXPECT_DOUBLE_EQ(link.seconds_for(1e6), 0.01) << "step " << s;
-    link.note(1e6, 0.1);
-    link.end_step();
-  }
-  EXPECT_DOUBLE_EQ(link.seconds_for(1e6), 0.1);  // seen within kWindow steps
-}
-
 TEST(ChunkRule, HidesTheShorterSideAndKeepsChunksWorthComputing) {
   EXPECT_EQ(ep::chunk_rule(0, 0.5, 4096), 1);        // nothing measured yet
   EXPECT_EQ(ep::chunk_rule(0.07, 0.4, 4096), 1);     // transfer under a fifth of compute: not worth it

@@ -84,26 +84,6 @@ constexpr int kMaxChunks = 8;
 constexpr double kMinExpertRows = 128;
 int chunk_rule(double transfer_seconds, double compute_seconds, double rows_per_expert);
 
-// The link's rate as the forward pair's all-to-alls show it (docs/layer.md#overlap).
-// An all-to-all's time also holds the wait for a peer that posts late, which only
-// lowers its bytes per second, so the estimate is the fastest op of the last
-// kWindow steps: a slower link shows within kWindow steps.
-class LinkRate {
- public:
-  static constexpr int kWindow = 8;
-  // One op: the bytes it moved one way (the larger of sent and received, to and
-  // from other ranks) in `seconds`.
-  void note(double bytes, double seconds);
-  void end_step();
-  // Seconds the link needs for `bytes`; 0 before any step was measured.
-  double seconds_for(double bytes) const;
-
- private:
-  double step_best_ = 0;
-  std::vector<double> steps_;  // the best rate of each of the last kWindow steps
-  size_t next_ = 0;
-};
-
 struct DispatcherConfig {
   int hidden = 0;
   int top_k = 0;
@@ -219,7 +199,7 @@ class Dispatcher {
   void build_layout(const void* x, int64_t T, const float* topk_weight);
   void exchange(int64_t T);
   void exchange_counts_and_chunks();
-  int propose_chunks() const;
+  int propose_chunks();
   bool can_chunk() const;
   void plan_chunks();
   void build_row_order();
@@ -229,8 +209,6 @@ class Dispatcher {
   void post_grad_result_chunk(int c, const void* grad_rows, const float* grad_pair_weight);
   int take_chunk(const char* what);
   void wait_for(transport::TransferWorker::OpId id);
-  // A forward all-to-all of `bufs` that took `seconds`: into the link's rate.
-  void note_forward_op(const std::vector<transport::AllToAllBuffer>& bufs, double seconds);
   void encode_send_rows(const void* x, int64_t T);
   void decode_rows(int64_t first, int64_t n);
   const void* encode_results(const void* y, int64_t first, int64_t n);
@@ -270,7 +248,6 @@ class Dispatcher {
   transport::TransferWorker::OpId last_op_ = 0;
   std::unique_ptr<transport::TransferWorker> worker_;  // made at the first chunked dispatch
   double last_compute_ = 0, last_transfer_ = 0, last_rows_per_expert_ = 0;
-  LinkRate link_;  // forward ops only: the rule weighs the forward pair
 };
 
 }  // namespace moe::ep
