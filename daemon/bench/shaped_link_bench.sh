@@ -17,7 +17,8 @@
 #   T=2048), OVERLAP (the --overlap-chunks values to compare, default "1 0": serial, then chosen
 #   per step; docs/layer.md#overlap), WIRES (the wire formats to compare, default "layer": layer =
 #   the job's dtype, bf16 = bf16 dispatch and combine, fp8 = fp8 dispatch and bf16 combine; each
-#   runs with the last OVERLAP value; docs/layer.md#wire-formats), DELAY (e.g. 1ms: netem delay on each veth, none by default),
+#   runs with the last OVERLAP value; docs/layer.md#wire-formats), REPEAT (jobs per configuration,
+#   default 1: the one with the median step stands for it, `spread` says how far they differ), DELAY (e.g. 1ms: netem delay on each veth, none by default),
 #   MOE_BUILD_DIR.
 # Needs root, iproute2 and tc; without them it says what is missing and exits 0 (a skip; under
 # CI=true, where CI has them, 1).
@@ -30,6 +31,7 @@ devices=${DEVICES:-1}
 job=${JOB:-"--experts 64 --top-k 8 --hidden 1024 --ffn-hidden 512 --tokens-per-rank 2048"}
 overlaps=${OVERLAP:-"1 0"}
 wires=${WIRES:-layer}
+repeat=${REPEAT:-1}
 wire_flags() {
   case $1 in
     layer) ;;
@@ -114,9 +116,9 @@ shape() {  # every daemon's veth, switch side (what it receives) and host side (
 
 cpu=$(grep -m1 "model name" /proc/cpuinfo | cut -d: -f2 | sed 's/^ *//')
 echo "shaped links: $nodes daemon(s) x $devices device(s) in network namespaces; $cpu, $(nproc) cores; $(date -u +%F)"
-echo "job: $job, $steps steps; UCX over TCP${DELAY:+; netem delay $DELAY}"
-printf "%-8s %-9s %-7s %-5s %10s %9s %9s %9s %9s %9s %10s %9s %7s %7s\n" mode link overlap wire tokens/s step_s dispatch \
-  expert combine backward comm_s bound_s step/bd pass/bd
+echo "job: $job, $steps steps, $repeat job(s) a configuration; UCX over TCP${DELAY:+; netem delay $DELAY}"
+printf "%-8s %-9s %-7s %-5s %10s %9s %9s %9s %9s %9s %10s %9s %7s %7s %6s\n" mode link overlap wire tokens/s step_s \
+  dispatch expert combine backward comm_s bound_s step/bd pass/bd spread
 for mode in ${MODES:-forward train}; do
   for rate in $rates; do
     shape "$rate"
@@ -124,14 +126,23 @@ for mode in ${MODES:-forward train}; do
     runs=$(for ov in $overlaps; do echo "$ov:layer"; done; for w in $wires; do [ "$w" = layer ] || echo "$last_ov:$w"; done)
     for run in $runs; do
     ov=${run%%:*} wire=${run#*:}
-    # shellcheck disable=SC2086,SC2046 # the job's flags are words
-    ctl --output json job submit --wait --mode "$mode" $job --steps "$steps" --overlap-chunks "$ov" \
-      $(wire_flags "$wire") >"$work/job.json" || { echo "$mode $rate overlap $ov wire $wire: the job failed"; continue; }
-    python3 - "$work/job.json" "$mode" "$rate" "$nodes" "$devices" "$ov" "$work/unshaped-$mode-$wire" "$wire" <<'PY'
+    results=()
+    for rep in $(seq "$repeat"); do
+      # shellcheck disable=SC2086,SC2046 # the job's flags are words
+      ctl --output json job submit --wait --mode "$mode" $job --steps "$steps" --overlap-chunks "$ov" \
+        $(wire_flags "$wire") >"$work/job-$rep.json" || { echo "$mode $rate overlap $ov wire $wire: the job failed"; continue; }
+      results+=("$work/job-$rep.json")
+    done
+    [ ${#results[@]} -gt 0 ] || continue
+    python3 - "$mode" "$rate" "$nodes" "$devices" "$ov" "$work/unshaped-$mode-$wire" "$wire" "${results[@]}" <<'PY'
 import json, os, re, sys
-r = json.load(open(sys.argv[1]))
-mode, rate, nodes, devices, ov = sys.argv[2], sys.argv[3], int(sys.argv[4]), int(sys.argv[5]), int(sys.argv[6])
-unshaped_file, wire = sys.argv[7], sys.argv[8]
+mode, rate, nodes, devices, ov = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4]), int(sys.argv[5])
+unshaped_file, wire = sys.argv[6], sys.argv[7]
+# The run with the median step time stands for the configuration (its phases with it); spread is
+# (slowest - fastest) / median over the runs.
+runs = sorted((json.load(open(f)) for f in sys.argv[8:]), key=lambda j: j["step_seconds_p50"])
+r = runs[(len(runs) - 1) // 2]
+spread = (runs[-1]["step_seconds_p50"] - runs[0]["step_seconds_p50"]) / r["step_seconds_p50"]
 ph, steps = r["phase_seconds"], max(1, int(r["steps_completed"]))
 ranks = nodes * devices
 # The bytes one rank hands the transport per step for other ranks, of which the share for ranks
@@ -165,10 +176,11 @@ if mode == "train" and uph:
     fwd = sum(uph.get(k, 0) for k in ("router", "dispatch", "expert", "combine"))
     timed = [uph.get("teacher", 0), fwd, uph.get("backward", 0)]
     pass_bound = sum(max(t, comm / passes) for t in timed) + max(0.0, compute - sum(timed))
-print("%-8s %-9s %-7s %-5s %10.0f %9.3f %9.3f %9.3f %9.3f %9.3f %10.3f %9.3f %7.2f %7.2f" % (
+print("%-8s %-9s %-7s %-5s %10.0f %9.3f %9.3f %9.3f %9.3f %9.3f %10.3f %9.3f %7.2f %7.2f %6.2f" % (
     mode, rate, ("auto:%d" if ov == 0 else "%d") % r.get("overlap_chunks", 1) if ov != 1 else "serial", wire,
     r["tokens_per_second"], step, ph.get("dispatch", 0), ph.get("expert", 0), ph.get("combine", 0),
-    ph.get("backward", 0), comm, bound, step / bound if bound else 0, step / pass_bound if pass_bound else 0))
+    ph.get("backward", 0), comm, bound, step / bound if bound else 0, step / pass_bound if pass_bound else 0,
+    spread))
 PY
     done
   done

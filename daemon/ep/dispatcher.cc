@@ -181,18 +181,27 @@ void Dispatcher::build_layout(const void* x, int64_t T, const float* topk_weight
 // Chunks need the transfer thread, so host memory: the CPU backend.
 bool Dispatcher::can_chunk() const { return be_.name() == "cpu" && cfg_.num_ranks > 1; }
 
-// An asked count, or the rule applied to the ranks' mean transfer and expert
-// seconds of the last step (an all-reduce, so every rank proposes the same). The
-// mean because an all-to-all's time on one rank holds its wait for a peer that
-// posted late while that peer's own time is short by as much: skew between the
-// ranks' compute cancels in the mean and would not in any one rank's figure.
+// An asked count, or the rule applied to every rank's transfer and expert seconds
+// of the last step (an all-gather through an all-reduce, so every rank proposes
+// the same): the smallest transfer, the mean expert seconds and rows. The
+// smallest because an all-to-all's time on one rank also holds its waits for a
+// peer that posted late (its compute was slower); the slowest rank waits for no
+// one, so its time is the link's.
 int Dispatcher::propose_chunks() {
   if (opts_.overlap_chunks > 0) return std::min(opts_.overlap_chunks, kMaxChunks);
-  float m[3] = {static_cast<float>(last_transfer_), static_cast<float>(last_compute_),
-                static_cast<float>(last_rows_per_expert_)};
-  comm_.all_reduce_sum(m, 3, deadline());
-  const double R = cfg_.num_ranks;
-  return chunk_rule(m[0] / R, m[1] / R, m[2] / R);
+  const int R = cfg_.num_ranks, me = comm_.rank();
+  std::vector<float> all(3 * R, 0.0f);  // zeros but for this rank's three: the sum gathers
+  all[3 * me] = static_cast<float>(last_transfer_);
+  all[3 * me + 1] = static_cast<float>(last_compute_);
+  all[3 * me + 2] = static_cast<float>(last_rows_per_expert_);
+  comm_.all_reduce_sum(all.data(), all.size(), deadline());
+  double transfer = all[0], compute = 0, rows = 0;
+  for (int r = 0; r < R; ++r) {
+    transfer = std::min<double>(transfer, all[3 * r]);
+    compute += all[3 * r + 1] / R;
+    rows += all[3 * r + 2] / R;
+  }
+  return chunk_rule(transfer, compute, rows);
 }
 
 // Rows per peer both ways; a dispatcher that can chunk sends its chunk
