@@ -62,17 +62,12 @@ void expect_same(const char* what, const std::vector<float>& got, const std::vec
     EXPECT_TRUE(close(what, to_double(got), to_double(want), 0x1.0p-7, 0x1.0p-8, want.empty()));
 }
 
-void expect_same_out(const RankResult& got, const RankResult& want, kernels::DType dtype) {
-  expect_same("out", got.out, want.out, dtype);
-}
-
-class Overlap : public ::testing::TestWithParam<EpCase> {};
-
 // chunks = 1 is the serial path; every other count must give its bits exactly
 // (where the engine's rows are independent), 8 included (more chunks than some
-// ranks have rows), and match the reference.
-TEST_P(Overlap, EveryChunkCountGivesTheSerialBits) {
-  EpCase serial = GetParam();
+// ranks have rows): the output, and in a train layer every gradient (the weight
+// gradients sum rows in the handle's row order, which no chunking changes); and
+// every count matches the reference.
+void expect_every_chunk_count_gives_the_serial_bits(EpCase serial) {
   serial.overlap_chunks = 1;
   const std::vector<RankResult> want = run_inproc(serial);
   check_against_reference(serial, want);
@@ -84,13 +79,22 @@ TEST_P(Overlap, EveryChunkCountGivesTheSerialBits) {
     for (int r = 0; r < c.ranks; ++r) {
       SCOPED_TRACE(c.name + " chunks " + std::to_string(chunks) + " rank " + std::to_string(r));
       EXPECT_EQ(got[r].chunks, chunks);
-      expect_same_out(got[r], want[r], c.dtype);
       EXPECT_EQ(got[r].topk_idx, want[r].topk_idx);
       EXPECT_EQ(got[r].dispatch_bytes, want[r].dispatch_bytes);
       EXPECT_EQ(got[r].combine_bytes, want[r].combine_bytes);
+      expect_same("out", got[r].out, want[r].out, c.dtype);
+      expect_same("grad_x", got[r].grad_x, want[r].grad_x, c.dtype);
+      expect_same("grad_gate", got[r].grad_gate, want[r].grad_gate, c.dtype);
+      expect_same("grad_w13", got[r].grad_w13, want[r].grad_w13, c.dtype);
+      expect_same("grad_w2", got[r].grad_w2, want[r].grad_w2, c.dtype);
+      expect_same("grad_shared_w13", got[r].grad_shared_w13, want[r].grad_shared_w13, c.dtype);
     }
   }
 }
+
+class Overlap : public ::testing::TestWithParam<EpCase> {};
+
+TEST_P(Overlap, EveryChunkCountGivesTheSerialBits) { expect_every_chunk_count_gives_the_serial_bits(GetParam()); }
 
 INSTANTIATE_TEST_SUITE_P(Cases, Overlap, ::testing::ValuesIn(overlap_cases()),
                          [](const ::testing::TestParamInfo<EpCase>& i) { return i.param.name; });
@@ -111,61 +115,32 @@ std::vector<EpCase> train_overlap_cases() {
 
 class TrainOverlap : public ::testing::TestWithParam<EpCase> {};
 
-// A train layer chunks both pairs; its output and every gradient keep the serial
-// bits at every chunk count (the weight gradients sum rows in the handle's row
-// order, which the chunking does not change), and match the reference.
+// A train layer chunks both pairs (forward and backward).
 TEST_P(TrainOverlap, EveryChunkCountGivesTheSerialGradients) {
-  EpCase serial = GetParam();
-  serial.overlap_chunks = 1;
-  const std::vector<RankResult> want = run_inproc(serial);
-  check_against_reference(serial, want);
-  for (int chunks : {2, 3, 8}) {
-    EpCase c = serial;
-    c.overlap_chunks = chunks;
-    const std::vector<RankResult> got = run_inproc(c, 2);
-    check_against_reference(c, got);
-    for (int r = 0; r < c.ranks; ++r) {
-      SCOPED_TRACE(c.name + " chunks " + std::to_string(chunks) + " rank " + std::to_string(r));
-      EXPECT_EQ(got[r].chunks, chunks);
-      expect_same("out", got[r].out, want[r].out, c.dtype);
-      expect_same("grad_x", got[r].grad_x, want[r].grad_x, c.dtype);
-      expect_same("grad_gate", got[r].grad_gate, want[r].grad_gate, c.dtype);
-      expect_same("grad_w13", got[r].grad_w13, want[r].grad_w13, c.dtype);
-      expect_same("grad_w2", got[r].grad_w2, want[r].grad_w2, c.dtype);
-      expect_same("grad_shared_w13", got[r].grad_shared_w13, want[r].grad_shared_w13, c.dtype);
-    }
-  }
+  expect_every_chunk_count_gives_the_serial_bits(GetParam());
 }
 
 INSTANTIATE_TEST_SUITE_P(Cases, TrainOverlap, ::testing::ValuesIn(train_overlap_cases()),
                          [](const ::testing::TestParamInfo<EpCase>& i) { return i.param.name; });
 
-TEST(OverlapUcx, TrainChunksOverUcxGiveTheSerialGradients) {
-  EpCase c = small_case("hybrid_train_R4", {82, 61, 0, 47}, MapKind::kReplicas);
-  c.overlap_chunks = 1;
-  const std::vector<RankResult> want = run_inproc(c);
-  c.overlap_chunks = 3;
-  const std::vector<RankResult> got = run_hybrid(c);
-  check_against_reference(c, got);
-  for (int r = 0; r < c.ranks; ++r) {
-    SCOPED_TRACE("rank " + std::to_string(r));
-    EXPECT_EQ(got[r].chunks, 3);
-    expect_same("grad_x", got[r].grad_x, want[r].grad_x, c.dtype);
-    expect_same("grad_w13", got[r].grad_w13, want[r].grad_w13, c.dtype);
-    expect_same("grad_w2", got[r].grad_w2, want[r].grad_w2, c.dtype);
-  }
-}
-
+// Over UCX between two "daemons" of two ranks each: a forward and a train layer in 3 chunks.
 TEST(OverlapUcx, ChunksOverUcxGiveTheSerialBits) {
-  EpCase c = forward_case("hybrid_R4", {82, 61, 0, 47}, MapKind::kReplicas);
-  c.overlap_chunks = 1;
-  const std::vector<RankResult> want = run_inproc(c);
-  c.overlap_chunks = 3;
-  const std::vector<RankResult> got = run_hybrid(c);
-  for (int r = 0; r < c.ranks; ++r) {
-    SCOPED_TRACE("rank " + std::to_string(r));
-    EXPECT_EQ(got[r].chunks, 3);
-    expect_same_out(got[r], want[r], c.dtype);
+  for (bool train : {false, true}) {
+    EpCase c = small_case(train ? "hybrid_train_R4" : "hybrid_R4", {82, 61, 0, 47}, MapKind::kReplicas);
+    c.train = train;
+    c.overlap_chunks = 1;
+    const std::vector<RankResult> want = run_inproc(c);
+    c.overlap_chunks = 3;
+    const std::vector<RankResult> got = run_hybrid(c);
+    check_against_reference(c, got);
+    for (int r = 0; r < c.ranks; ++r) {
+      SCOPED_TRACE(c.name + " rank " + std::to_string(r));
+      EXPECT_EQ(got[r].chunks, 3);
+      expect_same("out", got[r].out, want[r].out, c.dtype);
+      expect_same("grad_x", got[r].grad_x, want[r].grad_x, c.dtype);
+      expect_same("grad_w13", got[r].grad_w13, want[r].grad_w13, c.dtype);
+      expect_same("grad_w2", got[r].grad_w2, want[r].grad_w2, c.dtype);
+    }
   }
 }
 
