@@ -145,26 +145,31 @@ TEST(OverlapUcx, ChunksOverUcxGiveTheSerialBits) {
 }
 
 // A dispatcher alone, with experts that return their rows: combine then gives
-// each token x times the number of ranks it went to.
+// each token x times the number of ranks it went to; the backward pair, with
+// "experts" that return their grad rows and a weight gradient of 1 a pair, gives
+// grad_out times that number, and 1 for every routed pair.
 struct IdentityRun {
   int chunks = 0;
-  std::vector<float> out, want;
+  std::vector<float> out, want, grad_x, grad_topk_weight, want_grad_topk_weight;
 };
 
-IdentityRun identity_pair(transport::Communicator& comm, int asked_chunks, int64_t T, bool die_after_dispatch) {
+enum class Die { kNever, kAfterDispatch, kMidBackward };
+
+IdentityRun identity_pair(transport::Communicator& comm, int asked_chunks, int64_t T, Die die) {
   const int R = comm.size(), K = 3, H = 16, S = 2;
   kernels::ThreadPool pool(1);
   auto be = kernels::make_cpu_backend(pool);
-  ep::Dispatcher d({.hidden = H, .top_k = K, .max_tokens = T, .num_ranks = R, .slots_per_rank = S}, comm, *be,
-                   {.timeout = std::chrono::seconds(20), .overlap_chunks = asked_chunks});
+  ep::Dispatcher d({.hidden = H, .top_k = K, .max_tokens = T, .num_ranks = R, .slots_per_rank = S, .train = true},
+                   comm, *be, {.timeout = std::chrono::seconds(20), .overlap_chunks = asked_chunks});
   std::mt19937 rng(17 + comm.rank());
   std::vector<float> x(T * H), weight(T * K, 1.0f);
   std::vector<int32_t> slot(T * K);
   for (float& v : x) v = std::uniform_real_distribution<float>(-1, 1)(rng);
   for (int32_t& s : slot) s = std::uniform_int_distribution<int32_t>(-1, R * S - 1)(rng);
   const ep::DispatchHandle& h = d.dispatch(x.data(), T, slot.data(), weight.data());
-  if (die_after_dispatch) throw std::runtime_error("rank gone");
-  std::vector<float> y(h.num_recv_rows() * H);
+  if (die == Die::kAfterDispatch) throw std::runtime_error("rank gone");
+  const int64_t N = h.num_recv_rows();
+  std::vector<float> y(N * H);
   for (int c = 0; c < d.chunks(); ++c) {
     const ep::ChunkRows ch = d.next_chunk();
     std::copy_n(static_cast<const float*>(h.recv_rows()) + ch.first_row * H, ch.num_rows * H, y.data() + ch.first_row * H);
@@ -174,11 +179,34 @@ IdentityRun identity_pair(transport::Communicator& comm, int asked_chunks, int64
   run.chunks = d.chunks();
   run.out.resize(T * H);
   d.combine(h, y.data(), run.out.data());
+
+  // Backward with grad_out = x: the grad rows come back as they went out.
+  const auto* g = static_cast<const float*>(d.combine_backward(h, x.data()));
+  if (die == Die::kMidBackward) throw std::runtime_error("rank gone");
+  std::vector<float> grad_rows(N * H), grad_pair_weight(N * K);
+  auto compute = [&](int64_t first, int64_t n) {
+    std::copy_n(g + first * H, n * H, grad_rows.data() + first * H);
+    for (int64_t i = first * K; i < (first + n) * K; ++i) grad_pair_weight[i] = h.recv_slot()[i] >= 0 ? 1.0f : 0.0f;
+  };
+  if (d.chunks() == 1) compute(0, N);
+  for (int c = 0; d.chunks() > 1 && c < d.chunks(); ++c) {
+    const ep::ChunkRows ch = d.next_backward_chunk();
+    compute(ch.first_row, ch.num_rows);
+    d.backward_chunk_done(grad_rows.data(), grad_pair_weight.data());
+  }
+  run.grad_x.resize(T * H);
+  run.grad_topk_weight.resize(T * K);
+  d.dispatch_backward(h, grad_rows.data(), grad_pair_weight.data(), run.grad_x.data(), run.grad_topk_weight.data());
+
   run.want.assign(T * H, 0.0f);
+  run.want_grad_topk_weight.assign(T * K, 0.0f);
   for (int64_t t = 0; t < T; ++t) {
     std::vector<bool> to(R, false);
     for (int k = 0; k < K; ++k)
-      if (slot[t * K + k] >= 0) to[slot[t * K + k] / S] = true;
+      if (slot[t * K + k] >= 0) {
+        to[slot[t * K + k] / S] = true;
+        run.want_grad_topk_weight[t * K + k] = 1.0f;
+      }
     for (int r = 0; r < R; ++r)
       if (to[r])
         for (int i = 0; i < H; ++i) run.want[t * H + i] += x[t * H + i];
@@ -186,25 +214,31 @@ IdentityRun identity_pair(transport::Communicator& comm, int asked_chunks, int64
   return run;
 }
 
-TEST(OverlapDispatcher, RanksAgreeOnTheLargestProposal) {
+TEST(OverlapDispatcher, RanksAgreeOnTheLargestProposalForBothPairs) {
   const std::vector<int> asked = {2, 1, 5};
   std::vector<IdentityRun> runs(3);
   const auto errors = run_ranks(Kind::kInProc, 3, [&](transport::Communicator& comm) {
-    runs[comm.rank()] = identity_pair(comm, asked[comm.rank()], 200, false);
+    runs[comm.rank()] = identity_pair(comm, asked[comm.rank()], 200, Die::kNever);
   });
   for (int r = 0; r < 3; ++r) {
     ASSERT_EQ(errors[r], "") << "rank " << r;
     EXPECT_EQ(runs[r].chunks, 5) << "rank " << r;
     EXPECT_EQ(runs[r].out, runs[r].want) << "rank " << r;
+    EXPECT_EQ(runs[r].grad_x, runs[r].want) << "rank " << r;  // grad_out = x
+    EXPECT_EQ(runs[r].grad_topk_weight, runs[r].want_grad_topk_weight) << "rank " << r;
   }
 }
 
+// A rank lost while chunks are in flight, forward or backward, fails its peers
+// with an error naming it instead of a hang.
 TEST(OverlapDispatcher, ARankLostMidPipelineFailsItsPeers) {
-  const auto errors = run_ranks(Kind::kInProc, 3, [&](transport::Communicator& comm) {
-    identity_pair(comm, 4, 300, comm.rank() == 1);
-  });
-  EXPECT_NE(errors[1].find("rank gone"), std::string::npos) << errors[1];
-  for (int r : {0, 2}) EXPECT_NE(errors[r].find("rank 1"), std::string::npos) << "rank " << r << ": " << errors[r];
+  for (Die die : {Die::kAfterDispatch, Die::kMidBackward}) {
+    const auto errors = run_ranks(Kind::kInProc, 3, [&](transport::Communicator& comm) {
+      identity_pair(comm, 4, 300, comm.rank() == 1 ? die : Die::kNever);
+    });
+    EXPECT_NE(errors[1].find("rank gone"), std::string::npos) << errors[1];
+    for (int r : {0, 2}) EXPECT_NE(errors[r].find("rank 1"), std::string::npos) << "rank " << r << ": " << errors[r];
+  }
 }
 
 TEST(ChunkRule, HidesTheShorterSideAndKeepsChunksWorthComputing) {
