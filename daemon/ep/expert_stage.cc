@@ -152,8 +152,8 @@ void ExpertStage::forward(const void* rows, int64_t N, const int32_t* row_expert
 
 void ExpertStage::backward(const void* grad_combined, void* grad_rows, DType grad_rows_dtype,
                            float* grad_pair_weight) {
-  run_dgrad(grad_combined, 0, N_, grad_rows, grad_rows_dtype, grad_pair_weight, {});
-  weight_grads();
+  // One call for the dgrad chain and the weight gradients.
+  run_dgrad(grad_combined, 0, N_, grad_rows, grad_rows_dtype, grad_pair_weight, {}, kernels::MlpBackwardPhase::kAll);
 }
 
 void ExpertStage::layout(const int32_t* row_expert, const float* row_weight, int64_t N, const int32_t* row_order) {
@@ -282,16 +282,18 @@ void ExpertStage::backward_rows(const void* grad_combined, int64_t first, int64_
   const Part* p = part_of(first, n);
   MOE_CHECK(p, "expert stage: backward of rows [", first, ", ", first + n, ") that no forward part computed");
   run_dgrad(grad_combined, first, n, grad_rows, grad_rows_dtype, grad_pair_weight,
-            {.pair_begin = p->begin.data(), .pair_end = p->end.data()});
+            {.pair_begin = p->begin.data(), .pair_end = p->end.data()}, kernels::MlpBackwardPhase::kDgrad);
 }
 
-// The dgrad chain over the part's pairs, then the gradients of rows [first, first + n).
+// The dgrad chain over the part's pairs (with kAll, the weight gradients too),
+// then the gradients of rows [first, first + n).
 void ExpertStage::run_dgrad(const void* grad_combined, int64_t first, int64_t n, void* grad_rows,
-                            DType grad_rows_dtype, float* grad_pair_weight, const kernels::ExpertMlpPart& part) {
+                            DType grad_rows_dtype, float* grad_pair_weight, const kernels::ExpertMlpPart& part,
+                            kernels::MlpBackwardPhase phase) {
   MOE_CHECK(cfg_.train, "backward on a layer built without train = true");
   MOE_CHECK(has_forward_, "backward called before forward");
   const int K = cfg_.top_k, H = cfg_.hidden;
-  kernels::ExpertMlpBackwardArgs m = backward_args(grad_combined, kernels::MlpBackwardPhase::kDgrad);
+  kernels::ExpertMlpBackwardArgs m = backward_args(grad_combined, phase);
   m.part = part;
   be_.expert_mlp_backward(mlp_config(), m);
   const size_t out_row = kernels::dtype_size(grad_rows_dtype) * H;

@@ -106,7 +106,7 @@ class ExpertStage {
   const Part* part_of(int64_t first, int64_t n) const;
   void run_forward(const void* rows, int64_t first, int64_t n, void* combined, const kernels::ExpertMlpPart& part);
   void run_dgrad(const void* grad_combined, int64_t first, int64_t n, void* grad_rows, DType grad_rows_dtype,
-                 float* grad_pair_weight, const kernels::ExpertMlpPart& part);
+                 float* grad_pair_weight, const kernels::ExpertMlpPart& part, kernels::MlpBackwardPhase phase);
   kernels::ExpertMlpBackwardArgs backward_args(const void* grad_combined, kernels::MlpBackwardPhase phase) const;
   void pack_weights(int first, int count);  // experts' w13_, w2_ -> packed_, after every change
   MoeLayerConfig cfg_;
