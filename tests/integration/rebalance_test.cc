@@ -330,9 +330,13 @@ TEST(AutoRebalance, TheAgentRebalancesASkewedJobAndTheMetricsShowIt) {
   const v1::ClusterStatus st = c.status();
   const auto until = std::chrono::steady_clock::now() + 10s;
   std::string agent;
-  while (std::chrono::steady_clock::now() < until) {  // the agent refreshes its gauges once a second
+  // The agent refreshes its gauges once a second; balancedness is absent while the
+  // new epoch's load window is empty (a refresh between the commit and the next step).
+  while (std::chrono::steady_clock::now() < until) {
     agent = scrape(st.agent_metrics_address());
-    if (series_value(agent, "moe_placement_epoch{layer=\"0\"}") == j.placement_epoch()) break;
+    if (series_value(agent, "moe_placement_epoch{layer=\"0\"}") == j.placement_epoch() &&
+        series_value(agent, "moe_placement_balancedness{layer=\"0\"}") >= 0)
+      break;
     std::this_thread::sleep_for(100ms);
   }
   EXPECT_EQ(series_value(agent, "moe_placement_epoch{layer=\"0\"}"), j.placement_epoch()) << agent;
