@@ -244,8 +244,7 @@ void Dispatcher::exchange(int64_t T) {
   h_.recv_wire_ = scaled(h_.recv_counts_, wire_bytes_);
   h_.send_results_ = scaled(h_.send_counts_, combine_bytes_);
   h_.recv_results_ = scaled(h_.recv_counts_, combine_bytes_);
-  h_.has_row_order_ = cfg_.train && can_chunk();
-  if (h_.has_row_order_) build_row_order();
+  if (cfg_.train && can_chunk()) build_row_order();
   be_.synchronize();
   if (h_.chunks_ > 1) {
     plan_chunks();

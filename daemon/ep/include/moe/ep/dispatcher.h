@@ -131,13 +131,12 @@ class DispatchHandle {
   // A train dispatcher that can chunk: the received rows in an order every chunk
   // count cuts into runs, chunk c being the c-th run ([N], docs/layer.md#overlap);
   // null otherwise.
-  const int32_t* row_order() const { return has_row_order_ ? row_order_.as<int32_t>() : nullptr; }
+  const int32_t* row_order() const { return row_order_.as<int32_t>(); }  // allocated only then
 
  private:
   friend class Dispatcher;
   int64_t num_tokens_ = 0, num_recv_rows_ = 0, recv_capacity_ = -1;
   int chunks_ = 1;
-  bool has_row_order_ = false;
   const int32_t* topk_slot_ = nullptr;             // [T, K], the caller's
   std::vector<int64_t> send_counts_, recv_counts_;  // rows per peer
   std::vector<int64_t> rank_offset_;                // [R + 1] host
