@@ -45,17 +45,21 @@ void fill_times(const std::vector<const std::vector<v1::StepStats>*>& steps, int
                 v1::JobResult& rec) {
   const auto* desc = v1::PhaseSeconds::descriptor();
   const auto* refl = v1::PhaseSeconds::GetReflection();
-  std::vector<double> step_time;
+  std::vector<double> step_time, layer_time;
   std::vector<std::vector<double>> phases(desc->field_count());
   for (const auto* by_rank : steps) {
-    double t = 0;
+    double t = 0, layer = 0;
     std::vector<double> slowest(desc->field_count(), 0.0);
     for (const v1::StepStats& s : *by_rank) {
       t = std::max(t, s.step_seconds());
+      // The synthetic task's own phases are not the layer's (docs/jobs.md#result).
+      const v1::PhaseSeconds& ph = s.phase_seconds();
+      layer = std::max(layer, s.step_seconds() - ph.teacher() - ph.inputs());
       for (int f = 0; f < desc->field_count(); ++f)
         slowest[f] = std::max(slowest[f], refl->GetDouble(s.phase_seconds(), desc->field(f)));
     }
     step_time.push_back(t);
+    layer_time.push_back(layer);
     for (int f = 0; f < desc->field_count(); ++f) phases[f].push_back(slowest[f]);
   }
   const double p50 = median(step_time);
@@ -63,6 +67,9 @@ void fill_times(const std::vector<const std::vector<v1::StepStats>*>& steps, int
   rec.set_steps_completed(steps.empty() ? 0.0 : static_cast<double>(step_of(*steps.back()) + 1));
   rec.set_step_seconds_p50(p50);
   rec.set_tokens_per_second(p50 > 0 ? static_cast<double>(tokens_per_step) / p50 : 0.0);
+  const double layer_p50 = median(layer_time);
+  rec.set_layer_step_seconds_p50(layer_p50);
+  rec.set_layer_tokens_per_second(layer_p50 > 0 ? static_cast<double>(tokens_per_step) / layer_p50 : 0.0);
   v1::PhaseSeconds* ph = rec.mutable_phase_seconds();
   for (int f = 0; f < desc->field_count(); ++f) refl->SetDouble(ph, desc->field(f), median(phases[f]));
   // Each step's expert phase is already its slowest rank's.

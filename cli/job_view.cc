@@ -55,6 +55,10 @@ void result_rows(const v1::JobResult& j, Rows& rows) {
   rows.push_back({"steps", fmt(j.steps_completed()) + "/" + std::to_string(j.spec().steps())});
   rows.push_back({"tokens/s", fmt(j.tokens_per_second(), 6)});
   rows.push_back({"step p50", human_seconds(j.step_seconds_p50())});
+  if (j.phase_seconds().teacher() > 0 || j.phase_seconds().inputs() > 0)
+    rows.push_back({"layer tokens/s", fmt(j.layer_tokens_per_second(), 6) + " (step " +
+                                          human_seconds(j.layer_step_seconds_p50()) +
+                                          " without the synthetic teacher and inputs)"});
   rows.push_back({"phases (s)", phases_line(j.phase_seconds())});
   const double ratio = j.naive_dispatch_bytes() > 0 ? j.dispatch_bytes() / j.naive_dispatch_bytes() : 0;
   rows.push_back({"dispatch bytes", human_bytes(j.dispatch_bytes()) + " (" + fmt(100 * ratio, 3) + "% of naive)"});

@@ -1,6 +1,7 @@
 #include <algorithm>
 #include <filesystem>
 #include <fstream>
+#include <numeric>
 
 #include "benches.h"
 #include "moe/ep/moe_layer.h"
@@ -49,6 +50,45 @@ v1::JobSpec spec_of(const LayerBenchOptions& o) {
   s.set_seed(o.seed);
   s.set_dump_dir(o.dump_dir);
   return s;
+}
+
+// The weight bytes a forward step reads: every expert with a kept pair, its w13
+// and w2 in the compute dtype (what the expert GEMMs stream).
+int64_t weight_bytes_read(const int32_t* kept_idx, int64_t pairs, const LayerBenchOptions& o) {
+  std::vector<bool> touched(o.experts, false);
+  for (int64_t p = 0; p < pairs; ++p)
+    if (kept_idx[p] >= 0) touched[kept_idx[p]] = true;
+  const int64_t experts = std::count(touched.begin(), touched.end(), true);
+  return experts * 3 * static_cast<int64_t>(o.hidden) * o.ffn * static_cast<int64_t>(kernels::dtype_size(o.dtype));
+}
+
+// A STREAM-like read: the best of `repeats` passes summing `bytes` of memory split
+// over the pool's threads (the sum is kept so the reads cannot be dropped), GB/s.
+double read_gbps(kernels::ThreadPool& pool, int64_t bytes, int repeats) {
+  const int64_t n = std::max<int64_t>(bytes / 8, 1);
+  std::vector<double> data(n, 1.0);
+  const int64_t tasks = pool.num_threads();
+  std::vector<double> sums(tasks);
+  double best = 0;
+  for (int r = 0; r < repeats; ++r) {
+    const double t0 = now_seconds();
+    pool.parallel_for(tasks, [&](int64_t t, int) {
+      const int64_t b = n * t / tasks, e = n * (t + 1) / tasks;
+      double s0 = 0, s1 = 0, s2 = 0, s3 = 0;
+      int64_t i = b;
+      for (; i + 4 <= e; i += 4) {
+        s0 += data[i];
+        s1 += data[i + 1];
+        s2 += data[i + 2];
+        s3 += data[i + 3];
+      }
+      for (; i < e; ++i) s0 += data[i];
+      sums[t] = s0 + s1 + s2 + s3;
+    });
+    best = std::max(best, 8.0 * n / (now_seconds() - t0) / 1e9);
+  }
+  MOE_CHECK(std::accumulate(sums.begin(), sums.end(), 0.0) == static_cast<double>(n), "read bandwidth: bad sum");
+  return best;
 }
 
 void write_spec_json(const std::string& path, const v1::JobSpec& spec) {
@@ -137,6 +177,10 @@ Report run_layer_bench(const LayerBenchOptions& o) {
   const double fwd_flops = 2.0 * T * o.experts * H + 6.0 * T * o.top_k * H * static_cast<double>(o.ffn);
   const double flops = o.train ? 3 * fwd_flops : fwd_flops;
   const double gflops = flops / median.seconds / 1e9;
+  // The small-batch floor: the step's weight bytes over the same-run read bandwidth.
+  const int64_t weight_bytes = weight_bytes_read(layer.kept_idx(), T * o.top_k, o);
+  const double read_bw = read_gbps(pool, std::max<int64_t>(weight_bytes, 1 << 20), 5);
+  const double weight_gbps = weight_bytes / median.seconds / 1e9;
 
   Report r;
   r.add("bench", "layer");
@@ -157,6 +201,9 @@ Report run_layer_bench(const LayerBenchOptions& o) {
   r.add("gemm_peak_gflops", peak);
   r.add("fraction_of_gemm_peak", gflops / peak);
   r.add("fp32_sgemm_peak_gflops", sgemm_peak);
+  r.add("weight_bytes_read", weight_bytes);
+  r.add("read_bandwidth_gbps", read_bw);
+  r.add("fraction_of_read_bandwidth", weight_gbps / read_bw);
   Report& ph = r.section("phase_seconds");
   ph.add("router", median.phases.router);
   ph.add("permute", median.phases.permute);

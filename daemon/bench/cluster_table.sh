@@ -45,16 +45,18 @@ layer = {(dt, m): load(f"{d}/layer_{dt}_{m}.json") for dt in ("fp32", "bf16") fo
 ep = {dt: load(f"{d}/ep_{dt}.json") for dt in ("fp32", "bf16")}
 l0 = layer[("fp32", "forward")]
 print(f"CPU: {l0['cpu']}, isa {l0['isa']}, engine {l0['gemm_engine']}")
-print("| cluster | dtype | mode | job tokens/s | per rank | moe-bench layer tokens/s | job per rank / layer |")
-print("|---|---|---|---|---|---|---|")
+print("| cluster | dtype | mode | job tokens/s | per rank | layer tokens/s per rank | moe-bench layer tokens/s | job per rank / layer | job layer per rank / layer |")
+print("|---|---|---|---|---|---|---|---|---|")
 for nd in ("1x1", "1x2", "2x1", "2x2"):
     ranks = int(nd[0]) * int(nd[2])
     for dt in ("fp32", "bf16"):
         for m in ("forward", "train"):
             j = load(f"{d}/job_{nd}_{dt}_{m}.json")
             tps = j["tokens_per_second"]
+            lps = j.get("layer_tokens_per_second", tps) / ranks  # without the synthetic teacher and inputs
             ref = layer[(dt, m)]["tokens_per_second"]
-            print(f"| {nd} | {dt} | {m} | {tps:,.0f} | {tps / ranks:,.0f} | {ref:,.0f} | {tps / ref:.2f} |")
+            print(f"| {nd} | {dt} | {m} | {tps:,.0f} | {tps / ranks:,.0f} | {lps:,.0f} | {ref:,.0f} | "
+                  f"{tps / ranks / ref:.2f} | {lps / ref:.2f} |")
 print()
 for dt in ("fp32", "bf16"):
     print(f"moe-bench ep --ranks 2 ({dt}, UCX processes): forward {ep[dt]['forward_tokens_per_second']:,.0f} tokens/s, "

@@ -33,7 +33,7 @@ namespace {
 
 class CpuBackend final : public Backend {
  public:
-  CpuBackend(ThreadPool& pool, const CpuEngines& engines) : exec_{pool, engines, {}} {
+  CpuBackend(ThreadPool& pool, const CpuEngines& engines) : exec_(pool, engines) {
     MOE_CHECK(__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma"),
               "the CPU backend needs AVX2 and FMA, which this processor lacks");
     cpu::init_blas_single_threaded();

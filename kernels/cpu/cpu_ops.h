@@ -98,12 +98,30 @@ struct GemmTile {
   int64_t end;
 };
 
+// The small-batch rule's row limits (expert_mlp_small.cc).
+struct SmallRowsRule {
+  int64_t fp32 = 0, bf16 = 0;
+  int64_t of(DType d) const { return d == DType::kBF16 ? bf16 : fp32; }
+  // The measured defaults for these engines, or MOE_SMALL_BATCH_ROWS (0..64, both
+  // dtypes) when set; a malformed value throws naming it.
+  static SmallRowsRule for_engines(const CpuEngines& engines);
+};
+
 // What the GEMM-driving ops share: the pool, the engines and a tile list reused
 // across calls (it only grows, so steady-state steps do not allocate).
 struct CpuExec {
+  CpuExec(ThreadPool& p, const CpuEngines& e) : pool(p), engines(e) {}
+
   ThreadPool& pool;
   CpuEngines engines;
   std::vector<GemmTile> tiles;
+  // The expert MLP's small-batch rule (docs/backends.md#small-batches), per
+  // dtype: experts with at most this many rows in a layout stream their weights
+  // with the few-row kernels. 0: the path is off.
+  SmallRowsRule small_rows = SmallRowsRule::for_engines(engines);
+  // Scratch of the expert MLP's split between the two paths (grow only).
+  std::vector<int32_t> small_experts;
+  std::vector<int64_t> rest_begin, rest_end;
 };
 
 // Row tiles over groups [offset[g], offset[g+1]): each group split evenly into

@@ -138,8 +138,16 @@ void dgrad_blas(CpuExec& exec, const ExpertMlpConfig& c, const ExpertMlpBackward
 
 }  // namespace
 
+namespace {
+size_t engine_workspace_bytes(const ExpertMlpConfig& c, int num_threads, GemmEngine engine) {
+  return align64(engine == GemmEngine::kOneDnn ? onednn_mlp_workspace_bytes(c, num_threads)
+                                               : blas_workspace_bytes(c, num_threads));
+}
+}  // namespace
+
+// The engine path's workspace, then the small-batch path's panels.
 size_t expert_mlp_workspace_bytes(const ExpertMlpConfig& c, int num_threads, GemmEngine engine) {
-  return engine == GemmEngine::kOneDnn ? onednn_mlp_workspace_bytes(c, num_threads) : blas_workspace_bytes(c, num_threads);
+  return engine_workspace_bytes(c, num_threads, engine) + small_mlp_workspace_bytes(c, num_threads);
 }
 
 namespace {
@@ -161,10 +169,18 @@ void expert_mlp_forward(CpuExec& exec, const ExpertMlpConfig& c, const ExpertMlp
   const CpuExpertWeights& p = checked_for(exec, c, a.packed, false);
   c.check_offsets(a.expert_offset);
   if (!a.part.whole()) c.check_part(a.expert_offset, a.part.pair_begin, a.part.pair_end);
+  const SmallBatchSplit split = split_small_batch(exec, c, a, p);
+  if (split.small) {
+    auto* panels = static_cast<uint8_t*>(a.workspace) + engine_workspace_bytes(c, exec.pool.num_threads(), p.engine);
+    forward_small(exec, c, a, p, panels);
+  }
+  if (!split.rest) return;
+  ExpertMlpForwardArgs rest = a;
+  rest.part = split.rest_part;
   if (p.engine == GemmEngine::kOneDnn)
-    forward_onednn(exec, c, a, p);
+    forward_onednn(exec, c, rest, p);
   else
-    forward_blas(exec, c, a);
+    forward_blas(exec, c, rest);
 }
 
 void expert_mlp_backward(CpuExec& exec, const ExpertMlpConfig& c, const ExpertMlpBackwardArgs& a) {

@@ -2,6 +2,7 @@
 #include "packed_weights.h"
 
 #include "moe/base/check.h"
+#include "small_gemm.h"
 
 namespace moe::kernels::cpu {
 namespace {
@@ -64,6 +65,13 @@ std::unique_ptr<PackedWeights> make_expert_weights(const ExpertMlpConfig& c, Gem
   auto p = std::make_unique<CpuExpertWeights>();
   p->cfg = c;
   p->engine = engine;
+  if (c.x_dtype == DType::kBF16 && !c.train && c.num_experts > 0) {
+    const SmallGemmIsa isa = small_gemm_isa();
+    p->small_w13_elems = small_bf16_weight_elems(isa, 2 * static_cast<int64_t>(c.ffn_hidden), c.hidden);
+    p->small_w2_elems = small_bf16_weight_elems(isa, c.hidden, c.ffn_hidden);
+    p->small_w13 = HostBytes(align64(p->small_w13_elems * c.num_experts * sizeof(bf16_t)));
+    p->small_w2 = HostBytes(align64(p->small_w2_elems * c.num_experts * sizeof(bf16_t)));
+  }
   if (engine == GemmEngine::kOpenBlas || c.num_experts == 0) return p;
   const DType d = c.x_dtype;
   const int64_t H = c.hidden, I = c.ffn_hidden;
@@ -89,6 +97,16 @@ void pack_expert_weights(ThreadPool& pool, PackedWeights& packed, const float* w
   MOE_CHECK(p, "pack_expert_weights: the packed weights are not the CPU backend's expert weights");
   MOE_CHECK(first >= 0 && count >= 0 && first + count <= p->cfg.num_experts, "pack_expert_weights: experts [", first,
             ", ", first + count, ") are not within the ", p->cfg.num_experts, " the weights were made for");
+  if (p->small_w13.get() && count > 0) {
+    const int64_t H = p->cfg.hidden, I = p->cfg.ffn_hidden;
+    auto* s13 = reinterpret_cast<bf16_t*>(p->small_w13.get());
+    auto* s2 = reinterpret_cast<bf16_t*>(p->small_w2.get());
+    pool.parallel_for(count, [&](int64_t i, int) {
+      const int64_t e = first + i;
+      pack_small_bf16_weights(small_gemm_isa(), w13 + e * 2 * I * H, 2 * I, H, s13 + e * p->small_w13_elems);
+      pack_small_bf16_weights(small_gemm_isa(), w2 + e * H * I, H, I, s2 + e * p->small_w2_elems);
+    });
+  }
   if (p->gate_up && count > 0) {
     const int64_t n13 = 2 * static_cast<int64_t>(p->cfg.ffn_hidden) * p->cfg.hidden;
     const int64_t n2 = static_cast<int64_t>(p->cfg.hidden) * p->cfg.ffn_hidden;
@@ -110,6 +128,16 @@ void pack_expert_weights(ThreadPool& pool, PackedWeights& packed, const float* w
     });
   }
   p->packed = true;
+}
+
+const void* CpuExpertWeights::small_expert_w13(int e, const float* w13) const {
+  if (cfg.x_dtype == DType::kF32) return w13 + static_cast<int64_t>(e) * 2 * cfg.ffn_hidden * cfg.hidden;
+  return reinterpret_cast<const bf16_t*>(small_w13.get()) + e * small_w13_elems;
+}
+
+const void* CpuExpertWeights::small_expert_w2(int e, const float* w2) const {
+  if (cfg.x_dtype == DType::kF32) return w2 + static_cast<int64_t>(e) * cfg.hidden * cfg.ffn_hidden;
+  return reinterpret_cast<const bf16_t*>(small_w2.get()) + e * small_w2_elems;
 }
 
 const CpuRouterWeights& checked_router_weights(const PackedWeights* packed, const RouterConfig& cfg) {

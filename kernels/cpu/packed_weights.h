@@ -58,7 +58,18 @@ struct CpuExpertWeights final : PackedWeights {
   // runtime m and k, no packed operand).
   std::unique_ptr<OneDnnMatmul> down_dgrad, gate_up_dgrad, down_wgrad, gate_up_wgrad;
   PackedTensor w13_fwd, w2_fwd, w2_dgrad, w13_dgrad;
+  // The small-batch path's weights for bf16 layers that are forward-only: w13
+  // and w2 rounded to bf16 in pack_small_bf16_weights' layout, small_w13_elems /
+  // small_w2_elems values per expert (fp32 layers read w13 and w2 as given).
+  HostBytes small_w13, small_w2;
+  size_t small_w13_elems = 0, small_w2_elems = 0;
   bool packed = false;
+
+  // Whether the small-batch path can run on these weights.
+  bool has_small_weights() const { return cfg.x_dtype == DType::kF32 || small_w13.get() != nullptr; }
+  // Expert e's w13 / w2 as the small-batch path reads them (w13, w2: the call's).
+  const void* small_expert_w13(int e, const float* w13) const;
+  const void* small_expert_w2(int e, const float* w2) const;
 };
 
 // The packed object behind `p`, checked against the op's config (the fields
@@ -73,5 +84,23 @@ void forward_onednn(CpuExec& exec, const ExpertMlpConfig& cfg, const ExpertMlpFo
                     const CpuExpertWeights& p);
 void backward_onednn(CpuExec& exec, const ExpertMlpConfig& cfg, const ExpertMlpBackwardArgs& a,
                      const CpuExpertWeights& p);
+
+// The small-batch path (expert_mlp_small.cc), docs/backends.md#small-batches.
+// Its per-thread panels follow the engine path's workspace.
+size_t small_mlp_workspace_bytes(const ExpertMlpConfig& cfg, int num_threads);
+// Splits a forward call: exec.small_experts gets the experts the rule gives the
+// small-batch path (at most exec.small_rows.of(dtype) rows in the layout) that have
+// pairs to compute; the returned part is everything else, for the engine path
+// (empty = nothing left). Without small experts it returns a.part unchanged.
+struct SmallBatchSplit {
+  bool small = false;  // the small-batch path has experts
+  bool rest = false;   // the engine path has pairs
+  ExpertMlpPart rest_part;
+};
+SmallBatchSplit split_small_batch(CpuExec& exec, const ExpertMlpConfig& cfg, const ExpertMlpForwardArgs& a,
+                                  const CpuExpertWeights& p);
+// Forward of exec.small_experts' pairs; panels: small_mlp_workspace_bytes of scratch.
+void forward_small(CpuExec& exec, const ExpertMlpConfig& cfg, const ExpertMlpForwardArgs& a,
+                   const CpuExpertWeights& p, uint8_t* panels);
 
 }  // namespace moe::kernels::cpu

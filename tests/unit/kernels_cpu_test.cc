@@ -13,6 +13,8 @@
 #include "moe/base/check.h"
 #include "moe/kernels/cpu_backend.h"
 #include "moe/kernels/thread_pool.h"
+#include "cpu_ops.h"
+#include "small_gemm.h"
 #include "test_util.h"
 #include "vec.h"
 
@@ -887,6 +889,182 @@ INSTANTIATE_TEST_SUITE_P(Engines, ExpertMlpOp,
                            return std::string(dtype_name(std::get<0>(info.param))) +
                                   engine_suffix(std::get<1>(info.param));
                          });
+
+// The few-row kernels of the small-batch path (docs/backends.md#small-batches) on
+// every ISA this CPU runs, fp32 and bf16 weights, against a double loop: fp32
+// accumulation of k exact products, so |error| <= k 2^-24 sum |x w| (plus the
+// reduction's log2(lanes) adds, inside the k). Shapes cover the k tails (not a
+// multiple of 8, 16, 32), every row-group remainder and partial weight panels.
+// A row's results are the same bits whether computed alone or among others.
+TEST(SmallRowsGemm, MatchesDoubleOnEveryIsaAndRowsAreIndependent) {
+  std::vector<cpu::SmallGemmIsa> isas = {cpu::SmallGemmIsa::kAvx2};
+  if (cpu::small_gemm_isa() == cpu::SmallGemmIsa::kAvx512) isas.push_back(cpu::SmallGemmIsa::kAvx512);
+  for (const cpu::SmallGemmIsa isa : isas)
+    for (const DType wd : {DType::kF32, DType::kBF16})
+      for (const int64_t k : {1, 15, 16, 33, 100, 256})
+        for (const int64_t n : {1, 7, 8, 13, 50})
+          for (const int64_t m : {1, 2, 3, 4, 5, 7, 9}) {
+            const std::string what = std::string(cpu::small_gemm_isa_name(isa)) + " " + dtype_name(wd) +
+                                     " m=" + std::to_string(m) + " n=" + std::to_string(n) + " k=" + std::to_string(k);
+            std::vector<float> x = normal_vector(m * k, 11 + k), w = normal_vector(n * k, 12 + n);
+            if (wd == DType::kBF16) model::round_to_bf16(w);
+            std::vector<bf16_t> packed(cpu::small_bf16_weight_elems(isa, n, k), 0xffff);
+            cpu::pack_small_bf16_weights(isa, w.data(), n, k, packed.data());
+            const void* wp = wd == DType::kBF16 ? static_cast<const void*>(packed.data()) : w.data();
+            const int64_t ldc = n + 3;
+            std::vector<float> c(m * ldc, -7.0f);
+            cpu::small_rows_gemm(isa, x.data(), m, k, wp, wd, n, c.data(), ldc);
+            std::vector<double> got, want, bound;
+            for (int64_t i = 0; i < m; ++i)
+              for (int64_t j = 0; j < n; ++j) {
+                double sum = 0, abs_sum = 0;
+                for (int64_t v = 0; v < k; ++v) {
+                  sum += static_cast<double>(x[i * k + v]) * w[j * k + v];
+                  abs_sum += std::fabs(static_cast<double>(x[i * k + v]) * w[j * k + v]);
+                }
+                got.push_back(c[i * ldc + j]);
+                want.push_back(sum);
+                bound.push_back(abs_sum * static_cast<double>(k + 8));
+              }
+            ASSERT_TRUE(close_bounded(what, got, want, bound, 0x1.0p-24, 0, 0, true));
+            for (int64_t i = 0; i < m; ++i)  // the padding between rows is untouched
+              for (int64_t j = n; j < ldc; ++j) ASSERT_EQ(c[i * ldc + j], -7.0f) << what;
+            for (int64_t i = 0; i < m; ++i) {
+              std::vector<float> one(n);
+              cpu::small_rows_gemm(isa, x.data() + i * k, 1, k, wp, wd, n, one.data(), n);
+              ASSERT_EQ(one, std::vector<float>(c.begin() + i * ldc, c.begin() + i * ldc + n)) << what << " row " << i;
+            }
+          }
+}
+
+// The small-batch path inside the fused expert MLP: a forward-only layer whose
+// experts have 0, 1, 2, 3, 5, 16 and 17 rows, so the rule (set to at most 16
+// rows) splits the call between the two paths. y against a double composition (the
+// small path keeps h in fp32; bf16 on oneDNN rounds it for the 17-row expert, as
+// ForwardBackwardMatchComposition bounds), the pairs the path computed counted,
+// the same bits in one-row parts, and the same values with the path turned off.
+class ExpertMlpSmallBatch : public CpuOps, public ::testing::WithParamInterface<std::tuple<DType, GemmEngine>> {};
+
+TEST_P(ExpertMlpSmallBatch, SplitsByRowsAndMatchesComposition) {
+  const auto [dtype, engine] = GetParam();
+  std::string skip;
+  ::setenv("MOE_SMALL_BATCH_ROWS", "16", 1);
+  std::unique_ptr<Backend> be = backend_with(pool, dtype, engine, &skip);
+  ::unsetenv("MOE_SMALL_BATCH_ROWS");
+  if (!be) GTEST_SKIP() << skip;
+  const bool bf16 = dtype == DType::kBF16;
+  const int L = 7, H = 40, I = 24;
+  const std::vector<int64_t> off = {0, 0, 1, 3, 6, 11, 27, 44};
+  const int64_t M = off.back(), N = 30;
+  std::vector<int32_t> src(M);
+  for (int64_t m = 0; m < M; ++m) src[m] = static_cast<int32_t>((m * 7) % N);
+  auto as_used = [&](std::vector<float> v) {
+    if (bf16) model::round_to_bf16(v);
+    return v;
+  };
+  const std::vector<float> rows = as_used(normal_vector(N * H, 21)), pw = normal_vector(M, 22);
+  const std::vector<float> w13 = as_used(normal_vector(L * 2 * I * H, 23, 0.3));
+  const std::vector<float> w2 = as_used(normal_vector(L * H * I, 24, 0.3));
+  const std::vector<uint8_t> rows_s = model::to_storage(rows, dtype);
+  ExpertMlpConfig cfg{L, H, I, M, N, dtype, false};
+  const std::unique_ptr<PackedWeights> packed = be->make_expert_weights(cfg);
+  be->pack_expert_weights(*packed, w13.data(), w2.data(), 0, L);
+  std::vector<float> y(M * H, 5.0f);
+  void* ws = workspace(be->expert_mlp_workspace_bytes(cfg));
+  ExpertMlpStats stats;
+  ExpertMlpForwardArgs f{rows_s.data(), off.data(), src.data(), pw.data(), w13.data(), w2.data(), packed.get(),
+                         y.data(), nullptr, ws, &stats};
+  be->expert_mlp_forward(cfg, f);
+  EXPECT_EQ(stats.small_batch_pairs, 27);  // experts of 1..16 rows; the 17-row one is the engine's
+
+  std::vector<double> want(M * H, 0), sum(M * H, 0);
+  for (int e = 0; e < L; ++e)
+    for (int64_t m = off[e]; m < off[e + 1]; ++m) {
+      const float* x = &rows[src[m] * H];
+      std::vector<double> h(I);
+      for (int i = 0; i < I; ++i) {
+        double g = 0, u = 0;
+        for (int j = 0; j < H; ++j) {
+          g += static_cast<double>(w13[(e * 2 * I + i) * H + j]) * x[j];
+          u += static_cast<double>(w13[(e * 2 * I + I + i) * H + j]) * x[j];
+        }
+        h[i] = g / (1 + std::exp(-g)) * u;
+      }
+      for (int j = 0; j < H; ++j)
+        for (int i = 0; i < I; ++i) {
+          want[m * H + j] += pw[m] * h[i] * w2[(e * H + j) * I + i];
+          sum[m * H + j] += std::fabs(pw[m] * h[i] * w2[(e * H + j) * I + i]);
+        }
+    }
+  const double coef = bf16 && engine == GemmEngine::kOneDnn ? 0x1.0p-7 : 0.0;
+  EXPECT_TRUE(close_bounded("y", to_double(y), want, sum, coef, 1e-4, 1e-5));
+
+  // One pair per part: the small experts' rows give the same bits.
+  std::vector<float> y1(M * H, 9.0f);
+  ExpertMlpForwardArgs fp = f;
+  fp.y = y1.data();
+  fp.stats = nullptr;
+  const int64_t most = 17;
+  for (int64_t p = 0; p < most; ++p) {
+    std::vector<int64_t> b(L), e(L);
+    for (int x = 0; x < L; ++x) {
+      b[x] = std::min(off[x] + p, off[x + 1]);
+      e[x] = std::min(off[x] + p + 1, off[x + 1]);
+    }
+    fp.part = {.pair_begin = b.data(), .pair_end = e.data()};
+    be->expert_mlp_forward(cfg, fp);
+  }
+  for (int64_t m = 0; m < off[6]; ++m)
+    for (int j = 0; j < H; ++j) ASSERT_EQ(y1[m * H + j], y[m * H + j]) << "pair " << m;
+
+  // The path off (MOE_SMALL_BATCH_ROWS=0): every pair on the engine path.
+  ::setenv("MOE_SMALL_BATCH_ROWS", "0", 1);
+  std::unique_ptr<Backend> off_be = backend_with(pool, dtype, engine, &skip);
+  ::unsetenv("MOE_SMALL_BATCH_ROWS");
+  const std::unique_ptr<PackedWeights> packed_off = off_be->make_expert_weights(cfg);
+  off_be->pack_expert_weights(*packed_off, w13.data(), w2.data(), 0, L);
+  std::vector<float> y0(M * H);
+  ExpertMlpStats stats0;
+  ExpertMlpForwardArgs f0 = f;
+  f0.packed = packed_off.get();
+  f0.y = y0.data();
+  f0.stats = &stats0;
+  f0.workspace = workspace(off_be->expert_mlp_workspace_bytes(cfg));
+  off_be->expert_mlp_forward(cfg, f0);
+  EXPECT_EQ(stats0.small_batch_pairs, 0);
+  EXPECT_TRUE(close_bounded("y, path off", to_double(y0), want, sum, coef, 1e-4, 1e-5));
+}
+
+INSTANTIATE_TEST_SUITE_P(Engines, ExpertMlpSmallBatch,
+                         ::testing::Combine(::testing::Values(DType::kF32, DType::kBF16),
+                                            ::testing::Values(GemmEngine::kOpenBlas, GemmEngine::kOneDnn)),
+                         [](const ::testing::TestParamInfo<std::tuple<DType, GemmEngine>>& info) {
+                           return std::string(dtype_name(std::get<0>(info.param))) +
+                                  engine_suffix(std::get<1>(info.param));
+                         });
+
+TEST(SmallBatchRule, FollowsTheEnginesAndTheOverride) {
+  const CpuEngines blas{GemmEngine::kOpenBlas, GemmEngine::kOpenBlas}, dnn{GemmEngine::kOneDnn, GemmEngine::kOneDnn};
+  EXPECT_EQ(cpu::SmallRowsRule::for_engines(blas).fp32, 8);
+  EXPECT_EQ(cpu::SmallRowsRule::for_engines(blas).bf16, 8);
+  EXPECT_EQ(cpu::SmallRowsRule::for_engines(dnn).fp32, 0);  // oneDNN streams fp32 weights already
+  EXPECT_EQ(cpu::SmallRowsRule::for_engines(dnn).bf16, 8);
+  ::setenv("MOE_SMALL_BATCH_ROWS", "32", 1);
+  EXPECT_EQ(cpu::SmallRowsRule::for_engines(dnn).fp32, 32);
+  EXPECT_EQ(cpu::SmallRowsRule::for_engines(dnn).bf16, 32);
+  ::unsetenv("MOE_SMALL_BATCH_ROWS");
+  ThreadPool pool(1);
+  for (const char* bad : {"-1", "65", "x", "8x"}) {
+    ::setenv("MOE_SMALL_BATCH_ROWS", bad, 1);
+    try {
+      make_cpu_backend(pool);
+      ADD_FAILURE() << bad << " was accepted";
+    } catch (const Error& e) {
+      EXPECT_NE(std::string(e.what()).find("MOE_SMALL_BATCH_ROWS"), std::string::npos) << e.what();
+    }
+  }
+  ::unsetenv("MOE_SMALL_BATCH_ROWS");
+}
 
 TEST_F(CpuOps, ExpertMlpRejectsMissingOrMismatchedPackedWeights) {
   const int L = 2, H = 16, I = 8;

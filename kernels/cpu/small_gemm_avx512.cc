@@ -1,0 +1,163 @@
+// The AVX-512 few-row GEMM (small_gemm.h); this file alone is built with AVX-512
+// enabled and runs only where small_gemm_isa() says so.
+//
+// fp32 weights are read row-major, blocks of 8 rows at a time. bf16 weights come
+// in panels (pack_small_bf16_weights): a panel step is 8 rows x 32 values, 512
+// contiguous bytes, so a call streams the weights linearly (rows of 2 KiB read side
+// by side defeat the hardware prefetchers). A 32-value bf16 load holds the even
+// values in its low halves and the odd ones in its high halves: a shift and a mask
+// widen it without a shuffle, and the rows are de-interleaved to match once per
+// call (evens then odds per 32 values). Every value is summed in the same place
+// whatever m is.
+#include <immintrin.h>
+
+#include <algorithm>
+#include <vector>
+
+#include "small_gemm.h"
+
+namespace moe::kernels::cpu::detail {
+namespace {
+
+constexpr int kNr = 8;  // rows of W per block (a bf16 panel)
+// Rows of X per block: MR x 8 accumulators, the rows and the weight vectors in 32 zmm.
+constexpr int kMrF32 = 3, kMrBf16 = 2;
+constexpr int64_t kAhead = 4;  // blocks of 8 weight rows prefetched ahead of the one computed
+
+inline __mmask16 mask16(int64_t left) {
+  return left >= 16 ? __mmask16(0xffff) : static_cast<__mmask16>((1u << left) - 1);
+}
+
+// fp32 weights: c[i, j0 + r] for i < MR, r < NR; the k tail is a masked step.
+// ahead: the rows kAhead blocks on (contiguous, as this block's are), prefetched
+// a slice per k step; null for none.
+template <int MR, int NR>
+void block_f32(const float* x, int64_t k, const float* w, int64_t j0, const float* ahead, float* c, int64_t ldc) {
+  __m512 acc[MR][NR];
+#pragma GCC unroll 8
+  for (int i = 0; i < MR; ++i)
+#pragma GCC unroll 8
+    for (int r = 0; r < NR; ++r) acc[i][r] = _mm512_setzero_ps();
+  for (int64_t kk = 0; kk < k; kk += 16) {
+    const __mmask16 m = mask16(k - kk);
+    if (ahead)
+      for (int b = 0; b < NR * 64; b += 64) _mm_prefetch(reinterpret_cast<const char*>(ahead + kk * NR) + b, _MM_HINT_T1);
+    __m512 xv[MR];
+#pragma GCC unroll 8
+    for (int i = 0; i < MR; ++i) xv[i] = _mm512_maskz_loadu_ps(m, x + i * k + kk);
+#pragma GCC unroll 8
+    for (int r = 0; r < NR; ++r) {
+      const __m512 wv = _mm512_maskz_loadu_ps(m, w + (j0 + r) * k + kk);
+#pragma GCC unroll 8
+      for (int i = 0; i < MR; ++i) acc[i][r] = _mm512_fmadd_ps(xv[i], wv, acc[i][r]);
+    }
+  }
+#pragma GCC unroll 8
+  for (int i = 0; i < MR; ++i)
+#pragma GCC unroll 8
+    for (int r = 0; r < NR; ++r) c[i * ldc + j0 + r] = _mm512_reduce_add_ps(acc[i][r]);
+}
+
+template <int MR>
+void rows_f32(const float* x, int64_t k, const float* w, int64_t n, int64_t j0, int64_t j_end, bool prefetch,
+              float* c, int64_t ldc) {
+  int64_t j = j0;
+  for (; j + kNr <= j_end; j += kNr) {
+    const float* ahead = prefetch && j + (kAhead + 1) * kNr <= n ? w + (j + kAhead * kNr) * k : nullptr;
+    block_f32<MR, kNr>(x, k, w, j, ahead, c, ldc);
+  }
+  for (; j < j_end; ++j) block_f32<MR, 1>(x, k, w, j, nullptr, c, ldc);
+}
+
+// W rows outermost in blocks of about 32 KiB, row groups of X inside: a block of W
+// comes from memory once and from L1/L2 for the other groups.
+void run_f32(const float* x, int64_t m, int64_t k, const float* w, int64_t n, float* c, int64_t ldc) {
+  const int64_t jb = std::max<int64_t>(kNr, (32 << 10) / std::max<int64_t>(1, k * 4) / kNr * kNr);
+  for (int64_t j0 = 0; j0 < n; j0 += jb) {
+    const int64_t j_end = std::min(n, j0 + jb);
+    int64_t i = 0;
+    // The first row group prefetches the rows kAhead blocks on.
+    for (; i + kMrF32 <= m; i += kMrF32) rows_f32<kMrF32>(x + i * k, k, w, n, j0, j_end, i == 0, c + i * ldc, ldc);
+    if (m - i == 2) rows_f32<2>(x + i * k, k, w, n, j0, j_end, i == 0, c + i * ldc, ldc);
+    if (m - i == 1) rows_f32<1>(x + i * k, k, w, n, j0, j_end, i == 0, c + i * ldc, ldc);
+  }
+}
+
+// bf16 panel p (8 rows from j0 = 8p, `valid` of them real); xd: MR rows
+// de-interleaved, kp values each (zero padded, as the panel is).
+template <int MR>
+void panel_bf16(const float* xd, int64_t kp, const bf16_t* panel, const bf16_t* ahead, int valid, float* c,
+                int64_t ldc) {
+  const __m512i high = _mm512_set1_epi32(static_cast<int>(0xffff0000u));
+  __m512 acc[MR][kNr];
+#pragma GCC unroll 8
+  for (int i = 0; i < MR; ++i)
+#pragma GCC unroll 8
+    for (int r = 0; r < kNr; ++r) acc[i][r] = _mm512_setzero_ps();
+  for (int64_t kk = 0; kk < kp; kk += 32) {
+    const bf16_t* step = panel + kk * kNr;  // 8 rows x 32 values
+    if (ahead)
+      for (int b = 0; b < 512; b += 64) _mm_prefetch(reinterpret_cast<const char*>(ahead + kk * kNr) + b, _MM_HINT_T1);
+    __m512 even[MR], odd[MR];
+#pragma GCC unroll 8
+    for (int i = 0; i < MR; ++i) {
+      even[i] = _mm512_loadu_ps(xd + i * kp + kk);
+      odd[i] = _mm512_loadu_ps(xd + i * kp + kk + 16);
+    }
+#pragma GCC unroll 8
+    for (int r = 0; r < kNr; ++r) {
+      const __m512i v = _mm512_loadu_si512(step + r * 32);
+      const __m512 we = _mm512_castsi512_ps(_mm512_slli_epi32(v, 16));
+      const __m512 wo = _mm512_castsi512_ps(_mm512_and_si512(v, high));
+#pragma GCC unroll 8
+      for (int i = 0; i < MR; ++i) {
+        acc[i][r] = _mm512_fmadd_ps(even[i], we, acc[i][r]);
+        acc[i][r] = _mm512_fmadd_ps(odd[i], wo, acc[i][r]);
+      }
+    }
+  }
+#pragma GCC unroll 8
+  for (int i = 0; i < MR; ++i)
+#pragma GCC unroll 8
+    for (int r = 0; r < kNr; ++r)
+      if (r < valid) c[i * ldc + r] = _mm512_reduce_add_ps(acc[i][r]);
+}
+
+// The rows of x [m, k] with each 32 values reordered evens then odds, zero padded
+// to kp per row.
+void deinterleave(const float* x, int64_t m, int64_t k, int64_t kp, float* xd) {
+  for (int64_t i = 0; i < m; ++i) {
+    float* d = xd + i * kp;
+    std::fill(d, d + kp, 0.0f);
+    for (int64_t v = 0; v < k; ++v) d[v / 32 * 32 + (v % 2) * 16 + (v % 32) / 2] = x[i * k + v];
+  }
+}
+
+void run_bf16(const float* x, int64_t m, int64_t k, const bf16_t* w, int64_t n, float* c, int64_t ldc) {
+  const int64_t kp = (k + 31) / 32 * 32;
+  thread_local std::vector<float> xd;  // grows to the largest call, then stays
+  if (xd.size() < static_cast<size_t>(m * kp)) xd.resize(m * kp);
+  deinterleave(x, m, k, kp, xd.data());
+  for (int64_t j0 = 0; j0 < n; j0 += kNr) {
+    const bf16_t* panel = w + j0 * kp;
+    const int valid = static_cast<int>(std::min<int64_t>(kNr, n - j0));
+    // The first row group prefetches the panel kAhead panels on.
+    const bf16_t* ahead = j0 + (kAhead + 1) * kNr <= n ? panel + kAhead * kNr * kp : nullptr;
+    int64_t i = 0;
+    for (; i + kMrBf16 <= m; i += kMrBf16, ahead = nullptr)
+      panel_bf16<kMrBf16>(xd.data() + i * kp, kp, panel, ahead, valid, c + i * ldc + j0, ldc);
+    if (m - i == 1) panel_bf16<1>(xd.data() + i * kp, kp, panel, ahead, valid, c + i * ldc + j0, ldc);
+  }
+}
+
+}  // namespace
+
+void small_rows_gemm_avx512(const float* x, int64_t m, int64_t k, const void* w, DType w_dtype, int64_t n, float* c,
+                            int64_t ldc) {
+  if (w_dtype == DType::kBF16)
+    run_bf16(x, m, k, static_cast<const bf16_t*>(w), n, c, ldc);
+  else
+    run_f32(x, m, k, static_cast<const float*>(w), n, c, ldc);
+}
+
+}  // namespace moe::kernels::cpu::detail
