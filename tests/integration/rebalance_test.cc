@@ -85,12 +85,16 @@ struct Variant {
   // drift apart by bf16 roundings of differently ordered sums over 75 steps, so
   // near-ties may break the other way (at most this fraction of the pairs).
   double topk_mismatch;
+  // Steps of the job: enough that the rebalance, asked for after step 4, lands
+  // while it runs (80 tiny forward steps ended first on a fast CPU); train's loss
+  // curve is held over every step, so it stays short.
+  int steps = 80;
 };
 
 // The job of the variant: 2x2, zipf-skewed, checked at a step after the switch.
 std::vector<std::string> job_args(const Variant& v, const fs::path& dump) {
   std::vector<std::string> a = {"--experts", "16", "--top-k", "4", "--hidden", "64", "--ffn-hidden", "32",
-                                "--tokens-per-rank", "128", "--steps", "80", "--skew", "zipf:1.2", "--seed", "3",
+                                "--tokens-per-rank", "128", "--steps", std::to_string(v.steps), "--skew", "zipf:1.2", "--seed", "3",
                                 "--lr", "0.01", "--verify", "--verify-step", "75", "--dump-dir", dump.string(),
                                 "--dump-step", "75"};
   a.insert(a.end(), v.flags.begin(), v.flags.end());
@@ -124,7 +128,7 @@ TEST_P(LiveRebalance, MidJobTheLossCurveStaysAndTheLoadEvensOut) {
   // Two epochs, every step once, the second epoch better balanced.
   ASSERT_EQ(moved.epochs_size(), 2) << out;
   EXPECT_EQ(moved.epochs(1).epoch(), moved.epochs(0).epoch() + 1);
-  EXPECT_EQ(moved.epochs(0).steps() + moved.epochs(1).steps(), 80);
+  EXPECT_EQ(moved.epochs(0).steps() + moved.epochs(1).steps(), v.steps);
   EXPECT_EQ(moved.epochs(1).first_step(), moved.epochs(0).steps());
   EXPECT_GT(moved.epochs(1).balancedness(), moved.epochs(0).balancedness() + 0.1);
   // The job computed what it would have without the rebalance.
@@ -159,7 +163,7 @@ INSTANTIATE_TEST_SUITE_P(
     Jobs, LiveRebalance,
     ::testing::Values(Variant{"train_fp32", {"--mode", "train"}, 1e-5, 0.0},
                       Variant{"train_bf16", {"--mode", "train", "--dtype", "bf16"}, 1.0 / 64, 0.02},
-                      Variant{"forward_fp32", {"--mode", "forward"}, 1e-5, 0.0}),
+                      Variant{"forward_fp32", {"--mode", "forward"}, 1e-5, 0.0, 240}),
     [](const auto& info) { return info.param.name; });
 
 // The small training job of the fault tests, and its loss curve: a rebalance
