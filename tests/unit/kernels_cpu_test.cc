@@ -679,6 +679,25 @@ TEST_F(CpuOps, OptimizerStepsMatchTheirFormulas) {
   double moved = 0;
   for (int64_t i = 0; i < n; ++i) moved = std::max(moved, std::fabs(static_cast<double>(w[i]) - w0[i]));
   EXPECT_GT(moved, 0.05);
+  // The same bits on one thread (elements fall in other blocks, vector body or
+  // scalar tail), and NaN stays NaN in the rounded copy.
+  {
+    ThreadPool one(1);
+    auto be1 = make_cpu_backend(one);
+    std::vector<float> w1 = w0, m1(n, 0.0f), v1(n, 0.0f), r1(n);
+    std::vector<float> g2n = g2;
+    be1->optimizer_step(cfg, {n, 1, w1.data(), g1.data(), m1.data(), v1.data(), nullptr});
+    be1->optimizer_step(cfg, {n, 2, w1.data(), g2n.data(), m1.data(), v1.data(), r1.data()});
+    EXPECT_EQ(w1, w);
+    EXPECT_EQ(m1, m);
+    EXPECT_EQ(v1, v);
+    std::vector<float> wn = w0, mn(n, 0.0f), vn(n, 0.0f), rn(n);
+    std::vector<float> gn = g1;
+    gn[5] = gn[n - 1] = std::numeric_limits<float>::quiet_NaN();  // one in a vector, one in a tail
+    be->optimizer_step(cfg, {n, 1, wn.data(), gn.data(), mn.data(), vn.data(), rn.data()});
+    EXPECT_TRUE(std::isnan(rn[5]) && std::isnan(rn[n - 1]));
+    EXPECT_FALSE(std::isnan(rn[6]));
+  }
   // SGD: w -= lr g exactly.
   std::vector<float> ws = w0;
   cfg.kind = OptimizerKind::kSgd;
