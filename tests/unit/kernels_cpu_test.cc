@@ -698,11 +698,11 @@ TEST_F(CpuOps, OptimizerStepsMatchTheirFormulas) {
     EXPECT_TRUE(std::isnan(rn[5]) && std::isnan(rn[n - 1]));
     EXPECT_FALSE(std::isnan(rn[6]));
   }
-  // SGD: w -= lr g exactly.
+  // SGD: w -= lr g exactly, rounded once (a fused multiply-add).
   std::vector<float> ws = w0;
   cfg.kind = OptimizerKind::kSgd;
   be->optimizer_step(cfg, {n, 1, ws.data(), g1.data(), nullptr, nullptr, nullptr});
-  for (int64_t i = 0; i < n; ++i) ASSERT_EQ(ws[i], w0[i] - 0.05f * g1[i]);
+  for (int64_t i = 0; i < n; ++i) ASSERT_EQ(ws[i], std::fma(-0.05f, g1[i], w0[i]));
   cfg.lr = -1;
   EXPECT_THROW(be->optimizer_step(cfg, {n, 1, ws.data(), g1.data(), nullptr, nullptr, nullptr}), Error);
 }
