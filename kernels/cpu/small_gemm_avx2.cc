@@ -1,6 +1,8 @@
 // The AVX2/FMA few-row GEMM (small_gemm.h) and the kernel choice.
 #include <immintrin.h>
 
+#include <algorithm>
+
 #include "moe/base/check.h"
 #include "small_gemm.h"
 #include "vec.h"
@@ -34,25 +36,25 @@ float w_at(const void* w, int64_t idx) {
 template <int MR, int NR, bool kBf16>
 void block(const float* x, int64_t k, const void* w, int64_t j0, float* c, int64_t ldc) {
   __m256 acc[MR][NR];
-  #pragma GCC unroll 8
+#pragma GCC unroll 8
   for (int i = 0; i < MR; ++i)
-    #pragma GCC unroll 8
+#pragma GCC unroll 8
     for (int r = 0; r < NR; ++r) acc[i][r] = _mm256_setzero_ps();
   const int64_t k8 = k / 8 * 8;
   for (int64_t kk = 0; kk < k8; kk += 8) {
     __m256 xv[MR];
-    #pragma GCC unroll 8
+#pragma GCC unroll 8
     for (int i = 0; i < MR; ++i) xv[i] = _mm256_loadu_ps(x + i * k + kk);
-    #pragma GCC unroll 8
+#pragma GCC unroll 8
     for (int r = 0; r < NR; ++r) {
       const __m256 wv = load_w<kBf16>(w, (j0 + r) * k + kk);
-      #pragma GCC unroll 8
+#pragma GCC unroll 8
       for (int i = 0; i < MR; ++i) acc[i][r] = _mm256_fmadd_ps(xv[i], wv, acc[i][r]);
     }
   }
-  #pragma GCC unroll 8
+#pragma GCC unroll 8
   for (int i = 0; i < MR; ++i)
-    #pragma GCC unroll 8
+#pragma GCC unroll 8
     for (int r = 0; r < NR; ++r) {
       float s = hsum_ps(acc[i][r]);
       for (int64_t kk = k8; kk < k; ++kk) s = std::fma(x[i * k + kk], w_at<kBf16>(w, (j0 + r) * k + kk), s);
@@ -68,7 +70,7 @@ void rows_block(const float* x, int64_t k, const void* w, int64_t n, float* c, i
   for (; j < n; ++j) block<MR, 1, kBf16>(x, k, w, j, c, ldc);
 }
 
-// W rows outermost in blocks of a few hundred, X row groups inside: a block of W
+// W rows outermost in blocks of about 32 KiB, X row groups inside: a block of W
 // is read from memory once and from L1/L2 for the other row groups.
 template <bool kBf16>
 void run(const float* x, int64_t m, int64_t k, const void* w, int64_t n, float* c, int64_t ldc) {
