@@ -106,6 +106,14 @@ TEST(Cluster, TrainJobVerifiesGradientsAndHalvesTheLossByStep20) {
   EXPECT_TRUE(r.verify().passed()) << out;  // forward and gradients against the fp64 reference
   EXPECT_GT(r.phase_seconds().backward(), 0.0);
   EXPECT_GT(r.phase_seconds().optimizer(), 0.0);
+  // The layer's own speed leaves out the synthetic teacher and inputs (docs/jobs.md#result).
+  EXPECT_GT(r.phase_seconds().teacher(), 0.0);
+  EXPECT_GT(r.layer_step_seconds_p50(), 0.0);
+  EXPECT_LT(r.layer_step_seconds_p50(), r.step_seconds_p50());
+  EXPECT_GT(r.layer_tokens_per_second(), r.tokens_per_second());
+  const auto [status_rc, status_text] = c.ctl({"job", "status", r.job_id()});
+  EXPECT_EQ(status_rc, 0) << status_text;
+  EXPECT_NE(status_text.find("layer tokens/s"), std::string::npos) << status_text;
 
   // Each daemon's Prometheus endpoint: expert load, and both directions of the
   // all-to-alls (docs/metrics.md#daemon-metrics).
