@@ -108,7 +108,10 @@ Report run_layer_bench(const LayerBenchOptions& o) {
 
   // The layer a one-rank job of these flags runs, built as the daemon builds it.
   const v1::JobSpec job = spec_of(o);
-  ep::MoeLayer layer(layer_spec::layer_config(job), *be);
+  // Released before the same-run peak and bandwidth measurements, so they add
+  // nothing to the layer's peak RSS.
+  auto layer_ptr = std::make_unique<ep::MoeLayer>(layer_spec::layer_config(job), *be);
+  ep::MoeLayer& layer = *layer_ptr;
   const model::LayerShape shape = layer_spec::layer_shape(job);
   // A temporary: the bench keeps no copy of the weights beside the layer's (its peak RSS is the layer's).
   layer.set_weights(layer_spec::layer_weights(job, 0, std::vector<bool>(o.experts, true)));
@@ -138,7 +141,8 @@ Report run_layer_bench(const LayerBenchOptions& o) {
     d.out = out.data();
     d.topk_idx = layer.kept_idx();
     d.topk_weight = layer.topk_weight();
-    d.weights = &layer.weights();
+    const model::LayerWeights used = layer.weights();
+    d.weights = &used;
     for (int e = 0; e < o.experts; ++e) d.experts.push_back(e);
     if (o.train) {
       d.grad_out = grad_out.data();
@@ -164,6 +168,8 @@ Report run_layer_bench(const LayerBenchOptions& o) {
   }
   std::sort(samples.begin(), samples.end(), [](const Sample& a, const Sample& b) { return a.seconds < b.seconds; });
   const Sample& median = samples[samples.size() / 2];
+  const int64_t weight_bytes = weight_bytes_read(layer.kept_idx(), T * o.top_k, o);
+  layer_ptr.reset();
 
   // The peak is the GEMM the layer ran on: its engine, in its dtype (a bf16 oneDNN
   // matmul for bf16 on oneDNN), same threads, same process; the OpenBLAS sgemm peak
@@ -178,7 +184,6 @@ Report run_layer_bench(const LayerBenchOptions& o) {
   const double flops = o.train ? 3 * fwd_flops : fwd_flops;
   const double gflops = flops / median.seconds / 1e9;
   // The small-batch floor: the step's weight bytes over the same-run read bandwidth.
-  const int64_t weight_bytes = weight_bytes_read(layer.kept_idx(), T * o.top_k, o);
   const double read_bw = read_gbps(pool, std::max<int64_t>(weight_bytes, 1 << 20), 5);
   const double weight_gbps = weight_bytes / median.seconds / 1e9;
 

@@ -16,9 +16,22 @@ MoeLayer::MoeLayer(const MoeLayerConfig& cfg, kernels::Backend& backend)
 
 void MoeLayer::set_weights(const model::LayerWeights& w) {
   check_expert_weights(cfg_, w);
-  used_ = weights_as_used(w, cfg_.dtype);
-  router_.set_weights(used_);
-  experts_.set_weights(used_.w13.data(), used_.w2.data());
+  model::LayerWeights used = weights_as_used(w, cfg_.dtype);
+  router_.set_weights(used);
+  experts_.set_weights(used.w13.data(), used.w2.data());
+  // The experts' values live in the stage alone (weights() reads them back).
+  used.w13 = {};
+  used.w2 = {};
+  used_ = std::move(used);
+}
+
+model::LayerWeights MoeLayer::weights() const {
+  const size_t H = cfg_.hidden, I = cfg_.ffn_hidden, n13 = 2 * I * H, n2 = H * I;
+  model::LayerWeights w = used_;
+  w.w13.resize(cfg_.num_experts * n13);
+  w.w2.resize(cfg_.num_experts * n2);
+  for (int e = 0; e < cfg_.num_experts; ++e) experts_.copy_weights(e, w.w13.data() + e * n13, w.w2.data() + e * n2);
+  return w;
 }
 
 void MoeLayer::forward(const void* x, int64_t T, void* out) {

@@ -42,9 +42,10 @@ class MoeLayer {
   const MoeLayerConfig& config() const { return cfg_; }
 
   // Copies host weights in; in a bf16 layer they are rounded to bf16 first (the
-  // values the layer computes with; weights() returns them).
+  // values the layer computes with; weights() returns a copy of them, the
+  // experts' read back from the backend: the layer keeps one copy of its own).
   void set_weights(const model::LayerWeights& w);
-  const model::LayerWeights& weights() const { return used_; }
+  model::LayerWeights weights() const;
 
   // x, out: [T, H] in the layer dtype, T <= max_tokens. x must stay valid until
   // backward.
@@ -72,7 +73,7 @@ class MoeLayer {
   kernels::Backend& be_;
   RouterStage router_;
   ExpertStage experts_;
-  model::LayerWeights used_;
+  model::LayerWeights used_;  // as set, less the experts' w13 and w2 (the stage has them)
   const void* x_ = nullptr;
   kernels::Buffer grad_topk_weight_, grad_x32_;
   PhaseTimes times_;
