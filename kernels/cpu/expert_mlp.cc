@@ -13,6 +13,17 @@
 #include "vec.h"
 
 namespace moe::kernels::cpu {
+
+void gather_rows(const void* rows, DType dtype, int H, const int32_t* src, int64_t count,
+                 int64_t num_src_rows, float* out) {
+  const size_t row_bytes = dtype_size(dtype) * H;
+  for (int64_t i = 0; i < count; ++i) {
+    MOE_CHECK(src[i] >= 0 && src[i] < num_src_rows, "expert mlp: perm_src_row value ", src[i],
+              " is out of range [0, ", num_src_rows, ")");
+    load_row_f32(static_cast<const uint8_t*>(rows) + src[i] * row_bytes, dtype, out + i * H, H);
+  }
+}
+
 namespace {
 
 // Workspace layout:
@@ -49,16 +60,6 @@ MlpWorkspace carve(const ExpertMlpConfig& c, void* workspace, int num_threads) {
     ws.h_perm = ws.dgu + M * 2 * I;
   }
   return ws;
-}
-
-void gather_rows(const void* rows, DType dtype, int H, const int32_t* src, int64_t count,
-                 int64_t num_src_rows, float* out) {
-  const size_t row_bytes = dtype_size(dtype) * H;
-  for (int64_t i = 0; i < count; ++i) {
-    MOE_CHECK(src[i] >= 0 && src[i] < num_src_rows, "expert mlp: perm_src_row value ", src[i],
-              " is out of range [0, ", num_src_rows, ")");
-    load_row_f32(static_cast<const uint8_t*>(rows) + src[i] * row_bytes, dtype, out + i * H, H);
-  }
 }
 
 size_t blas_workspace_bytes(const ExpertMlpConfig& c, int num_threads) {

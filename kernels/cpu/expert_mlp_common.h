@@ -13,6 +13,11 @@ namespace moe::kernels::cpu {
 // Rows per fused tile: one expert's rows, split so a tile's panels stay in L2.
 constexpr int64_t kMlpMaxTileRows = 512;
 
+// Rows src[0..count) of `rows` ([num_src_rows, H] of dtype) as fp32 rows of out,
+// densely; throws on a source row out of range.
+void gather_rows(const void* rows, DType dtype, int H, const int32_t* src, int64_t count, int64_t num_src_rows,
+                 float* out);
+
 // Thread-seconds per phase, summed over tiles; flushed into ExpertMlpStats.
 class PhaseClock {
  public:

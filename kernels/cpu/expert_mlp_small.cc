@@ -14,7 +14,6 @@
 #include "moe/base/check.h"
 #include "packed_weights.h"
 #include "small_gemm.h"
-#include "vec.h"
 
 namespace moe::kernels::cpu {
 namespace {
@@ -80,7 +79,6 @@ void forward_small(CpuExec& exec, const ExpertMlpConfig& c, const ExpertMlpForwa
                    const CpuExpertWeights& p, uint8_t* panels) {
   const int64_t H = c.hidden, I = c.ffn_hidden;
   const DType wd = c.x_dtype;
-  const size_t row_bytes = dtype_size(wd) * H;
   PhaseTotals totals;
   std::atomic<int64_t> pairs{0};
   exec.pool.parallel_for(static_cast<int64_t>(exec.small_experts.size()), [&](int64_t task, int thread) {
@@ -92,12 +90,7 @@ void forward_small(CpuExec& exec, const ExpertMlpConfig& c, const ExpertMlpForwa
     auto* xp = reinterpret_cast<float*>(panels + thread_panel_bytes(c) * thread);
     float* gu = a.saved_gu ? a.saved_gu + b * 2 * I : xp + kSmallRowsCap * H;
     float* hp = xp + kSmallRowsCap * (H + 2 * I);
-    for (int64_t i = 0; i < rows; ++i) {
-      const int32_t src = a.perm_src_row[b + i];
-      MOE_CHECK(src >= 0 && src < c.max_src_rows, "expert mlp: perm_src_row value ", src, " is out of range [0, ",
-                c.max_src_rows, ")");
-      load_row_f32(static_cast<const uint8_t*>(a.rows) + src * row_bytes, wd, xp + i * H, H);
-    }
+    gather_rows(a.rows, wd, c.hidden, a.perm_src_row + b, rows, c.max_src_rows, xp);
     clock.lap(totals.gather);
     small_rows_gemm(xp, rows, H, p.small_expert_w13(e, a.w13), wd, 2 * I, gu, 2 * I);
     clock.lap(totals.gemm);

@@ -11,8 +11,6 @@
 // runs the same one (the CPU's features decide).
 #pragma once
 
-#include <immintrin.h>
-
 #include <cstdint>
 
 #include "moe/kernels/types.h"
@@ -49,4 +47,3 @@ void small_rows_gemm_avx512(const float* x, int64_t m, int64_t k, const void* w,
 }  // namespace detail
 
 }  // namespace moe::kernels::cpu
-
