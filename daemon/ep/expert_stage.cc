@@ -68,7 +68,7 @@ void ExpertStage::copy_slot(const ExpertStage& src, int from, int to) {
 }
 
 void ExpertStage::touch(bool moments) {
-  for (kernels::Buffer* b : {&w13_, &w2_, &grad_w13_, &grad_w2_, &y_, &saved_gu_, &grad_perm_x_, &mlp_ws_})
+  for (kernels::Buffer* b : {&w13_, &w2_, &grad_w13_, &grad_w2_, &pair_y_, &saved_gu_, &mlp_ws_})
     if (b->get()) be_.fill_zero(b->get(), b->bytes());
   if (moments && cfg_.train) {
     w13_param_.ensure_moments();
@@ -134,10 +134,9 @@ void ExpertStage::reserve(int64_t rows) {
   perm_src_row_ = Buffer(be_, 4 * N * K);
   perm_weight_ = Buffer(be_, 4 * N * K);
   pair_pos_ = Buffer(be_, 4 * N * K);
-  y_ = Buffer(be_, 4 * M * H);
+  pair_y_ = Buffer(be_, 4 * M * H);
   if (cfg_.train) {
     saved_gu_ = Buffer(be_, 4 * M * 2 * I);
-    grad_perm_x_ = Buffer(be_, 4 * M * H);
     grad_perm_weight_ = Buffer(be_, 4 * M);
   }
   layout_ws_ = Buffer(be_, be_.permute_layout_workspace_bytes({rows, cfg_.top_k, L_}));
@@ -238,7 +237,7 @@ void ExpertStage::run_forward(const void* rows, int64_t first, int64_t n, void* 
   a.w13 = w13_.as<float>();
   a.w2 = w2_.as<float>();
   a.packed = packed_.get();
-  a.y = y_.as<float>();
+  a.y = pair_y_.as<float>();
   a.saved_gu = cfg_.train ? saved_gu_.as<float>() : nullptr;
   a.workspace = mlp_ws_.get();
   a.stats = &times_.mlp_stats;
@@ -251,7 +250,7 @@ void ExpertStage::run_forward(const void* rows, int64_t first, int64_t n, void* 
   // y is already weighted: the local combine is a plain per-row sum.
   const size_t out_row = kernels::dtype_size(cfg_.dtype) * H;
   be_.unpermute({n, K, H, cfg_.dtype, false, DType::kF32},
-                {y_.get(), pair_pos_.as<int32_t>() + first * K, nullptr, static_cast<uint8_t*>(combined) + first * out_row});
+                {pair_y_.get(), pair_pos_.as<int32_t>() + first * K, nullptr, static_cast<uint8_t*>(combined) + first * out_row});
   be_.synchronize();
   times_.combine += now_seconds() - t1;
 }
@@ -268,7 +267,7 @@ kernels::ExpertMlpBackwardArgs ExpertStage::backward_args(const void* grad_combi
   m.w2 = w2_.as<float>();
   m.packed = packed_.get();
   m.saved_gu = saved_gu_.as<float>();
-  m.grad_perm_x = grad_perm_x_.as<float>();
+  m.grad_perm_x = pair_y_.as<float>();
   m.grad_perm_weight = grad_perm_weight_.as<float>();
   m.grad_w13 = grad_w13_.as<float>();
   m.grad_w2 = grad_w2_.as<float>();
@@ -298,7 +297,7 @@ void ExpertStage::run_dgrad(const void* grad_combined, int64_t first, int64_t n,
   be_.expert_mlp_backward(mlp_config(), m);
   const size_t out_row = kernels::dtype_size(grad_rows_dtype) * H;
   be_.unpermute({n, K, H, grad_rows_dtype, false, DType::kF32},
-                {grad_perm_x_.get(), pair_pos_.as<int32_t>() + first * K, nullptr,
+                {pair_y_.get(), pair_pos_.as<int32_t>() + first * K, nullptr,
                  static_cast<uint8_t*>(grad_rows) + first * out_row});
   be_.unpermute_scalars(pair_pos_.as<int32_t>() + first * K, n, K, grad_perm_weight_.as<float>(),
                         grad_pair_weight + first * K);

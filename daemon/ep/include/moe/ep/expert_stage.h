@@ -121,7 +121,10 @@ class ExpertStage {
   std::vector<int32_t> host_src_row_, host_pair_pos_;  // the layout, read to find parts
   std::vector<int64_t> expert_offset_;  // host, [L + 1]
   kernels::Buffer w13_, w2_, grad_w13_, grad_w2_;
-  kernels::Buffer perm_src_row_, perm_weight_, pair_pos_, y_, saved_gu_, grad_perm_x_, grad_perm_weight_;
+  // pair_y_: the weighted expert outputs per pair [M, H] fp32 in forward (read by
+  // the combine), then the input gradients per pair in backward (the dgrad writes
+  // them after the forward's combine has read every y; no pass reads y again).
+  kernels::Buffer perm_src_row_, perm_weight_, pair_pos_, pair_y_, saved_gu_, grad_perm_weight_;
   kernels::Buffer layout_ws_, mlp_ws_;
   TrainableTensor w13_param_, w2_param_;
   std::unique_ptr<kernels::PackedWeights> packed_;  // w13_, w2_ as the GEMM engine reads them
