@@ -14,14 +14,15 @@ MoeLayer::MoeLayer(const MoeLayerConfig& cfg, kernels::Backend& backend)
   }
 }
 
-void MoeLayer::set_weights(const model::LayerWeights& w) {
+void MoeLayer::set_weights(model::LayerWeights w) {
   check_expert_weights(cfg_, w);
-  model::LayerWeights used = weights_as_used(w, cfg_.dtype);
+  model::LayerWeights used = weights_as_used(std::move(w), cfg_.dtype);
   router_.set_weights(used);
   experts_.set_weights(used.w13.data(), used.w2.data());
-  // The experts' values live in the stage alone (weights() reads them back).
-  used.w13 = {};
-  used.w2 = {};
+  // The experts' values live in the stage alone (weights() reads them back): the
+  // host vectors are released, not just emptied (clear() keeps the capacity).
+  used.w13 = std::vector<float>();
+  used.w2 = std::vector<float>();
   used_ = std::move(used);
 }
 

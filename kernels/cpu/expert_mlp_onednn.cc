@@ -153,12 +153,12 @@ void dgrad_onednn(CpuExec& exec, const ExpertMlpConfig& c, const ExpertMlpBackwa
     gather_raw(a.grad_rows, H * es, a.perm_src_row + t.begin, rows, c.max_src_rows, g);
     gather_raw(a.rows, H * es, a.perm_src_row + t.begin, rows, c.max_src_rows, ws.x_perm + t.begin * H * es);
     clock.lap(totals.gather);
-    p.down_dgrad->run(g, p.w2_dgrad.expert(t.group), dh, rows);
+    p.down_dgrad->run(g, p.w2_dgrad_of(t.group, a.w2), dh, rows);
     clock.lap(totals.gemm);
     swiglu_backward_to(c.x_dtype, a.saved_gu + t.begin * 2 * I, dh, a.perm_weight ? a.perm_weight + t.begin : nullptr,
                        dgu, a.grad_perm_weight + t.begin, ws.h_perm + t.begin * I * es, rows, c.ffn_hidden);
     clock.lap(totals.swiglu);
-    p.gate_up_dgrad->run(dgu, p.w13_dgrad.expert(t.group), a.grad_perm_x + t.begin * H, rows);
+    p.gate_up_dgrad->run(dgu, p.w13_dgrad_of(t.group, a.w13), a.grad_perm_x + t.begin * H, rows);
     clock.lap(totals.gemm);
   });
   totals.flush(a.stats);
@@ -168,6 +168,8 @@ void dgrad_onednn(CpuExec& exec, const ExpertMlpConfig& c, const ExpertMlpBackwa
 
 void backward_onednn(CpuExec& exec, const ExpertMlpConfig& c, const ExpertMlpBackwardArgs& a,
                      const CpuExpertWeights& p) {
+  MOE_CHECK(a.phase == MlpBackwardPhase::kWgrad || (a.w13 && a.w2),
+            "expert mlp backward: w13 and w2 are null (the dgrad reads them where oneDNN keeps no packed copy)");
   const Workspace ws(c, a.workspace, exec.pool.num_threads());
   if (a.phase != MlpBackwardPhase::kWgrad) dgrad_onednn(exec, c, a, p, ws);
   if (a.phase == MlpBackwardPhase::kDgrad) return;

@@ -94,6 +94,11 @@ size_t OneDnnMatmul::packed_b_bytes() const {
   return impl_->pd.weights_desc().get_size();
 }
 
+bool OneDnnMatmul::packed_b_is_source() const {
+  MOE_ASSERT(shape_.packed_b);
+  return impl_->pd.weights_desc() == impl_->b_source;
+}
+
 void OneDnnMatmul::pack_b(const float* w, void* dst) const {
   MOE_ASSERT(shape_.packed_b);
   ensure_team_of_one();

@@ -51,6 +51,10 @@ class OneDnnMatmul {
   const MatmulShape& shape() const { return shape_; }
   // Bytes of one packed B (packed_b only).
   size_t packed_b_bytes() const;
+  // Whether the packed layout is the fp32 source's own (packed_b only): oneDNN
+  // chose a plain row-major B in fp32 (as gemm:jit does for a weight stored
+  // [k, n]), so pack_b would only copy and run() reads the source as it is.
+  bool packed_b_is_source() const;
   // Packs one fp32 weight (laid out as shape().b_nk says) into dst
   // (packed_b_bytes, 64-byte aligned), rounding to dtype. Thread-safe.
   void pack_b(const float* w, void* dst) const;

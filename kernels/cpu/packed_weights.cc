@@ -85,8 +85,8 @@ std::unique_ptr<PackedWeights> make_expert_weights(const ExpertMlpConfig& c, Gem
     p->gate_up_dgrad = matmul(weight_gemm(d, 2 * I, H, false));  // [rows, 2I] w13_e
     p->down_wgrad = matmul(wgrad_gemm(d, H, I));                 // g^T [H, rows] h [rows, I]
     p->gate_up_wgrad = matmul(wgrad_gemm(d, 2 * I, H));          // dgu^T [2I, rows] x [rows, H]
-    p->w2_dgrad = PackedTensor(*p->down_dgrad, L);
-    p->w13_dgrad = PackedTensor(*p->gate_up_dgrad, L);
+    if (!p->down_dgrad->packed_b_is_source()) p->w2_dgrad = PackedTensor(*p->down_dgrad, L);
+    if (!p->gate_up_dgrad->packed_b_is_source()) p->w13_dgrad = PackedTensor(*p->gate_up_dgrad, L);
   }
   return p;
 }
@@ -117,10 +117,8 @@ void pack_expert_weights(ThreadPool& pool, PackedWeights& packed, const float* w
       int64_t count;  // fp32 values per expert
     };
     std::vector<Job> jobs = {{p->gate_up.get(), &p->w13_fwd, w13, n13}, {p->down.get(), &p->w2_fwd, w2, n2}};
-    if (p->cfg.train) {
-      jobs.push_back({p->gate_up_dgrad.get(), &p->w13_dgrad, w13, n13});
-      jobs.push_back({p->down_dgrad.get(), &p->w2_dgrad, w2, n2});
-    }
+    if (!p->w13_dgrad.empty()) jobs.push_back({p->gate_up_dgrad.get(), &p->w13_dgrad, w13, n13});
+    if (!p->w2_dgrad.empty()) jobs.push_back({p->down_dgrad.get(), &p->w2_dgrad, w2, n2});
     pool.parallel_for(static_cast<int64_t>(jobs.size()) * count, [&](int64_t task, int) {
       const Job& j = jobs[task / count];
       const int e = first + static_cast<int>(task % count);
@@ -128,6 +126,16 @@ void pack_expert_weights(ThreadPool& pool, PackedWeights& packed, const float* w
     });
   }
   p->packed = true;
+}
+
+const void* CpuExpertWeights::w13_dgrad_of(int e, const float* w13) const {
+  if (!w13_dgrad.empty()) return w13_dgrad.expert(e);
+  return w13 + static_cast<int64_t>(e) * 2 * cfg.ffn_hidden * cfg.hidden;
+}
+
+const void* CpuExpertWeights::w2_dgrad_of(int e, const float* w2) const {
+  if (!w2_dgrad.empty()) return w2_dgrad.expert(e);
+  return w2 + static_cast<int64_t>(e) * cfg.hidden * cfg.ffn_hidden;
 }
 
 const void* CpuExpertWeights::small_expert_w13(int e, const float* w13) const {

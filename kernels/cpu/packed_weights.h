@@ -35,6 +35,7 @@ struct PackedTensor {
   HostBytes data;
   PackedTensor() = default;
   PackedTensor(const OneDnnMatmul& mm, int num_experts);
+  bool empty() const { return data.get() == nullptr; }
   const uint8_t* expert(int e) const { return data.get() + stride * e; }
   uint8_t* expert(int e) { return data.get() + stride * e; }
 };
@@ -57,6 +58,8 @@ struct CpuExpertWeights final : PackedWeights {
   // Train: dh = g w2, dx = dgu w13 (dgrad); dW2 = g^T h, dW13 = dgu^T x (wgrad,
   // runtime m and k, no packed operand).
   std::unique_ptr<OneDnnMatmul> down_dgrad, gate_up_dgrad, down_wgrad, gate_up_wgrad;
+  // w2_dgrad / w13_dgrad stay empty where the dgrad primitive's layout is the
+  // weight's own (fp32 on gemm:jit): the dgrad reads w2 / w13 as given.
   PackedTensor w13_fwd, w2_fwd, w2_dgrad, w13_dgrad;
   // The small-batch path's weights for bf16 layers that are forward-only: w13
   // and w2 rounded to bf16 in pack_small_bf16_weights' layout, small_w13_elems /
@@ -65,6 +68,9 @@ struct CpuExpertWeights final : PackedWeights {
   size_t small_w13_elems = 0, small_w2_elems = 0;
   bool packed = false;
 
+  // Expert e's weight as the dgrad primitives read it (w13, w2: the call's).
+  const void* w13_dgrad_of(int e, const float* w13) const;
+  const void* w2_dgrad_of(int e, const float* w2) const;
   // Whether the small-batch path can run on these weights.
   bool has_small_weights() const { return cfg.x_dtype == DType::kF32 || small_w13.get() != nullptr; }
   // Expert e's w13 / w2 as the small-batch path reads them (w13, w2: the call's).

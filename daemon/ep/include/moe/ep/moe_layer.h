@@ -41,10 +41,11 @@ class MoeLayer {
 
   const MoeLayerConfig& config() const { return cfg_; }
 
-  // Copies host weights in; in a bf16 layer they are rounded to bf16 first (the
+  // Takes host weights in; in a bf16 layer they are rounded to bf16 first (the
   // values the layer computes with; weights() returns a copy of them, the
-  // experts' read back from the backend: the layer keeps one copy of its own).
-  void set_weights(const model::LayerWeights& w);
+  // experts' read back from the backend: the layer keeps one copy of its own, and
+  // a temporary passed in is rounded in place, not copied).
+  void set_weights(model::LayerWeights w);
   model::LayerWeights weights() const;
 
   // x, out: [T, H] in the layer dtype, T <= max_tokens. x must stay valid until
