@@ -158,7 +158,7 @@ void ExpertStage::backward(const void* grad_combined, void* grad_rows, DType gra
 void ExpertStage::layout(const int32_t* row_expert, const float* row_weight, int64_t N, const int32_t* row_order) {
   reserve(N);
   N_ = N;
-  rows_ = nullptr;
+  rows_ = grad_combined_ = nullptr;
   has_layout_ = true;
   has_forward_ = false;
   parts_.clear();
@@ -291,6 +291,9 @@ void ExpertStage::run_dgrad(const void* grad_combined, int64_t first, int64_t n,
                             kernels::MlpBackwardPhase phase) {
   MOE_CHECK(cfg_.train, "backward on a layer built without train = true");
   MOE_CHECK(has_forward_, "backward called before forward");
+  MOE_CHECK(dgrad_rows_ == 0 || grad_combined == grad_combined_,
+            "expert stage: the backward's row parts read different gradient buffers");
+  grad_combined_ = grad_combined;
   const int K = cfg_.top_k, H = cfg_.hidden;
   kernels::ExpertMlpBackwardArgs m = backward_args(grad_combined, phase);
   m.part = part;
@@ -307,7 +310,7 @@ void ExpertStage::run_dgrad(const void* grad_combined, int64_t first, int64_t n,
 void ExpertStage::weight_grads() {
   MOE_CHECK(has_forward_ && dgrad_rows_ == N_, "expert stage: weight gradients after the dgrad of ", dgrad_rows_,
             " of ", N_, " rows");
-  be_.expert_mlp_backward(mlp_config(), backward_args(nullptr, kernels::MlpBackwardPhase::kWgrad));
+  be_.expert_mlp_backward(mlp_config(), backward_args(grad_combined_, kernels::MlpBackwardPhase::kWgrad));
 }
 
 std::vector<int64_t> ExpertStage::expert_rows() const {

@@ -28,12 +28,12 @@ namespace {
 
 // Workspace layout:
 //   per thread: xp [tile, H] | gup [tile, 2I] | hp [tile, I]
-//   train only: g_perm [M, H] | x_perm [M, H] | dgu [M, 2I] | h_perm [M, I]
+//   train only: dgu [M, 2I] | h_perm [M, I]
+// xp holds a tile's gathered rows: x in forward, the output gradient g in dgrad,
+// g or x again for each row chunk of the weight gradients.
 struct MlpWorkspace {
   size_t thread_floats;
   float* base;
-  float* g_perm = nullptr;
-  float* x_perm = nullptr;
   float* dgu = nullptr;
   float* h_perm = nullptr;
 
@@ -53,20 +53,44 @@ MlpWorkspace carve(const ExpertMlpConfig& c, void* workspace, int num_threads) {
   ws.thread_floats = thread_floats(c);
   ws.base = static_cast<float*>(workspace);
   if (c.train) {
-    const int64_t M = c.max_rows, H = c.hidden, I = c.ffn_hidden;
-    ws.g_perm = ws.base + ws.thread_floats * num_threads;
-    ws.x_perm = ws.g_perm + M * H;
-    ws.dgu = ws.x_perm + M * H;
-    ws.h_perm = ws.dgu + M * 2 * I;
+    ws.dgu = ws.base + ws.thread_floats * num_threads;
+    ws.h_perm = ws.dgu + c.max_rows * 2 * c.ffn_hidden;
   }
   return ws;
 }
 
 size_t blas_workspace_bytes(const ExpertMlpConfig& c, int num_threads) {
   size_t floats = thread_floats(c) * num_threads;
-  if (c.train)
-    floats += static_cast<size_t>(c.max_rows) * (2 * c.hidden + 3 * static_cast<size_t>(c.ffn_hidden));
+  if (c.train) floats += static_cast<size_t>(c.max_rows) * 3 * c.ffn_hidden;
   return floats * 4;
+}
+
+// One fp32 operand of a weight gradient, [M, width] per pair: stored (dgu, h), or
+// each pair's source row (g, x: width H, in x_dtype) gathered per row chunk.
+struct WgradRows {
+  const float* stored = nullptr;
+  const void* src_rows = nullptr;
+  int64_t width = 0;
+
+  const float* rows(const ExpertMlpConfig& c, const int32_t* perm_src_row, int64_t r0, int64_t rows, int64_t col,
+                    float* panel) const {
+    if (stored) return stored + r0 * width + col;
+    gather_rows(src_rows, c.x_dtype, c.hidden, perm_src_row + r0, rows, c.max_src_rows, panel);
+    return panel + col;
+  }
+};
+
+// W_g [n, k] = A_g^T D_g by row chunks (for_each_wgrad_chunk), sgemm with beta 0
+// for the first chunk and 1 after; at most one operand is gathered, into xp.
+void wgrad_blas(CpuExec& exec, const ExpertMlpConfig& c, const ExpertMlpBackwardArgs& args, int64_t n, int64_t k,
+                const WgradRows& a, const WgradRows& d, float* w, const MlpWorkspace& ws) {
+  MOE_ASSERT(a.stored || d.stored);
+  for_each_wgrad_chunk(exec, args.expert_offset, c.num_experts, n, k, w,
+                       [&](const GemmTile& t, int64_t r0, int64_t rows, bool accumulate, float* out, int thread) {
+    const float* ap = a.rows(c, args.perm_src_row, r0, rows, t.begin, ws.xp(c, thread));
+    const float* dp = d.rows(c, args.perm_src_row, r0, rows, 0, ws.xp(c, thread));
+    sgemm(true, false, t.end - t.begin, k, rows, 1.0f, ap, n, dp, k, accumulate ? 1.0f : 0.0f, out, k);
+  });
 }
 
 // OpenBLAS: every panel fp32 (bf16 rows converted as they are gathered).
@@ -102,15 +126,15 @@ void backward_blas(CpuExec& exec, const ExpertMlpConfig& c, const ExpertMlpBackw
   if (a.phase != MlpBackwardPhase::kWgrad) dgrad_blas(exec, c, a, ws);
   if (a.phase == MlpBackwardPhase::kDgrad) return;
   // Weight gradients: dW2_e = g_e^T h_e ([H, I]); dW13_e = dgu_e^T x_e ([2I, H]).
-  GroupedGemmConfig w2cfg{GemmKind::kWgrad, c.num_experts, H, I, false};
-  grouped_gemm(exec, w2cfg, {a.expert_offset, ws.g_perm, ws.h_perm, a.grad_w2});
-  GroupedGemmConfig w13cfg{GemmKind::kWgrad, c.num_experts, 2 * I, H, false};
-  grouped_gemm(exec, w13cfg, {a.expert_offset, ws.dgu, ws.x_perm, a.grad_w13});
+  const WgradRows g{.src_rows = a.grad_rows, .width = H}, x{.src_rows = a.rows, .width = H};
+  const WgradRows h{.stored = ws.h_perm, .width = I}, dgu{.stored = ws.dgu, .width = 2 * I};
+  wgrad_blas(exec, c, a, H, I, g, h, a.grad_w2, ws);
+  wgrad_blas(exec, c, a, 2 * I, H, dgu, x, a.grad_w13, ws);
 }
 
 // Row tiles of the part: the dgrad chain. dh' = g w2; SwiGLU backward gives dgu,
-// the scaled h and the routing-weight gradient; dx = dgu w13. Leaves g, x, dgu and
-// h per pair in the workspace for the weight gradients.
+// the scaled h and the routing-weight gradient; dx = dgu w13. Leaves dgu and h per
+// pair in the workspace for the weight gradients (which gather g and x again).
 void dgrad_blas(CpuExec& exec, const ExpertMlpConfig& c, const ExpertMlpBackwardArgs& a, const MlpWorkspace& ws) {
   const int64_t H = c.hidden, I = c.ffn_hidden;
   PhaseTotals totals;
@@ -118,12 +142,10 @@ void dgrad_blas(CpuExec& exec, const ExpertMlpConfig& c, const ExpertMlpBackward
                     [&](const GemmTile& t, int64_t rows, int thread, PhaseClock& clock) {
     const float* w13 = a.w13 + static_cast<int64_t>(t.group) * 2 * I * H;
     const float* w2 = a.w2 + static_cast<int64_t>(t.group) * H * I;
-    float* g = ws.g_perm + t.begin * H;
+    float* g = ws.xp(c, thread);
     float* dgu = ws.dgu + t.begin * 2 * I;
     float* dh = ws.hp(c, thread);
     gather_rows(a.grad_rows, c.x_dtype, c.hidden, a.perm_src_row + t.begin, rows, c.max_src_rows, g);
-    gather_rows(a.rows, c.x_dtype, c.hidden, a.perm_src_row + t.begin, rows, c.max_src_rows,
-                ws.x_perm + t.begin * H);
     clock.lap(totals.gather);
     sgemm(false, false, rows, I, H, 1.0f, g, H, w2, I, 0.0f, dh, I);
     clock.lap(totals.gemm);

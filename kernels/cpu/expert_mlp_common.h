@@ -2,6 +2,7 @@
 // expert_mlp_onednn.cc) share: the tile size, offset checks, phase clocks.
 #pragma once
 
+#include <algorithm>
 #include <atomic>
 #include <chrono>
 
@@ -58,6 +59,27 @@ void for_each_row_tile(CpuExec& exec, const int64_t* expert_offset, const Expert
     clock.start();
     const GemmTile t = exec.tiles[i];
     body(t, t.end - t.begin, thread, clock);
+  });
+}
+
+// The weight gradients W_g [n, k] (fp32) = A_g^T D_g of every group g, rows of
+// group g at offset[g]: tiles split each W_g's n rows over the pool, and each
+// tile sums its group's rows in chunks of at most kMlpMaxTileRows, calling
+// chunk(tile, first_row, rows, accumulate, out, thread) to store (the first
+// chunk) or add (the next ones) the product into out = W_g's rows of the tile.
+// So an operand gathered per pair needs only a tile-sized panel of the thread's.
+// A group without rows gets a zero gradient.
+template <typename Chunk>
+void for_each_wgrad_chunk(CpuExec& exec, const int64_t* offset, int num_groups, int64_t n, int64_t k, float* w,
+                          const Chunk& chunk) {
+  plan_wgrad_tiles(exec, offset, num_groups, n);
+  exec.pool.parallel_for(static_cast<int64_t>(exec.tiles.size()), [&](int64_t i, int thread) {
+    const GemmTile t = exec.tiles[i];
+    float* out = w + (static_cast<int64_t>(t.group) * n + t.begin) * k;
+    const int64_t begin = offset[t.group], end = offset[t.group + 1];
+    if (begin == end) std::fill(out, out + (t.end - t.begin) * k, 0.0f);
+    for (int64_t r0 = begin; r0 < end; r0 += kMlpMaxTileRows)
+      chunk(t, r0, std::min(kMlpMaxTileRows, end - r0), r0 != begin, out, thread);
   });
 }
 

@@ -10,6 +10,7 @@
 // by at most 2^-9 of itself, so an output c = sum_i a_i b_i with one rounded
 // operand moves by at most 2^-9 sum_i |a_i b_i|. Accumulation is fp32 throughout;
 // weight gradients are fp32 sums.
+#include <algorithm>
 #include <cstring>
 
 #include "expert_mlp_common.h"
@@ -21,10 +22,13 @@ namespace {
 
 // Workspace layout (es = bytes per element of the compute dtype):
 //   per thread: xp [tile, H] es | gup [tile, 2I] fp32 | hp [tile, I] es | dh [tile, I] fp32
-//   train only: g_perm [M, H] es | x_perm [M, H] es | dgu [M, 2I] es | h_perm [M, I] es
+//   train only: dgu [M, 2I] es | h_perm [M, I] es
+// xp holds a tile's gathered rows: x in forward, the output gradient g in dgrad,
+// and g or x again for each row chunk of the weight gradients (no [M, H] copy of
+// either is kept).
 struct Layout {
   size_t es, xp, gup, hp, dh, thread;  // per-thread region sizes in bytes
-  size_t g_perm, x_perm, dgu, h_perm;  // train region sizes in bytes
+  size_t dgu, h_perm;                  // train region sizes in bytes
 
   explicit Layout(const ExpertMlpConfig& c) : es(dtype_size(c.x_dtype)) {
     const size_t tile = kMlpMaxTileRows, H = c.hidden, I = c.ffn_hidden, M = c.max_rows;
@@ -33,25 +37,20 @@ struct Layout {
     hp = align64(tile * I * es);
     dh = align64(tile * I * 4);
     thread = xp + gup + hp + dh;
-    g_perm = x_perm = c.train ? align64(M * H * es) : 0;
     dgu = c.train ? align64(M * 2 * I * es) : 0;
     h_perm = c.train ? align64(M * I * es) : 0;
   }
-  size_t bytes(int num_threads) const { return thread * num_threads + g_perm + x_perm + dgu + h_perm; }
+  size_t bytes(int num_threads) const { return thread * num_threads + dgu + h_perm; }
 };
 
 struct Workspace {
   Layout lay;
   uint8_t* base;
-  uint8_t* g_perm;
-  uint8_t* x_perm;
   uint8_t* dgu;
   uint8_t* h_perm;
 
   Workspace(const ExpertMlpConfig& c, void* ws, int num_threads) : lay(c), base(static_cast<uint8_t*>(ws)) {
-    g_perm = base + lay.thread * num_threads;
-    x_perm = g_perm + lay.g_perm;
-    dgu = x_perm + lay.x_perm;
+    dgu = base + lay.thread * num_threads;
     h_perm = dgu + lay.dgu;
   }
   uint8_t* xp(int t) const { return base + lay.thread * t; }
@@ -88,21 +87,35 @@ void swiglu_backward_to(DType d, const float* gu, const float* dh, const float* 
                          rows, I);
 }
 
-// W_g [n, k] (fp32, overwritten) = A_g^T D_g for every group g, with A [M, n] and
-// D [M, k] in the compute dtype (es bytes), rows of group g at offset[g]. Tiles
-// split each W_g's n rows; a group without rows gets a zero gradient.
-void wgrad(CpuExec& exec, const int64_t* off, int num_groups, int64_t n, int64_t k, const OneDnnMatmul& mm,
-           const uint8_t* a, const uint8_t* d, float* w, size_t es) {
-  plan_wgrad_tiles(exec, off, num_groups, n);
-  exec.pool.parallel_for(static_cast<int64_t>(exec.tiles.size()), [&](int64_t i, int) {
-    const GemmTile t = exec.tiles[i];
-    const int64_t r0 = off[t.group], rows = off[t.group + 1] - r0;
-    float* out = w + (static_cast<int64_t>(t.group) * n + t.begin) * k;
-    if (rows == 0) {
-      std::memset(out, 0, sizeof(float) * (t.end - t.begin) * k);
-      return;
-    }
-    mm.run(a + (r0 * n + t.begin) * es, d + r0 * k * es, out, t.end - t.begin, rows);
+// One operand of a weight gradient, [M, width] per pair in the compute dtype:
+// stored (dgu, h), or each pair's source row (g, x: width H) gathered per row chunk.
+struct WgradOperand {
+  const uint8_t* stored = nullptr;
+  const void* src_rows = nullptr;  // [num_src_rows, width], read through perm_src_row
+  int64_t width = 0;
+
+  // Rows [r0, r0 + rows) from column `col`: in place, or gathered into panel.
+  const uint8_t* rows(const ExpertMlpConfig& c, const int32_t* perm_src_row, int64_t r0, int64_t rows, int64_t col,
+                      size_t es, uint8_t* panel) const {
+    if (stored) return stored + (r0 * width + col) * es;
+    gather_raw(src_rows, width * es, perm_src_row + r0, rows, c.max_src_rows, panel);
+    return panel + col * es;
+  }
+};
+
+// W_g [n, k] (fp32, overwritten) = A_g^T D_g for every group g, A [M, n] and D
+// [M, k], by row chunks (for_each_wgrad_chunk); at most one operand is gathered,
+// into the thread's xp panel.
+void wgrad(CpuExec& exec, const ExpertMlpConfig& c, const ExpertMlpBackwardArgs& args, int64_t n, int64_t k,
+           const OneDnnMatmul& store, const OneDnnMatmul& add, const WgradOperand& a, const WgradOperand& d,
+           float* w, const Workspace& ws) {
+  MOE_ASSERT(a.stored || d.stored);
+  const size_t es = ws.lay.es;
+  for_each_wgrad_chunk(exec, args.expert_offset, c.num_experts, n, k, w,
+                       [&](const GemmTile& t, int64_t r0, int64_t rows, bool accumulate, float* out, int thread) {
+    const uint8_t* ap = a.rows(c, args.perm_src_row, r0, rows, t.begin, es, ws.xp(thread));
+    const uint8_t* dp = d.rows(c, args.perm_src_row, r0, rows, 0, es, ws.xp(thread));
+    (accumulate ? add : store).run(ap, dp, out, t.end - t.begin, rows);
   });
 }
 
@@ -138,8 +151,8 @@ void forward_onednn(CpuExec& exec, const ExpertMlpConfig& c, const ExpertMlpForw
 namespace {
 
 // Row tiles of the part: the dgrad chain. dh' = g w2; SwiGLU backward gives dgu,
-// the scaled h and the routing-weight gradient; dx = dgu w13. Leaves g, x, dgu and
-// h per pair in the workspace for the weight gradients.
+// the scaled h and the routing-weight gradient; dx = dgu w13. Leaves dgu and h per
+// pair in the workspace for the weight gradients (which gather g and x again).
 void dgrad_onednn(CpuExec& exec, const ExpertMlpConfig& c, const ExpertMlpBackwardArgs& a, const CpuExpertWeights& p,
                   const Workspace& ws) {
   const int64_t H = c.hidden, I = c.ffn_hidden;
@@ -147,11 +160,10 @@ void dgrad_onednn(CpuExec& exec, const ExpertMlpConfig& c, const ExpertMlpBackwa
   PhaseTotals totals;
   for_each_row_tile(exec, a.expert_offset, a.part, c.num_experts,
                     [&](const GemmTile& t, int64_t rows, int thread, PhaseClock& clock) {
-    uint8_t* g = ws.g_perm + t.begin * H * es;
+    uint8_t* g = ws.xp(thread);
     uint8_t* dgu = ws.dgu + t.begin * 2 * I * es;
     float* dh = ws.dh(thread);
     gather_raw(a.grad_rows, H * es, a.perm_src_row + t.begin, rows, c.max_src_rows, g);
-    gather_raw(a.rows, H * es, a.perm_src_row + t.begin, rows, c.max_src_rows, ws.x_perm + t.begin * H * es);
     clock.lap(totals.gather);
     p.down_dgrad->run(g, p.w2_dgrad_of(t.group, a.w2), dh, rows);
     clock.lap(totals.gemm);
@@ -175,8 +187,10 @@ void backward_onednn(CpuExec& exec, const ExpertMlpConfig& c, const ExpertMlpBac
   if (a.phase == MlpBackwardPhase::kDgrad) return;
   // Weight gradients: dW2_e = g_e^T h_e ([H, I]); dW13_e = dgu_e^T x_e ([2I, H]).
   const int64_t H = c.hidden, I = c.ffn_hidden;
-  wgrad(exec, a.expert_offset, c.num_experts, H, I, *p.down_wgrad, ws.g_perm, ws.h_perm, a.grad_w2, ws.lay.es);
-  wgrad(exec, a.expert_offset, c.num_experts, 2 * I, H, *p.gate_up_wgrad, ws.dgu, ws.x_perm, a.grad_w13, ws.lay.es);
+  const WgradOperand g{.src_rows = a.grad_rows, .width = H}, x{.src_rows = a.rows, .width = H};
+  const WgradOperand h{.stored = ws.h_perm, .width = I}, dgu{.stored = ws.dgu, .width = 2 * I};
+  wgrad(exec, c, a, H, I, *p.down_wgrad, *p.down_wgrad_acc, g, h, a.grad_w2, ws);
+  wgrad(exec, c, a, 2 * I, H, *p.gate_up_wgrad, *p.gate_up_wgrad_acc, dgu, x, a.grad_w13, ws);
 }
 
 }  // namespace moe::kernels::cpu

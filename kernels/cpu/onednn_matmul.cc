@@ -41,7 +41,8 @@ memory::dim dim_or_runtime(int64_t d) { return d == kRuntimeDim ? DNNL_RUNTIME_D
 std::string describe(const MatmulShape& s) {
   auto d = [](int64_t v) { return v == kRuntimeDim ? std::string("runtime") : std::to_string(v); };
   return std::string(dtype_name(s.dtype)) + " matmul m=" + d(s.m) + " k=" + d(s.k) + " n=" + d(s.n) +
-         (s.trans_a ? " (A transposed)" : "") + (s.packed_b ? " (packed B)" : "") + " -> " +
+         (s.trans_a ? " (A transposed)" : "") + (s.packed_b ? " (packed B)" : "") +
+         (s.accumulate ? " (accumulating)" : "") + " -> " +
          dtype_name(s.out_dtype);
 }
 
@@ -75,7 +76,13 @@ OneDnnMatmul::OneDnnMatmul(const MatmulShape& s) : shape_(s), impl_(std::make_un
                                     : impl_->b_desc(s, k);
   try {
     const dnnl::matmul::desc md(impl_->a_desc(s, m, k), b, impl_->c_desc(s, m));
-    impl_->pd = dnnl::matmul::primitive_desc(md, cpu_engine());
+    dnnl::primitive_attr attr;
+    if (s.accumulate) {
+      dnnl::post_ops ops;
+      ops.append_sum(1.0f);
+      attr.set_post_ops(ops);
+    }
+    impl_->pd = dnnl::matmul::primitive_desc(md, attr, cpu_engine());
     impl_->prim = dnnl::matmul(impl_->pd);
     if (s.packed_b) {
       impl_->b_source = memory::desc({s.k, s.n}, memory::data_type::f32, s.b_nk ? Dims{1, s.k} : Dims{s.n, 1});

@@ -37,6 +37,7 @@ struct MatmulShape {
   bool trans_a = false;
   bool packed_b = false;
   bool b_nk = false;
+  bool accumulate = false;  // C += A B (oneDNN's sum post-op) instead of C = A B
 };
 
 class OneDnnMatmul {

@@ -22,10 +22,11 @@ MatmulShape weight_gemm(DType d, int64_t k, int64_t n, bool w_nk) {
   return s;
 }
 
-// Weight gradient rows: C [m, n] = A^T B with A stored [k, m] (row stride lda), B
-// [k, n]; m and k given per call.
-MatmulShape wgrad_gemm(DType d, int64_t lda, int64_t n) {
+// Weight gradient rows: C [m, n] = A^T B (accumulate: C += A^T B) with A stored
+// [k, m] (row stride lda), B [k, n]; m and k given per call.
+MatmulShape wgrad_gemm(DType d, int64_t lda, int64_t n, bool accumulate = false) {
   MatmulShape s;
+  s.accumulate = accumulate;
   s.dtype = d;
   s.k = kRuntimeDim;
   s.n = n;
@@ -85,6 +86,8 @@ std::unique_ptr<PackedWeights> make_expert_weights(const ExpertMlpConfig& c, Gem
     p->gate_up_dgrad = matmul(weight_gemm(d, 2 * I, H, false));  // [rows, 2I] w13_e
     p->down_wgrad = matmul(wgrad_gemm(d, H, I));                 // g^T [H, rows] h [rows, I]
     p->gate_up_wgrad = matmul(wgrad_gemm(d, 2 * I, H));          // dgu^T [2I, rows] x [rows, H]
+    p->down_wgrad_acc = matmul(wgrad_gemm(d, H, I, true));
+    p->gate_up_wgrad_acc = matmul(wgrad_gemm(d, 2 * I, H, true));
     if (!p->down_dgrad->packed_b_is_source()) p->w2_dgrad = PackedTensor(*p->down_dgrad, L);
     if (!p->gate_up_dgrad->packed_b_is_source()) p->w13_dgrad = PackedTensor(*p->gate_up_dgrad, L);
   }

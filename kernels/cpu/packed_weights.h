@@ -56,8 +56,10 @@ struct CpuExpertWeights final : PackedWeights {
   // Forward: gu = x w13^T, y = h w2^T.
   std::unique_ptr<OneDnnMatmul> gate_up, down;
   // Train: dh = g w2, dx = dgu w13 (dgrad); dW2 = g^T h, dW13 = dgu^T x (wgrad,
-  // runtime m and k, no packed operand).
+  // runtime m and k, no packed operand; the _acc ones add to the gradient, for the
+  // row chunks after the first).
   std::unique_ptr<OneDnnMatmul> down_dgrad, gate_up_dgrad, down_wgrad, gate_up_wgrad;
+  std::unique_ptr<OneDnnMatmul> down_wgrad_acc, gate_up_wgrad_acc;
   // w2_dgrad / w13_dgrad stay empty where the dgrad primitive's layout is the
   // weight's own (fp32 on gemm:jit): the dgrad reads w2 / w13 as given.
   PackedTensor w13_fwd, w2_fwd, w2_dgrad, w13_dgrad;

@@ -328,7 +328,8 @@ struct ExpertMlpPart {
 // What an expert_mlp_backward call computes: everything, or, to overlap the
 // backward's transfers, the dgrad chain of a part (per pair: grad_perm_x,
 // grad_perm_weight) and, after dgrad calls that covered every pair with the same
-// layout and workspace, the weight gradients alone.
+// layout and workspace, the weight gradients alone (given the same rows and
+// grad_rows: the CPU backend gathers them again rather than keep [M, H] copies).
 enum class MlpBackwardPhase : uint8_t { kAll, kDgrad, kWgrad };
 
 // Where a fused call spent its time, in thread-seconds summed over the pool's

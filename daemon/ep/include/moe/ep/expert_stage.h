@@ -115,6 +115,7 @@ class ExpertStage {
   int64_t capacity_rows_ = -1;
   int64_t N_ = 0;
   const void* rows_ = nullptr;
+  const void* grad_combined_ = nullptr;  // the dgrad's input, read again by weight_grads
   bool has_layout_ = false, has_forward_ = false;
   std::vector<Part> parts_;          // of the last forward, when it ran in parts
   int64_t dgrad_rows_ = 0;           // rows whose dgrad ran since the forward
