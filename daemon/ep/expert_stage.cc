@@ -153,6 +153,7 @@ void ExpertStage::backward(const void* grad_combined, void* grad_rows, DType gra
                            float* grad_pair_weight) {
   // One call for the dgrad chain and the weight gradients.
   run_dgrad(grad_combined, 0, N_, grad_rows, grad_rows_dtype, grad_pair_weight, {}, kernels::MlpBackwardPhase::kAll);
+  has_forward_ = false;  // the backward consumed the forward's saved_gu (api.h)
 }
 
 void ExpertStage::layout(const int32_t* row_expert, const float* row_weight, int64_t N, const int32_t* row_order) {
@@ -290,7 +291,7 @@ void ExpertStage::run_dgrad(const void* grad_combined, int64_t first, int64_t n,
                             DType grad_rows_dtype, float* grad_pair_weight, const kernels::ExpertMlpPart& part,
                             kernels::MlpBackwardPhase phase) {
   MOE_CHECK(cfg_.train, "backward on a layer built without train = true");
-  MOE_CHECK(has_forward_, "backward called before forward");
+  MOE_CHECK(has_forward_, "backward called before forward (each backward consumes its forward's saved activations)");
   MOE_CHECK(dgrad_rows_ == 0 || grad_combined == grad_combined_,
             "expert stage: the backward's row parts read different gradient buffers");
   grad_combined_ = grad_combined;
@@ -311,6 +312,7 @@ void ExpertStage::weight_grads() {
   MOE_CHECK(has_forward_ && dgrad_rows_ == N_, "expert stage: weight gradients after the dgrad of ", dgrad_rows_,
             " of ", N_, " rows");
   be_.expert_mlp_backward(mlp_config(), backward_args(grad_combined_, kernels::MlpBackwardPhase::kWgrad));
+  has_forward_ = false;  // the backward consumed the forward's saved_gu (api.h)
 }
 
 std::vector<int64_t> ExpertStage::expert_rows() const {

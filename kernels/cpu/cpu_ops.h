@@ -81,7 +81,8 @@ void unpermute(ThreadPool& pool, const UnpermuteConfig& cfg, const UnpermuteArgs
 
 // Row-range kernels of SwiGLU, used by the op and by the fused expert MLP. Out is
 // float or bf16_t: the outputs h and grad_gu are stored rounded to it (computed in
-// fp32 either way; grad_row_scale is always fp32).
+// fp32 either way; grad_row_scale is always fp32). An fp32 grad_gu may be gu itself:
+// each row's values are read before its gradients are stored.
 template <typename Out>
 void swiglu_forward_rows(const float* gu, const float* row_scale, Out* h, int64_t rows, int ffn_hidden);
 template <typename Out>

@@ -28,13 +28,13 @@ namespace {
 
 // Workspace layout:
 //   per thread: xp [tile, H] | gup [tile, 2I] | hp [tile, I]
-//   train only: dgu [M, 2I] | h_perm [M, I]
+//   train only: h_perm [M, I] (dgu is stored over saved_gu: each row's gu is read
+//   before its dgu is stored, and nothing reads gu after the dgrad)
 // xp holds a tile's gathered rows: x in forward, the output gradient g in dgrad,
 // g or x again for each row chunk of the weight gradients.
 struct MlpWorkspace {
   size_t thread_floats;
   float* base;
-  float* dgu = nullptr;
   float* h_perm = nullptr;
 
   float* xp(const ExpertMlpConfig&, int t) const { return base + t * thread_floats; }
@@ -52,16 +52,13 @@ MlpWorkspace carve(const ExpertMlpConfig& c, void* workspace, int num_threads) {
   MlpWorkspace ws;
   ws.thread_floats = thread_floats(c);
   ws.base = static_cast<float*>(workspace);
-  if (c.train) {
-    ws.dgu = ws.base + ws.thread_floats * num_threads;
-    ws.h_perm = ws.dgu + c.max_rows * 2 * c.ffn_hidden;
-  }
+  if (c.train) ws.h_perm = ws.base + ws.thread_floats * num_threads;
   return ws;
 }
 
 size_t blas_workspace_bytes(const ExpertMlpConfig& c, int num_threads) {
   size_t floats = thread_floats(c) * num_threads;
-  if (c.train) floats += static_cast<size_t>(c.max_rows) * 3 * c.ffn_hidden;
+  if (c.train) floats += static_cast<size_t>(c.max_rows) * c.ffn_hidden;
   return floats * 4;
 }
 
@@ -127,7 +124,7 @@ void backward_blas(CpuExec& exec, const ExpertMlpConfig& c, const ExpertMlpBackw
   if (a.phase == MlpBackwardPhase::kDgrad) return;
   // Weight gradients: dW2_e = g_e^T h_e ([H, I]); dW13_e = dgu_e^T x_e ([2I, H]).
   const WgradRows g{.src_rows = a.grad_rows, .width = H}, x{.src_rows = a.rows, .width = H};
-  const WgradRows h{.stored = ws.h_perm, .width = I}, dgu{.stored = ws.dgu, .width = 2 * I};
+  const WgradRows h{.stored = ws.h_perm, .width = I}, dgu{.stored = a.saved_gu, .width = 2 * I};
   wgrad_blas(exec, c, a, H, I, g, h, a.grad_w2, ws);
   wgrad_blas(exec, c, a, 2 * I, H, dgu, x, a.grad_w13, ws);
 }
@@ -143,7 +140,7 @@ void dgrad_blas(CpuExec& exec, const ExpertMlpConfig& c, const ExpertMlpBackward
     const float* w13 = a.w13 + static_cast<int64_t>(t.group) * 2 * I * H;
     const float* w2 = a.w2 + static_cast<int64_t>(t.group) * H * I;
     float* g = ws.xp(c, thread);
-    float* dgu = ws.dgu + t.begin * 2 * I;
+    float* dgu = a.saved_gu + t.begin * 2 * I;  // over this pair's gu
     float* dh = ws.hp(c, thread);
     gather_rows(a.grad_rows, c.x_dtype, c.hidden, a.perm_src_row + t.begin, rows, c.max_src_rows, g);
     clock.lap(totals.gather);

@@ -22,7 +22,7 @@ namespace {
 
 // Workspace layout (es = bytes per element of the compute dtype):
 //   per thread: xp [tile, H] es | gup [tile, 2I] fp32 | hp [tile, I] es | dh [tile, I] fp32
-//   train only: dgu [M, 2I] es | h_perm [M, I] es
+//   train only: dgu [M, 2I] es (bf16 only: fp32 keeps dgu over saved_gu) | h_perm [M, I] es
 // xp holds a tile's gathered rows: x in forward, the output gradient g in dgrad,
 // and g or x again for each row chunk of the weight gradients (no [M, H] copy of
 // either is kept).
@@ -37,7 +37,7 @@ struct Layout {
     hp = align64(tile * I * es);
     dh = align64(tile * I * 4);
     thread = xp + gup + hp + dh;
-    dgu = c.train ? align64(M * 2 * I * es) : 0;
+    dgu = c.train && es != sizeof(float) ? align64(M * 2 * I * es) : 0;
     h_perm = c.train ? align64(M * I * es) : 0;
   }
   size_t bytes(int num_threads) const { return thread * num_threads + dgu + h_perm; }
@@ -54,6 +54,11 @@ struct Workspace {
     h_perm = dgu + lay.dgu;
   }
   uint8_t* xp(int t) const { return base + lay.thread * t; }
+  // dgu per pair: an fp32 layer's over saved_gu (each row's gu is read before its
+  // dgu is stored, and nothing reads gu after the dgrad), a bf16 one's in dgu.
+  uint8_t* dgu_of(const ExpertMlpBackwardArgs& a) const {
+    return lay.es == sizeof(float) ? reinterpret_cast<uint8_t*>(a.saved_gu) : dgu;
+  }
   float* gup(int t) const { return reinterpret_cast<float*>(xp(t) + lay.xp); }
   uint8_t* hp(int t) const { return xp(t) + lay.xp + lay.gup; }
   float* dh(int t) const { return reinterpret_cast<float*>(hp(t) + lay.hp); }
@@ -161,7 +166,7 @@ void dgrad_onednn(CpuExec& exec, const ExpertMlpConfig& c, const ExpertMlpBackwa
   for_each_row_tile(exec, a.expert_offset, a.part, c.num_experts,
                     [&](const GemmTile& t, int64_t rows, int thread, PhaseClock& clock) {
     uint8_t* g = ws.xp(thread);
-    uint8_t* dgu = ws.dgu + t.begin * 2 * I * es;
+    uint8_t* dgu = ws.dgu_of(a) + t.begin * 2 * I * es;
     float* dh = ws.dh(thread);
     gather_raw(a.grad_rows, H * es, a.perm_src_row + t.begin, rows, c.max_src_rows, g);
     clock.lap(totals.gather);
@@ -188,7 +193,7 @@ void backward_onednn(CpuExec& exec, const ExpertMlpConfig& c, const ExpertMlpBac
   // Weight gradients: dW2_e = g_e^T h_e ([H, I]); dW13_e = dgu_e^T x_e ([2I, H]).
   const int64_t H = c.hidden, I = c.ffn_hidden;
   const WgradOperand g{.src_rows = a.grad_rows, .width = H}, x{.src_rows = a.rows, .width = H};
-  const WgradOperand h{.stored = ws.h_perm, .width = I}, dgu{.stored = ws.dgu, .width = 2 * I};
+  const WgradOperand h{.stored = ws.h_perm, .width = I}, dgu{.stored = ws.dgu_of(a), .width = 2 * I};
   wgrad(exec, c, a, H, I, *p.down_wgrad, *p.down_wgrad_acc, g, h, a.grad_w2, ws);
   wgrad(exec, c, a, 2 * I, H, *p.gate_up_wgrad, *p.gate_up_wgrad_acc, dgu, x, a.grad_w13, ws);
 }

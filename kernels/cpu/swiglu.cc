@@ -61,13 +61,14 @@ void swiglu_backward_rows(const float* gu, const float* grad_h, const float* row
     }
     float dot = hsum_ps(vdot);
     for (; i < I; ++i) {
-      const float sig = sigmoid_scalar(g[i]);
-      const float silu = g[i] * sig;
-      const float p = silu * u[i];
+      const float gi = g[i], ui = u[i];  // read before dg/du may overwrite them (in place)
+      const float sig = sigmoid_scalar(gi);
+      const float silu = gi * sig;
+      const float p = silu * ui;
       dot += dh[i] * p;
       const float dhs = dh[i] * scale;
       store1(du + i, dhs * silu);
-      store1(dg + i, dhs * u[i] * (sig * (1.0f + g[i] * (1.0f - sig))));
+      store1(dg + i, dhs * ui * (sig * (1.0f + gi * (1.0f - sig))));
       if (h) store1(h + r * I + i, scale * p);
     }
     if (grad_row_scale) grad_row_scale[r] = dot;

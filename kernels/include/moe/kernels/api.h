@@ -368,7 +368,10 @@ struct ExpertMlpBackwardArgs {
   const float* w13 = nullptr;
   const float* w2 = nullptr;
   const PackedWeights* packed = nullptr;  // as in forward; made with train = true
-  const float* saved_gu = nullptr;        // [M, 2I] from forward
+  // [M, 2I] from forward, consumed: a backend may overwrite a pair's row once its
+  // dgrad ran (the CPU backend keeps an fp32 layer's dgu there), so a second
+  // backward needs a new forward.
+  float* saved_gu = nullptr;
   float* grad_perm_x = nullptr;           // [M, H] out
   float* grad_perm_weight = nullptr;      // [M] out: <grad_rows[src], y_unweighted[m]>
   float* grad_w13 = nullptr;              // [L, 2I, H] out (overwritten)
