@@ -72,7 +72,7 @@ struct WgradRows {
   const float* rows(const ExpertMlpConfig& c, const int32_t* perm_src_row, int64_t r0, int64_t rows, int64_t col,
                     float* panel) const {
     if (stored) return stored + r0 * width + col;
-    gather_rows(src_rows, c.x_dtype, c.hidden, perm_src_row + r0, rows, c.max_src_rows, panel);
+    gather_rows(src_rows, c.x_dtype, static_cast<int>(width), perm_src_row + r0, rows, c.max_src_rows, panel);
     return panel + col;
   }
 };

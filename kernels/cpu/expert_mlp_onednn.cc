@@ -10,7 +10,6 @@
 // by at most 2^-9 of itself, so an output c = sum_i a_i b_i with one rounded
 // operand moves by at most 2^-9 sum_i |a_i b_i|. Accumulation is fp32 throughout;
 // weight gradients are fp32 sums.
-#include <algorithm>
 #include <cstring>
 
 #include "expert_mlp_common.h"
