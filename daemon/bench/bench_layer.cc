@@ -123,9 +123,14 @@ Report run_layer_bench(const LayerBenchOptions& o) {
   const std::vector<uint8_t> x = model::to_storage(x32, o.dtype), grad_out = model::to_storage(g32, o.dtype);
   std::vector<uint8_t> out(x.size()), grad_x(x.size());
 
+  MOE_CHECK(o.optimizer == "none" || o.train, "--optimizer ", o.optimizer, " needs --mode train");
+  kernels::OptimizerConfig opt;
+  opt.kind = o.optimizer == "sgd" ? kernels::OptimizerKind::kSgd : kernels::OptimizerKind::kAdam;
+  int64_t updates = 0;
   auto step = [&] {
     layer.forward(x.data(), T, out.data());
     if (o.train) layer.backward(grad_out.data(), grad_x.data());
+    if (o.optimizer != "none") layer.optimizer_step(opt, ++updates);
   };
 
   // Step 0, dumped when asked.
@@ -216,6 +221,11 @@ Report run_layer_bench(const LayerBenchOptions& o) {
   ph.add("swiglu", median.phases.swiglu);
   ph.add("combine", median.phases.combine);
   ph.add("backward", median.phases.backward);
+  if (o.optimizer != "none") {
+    ph.add("optimizer", median.phases.optimizer);
+    r.add("optimizer", o.optimizer);
+    r.add("optimizer_share", median.phases.optimizer / median.seconds);
+  }
   if (!o.dump_dir.empty()) r.add("dump_dir", o.dump_dir);
   return r;
 }

@@ -33,6 +33,7 @@ struct LayerBenchOptions {
   std::string skew = "uniform";
   std::string dump_dir;  // writes rank0.safetensors and spec.json of step 0
   int peak_n = 4096;     // size of the GEMM (the layer's engine and dtype) that defines the peak
+  std::string optimizer = "none";  // train: none, adam or sgd, a step after each backward (timed apart)
 };
 Report run_layer_bench(const LayerBenchOptions& o);
 

@@ -49,6 +49,8 @@ int main(int argc, char** argv) {
   layer->add_option("--skew", lo.skew, "uniform or zipf:ALPHA");
   layer->add_option("--dump", lo.dump_dir, "write DIR/rank0.safetensors and DIR/spec.json of step 0");
   layer->add_option("--peak-n", lo.peak_n, "size of the square GEMM that defines the peak (the layer's engine and dtype)");
+  layer->add_option("--optimizer", lo.optimizer, "train: an optimizer step after each backward (none, adam, sgd)")
+      ->check(CLI::IsMember({"none", "adam", "sgd"}));
   layer->add_option("--output", output, "table or json")->check(CLI::IsMember({"table", "json"}));
 
   bench::PermuteBenchOptions po;

@@ -19,8 +19,10 @@ ExpertStage::ExpertStage(const MoeLayerConfig& cfg, int num_local_experts, kerne
   if (cfg.train) {
     grad_w13_ = Buffer(be, 4 * L * 2 * I * H);
     grad_w2_ = Buffer(be, 4 * L * H * I);
-    w13_param_.bind(be, w13_.as<float>(), L * 2 * I * H, cfg.dtype);
-    w2_param_.bind(be, w2_.as<float>(), L * H * I, cfg.dtype);
+    // w13_ and w2_ are the masters in either dtype: the packed weights are what
+    // the kernels compute with, and they round a bf16 layer's (api.h).
+    w13_param_.bind(be, w13_.as<float>(), L * 2 * I * H, ComputeCopy::kIsMaster);
+    w2_param_.bind(be, w2_.as<float>(), L * H * I, ComputeCopy::kIsMaster);
   }
   kernels::ExpertMlpConfig shape = mlp_config();  // only the weights' shape matters here
   shape.max_rows = shape.max_src_rows = 0;
@@ -81,6 +83,10 @@ void ExpertStage::copy_weights(int s, float* w13, float* w2) const {
   const size_t H = cfg_.hidden, I = cfg_.ffn_hidden, n13 = 2 * I * H, n2 = H * I;
   be_.copy_to_host(w13, w13_.as<float>() + s * n13, 4 * n13);
   be_.copy_to_host(w2, w2_.as<float>() + s * n2, 4 * n2);
+  if (cfg_.dtype == DType::kBF16) {  // a train stage holds masters; the kernels use them rounded
+    for (float* p : {w13, w2})
+      for (size_t i = 0, n = p == w13 ? n13 : n2; i < n; ++i) p[i] = kernels::round_to_bf16(p[i]);
+  }
 }
 
 void ExpertStage::export_slot(int s, ExpertState& out) const {

@@ -29,6 +29,7 @@ void MoeLayer::set_weights(model::LayerWeights w) {
 model::LayerWeights MoeLayer::weights() const {
   const size_t H = cfg_.hidden, I = cfg_.ffn_hidden, n13 = 2 * I * H, n2 = H * I;
   model::LayerWeights w = used_;
+  router_.copy_gate(w.gate.data());  // as trained
   w.w13.resize(cfg_.num_experts * n13);
   w.w2.resize(cfg_.num_experts * n2);
   for (int e = 0; e < cfg_.num_experts; ++e) experts_.copy_weights(e, w.w13.data() + e * n13, w.w2.data() + e * n2);
@@ -61,6 +62,14 @@ void MoeLayer::backward(const void* grad_out, void* grad_x) {
   be_.convert(grad_x32_.get(), DType::kF32, grad_x, cfg_.dtype, T * cfg_.hidden);
   be_.synchronize();
   times_.backward = now_seconds() - t0;
+}
+
+void MoeLayer::optimizer_step(const kernels::OptimizerConfig& cfg, int64_t step) {
+  const double t0 = now_seconds();
+  router_.apply_update(cfg, step);
+  experts_.apply_update(cfg, step);
+  be_.synchronize();
+  times_.optimizer = now_seconds() - t0;
 }
 
 LayerGrads MoeLayer::copy_grads() const {

@@ -23,7 +23,9 @@ RouterStage::RouterStage(const MoeLayerConfig& cfg, kernels::Backend& be) : cfg_
   if (cfg.train) {
     grad_logits_ = Buffer(be, 4 * T * E);
     grad_gate_ = Buffer(be, 4 * E * H);
-    gate_param_.bind(be, gate_.as<float>(), E * H, cfg.dtype);
+    // The router reads gate_ as it is: a bf16 layer's holds the rounded copy.
+    gate_param_.bind(be, gate_.as<float>(), E * H,
+                     cfg.dtype == DType::kBF16 ? ComputeCopy::kRoundedCopy : ComputeCopy::kIsMaster);
   }
   packed_gate_ = be.make_router_weights(cfg.router(cfg.max_tokens));
 }

@@ -139,6 +139,10 @@ void grouped_gemm(CpuExec& exec, const GroupedGemmConfig& cfg, const GroupedGemm
 
 void optimizer_step(ThreadPool& pool, const OptimizerConfig& cfg, const OptimizerArgs& args);
 
+// An fp32 weight stored [n, k] (w_nk: transposed) or [k, n] into dst as a plain
+// row-major [k, n] in dtype, bf16 rounded as round_to_bf16 (plain_pack.cc).
+void pack_plain_b(const float* w, bool w_nk, int64_t k, int64_t n, DType dtype, void* dst);
+
 size_t expert_mlp_workspace_bytes(const ExpertMlpConfig& cfg, int num_threads, GemmEngine engine);
 std::unique_ptr<PackedWeights> make_expert_weights(const ExpertMlpConfig& cfg, GemmEngine engine);
 void pack_expert_weights(ThreadPool& pool, PackedWeights& packed, const float* w13, const float* w2, int first,

@@ -91,7 +91,7 @@ void wgrad_blas(CpuExec& exec, const ExpertMlpConfig& c, const ExpertMlpBackward
 }
 
 // OpenBLAS: every panel fp32 (bf16 rows converted as they are gathered).
-void forward_blas(CpuExec& exec, const ExpertMlpConfig& c, const ExpertMlpForwardArgs& a) {
+void forward_blas(CpuExec& exec, const ExpertMlpConfig& c, const ExpertMlpForwardArgs& a, const CpuExpertWeights& p) {
   const int64_t H = c.hidden, I = c.ffn_hidden;
   const MlpWorkspace ws = carve(c, a.workspace, exec.pool.num_threads());
   PhaseTotals totals;
@@ -100,8 +100,8 @@ void forward_blas(CpuExec& exec, const ExpertMlpConfig& c, const ExpertMlpForwar
     float* xp = ws.xp(c, thread);
     float* gu = a.saved_gu ? a.saved_gu + t.begin * 2 * I : ws.gup(c, thread);
     float* hp = ws.hp(c, thread);
-    const float* w13 = a.w13 + static_cast<int64_t>(t.group) * 2 * I * H;
-    const float* w2 = a.w2 + static_cast<int64_t>(t.group) * H * I;
+    const float* w13 = p.blas_w13_of(t.group, a.w13);
+    const float* w2 = p.blas_w2_of(t.group, a.w2);
     gather_rows(a.rows, c.x_dtype, c.hidden, a.perm_src_row + t.begin, rows, c.max_src_rows, xp);
     clock.lap(totals.gather);
     sgemm(false, true, rows, 2 * I, H, 1.0f, xp, H, w13, H, 0.0f, gu, 2 * I);
@@ -114,13 +114,14 @@ void forward_blas(CpuExec& exec, const ExpertMlpConfig& c, const ExpertMlpForwar
   totals.flush(a.stats);
 }
 
-void dgrad_blas(CpuExec& exec, const ExpertMlpConfig& c, const ExpertMlpBackwardArgs& a, const MlpWorkspace& ws);
+void dgrad_blas(CpuExec& exec, const ExpertMlpConfig& c, const ExpertMlpBackwardArgs& a, const CpuExpertWeights& p,
+                const MlpWorkspace& ws);
 
-void backward_blas(CpuExec& exec, const ExpertMlpConfig& c, const ExpertMlpBackwardArgs& a) {
+void backward_blas(CpuExec& exec, const ExpertMlpConfig& c, const ExpertMlpBackwardArgs& a, const CpuExpertWeights& p) {
   const int64_t H = c.hidden, I = c.ffn_hidden;
   const MlpWorkspace ws = carve(c, a.workspace, exec.pool.num_threads());
 
-  if (a.phase != MlpBackwardPhase::kWgrad) dgrad_blas(exec, c, a, ws);
+  if (a.phase != MlpBackwardPhase::kWgrad) dgrad_blas(exec, c, a, p, ws);
   if (a.phase == MlpBackwardPhase::kDgrad) return;
   // Weight gradients: dW2_e = g_e^T h_e ([H, I]); dW13_e = dgu_e^T x_e ([2I, H]).
   const WgradRows g{.src_rows = a.grad_rows, .width = H}, x{.src_rows = a.rows, .width = H};
@@ -132,13 +133,14 @@ void backward_blas(CpuExec& exec, const ExpertMlpConfig& c, const ExpertMlpBackw
 // Row tiles of the part: the dgrad chain. dh' = g w2; SwiGLU backward gives dgu,
 // the scaled h and the routing-weight gradient; dx = dgu w13. Leaves dgu and h per
 // pair in the workspace for the weight gradients (which gather g and x again).
-void dgrad_blas(CpuExec& exec, const ExpertMlpConfig& c, const ExpertMlpBackwardArgs& a, const MlpWorkspace& ws) {
+void dgrad_blas(CpuExec& exec, const ExpertMlpConfig& c, const ExpertMlpBackwardArgs& a, const CpuExpertWeights& p,
+                const MlpWorkspace& ws) {
   const int64_t H = c.hidden, I = c.ffn_hidden;
   PhaseTotals totals;
   for_each_row_tile(exec, a.expert_offset, a.part, c.num_experts,
                     [&](const GemmTile& t, int64_t rows, int thread, PhaseClock& clock) {
-    const float* w13 = a.w13 + static_cast<int64_t>(t.group) * 2 * I * H;
-    const float* w2 = a.w2 + static_cast<int64_t>(t.group) * H * I;
+    const float* w13 = p.blas_w13_of(t.group, a.w13);
+    const float* w2 = p.blas_w2_of(t.group, a.w2);
     float* g = ws.xp(c, thread);
     float* dgu = a.saved_gu + t.begin * 2 * I;  // over this pair's gu
     float* dh = ws.hp(c, thread);
@@ -200,7 +202,7 @@ void expert_mlp_forward(CpuExec& exec, const ExpertMlpConfig& c, const ExpertMlp
   if (p.engine == GemmEngine::kOneDnn)
     forward_onednn(exec, c, rest, p);
   else
-    forward_blas(exec, c, rest);
+    forward_blas(exec, c, rest, p);
 }
 
 void expert_mlp_backward(CpuExec& exec, const ExpertMlpConfig& c, const ExpertMlpBackwardArgs& a) {
@@ -215,7 +217,7 @@ void expert_mlp_backward(CpuExec& exec, const ExpertMlpConfig& c, const ExpertMl
   if (p.engine == GemmEngine::kOneDnn)
     backward_onednn(exec, c, a, p);
   else
-    backward_blas(exec, c, a);
+    backward_blas(exec, c, a, p);
 }
 
 }  // namespace moe::kernels::cpu

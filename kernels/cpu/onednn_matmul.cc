@@ -9,6 +9,7 @@
 #include <dnnl.hpp>
 #include <vector>
 
+#include "cpu_ops.h"
 #include "moe/base/check.h"
 
 namespace moe::kernels::cpu {
@@ -53,6 +54,7 @@ struct OneDnnMatmul::Impl {
   dnnl::matmul prim;
   dnnl::reorder pack;  // fp32 weight -> pd.weights_desc() (packed_b only)
   memory::desc b_source;  // that fp32 weight
+  bool plain_b = false;   // pd.weights_desc() is a row-major [k, n]: pack_plain_b packs it
 
   memory::desc a_desc(const MatmulShape& s, memory::dim m, memory::dim k) const {
     return memory::desc({m, k}, dnnl_type(s.dtype), s.trans_a ? Dims{1, s.lda} : Dims{s.lda, 1});
@@ -88,6 +90,7 @@ OneDnnMatmul::OneDnnMatmul(const MatmulShape& s) : shape_(s), impl_(std::make_un
       impl_->b_source = memory::desc({s.k, s.n}, memory::data_type::f32, s.b_nk ? Dims{1, s.k} : Dims{s.n, 1});
       impl_->pack = dnnl::reorder(
           dnnl::reorder::primitive_desc(cpu_engine(), impl_->b_source, cpu_engine(), impl_->pd.weights_desc()));
+      impl_->plain_b = impl_->pd.weights_desc() == memory::desc({s.k, s.n}, dnnl_type(s.dtype), Dims{s.n, 1});
     }
   } catch (const dnnl::error& e) {
     detail::fail("oneDNN has no ", describe(s), " on this CPU (ISA ", onednn_isa_name(), "): ", e.what());
@@ -108,6 +111,10 @@ bool OneDnnMatmul::packed_b_is_source() const {
 
 void OneDnnMatmul::pack_b(const float* w, void* dst) const {
   MOE_ASSERT(shape_.packed_b);
+  if (impl_->plain_b) {  // gemm:jit's layout: a transpose or a conversion, at memory speed
+    pack_plain_b(w, shape_.b_nk, shape_.k, shape_.n, shape_.dtype, dst);
+    return;
+  }
   ensure_team_of_one();
   memory from(impl_->b_source, cpu_engine(), const_cast<float*>(w));
   memory to(impl_->pd.weights_desc(), cpu_engine(), dst);

@@ -57,7 +57,10 @@ class OneDnnMatmul {
   // [k, n]), so pack_b would only copy and run() reads the source as it is.
   bool packed_b_is_source() const;
   // Packs one fp32 weight (laid out as shape().b_nk says) into dst
-  // (packed_b_bytes, 64-byte aligned), rounding to dtype. Thread-safe.
+  // (packed_b_bytes, 64-byte aligned), rounding to dtype as round_to_bf16 does.
+  // Thread-safe. The layout oneDNN chose decides how: a plain row-major [k, n]
+  // (gemm:jit's, for every weight here) by pack_plain_b at memory speed, any
+  // other by oneDNN's reorder.
   void pack_b(const float* w, void* dst) const;
   // C = A B on the calling thread; thread-safe. m and k are the call's values of runtime dims
   // (ignored for fixed ones); m = 0 or k = 0 is the caller's business (skip, or

@@ -10,6 +10,7 @@
 
 #include "cpu_ops.h"
 #include "moe/base/check.h"
+#include "vec.h"
 
 namespace moe::kernels::cpu {
 namespace {
@@ -22,18 +23,6 @@ namespace {
 struct Adam {
   float b1, one_b1, b2, one_b2, step_size, inv_sqrt_c2, eps;
 };
-
-// w rounded to the nearest bf16 value (ties to even), as fp32; NaN stays NaN
-// (quieted), as f32_to_bf16 does.
-inline __m256 round_bf16_ps(__m256 w) {
-  const __m256i bits = _mm256_castps_si256(w);
-  const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(bits, 16), _mm256_set1_epi32(1));
-  const __m256i rounded = _mm256_add_epi32(bits, _mm256_add_epi32(lsb, _mm256_set1_epi32(0x7fff)));
-  const __m256i quiet = _mm256_or_si256(bits, _mm256_set1_epi32(0x00400000));
-  const __m256 nan = _mm256_cmp_ps(w, w, _CMP_UNORD_Q);
-  const __m256i pick = _mm256_castps_si256(_mm256_blendv_ps(_mm256_castsi256_ps(rounded), _mm256_castsi256_ps(quiet), nan));
-  return _mm256_castsi256_ps(_mm256_and_si256(pick, _mm256_set1_epi32(static_cast<int>(0xffff0000u))));
-}
 
 // One element, the same operations as a vector lane of adam_range.
 inline void adam_element(const Adam& k, const OptimizerArgs& a, int64_t i) {

@@ -3,6 +3,7 @@
 
 #include "moe/base/check.h"
 #include "small_gemm.h"
+#include "vec.h"
 
 namespace moe::kernels::cpu {
 namespace {
@@ -73,6 +74,10 @@ std::unique_ptr<PackedWeights> make_expert_weights(const ExpertMlpConfig& c, Gem
     p->small_w13 = HostBytes(align64(p->small_w13_elems * c.num_experts * sizeof(bf16_t)));
     p->small_w2 = HostBytes(align64(p->small_w2_elems * c.num_experts * sizeof(bf16_t)));
   }
+  if (engine == GemmEngine::kOpenBlas && c.x_dtype == DType::kBF16 && c.train) {
+    p->blas_w13 = HostBytes(align64(4 * 2 * static_cast<size_t>(c.ffn_hidden) * c.hidden * c.num_experts));
+    p->blas_w2 = HostBytes(align64(4 * static_cast<size_t>(c.hidden) * c.ffn_hidden * c.num_experts));
+  }
   if (engine == GemmEngine::kOpenBlas || c.num_experts == 0) return p;
   const DType d = c.x_dtype;
   const int64_t H = c.hidden, I = c.ffn_hidden;
@@ -110,6 +115,19 @@ void pack_expert_weights(ThreadPool& pool, PackedWeights& packed, const float* w
       pack_small_bf16_weights(small_gemm_isa(), w2 + e * H * I, H, I, s2 + e * p->small_w2_elems);
     });
   }
+  if (p->blas_w13.get() && count > 0) {
+    const int64_t n13 = 2 * static_cast<int64_t>(p->cfg.ffn_hidden) * p->cfg.hidden;
+    const int64_t n2 = static_cast<int64_t>(p->cfg.hidden) * p->cfg.ffn_hidden;
+    auto* r13 = reinterpret_cast<float*>(p->blas_w13.get());
+    auto* r2 = reinterpret_cast<float*>(p->blas_w2.get());
+    pool.parallel_for(2 * static_cast<int64_t>(count), [&](int64_t task, int) {
+      const int64_t e = first + task / 2;
+      if (task % 2 == 0)
+        round_rows_to_bf16(w13 + e * n13, r13 + e * n13, n13);
+      else
+        round_rows_to_bf16(w2 + e * n2, r2 + e * n2, n2);
+    });
+  }
   if (p->gate_up && count > 0) {
     const int64_t n13 = 2 * static_cast<int64_t>(p->cfg.ffn_hidden) * p->cfg.hidden;
     const int64_t n2 = static_cast<int64_t>(p->cfg.hidden) * p->cfg.ffn_hidden;
@@ -129,6 +147,16 @@ void pack_expert_weights(ThreadPool& pool, PackedWeights& packed, const float* w
     });
   }
   p->packed = true;
+}
+
+const float* CpuExpertWeights::blas_w13_of(int e, const float* w13) const {
+  const int64_t n13 = 2 * static_cast<int64_t>(cfg.ffn_hidden) * cfg.hidden;
+  return (blas_w13.get() ? reinterpret_cast<const float*>(blas_w13.get()) : w13) + e * n13;
+}
+
+const float* CpuExpertWeights::blas_w2_of(int e, const float* w2) const {
+  const int64_t n2 = static_cast<int64_t>(cfg.hidden) * cfg.ffn_hidden;
+  return (blas_w2.get() ? reinterpret_cast<const float*>(blas_w2.get()) : w2) + e * n2;
 }
 
 const void* CpuExpertWeights::w13_dgrad_of(int e, const float* w13) const {

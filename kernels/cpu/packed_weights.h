@@ -68,8 +68,14 @@ struct CpuExpertWeights final : PackedWeights {
   // small_w2_elems values per expert (fp32 layers read w13 and w2 as given).
   HostBytes small_w13, small_w2;
   size_t small_w13_elems = 0, small_w2_elems = 0;
+  // OpenBLAS engine, bf16 train configs: w13 and w2 rounded to bf16 values, kept
+  // fp32 for sgemm (the caller's arrays are the fp32 masters, api.h).
+  HostBytes blas_w13, blas_w2;
   bool packed = false;
 
+  // Expert e's fp32 weights as the OpenBLAS path reads them (w13, w2: the call's).
+  const float* blas_w13_of(int e, const float* w13) const;
+  const float* blas_w2_of(int e, const float* w2) const;
   // Expert e's weight as the dgrad primitives read it (w13, w2: the call's).
   const void* w13_dgrad_of(int e, const float* w13) const;
   const void* w2_dgrad_of(int e, const float* w2) const;

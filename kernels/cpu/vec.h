@@ -69,6 +69,26 @@ inline void store_bf16_ps(bf16_t* p, __m256 v) {
   _mm_storeu_si128(reinterpret_cast<__m128i*>(p), _mm_packus_epi32(lo, hi));
 }
 
+// w rounded to the nearest bf16 value (ties to even), as fp32; NaN stays NaN
+// (quieted), as f32_to_bf16 does.
+inline __m256 round_bf16_ps(__m256 w) {
+  const __m256i bits = _mm256_castps_si256(w);
+  const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(bits, 16), _mm256_set1_epi32(1));
+  const __m256i rounded = _mm256_add_epi32(bits, _mm256_add_epi32(lsb, _mm256_set1_epi32(0x7fff)));
+  const __m256i quiet = _mm256_or_si256(bits, _mm256_set1_epi32(0x00400000));
+  const __m256 nan = _mm256_cmp_ps(w, w, _CMP_UNORD_Q);
+  const __m256i pick = _mm256_castps_si256(_mm256_blendv_ps(_mm256_castsi256_ps(rounded), _mm256_castsi256_ps(quiet), nan));
+  return _mm256_castsi256_ps(_mm256_and_si256(pick, _mm256_set1_epi32(static_cast<int>(0xffff0000u))));
+}
+
+// dst[i] = src[i] rounded to the nearest bf16 value, as fp32 (round_to_bf16's bits;
+// dst may be src).
+inline void round_rows_to_bf16(const float* src, float* dst, int64_t n) {
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8) _mm256_storeu_ps(dst + i, round_bf16_ps(_mm256_loadu_ps(src + i)));
+  for (; i < n; ++i) dst[i] = round_to_bf16(src[i]);
+}
+
 inline float hsum_ps(__m256 v) {
   __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
   s = _mm_add_ps(s, _mm_movehl_ps(s, s));

@@ -652,6 +652,36 @@ TEST_F(CpuOps, SwigluForwardBackwardMatchDoubleFormulas) {
   EXPECT_TRUE(close("grad_scale", to_double(dscale), wds, 1e-5, 1e-6));
 }
 
+// pack_plain_b: a transpose (weight stored [n, k]) or a straight copy into a
+// row-major [k, n], bf16 rounded as round_to_bf16; sizes with 8x8-block edges.
+TEST(PlainPack, TransposesAndRoundsEveryValueWhereItBelongs) {
+  // {48, 64}: dst rows are whole lines, so the transposes stream their stores.
+  for (const auto [k, n] : {std::pair<int64_t, int64_t>{13, 21}, {64, 40}, {48, 64}, {8, 8}, {1, 9}})
+    for (const bool w_nk : {true, false})
+      for (const DType d : {DType::kF32, DType::kBF16}) {
+        std::vector<float> w(k * n);
+        for (size_t i = 0; i < w.size(); ++i) w[i] = std::ldexp(static_cast<float>(i) * 1.37f + 0.3f, -7) - 1.0f;
+        w[3] = std::numeric_limits<float>::quiet_NaN();
+        std::vector<uint8_t> bytes(dtype_size(d) * k * n + 64);
+        uint8_t* out = bytes.data() + (64 - reinterpret_cast<uintptr_t>(bytes.data()) % 64) % 64;  // line-aligned
+        cpu::pack_plain_b(w.data(), w_nk, k, n, d, out);
+        for (int64_t kk = 0; kk < k; ++kk)
+          for (int64_t nn = 0; nn < n; ++nn) {
+            const float src = w_nk ? w[nn * k + kk] : w[kk * n + nn];
+            const int64_t at = kk * n + nn;
+            const float got = d == DType::kF32 ? reinterpret_cast<const float*>(out)[at]
+                                               : bf16_to_f32(reinterpret_cast<const bf16_t*>(out)[at]);
+            const float want = d == DType::kF32 ? src : round_to_bf16(src);
+            if (std::isnan(want)) {
+              EXPECT_TRUE(std::isnan(got)) << k << "x" << n << " at " << kk << "," << nn;
+            } else {
+              ASSERT_EQ(got, want) << k << "x" << n << (w_nk ? " transposed" : "") << " " << dtype_name(d) << " at "
+                                   << kk << "," << nn;
+            }
+          }
+      }
+}
+
 TEST_F(CpuOps, OptimizerStepsMatchTheirFormulas) {
   const int64_t n = 3001;
   const std::vector<float> w0 = normal_vector(n, 1), g1 = normal_vector(n, 2, 0.01), g2 = normal_vector(n, 3, 0.01);

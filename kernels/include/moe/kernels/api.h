@@ -9,9 +9,11 @@
 //     w13 [L, 2I, H]: rows [0, I) are gate_proj, rows [I, 2I) are up_proj
 //     w2  [L, H, I] : down_proj
 //   so h = silu(x gate^T) * (x up^T) and y = h down^T.
-// - Weights are fp32 arrays; with bf16 storage (x_dtype bf16) they must hold
-//   bf16 values (the layer keeps them rounded): an engine computing in bf16 packs
-//   them as bf16.
+// - Weights are fp32 arrays; with bf16 storage (x_dtype bf16) every op computes
+//   with bf16 values. The router's gate and a forward config's expert weights
+//   must hold bf16 values (the layer keeps them rounded). A train config's expert
+//   weights are the fp32 masters: pack_expert_weights rounds them into the copies
+//   each engine computes with, and no op reads the masters as weights.
 // - "dtype" pointers (void*) hold fp32 or bf16 as the config says; float* are
 //   always fp32 (accumulators, scores, workspaces, weights' working copies).
 // - Index arrays are int32; -1 marks "no expert" (dropped pair or unused slot).

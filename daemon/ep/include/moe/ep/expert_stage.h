@@ -128,7 +128,9 @@ class ExpertStage {
   kernels::Buffer perm_src_row_, perm_weight_, pair_pos_, pair_y_, saved_gu_, grad_perm_weight_;
   kernels::Buffer layout_ws_, mlp_ws_;
   TrainableTensor w13_param_, w2_param_;
-  std::unique_ptr<kernels::PackedWeights> packed_;  // w13_, w2_ as the GEMM engine reads them
+  // w13_, w2_ as the GEMM engine reads them (rounded to bf16 in a bf16 layer: in a
+  // train stage w13_ and w2_ are the fp32 masters, kernels/api.h).
+  std::unique_ptr<kernels::PackedWeights> packed_;
   ExpertStageTimes times_;
 };
 

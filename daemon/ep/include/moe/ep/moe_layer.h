@@ -24,6 +24,7 @@ struct PhaseTimes {
   double swiglu = 0;
   double combine = 0;
   double backward = 0;
+  double optimizer = 0;  // the last optimizer_step
 };
 
 // fp32 weight gradients, host memory, shapes as in model::LayerWeights.
@@ -58,6 +59,9 @@ class MoeLayer {
   const float* grad_w13() const { return experts_.grad_w13(); }   // [E, 2I, H]
   const float* grad_w2() const { return experts_.grad_w2(); }     // [E, H, I]
   LayerGrads copy_grads() const;                                  // host copies of the three
+  // One optimizer step on the layer's weights (gate and experts) from the last
+  // backward's gradients; step counts from 1.
+  void optimizer_step(const kernels::OptimizerConfig& cfg, int64_t step);
 
   // State of the last forward, [T, K], backend memory.
   int64_t num_tokens() const { return router_.num_tokens(); }

@@ -21,20 +21,26 @@ struct TensorState {
 };
 
 // One trainable tensor of a stage: the values the layer computes with, an fp32
-// master copy (its own buffer only in a bf16 layer, where the compute copy holds
-// bf16-rounded values) and the optimizer's moments, allocated on first update.
+// master copy and the optimizer's moments, allocated on first update. The master
+// has its own buffer where the stage computes from a bf16-rounded fp32 copy
+// (bind with kRoundedCopy); with kIsMaster the stage's buffer is the master, and
+// whoever reads it as weights rounds (the expert stage's packed weights do).
+enum class ComputeCopy { kIsMaster, kRoundedCopy };
+
 class TrainableTensor {
  public:
   // compute: the stage's buffer of `count` values; sync_master() after loading it.
-  void bind(kernels::Backend& be, float* compute, size_t count, DType dtype);
+  void bind(kernels::Backend& be, float* compute, size_t count, ComputeCopy copy);
   void sync_master();
   void update(const kernels::OptimizerConfig& cfg, int64_t step, const float* grad);
+  // The same step on elements [begin, begin + n) alone (grad: theirs).
+  void update_range(const kernels::OptimizerConfig& cfg, int64_t step, const float* grad, size_t begin, size_t n);
 
   // Elements [begin, begin + n) as they cross the wire: the fp32 master values
   // and the Adam moments (zeros before the first update).
   void read(size_t begin, size_t n, float* master, float* m, float* v) const;
-  // The inverse: sets master, the compute copy (bf16-rounded in a bf16 layer)
-  // and, given m and v, the moments.
+  // The inverse: sets master, the compute copy (kRoundedCopy: bf16-rounded) and,
+  // given m and v, the moments.
   void write(size_t begin, size_t n, const float* master, const float* m, const float* v);
   // Elements [from, from + n) of src (compute, master, moments) into [to, to + n)
   // of this tensor, bit for bit. Both in the same backend and dtype.
@@ -45,7 +51,7 @@ class TrainableTensor {
   kernels::Backend* be_ = nullptr;
   float* compute_ = nullptr;
   size_t count_ = 0;
-  kernels::Buffer master_, m_, v_;  // master_ empty in an fp32 layer
+  kernels::Buffer master_, m_, v_;  // master_ empty with kIsMaster
 };
 
 }  // namespace moe::ep
