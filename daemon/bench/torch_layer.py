@@ -8,6 +8,11 @@ JSON line with the median forward and forward+backward step times and tokens/s.
   /usr/bin/python3 daemon/bench/torch_layer.py --dtype bf16 --threads 2
   python3 daemon/bench/torch_layer.py --device cuda --tokens 16384 --hidden 4096 --ffn 1536
 
+--params fp32 keeps the parameters (and so their gradients) in fp32 and casts them to the layer
+dtype where they are used, as mixed-precision training with fp32 master weights does (PyTorch's
+autocast, Megatron's fp32 main params); it is moe's bf16 recipe, where the default (parameters in
+the layer dtype) is pure bf16 training with no master copy.
+
 Debian's python3-torch (1.13) runs bf16 matmuls on oneDNN and fp32 ones on OpenBLAS
 or oneDNN, with its own OpenMP team of --threads threads. With --device cuda the same
 layer runs on the GPU (cuBLAS matmuls), timed with the device synchronised.
@@ -23,7 +28,8 @@ import torch.nn.functional as F
 
 
 def make_params(args, dtype, train):
-    """gate [E, H]; per expert (own tensors, as SequentialMLP's modules) w13 [2I, H], w2 [H, I]."""
+    """Parameters in `dtype` (the layer's, or fp32 for --params fp32)."""
+    # gate [E, H]; per expert (own tensors, as SequentialMLP's modules) w13 [2I, H], w2 [H, I].
     g = torch.Generator(device=args.device).manual_seed(args.seed)
     H, I, E = args.hidden, args.ffn, args.experts
 
@@ -40,7 +46,11 @@ def make_params(args, dtype, train):
 def moe_layer(x, gate, w13, w2, top_k):
     """x [T, H] -> out [T, H]; per-expert loop as in Megatron's SequentialMLP."""
     num_experts = len(w13)
-    scores = torch.softmax((x @ gate.t()).float(), dim=-1)
+
+    def used(w):  # a parameter as the layer computes with it (a cast when it is an fp32 master)
+        return w if w.dtype == x.dtype else w.to(x.dtype)
+
+    scores = torch.softmax((x @ used(gate).t()).float(), dim=-1)
     weight, idx = torch.topk(scores, top_k, dim=-1)
     weight = weight / weight.sum(dim=-1, keepdim=True)
     flat = idx.reshape(-1)
@@ -50,8 +60,8 @@ def moe_layer(x, gate, w13, w2, top_k):
     rows = torch.split(x.index_select(0, token), counts)  # one split (its backward is one cat)
     outs = []
     for e, r in enumerate(rows):
-        g, u = (r @ w13[e].t()).chunk(2, dim=-1)
-        outs.append((F.silu(g) * u) @ w2[e].t())
+        g, u = (r @ used(w13[e]).t()).chunk(2, dim=-1)
+        outs.append((F.silu(g) * u) @ used(w2[e]).t())
     y = torch.cat(outs) * weight.reshape(-1)[order].to(x.dtype).unsqueeze(1)
     return torch.zeros_like(x).index_add_(0, token, y)  # unpermute: weighted sum per token
 
@@ -82,6 +92,8 @@ def main():
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--device", default="cpu", help="cpu or cuda")
+    p.add_argument("--params", choices=["dtype", "fp32"], default="dtype",
+                   help="parameters in the layer dtype, or fp32 masters cast where used")
     args = p.parse_args()
 
     torch.set_num_threads(args.threads)
@@ -92,11 +104,12 @@ def main():
     x = torch.randn(args.tokens, args.hidden, generator=g, device=args.device).to(dtype)
     grad_out = torch.randn(args.tokens, args.hidden, generator=g, device=args.device).to(dtype)
 
-    gate, w13, w2 = make_params(args, dtype, train=False)
+    param_dtype = torch.float32 if args.params == "fp32" else dtype
+    gate, w13, w2 = make_params(args, param_dtype, train=False)
     with torch.no_grad():
         fwd = median_seconds(lambda: moe_layer(x, gate, w13, w2, args.top_k), args.warmup, args.iters, sync)
 
-    gate, w13, w2 = make_params(args, dtype, train=True)
+    gate, w13, w2 = make_params(args, param_dtype, train=True)
     xg = x.clone().requires_grad_(True)
 
     def train_step():
@@ -109,7 +122,7 @@ def main():
     print(json.dumps({
         "bench": "torch_layer", "torch": torch.__version__, "python": platform.python_version(),
         "device": torch.cuda.get_device_name() if cuda else platform.processor() or "cpu",
-        "dtype": args.dtype, "threads": args.threads, "tokens": args.tokens, "hidden": args.hidden,
+        "dtype": args.dtype, "params": args.params, "threads": args.threads, "tokens": args.tokens, "hidden": args.hidden,
         "ffn": args.ffn, "experts": args.experts, "top_k": args.top_k, "iters": args.iters,
         "forward_step_seconds_p50": fwd, "forward_tokens_per_second": args.tokens / fwd,
         "train_step_seconds_p50": train, "train_tokens_per_second": args.tokens / train,
