@@ -142,6 +142,9 @@ void optimizer_step(ThreadPool& pool, const OptimizerConfig& cfg, const Optimize
 // An fp32 weight stored [n, k] (w_nk: transposed) or [k, n] into dst as a plain
 // row-major [k, n] in dtype, bf16 rounded as round_to_bf16 (plain_pack.cc).
 void pack_plain_b(const float* w, bool w_nk, int64_t k, int64_t n, DType dtype, void* dst);
+// Both packs of one weight w [rows, cols] in one read of it: its transpose
+// [cols, rows] and itself [rows, cols], each in dtype.
+void pack_plain_b_both(const float* w, int64_t rows, int64_t cols, DType dtype, void* transposed, void* same);
 
 size_t expert_mlp_workspace_bytes(const ExpertMlpConfig& cfg, int num_threads, GemmEngine engine);
 std::unique_ptr<PackedWeights> make_expert_weights(const ExpertMlpConfig& cfg, GemmEngine engine);

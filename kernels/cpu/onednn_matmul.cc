@@ -109,6 +109,11 @@ bool OneDnnMatmul::packed_b_is_source() const {
   return impl_->pd.weights_desc() == impl_->b_source;
 }
 
+bool OneDnnMatmul::packed_b_is_plain() const {
+  MOE_ASSERT(shape_.packed_b);
+  return impl_->plain_b;
+}
+
 void OneDnnMatmul::pack_b(const float* w, void* dst) const {
   MOE_ASSERT(shape_.packed_b);
   if (impl_->plain_b) {  // gemm:jit's layout: a transpose or a conversion, at memory speed

@@ -56,6 +56,8 @@ class OneDnnMatmul {
   // chose a plain row-major B in fp32 (as gemm:jit does for a weight stored
   // [k, n]), so pack_b would only copy and run() reads the source as it is.
   bool packed_b_is_source() const;
+  // Whether the packed layout is a plain row-major [k, n] in dtype (packed_b only).
+  bool packed_b_is_plain() const;
   // Packs one fp32 weight (laid out as shape().b_nk says) into dst
   // (packed_b_bytes, 64-byte aligned), rounding to dtype as round_to_bf16 does.
   // Thread-safe. The layout oneDNN chose decides how: a plain row-major [k, n]

@@ -99,6 +99,45 @@ std::unique_ptr<PackedWeights> make_expert_weights(const ExpertMlpConfig& c, Gem
   return p;
 }
 
+namespace {
+
+// oneDNN's packed copies of experts [first, first + count): one task per expert
+// and weight. Where a bf16 weight's forward (transposed) and dgrad (as stored)
+// layouts are both plain, one task makes both from a single read of the weight.
+void pack_onednn_weights(ThreadPool& pool, CpuExpertWeights& p, const float* w13, const float* w2, int first,
+                         int count) {
+  const int64_t n13 = 2 * static_cast<int64_t>(p.cfg.ffn_hidden) * p.cfg.hidden;
+  const int64_t n2 = static_cast<int64_t>(p.cfg.hidden) * p.cfg.ffn_hidden;
+  struct Job {
+    const OneDnnMatmul* mm;
+    PackedTensor* to;
+    const float* from;
+    int64_t count;                  // fp32 values per expert
+    PackedTensor* same = nullptr;   // the dgrad copy, made in the same pass (plain layouts)
+  };
+  std::vector<Job> jobs;
+  auto add = [&](const OneDnnMatmul* fwd, PackedTensor* to, const OneDnnMatmul* dgrad, PackedTensor* dgrad_to,
+                 const float* from, int64_t n) {
+    const bool both = !dgrad_to->empty() && fwd->packed_b_is_plain() && dgrad->packed_b_is_plain();
+    jobs.push_back({fwd, to, from, n, both ? dgrad_to : nullptr});
+    if (!dgrad_to->empty() && !both) jobs.push_back({dgrad, dgrad_to, from, n});
+  };
+  add(p.gate_up.get(), &p.w13_fwd, p.gate_up_dgrad.get(), &p.w13_dgrad, w13, n13);
+  add(p.down.get(), &p.w2_fwd, p.down_dgrad.get(), &p.w2_dgrad, w2, n2);
+  pool.parallel_for(static_cast<int64_t>(jobs.size()) * count, [&](int64_t task, int) {
+    const Job& j = jobs[task / count];
+    const int e = first + static_cast<int>(task % count);
+    if (j.same) {  // the forward's B is the weight [n, k] transposed
+      const MatmulShape& s = j.mm->shape();
+      pack_plain_b_both(j.from + j.count * e, s.n, s.k, s.dtype, j.to->expert(e), j.same->expert(e));
+    } else {
+      j.mm->pack_b(j.from + j.count * e, j.to->expert(e));
+    }
+  });
+}
+
+}  // namespace
+
 void pack_expert_weights(ThreadPool& pool, PackedWeights& packed, const float* w13, const float* w2, int first,
                          int count) {
   auto* p = dynamic_cast<CpuExpertWeights*>(&packed);
@@ -128,24 +167,7 @@ void pack_expert_weights(ThreadPool& pool, PackedWeights& packed, const float* w
         round_rows_to_bf16(w2 + e * n2, r2 + e * n2, n2);
     });
   }
-  if (p->gate_up && count > 0) {
-    const int64_t n13 = 2 * static_cast<int64_t>(p->cfg.ffn_hidden) * p->cfg.hidden;
-    const int64_t n2 = static_cast<int64_t>(p->cfg.hidden) * p->cfg.ffn_hidden;
-    struct Job {
-      const OneDnnMatmul* mm;
-      PackedTensor* to;
-      const float* from;
-      int64_t count;  // fp32 values per expert
-    };
-    std::vector<Job> jobs = {{p->gate_up.get(), &p->w13_fwd, w13, n13}, {p->down.get(), &p->w2_fwd, w2, n2}};
-    if (!p->w13_dgrad.empty()) jobs.push_back({p->gate_up_dgrad.get(), &p->w13_dgrad, w13, n13});
-    if (!p->w2_dgrad.empty()) jobs.push_back({p->down_dgrad.get(), &p->w2_dgrad, w2, n2});
-    pool.parallel_for(static_cast<int64_t>(jobs.size()) * count, [&](int64_t task, int) {
-      const Job& j = jobs[task / count];
-      const int e = first + static_cast<int>(task % count);
-      j.mm->pack_b(j.from + j.count * e, j.to->expert(e));
-    });
-  }
+  if (p->gate_up && count > 0) pack_onednn_weights(pool, *p, w13, w2, first, count);
   p->packed = true;
 }
 

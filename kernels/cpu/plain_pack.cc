@@ -59,36 +59,55 @@ inline void store8(bf16_t* p, __m256 v, bool stream) {
 inline float convert(float v, float*) { return v; }
 inline bf16_t convert(float v, bf16_t*) { return f32_to_bf16(v); }
 
-// dst [k, n] = w^T for w [n, k] in blocks of kRows rows of w (one 64-byte line of
-// dst: 16 fp32 or 32 bf16) by 16 columns, each four or eight 8x8 transposes
-// through an L1 tile; then the edges one value at a time. Each block writes its
-// 16 dst lines whole, with streaming stores where dst rows are line-aligned:
-// rows 4 KiB apart share a cache set, and through the cache the transpose ran
-// at half the copy bandwidth (the stores' read-for-ownership and evictions).
+// dst [k, n] = w^T for w [n, k] in blocks of one 64-byte line of dst (kLine
+// values: 16 fp32 or 32 bf16) by as many columns of w, each made of 8x8
+// transposes through an L1 tile; then the edges one value at a time. Each block
+// writes its dst lines whole, with streaming stores where dst rows are
+// line-aligned: rows 4 KiB apart share a cache set, and through the cache the
+// transpose ran at half the copy bandwidth (read-for-ownership and evictions of
+// half-written lines). `same`, if given, also gets w itself in Out ([n, k]),
+// written from the block while it is in L1, so w is read once for both.
 template <typename Out>
-void transpose_into(const float* w, int64_t k, int64_t n, Out* dst) {
-  constexpr int64_t kRows = 64 / sizeof(Out);
-  const int64_t nb = n / kRows * kRows, k16 = k / 16 * 16;
-  const bool stream = reinterpret_cast<uintptr_t>(dst) % 64 == 0 && (n * sizeof(Out)) % 64 == 0;
-  alignas(64) float tile[16][kRows];
-  for (int64_t i = 0; i < nb; i += kRows)
-    for (int64_t j = 0; j < k16; j += 16) {
-      for (int bi = 0; bi < kRows; bi += 8)
-        for (int bj = 0; bj < 16; bj += 8) {
+void transpose_into(const float* w, int64_t k, int64_t n, Out* dst, Out* same = nullptr) {
+  constexpr int64_t kLine = 64 / sizeof(Out);
+  const int64_t nb = n / kLine * kLine, kb = k / kLine * kLine;
+  auto aligned = [](const Out* p, int64_t ld) {
+    return reinterpret_cast<uintptr_t>(p) % 64 == 0 && (ld * sizeof(Out)) % 64 == 0;
+  };
+  const bool stream = aligned(dst, n), stream_same = same && aligned(same, k);
+  alignas(64) float tile[kLine][kLine];
+  for (int64_t i = 0; i < nb; i += kLine)
+    for (int64_t j = 0; j < kb; j += kLine) {
+      for (int bi = 0; bi < kLine; bi += 8)
+        for (int bj = 0; bj < kLine; bj += 8) {
           __m256 r[8];
           for (int q = 0; q < 8; ++q) r[q] = _mm256_loadu_ps(w + (i + bi + q) * k + j + bj);
           transpose8x8(r);
           for (int q = 0; q < 8; ++q) _mm256_store_ps(&tile[bj + q][bi], r[q]);
         }
-      for (int q = 0; q < 16; ++q)
-        for (int c = 0; c < kRows; c += 8) store8(dst + (j + q) * n + i + c, _mm256_load_ps(&tile[q][c]), stream);
+      for (int q = 0; q < kLine; ++q)
+        for (int c = 0; c < kLine; c += 8) store8(dst + (j + q) * n + i + c, _mm256_load_ps(&tile[q][c]), stream);
+      if (!same) continue;
+      for (int q = 0; q < kLine; ++q)
+        for (int c = 0; c < kLine; c += 8)
+          store8(same + (i + q) * k + j + c, _mm256_loadu_ps(w + (i + q) * k + j + c), stream_same);
     }
-  if (stream) _mm_sfence();  // the streamed lines are visible before the caller's next store
+  if (stream || stream_same) _mm_sfence();  // the streamed lines are visible before the caller's next store
   for (int64_t i = 0; i < n; ++i)
-    for (int64_t j = i < nb ? k16 : 0; j < k; ++j) dst[j * n + i] = convert(w[i * k + j], dst);
+    for (int64_t j = i < nb ? kb : 0; j < k; ++j) {
+      dst[j * n + i] = convert(w[i * k + j], dst);
+      if (same) same[i * k + j] = convert(w[i * k + j], same);
+    }
 }
 
 }  // namespace
+
+void pack_plain_b_both(const float* w, int64_t rows, int64_t cols, DType dtype, void* transposed, void* same) {
+  if (dtype == DType::kF32)
+    transpose_into(w, cols, rows, static_cast<float*>(transposed), static_cast<float*>(same));
+  else
+    transpose_into(w, cols, rows, static_cast<bf16_t*>(transposed), static_cast<bf16_t*>(same));
+}
 
 void pack_plain_b(const float* w, bool w_nk, int64_t k, int64_t n, DType dtype, void* dst) {
   if (w_nk) {

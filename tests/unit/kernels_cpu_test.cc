@@ -653,33 +653,43 @@ TEST_F(CpuOps, SwigluForwardBackwardMatchDoubleFormulas) {
 }
 
 // pack_plain_b: a transpose (weight stored [n, k]) or a straight copy into a
-// row-major [k, n], bf16 rounded as round_to_bf16; sizes with 8x8-block edges.
+// row-major [k, n], bf16 rounded as round_to_bf16; pack_plain_b_both: both at
+// once. Sizes with block edges; {48, 64} and {64, 96} have whole-line rows, so
+// the stores stream.
 TEST(PlainPack, TransposesAndRoundsEveryValueWhereItBelongs) {
-  // {48, 64}: dst rows are whole lines, so the transposes stream their stores.
-  for (const auto [k, n] : {std::pair<int64_t, int64_t>{13, 21}, {64, 40}, {48, 64}, {8, 8}, {1, 9}})
-    for (const bool w_nk : {true, false})
-      for (const DType d : {DType::kF32, DType::kBF16}) {
-        std::vector<float> w(k * n);
-        for (size_t i = 0; i < w.size(); ++i) w[i] = std::ldexp(static_cast<float>(i) * 1.37f + 0.3f, -7) - 1.0f;
-        w[3] = std::numeric_limits<float>::quiet_NaN();
-        std::vector<uint8_t> bytes(dtype_size(d) * k * n + 64);
-        uint8_t* out = bytes.data() + (64 - reinterpret_cast<uintptr_t>(bytes.data()) % 64) % 64;  // line-aligned
-        cpu::pack_plain_b(w.data(), w_nk, k, n, d, out);
-        for (int64_t kk = 0; kk < k; ++kk)
-          for (int64_t nn = 0; nn < n; ++nn) {
-            const float src = w_nk ? w[nn * k + kk] : w[kk * n + nn];
-            const int64_t at = kk * n + nn;
-            const float got = d == DType::kF32 ? reinterpret_cast<const float*>(out)[at]
-                                               : bf16_to_f32(reinterpret_cast<const bf16_t*>(out)[at]);
-            const float want = d == DType::kF32 ? src : round_to_bf16(src);
-            if (std::isnan(want)) {
-              EXPECT_TRUE(std::isnan(got)) << k << "x" << n << " at " << kk << "," << nn;
-            } else {
-              ASSERT_EQ(got, want) << k << "x" << n << (w_nk ? " transposed" : "") << " " << dtype_name(d) << " at "
-                                   << kk << "," << nn;
-            }
-          }
-      }
+  auto line_aligned = [](std::vector<uint8_t>& bytes) {
+    return bytes.data() + (64 - reinterpret_cast<uintptr_t>(bytes.data()) % 64) % 64;
+  };
+  for (const auto [k, n] : {std::pair<int64_t, int64_t>{13, 21}, {64, 40}, {48, 64}, {64, 96}, {8, 8}, {1, 9}})
+    for (const DType d : {DType::kF32, DType::kBF16}) {
+      std::vector<float> w(k * n);  // stored [n, k]; read as [k, n] by the straight pack
+      for (size_t i = 0; i < w.size(); ++i) w[i] = std::ldexp(static_cast<float>(i) * 1.37f + 0.3f, -7) - 1.0f;
+      w[3] = std::numeric_limits<float>::quiet_NaN();
+      auto value = [&](const uint8_t* out, int64_t at) {
+        return d == DType::kF32 ? reinterpret_cast<const float*>(out)[at]
+                                : bf16_to_f32(reinterpret_cast<const bf16_t*>(out)[at]);
+      };
+      auto expect_at = [&](const char* what, const uint8_t* out, int64_t at, float src) {
+        const float want = d == DType::kF32 ? src : round_to_bf16(src);
+        if (std::isnan(want)) {
+          EXPECT_TRUE(std::isnan(value(out, at))) << what << " " << k << "x" << n << " at " << at;
+        } else {
+          ASSERT_EQ(value(out, at), want) << what << " " << k << "x" << n << " " << dtype_name(d) << " at " << at;
+        }
+      };
+      std::vector<uint8_t> b1(dtype_size(d) * k * n + 64), b2(b1.size()), b3(b1.size()), b4(b1.size());
+      uint8_t *t = line_aligned(b1), *straight = line_aligned(b2), *bt = line_aligned(b3), *bs = line_aligned(b4);
+      cpu::pack_plain_b(w.data(), true, k, n, d, t);
+      cpu::pack_plain_b(w.data(), false, k, n, d, straight);
+      cpu::pack_plain_b_both(w.data(), n, k, d, bt, bs);
+      for (int64_t kk = 0; kk < k; ++kk)
+        for (int64_t nn = 0; nn < n; ++nn) {
+          expect_at("transposed", t, kk * n + nn, w[nn * k + kk]);
+          expect_at("both: transposed", bt, kk * n + nn, w[nn * k + kk]);
+          expect_at("straight", straight, kk * n + nn, w[kk * n + nn]);
+          expect_at("both: as stored", bs, nn * k + kk, w[nn * k + kk]);
+        }
+    }
 }
 
 TEST_F(CpuOps, OptimizerStepsMatchTheirFormulas) {
