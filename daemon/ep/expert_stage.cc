@@ -83,9 +83,9 @@ void ExpertStage::copy_weights(int s, float* w13, float* w2) const {
   const size_t H = cfg_.hidden, I = cfg_.ffn_hidden, n13 = 2 * I * H, n2 = H * I;
   be_.copy_to_host(w13, w13_.as<float>() + s * n13, 4 * n13);
   be_.copy_to_host(w2, w2_.as<float>() + s * n2, 4 * n2);
-  if (cfg_.dtype == DType::kBF16) {  // a train stage holds masters; the kernels use them rounded
-    for (float* p : {w13, w2})
-      for (size_t i = 0, n = p == w13 ? n13 : n2; i < n; ++i) p[i] = kernels::round_to_bf16(p[i]);
+  if (cfg_.dtype == DType::kBF16) {  // a train stage's masters, as the kernels use them
+    std::transform(w13, w13 + n13, w13, kernels::round_to_bf16);
+    std::transform(w2, w2 + n2, w2, kernels::round_to_bf16);
   }
 }
 

@@ -68,21 +68,15 @@ void TrainableTensor::copy_range(const TrainableTensor& src, size_t from, size_t
 }
 
 void TrainableTensor::update(const kernels::OptimizerConfig& cfg, int64_t step, const float* grad) {
-  update_range(cfg, step, grad, 0, count_);
-}
-
-void TrainableTensor::update_range(const kernels::OptimizerConfig& cfg, int64_t step, const float* grad,
-                                   size_t begin, size_t n) {
-  MOE_ASSERT(begin + n <= count_);
   if (cfg.kind == kernels::OptimizerKind::kAdam) ensure_moments();
   kernels::OptimizerArgs a;
-  a.count = static_cast<int64_t>(n);
+  a.count = static_cast<int64_t>(count_);
   a.step = step;
-  a.weight = (master_.get() ? master_.as<float>() : compute_) + begin;
+  a.weight = master_.get() ? master_.as<float>() : compute_;
   a.grad = grad;
-  a.m = m_.get() ? m_.as<float>() + begin : nullptr;
-  a.v = v_.get() ? v_.as<float>() + begin : nullptr;
-  a.rounded = master_.get() ? compute_ + begin : nullptr;
+  a.m = m_.as<float>();
+  a.v = v_.as<float>();
+  a.rounded = master_.get() ? compute_ : nullptr;
   be_->optimizer_step(cfg, a);
 }
 

@@ -33,8 +33,6 @@ class TrainableTensor {
   void bind(kernels::Backend& be, float* compute, size_t count, ComputeCopy copy);
   void sync_master();
   void update(const kernels::OptimizerConfig& cfg, int64_t step, const float* grad);
-  // The same step on elements [begin, begin + n) alone (grad: theirs).
-  void update_range(const kernels::OptimizerConfig& cfg, int64_t step, const float* grad, size_t begin, size_t n);
 
   // Elements [begin, begin + n) as they cross the wire: the fp32 master values
   // and the Adam moments (zeros before the first update).
