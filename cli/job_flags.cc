@@ -150,6 +150,7 @@ const std::vector<JobFieldDoc>& job_field_docs() {
       {"seed", "seed of the synthetic inputs and weights", false},
       {"lr", "learning rate of the optimizer (train)", false},
       {"optimizer", "optimizer of the train mode", false},
+      {"moments_dtype", "how Adam keeps its moments: fp32, or bf16 (half the optimizer state)", false},
       {"verify", "check step 0 against the fp64 reference", false},
       {"dump_dir", "folder for layer 0's step-0 tensors (rank{r}.safetensors, spec.json)", false},
       {"weights", "safetensors file to read the weights from (none: synthetic from the seed)", false},

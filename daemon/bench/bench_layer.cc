@@ -46,6 +46,7 @@ v1::JobSpec spec_of(const LayerBenchOptions& o) {
   s.set_tokens_per_rank(o.tokens);
   s.set_steps(1);
   s.set_mode(o.train ? v1::JobSpec::train : v1::JobSpec::forward);
+  s.set_moments_dtype(proto_enum(v1::JobSpec::DType_Parse, kernels::dtype_name(o.moments)));
   s.set_skew(o.skew);
   s.set_seed(o.seed);
   s.set_dump_dir(o.dump_dir);
@@ -126,6 +127,8 @@ Report run_layer_bench(const LayerBenchOptions& o) {
   MOE_CHECK(o.optimizer == "none" || o.train, "--optimizer ", o.optimizer, " needs --mode train");
   kernels::OptimizerConfig opt;
   opt.kind = o.optimizer == "sgd" ? kernels::OptimizerKind::kSgd : kernels::OptimizerKind::kAdam;
+  opt.moments = o.moments;
+  MOE_CHECK(o.moments == kernels::DType::kF32 || o.optimizer == "adam", "--moments bf16 needs --optimizer adam");
   int64_t updates = 0;
   auto step = [&] {
     layer.forward(x.data(), T, out.data());
@@ -224,6 +227,7 @@ Report run_layer_bench(const LayerBenchOptions& o) {
   if (o.optimizer != "none") {
     ph.add("optimizer", median.phases.optimizer);
     r.add("optimizer", o.optimizer);
+    if (o.optimizer == "adam") r.add("moments", kernels::dtype_name(o.moments));
     r.add("optimizer_share", median.phases.optimizer / median.seconds);
   }
   if (!o.dump_dir.empty()) r.add("dump_dir", o.dump_dir);

@@ -34,6 +34,7 @@ struct LayerBenchOptions {
   std::string dump_dir;  // writes rank0.safetensors and spec.json of step 0
   int peak_n = 4096;     // size of the GEMM (the layer's engine and dtype) that defines the peak
   std::string optimizer = "none";  // train: none, adam or sgd, a step after each backward (timed apart)
+  kernels::DType moments = kernels::DType::kF32;  // adam: how the moments are stored
 };
 Report run_layer_bench(const LayerBenchOptions& o);
 

@@ -28,7 +28,7 @@ int main(int argc, char** argv) {
 
   bench::LayerBenchOptions lo;
   lo.threads = default_threads;
-  std::string mode = "forward", dtype = "fp32", score = "softmax", drop = "probs";
+  std::string mode = "forward", dtype = "fp32", score = "softmax", drop = "probs", moments = "fp32";
   CLI::App* layer = app.add_subcommand("layer", "one MoE layer on one rank");
   layer->add_option("--tokens-per-rank,--tokens", lo.tokens, "tokens T (moectl's --tokens-per-rank)");
   layer->add_option("--hidden", lo.hidden, "hidden size H");
@@ -51,6 +51,8 @@ int main(int argc, char** argv) {
   layer->add_option("--peak-n", lo.peak_n, "size of the square GEMM that defines the peak (the layer's engine and dtype)");
   layer->add_option("--optimizer", lo.optimizer, "train: an optimizer step after each backward (none, adam, sgd)")
       ->check(CLI::IsMember({"none", "adam", "sgd"}));
+  layer->add_option("--moments", moments, "adam: how the moments are stored (fp32 or bf16)")
+      ->check(CLI::IsMember({"fp32", "bf16"}));
   layer->add_option("--output", output, "table or json")->check(CLI::IsMember({"table", "json"}));
 
   bench::PermuteBenchOptions po;
@@ -116,6 +118,7 @@ int main(int argc, char** argv) {
     } else if (*layer) {
       lo.train = mode == "train";
       lo.dtype = kernels::parse_dtype(dtype);
+      lo.moments = kernels::parse_dtype(moments);
       lo.score = kernels::parse_score(score);
       lo.drop_policy = kernels::parse_drop_policy(drop);
       r = bench::run_layer_bench(lo);

@@ -1,6 +1,7 @@
 #include "moe/ep/ep_rebalance.h"
 
 #include "moe/ep/ep_layer.h"
+#include "moe/ep/trainable_tensor.h"
 
 #include <algorithm>
 
@@ -107,22 +108,25 @@ void StagedExperts::apply(Gained& g, const float* grad, const kernels::Optimizer
     return b;
   };
   kernels::Buffer w = in_backend(s.weights.data()), gr = in_backend(grad), m, v;
-  if (!s.m.empty()) {
-    m = in_backend(s.m.data());
-    v = in_backend(s.v.data());
+  const size_t moment_bytes = kernels::dtype_size(cfg.moments) * n;
+  if (!s.m.empty()) {  // in the holders' moment dtype, so the step rounds as theirs does
+    m = kernels::Buffer(be, moment_bytes);
+    v = kernels::Buffer(be, moment_bytes);
+    moments_to_device(be, m.get(), cfg.moments, n, s.m.data());
+    moments_to_device(be, v.get(), cfg.moments, n, s.v.data());
   }
   kernels::OptimizerArgs a;
   a.count = static_cast<int64_t>(n);
   a.step = step;
   a.weight = w.as<float>();
   a.grad = gr.as<float>();
-  a.m = m.as<float>();
-  a.v = v.as<float>();
+  a.m = m.get();
+  a.v = v.get();
   be.optimizer_step(cfg, a);
   be.copy_to_host(s.weights.data(), w.get(), 4 * n);
   if (!s.m.empty()) {
-    be.copy_to_host(s.m.data(), m.get(), 4 * n);
-    be.copy_to_host(s.v.data(), v.get(), 4 * n);
+    moments_to_host(be, m.get(), cfg.moments, n, s.m.data());
+    moments_to_host(be, v.get(), cfg.moments, n, s.v.data());
   }
 }
 

@@ -21,8 +21,8 @@ ExpertStage::ExpertStage(const MoeLayerConfig& cfg, int num_local_experts, kerne
     grad_w2_ = Buffer(be, 4 * L * H * I);
     // w13_ and w2_ are the masters in either dtype: the packed weights are what
     // the kernels compute with, and they round a bf16 layer's (api.h).
-    w13_param_.bind(be, w13_.as<float>(), L * 2 * I * H, ComputeCopy::kIsMaster);
-    w2_param_.bind(be, w2_.as<float>(), L * H * I, ComputeCopy::kIsMaster);
+    w13_param_.bind(be, w13_.as<float>(), L * 2 * I * H, ComputeCopy::kIsMaster, cfg.moments);
+    w2_param_.bind(be, w2_.as<float>(), L * H * I, ComputeCopy::kIsMaster, cfg.moments);
   }
   kernels::ExpertMlpConfig shape = mlp_config();  // only the weights' shape matters here
   shape.max_rows = shape.max_src_rows = 0;
@@ -44,9 +44,8 @@ void ExpertStage::set_weights(const float* w13, const float* w2) {
 
 void ExpertStage::apply_update(const kernels::OptimizerConfig& cfg, int64_t step) {
   MOE_CHECK(cfg_.train, "apply_update on a layer built without train = true");
-  w13_param_.update(cfg, step, grad_w13_.as<float>());
-  w2_param_.update(cfg, step, grad_w2_.as<float>());
-  pack_weights(0, L_);
+  be_.update_expert_weights(cfg, w13_param_.optimizer_args(cfg, step, grad_w13_.as<float>()),
+                            w2_param_.optimizer_args(cfg, step, grad_w2_.as<float>()), *packed_, L_);
 }
 
 void ExpertState::resize(int hidden, int ffn_hidden, bool moments) {

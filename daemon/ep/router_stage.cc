@@ -25,7 +25,7 @@ RouterStage::RouterStage(const MoeLayerConfig& cfg, kernels::Backend& be) : cfg_
     grad_gate_ = Buffer(be, 4 * E * H);
     // The router reads gate_ as it is: a bf16 layer's holds the rounded copy.
     gate_param_.bind(be, gate_.as<float>(), E * H,
-                     cfg.dtype == DType::kBF16 ? ComputeCopy::kRoundedCopy : ComputeCopy::kIsMaster);
+                     cfg.dtype == DType::kBF16 ? ComputeCopy::kRoundedCopy : ComputeCopy::kIsMaster, cfg.moments);
   }
   packed_gate_ = be.make_router_weights(cfg.router(cfg.max_tokens));
 }

@@ -56,15 +56,18 @@ bool is_train(const v1::JobSpec& s) {
   detail::fail("mode: unknown value ", static_cast<int>(s.mode()));
 }
 
-kernels::DType job_dtype(const v1::JobSpec& s) {
-  switch (s.dtype()) {
+// A dtype field (dtype, moments_dtype); unset is fp32.
+kernels::DType dtype_of(v1::JobSpec::DType d, const char* field) {
+  switch (d) {
     case v1::JobSpec::DTYPE_UNSPECIFIED:
     case v1::JobSpec::fp32: return kernels::DType::kF32;
     case v1::JobSpec::bf16: return kernels::DType::kBF16;
     MOE_PROTO_ENUM_SENTINELS(JobSpec_DType): break;
   }
-  detail::fail("dtype: unknown value ", static_cast<int>(s.dtype()));
+  detail::fail(field, ": unknown value ", static_cast<int>(d));
 }
+
+kernels::DType job_dtype(const v1::JobSpec& s) { return dtype_of(s.dtype(), "dtype"); }
 
 ep::Wire wire(v1::Wire w) {
   switch (w) {
@@ -93,6 +96,7 @@ ep::LayerSpec layer_spec(const v1::JobSpec& s) {
           .drop_policy = drop_policy(s.drop_policy()),
           .tokens_per_rank = s.tokens_per_rank(),
           .train = is_train(s),
+          .moments = dtype_of(s.moments_dtype(), "moments_dtype"),
           .aux_loss_coeff = s.aux_loss_coeff(),
           .z_loss_coeff = s.z_loss_coeff(),
           .bias_update_rate = s.bias_update_rate(),
@@ -119,6 +123,7 @@ kernels::OptimizerConfig optimizer_config(const v1::JobSpec& s) {
   kernels::OptimizerConfig o;
   o.kind = optimizer_kind(s.optimizer());
   o.lr = static_cast<float>(s.lr());
+  o.moments = dtype_of(s.moments_dtype(), "moments_dtype");
   return o;
 }
 

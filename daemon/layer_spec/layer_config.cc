@@ -23,6 +23,7 @@ void MoeLayerConfig::validate() const {
   MOE_CHECK(z_loss_coeff >= 0 && std::isfinite(z_loss_coeff), "z_loss_coeff must be >= 0, got ", z_loss_coeff);
   MOE_CHECK(aux_loss_coeff == 0 || global_counts, "aux_loss_coeff needs global_counts");
   MOE_CHECK(shared_ffn_hidden >= 0, "shared_ffn_hidden must be >= 0, got ", shared_ffn_hidden);
+  MOE_CHECK(moments == DType::kF32 || moments == DType::kBF16, "moments_dtype must be fp32 or bf16");
   router(max_tokens).validate();
   kernels::CapacityConfig{max_tokens, num_experts, top_k, capacity_factor, drop_policy}.validate();
 }
@@ -43,6 +44,7 @@ MoeLayerConfig layer_config(const LayerSpec& s) {
   c.dtype = s.dtype;
   c.max_tokens = s.tokens_per_rank;
   c.train = s.train;
+  c.moments = s.moments;
   c.aux_loss_coeff = s.train ? s.aux_loss_coeff : 0.0;
   c.z_loss_coeff = s.train ? s.z_loss_coeff : 0.0;
   c.global_counts = c.aux_loss_coeff > 0 || c.z_loss_coeff > 0 || s.bias_update_rate > 0;
@@ -71,7 +73,8 @@ MoeLayerConfig MoeLayerConfig::shared_experts() const {
                        .routed_scaling_factor = 1.0,
                        .dtype = dtype,
                        .tokens_per_rank = max_tokens,
-                       .train = train});
+                       .train = train,
+                       .moments = moments});
 }
 
 kernels::RouterConfig MoeLayerConfig::router(int64_t T) const {

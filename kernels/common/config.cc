@@ -137,6 +137,8 @@ void OptimizerConfig::validate() const {
   MOE_CHECK(std::isfinite(lr) && lr > 0, "optimizer: lr must be finite and > 0, got ", lr);
   MOE_CHECK(beta1 >= 0 && beta1 < 1 && beta2 >= 0 && beta2 < 1, "optimizer: betas must be in [0, 1)");
   MOE_CHECK(eps > 0, "optimizer: eps must be > 0, got ", eps);
+  MOE_CHECK(moments == DType::kF32 || moments == DType::kBF16, "optimizer: moments must be fp32 or bf16, got dtype ",
+            static_cast<int>(moments));
 }
 
 void ExpertMlpConfig::validate() const {

@@ -86,6 +86,10 @@ class CpuBackend final : public Backend {
   void pack_expert_weights(PackedWeights& p, const float* w13, const float* w2, int first, int count) override {
     cpu::pack_expert_weights(pool(), p, w13, w2, first, count);
   }
+  void update_expert_weights(const OptimizerConfig& c, const OptimizerArgs& w13, const OptimizerArgs& w2,
+                             PackedWeights& p, int num_experts) override {
+    cpu::update_expert_weights(pool(), c, w13, w2, p, num_experts);
+  }
 
   size_t router_workspace_bytes(const RouterConfig& c) const override {
     return cpu::router_workspace_bytes(c, threads());

@@ -138,6 +138,16 @@ void plan_wgrad_tiles(CpuExec& exec, const int64_t* offset, int num_groups, int6
 void grouped_gemm(CpuExec& exec, const GroupedGemmConfig& cfg, const GroupedGemmArgs& args);
 
 void optimizer_step(ThreadPool& pool, const OptimizerConfig& cfg, const OptimizerArgs& args);
+// One optimizer step in parts: prepare once (checks the config and args, folds
+// the step's constants), then step any ranges of elements, in any order, on any
+// threads; each element gets the bits optimizer_step gives it.
+struct OptimizerPass {
+  OptimizerKind kind;
+  DType moments;
+  float lr, b1, one_b1, b2, one_b2, step_size, inv_sqrt_c2, eps;
+};
+OptimizerPass prepare_optimizer(const OptimizerConfig& cfg, const OptimizerArgs& args);
+void optimizer_range(const OptimizerPass& pass, const OptimizerArgs& args, int64_t begin, int64_t end);
 
 // An fp32 weight stored [n, k] (w_nk: transposed) or [k, n] into dst as a plain
 // row-major [k, n] in dtype, bf16 rounded as round_to_bf16 (plain_pack.cc).
@@ -145,11 +155,20 @@ void pack_plain_b(const float* w, bool w_nk, int64_t k, int64_t n, DType dtype, 
 // Both packs of one weight w [rows, cols] in one read of it: its transpose
 // [cols, rows] and itself [rows, cols], each in dtype.
 void pack_plain_b_both(const float* w, int64_t rows, int64_t cols, DType dtype, void* transposed, void* same);
+// The part of pack_plain_b_both that rows [row_begin, row_end) of w make (same may
+// be null): columns [row_begin, row_end) of the transpose, those rows of the copy.
+// Where row_begin is a multiple of plain_pack_rows(dtype) the bits and the
+// stores are those of the whole call's.
+void pack_plain_b_rows(const float* w, int64_t rows, int64_t cols, DType dtype, void* transposed, void* same,
+                       int64_t row_begin, int64_t row_end);
+int64_t plain_pack_rows(DType dtype);  // 16 fp32 or 32 bf16: one 64-byte line of the transpose
 
 size_t expert_mlp_workspace_bytes(const ExpertMlpConfig& cfg, int num_threads, GemmEngine engine);
 std::unique_ptr<PackedWeights> make_expert_weights(const ExpertMlpConfig& cfg, GemmEngine engine);
 void pack_expert_weights(ThreadPool& pool, PackedWeights& packed, const float* w13, const float* w2, int first,
                          int count);
+void update_expert_weights(ThreadPool& pool, const OptimizerConfig& cfg, const OptimizerArgs& w13,
+                           const OptimizerArgs& w2, PackedWeights& packed, int num_experts);
 void expert_mlp_forward(CpuExec& exec, const ExpertMlpConfig& cfg,
                         const ExpertMlpForwardArgs& args);
 void expert_mlp_backward(CpuExec& exec, const ExpertMlpConfig& cfg,

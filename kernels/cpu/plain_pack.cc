@@ -11,6 +11,7 @@
 #include <cstring>
 
 #include "cpu_ops.h"
+#include "moe/base/check.h"
 #include "vec.h"
 
 namespace moe::kernels::cpu {
@@ -66,17 +67,18 @@ inline bf16_t convert(float v, bf16_t*) { return f32_to_bf16(v); }
 // line-aligned: rows 4 KiB apart share a cache set, and through the cache the
 // transpose ran at half the copy bandwidth (read-for-ownership and evictions of
 // half-written lines). `same`, if given, also gets w itself in Out ([n, k]),
-// written from the block while it is in L1, so w is read once for both.
+// written from the block while it is in L1, so w is read once for both. Only
+// rows [i0, i1) of w (i0 a multiple of kLine): a part of the whole call's work.
 template <typename Out>
-void transpose_into(const float* w, int64_t k, int64_t n, Out* dst, Out* same = nullptr) {
+void transpose_into(const float* w, int64_t k, int64_t n, Out* dst, Out* same, int64_t i0, int64_t i1) {
   constexpr int64_t kLine = 64 / sizeof(Out);
-  const int64_t nb = n / kLine * kLine, kb = k / kLine * kLine;
+  const int64_t nb = std::min(n, i1) / kLine * kLine, kb = k / kLine * kLine;
   auto aligned = [](const Out* p, int64_t ld) {
     return reinterpret_cast<uintptr_t>(p) % 64 == 0 && (ld * sizeof(Out)) % 64 == 0;
   };
   const bool stream = aligned(dst, n), stream_same = same && aligned(same, k);
   alignas(64) float tile[kLine][kLine];
-  for (int64_t i = 0; i < nb; i += kLine)
+  for (int64_t i = i0; i < nb; i += kLine)
     for (int64_t j = 0; j < kb; j += kLine) {
       for (int bi = 0; bi < kLine; bi += 8)
         for (int bj = 0; bj < kLine; bj += 8) {
@@ -93,7 +95,7 @@ void transpose_into(const float* w, int64_t k, int64_t n, Out* dst, Out* same = 
           store8(same + (i + q) * k + j + c, _mm256_loadu_ps(w + (i + q) * k + j + c), stream_same);
     }
   if (stream || stream_same) _mm_sfence();  // the streamed lines are visible before the caller's next store
-  for (int64_t i = 0; i < n; ++i)
+  for (int64_t i = i0; i < i1; ++i)
     for (int64_t j = i < nb ? kb : 0; j < k; ++j) {
       dst[j * n + i] = convert(w[i * k + j], dst);
       if (same) same[i * k + j] = convert(w[i * k + j], same);
@@ -102,19 +104,24 @@ void transpose_into(const float* w, int64_t k, int64_t n, Out* dst, Out* same = 
 
 }  // namespace
 
-void pack_plain_b_both(const float* w, int64_t rows, int64_t cols, DType dtype, void* transposed, void* same) {
+int64_t plain_pack_rows(DType dtype) { return 64 / static_cast<int64_t>(dtype_size(dtype)); }
+
+void pack_plain_b_rows(const float* w, int64_t rows, int64_t cols, DType dtype, void* transposed, void* same,
+                       int64_t row_begin, int64_t row_end) {
+  MOE_ASSERT(row_begin % plain_pack_rows(dtype) == 0 && row_begin <= row_end && row_end <= rows);
   if (dtype == DType::kF32)
-    transpose_into(w, cols, rows, static_cast<float*>(transposed), static_cast<float*>(same));
+    transpose_into(w, cols, rows, static_cast<float*>(transposed), static_cast<float*>(same), row_begin, row_end);
   else
-    transpose_into(w, cols, rows, static_cast<bf16_t*>(transposed), static_cast<bf16_t*>(same));
+    transpose_into(w, cols, rows, static_cast<bf16_t*>(transposed), static_cast<bf16_t*>(same), row_begin, row_end);
+}
+
+void pack_plain_b_both(const float* w, int64_t rows, int64_t cols, DType dtype, void* transposed, void* same) {
+  pack_plain_b_rows(w, rows, cols, dtype, transposed, same, 0, rows);
 }
 
 void pack_plain_b(const float* w, bool w_nk, int64_t k, int64_t n, DType dtype, void* dst) {
   if (w_nk) {
-    if (dtype == DType::kF32)
-      transpose_into(w, k, n, static_cast<float*>(dst));
-    else
-      transpose_into(w, k, n, static_cast<bf16_t*>(dst));
+    pack_plain_b_rows(w, n, k, dtype, dst, nullptr, 0, n);
     return;
   }
   if (dtype == DType::kF32) {

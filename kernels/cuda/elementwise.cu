@@ -57,14 +57,17 @@ unsigned grid_for(int64_t n) { return static_cast<unsigned>(std::min<int64_t>(bl
 // Each operation rounded on its own (row_logic's _rn steps, no FMA contraction):
 // the bits do not depend on what the compiler fuses, so replicas fed the same
 // gradients stay bitwise identical on any build.
-__global__ void adam_kernel(int64_t n, row_logic::AdamParams p, float* w, const float* g, float* m, float* v,
+// M: the moments' storage (float, or bf16s rounded to nearest even on store);
+// the weight moves by the unrounded moments, as the CPU backend's step does.
+template <typename M>
+__global__ void adam_kernel(int64_t n, row_logic::AdamParams p, float* w, const float* g, M* m, M* v,
                             float* rounded) {
   for (int64_t i = blockIdx.x * int64_t{blockDim.x} + threadIdx.x; i < n; i += int64_t{gridDim.x} * blockDim.x) {
-    float wi = w[i], mi = m[i], vi = v[i];
+    float wi = w[i], mi = to_f32(m[i]), vi = to_f32(v[i]);
     row_logic::adam_step(p, wi, g[i], mi, vi);
     w[i] = wi;
-    m[i] = mi;
-    v[i] = vi;
+    m[i] = from_f32<M>(mi);
+    v[i] = from_f32<M>(vi);
     if (rounded) rounded[i] = to_f32(bf16_from_f32(wi));
   }
 }
@@ -168,7 +171,11 @@ void optimizer_step(CudaExec& ex, const OptimizerConfig& cfg, const OptimizerArg
     const float c1 = 1.0f - static_cast<float>(std::pow(static_cast<double>(cfg.beta1), static_cast<double>(a.step)));
     const float c2 = 1.0f - static_cast<float>(std::pow(static_cast<double>(cfg.beta2), static_cast<double>(a.step)));
     const row_logic::AdamParams p{cfg.lr, cfg.beta1, cfg.beta2, cfg.eps, c1, c2};
-    adam_kernel<<<grid_for(a.count), kThreads, 0, ex.stream>>>(a.count, p, a.weight, a.grad, a.m, a.v, a.rounded);
+    with_dtype(cfg.moments, [&](auto tag) {
+      using M = decltype(tag);
+      adam_kernel<<<grid_for(a.count), kThreads, 0, ex.stream>>>(a.count, p, a.weight, a.grad, static_cast<M*>(a.m),
+                                                                 static_cast<M*>(a.v), a.rounded);
+    });
   }
   check(cudaGetLastError(), "optimizer step");
 }

@@ -79,7 +79,7 @@ void check_resume_spec(const v1::JobSpec& checkpoint, const v1::JobSpec& resumed
   static const std::set<std::string> may_differ = {
       "steps", "checkpoint_dir", "checkpoint_every", "resume", "verify", "verify_step", "dump_dir", "dump_step",
       "tokens_per_rank", "name", "labels", "elastic", "elastic_batch", "min_node_replicas", "dead_node_timeout_ms",
-      "overlap_chunks"};
+      "overlap_chunks", "moments_dtype"};
   const auto* d = v1::JobSpec::descriptor();
   for (int i = 0; i < d->field_count(); ++i) {
     const auto* fd = d->field(i);
@@ -88,7 +88,7 @@ void check_resume_spec(const v1::JobSpec& checkpoint, const v1::JobSpec& resumed
     google::protobuf::TextFormat::PrintFieldValueToString(checkpoint, fd, -1, &a);
     google::protobuf::TextFormat::PrintFieldValueToString(resumed, fd, -1, &b);
     MOE_CHECK(a == b, "resume: ", fd->name(), " is ", b, " but the checkpoint was written with ", a,
-              " (only steps, checkpoint_*, verify/dump fields, tokens_per_rank, name, labels and the elastic, node-loss and overlap fields may change)");
+              " (only steps, checkpoint_*, verify/dump fields, tokens_per_rank, name, labels the elastic, node-loss and overlap fields and moments_dtype may change)");
   }
 }
 

@@ -69,6 +69,8 @@ void validate(const v1::JobSpec& s, int world_size) {
                                     {"combine_wire", s.combine_wire()}})
     require(wire != v1::fp32 || s.dtype() != v1::JobSpec::bf16, field,
             "fp32 is wider than the layer's bf16 rows (leave it unset for the layer dtype)");
+  require(s.moments_dtype() != v1::JobSpec::bf16 || (s.mode() == v1::JobSpec::train && s.optimizer() != v1::JobSpec::sgd),
+          "moments_dtype", "bf16 moments need a train job with the adam optimizer (sgd and forward jobs keep none)");
   require(s.overlap_chunks() >= 0 && s.overlap_chunks() <= 8, "overlap_chunks",
           "must be in [0, 8] (0: chosen per step), got " + std::to_string(s.overlap_chunks()));
   require(s.min_node_replicas() >= 0, "min_node_replicas", "must be >= 0, got " + std::to_string(s.min_node_replicas()));

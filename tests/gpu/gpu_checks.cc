@@ -639,29 +639,44 @@ void host_step(const kernels::OptimizerConfig& c, int64_t step, double& w, doubl
   w -= c.lr * (m / c1) / (std::sqrt(v / c2) + c.eps);
 }
 
-// Three steps against fp64 (each step starts from the backend's own fp32 state,
-// so errors do not compound), and the bf16 copy is exactly the rounded weight.
-Result check_optimizer(Backend& be, kernels::OptimizerKind kind) {
+// The moments as the backend stores them, widened to fp64.
+std::vector<double> moments_on_host(Backend& be, const Buffer& b, int64_t n, DType dtype) {
+  if (dtype == DType::kF32) return to_double(to_host<float>(be, b.get(), n));
+  std::vector<double> out(n);
+  const std::vector<kernels::bf16_t> bits = to_host<kernels::bf16_t>(be, b.get(), n);
+  for (int64_t i = 0; i < n; ++i) out[i] = kernels::bf16_to_f32(bits[i]);
+  return out;
+}
+
+// Three steps against fp64 (each step starts from the backend's own state, so
+// errors do not compound), and the bf16 copy is exactly the rounded weight. bf16
+// moments: the weight moves by the unrounded moments (so it holds fp32's bound)
+// and the stored moments are within half a bf16 unit (2^-8 relative) of fp64's, plus fp32's rounding.
+Result check_optimizer(Backend& be, kernels::OptimizerKind kind, DType moments = DType::kF32) {
   Checker ck;
   const int64_t n = 5000;
   kernels::OptimizerConfig cfg;
   cfg.kind = kind;
   cfg.lr = 3e-3f;
-  Buffer dw = to_backend(be, normal_vector(n, 111)), dm = to_backend(be, std::vector<float>(n, 0.0f)),
-         dv = to_backend(be, std::vector<float>(n, 0.0f)), dr(be, 4 * n);
+  cfg.moments = moments;
+  const size_t moment_bytes = kernels::dtype_size(moments) * n;
+  Buffer dw = to_backend(be, normal_vector(n, 111)), dm(be, moment_bytes), dv(be, moment_bytes), dr(be, 4 * n);
+  be.fill_zero(dm.get(), moment_bytes);
+  be.fill_zero(dv.get(), moment_bytes);
+  const double moment_rtol = moments == DType::kF32 ? 1e-6 : 1.0 / 256 + 1e-6;
   for (int64_t step = 1; step <= 3; ++step) {
-    std::vector<double> w = to_double(to_host<float>(be, dw.get(), n)), m = to_double(to_host<float>(be, dm.get(), n)),
-                        v = to_double(to_host<float>(be, dv.get(), n));
+    std::vector<double> w = to_double(to_host<float>(be, dw.get(), n)), m = moments_on_host(be, dm, n, moments),
+                        v = moments_on_host(be, dv, n, moments);
     const std::vector<float> g = normal_vector(n, 112 + step);
     Buffer dg = to_backend(be, g);
-    be.optimizer_step(cfg, {n, step, dw.as<float>(), dg.as<float>(), dm.as<float>(), dv.as<float>(), dr.as<float>()});
+    be.optimizer_step(cfg, {n, step, dw.as<float>(), dg.as<float>(), dm.get(), dv.get(), dr.as<float>()});
     for (int64_t i = 0; i < n; ++i) host_step(cfg, step, w[i], g[i], m[i], v[i]);
     const std::string at = " (step " + std::to_string(step) + ")";
     const std::vector<float> got = to_host<float>(be, dw.get(), n);
     ck.close("weights" + at, to_double(got), w, 1e-6, 1e-7);
     if (kind == kernels::OptimizerKind::kAdam) {
-      ck.close("m" + at, to_double(to_host<float>(be, dm.get(), n)), m, 1e-6, 1e-7);
-      ck.close("v" + at, to_double(to_host<float>(be, dv.get(), n)), v, 1e-6, 1e-7);
+      ck.close("m" + at, moments_on_host(be, dm, n, moments), m, moment_rtol, 1e-7);
+      ck.close("v" + at, moments_on_host(be, dv, n, moments), v, moment_rtol, 1e-7);
     }
     std::vector<float> rounded = got;
     model::round_to_bf16(rounded);
@@ -737,6 +752,8 @@ std::vector<Check> op_list() {
   v.push_back({"pair_scalars", check_pair_scalars});
   v.push_back({"swiglu", check_swiglu});
   v.push_back({"optimizer/adam", [](Backend& be) { return check_optimizer(be, kernels::OptimizerKind::kAdam); }});
+  v.push_back({"optimizer/adam_bf16_moments",
+               [](Backend& be) { return check_optimizer(be, kernels::OptimizerKind::kAdam, DType::kBF16); }});
   v.push_back({"optimizer/sgd", [](Backend& be) { return check_optimizer(be, kernels::OptimizerKind::kSgd); }});
   for (Check& c : grouped_gemm_list()) v.push_back(std::move(c));
   return v;

@@ -1,7 +1,7 @@
 // Checkpoint and resume driven through moectl (docs/jobs.md#checkpoints-and-resume):
 // a 2x2 run checkpoints at step 5 and 10; resuming step 5 continues its loss curve
 // bitwise on 2x2 and within rtol 1e-5 on 1x2 and 1x1 (same global batch); damaged
-// checkpoints are refused naming the file or field.
+// checkpoints are refused naming the file or field; bf16 Adam moments resume bitwise.
 #include <gtest/gtest.h>
 
 #include <filesystem>
@@ -175,6 +175,38 @@ TEST_F(Checkpoints, DamagedOrMismatchedCheckpointsAreRefusedNamingTheProblem) {
   // None of these became a job.
   EXPECT_NE(c.ctl({"job", "list"}).second.find("no jobs yet"), std::string::npos);
   fs::remove_all(bad);
+}
+
+// bf16 Adam moments (--moments-dtype bf16): checkpoints keep them widened to fp32
+// (exactly), so a resume continues bitwise; the curve stays near fp32 moments'
+// without equalling it; a job that keeps no moments refuses the flag.
+TEST_F(Checkpoints, Bf16MomentsResumeBitwiseAndTrainLikeFp32Moments) {
+  const fs::path dir = dir_.parent_path() / (dir_.filename().string() + "_bf16_moments");
+  fs::remove_all(dir);
+  Cluster c(1, 1);
+  ASSERT_TRUE(c.up());
+  const Args small = concat(kSpec, {"--tokens-per-rank", "64", "--steps", "8"});
+  const v1::JobResult bf16 = submit(
+      c, concat(small, {"--moments-dtype", "bf16", "--checkpoint-dir", dir.string(), "--checkpoint-every", "4"}));
+  const v1::JobResult fp32 = submit(c, concat(small, {"--checkpoint-dir", ""}));
+  ASSERT_EQ(bf16.loss_size(), 8);
+  ASSERT_EQ(fp32.loss_size(), 8);
+  bool differs = false;
+  for (int i = 0; i < 8; ++i) {
+    EXPECT_NEAR(bf16.loss(i), fp32.loss(i), 0.02 * fp32.loss(i)) << "step " << i;
+    differs = differs || bf16.loss(i) != fp32.loss(i);
+  }
+  EXPECT_TRUE(differs) << "bf16 moments changed no loss";
+  const v1::JobResult resumed = submit(c, {"--steps", "8", "--tokens-per-rank", "64", "--resume",
+                                           (dir / "step-000004").string(), "--checkpoint-dir", ""});
+  ASSERT_EQ(resumed.loss_size(), 4) << resumed.DebugString();
+  for (int i = 0; i < 4; ++i) EXPECT_EQ(resumed.loss(i), bf16.loss(4 + i)) << "step " << 4 + i;
+  std::string out;
+  submit(c, {"--experts", "8", "--top-k", "2", "--hidden", "32", "--ffn-hidden", "16", "--tokens-per-rank", "8",
+             "--steps", "1", "--moments-dtype", "bf16"},
+         2, &out);
+  EXPECT_NE(out.find("moments_dtype: bf16 moments need a train job with the adam optimizer"), std::string::npos) << out;
+  fs::remove_all(dir);
 }
 
 }  // namespace

@@ -24,9 +24,15 @@ using namespace std::chrono_literals;
 
 constexpr int kRanks = 4, kE = 8, kH = 32, kI = 16, kK = 2, kT = 24, kSteps = 12;
 
-ep::MoeLayerConfig config(DType dtype) {
-  return ep::layer_config(
-      {.experts = kE, .top_k = kK, .hidden = kH, .ffn_hidden = kI, .dtype = dtype, .tokens_per_rank = kT, .train = true});
+ep::MoeLayerConfig config(DType dtype, DType moments) {
+  return ep::layer_config({.experts = kE,
+                           .top_k = kK,
+                           .hidden = kH,
+                           .ffn_hidden = kI,
+                           .dtype = dtype,
+                           .tokens_per_rank = kT,
+                           .train = true,
+                           .moments = moments});
 }
 
 // A: contiguous, 2 slots per rank. B: 3 slots per rank, experts 0, 1, 4, 6 twice
@@ -68,8 +74,8 @@ struct TrainRun {
 // before step 6, so the layer stays on A.
 enum class Plan { kPlain, kRebalance, kStageAndDrop };
 
-// Trains kSteps steps under `plan`.
-TrainRun train(Kind kind, DType dtype, Plan plan) {
+// Trains kSteps steps under `plan`, Adam's moments kept in `moments`.
+TrainRun train(Kind kind, DType dtype, Plan plan, DType moments = DType::kF32) {
   const bool rebalance = plan == Plan::kRebalance;
   TrainRun run;
   run.out.assign(kSteps, std::vector<std::vector<float>>(kRanks));
@@ -79,10 +85,11 @@ TrainRun train(Kind kind, DType dtype, Plan plan) {
   const auto errors = run_ranks(kind, kRanks, [&](transport::Communicator& comm) {
     kernels::ThreadPool pool(1);
     auto be = kernels::make_cpu_backend(pool);
-    ep::EpLayer layer(config(dtype), map_a(), comm, *be, {.timeout = 30s});
+    ep::EpLayer layer(config(dtype, moments), map_a(), comm, *be, {.timeout = 30s});
     layer.set_weights(w);
     kernels::OptimizerConfig opt;
     opt.lr = 0.01f;
+    opt.moments = moments;
     const int me = comm.rank();
     std::vector<uint8_t> out(kT * kH * 4 + 1), gx(out.size());
     for (int step = 0; step < kSteps; ++step) {
@@ -125,10 +132,11 @@ TrainRun train(Kind kind, DType dtype, Plan plan) {
 
 class EpRebalance : public ::testing::TestWithParam<std::tuple<Kind, DType>> {};
 
-TEST_P(EpRebalance, TrainingGoesOnAcrossTheSwitchAndReplicasAreBitwiseIdentical) {
-  const auto [kind, dtype] = GetParam();
-  const TrainRun plain = train(kind, dtype, Plan::kPlain);
-  const TrainRun moved = train(kind, dtype, Plan::kRebalance);
+// Runs plain and rebalanced; the outputs agree to the summation order, and every
+// expert's replicas end bitwise identical.
+void expect_the_switch_keeps_training(Kind kind, DType dtype, DType moments) {
+  const TrainRun plain = train(kind, dtype, Plan::kPlain, moments);
+  const TrainRun moved = train(kind, dtype, Plan::kRebalance, moments);
   ASSERT_EQ(moved.switched_before.size(), 2u) << "the ranks did not switch twice";
   // Placement changes only the order of sums: fp32 rtol 1e-5; bf16 outputs are
   // rounded to 2^-9 once more per partial combine row (rtol 2^-7).
@@ -149,6 +157,17 @@ TEST_P(EpRebalance, TrainingGoesOnAcrossTheSwitchAndReplicasAreBitwiseIdentical)
     for (size_t i = 1; i < copies_of_e.size(); ++i)
       EXPECT_EQ(copies_of_e[i], copies_of_e[0]) << "expert " << e << ": replica " << i << " differs";
   }
+}
+
+TEST_P(EpRebalance, TrainingGoesOnAcrossTheSwitchAndReplicasAreBitwiseIdentical) {
+  const auto [kind, dtype] = GetParam();
+  expect_the_switch_keeps_training(kind, dtype, DType::kF32);
+}
+
+// bf16 Adam moments: the copies cross as fp32 (widened exactly) and the shadows
+// step in bf16 as their holders do, so replicas stay bitwise identical too.
+TEST(EpRebalanceBf16Moments, TrainingGoesOnAcrossTheSwitchAndReplicasAreBitwiseIdentical) {
+  expect_the_switch_keeps_training(Kind::kInProc, DType::kBF16, DType::kBF16);
 }
 
 // A staged epoch that is dropped leaves no trace: its shadow replicas took Adam

@@ -69,6 +69,10 @@ void GuardedBackend::pack_router_weights(PackedWeights& p, const float* w) { GUA
 std::unique_ptr<PackedWeights> GuardedBackend::make_expert_weights(const ExpertMlpConfig& c) {
   GUARDED(make_expert_weights(c));
 }
+void GuardedBackend::update_expert_weights(const OptimizerConfig& c, const OptimizerArgs& w13,
+                                           const OptimizerArgs& w2, PackedWeights& p, int num_experts) {
+  GUARDED(update_expert_weights(c, w13, w2, p, num_experts));
+}
 void GuardedBackend::pack_expert_weights(PackedWeights& p, const float* w13, const float* w2, int first, int count) {
   GUARDED(pack_expert_weights(p, w13, w2, first, count));
 }

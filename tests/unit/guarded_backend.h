@@ -51,6 +51,8 @@ class GuardedBackend final : public kernels::Backend {
   void pack_router_weights(kernels::PackedWeights& p, const float* w) override;
   std::unique_ptr<kernels::PackedWeights> make_expert_weights(const kernels::ExpertMlpConfig& c) override;
   void pack_expert_weights(kernels::PackedWeights& p, const float* w13, const float* w2, int first, int count) override;
+  void update_expert_weights(const kernels::OptimizerConfig& c, const kernels::OptimizerArgs& w13,
+                             const kernels::OptimizerArgs& w2, kernels::PackedWeights& p, int num_experts) override;
   size_t router_workspace_bytes(const kernels::RouterConfig& c) const override;
   void router_forward(const kernels::RouterConfig& c, const kernels::RouterForwardArgs& a) override;
   void router_backward(const kernels::RouterConfig& c, const kernels::RouterBackwardArgs& a) override;

@@ -14,6 +14,7 @@
 #include "moe/kernels/cpu_backend.h"
 #include "moe/kernels/thread_pool.h"
 #include "cpu_ops.h"
+#include "packed_weights.h"
 #include "small_gemm.h"
 #include "test_util.h"
 #include "vec.h"
@@ -746,6 +747,130 @@ TEST_F(CpuOps, OptimizerStepsMatchTheirFormulas) {
   cfg.lr = -1;
   EXPECT_THROW(be->optimizer_step(cfg, {n, 1, ws.data(), g1.data(), nullptr, nullptr, nullptr}), Error);
 }
+
+// bf16 moments (their fp64 bounds: tests/gpu/gpu_checks.cc, optimizer/adam_bf16_moments):
+// the weights move by the unrounded moments, so the first step's weights are
+// those of fp32 moments bit for bit; the stored moments are those moments
+// rounded to nearest even; and the bits do not depend on the thread split.
+TEST_F(CpuOps, AdamWithBf16MomentsRoundsOnlyWhatItStores) {
+  const int64_t n = 3001;
+  const std::vector<float> w0 = normal_vector(n, 1), g1 = normal_vector(n, 2, 0.01), g2 = normal_vector(n, 3, 0.01);
+  OptimizerConfig f32;
+  f32.lr = 0.05f;
+  OptimizerConfig b16 = f32;
+  b16.moments = DType::kBF16;
+  std::vector<float> wf = w0, mf(n, 0.0f), vf(n, 0.0f), wb = w0;
+  std::vector<bf16_t> mb(n, 0), vb(n, 0);
+  be->optimizer_step(f32, {n, 1, wf.data(), g1.data(), mf.data(), vf.data(), nullptr});
+  be->optimizer_step(b16, {n, 1, wb.data(), g1.data(), mb.data(), vb.data(), nullptr});
+  EXPECT_EQ(wb, wf);
+  for (int64_t i = 0; i < n; ++i) {
+    ASSERT_EQ(mb[i], f32_to_bf16(mf[i])) << i;
+    ASSERT_EQ(vb[i], f32_to_bf16(vf[i])) << i;
+  }
+  // Step 2 from the rounded moments: on one thread (other blocks, vector body or
+  // scalar tail) the same bits; a NaN gradient leaves NaN moments in the vector
+  // body and in the tail alike.
+  ThreadPool one(1);
+  auto be1 = make_cpu_backend(one);
+  std::vector<float> w1 = wb;
+  std::vector<bf16_t> m1 = mb, v1 = vb;
+  be->optimizer_step(b16, {n, 2, wb.data(), g2.data(), mb.data(), vb.data(), nullptr});
+  be1->optimizer_step(b16, {n, 2, w1.data(), g2.data(), m1.data(), v1.data(), nullptr});
+  EXPECT_EQ(w1, wb);
+  EXPECT_EQ(m1, mb);
+  EXPECT_EQ(v1, vb);
+  std::vector<float> gn = g1;
+  gn[5] = gn[n - 1] = std::numeric_limits<float>::quiet_NaN();
+  be->optimizer_step(b16, {n, 3, wb.data(), gn.data(), mb.data(), vb.data(), nullptr});
+  for (int64_t i : {int64_t{5}, n - 1}) EXPECT_TRUE(std::isnan(bf16_to_f32(mb[i])) && std::isnan(wb[i])) << i;
+  EXPECT_FALSE(std::isnan(bf16_to_f32(mb[6])));
+  b16.moments = static_cast<DType>(7);
+  EXPECT_THROW(be->optimizer_step(b16, {n, 1, wb.data(), g1.data(), mb.data(), vb.data(), nullptr}), Error);
+}
+
+// The fused update (a block of rows stepped, then packed while in cache) against
+// the optimizer step on each weight and the full repack: the same masters,
+// moments and packed bytes, on both engines and dtypes, with rows (w13: 200 = 6
+// blocks of 32 and 8) and columns (40) that leave tails in every pack.
+class UpdateExpertWeights : public ::testing::TestWithParam<std::tuple<GemmEngine, DType>> {};
+
+TEST_P(UpdateExpertWeights, GivesTheBitsOfTheStepAndTheRepack) {
+  const auto [engine, dtype] = GetParam();
+  if (engine == GemmEngine::kOneDnn && !onednn_supports(dtype)) GTEST_SKIP() << "oneDNN has no such matmul here";
+  ThreadPool pool(2);
+  CpuEngines engines = cpu_backend_info().engines;
+  (dtype == DType::kF32 ? engines.fp32 : engines.bf16) = engine;
+  auto be = make_cpu_backend(pool, engines);
+  const int L = 3, H = 40, I = 100;
+  const ExpertMlpConfig cfg{.num_experts = L, .hidden = H, .ffn_hidden = I, .x_dtype = dtype, .train = true};
+  const int64_t n13 = int64_t{L} * 2 * I * H, n2 = int64_t{L} * H * I;
+  auto bytes_of = [](const cpu::PackedTensor& t, int experts) {
+    return t.empty() ? std::vector<uint8_t>{} : std::vector<uint8_t>(t.data.get(), t.data.get() + t.stride * experts);
+  };
+  auto packed_bytes = [&](const PackedWeights& pw) {
+    const auto& p = dynamic_cast<const cpu::CpuExpertWeights&>(pw);
+    std::vector<std::vector<uint8_t>> out = {bytes_of(p.w13_fwd, L), bytes_of(p.w2_fwd, L), bytes_of(p.w13_dgrad, L),
+                                             bytes_of(p.w2_dgrad, L)};
+    if (p.blas_w13.get()) {
+      out.emplace_back(p.blas_w13.get(), p.blas_w13.get() + 4 * n13);
+      out.emplace_back(p.blas_w2.get(), p.blas_w2.get() + 4 * n2);
+    }
+    return out;
+  };
+  struct Case {
+    OptimizerKind kind;
+    DType moments;
+  };
+  for (const Case c : {Case{OptimizerKind::kAdam, DType::kF32}, Case{OptimizerKind::kAdam, DType::kBF16},
+                       Case{OptimizerKind::kSgd, DType::kF32}}) {
+    SCOPED_TRACE(std::string(c.kind == OptimizerKind::kSgd ? "sgd" : "adam") + " moments " + dtype_name(c.moments));
+    OptimizerConfig opt;
+    opt.kind = c.kind;
+    opt.moments = c.moments;
+    opt.lr = 0.01f;
+    struct Layer {
+      std::vector<float> w13, w2;
+      std::vector<uint8_t> m13, v13, m2, v2;
+      std::unique_ptr<PackedWeights> packed;
+    };
+    const size_t ms = dtype_size(c.moments);
+    auto make = [&] {
+      return Layer{normal_vector(n13, 1), normal_vector(n2, 2), std::vector<uint8_t>(ms * n13),
+                   std::vector<uint8_t>(ms * n13), std::vector<uint8_t>(ms * n2), std::vector<uint8_t>(ms * n2),
+                   be->make_expert_weights(cfg)};
+    };
+    Layer fused = make(), apart = make();
+    int64_t step = 0;
+    for (uint64_t seed : {3, 4}) {
+      ++step;
+      const std::vector<float> g13 = normal_vector(n13, seed, 0.01), g2 = normal_vector(n2, seed + 10, 0.01);
+      auto args = [&](Layer& l, bool w13) {
+        return w13 ? OptimizerArgs{n13, step, l.w13.data(), g13.data(), l.m13.data(), l.v13.data(), nullptr}
+                   : OptimizerArgs{n2, step, l.w2.data(), g2.data(), l.m2.data(), l.v2.data(), nullptr};
+      };
+      be->update_expert_weights(opt, args(fused, true), args(fused, false), *fused.packed, L);
+      be->optimizer_step(opt, args(apart, true));
+      be->optimizer_step(opt, args(apart, false));
+      be->pack_expert_weights(*apart.packed, apart.w13.data(), apart.w2.data(), 0, L);
+      ASSERT_EQ(fused.w13, apart.w13) << "step " << step;
+      ASSERT_EQ(fused.w2, apart.w2) << "step " << step;
+      ASSERT_EQ(fused.m13, apart.m13);
+      ASSERT_EQ(fused.v2, apart.v2);
+      const auto got = packed_bytes(*fused.packed), want = packed_bytes(*apart.packed);
+      for (size_t i = 0; i < want.size(); ++i) ASSERT_EQ(got[i], want[i]) << "packed tensor " << i << ", step " << step;
+      if (engine == GemmEngine::kOneDnn) EXPECT_FALSE(want[0].empty()) << "no forward pack to compare";
+    }
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(Engines, UpdateExpertWeights,
+                         ::testing::Combine(::testing::Values(GemmEngine::kOpenBlas, GemmEngine::kOneDnn),
+                                            ::testing::Values(DType::kF32, DType::kBF16)),
+                         [](const auto& info) {
+                           return std::string(gemm_engine_name(std::get<0>(info.param))) + "_" +
+                                  dtype_name(std::get<1>(info.param));
+                         });
 
 TEST_F(CpuOps, GroupedGemmAllKindsWithEmptyGroups) {
   // Groups of 0, 5, 0, 1300 (split over several tiles), 64 rows.

@@ -400,6 +400,10 @@ struct OptimizerConfig {
   float beta1 = 0.9f;
   float beta2 = 0.999f;
   float eps = 1e-8f;
+  // Adam's m and v as stored: fp32, or bf16 (Megatron's precision-aware optimizer;
+  // half the moments' bytes): each step widens them, computes in fp32, moves the
+  // weight by the unrounded values and stores them rounded to nearest even.
+  DType moments = DType::kF32;
 
   void validate() const;
 };
@@ -409,8 +413,8 @@ struct OptimizerArgs {
   int64_t step = 1;            // 1-based (Adam's bias correction)
   float* weight = nullptr;     // [count] master, updated in place
   const float* grad = nullptr;  // [count]
-  float* m = nullptr;          // [count] Adam first moment (unused by SGD)
-  float* v = nullptr;          // [count] Adam second moment
+  void* m = nullptr;           // [count] Adam first moment in cfg.moments (unused by SGD)
+  void* v = nullptr;           // [count] Adam second moment in cfg.moments
   float* rounded = nullptr;    // [count] or null: weight rounded to bf16 values
 };
 
@@ -458,6 +462,17 @@ class Backend {
   // others keep what they hold (set_weights packs all, a moved slot only itself).
   virtual void pack_expert_weights(PackedWeights& packed, const float* w13, const float* w2, int first,
                                    int count) = 0;
+  // A train layer's optimizer step on its expert masters (w13 and w2, each as
+  // optimizer_step takes it, over all num_experts experts of `packed`) and their
+  // repack: the bits of optimizer_step on each then pack_expert_weights of all.
+  // A backend may fuse the two (the CPU backend packs a block of rows while the
+  // update has left it in cache).
+  virtual void update_expert_weights(const OptimizerConfig& cfg, const OptimizerArgs& w13, const OptimizerArgs& w2,
+                                     PackedWeights& packed, int num_experts) {
+    optimizer_step(cfg, w13);
+    optimizer_step(cfg, w2);
+    pack_expert_weights(packed, w13.weight, w2.weight, 0, num_experts);
+  }
 
   virtual size_t router_workspace_bytes(const RouterConfig& cfg) const = 0;
   virtual void router_forward(const RouterConfig& cfg, const RouterForwardArgs& args) = 0;

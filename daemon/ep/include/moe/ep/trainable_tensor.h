@@ -15,24 +15,34 @@ namespace moe::ep {
 using kernels::DType;
 
 // A trainable tensor as checkpoints hold it: fp32 master values and the Adam
-// moments (empty without them).
+// moments (empty without them; bf16 moments widened, exactly).
 struct TensorState {
   std::vector<float> master, m, v;
 };
+
+// n Adam moments in the backend at src, stored in `dtype`, as fp32 host values.
+void moments_to_host(kernels::Backend& be, const void* src, DType dtype, size_t n, float* out);
+// The inverse: fp32 host values into `dtype` at dst (bf16: rounded to nearest even).
+void moments_to_device(kernels::Backend& be, void* dst, DType dtype, size_t n, const float* in);
 
 // One trainable tensor of a stage: the values the layer computes with, an fp32
 // master copy and the optimizer's moments, allocated on first update. The master
 // has its own buffer where the stage computes from a bf16-rounded fp32 copy
 // (bind with kRoundedCopy); with kIsMaster the stage's buffer is the master, and
 // whoever reads it as weights rounds (the expert stage's packed weights do).
+// The moments are stored in the layer's OptimizerConfig::moments dtype; read()
+// widens them and write() rounds them to it.
 enum class ComputeCopy { kIsMaster, kRoundedCopy };
 
 class TrainableTensor {
  public:
   // compute: the stage's buffer of `count` values; sync_master() after loading it.
-  void bind(kernels::Backend& be, float* compute, size_t count, ComputeCopy copy);
+  // moments: the dtype Adam's moments are kept in (fp32 or bf16).
+  void bind(kernels::Backend& be, float* compute, size_t count, ComputeCopy copy, DType moments);
   void sync_master();
   void update(const kernels::OptimizerConfig& cfg, int64_t step, const float* grad);
+  // What update() passes to optimizer_step (allocating the moments for Adam).
+  kernels::OptimizerArgs optimizer_args(const kernels::OptimizerConfig& cfg, int64_t step, const float* grad);
 
   // Elements [begin, begin + n) as they cross the wire: the fp32 master values
   // and the Adam moments (zeros before the first update).
@@ -49,6 +59,7 @@ class TrainableTensor {
   kernels::Backend* be_ = nullptr;
   float* compute_ = nullptr;
   size_t count_ = 0;
+  DType moments_ = DType::kF32;
   kernels::Buffer master_, m_, v_;  // master_ empty with kIsMaster
 };
 

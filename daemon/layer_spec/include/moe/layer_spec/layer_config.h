@@ -30,6 +30,7 @@ struct MoeLayerConfig : kernels::RoutingParams {
   DType dtype = DType::kF32;
   int64_t max_tokens = 0;  // per rank
   bool train = false;
+  DType moments = DType::kF32;  // train: how Adam's moments are stored (OptimizerConfig::moments)
   // Balancing (docs/layer.md#balancing; train): coefficients of the aux loss and the z-loss. With
   // global_counts the layer all-reduces c_e (pairs per expert before capacity,
   // over every rank's tokens) each forward: the losses and bias updates need it.
@@ -65,6 +66,7 @@ struct LayerSpec {
   kernels::DropPolicy drop_policy = kernels::DropPolicy::kProbs;
   int64_t tokens_per_rank = 0;
   bool train = false;
+  DType moments = DType::kF32;  // Adam's moments (train)
   double aux_loss_coeff = 0.0;
   double z_loss_coeff = 0.0;
   double bias_update_rate = 0.0;
