@@ -11,7 +11,8 @@ JSON line with the median forward and forward+backward step times and tokens/s.
 --params fp32 keeps the parameters (and so their gradients) in fp32 and casts them to the layer
 dtype where they are used, as mixed-precision training with fp32 master weights does (PyTorch's
 autocast, Megatron's fp32 main params); it is moe's bf16 recipe, where the default (parameters in
-the layer dtype) is pure bf16 training with no master copy.
+the layer dtype) is pure bf16 training with no master copy. --optimizer adam adds torch.optim.Adam's
+step to each train step (its moments in the parameters' dtype), as moe-bench layer --optimizer adam.
 
 Debian's python3-torch (1.13) runs bf16 matmuls on oneDNN and fp32 ones on OpenBLAS
 or oneDNN, with its own OpenMP team of --threads threads. With --device cuda the same
@@ -94,6 +95,8 @@ def main():
     p.add_argument("--device", default="cpu", help="cpu or cuda")
     p.add_argument("--params", choices=["dtype", "fp32"], default="dtype",
                    help="parameters in the layer dtype, or fp32 masters cast where used")
+    p.add_argument("--optimizer", choices=["none", "adam"], default="none",
+                   help="train: an Adam step after each backward")
     args = p.parse_args()
 
     torch.set_num_threads(args.threads)
@@ -111,18 +114,21 @@ def main():
 
     gate, w13, w2 = make_params(args, param_dtype, train=True)
     xg = x.clone().requires_grad_(True)
+    adam = torch.optim.Adam([gate] + w13 + w2, lr=1e-3) if args.optimizer == "adam" else None
 
     def train_step():
         for t in [xg, gate] + w13 + w2:
             t.grad = None
         moe_layer(xg, gate, w13, w2, args.top_k).backward(grad_out)
+        if adam:
+            adam.step()
 
     train = median_seconds(train_step, args.warmup, args.iters, sync)
 
     print(json.dumps({
         "bench": "torch_layer", "torch": torch.__version__, "python": platform.python_version(),
         "device": torch.cuda.get_device_name() if cuda else platform.processor() or "cpu",
-        "dtype": args.dtype, "params": args.params, "threads": args.threads, "tokens": args.tokens, "hidden": args.hidden,
+        "dtype": args.dtype, "params": args.params, "optimizer": args.optimizer, "threads": args.threads, "tokens": args.tokens, "hidden": args.hidden,
         "ffn": args.ffn, "experts": args.experts, "top_k": args.top_k, "iters": args.iters,
         "forward_step_seconds_p50": fwd, "forward_tokens_per_second": args.tokens / fwd,
         "train_step_seconds_p50": train, "train_tokens_per_second": args.tokens / train,
