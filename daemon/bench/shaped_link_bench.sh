@@ -19,7 +19,8 @@
 #   the job's dtype, bf16 = bf16 dispatch and combine, fp8 = fp8 dispatch and bf16 combine; each
 #   runs with the last OVERLAP value; docs/layer.md#wire-formats), REPEAT (jobs per configuration,
 #   default 1: the one with the median step stands for it, `spread` says how far they differ), DELAY (e.g. 1ms: netem delay on each veth, none by default),
-#   MOE_BUILD_DIR.
+#   KEEP (set: the logs and each job's result stay in the work folder), MOE_BUILD_DIR; the
+#   daemons inherit the environment.
 # Needs root, iproute2 and tc; without them it says what is missing and exits 0 (a skip; under
 # CI=true, where CI has them, 1).
 set -euo pipefail
@@ -117,8 +118,8 @@ shape() {  # every daemon's veth, switch side (what it receives) and host side (
 cpu=$(grep -m1 "model name" /proc/cpuinfo | cut -d: -f2 | sed 's/^ *//')
 echo "shaped links: $nodes daemon(s) x $devices device(s) in network namespaces; $cpu, $(nproc) cores; $(date -u +%F)"
 echo "job: $job, $steps steps, $repeat job(s) a configuration; UCX over TCP${DELAY:+; netem delay $DELAY}"
-printf "%-8s %-9s %-7s %-5s %10s %9s %9s %9s %9s %9s %10s %9s %7s %7s %6s\n" mode link overlap wire tokens/s step_s \
-  dispatch expert combine backward comm_s bound_s step/bd pass/bd spread
+printf "%-8s %-9s %-7s %-5s %10s %9s %9s %9s %9s %9s %9s %10s %9s %7s %7s %6s\n" mode link overlap wire tokens/s step_s \
+  dispatch expert combine teacher backward comm_s bound_s step/bd pass/bd spread
 for mode in ${MODES:-forward train}; do
   for rate in $rates; do
     shape "$rate"
@@ -130,8 +131,8 @@ for mode in ${MODES:-forward train}; do
     for rep in $(seq "$repeat"); do
       # shellcheck disable=SC2086,SC2046 # the job's flags are words
       ctl --output json job submit --wait --mode "$mode" $job --steps "$steps" --overlap-chunks "$ov" \
-        $(wire_flags "$wire") >"$work/job-$rep.json" || { echo "$mode $rate overlap $ov wire $wire: the job failed"; continue; }
-      results+=("$work/job-$rep.json")
+        $(wire_flags "$wire") >"$work/job-$mode-$rate-$ov-$wire-$rep.json" || { echo "$mode $rate overlap $ov wire $wire: the job failed"; continue; }
+      results+=("$work/job-$mode-$rate-$ov-$wire-$rep.json")
     done
     [ ${#results[@]} -gt 0 ] || continue
     python3 - "$mode" "$rate" "$nodes" "$devices" "$ov" "$work/unshaped-$mode-$wire" "$wire" "${results[@]}" <<'PY'
@@ -176,10 +177,10 @@ if mode == "train" and uph:
     fwd = sum(uph.get(k, 0) for k in ("router", "dispatch", "expert", "combine"))
     timed = [uph.get("teacher", 0), fwd, uph.get("backward", 0)]
     pass_bound = sum(max(t, comm / passes) for t in timed) + max(0.0, compute - sum(timed))
-print("%-8s %-9s %-7s %-5s %10.0f %9.3f %9.3f %9.3f %9.3f %9.3f %10.3f %9.3f %7.2f %7.2f %6.2f" % (
+print("%-8s %-9s %-7s %-5s %10.0f %9.3f %9.3f %9.3f %9.3f %9.3f %9.3f %10.3f %9.3f %7.2f %7.2f %6.2f" % (
     mode, rate, ("auto:%d" if ov == 0 else "%d") % r.get("overlap_chunks", 1) if ov != 1 else "serial", wire,
     r["tokens_per_second"], step, ph.get("dispatch", 0), ph.get("expert", 0), ph.get("combine", 0),
-    ph.get("backward", 0), comm, bound, step / bound if bound else 0, step / pass_bound if pass_bound else 0,
+    ph.get("teacher", 0), ph.get("backward", 0), comm, bound, step / bound if bound else 0, step / pass_bound if pass_bound else 0,
     spread))
 PY
     done

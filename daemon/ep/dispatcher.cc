@@ -33,15 +33,29 @@ Segments segs(const std::vector<size_t>& rows, const std::vector<size_t>& first,
   return s;
 }
 
-// Rows [c n / C, (c + 1) n / C) of n: chunk c of a peer's rows, on both sides.
-int64_t chunk_begin(int64_t n, int c, int C) { return n * c / C; }
-int64_t chunk_rows(int64_t n, int c, int C) { return chunk_begin(n, c + 1, C) - chunk_begin(n, c, C); }
+// The pieces of the row order (build_row_order): chunk boundaries are piece
+// boundaries for every chunk count up to kMaxChunks (chunk_piece).
+constexpr int kOrderPieces = 840;
+constexpr bool every_chunk_count_fits() {  // chunk_piece's unit, P / (2 (C - 1)), is whole
+  for (int C = 2; C <= kMaxChunks; ++C)
+    if (kOrderPieces % (2 * (C - 1)) != 0) return false;
+  return true;
+}
+static_assert(every_chunk_count_fits());
 
-// The pieces of the row order (build_row_order): every chunk count up to
-// kMaxChunks divides it, so chunk boundaries are piece boundaries.
-constexpr int kOrderPieces = 840;  // lcm(1, ..., 8)
-static_assert(kMaxChunks <= 8 && kOrderPieces % 8 == 0 && kOrderPieces % 7 == 0 && kOrderPieces % 5 == 0 &&
-              kOrderPieces % 3 == 0);
+// The piece where chunk c of C begins: the first and last chunks are half the
+// others (shares 1, 2, ..., 2, 1 of 2 (C - 1)), so the pipeline fills on a short
+// first transfer and drains on a short last one (docs/layer.md#overlap).
+int chunk_piece(int c, int C) {
+  if (C == 1 || c == 0) return c == 0 ? 0 : kOrderPieces;
+  const int share = std::min(2 * c - 1, 2 * (C - 1));
+  return kOrderPieces / (2 * (C - 1)) * share;
+}
+
+// Rows [n p_c / P, n p_(c+1) / P) of n, p_c = chunk_piece(c, C): chunk c of a
+// peer's rows, on both sides.
+int64_t chunk_begin(int64_t n, int c, int C) { return n * chunk_piece(c, C) / kOrderPieces; }
+int64_t chunk_rows(int64_t n, int c, int C) { return chunk_begin(n, c + 1, C) - chunk_begin(n, c, C); }
 
 // A count and a chunk proposal in one int64 of the count exchange.
 constexpr int kChunkBits = 8;
@@ -264,7 +278,7 @@ void Dispatcher::exchange(int64_t T) {
 // The order of the received rows that every chunk count C <= kMaxChunks cuts into
 // its chunks: each peer's n rows split into kOrderPieces pieces [m n / P, (m + 1) n / P),
 // piece by piece, in rank order within a piece. Chunk c of C is the run of pieces
-// [c P / C, (c + 1) P / C), laid out chunk-major as plan_chunks receives it.
+// [chunk_piece(c, C), chunk_piece(c + 1, C)), laid out chunk-major as plan_chunks receives it.
 void Dispatcher::build_row_order() {
   const int R = cfg_.num_ranks, C = h_.chunks_, P = kOrderPieces;
   std::vector<int64_t> chunk_first(static_cast<size_t>(C) * R);  // received row of chunk c's first row from r
@@ -288,7 +302,7 @@ void Dispatcher::build_row_order() {
   be_.copy_to_device(h_.row_order_.get(), order.data(), 4 * order.size());
 }
 
-// Chunk c takes rows [c n / C, (c + 1) n / C) of every peer's n. Sent from the
+// Chunk c takes rows [chunk_begin(n, c, C), chunk_begin(n, c + 1, C)) of every peer's n. Sent from the
 // rank-major send buffer; received chunk-major (chunk c's rows from every peer,
 // in rank order, after chunk c - 1's), so a chunk is contiguous for the experts.
 void Dispatcher::plan_chunks() {

@@ -150,6 +150,7 @@ TEST(OverlapUcx, ChunksOverUcxGiveTheSerialBits) {
 // grad_out times that number, and 1 for every routed pair.
 struct IdentityRun {
   int chunks = 0;
+  std::vector<int64_t> chunk_rows;  // received rows per chunk, forward
   std::vector<float> out, want, grad_x, grad_topk_weight, want_grad_topk_weight;
 };
 
@@ -170,12 +171,15 @@ IdentityRun identity_pair(transport::Communicator& comm, int asked_chunks, int64
   if (die == Die::kAfterDispatch) throw std::runtime_error("rank gone");
   const int64_t N = h.num_recv_rows();
   std::vector<float> y(N * H);
+  std::vector<int64_t> chunk_rows;
   for (int c = 0; c < d.chunks(); ++c) {
     const ep::ChunkRows ch = d.next_chunk();
     std::copy_n(static_cast<const float*>(h.recv_rows()) + ch.first_row * H, ch.num_rows * H, y.data() + ch.first_row * H);
     d.chunk_done(y.data());
+    chunk_rows.push_back(ch.num_rows);
   }
   IdentityRun run;
+  run.chunk_rows = chunk_rows;
   run.chunks = d.chunks();
   run.out.resize(T * H);
   d.combine(h, y.data(), run.out.data());
@@ -226,6 +230,28 @@ TEST(OverlapDispatcher, RanksAgreeOnTheLargestProposalForBothPairs) {
     EXPECT_EQ(runs[r].out, runs[r].want) << "rank " << r;
     EXPECT_EQ(runs[r].grad_x, runs[r].want) << "rank " << r;  // grad_out = x
     EXPECT_EQ(runs[r].grad_topk_weight, runs[r].want_grad_topk_weight) << "rank " << r;
+  }
+}
+
+// docs/layer.md#overlap: the first and last chunks carry half the rows of the
+// others (each peer's share rounded down, so within a row per peer).
+TEST(OverlapDispatcher, EndChunksCarryHalfTheRowsOfTheOthers) {
+  for (int C : {3, 4, 8}) {
+    std::vector<IdentityRun> runs(2);
+    const auto errors = run_ranks(Kind::kInProc, 2, [&](transport::Communicator& comm) {
+      runs[comm.rank()] = identity_pair(comm, C, 840, Die::kNever);
+    });
+    for (int r = 0; r < 2; ++r) {
+      ASSERT_EQ(errors[r], "") << "rank " << r;
+      ASSERT_EQ(runs[r].chunk_rows.size(), static_cast<size_t>(C));
+      EXPECT_EQ(runs[r].out, runs[r].want) << "rank " << r;
+      const std::vector<int64_t>& n = runs[r].chunk_rows;
+      for (int c = 1; c + 1 < C; ++c) {
+        EXPECT_NEAR(n[c], n[1], 2) << "C " << C << " chunk " << c;
+        EXPECT_NEAR(2 * n[0], n[c], 4) << "C " << C << " chunk " << c;
+        EXPECT_NEAR(2 * n[C - 1], n[c], 4) << "C " << C << " chunk " << c;
+      }
+    }
   }
 }
 
