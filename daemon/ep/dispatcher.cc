@@ -47,7 +47,8 @@ static_assert(every_chunk_count_fits());
 // others (shares 1, 2, ..., 2, 1 of 2 (C - 1)), so the pipeline fills on a short
 // first transfer and drains on a short last one (docs/layer.md#overlap).
 int chunk_piece(int c, int C) {
-  if (C == 1 || c == 0) return c == 0 ? 0 : kOrderPieces;
+  if (c == 0) return 0;
+  if (C == 1) return kOrderPieces;
   const int share = std::min(2 * c - 1, 2 * (C - 1));
   return kOrderPieces / (2 * (C - 1)) * share;
 }

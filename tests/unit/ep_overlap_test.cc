@@ -171,15 +171,13 @@ IdentityRun identity_pair(transport::Communicator& comm, int asked_chunks, int64
   if (die == Die::kAfterDispatch) throw std::runtime_error("rank gone");
   const int64_t N = h.num_recv_rows();
   std::vector<float> y(N * H);
-  std::vector<int64_t> chunk_rows;
+  IdentityRun run;
   for (int c = 0; c < d.chunks(); ++c) {
     const ep::ChunkRows ch = d.next_chunk();
     std::copy_n(static_cast<const float*>(h.recv_rows()) + ch.first_row * H, ch.num_rows * H, y.data() + ch.first_row * H);
     d.chunk_done(y.data());
-    chunk_rows.push_back(ch.num_rows);
+    run.chunk_rows.push_back(ch.num_rows);
   }
-  IdentityRun run;
-  run.chunk_rows = chunk_rows;
   run.chunks = d.chunks();
   run.out.resize(T * H);
   d.combine(h, y.data(), run.out.data());
