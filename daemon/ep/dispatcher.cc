@@ -193,15 +193,18 @@ void Dispatcher::build_layout(const void* x, int64_t T, const float* topk_weight
   encode_send_rows(x, T);
 }
 
-// Chunks need the transfer thread, so host memory: the CPU backend.
-bool Dispatcher::can_chunk() const { return be_.name() == "cpu" && cfg_.num_ranks > 1; }
+// Every backend: the worker thread only calls the communicator (NCCL on its own
+// stream for device memory), and every post follows a synchronize of the rank's
+// stream, so what a chunk sends is written before it leaves.
+bool Dispatcher::can_chunk() const { return cfg_.num_ranks > 1; }
 
 // An asked count, or the rule applied to every rank's transfer and expert seconds
 // of the last step (an all-gather through an all-reduce, so every rank proposes
 // the same): the smallest transfer, the mean expert seconds and rows. The
 // smallest because an all-to-all's time on one rank also holds its waits for a
 // peer that posted late (its compute was slower); the slowest rank waits for no
-// one, so its time is the link's.
+// one, so its time is the link's. The numbers travel in the backend's memory
+// (the communicator may be NCCL).
 int Dispatcher::propose_chunks() {
   if (opts_.overlap_chunks > 0) return std::min(opts_.overlap_chunks, kMaxChunks);
   const int R = cfg_.num_ranks, me = comm_.rank();
@@ -209,7 +212,10 @@ int Dispatcher::propose_chunks() {
   all[3 * me] = static_cast<float>(last_transfer_);
   all[3 * me + 1] = static_cast<float>(last_compute_);
   all[3 * me + 2] = static_cast<float>(last_rows_per_expert_);
-  comm_.all_reduce_sum(all.data(), all.size(), deadline());
+  if (!proposals_.get()) proposals_ = Buffer(be_, 4 * all.size());
+  be_.copy_to_device(proposals_.get(), all.data(), 4 * all.size());
+  comm_.all_reduce_sum(proposals_.as<float>(), all.size(), deadline());
+  be_.copy_to_host(all.data(), proposals_.get(), 4 * all.size());
   double transfer = all[0], compute = 0, rows = 0;
   for (int r = 0; r < R; ++r) {
     transfer = std::min<double>(transfer, all[3 * r]);

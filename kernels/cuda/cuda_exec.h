@@ -29,6 +29,7 @@ enum class FaultOp : int32_t {
   kReplicaCount,
   kDispatchSlot,
   kPermuteLayoutExpert,
+  kPermuteLayoutRowOrder,
   kPermuteSrcRow,
   kUnpermutePairPos,
   kExpertSrcRow,

@@ -61,10 +61,10 @@ void permute_layout(CudaExec& ex, const PermuteLayoutConfig& cfg, const PermuteL
 // permute.cu
 void permute(CudaExec& ex, const PermuteConfig& cfg, const PermuteArgs& a);
 void unpermute(CudaExec& ex, const UnpermuteConfig& cfg, const UnpermuteArgs& a);
-// Gathers rows[src_row[m]] for m < M into out, both of `dtype` (the expert MLP's
-// permute); src_row values must lie in [0, num_src_rows).
-void gather_rows(CudaExec& ex, const void* rows, DType dtype, int hidden, const int32_t* src_row, int64_t M,
-                 int64_t num_src_rows, void* out);
+// Gathers rows[src_row[m]] into out[m] for m in [first, first + M), both of
+// `dtype` (the expert MLP's permute); src_row values must lie in [0, num_src_rows).
+void gather_rows(CudaExec& ex, const void* rows, DType dtype, int hidden, const int32_t* src_row, int64_t first,
+                 int64_t M, int64_t num_src_rows, void* out);
 
 // swiglu.cu. h_dtype / grad_dtype: the storage of h, grad_gu and the recomputed h
 // (bf16 where the next GEMM reads bf16 operands).
@@ -84,6 +84,11 @@ struct GemmOperands {
   float* c = nullptr;
 };
 void grouped_gemm(CudaExec& ex, const GroupedGemmConfig& cfg, const int64_t* group_offset, const GemmOperands& op);
+// The same with group g owning rows [row_begin[g], row_end[g]) (HOST), ranges that
+// need not touch: a part of a layout (ExpertMlpPart). The offsets form above is
+// row_begin = group_offset, row_end = group_offset + 1.
+void grouped_gemm(CudaExec& ex, const GroupedGemmConfig& cfg, const int64_t* row_begin, const int64_t* row_end,
+                  const GemmOperands& op);
 
 // expert_mlp.cu
 size_t expert_mlp_workspace_bytes(const ExpertMlpConfig& cfg);

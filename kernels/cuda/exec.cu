@@ -34,6 +34,8 @@ std::string describe(const DeviceFault& f) {
       return "dispatch layout: topk_slot[" + pos + "] = " + val + range(-1);
     case FaultOp::kPermuteLayoutExpert:
       return "permute layout: row_expert[" + pos + "] = " + val + range(-1);
+    case FaultOp::kPermuteLayoutRowOrder:
+      return "permute layout: row_order[" + pos + "] = " + val + range(0);
     case FaultOp::kPermuteSrcRow:
       return "permute: src_row[" + pos + "] = " + val + range(0);
     case FaultOp::kUnpermutePairPos:

@@ -33,10 +33,9 @@ struct GemmCall {
   float* c;
 };
 
-// The call of group g (rows: its row count), per the table above.
-GemmCall call_for(const GroupedGemmConfig& cfg, const int64_t* off, int g, const GemmOperands& op) {
-  const int64_t n = cfg.n, k = cfg.k, r0 = off[g];
-  const int rows = static_cast<int>(off[g + 1] - r0);
+// The call of group g, rows [r0, r0 + rows), per the table above.
+GemmCall call_for(const GroupedGemmConfig& cfg, int g, int64_t r0, int rows, const GemmOperands& op) {
+  const int64_t n = cfg.n, k = cfg.k;
   const auto* a = static_cast<const uint8_t*>(op.a);
   const auto* b = static_cast<const uint8_t*>(op.b);
   const size_t sa = type_size(op.a_type), sb = type_size(op.b_type);
@@ -122,15 +121,20 @@ void run_grouped(CudaExec& ex, const std::vector<GemmCall>& calls, const GemmOpe
 }  // namespace
 
 void grouped_gemm(CudaExec& ex, const GroupedGemmConfig& cfg, const int64_t* off, const GemmOperands& op) {
+  grouped_gemm(ex, cfg, off, off + 1, op);
+}
+
+void grouped_gemm(CudaExec& ex, const GroupedGemmConfig& cfg, const int64_t* row_begin, const int64_t* row_end,
+                  const GemmOperands& op) {
   cfg.validate();
-  MOE_CHECK(off[0] >= 0, "grouped gemm: group_offset[0] must be >= 0, got ", off[0]);
   std::vector<GemmCall> calls;
   const size_t w_bytes = 4 * static_cast<size_t>(cfg.n) * cfg.k;
   for (int g = 0; g < cfg.num_groups; ++g) {
-    const int64_t rows = off[g + 1] - off[g];
+    const int64_t rows = row_end[g] - row_begin[g];
+    MOE_CHECK(row_begin[g] >= 0, "grouped gemm: group ", g, " starts at row ", row_begin[g]);
     MOE_CHECK(rows >= 0 && rows < (int64_t{1} << 31), "grouped gemm: group ", g, " has ", rows, " rows");
     if (rows > 0 && cfg.n > 0 && cfg.k > 0) {
-      calls.push_back(call_for(cfg, off, g, op));
+      calls.push_back(call_for(cfg, g, row_begin[g], static_cast<int>(rows), op));
     } else if (cfg.kind == GemmKind::kWgrad && !cfg.accumulate) {  // an empty group's gradient is zero
       check(cudaMemsetAsync(op.c + g * cfg.n * cfg.k, 0, w_bytes, ex.stream), "grouped gemm");
     }

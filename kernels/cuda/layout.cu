@@ -106,15 +106,20 @@ __global__ void dispatch_rows(DispatchParams p, DispatchLayoutArgs a, const int6
 // ---------------------------------------------------------------------------
 // Permute layout. Buckets are local experts.
 
-__global__ void permute_count(PermuteParams p, const int32_t* row_expert, int32_t* counts, DeviceFault* fault) {
+__global__ void permute_count(PermuteParams p, const int32_t* row_expert, const int32_t* row_order, int32_t* counts,
+                              DeviceFault* fault) {
   const int64_t i = blockIdx.x * int64_t{blockDim.x} + threadIdx.x;
   if (i >= p.N * p.K) return;
-  const int64_t c = permute_count_slot(p, row_expert, i);
-  if (c == -2) report_fault(fault, FaultOp::kPermuteLayoutExpert, i, row_expert[i], p.L);
+  const int64_t c = permute_count_slot(p, row_expert, row_order, i);
+  if (c == -3 && i % p.K == 0) report_fault(fault, FaultOp::kPermuteLayoutRowOrder, i / p.K, row_order[i / p.K], p.N);
+  if (c == -2) {
+    const int64_t pair = pair_of_item(p, row_order, i);
+    report_fault(fault, FaultOp::kPermuteLayoutExpert, pair, row_expert[pair], p.L);
+  }
   if (c >= 0) atomicAdd(&counts[c], 1);
 }
 
-// One thread per (row, k) pair.
+// One thread per item (a (row, k) pair in the layout's row order).
 __global__ void permute_rows(PermuteParams p, PermuteLayoutArgs a, const int64_t* bases) {
   const int64_t i = blockIdx.x * int64_t{blockDim.x} + threadIdx.x;
   if (i < p.N * p.K) permute_row(p, a, bases, i);
@@ -150,14 +155,14 @@ size_t permute_layout_workspace_bytes(const PermuteLayoutConfig& cfg) {
 
 void permute_layout(CudaExec& ex, const PermuteLayoutConfig& cfg, const PermuteLayoutArgs& a) {
   cfg.validate();
-  MOE_CHECK(!a.row_order, "permute layout: the CUDA backend orders pairs by row (row_order is a CPU feature)");
   const int64_t N = cfg.num_rows;
   const int L = cfg.num_experts;
   const PermuteParams p{N, cfg.top_k, L, chunks(N)};
   const LayoutWorkspace w = carve(L, N, a.workspace);
   check(cudaMemsetAsync(w.counts, 0, 4 * w.items, ex.stream), "permute layout");
   if (N > 0) {
-    permute_count<<<blocks_for(N * p.K), kThreads, 0, ex.stream>>>(p, a.row_expert, w.counts, ex.fault);
+    permute_count<<<blocks_for(N * p.K), kThreads, 0, ex.stream>>>(p, a.row_expert, a.row_order, w.counts,
+                                                                    ex.fault);
     check(cudaGetLastError(), "permute layout count");
   }
   scan_counts(ex, w, "permute layout scan");

@@ -85,28 +85,47 @@ struct PermuteParams {
   int64_t C;  // chunks
 };
 
-// Pair i = (row n, k): the counter it adds one to, -1 for no expert, or -2 for an
-// expert outside [-1, L).
-MOE_HOST_DEVICE inline int64_t permute_count_slot(const PermuteParams& p, const int32_t* row_expert, int64_t i) {
-  const int32_t e = row_expert[i];
+// Items are pairs in the layout's row order: item i is pair k = i % K of the
+// row at position i / K, that row being row_order[i / K] when a row_order is
+// given (a chunked layer's order, docs/layer.md#overlap), else i / K. The sort is
+// stable in item order, so an expert's pairs follow their rows' positions.
+// The pair (row * K + k) of item i, or -1 when row_order names no row in [0, N).
+MOE_HOST_DEVICE inline int64_t pair_of_item(const PermuteParams& p, const int32_t* row_order, int64_t i) {
+  if (!row_order) return i;
+  const int64_t n = row_order[i / p.K];
+  if (n < 0 || n >= p.N) return -1;
+  return n * p.K + i % p.K;
+}
+
+// Item i: the counter it adds one to; -1 for no expert, -2 for an expert outside
+// [-1, L), -3 for a row_order entry outside [0, N).
+MOE_HOST_DEVICE inline int64_t permute_count_slot(const PermuteParams& p, const int32_t* row_expert,
+                                                  const int32_t* row_order, int64_t i) {
+  const int64_t pair = pair_of_item(p, row_order, i);
+  if (pair < 0) return -3;
+  const int32_t e = row_expert[pair];
   if (e < -1 || e >= p.L) return -2;
   return e < 0 ? -1 : e * p.C + i / p.K / kChunk;
 }
 
-// Pair i: its permuted row (pair_pos), and that row's source and weight.
+// Item i: its pair's permuted row (pair_pos), and that row's source and weight.
 MOE_HOST_DEVICE inline void permute_row(const PermuteParams& p, const PermuteLayoutArgs& a, const int64_t* bases,
                                         int64_t i) {
-  const int32_t e = a.row_expert[i];
+  const int64_t pair = pair_of_item(p, a.row_order, i);
+  if (pair < 0) return;  // a fault the count reported
+  const int32_t e = a.row_expert[pair];
   if (e < 0 || e >= p.L) {
-    a.pair_pos[i] = -1;
+    a.pair_pos[pair] = -1;
     return;
   }
-  const int64_t n = i / p.K;
-  int64_t m = bases[e * p.C + n / kChunk];
-  for (int64_t j = n / kChunk * kChunk * p.K; j < i; ++j) m += a.row_expert[j] == e;
-  a.pair_pos[i] = static_cast<int32_t>(m);
-  a.perm_src_row[m] = static_cast<int32_t>(n);
-  if (a.row_weight && a.perm_weight) a.perm_weight[m] = a.row_weight[i];
+  int64_t m = bases[e * p.C + i / p.K / kChunk];
+  for (int64_t j = i / p.K / kChunk * kChunk * p.K; j < i; ++j) {
+    const int64_t other = pair_of_item(p, a.row_order, j);
+    m += other >= 0 && a.row_expert[other] == e;
+  }
+  a.pair_pos[pair] = static_cast<int32_t>(m);
+  a.perm_src_row[m] = static_cast<int32_t>(pair / p.K);
+  if (a.row_weight && a.perm_weight) a.perm_weight[m] = a.row_weight[pair];
 }
 
 }  // namespace moe::kernels::cuda::layout_logic

@@ -21,11 +21,11 @@ unsigned row_grid(int64_t rows) { return static_cast<unsigned>(std::min<int64_t>
 
 bool aligned(const void* p) { return reinterpret_cast<uintptr_t>(p) % 32 == 0; }
 
-// out[m] = rows[src[m]] for m < M, each source in [0, num_src).
+// out[m] = rows[src[m]] for m in [first, end), each source in [0, num_src).
 template <typename In, typename Out, int V>
-__global__ void gather_kernel(const In* rows, int H, const int32_t* src, int64_t M, int64_t num_src, Out* out,
-                              DeviceFault* fault, FaultOp op) {
-  for (int64_t m = blockIdx.x; m < M; m += gridDim.x) {
+__global__ void gather_kernel(const In* rows, int H, const int32_t* src, int64_t first, int64_t end, int64_t num_src,
+                              Out* out, DeviceFault* fault, FaultOp op) {
+  for (int64_t m = first + blockIdx.x; m < end; m += gridDim.x) {
     const int32_t s = src[m];
     if (s < 0 || s >= num_src) {
       if (threadIdx.x == 0) report_fault(fault, op, m, s, num_src);
@@ -56,8 +56,8 @@ void with_width(int H, std::initializer_list<const void*> ptrs, F&& f) {
     f(std::integral_constant<int, 1>{});
 }
 
-void gather(CudaExec& ex, const void* rows, DType in, int H, const int32_t* src, int64_t M, int64_t num_src, void* out,
-            DType out_dtype, FaultOp op, const char* what) {
+void gather(CudaExec& ex, const void* rows, DType in, int H, const int32_t* src, int64_t first, int64_t M,
+            int64_t num_src, void* out, DType out_dtype, FaultOp op, const char* what) {
   if (M <= 0 || H <= 0) return;
   with_dtype(in, [&](auto in_tag) {
     with_dtype(out_dtype, [&](auto out_tag) {
@@ -65,7 +65,7 @@ void gather(CudaExec& ex, const void* rows, DType in, int H, const int32_t* src,
         using In = decltype(in_tag);
         using Out = decltype(out_tag);
         gather_kernel<In, Out, decltype(v)::value><<<row_grid(M), kRowThreads, 0, ex.stream>>>(
-            static_cast<const In*>(rows), H, src, M, num_src, static_cast<Out*>(out), ex.fault, op);
+            static_cast<const In*>(rows), H, src, first, first + M, num_src, static_cast<Out*>(out), ex.fault, op);
       });
     });
   });
@@ -74,14 +74,15 @@ void gather(CudaExec& ex, const void* rows, DType in, int H, const int32_t* src,
 
 }  // namespace
 
-void gather_rows(CudaExec& ex, const void* rows, DType dtype, int hidden, const int32_t* src_row, int64_t M,
-                 int64_t num_src_rows, void* out) {
-  gather(ex, rows, dtype, hidden, src_row, M, num_src_rows, out, dtype, FaultOp::kExpertSrcRow, "expert mlp gather");
+void gather_rows(CudaExec& ex, const void* rows, DType dtype, int hidden, const int32_t* src_row, int64_t first,
+                 int64_t M, int64_t num_src_rows, void* out) {
+  gather(ex, rows, dtype, hidden, src_row, first, M, num_src_rows, out, dtype, FaultOp::kExpertSrcRow,
+         "expert mlp gather");
 }
 
 void permute(CudaExec& ex, const PermuteConfig& cfg, const PermuteArgs& a) {
   cfg.validate();
-  gather(ex, a.rows, cfg.in_dtype, cfg.hidden, a.src_row, cfg.num_out_rows, cfg.num_rows, a.out, cfg.out_dtype,
+  gather(ex, a.rows, cfg.in_dtype, cfg.hidden, a.src_row, 0, cfg.num_out_rows, cfg.num_rows, a.out, cfg.out_dtype,
          FaultOp::kPermuteSrcRow, "permute");
 }
 

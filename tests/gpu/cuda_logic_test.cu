@@ -250,46 +250,58 @@ TEST(LayoutLogic, DispatchLayoutMatchesTheCpuBackend) {
   }
 }
 
+// Without and with a row_order (a chunked layer's, docs/layer.md#overlap: an
+// expert's pairs follow their rows' positions in it), against the CPU backend.
 TEST(LayoutLogic, PermuteLayoutMatchesTheCpuBackend) {
-  for (const auto& [N, L] : std::vector<std::pair<int64_t, int>>{{500, 7}, {40, 0}, {0, 3}, {65, 1}}) {
-    const int K = 3;
-    std::vector<int32_t> re = random_selection(N, K, std::max(L, K), 11, 15);
-    for (int32_t& e : re)
-      if (e >= L) e = -1;
-    const std::vector<float> rw = normal_vector(N * K, 12);
-    Cpu cpu;
-    const PermuteLayoutConfig cfg{N, K, L};
-    std::vector<uint8_t> ws(cpu.be->permute_layout_workspace_bytes(cfg) + 64);
-    std::vector<int64_t> off(L + 1), eoff(L + 1);
-    std::vector<int32_t> src(N * K + 1), pos(N * K + 1), esrc(N * K + 1), epos(N * K + 1);
-    std::vector<float> pw(N * K + 1), epw(N * K + 1);
-    cpu.be->permute_layout(cfg, {re.data(), rw.data(), off.data(), src.data(), pw.data(), pos.data(), ws.data()});
+  for (const auto& [N, L] : std::vector<std::pair<int64_t, int>>{{500, 7}, {40, 0}, {0, 3}, {65, 1}})
+    for (const bool ordered : {false, true}) {
+      const int K = 3;
+      std::vector<int32_t> re = random_selection(N, K, std::max(L, K), 11, 15);
+      for (int32_t& e : re)
+        if (e >= L) e = -1;
+      const std::vector<float> rw = normal_vector(N * K, 12);
+      std::vector<int32_t> order(N);  // a seeded shuffle of the rows
+      std::iota(order.begin(), order.end(), 0);
+      for (int64_t i = N - 1; i > 0; --i) std::swap(order[i], order[model::key_hash({13, uint64_t(i)}) % (i + 1)]);
+      const int32_t* row_order = ordered ? order.data() : nullptr;
+      Cpu cpu;
+      const PermuteLayoutConfig cfg{N, K, L};
+      std::vector<uint8_t> ws(cpu.be->permute_layout_workspace_bytes(cfg) + 64);
+      std::vector<int64_t> off(L + 1), eoff(L + 1);
+      std::vector<int32_t> src(N * K + 1), pos(N * K + 1), esrc(N * K + 1), epos(N * K + 1);
+      std::vector<float> pw(N * K + 1), epw(N * K + 1);
+      cpu.be->permute_layout(cfg, {re.data(), rw.data(), off.data(), src.data(), pw.data(), pos.data(), ws.data(),
+                                   row_order});
 
-    const layout_logic::PermuteParams p{N, K, L, (N + layout_logic::kChunk - 1) / layout_logic::kChunk};
-    std::vector<int32_t> counts(L * p.C + 1, 0);
-    for (int64_t i = 0; i < N * K; ++i) {
-      const int64_t c = layout_logic::permute_count_slot(p, re.data(), i);
-      ASSERT_NE(c, -2);
-      if (c >= 0) ++counts[c];
+      const layout_logic::PermuteParams p{N, K, L, (N + layout_logic::kChunk - 1) / layout_logic::kChunk};
+      std::vector<int32_t> counts(L * p.C + 1, 0);
+      for (int64_t i = 0; i < N * K; ++i) {
+        const int64_t c = layout_logic::permute_count_slot(p, re.data(), row_order, i);
+        ASSERT_GE(c, -1);
+        if (c >= 0) ++counts[c];
+      }
+      const std::vector<int64_t> bases = exclusive_scan(counts);
+      const PermuteLayoutArgs a{re.data(), rw.data(), eoff.data(), esrc.data(), epw.data(), epos.data(), nullptr,
+                                row_order};
+      for (int64_t i = 0; i < N * K; ++i) layout_logic::permute_row(p, a, bases.data(), i);
+      for (int e = 0; e <= L; ++e) eoff[e] = bases[e * p.C];
+      const std::string at = "N " + std::to_string(N) + " L " + std::to_string(L) + (ordered ? " row_order" : "");
+      EXPECT_EQ(eoff, off) << at;
+      EXPECT_EQ(epos, pos) << at;
+      const int64_t M = off[L];
+      EXPECT_TRUE(std::equal(esrc.begin(), esrc.begin() + M, src.begin())) << at;
+      EXPECT_TRUE(std::equal(epw.begin(), epw.begin() + M, pw.begin())) << at;
+      if (ordered && M > 1 && L > 1) EXPECT_FALSE(std::is_sorted(esrc.begin(), esrc.begin() + off[1])) << at;
     }
-    const std::vector<int64_t> bases = exclusive_scan(counts);
-    const PermuteLayoutArgs a{re.data(), rw.data(), eoff.data(), esrc.data(), epw.data(), epos.data(), nullptr};
-    for (int64_t i = 0; i < N * K; ++i) layout_logic::permute_row(p, a, bases.data(), i);
-    for (int e = 0; e <= L; ++e) eoff[e] = bases[e * p.C];
-    const std::string at = "N " + std::to_string(N) + " L " + std::to_string(L);
-    EXPECT_EQ(eoff, off) << at;
-    EXPECT_EQ(epos, pos) << at;
-    const int64_t M = off[L];
-    EXPECT_TRUE(std::equal(esrc.begin(), esrc.begin() + M, src.begin())) << at;
-    EXPECT_TRUE(std::equal(epw.begin(), epw.begin() + M, pw.begin())) << at;
-  }
 }
 
 TEST(LayoutLogic, OutOfRangeValuesAreFaults) {
   const layout_logic::PermuteParams p{1, 2, 4, 1};
   const std::vector<int32_t> re = {2, 4};
-  EXPECT_EQ(layout_logic::permute_count_slot(p, re.data(), 0), 2);
-  EXPECT_EQ(layout_logic::permute_count_slot(p, re.data(), 1), -2);
+  EXPECT_EQ(layout_logic::permute_count_slot(p, re.data(), nullptr, 0), 2);
+  EXPECT_EQ(layout_logic::permute_count_slot(p, re.data(), nullptr, 1), -2);
+  const std::vector<int32_t> order = {1};  // N = 1: row 1 does not exist
+  EXPECT_EQ(layout_logic::permute_count_slot(p, re.data(), order.data(), 0), -3);
   const std::vector<int32_t> slots = {1, 9};  // R * S = 6
   std::vector<int32_t> per_slot(6, 0), counts(3, 0);
   std::vector<uint8_t> in_rank(3);

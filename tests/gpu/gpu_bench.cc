@@ -267,7 +267,7 @@ double expert_gemm_seconds(const BenchShape& s, const model::LayerWeights& w, co
     kernels::ExpertMlpStats stats;
     be->expert_mlp_forward(c, {x.get(), l.offset.data(), l.src_row.as<int32_t>(), l.weight.as<float>(),
                                w13.as<float>(), w2.as<float>(), packed.get(), y.as<float>(), nullptr, ws.get(),
-                               &stats});
+                               &stats, {}});
     if (i >= s.warmup) t.push_back(stats.gemm_seconds);
   }
   *rows = l.M;

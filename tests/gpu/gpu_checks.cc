@@ -439,25 +439,38 @@ struct HostPermuteLayout {
   std::vector<float> weight;
 };
 
+// Expert-major; within an expert, pairs in row order, or in the order of their
+// rows' positions in row_order when one is given.
 HostPermuteLayout host_permute_layout(const std::vector<int32_t>& row_expert, const std::vector<float>& row_weight,
-                                      int64_t N, int K, int L) {
+                                      int64_t N, int K, int L, const std::vector<int32_t>& row_order = {}) {
   HostPermuteLayout h;
   h.offset.assign(L + 1, 0);
   h.pair_pos.assign(N * K, -1);
   for (int e = 0; e < L; ++e) {
     h.offset[e] = static_cast<int64_t>(h.src_row.size());
-    for (int64_t p = 0; p < N * K; ++p)
+    for (int64_t i = 0; i < N * K; ++i) {
+      const int64_t p = row_order.empty() ? i : row_order[i / K] * int64_t{K} + i % K;
       if (row_expert[p] == e) {
         h.pair_pos[p] = static_cast<int32_t>(h.src_row.size());
         h.src_row.push_back(static_cast<int32_t>(p / K));
         h.weight.push_back(row_weight[p]);
       }
+    }
   }
   h.offset[L] = static_cast<int64_t>(h.src_row.size());
   return h;
 }
 
-Result check_permute_layout(Backend& be, int64_t N, int L) {
+// A seeded permutation of [0, n).
+std::vector<int32_t> shuffled(int64_t n, uint64_t seed) {
+  std::vector<int32_t> v(n);
+  std::iota(v.begin(), v.end(), 0);
+  for (int64_t i = n - 1; i > 0; --i) std::swap(v[i], v[model::key_hash({seed, uint64_t(i)}) % (i + 1)]);
+  return v;
+}
+
+// ordered: with a row_order (a chunked layer's, docs/layer.md#overlap).
+Result check_permute_layout(Backend& be, int64_t N, int L, bool ordered = false) {
   Checker ck;
   const int K = 4;
   const std::vector<int32_t> re = L > 0 ? random_selection(N, K, std::max(L, K), 51, 15) : std::vector<int32_t>(N * K, -1);
@@ -469,9 +482,11 @@ Result check_permute_layout(Backend& be, int64_t N, int L) {
   Buffer dre = to_backend(be, row_expert), drw = to_backend(be, rw), src(be, 4 * N * K + 64), pw(be, 4 * N * K + 64),
       pos(be, 4 * N * K + 64), ws(be, be.permute_layout_workspace_bytes(cfg) + 64);
   std::vector<int64_t> offset(L + 1, -7);
+  const std::vector<int32_t> order = ordered ? shuffled(N, 53) : std::vector<int32_t>{};
+  Buffer dorder = to_backend(be, order);
   be.permute_layout(cfg, {dre.as<int32_t>(), drw.as<float>(), offset.data(), src.as<int32_t>(), pw.as<float>(),
-                          pos.as<int32_t>(), ws.get()});
-  const HostPermuteLayout want = host_permute_layout(row_expert, rw, N, K, L);
+                          pos.as<int32_t>(), ws.get(), ordered ? dorder.as<int32_t>() : nullptr});
+  const HostPermuteLayout want = host_permute_layout(row_expert, rw, N, K, L, order);
   const size_t M = want.src_row.size();
   ck.equal("expert_offset", offset, want.offset);
   ck.equal("perm_src_row", to_host<int32_t>(be, src.get(), M), want.src_row);
@@ -592,6 +607,88 @@ Result check_swiglu(Backend& be) {
   ck.close("h (backward)", to_double(to_host<float>(be, h2.get(), M * I)), want_h, 1e-5, 1e-6);
   ck.close("grad_gu", to_double(to_host<float>(be, ggu.get(), M * 2 * I)), want_ggu, 1e-5, 1e-6);
   ck.close("grad_row_scale", to_double(to_host<float>(be, gscale.get(), M)), want_gs, 1e-5, 1e-6);
+  return ck.result();
+}
+
+// The expert MLP in parts (a chunked layer, docs/layer.md#overlap) against the
+// same layout in one call: each expert's pairs in three runs (expert 2 has none),
+// forward then the dgrad chain part by part, then the weight gradients alone. A
+// part leaves the other pairs' outputs as they were. fp32: the values to fp32
+// rounding (a GEMM of fewer rows may sum in another order); bf16: to one rounding
+// of the bf16 operands.
+Result check_expert_mlp_parts(Backend& be, DType dtype) {
+  Checker ck;
+  const int L = 4, H = 64, I = 48, K = 2, P = 3;
+  const int64_t N = 300;
+  std::vector<int32_t> re = random_selection(N, K, L, 111, 20);
+  for (int32_t& e : re)
+    if (e == 2) e = -1;
+  const HostPermuteLayout lay = host_permute_layout(re, normal_vector(N * K, 112), N, K, L, shuffled(N, 113));
+  const int64_t M = lay.offset[L];
+  const kernels::ExpertMlpConfig cfg{L, H, I, M, N, dtype, true};
+  const std::vector<float> rows = as_stored(normal_vector(N * H, 114), dtype), grad = as_stored(normal_vector(N * H, 115), dtype);
+  Buffer drows = to_backend(be, model::to_storage(rows, dtype)), dgrad = to_backend(be, model::to_storage(grad, dtype)),
+         src = to_backend(be, lay.src_row), pw = to_backend(be, lay.weight),
+         w13 = to_backend(be, normal_vector(L * 2 * I * H, 116, 0.3)), w2 = to_backend(be, normal_vector(L * H * I, 117, 0.3)),
+         ws(be, be.expert_mlp_workspace_bytes(cfg));
+  const std::unique_ptr<kernels::PackedWeights> packed = be.make_expert_weights(cfg);
+  be.pack_expert_weights(*packed, w13.as<float>(), w2.as<float>(), 0, L);
+  // What one way of computing gives: y, saved_gu, grad_perm_x, grad_perm_weight, grad_w13, grad_w2.
+  const char* names[] = {"y", "saved_gu", "grad_perm_x", "grad_perm_weight", "grad_w13", "grad_w2"};
+  const int64_t sizes[] = {M * H, M * 2 * I, M * H, M, int64_t{L} * 2 * I * H, int64_t{L} * H * I};
+  struct Outputs {
+    std::vector<Buffer> b;
+    float* at(int i) { return b[i].as<float>(); }
+  };
+  auto outputs = [&] {
+    Outputs o;
+    for (int64_t n : sizes) o.b.push_back(to_backend(be, std::vector<float>(n, 3.0f)));
+    return o;
+  };
+  auto args = [&](Outputs& o) {
+    const kernels::ExpertMlpForwardArgs f{.rows = drows.get(), .expert_offset = lay.offset.data(),
+                                          .perm_src_row = src.as<int32_t>(), .perm_weight = pw.as<float>(),
+                                          .w13 = w13.as<float>(), .w2 = w2.as<float>(), .packed = packed.get(),
+                                          .y = o.at(0), .saved_gu = o.at(1), .workspace = ws.get(),
+                                          .stats = nullptr, .part = {}};
+    const kernels::ExpertMlpBackwardArgs b{.grad_rows = dgrad.get(), .rows = drows.get(),
+                                           .expert_offset = lay.offset.data(), .perm_src_row = src.as<int32_t>(),
+                                           .perm_weight = pw.as<float>(), .w13 = w13.as<float>(), .w2 = w2.as<float>(),
+                                           .packed = packed.get(), .saved_gu = o.at(1), .grad_perm_x = o.at(2),
+                                           .grad_perm_weight = o.at(3), .grad_w13 = o.at(4), .grad_w2 = o.at(5),
+                                           .workspace = ws.get(), .stats = nullptr,
+                                           .phase = kernels::MlpBackwardPhase::kAll, .part = {}};
+    return std::pair{f, b};
+  };
+  Outputs whole = outputs(), parts = outputs();
+  auto [f, b] = args(whole);
+  be.expert_mlp_forward(cfg, f);
+  be.expert_mlp_backward(cfg, b);
+
+  auto [fp, bp] = args(parts);
+  bp.phase = kernels::MlpBackwardPhase::kDgrad;
+  std::vector<std::vector<int64_t>> cut(P + 1, std::vector<int64_t>(L));
+  for (int p = 0; p <= P; ++p)
+    for (int e = 0; e < L; ++e) cut[p][e] = lay.offset[e] + (lay.offset[e + 1] - lay.offset[e]) * p * p / (P * P);
+  for (int p = 0; p < P; ++p) {
+    fp.part = bp.part = {.pair_begin = cut[p].data(), .pair_end = cut[p + 1].data()};
+    be.expert_mlp_forward(cfg, fp);
+    if (p == 0) {  // only part 0's pairs have a y
+      const std::vector<float> y = to_host<float>(be, parts.at(0), M * H);
+      for (int e = 0; e < L; ++e)
+        for (int64_t m = cut[1][e]; m < lay.offset[e + 1]; ++m)
+          ck.expect(y[m * H] == 3.0f && y[m * H + H - 1] == 3.0f, "part 0 wrote y of pair " + std::to_string(m));
+    }
+    be.expert_mlp_backward(cfg, bp);
+  }
+  bp.part = {};
+  bp.phase = kernels::MlpBackwardPhase::kWgrad;
+  be.expert_mlp_backward(cfg, bp);
+  const bool bf16 = dtype == DType::kBF16;
+  for (int i = 0; i < 6; ++i) {
+    ck.close(std::string("parts ") + names[i], to_double(to_host<float>(be, parts.at(i), sizes[i])),
+             to_double(to_host<float>(be, whole.at(i), sizes[i])), bf16 ? 0x1.0p-7 : 1e-5, bf16 ? 0x1.0p-8 : 1e-6);
+  }
   return ck.result();
 }
 
@@ -740,6 +837,10 @@ std::vector<Check> op_list() {
   v.push_back({"permute_layout", [](Backend& be) { return check_permute_layout(be, 600, 7); }});
   v.push_back({"permute_layout/no_experts", [](Backend& be) { return check_permute_layout(be, 50, 0); }});
   v.push_back({"permute_layout/N0", [](Backend& be) { return check_permute_layout(be, 0, 3); }});
+  v.push_back({"permute_layout/row_order", [](Backend& be) { return check_permute_layout(be, 600, 7, true); }});
+  for (DType d : {DType::kF32, DType::kBF16})
+    v.push_back({std::string("expert_mlp/parts_") + kernels::dtype_name(d),
+                 [d](Backend& be) { return check_expert_mlp_parts(be, d); }});
   for (int H : {72, 128})
     for (DType in : {DType::kF32, DType::kBF16})
       for (DType out : {DType::kF32, DType::kBF16}) {

@@ -199,7 +199,7 @@ struct PermuteLayoutArgs {
   void* workspace = nullptr;            // permute_layout_workspace_bytes
   // [N] or null: a permutation of the rows. Set, an expert's pairs are ordered by
   // their row's position in row_order instead of by row (a chunked layer's order
-  // that does not depend on the chunking, docs/layer.md#overlap). CPU backend only.
+  // that does not depend on the chunking, docs/layer.md#overlap).
   const int32_t* row_order = nullptr;
 };
 
@@ -320,7 +320,7 @@ struct ExpertMlpConfig {
 
 // A part of a layout (docs/layer.md#overlap): pairs [pair_begin[e], pair_end[e])
 // of each expert e, HOST memory [L] each. A call given a part computes those pairs
-// only and leaves every other pair's outputs as they are. CPU backend only.
+// only and leaves every other pair's outputs as they are.
 struct ExpertMlpPart {
   const int64_t* pair_begin = nullptr;  // null: every pair of expert_offset
   const int64_t* pair_end = nullptr;

@@ -24,8 +24,8 @@
 //   a backward row    = row_bytes (+ K fp32 weight gradients on the way back)
 //   the naive scheme  = one row + one slot + one weight per (token, expert) pair
 //
-// Overlap (docs/layer.md#overlap): on host memory the dispatcher may split both
-// pairs into chunks of rows, moved by a TransferWorker while the caller computes:
+// Overlap (docs/layer.md#overlap): with more than one rank the dispatcher may split
+// both pairs into chunks of rows, moved by a TransferWorker while the caller computes:
 //
 //   h = dispatch(...)                      // chunks() > 1: every row's slots and
 //                                          // weights, and chunk 0's rows, on their way
@@ -69,8 +69,8 @@ struct DispatcherOptions {
   // Benchmarks: a barrier before each timed all-to-all, so transport times do not
   // include waiting for a slower rank's compute. Off in production.
   bool isolate_transport_timing = false;
-  // Chunks of the forward pair (a forward-only dispatcher on host memory): 0
-  // chooses by chunk_rule from the last step, n >= 1 asks for n (1: serial).
+  // Chunks of both pairs: 0 chooses by chunk_rule from the last step, n >= 1 asks
+  // for n (1: serial).
   int overlap_chunks = 0;
 };
 
@@ -231,6 +231,7 @@ class Dispatcher {
   // Encoded rows when a wire is narrower than the layer (else empty): what is
   // sent and received, and the results before they go back.
   kernels::Buffer send_wire_, recv_wire_, y_wire_;
+  kernels::Buffer proposals_;  // [3 R] floats: propose_chunks' all-reduce
   std::vector<int32_t> per_slot_host_;  // pairs per physical slot, for the naive figures
   DispatchStats stats_;
   // Chunked pairs: per chunk, the segments of rows and of metadata each way.
