@@ -2,16 +2,21 @@
 // backend and the data communicator, as a GPU requires: under GuardedBackend,
 // whose memory is inaccessible between its own calls, a train job's steps (with
 // replicas, shared experts, the balancing terms and a bias update), verify, the
-// dump and a checkpoint written and loaded run to the end on one rank. A direct
-// host access would crash the test.
+// dump and a checkpoint written and loaded run to the end on one rank, and a
+// chunked train job (docs/layer.md#overlap: the transfer thread beside the
+// compute) on two. A direct host access would crash the test; host memory given
+// to the data communicator (NCCL's role) fails it.
 #include <gtest/gtest.h>
 
 #include <unistd.h>
 
 #include <cmath>
 #include <filesystem>
+#include <mutex>
+#include <thread>
 
 #include "guarded_backend.h"
+#include "moe/kernels/cpu_backend.h"
 #include "moe/node/checkpoint.h"
 #include "moe/node/dump.h"
 #include "moe/node/model_stack.h"
@@ -114,6 +119,114 @@ TEST_P(BackendMemory, ATrainJobTouchesItOnlyThroughTheBackendAndTheDataCommunica
     EXPECT_EQ(got[l].selection_bias, want[l].selection_bias) << "layer " << l;
   }
   std::filesystem::remove_all(dir);
+}
+
+// Each rank's loss per step of a two-rank train job, on guarded backends or plain
+// CPU ones; and the most chunks a step's pairs ran in.
+struct ChunkedRun {
+  std::vector<double> losses[2];
+  int chunks = 0;
+  std::string error;  // the first rank's failure
+};
+
+ChunkedRun run_two_rank_train(kernels::DType dtype, int overlap_chunks, bool guarded) {
+  v1::JobSpec spec = train_spec("", dtype);
+  spec.set_verify(false);
+  spec.set_tokens_per_rank(64);
+  spec.set_steps(2);
+  spec.set_layers(1);
+  spec.set_overlap_chunks(overlap_chunks);
+  // Experts 0 and 1 on both ranks: the replicas' gradient all-reduce runs too.
+  const moe::ExpertMap map = moe::ExpertMap::make(4, 2, 3, {0, 1, 2, 3, 0, 1});
+  transport::InProcGroup host(2), data(2);
+  ChunkedRun out;
+  std::mutex mu;
+  std::shared_ptr<transport::Communicator> hosts[2] = {host.communicator(0), host.communicator(1)};
+  std::shared_ptr<transport::Communicator> datas[2] = {data.communicator(0), data.communicator(1)};
+  auto run_rank = [&](int rank) {
+    auto host_comm = hosts[rank], data_comm = datas[rank];
+    kernels::ThreadPool pool(1);
+    std::unique_ptr<kernels::Backend> plain;
+    std::unique_ptr<GuardedBackend> guard;
+    std::unique_ptr<GuardedDataComm> guarded_data;
+    kernels::Backend* be;
+    transport::Communicator* dc = data_comm.get();
+    if (guarded) {
+      guard = std::make_unique<GuardedBackend>(pool);
+      guarded_data = std::make_unique<GuardedDataComm>(*data_comm, *guard);
+      be = guard.get();
+      dc = guarded_data.get();
+    } else {
+      plain = kernels::make_cpu_backend(pool);
+      be = plain.get();
+    }
+    node::ModelStack stack(spec, {map}, rank, 2, *host_comm, *be, pool, 30s, dc);
+    for (int step = 0; step < spec.steps(); ++step) {
+      node::StepReport report(step, spec.experts());
+      stack.forward(step, report, false);
+      stack.backward(report, false);
+      stack.optimize(step, report);
+      stack.update_selection_bias();
+      std::lock_guard<std::mutex> lock(mu);
+      out.losses[rank].push_back(report.stats().loss());
+      out.chunks = std::max(out.chunks, report.stats().overlap_chunks());
+    }
+  };
+  auto rank_main = [&](int rank) {  // a failure ends the other rank's waits too
+    try {
+      run_rank(rank);
+    } catch (const std::exception& e) {
+      std::lock_guard<std::mutex> lock(mu);
+      if (out.error.empty()) out.error = "rank " + std::to_string(rank) + ": " + e.what();
+      for (auto& c : hosts) c->abort(e.what());
+      for (auto& c : datas) c->abort(e.what());
+    }
+  };
+  std::thread other(rank_main, 1);
+  rank_main(0);
+  other.join();
+  return out;
+}
+
+TEST_P(BackendMemory, AChunkedTrainJobOnTwoRanksTouchesItOnlyThroughTheBackendAndTheDataCommunicator) {
+  const ChunkedRun guarded = run_two_rank_train(GetParam(), 3, true);
+  ASSERT_EQ(guarded.error, "");
+  EXPECT_EQ(guarded.chunks, 3);
+  const ChunkedRun plain = run_two_rank_train(GetParam(), 3, false);
+  ASSERT_EQ(plain.error, "");
+  for (int r = 0; r < 2; ++r) {
+    ASSERT_EQ(guarded.losses[r].size(), 2u);
+    EXPECT_EQ(guarded.losses[r], plain.losses[r]) << "rank " << r;  // the same kernels underneath
+    for (double l : guarded.losses[r]) EXPECT_TRUE(std::isfinite(l));
+  }
+}
+
+// The chunk rule's proposals (overlap_chunks 0) travel on the data communicator too.
+TEST(BackendMemory, TheChunkProposalsOfTwoRanksTravelInTheBackendsMemory) {
+  const ChunkedRun guarded = run_two_rank_train(kernels::DType::kF32, 0, true);
+  ASSERT_EQ(guarded.error, "");
+  EXPECT_EQ(guarded.chunks, 1);  // too few rows a chunk at this size: the rule keeps the pairs whole
+}
+
+// NCCL reads device memory: the guarded data communicator refuses host memory.
+TEST(GuardedDataComm, RefusesMemoryTheBackendDidNotAllocate) {
+  transport::InProcGroup data(1);
+  auto comm = data.communicator(0);
+  kernels::ThreadPool pool(1);
+  GuardedBackend be(pool);
+  GuardedDataComm guarded(*comm, be);
+  std::vector<float> host(4, 1.0f);
+  try {
+    guarded.all_reduce_sum(host.data(), host.size(), transport::deadline_in(5s));
+    ADD_FAILURE() << "host memory was accepted";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("all_reduce_sum given 16 bytes the backend did not allocate"), std::string::npos)
+        << e.what();
+  }
+  auto* dev = static_cast<float*>(be.alloc(16));
+  be.copy_to_device(dev, host.data(), 16);
+  guarded.all_reduce_sum(dev, 4, transport::deadline_in(5s));
+  be.free(dev);
 }
 
 INSTANTIATE_TEST_SUITE_P(Dtypes, BackendMemory, ::testing::Values(kernels::DType::kF32, kernels::DType::kBF16),

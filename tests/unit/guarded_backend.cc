@@ -3,6 +3,8 @@
 #include <sys/mman.h>
 #include <unistd.h>
 
+#include <algorithm>
+
 #include "moe/base/check.h"
 #include "moe/kernels/cpu_backend.h"
 
@@ -21,15 +23,28 @@ void GuardedBackend::protect(int prot) {
 }
 
 GuardedBackend::Open::Open(GuardedBackend& g) : g_(g) {
+  std::lock_guard<std::mutex> lock(g_.mu_);
   if (g_.open_++ == 0) g_.protect(PROT_READ | PROT_WRITE);
   ++g_.calls_;
 }
 
 GuardedBackend::Open::~Open() {
+  std::lock_guard<std::mutex> lock(g_.mu_);
   if (--g_.open_ == 0) g_.protect(PROT_NONE);
 }
 
+bool GuardedBackend::holds(const void* p, size_t bytes) const {
+  std::lock_guard<std::mutex> lock(mu_);
+  auto it = maps_.upper_bound(const_cast<void*>(p));
+  if (it == maps_.begin()) return false;
+  --it;
+  const auto* base = static_cast<const uint8_t*>(it->first);
+  const auto* q = static_cast<const uint8_t*>(p);
+  return q >= base && q + bytes <= base + it->second;
+}
+
 void* GuardedBackend::alloc(size_t bytes) {
+  std::lock_guard<std::mutex> lock(mu_);
   const size_t page = static_cast<size_t>(::sysconf(_SC_PAGESIZE));
   const size_t mapped = (std::max<size_t>(bytes, 1) + page - 1) / page * page;
   void* p = ::mmap(nullptr, mapped, open_ ? PROT_READ | PROT_WRITE : PROT_NONE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
@@ -39,6 +54,7 @@ void* GuardedBackend::alloc(size_t bytes) {
 }
 
 void GuardedBackend::free(void* p) {
+  std::lock_guard<std::mutex> lock(mu_);
   const auto it = maps_.find(p);
   MOE_CHECK(it != maps_.end(), "guarded backend: free of a pointer it did not allocate");
   ::munmap(p, it->second);
@@ -125,34 +141,61 @@ void GuardedBackend::expert_mlp_backward(const ExpertMlpConfig& c, const ExpertM
 
 #undef GUARDED
 
+void GuardedDataComm::check_holds(const void* p, size_t bytes, const char* call) const {
+  MOE_CHECK(bytes == 0 || be_.holds(p, bytes), "guarded data communicator: ", call, " given ", bytes,
+            " bytes the backend did not allocate (device memory only, as NCCL)");
+}
+
+namespace {
+
+// The last byte a buffer's segments reach.
+size_t extent(const transport::Segments* s) {
+  size_t end = 0;
+  if (s)
+    for (size_t r = 0; r < s->bytes.size(); ++r)
+      if (s->bytes[r]) end = std::max(end, s->offset[r] + s->bytes[r]);
+  return end;
+}
+
+}  // namespace
+
 void GuardedDataComm::all_to_all_v(const std::vector<transport::AllToAllBuffer>& b, transport::Deadline d) {
+  for (const transport::AllToAllBuffer& x : b) {
+    check_holds(x.send, extent(x.send_segs), "all_to_all_v (send)");
+    check_holds(x.recv, extent(x.recv_segs), "all_to_all_v (recv)");
+  }
   GuardedBackend::Open open(be_);
   inner_.all_to_all_v(b, d);
 }
 
 void GuardedDataComm::all_reduce_sum(float* data, size_t count, transport::Deadline d) {
+  check_holds(data, 4 * count, "all_reduce_sum");
   GuardedBackend::Open open(be_);
   inner_.all_reduce_sum(data, count, d);
 }
 
 void GuardedDataComm::send(int peer, const void* data, size_t bytes, uint32_t tag, transport::Deadline d) {
+  check_holds(data, bytes, "send");
   GuardedBackend::Open open(be_);
   inner_.send(peer, data, bytes, tag, d);
 }
 
 void GuardedDataComm::recv(int peer, void* data, size_t bytes, uint32_t tag, transport::Deadline d) {
+  check_holds(data, bytes, "recv");
   GuardedBackend::Open open(be_);
   inner_.recv(peer, data, bytes, tag, d);
 }
 
 transport::Communicator::TransferId GuardedDataComm::isend(int peer, const void* data, size_t bytes, uint32_t tag,
                                                            std::shared_ptr<const void> keep) {
+  check_holds(data, bytes, "isend");
   GuardedBackend::Open open(be_);
   return inner_.isend(peer, data, bytes, tag, std::move(keep));
 }
 
 transport::Communicator::TransferId GuardedDataComm::irecv(int peer, void* data, size_t bytes, uint32_t tag,
                                                            std::shared_ptr<const void> keep) {
+  check_holds(data, bytes, "irecv");
   GuardedBackend::Open open(be_);
   return inner_.irecv(peer, data, bytes, tag, std::move(keep));
 }

@@ -2,12 +2,15 @@
 // as on a GPU: the CPU backend underneath, but every allocation is a mapping of
 // its own that stays PROT_NONE between calls. Code that reads or writes backend
 // memory directly (which the CPU backend forgives) crashes under it. A
-// communicator for the backend's memory (NCCL's role) opens it for its calls.
-// One rank, one thread at a time.
+// communicator for the backend's memory (NCCL's role) opens it for its calls and
+// refuses host memory, as NCCL does. The memory is open while any thread is
+// inside a call (a rank's compute thread and its transfer thread may overlap).
 #pragma once
 
+#include <atomic>
 #include <map>
 #include <memory>
+#include <mutex>
 
 #include "moe/kernels/api.h"
 #include "moe/kernels/thread_pool.h"
@@ -31,7 +34,9 @@ class GuardedBackend final : public kernels::Backend {
    private:
     GuardedBackend& g_;
   };
-  int64_t calls() const { return calls_; }
+  int64_t calls() const { return calls_.load(); }
+  // Whether [p, p + bytes) lies in one of this backend's allocations.
+  bool holds(const void* p, size_t bytes) const;
 
   std::string name() const override { return "guarded-cpu"; }
   std::string gemm_engine() const override { return inner_->gemm_engine(); }
@@ -77,15 +82,17 @@ class GuardedBackend final : public kernels::Backend {
   void expert_mlp_backward(const kernels::ExpertMlpConfig& c, const kernels::ExpertMlpBackwardArgs& a) override;
 
  private:
-  void protect(int prot);
+  void protect(int prot);  // under mu_
   std::unique_ptr<kernels::Backend> inner_;
+  mutable std::mutex mu_;  // maps_, open_
   std::map<void*, size_t> maps_;  // allocation -> mapped bytes
   int open_ = 0;
-  int64_t calls_ = 0;
+  std::atomic<int64_t> calls_{0};
 };
 
 // The data communicator of a guarded rank: `inner` with the backend's memory open
-// during each call (NCCL reads device memory; the host does not).
+// during each call (NCCL reads device memory; the host does not). A call given
+// memory the backend did not allocate throws, naming the call, as NCCL would fail.
 class GuardedDataComm final : public transport::Communicator {
  public:
   GuardedDataComm(transport::Communicator& inner, GuardedBackend& be) : inner_(inner), be_(be) {}
@@ -95,7 +102,12 @@ class GuardedDataComm final : public transport::Communicator {
   using Communicator::all_to_all_v;
   void all_to_all_v(const std::vector<transport::AllToAllBuffer>& b, transport::Deadline d) override;
   void all_reduce_sum(float* data, size_t count, transport::Deadline d) override;
+  // Host arrays, as NCCL's exchange_counts takes them.
+  void exchange_counts(const int64_t* send, int64_t* recv, transport::Deadline d) override {
+    inner_.exchange_counts(send, recv, d);
+  }
   void barrier(transport::Deadline d) override { inner_.barrier(d); }
+  void abort(const std::string& why) override { inner_.abort(why); }
   void send(int peer, const void* data, size_t bytes, uint32_t tag, transport::Deadline d) override;
   void recv(int peer, void* data, size_t bytes, uint32_t tag, transport::Deadline d) override;
   TransferId isend(int peer, const void* data, size_t bytes, uint32_t tag, std::shared_ptr<const void> keep) override;
@@ -103,6 +115,7 @@ class GuardedDataComm final : public transport::Communicator {
   bool test(TransferId id) override;
 
  private:
+  void check_holds(const void* p, size_t bytes, const char* call) const;
   transport::Communicator& inner_;
   GuardedBackend& be_;
 };
