@@ -146,7 +146,8 @@ void start_daemon(const StateDir& s, const ClusterUpOptions& o, int i, const Res
                                    std::to_string(o.devices_per_node), "--backend", o.backend, "--token-file",
                                    s.token().string(), "--name", name, "--listen", "127.0.0.1:0", "--metrics-port",
                                    "127.0.0.1:0", "--threads", std::to_string(std::max(1, cores / o.nodes)),
-                                   "--agent-grace", std::to_string(o.agent_grace)};
+                                   "--agent-grace", std::to_string(o.agent_grace), "--stop-grace",
+                                   std::to_string(o.stop_grace)};
   const std::vector<std::string> tls = tls_flags(s, o, "node");
   argv.insert(argv.end(), tls.begin(), tls.end());
   const Command cmd{argv, gpu_slice(o, i)};

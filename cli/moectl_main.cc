@@ -40,6 +40,10 @@ void add_cluster(CLI::App& app, Commands& c) {
                   "seconds a job runs on while the agent is away (moed and moe-agent --agent-grace)")
       ->check(CLI::Range(0.0, 86400.0))
       ->capture_default_str();
+  cup->add_option("--stop-grace", up->stop_grace,
+                  "seconds a stopping daemon waits for its job's step boundary (moed --stop-grace)")
+      ->check(CLI::Range(0.0, 3600.0))
+      ->capture_default_str();
   cup->add_flag("--plaintext", up->plaintext,
                 "plain TCP, no TLS (default: a CA and certificates in the state directory's tls/)");
   // moe-agent's placement flags, passed through when given.

@@ -31,6 +31,12 @@ int main(int argc, char** argv) {
                  "seconds a job runs on, its reports held, while the agent cannot be reached; then it stops")
       ->check(CLI::Range(0.0, 86400.0))
       ->capture_default_str();
+  double stop_grace_s = 5;
+  app.add_option("--stop-grace", stop_grace_s,
+                 "seconds a stopping daemon waits for its job to reach a step boundary; then it aborts the "
+                 "job's transfers")
+      ->check(CLI::Range(0.0, 3600.0))
+      ->capture_default_str();
   try {
     app.parse(argc, argv);
   } catch (const CLI::ParseError& e) {
@@ -41,6 +47,7 @@ int main(int argc, char** argv) {
     if (!token_file.empty()) o.token = rpc::read_token_file(token_file);
     o.tls = tls.for_server("moed");
     o.agent_grace = std::chrono::milliseconds(static_cast<int64_t>(agent_grace_s * 1000));
+    o.stop_grace = std::chrono::milliseconds(static_cast<int64_t>(stop_grace_s * 1000));
     rpc::asio::io_context io;
     // Signals first: once the daemon registers, whoever sees it may stop it at
     // once (the handler runs inside io.run(), after the daemon exists).

@@ -255,7 +255,7 @@ void ExpertStage::run_forward(const void* rows, int64_t first, int64_t n, void* 
 
   // y is already weighted: the local combine is a plain per-row sum.
   const size_t out_row = kernels::dtype_size(cfg_.dtype) * H;
-  be_.unpermute({n, K, H, cfg_.dtype, false, DType::kF32},
+  be_.unpermute({n, K, H, cfg_.dtype, false, DType::kF32, expert_offset_[L_]},
                 {pair_y_.get(), pair_pos_.as<int32_t>() + first * K, nullptr, static_cast<uint8_t*>(combined) + first * out_row});
   be_.synchronize();
   times_.combine += now_seconds() - t1;
@@ -305,7 +305,7 @@ void ExpertStage::run_dgrad(const void* grad_combined, int64_t first, int64_t n,
   m.part = part;
   be_.expert_mlp_backward(mlp_config(), m);
   const size_t out_row = kernels::dtype_size(grad_rows_dtype) * H;
-  be_.unpermute({n, K, H, grad_rows_dtype, false, DType::kF32},
+  be_.unpermute({n, K, H, grad_rows_dtype, false, DType::kF32, expert_offset_[L_]},
                 {pair_y_.get(), pair_pos_.as<int32_t>() + first * K, nullptr,
                  static_cast<uint8_t*>(grad_rows) + first * out_row});
   be_.unpermute_scalars(pair_pos_.as<int32_t>() + first * K, n, K, grad_perm_weight_.as<float>(),

@@ -246,6 +246,7 @@ void Daemon::start_job(const v1::StartJob& start) {
   env.make_backend = backend_.make;
   env.metrics = metrics_.get();
   env.transport_timeout = opts_.transport_timeout;
+  env.stop_grace = opts_.stop_grace;
   env.faults = faults_;
   env.link = &link_;
   log::info("starting ", start.job_id(), " as ranks ", node_index_ * opts_.devices, "-",

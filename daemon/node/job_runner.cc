@@ -1,6 +1,8 @@
 #include "moe/node/job_runner.h"
 
 #include <algorithm>
+#include <chrono>
+#include <thread>
 
 #include "moe/base/log.h"
 #include "moe/node/rank_run.h"
@@ -20,10 +22,23 @@ JobRunner::JobRunner(v1::StartJob job, RunnerEnv env)
   for (int i = 0; i < env_.devices; ++i) threads_.emplace_back([this, i] { rank_main(i); });
 }
 
+// The stop grace bounds the wait for the step boundary; what is left of it, and at
+// least a second, goes to delivering the ranks' reports.
 JobRunner::~JobRunner() {
   cancel("daemon stopping");
+  const auto until = std::chrono::steady_clock::now() + env_.stop_grace;
+  while (!finished() && std::chrono::steady_clock::now() < until)
+    std::this_thread::sleep_for(std::chrono::milliseconds(20));  // polling the ranks' count
+  if (!finished()) {
+    const std::string why = "daemon stopping: the job reached no step boundary within " +
+                            std::to_string(env_.stop_grace.count()) + " ms";
+    log::warn("job ", job_.job_id(), ": ", why, "; aborting its transfers");
+    std::lock_guard<std::mutex> lock(cancel_mu_);
+    stop_abort_ = why;
+    for (auto& [local, run] : live_ranks_) run->abort_transport(why);
+  }
   for (auto& t : threads_) t.join();
-  reports_->flush(std::chrono::steady_clock::now() + std::chrono::seconds(10));
+  reports_->flush(std::max(until, std::chrono::steady_clock::now() + std::chrono::seconds(1)));
 }
 
 void JobRunner::stop_for_agent(const std::string& reason) {
@@ -130,6 +145,7 @@ void JobRunner::rank_main(int local) {
       std::lock_guard<std::mutex> lock(cancel_mu_);
       live_ranks_[local] = &run;
       if (!failure_.empty()) run.abort_transport("job failed: " + failure_);
+      if (!stop_abort_.empty()) run.abort_transport(stop_abort_);
       if (halted_epoch_.load() >= run.world_epoch()) run.abort_transport("world halted", run.world_epoch());
     }
     struct Unregister {

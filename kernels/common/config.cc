@@ -121,6 +121,8 @@ void UnpermuteConfig::validate() const {
   MOE_CHECK(hidden > 0, "unpermute: hidden must be > 0, got ", hidden);
   MOE_CHECK(!accumulate || out_dtype == DType::kF32,
             "unpermute: accumulate needs an fp32 output");
+  MOE_CHECK(num_perm_rows >= -1, "unpermute: num_perm_rows must be >= 0 (or -1: num_rows * top_k), got ",
+            num_perm_rows);
 }
 
 void SwigluConfig::validate() const {

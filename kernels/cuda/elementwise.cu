@@ -54,9 +54,10 @@ __global__ void dequantize_fp8_kernel(const uint8_t* wire, int64_t num_rows, int
 // Grid of at most 64K blocks; the kernels stride over the rest.
 unsigned grid_for(int64_t n) { return static_cast<unsigned>(std::min<int64_t>(blocks_for(n), 65535)); }
 
-// Each operation rounded on its own (row_logic's _rn steps, no FMA contraction):
-// the bits do not depend on what the compiler fuses, so replicas fed the same
-// gradients stay bitwise identical on any build.
+// Each operation rounded on its own (row_logic's _rn steps, with an explicit fma
+// where the CPU backend fuses, and no other contraction): the CPU backend's bits,
+// whatever the compiler would fuse, so replicas fed the same gradients stay
+// bitwise identical on any build.
 // M: the moments' storage (float, or bf16s rounded to nearest even on store);
 // the weight moves by the unrounded moments, as the CPU backend's step does.
 template <typename M>
@@ -167,10 +168,7 @@ void optimizer_step(CudaExec& ex, const OptimizerConfig& cfg, const OptimizerArg
   if (cfg.kind == OptimizerKind::kSgd) {
     sgd_kernel<<<grid_for(a.count), kThreads, 0, ex.stream>>>(a.count, cfg.lr, a.weight, a.grad, a.rounded);
   } else {
-    // Bias corrections on the host in double, rounded once: as the CPU backend does.
-    const float c1 = 1.0f - static_cast<float>(std::pow(static_cast<double>(cfg.beta1), static_cast<double>(a.step)));
-    const float c2 = 1.0f - static_cast<float>(std::pow(static_cast<double>(cfg.beta2), static_cast<double>(a.step)));
-    const row_logic::AdamParams p{cfg.lr, cfg.beta1, cfg.beta2, cfg.eps, c1, c2};
+    const row_logic::AdamParams p = row_logic::adam_params(cfg, a.step);
     with_dtype(cfg.moments, [&](auto tag) {
       using M = decltype(tag);
       adam_kernel<<<grid_for(a.count), kThreads, 0, ex.stream>>>(a.count, p, a.weight, a.grad, static_cast<M*>(a.m),

@@ -91,8 +91,7 @@ void unpermute(CudaExec& ex, const UnpermuteConfig& cfg, const UnpermuteArgs& a)
   const int64_t N = cfg.num_rows;
   const int H = cfg.hidden;
   if (N <= 0 || H <= 0) return;
-  // perm holds at most N * K rows; pair_pos beyond that is a fault.
-  const int64_t M = N * cfg.top_k;
+  const int64_t M = row_logic::perm_rows(cfg);  // pair_pos at or beyond is a fault
   with_dtype(cfg.in_dtype, [&](auto in_tag) {
     with_dtype(cfg.out_dtype, [&](auto out_tag) {
       with_width(H, {a.perm, a.out}, [&](auto v) {

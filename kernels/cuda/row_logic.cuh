@@ -61,6 +61,11 @@ MOE_HOST_DEVICE inline void gather_vec(const In* rows, int H, int32_t s, int64_t
   reinterpret_cast<Vec<Out, V>*>(out + m * H)[j] = y;
 }
 
+// The rows of an unpermute's perm: what its pair_pos may index.
+MOE_HOST_DEVICE inline int64_t perm_rows(const UnpermuteConfig& c) {
+  return c.num_perm_rows >= 0 ? c.num_perm_rows : c.num_rows * c.top_k;
+}
+
 // Vector j of out row n (+)= sum_k w[n, k] perm[pos[n, k]], in k order, fp32.
 // Returns the first pair whose position is outside [-1, M), or -1.
 template <typename In, typename Out, int V>
@@ -114,20 +119,39 @@ MOE_HOST_DEVICE inline float sub_rn(float a, float b) { MOE_RN(__fsub_rn(a, b), 
 MOE_HOST_DEVICE inline float mul_rn(float a, float b) { MOE_RN(__fmul_rn(a, b), a * b); }
 MOE_HOST_DEVICE inline float div_rn(float a, float b) { MOE_RN(__fdiv_rn(a, b), a / b); }
 MOE_HOST_DEVICE inline float sqrt_rn(float a) { MOE_RN(__fsqrt_rn(a), std::sqrt(a)); }
+MOE_HOST_DEVICE inline float fma_rn(float a, float b, float c) { MOE_RN(__fmaf_rn(a, b, c), std::fma(a, b, c)); }
 #undef MOE_RN
 
-// One Adam element step (kernels/api.h); c1, c2 the bias corrections.
+// One Adam element step (kernels/api.h), the CPU backend's operations
+// (kernels/cpu/optimizer.cc) one for one, so both give the same bits:
+//   m = fma(b1, m, (1-b1) g);  v = fma(b2, v, ((1-b2) g) g)
+//   w -= step_size m / fma(sqrt(v), inv_sqrt_c2, eps)
+// with the bias corrections folded into step_size = lr / (1 - b1^t) and
+// inv_sqrt_c2 = 1 / sqrt(1 - b2^t), each computed in double and rounded once.
 struct AdamParams {
-  float lr, b1, b2, eps, c1, c2;
+  float b1, one_b1, b2, one_b2, step_size, inv_sqrt_c2, eps;
 };
+inline AdamParams adam_params(const OptimizerConfig& cfg, int64_t step) {
+  const double t = static_cast<double>(step);
+  const double c1 = 1.0 - std::pow(static_cast<double>(cfg.beta1), t);
+  const double c2 = 1.0 - std::pow(static_cast<double>(cfg.beta2), t);
+  return {cfg.beta1,
+          1.0f - cfg.beta1,
+          cfg.beta2,
+          1.0f - cfg.beta2,
+          static_cast<float>(cfg.lr / c1),
+          static_cast<float>(1.0 / std::sqrt(c2)),
+          cfg.eps};
+}
 MOE_HOST_DEVICE inline void adam_step(const AdamParams& p, float& w, float g, float& m, float& v) {
-  m = add_rn(mul_rn(p.b1, m), mul_rn(sub_rn(1.0f, p.b1), g));
-  v = add_rn(mul_rn(p.b2, v), mul_rn(mul_rn(sub_rn(1.0f, p.b2), g), g));
-  const float step = div_rn(mul_rn(p.lr, div_rn(m, p.c1)), add_rn(sqrt_rn(div_rn(v, p.c2)), p.eps));
-  w = sub_rn(w, step);
+  m = fma_rn(p.b1, m, mul_rn(p.one_b1, g));
+  v = fma_rn(p.b2, v, mul_rn(mul_rn(p.one_b2, g), g));
+  const float den = fma_rn(sqrt_rn(v), p.inv_sqrt_c2, p.eps);
+  w = sub_rn(w, div_rn(mul_rn(p.step_size, m), den));
 }
 
-MOE_HOST_DEVICE inline void sgd_step(float lr, float& w, float g) { w = sub_rn(w, mul_rn(lr, g)); }
+// SGD: w = fma(-lr, g, w), as the CPU backend.
+MOE_HOST_DEVICE inline void sgd_step(float lr, float& w, float g) { w = fma_rn(-lr, g, w); }
 
 }  // namespace row_logic
 }  // namespace moe::kernels::cuda

@@ -553,6 +553,34 @@ Result check_unpermute(Backend& be, int H, DType in, DType out, bool weighted, b
   return ck.result();
 }
 
+// Rows [first, first + n) of a layout's combine (a part of a chunked layer): their
+// pair_pos point anywhere in the whole layout's perm, past n * K.
+Result check_unpermute_part(Backend& be) {
+  Checker ck;
+  const int64_t N = 256, first = 64, n = 40;
+  const int K = 4, L = 6, H = 64;
+  const std::vector<int32_t> row_expert = random_selection(N, K, L, 75, 25);
+  const HostPermuteLayout lay = host_permute_layout(row_expert, std::vector<float>(N * K, 1.0f), N, K, L);
+  const int64_t M = static_cast<int64_t>(lay.src_row.size());
+  const std::vector<float> perm = normal_vector(M * H, 76);
+  Buffer dperm = to_backend(be, perm), pos = to_backend(be, lay.pair_pos), dout(be, 4 * n * H);
+  be.unpermute({.num_rows = n, .top_k = K, .hidden = H, .out_dtype = DType::kF32, .accumulate = false,
+                .in_dtype = DType::kF32, .num_perm_rows = M},
+               {dperm.get(), pos.as<int32_t>() + first * K, nullptr, dout.get()});
+  std::vector<double> want(n * H, 0.0);
+  int32_t furthest = 0;
+  for (int64_t r = 0; r < n; ++r)
+    for (int k = 0; k < K; ++k) {
+      const int32_t m = lay.pair_pos[(first + r) * K + k];
+      furthest = std::max(furthest, m);
+      if (m >= 0)
+        for (int h = 0; h < H; ++h) want[r * H + h] += perm[m * H + h];
+    }
+  ck.expect(furthest >= n * K, "the part's positions stay below n * K: the check checks nothing");
+  ck.close("combined rows", to_double(to_host<float>(be, dout.get(), n * H)), want, 1e-6, 1e-6);
+  return ck.result();
+}
+
 Result check_pair_scalars(Backend& be) {
   Checker ck;
   const int64_t N = 200;
@@ -850,6 +878,7 @@ std::vector<Check> op_list() {
       }
   v.push_back({"unpermute/unweighted_accumulate",
                [](Backend& be) { return check_unpermute(be, 128, DType::kF32, DType::kF32, false, true); }});
+  v.push_back({"unpermute/part_of_a_layout", check_unpermute_part});
   v.push_back({"pair_scalars", check_pair_scalars});
   v.push_back({"swiglu", check_swiglu});
   v.push_back({"optimizer/adam", [](Backend& be) { return check_optimizer(be, kernels::OptimizerKind::kAdam); }});

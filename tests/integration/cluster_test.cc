@@ -510,6 +510,32 @@ TEST(Cluster, ADaemonStoppedMidJobCancelsIt) {
   EXPECT_NE(out.find("daemon stopping"), std::string::npos) << out;
 }
 
+// docs/architecture.md#stopping: a daemon stopped while its job waits on a silent
+// peer (and on a silent agent, which would otherwise halt the world) does not wait
+// out the 30 s transfer deadline: after its --stop-grace it aborts the job's
+// transfers, says so, and exits.
+TEST(Cluster, AStoppedDaemonWhosePeerIsSilentExitsAfterItsStopGrace) {
+  Cluster c(2, 1, {"--stop-grace", "1"});
+  ASSERT_TRUE(c.up());
+  const std::string id = c.start_long_job(2);
+  auto pid_of = [&](const std::string& name) { return std::stoi(read_text_file(c.dir() / "pids" / (name + ".pid"))); };
+  const pid_t node0 = pid_of("node0"), node1 = pid_of("node1"), agent = pid_of("agent");
+  ::kill(agent, SIGSTOP);
+  ::kill(node1, SIGSTOP);
+  const auto t0 = std::chrono::steady_clock::now();
+  ::kill(node0, SIGTERM);
+  const bool exited = poll_until([&] { return !process_alive(node0); }, 25s);
+  const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  ::kill(node1, SIGCONT);
+  ::kill(agent, SIGCONT);
+  ASSERT_TRUE(exited) << c.logs();
+  EXPECT_LT(seconds, 20.0) << c.logs();  // the heartbeat call, the grace and a second for reports
+  const std::string log = read_text_file(c.dir() / "logs" / "node0.log");
+  EXPECT_NE(log.find("the job reached no step boundary within 1000 ms; aborting its transfers"), std::string::npos)
+      << log;
+  EXPECT_NE(log.find("stopped"), std::string::npos) << log;
+}
+
 TEST(Cluster, CancelStopsARunningJob) {
   Cluster c(1, 2);
   ASSERT_TRUE(c.up());

@@ -45,6 +45,7 @@ struct ClusterUpOptions {
   // auto-rebalance settings.
   std::vector<std::string> agent_args;
   double agent_grace = 30;  // seconds: moed's and the agent's --agent-grace
+  double stop_grace = 5;    // seconds: moed's --stop-grace
   bool plaintext = false;   // no TLS (else a CA and certificates in <state-dir>/tls)
 };
 

@@ -235,6 +235,9 @@ struct UnpermuteConfig {
   DType out_dtype = DType::kF32;
   bool accumulate = false;  // out += (fp32 out only)
   DType in_dtype = DType::kF32;  // of perm
+  // Rows of perm, which pair_pos indexes; -1: num_rows * top_k. A part of a layout
+  // (rows [first, first + n) of a chunked layer) reads the whole layout's perm.
+  int64_t num_perm_rows = -1;
 
   void validate() const;
 };

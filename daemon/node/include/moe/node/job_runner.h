@@ -43,6 +43,7 @@ struct RunnerEnv {
   BackendFactory make_backend;
   metrics::DaemonMetrics* metrics = nullptr;  // may be null
   std::chrono::milliseconds transport_timeout{30000};
+  std::chrono::milliseconds stop_grace{5000};  // DaemonOptions::stop_grace
   FaultInjection faults;  // test hooks (MOE_FAULT_INJECT)
   AgentLink* link = nullptr;       // the daemon's; outlives the job
   ReportSender* reports = nullptr;  // the job's, set by JobRunner
@@ -51,7 +52,9 @@ struct RunnerEnv {
 class JobRunner {
  public:
   JobRunner(v1::StartJob job, RunnerEnv env);
-  ~JobRunner();  // cancels and waits for the ranks
+  // Cancels; ranks that reach no step boundary within env.stop_grace (a peer gone
+  // silent mid-transfer) have their transports aborted; then waits for them.
+  ~JobRunner();
   const std::string& job_id() const { return job_.job_id(); }
   bool finished() const { return running_.load() == 0; }
   void cancel(const std::string& reason);
@@ -106,6 +109,7 @@ class JobRunner {
   std::string cancel_reason_;  // guarded by cancel_mu_
   std::string failure_;        // fail()'s reason, guarded by cancel_mu_
   std::map<int, class RankRun*> live_ranks_;  // constructed RankRuns by local index, guarded by cancel_mu_
+  std::string stop_abort_;  // set when the stop grace ran out: ranks abort (guarded by cancel_mu_)
   std::atomic<int> running_{0};
   std::vector<std::thread> threads_;
 };
