@@ -1,4 +1,5 @@
-// Validation of the op configs and the enum names: shared by every backend.
+// Validation of the op configs, the enum names and the optimizer's constants:
+// shared by every backend.
 #include <cmath>
 
 #include "moe/kernels/api.h"
@@ -163,6 +164,19 @@ void ExpertMlpConfig::check_part(const int64_t* off, const int64_t* begin, const
   for (int e = 0; e < num_experts; ++e)
     MOE_CHECK(off[e] <= begin[e] && begin[e] <= end[e] && end[e] <= off[e + 1], "expert mlp: the part's pairs [",
               begin[e], ", ", end[e], ") of expert ", e, " leave its range [", off[e], ", ", off[e + 1], ")");
+}
+
+AdamConstants adam_constants(const OptimizerConfig& cfg, int64_t step) {
+  const double t = static_cast<double>(step);
+  const double c1 = 1.0 - std::pow(static_cast<double>(cfg.beta1), t);
+  const double c2 = 1.0 - std::pow(static_cast<double>(cfg.beta2), t);
+  return {cfg.beta1,
+          1.0f - cfg.beta1,
+          cfg.beta2,
+          1.0f - cfg.beta2,
+          static_cast<float>(cfg.lr / c1),
+          static_cast<float>(1.0 / std::sqrt(c2)),
+          cfg.eps};
 }
 
 }  // namespace moe::kernels

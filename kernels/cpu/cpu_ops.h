@@ -144,7 +144,8 @@ void optimizer_step(ThreadPool& pool, const OptimizerConfig& cfg, const Optimize
 struct OptimizerPass {
   OptimizerKind kind;
   DType moments;
-  float lr, b1, one_b1, b2, one_b2, step_size, inv_sqrt_c2, eps;
+  float lr;
+  AdamConstants adam;
 };
 OptimizerPass prepare_optimizer(const OptimizerConfig& cfg, const OptimizerArgs& args);
 void optimizer_range(const OptimizerPass& pass, const OptimizerArgs& args, int64_t begin, int64_t end);

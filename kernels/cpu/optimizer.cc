@@ -15,7 +15,7 @@
 namespace moe::kernels::cpu {
 namespace {
 
-using Adam = OptimizerPass;
+using Adam = AdamConstants;
 
 // Adam's moments as stored: fp32, or bf16 widened on load and rounded to the
 // nearest even on store (NaN stays NaN, as f32_to_bf16 does).
@@ -91,37 +91,24 @@ void sgd_range(float lr, const OptimizerArgs& a, int64_t i0, int64_t i1) {
 
 }  // namespace
 
-// The step's constants, the bias corrections folded in once per step (as
-// PyTorch's Adam does): step_size = lr / (1 - b1^t), inv_sqrt_c2 = 1 / sqrt(1 -
-// b2^t), each computed in double and rounded once. Per element that leaves one
-// square root and one division, where dividing m and v by their corrections took
-// three divisions: the pass is bound by memory again, not by the divider.
+// The step's constants (adam_constants, api.h): with the bias corrections folded
+// in, an element takes one square root and one division, where dividing m and v
+// by their corrections took three divisions: the pass is bound by memory again,
+// not by the divider.
 OptimizerPass prepare_optimizer(const OptimizerConfig& cfg, const OptimizerArgs& a) {
   cfg.validate();
   MOE_CHECK(a.step >= 1, "optimizer: step must be >= 1, got ", a.step);
   MOE_CHECK(cfg.kind == OptimizerKind::kSgd || (a.m && a.v), "optimizer: adam needs its moment buffers");
-  const double t = static_cast<double>(a.step);
-  const double c1 = 1.0 - std::pow(static_cast<double>(cfg.beta1), t);
-  const double c2 = 1.0 - std::pow(static_cast<double>(cfg.beta2), t);
-  return {cfg.kind,
-          cfg.moments,
-          cfg.lr,
-          cfg.beta1,
-          1.0f - cfg.beta1,
-          cfg.beta2,
-          1.0f - cfg.beta2,
-          static_cast<float>(cfg.lr / c1),
-          static_cast<float>(1.0 / std::sqrt(c2)),
-          cfg.eps};
+  return {cfg.kind, cfg.moments, cfg.lr, adam_constants(cfg, a.step)};
 }
 
 void optimizer_range(const OptimizerPass& pass, const OptimizerArgs& a, int64_t i0, int64_t i1) {
   if (pass.kind == OptimizerKind::kSgd)
     sgd_range(pass.lr, a, i0, i1);
   else if (pass.moments == DType::kBF16)
-    adam_range<bf16_t>(pass, a, i0, i1);
+    adam_range<bf16_t>(pass.adam, a, i0, i1);
   else
-    adam_range<float>(pass, a, i0, i1);
+    adam_range<float>(pass.adam, a, i0, i1);
 }
 
 void optimizer_step(ThreadPool& pool, const OptimizerConfig& cfg, const OptimizerArgs& a) {

@@ -61,7 +61,7 @@ unsigned grid_for(int64_t n) { return static_cast<unsigned>(std::min<int64_t>(bl
 // M: the moments' storage (float, or bf16s rounded to nearest even on store);
 // the weight moves by the unrounded moments, as the CPU backend's step does.
 template <typename M>
-__global__ void adam_kernel(int64_t n, row_logic::AdamParams p, float* w, const float* g, M* m, M* v,
+__global__ void adam_kernel(int64_t n, AdamConstants p, float* w, const float* g, M* m, M* v,
                             float* rounded) {
   for (int64_t i = blockIdx.x * int64_t{blockDim.x} + threadIdx.x; i < n; i += int64_t{gridDim.x} * blockDim.x) {
     float wi = w[i], mi = to_f32(m[i]), vi = to_f32(v[i]);
@@ -168,7 +168,7 @@ void optimizer_step(CudaExec& ex, const OptimizerConfig& cfg, const OptimizerArg
   if (cfg.kind == OptimizerKind::kSgd) {
     sgd_kernel<<<grid_for(a.count), kThreads, 0, ex.stream>>>(a.count, cfg.lr, a.weight, a.grad, a.rounded);
   } else {
-    const row_logic::AdamParams p = row_logic::adam_params(cfg, a.step);
+    const AdamConstants p = adam_constants(cfg, a.step);
     with_dtype(cfg.moments, [&](auto tag) {
       using M = decltype(tag);
       adam_kernel<<<grid_for(a.count), kThreads, 0, ex.stream>>>(a.count, p, a.weight, a.grad, static_cast<M*>(a.m),

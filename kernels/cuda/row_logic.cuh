@@ -122,28 +122,9 @@ MOE_HOST_DEVICE inline float sqrt_rn(float a) { MOE_RN(__fsqrt_rn(a), std::sqrt(
 MOE_HOST_DEVICE inline float fma_rn(float a, float b, float c) { MOE_RN(__fmaf_rn(a, b, c), std::fma(a, b, c)); }
 #undef MOE_RN
 
-// One Adam element step (kernels/api.h), the CPU backend's operations
-// (kernels/cpu/optimizer.cc) one for one, so both give the same bits:
-//   m = fma(b1, m, (1-b1) g);  v = fma(b2, v, ((1-b2) g) g)
-//   w -= step_size m / fma(sqrt(v), inv_sqrt_c2, eps)
-// with the bias corrections folded into step_size = lr / (1 - b1^t) and
-// inv_sqrt_c2 = 1 / sqrt(1 - b2^t), each computed in double and rounded once.
-struct AdamParams {
-  float b1, one_b1, b2, one_b2, step_size, inv_sqrt_c2, eps;
-};
-inline AdamParams adam_params(const OptimizerConfig& cfg, int64_t step) {
-  const double t = static_cast<double>(step);
-  const double c1 = 1.0 - std::pow(static_cast<double>(cfg.beta1), t);
-  const double c2 = 1.0 - std::pow(static_cast<double>(cfg.beta2), t);
-  return {cfg.beta1,
-          1.0f - cfg.beta1,
-          cfg.beta2,
-          1.0f - cfg.beta2,
-          static_cast<float>(cfg.lr / c1),
-          static_cast<float>(1.0 / std::sqrt(c2)),
-          cfg.eps};
-}
-MOE_HOST_DEVICE inline void adam_step(const AdamParams& p, float& w, float g, float& m, float& v) {
+// One Adam element step: AdamConstants' operations (kernels/api.h), the CPU
+// backend's one for one, so both give the same bits.
+MOE_HOST_DEVICE inline void adam_step(const AdamConstants& p, float& w, float g, float& m, float& v) {
   m = fma_rn(p.b1, m, mul_rn(p.one_b1, g));
   v = fma_rn(p.b2, v, mul_rn(mul_rn(p.one_b2, g), g));
   const float den = fma_rn(sqrt_rn(v), p.inv_sqrt_c2, p.eps);

@@ -468,7 +468,7 @@ TEST(ElementLogic, OptimizerStepsMatchTheCpuBackend) {
     for (int64_t step = 1; step <= 3; ++step) {
       const std::vector<float> g = normal_vector(n, 41 + step);
       cpu.be->optimizer_step(cfg, {n, step, w.data(), g.data(), m.data(), v.data(), nullptr});
-      const row_logic::AdamParams p = row_logic::adam_params(cfg, step);
+      const AdamConstants p = adam_constants(cfg, step);
       for (int64_t i = 0; i < n; ++i) {
         if (kind == OptimizerKind::kAdam)
           row_logic::adam_step(p, ew[i], g[i], em[i], ev[i]);

@@ -411,6 +411,18 @@ struct OptimizerConfig {
   void validate() const;
 };
 
+// Adam's constants of one step, every backend's: the bias corrections folded in
+// once (as PyTorch's Adam does), step_size = lr / (1 - b1^t) and inv_sqrt_c2 =
+// 1 / sqrt(1 - b2^t), each computed in double and rounded once. A backend steps
+// an element with these operations, each rounded once, so all give the same bits:
+//   m = fma(b1, m, one_b1 g);  v = fma(b2, v, (one_b2 g) g)
+//   w -= (step_size m) / fma(sqrt(v), inv_sqrt_c2, eps)
+// (SGD: w = fma(-lr, g, w).) One square root and one division an element.
+struct AdamConstants {
+  float b1, one_b1, b2, one_b2, step_size, inv_sqrt_c2, eps;
+};
+AdamConstants adam_constants(const OptimizerConfig& cfg, int64_t step);
+
 struct OptimizerArgs {
   int64_t count = 0;
   int64_t step = 1;            // 1-based (Adam's bias correction)
