@@ -18,10 +18,11 @@
 namespace moe::kernels::cpu {
 namespace {
 
-// The rule's limit (rows of one expert in a layout) and the most the override may
-// set: the measured crossover (docs/backends.md#small-batches). fp32 on oneDNN
-// was not faster on the path (oneDNN already streams fp32 weights at small M).
-constexpr int64_t kSmallRowsDefault = 8;
+// The rule's limits (rows of one expert in a layout) and the most the override may
+// set: the measured crossovers (docs/backends.md#small-batches). oneDNN's bf16
+// kernels hold up better than the rest at 9-32 rows, so they keep those above 16.
+constexpr int64_t kSmallRowsDefault = 32;
+constexpr int64_t kSmallRowsOneDnnBf16 = 16;
 constexpr int64_t kSmallRowsCap = 64;
 
 // Per-thread panels: x [cap, H] | gu [cap, 2I] | h [cap, I], fp32.
@@ -34,7 +35,7 @@ size_t thread_panel_bytes(const ExpertMlpConfig& c) {
 SmallRowsRule SmallRowsRule::for_engines(const CpuEngines& engines) {
   const char* env = std::getenv("MOE_SMALL_BATCH_ROWS");
   if (!env || !*env)
-    return {engines.fp32 == GemmEngine::kOneDnn ? 0 : kSmallRowsDefault, kSmallRowsDefault};
+    return {kSmallRowsDefault, engines.bf16 == GemmEngine::kOneDnn ? kSmallRowsOneDnnBf16 : kSmallRowsDefault};
   char* end = nullptr;
   const long v = std::strtol(env, &end, 10);
   MOE_CHECK(end && *end == '\0' && v >= 0 && v <= kSmallRowsCap, "MOE_SMALL_BATCH_ROWS='", env,
