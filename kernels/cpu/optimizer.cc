@@ -15,8 +15,6 @@
 namespace moe::kernels::cpu {
 namespace {
 
-using Adam = AdamConstants;
-
 // Adam's moments as stored: fp32, or bf16 widened on load and rounded to the
 // nearest even on store (NaN stays NaN, as f32_to_bf16 does).
 inline float load_moment(const float* p, int64_t i) { return p[i]; }
@@ -35,7 +33,7 @@ inline void store_moments(bf16_t* p, __m256 x) {
 // One element, the same operations as a vector lane of adam_range. The weight
 // moves by the moments as computed (fp32), before bf16 moments are rounded.
 template <class M>
-inline void adam_element(const Adam& k, const OptimizerArgs& a, M* am, M* av, int64_t i) {
+inline void adam_element(const AdamConstants& k, const OptimizerArgs& a, M* am, M* av, int64_t i) {
   const float g = a.grad[i];
   const float m = std::fma(k.b1, load_moment(am, i), k.one_b1 * g);
   const float v = std::fma(k.b2, load_moment(av, i), (k.one_b2 * g) * g);
@@ -53,7 +51,7 @@ inline void adam_element(const Adam& k, const OptimizerArgs& a, M* am, M* av, in
 // (Streaming stores for the write-only bf16 rounding measured slower: 0.89 against
 // 0.71 ns a parameter on 100M parameters.)
 template <class M>
-void adam_range(const Adam& k, const OptimizerArgs& a, int64_t i0, int64_t i1) {
+void adam_range(const AdamConstants& k, const OptimizerArgs& a, int64_t i0, int64_t i1) {
   M* am = static_cast<M*>(a.m);
   M* av = static_cast<M*>(a.v);
   const __m256 b1 = _mm256_set1_ps(k.b1), one_b1 = _mm256_set1_ps(k.one_b1), b2 = _mm256_set1_ps(k.b2);

@@ -88,13 +88,11 @@ struct PairRanges {
 
 PairRanges pair_ranges(const ExpertMlpConfig& c, const int64_t* offset, const ExpertMlpPart& part) {
   if (!part.whole()) c.check_part(offset, part.pair_begin, part.pair_end);
+  const int64_t* begin = part.whole() ? offset : part.pair_begin;
+  const int64_t* end = part.whole() ? offset + 1 : part.pair_end;
   PairRanges r;
-  r.begin.assign(offset, offset + c.num_experts);
-  r.end.assign(offset + 1, offset + c.num_experts + 1);
-  if (!part.whole()) {
-    r.begin.assign(part.pair_begin, part.pair_begin + c.num_experts);
-    r.end.assign(part.pair_end, part.pair_end + c.num_experts);
-  }
+  r.begin.assign(begin, begin + c.num_experts);
+  r.end.assign(end, end + c.num_experts);
   for (int e = 0; e < c.num_experts; ++e) {
     if (r.end[e] <= r.begin[e]) continue;
     if (!r.runs.empty() && r.runs.back().second == r.begin[e])
