@@ -5,8 +5,9 @@
 // routing weight (fp32), y = h w2^T. One task per expert.
 //
 // Numerics: fp32 accumulation over fp32 rows and fp32 (or bf16-rounded) weights;
-// h stays fp32 (the bf16 engine path rounds it), so every bound the engine paths
-// meet holds here. A row's outputs do not depend on the other rows of its call.
+// h stays fp32 except on the AVX-512 BF16 kernel, which rounds its rows, and so h,
+// to bf16 (as the oneDNN bf16 path does), so every bound the engine paths meet
+// holds here. A row's outputs do not depend on the other rows of its call.
 #include <cstdlib>
 #include <string>
 
@@ -20,10 +21,17 @@ namespace {
 
 // The rule's limits (rows of one expert in a layout) and the most the override may
 // set: the measured crossovers (docs/backends.md#small-batches). oneDNN's bf16
-// kernels hold up better than the rest at 9-32 rows, so they keep those above 16.
+// kernels beat the fp32-widening bf16 kernels above 16 rows; the AVX-512 BF16
+// kernel beats them up to the cap.
 constexpr int64_t kSmallRowsDefault = 32;
 constexpr int64_t kSmallRowsOneDnnBf16 = 16;
 constexpr int64_t kSmallRowsCap = 64;
+constexpr int64_t kSmallRowsBf16Dot = kSmallRowsCap;
+
+int64_t default_bf16_rows(const CpuEngines& engines) {
+  if (small_gemm_isa() == SmallGemmIsa::kAvx512Bf16) return kSmallRowsBf16Dot;
+  return engines.bf16 == GemmEngine::kOneDnn ? kSmallRowsOneDnnBf16 : kSmallRowsDefault;
+}
 
 // Per-thread panels: x [cap, H] | gu [cap, 2I] | h [cap, I], fp32.
 size_t thread_panel_bytes(const ExpertMlpConfig& c) {
@@ -34,8 +42,7 @@ size_t thread_panel_bytes(const ExpertMlpConfig& c) {
 
 SmallRowsRule SmallRowsRule::for_engines(const CpuEngines& engines) {
   const char* env = std::getenv("MOE_SMALL_BATCH_ROWS");
-  if (!env || !*env)
-    return {kSmallRowsDefault, engines.bf16 == GemmEngine::kOneDnn ? kSmallRowsOneDnnBf16 : kSmallRowsDefault};
+  if (!env || !*env) return {kSmallRowsDefault, default_bf16_rows(engines)};
   char* end = nullptr;
   const long v = std::strtol(env, &end, 10);
   MOE_CHECK(end && *end == '\0' && v >= 0 && v <= kSmallRowsCap, "MOE_SMALL_BATCH_ROWS='", env,

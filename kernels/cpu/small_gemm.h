@@ -7,8 +7,9 @@
 // Every C[i, j] is summed in one fixed order (lane-strided partial sums over k,
 // then a fixed reduction) whatever m and the other rows are, so a row's result
 // does not depend on which rows share the call (chunked layers need this). The
-// AVX-512 and AVX2 kernels differ in lane count and so in bits; a process always
-// runs the same one (the CPU's features decide).
+// kernels differ in lane count and so in bits; a process always runs the same one
+// (the CPU's features decide). On AVX-512 BF16 the bf16-weight kernel multiplies
+// bf16 pairs (VDPBF16PS), so it rounds the rows to bf16 first.
 #pragma once
 
 #include <cstdint>
@@ -17,14 +18,20 @@
 
 namespace moe::kernels::cpu {
 
-enum class SmallGemmIsa { kAvx2, kAvx512 };
+// In order of what they need; kAvx512Bf16 runs the kAvx512 kernel for fp32
+// weights and its own for bf16.
+enum class SmallGemmIsa { kAvx2, kAvx512, kAvx512Bf16 };
 
-// The kernel this CPU runs: AVX-512 (F and BW) when present, else AVX2.
+// The kernel this process runs: AVX-512 BF16 (with F and BW) when the CPU has it,
+// else AVX-512 (F and BW), else AVX2; MOE_SMALL_GEMM_ISA (avx2 | avx512 |
+// avx512-bf16, at most what the CPU has) picks a lesser one for measurements.
 SmallGemmIsa small_gemm_isa();
 const char* small_gemm_isa_name(SmallGemmIsa isa);
+// Whether this CPU can run the kernel of `isa` (tests run every one it can).
+bool small_gemm_isa_runs_here(SmallGemmIsa isa);
 
 // bf16 weights in the layout the kernel of `isa` streams, made once when the
-// weights are set: row-major for AVX2; for AVX-512 panels of 8 rows, each 32
+// weights are set: row-major for AVX2; for both AVX-512 kernels panels of 8 rows, each 32
 // values of a row beside the other 7 rows' (one linear stream however few rows a
 // call has), rows padded to a multiple of 32 values and panels to 8 rows with zeros.
 size_t small_bf16_weight_elems(SmallGemmIsa isa, int64_t n, int64_t k);
@@ -32,7 +39,7 @@ void pack_small_bf16_weights(SmallGemmIsa isa, const float* w, int64_t n, int64_
 
 // x [m, k] fp32 (row stride k); w [n, k]: fp32 row-major (row stride k), or bf16 in
 // pack_small_bf16_weights' layout for the same isa; c [m, n] fp32 (row stride ldc).
-// m, n, k >= 0.
+// m, n, k >= 0. kAvx512Bf16 with bf16 weights computes with x rounded to bf16.
 void small_rows_gemm(const float* x, int64_t m, int64_t k, const void* w, DType w_dtype, int64_t n, float* c,
                      int64_t ldc);
 // The same on a named kernel (tests run both where the CPU can).
@@ -44,6 +51,8 @@ void small_rows_gemm_avx2(const float* x, int64_t m, int64_t k, const void* w, D
                           int64_t ldc);
 void small_rows_gemm_avx512(const float* x, int64_t m, int64_t k, const void* w, DType w_dtype, int64_t n, float* c,
                             int64_t ldc);
+void small_rows_gemm_avx512bf16(const float* x, int64_t m, int64_t k, const bf16_t* w, int64_t n, float* c,
+                                int64_t ldc);
 }  // namespace detail
 
 }  // namespace moe::kernels::cpu

@@ -2,6 +2,8 @@
 #include <immintrin.h>
 
 #include <algorithm>
+#include <cstdlib>
+#include <cstring>
 
 #include "moe/base/check.h"
 #include "small_gemm.h"
@@ -103,14 +105,40 @@ void small_rows_gemm_avx2(const float* x, int64_t m, int64_t k, const void* w, D
 }
 }  // namespace detail
 
+namespace {
+
+SmallGemmIsa best_isa_here() {
+  if (!__builtin_cpu_supports("avx512f") || !__builtin_cpu_supports("avx512bw")) return SmallGemmIsa::kAvx2;
+  return __builtin_cpu_supports("avx512bf16") ? SmallGemmIsa::kAvx512Bf16 : SmallGemmIsa::kAvx512;
+}
+
+}  // namespace
+
 SmallGemmIsa small_gemm_isa() {
-  static const SmallGemmIsa isa = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw")
-                                      ? SmallGemmIsa::kAvx512
-                                      : SmallGemmIsa::kAvx2;
+  static const SmallGemmIsa isa = [] {
+    const SmallGemmIsa best = best_isa_here();
+    const char* env = std::getenv("MOE_SMALL_GEMM_ISA");
+    if (!env || !*env) return best;
+    for (const SmallGemmIsa isa : {SmallGemmIsa::kAvx2, SmallGemmIsa::kAvx512, SmallGemmIsa::kAvx512Bf16})
+      if (std::strcmp(env, small_gemm_isa_name(isa)) == 0) {
+        MOE_CHECK(isa <= best, "MOE_SMALL_GEMM_ISA='", env, "': this CPU runs at most ", small_gemm_isa_name(best));
+        return isa;
+      }
+    MOE_CHECK(false, "MOE_SMALL_GEMM_ISA='", env, "': expected avx2, avx512 or avx512-bf16");
+    return best;
+  }();
   return isa;
 }
 
-const char* small_gemm_isa_name(SmallGemmIsa isa) { return isa == SmallGemmIsa::kAvx512 ? "avx512" : "avx2"; }
+const char* small_gemm_isa_name(SmallGemmIsa isa) {
+  switch (isa) {
+    case SmallGemmIsa::kAvx512: return "avx512";
+    case SmallGemmIsa::kAvx512Bf16: return "avx512-bf16";
+    default: return "avx2";
+  }
+}
+
+bool small_gemm_isa_runs_here(SmallGemmIsa isa) { return isa <= best_isa_here(); }
 
 size_t small_bf16_weight_elems(SmallGemmIsa isa, int64_t n, int64_t k) {
   if (isa == SmallGemmIsa::kAvx2) return static_cast<size_t>(n) * k;
@@ -137,12 +165,14 @@ void small_rows_gemm(SmallGemmIsa isa, const float* x, int64_t m, int64_t k, con
             " ldc=", ldc);
   MOE_CHECK(w_dtype == DType::kF32 || w_dtype == DType::kBF16, "small_rows_gemm: weights must be fp32 or bf16");
   if (m == 0 || n == 0) return;
-  if (isa == SmallGemmIsa::kAvx512) {
-    MOE_CHECK(small_gemm_isa() == SmallGemmIsa::kAvx512, "small_rows_gemm: this CPU has no AVX-512");
+  MOE_CHECK(small_gemm_isa_runs_here(isa), "small_rows_gemm: this CPU cannot run the ", small_gemm_isa_name(isa),
+            " kernel");
+  if (isa == SmallGemmIsa::kAvx512Bf16 && w_dtype == DType::kBF16)
+    detail::small_rows_gemm_avx512bf16(x, m, k, static_cast<const bf16_t*>(w), n, c, ldc);
+  else if (isa != SmallGemmIsa::kAvx2)
     detail::small_rows_gemm_avx512(x, m, k, w, w_dtype, n, c, ldc);
-  } else {
+  else
     detail::small_rows_gemm_avx2(x, m, k, w, w_dtype, n, c, ldc);
-  }
 }
 
 void small_rows_gemm(const float* x, int64_t m, int64_t k, const void* w, DType w_dtype, int64_t n, float* c,

@@ -15,6 +15,7 @@
 #include <vector>
 
 #include "small_gemm.h"
+#include "small_gemm_avx512_common.h"
 
 namespace moe::kernels::cpu::detail {
 namespace {
@@ -29,10 +30,9 @@ inline __mmask16 mask16(int64_t left) {
 }
 
 // fp32 weights: c[i, j0 + r] for i < MR, r < NR; the k tail is a masked step.
-// ahead: the rows kAhead blocks on (contiguous, as this block's are), prefetched
-// a slice per k step; null for none.
+// pf: this group's share of the rows kAhead blocks on.
 template <int MR, int NR>
-void block_f32(const float* x, int64_t k, const float* w, int64_t j0, const float* ahead, float* c, int64_t ldc) {
+void block_f32(const float* x, int64_t k, const float* w, int64_t j0, Prefetch pf, float* c, int64_t ldc) {
   __m512 acc[MR][NR];
 #pragma GCC unroll 8
   for (int i = 0; i < MR; ++i)
@@ -40,8 +40,7 @@ void block_f32(const float* x, int64_t k, const float* w, int64_t j0, const floa
     for (int r = 0; r < NR; ++r) acc[i][r] = _mm512_setzero_ps();
   for (int64_t kk = 0; kk < k; kk += 16) {
     const __mmask16 m = mask16(k - kk);
-    if (ahead)
-      for (int b = 0; b < NR * 64; b += 64) _mm_prefetch(reinterpret_cast<const char*>(ahead + kk * NR) + b, _MM_HINT_T1);
+    pf.step();
     __m512 xv[MR];
 #pragma GCC unroll 8
     for (int i = 0; i < MR; ++i) xv[i] = _mm512_maskz_loadu_ps(m, x + i * k + kk);
@@ -54,19 +53,22 @@ void block_f32(const float* x, int64_t k, const float* w, int64_t j0, const floa
   }
 #pragma GCC unroll 8
   for (int i = 0; i < MR; ++i)
-#pragma GCC unroll 8
-    for (int r = 0; r < NR; ++r) c[i * ldc + j0 + r] = _mm512_reduce_add_ps(acc[i][r]);
+    if constexpr (NR == kNr)
+      store_reduced8(acc[i], NR, c + i * ldc + j0);
+    else
+      for (int r = 0; r < NR; ++r) c[i * ldc + j0 + r] = _mm512_reduce_add_ps(acc[i][r]);
 }
 
+// Row group g of `groups`: rows [j0, j_end) of W in blocks of kNr.
 template <int MR>
-void rows_f32(const float* x, int64_t k, const float* w, int64_t n, int64_t j0, int64_t j_end, bool prefetch,
-              float* c, int64_t ldc) {
+void rows_f32(const float* x, int64_t k, const float* w, int64_t n, int64_t j0, int64_t j_end, int64_t g,
+              int64_t groups, float* c, int64_t ldc) {
   int64_t j = j0;
   for (; j + kNr <= j_end; j += kNr) {
-    const float* ahead = prefetch && j + (kAhead + 1) * kNr <= n ? w + (j + kAhead * kNr) * k : nullptr;
-    block_f32<MR, kNr>(x, k, w, j, ahead, c, ldc);
+    const float* ahead = j + (kAhead + 1) * kNr <= n ? w + (j + kAhead * kNr) * k : nullptr;
+    block_f32<MR, kNr>(x, k, w, j, Prefetch::slice(ahead, kNr * k * 4, g, groups, (k + 15) / 16), c, ldc);
   }
-  for (; j < j_end; ++j) block_f32<MR, 1>(x, k, w, j, nullptr, c, ldc);
+  for (; j < j_end; ++j) block_f32<MR, 1>(x, k, w, j, Prefetch{}, c, ldc);
 }
 
 // W rows outermost in blocks of about 32 KiB, row groups of X inside: a block of W
@@ -75,19 +77,20 @@ void run_f32(const float* x, int64_t m, int64_t k, const float* w, int64_t n, fl
   const int64_t jb = std::max<int64_t>(kNr, (32 << 10) / std::max<int64_t>(1, k * 4) / kNr * kNr);
   for (int64_t j0 = 0; j0 < n; j0 += jb) {
     const int64_t j_end = std::min(n, j0 + jb);
+    // The row groups share the prefetch of the rows kAhead blocks on.
+    const int64_t groups = (m + kMrF32 - 1) / kMrF32;
     int64_t i = 0;
-    // The first row group prefetches the rows kAhead blocks on.
-    for (; i + kMrF32 <= m; i += kMrF32) rows_f32<kMrF32>(x + i * k, k, w, n, j0, j_end, i == 0, c + i * ldc, ldc);
-    if (m - i == 2) rows_f32<2>(x + i * k, k, w, n, j0, j_end, i == 0, c + i * ldc, ldc);
-    if (m - i == 1) rows_f32<1>(x + i * k, k, w, n, j0, j_end, i == 0, c + i * ldc, ldc);
+    for (; i + kMrF32 <= m; i += kMrF32)
+      rows_f32<kMrF32>(x + i * k, k, w, n, j0, j_end, i / kMrF32, groups, c + i * ldc, ldc);
+    if (m - i == 2) rows_f32<2>(x + i * k, k, w, n, j0, j_end, i / kMrF32, groups, c + i * ldc, ldc);
+    if (m - i == 1) rows_f32<1>(x + i * k, k, w, n, j0, j_end, i / kMrF32, groups, c + i * ldc, ldc);
   }
 }
 
 // bf16 panel p (8 rows from j0 = 8p, `valid` of them real); xd: MR rows
 // de-interleaved, kp values each (zero padded, as the panel is).
 template <int MR>
-void panel_bf16(const float* xd, int64_t kp, const bf16_t* panel, const bf16_t* ahead, int valid, float* c,
-                int64_t ldc) {
+void panel_bf16(const float* xd, int64_t kp, const bf16_t* panel, Prefetch pf, int valid, float* c, int64_t ldc) {
   const __m512i high = _mm512_set1_epi32(static_cast<int>(0xffff0000u));
   __m512 acc[MR][kNr];
 #pragma GCC unroll 8
@@ -96,8 +99,7 @@ void panel_bf16(const float* xd, int64_t kp, const bf16_t* panel, const bf16_t* 
     for (int r = 0; r < kNr; ++r) acc[i][r] = _mm512_setzero_ps();
   for (int64_t kk = 0; kk < kp; kk += 32) {
     const bf16_t* step = panel + kk * kNr;  // 8 rows x 32 values
-    if (ahead)
-      for (int b = 0; b < 512; b += 64) _mm_prefetch(reinterpret_cast<const char*>(ahead + kk * kNr) + b, _MM_HINT_T1);
+    pf.step();
     __m512 even[MR], odd[MR];
 #pragma GCC unroll 8
     for (int i = 0; i < MR; ++i) {
@@ -117,10 +119,7 @@ void panel_bf16(const float* xd, int64_t kp, const bf16_t* panel, const bf16_t* 
     }
   }
 #pragma GCC unroll 8
-  for (int i = 0; i < MR; ++i)
-#pragma GCC unroll 8
-    for (int r = 0; r < kNr; ++r)
-      if (r < valid) c[i * ldc + r] = _mm512_reduce_add_ps(acc[i][r]);
+  for (int i = 0; i < MR; ++i) store_reduced8(acc[i], valid, c + i * ldc);
 }
 
 // The rows of x [m, k] with each 32 values reordered evens then odds, zero padded
@@ -141,12 +140,14 @@ void run_bf16(const float* x, int64_t m, int64_t k, const bf16_t* w, int64_t n, 
   for (int64_t j0 = 0; j0 < n; j0 += kNr) {
     const bf16_t* panel = w + j0 * kp;
     const int valid = static_cast<int>(std::min<int64_t>(kNr, n - j0));
-    // The first row group prefetches the panel kAhead panels on.
+    // The row groups share the prefetch of the panel kAhead panels on.
     const bf16_t* ahead = j0 + (kAhead + 1) * kNr <= n ? panel + kAhead * kNr * kp : nullptr;
+    const int64_t groups = (m + kMrBf16 - 1) / kMrBf16;
+    auto slice = [&](int64_t i) { return Prefetch::slice(ahead, kNr * kp * 2, i / kMrBf16, groups, kp / 32); };
     int64_t i = 0;
-    for (; i + kMrBf16 <= m; i += kMrBf16, ahead = nullptr)
-      panel_bf16<kMrBf16>(xd.data() + i * kp, kp, panel, ahead, valid, c + i * ldc + j0, ldc);
-    if (m - i == 1) panel_bf16<1>(xd.data() + i * kp, kp, panel, ahead, valid, c + i * ldc + j0, ldc);
+    for (; i + kMrBf16 <= m; i += kMrBf16)
+      panel_bf16<kMrBf16>(xd.data() + i * kp, kp, panel, slice(i), valid, c + i * ldc + j0, ldc);
+    if (m - i == 1) panel_bf16<1>(xd.data() + i * kp, kp, panel, slice(i), valid, c + i * ldc + j0, ldc);
   }
 }
 

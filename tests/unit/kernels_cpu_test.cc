@@ -1079,10 +1079,14 @@ INSTANTIATE_TEST_SUITE_P(Engines, ExpertMlpOp,
 // accumulation of k exact products, so |error| <= k 2^-24 sum |x w| (plus the
 // reduction's log2(lanes) adds, inside the k). Shapes cover the k tails (not a
 // multiple of 8, 16, 32), every row-group remainder and partial weight panels.
+// The AVX-512 BF16 kernel's bf16 products are exact as well, so it meets the same
+// bound against the rows rounded to bf16.
 // A row's results are the same bits whether computed alone or among others.
 TEST(SmallRowsGemm, MatchesDoubleOnEveryIsaAndRowsAreIndependent) {
-  std::vector<cpu::SmallGemmIsa> isas = {cpu::SmallGemmIsa::kAvx2};
-  if (cpu::small_gemm_isa() == cpu::SmallGemmIsa::kAvx512) isas.push_back(cpu::SmallGemmIsa::kAvx512);
+  std::vector<cpu::SmallGemmIsa> isas;
+  for (const cpu::SmallGemmIsa isa :
+       {cpu::SmallGemmIsa::kAvx2, cpu::SmallGemmIsa::kAvx512, cpu::SmallGemmIsa::kAvx512Bf16})
+    if (cpu::small_gemm_isa_runs_here(isa)) isas.push_back(isa);
   for (const cpu::SmallGemmIsa isa : isas)
     for (const DType wd : {DType::kF32, DType::kBF16})
       for (const int64_t k : {1, 15, 16, 33, 100, 256})
@@ -1092,6 +1096,9 @@ TEST(SmallRowsGemm, MatchesDoubleOnEveryIsaAndRowsAreIndependent) {
                                      " m=" + std::to_string(m) + " n=" + std::to_string(n) + " k=" + std::to_string(k);
             std::vector<float> x = normal_vector(m * k, 11 + k), w = normal_vector(n * k, 12 + n);
             if (wd == DType::kBF16) model::round_to_bf16(w);
+            // The bf16 dot-product kernel computes with the rows rounded to bf16.
+            std::vector<float> x_used = x;
+            if (wd == DType::kBF16 && isa == cpu::SmallGemmIsa::kAvx512Bf16) model::round_to_bf16(x_used);
             std::vector<bf16_t> packed(cpu::small_bf16_weight_elems(isa, n, k), 0xffff);
             cpu::pack_small_bf16_weights(isa, w.data(), n, k, packed.data());
             const void* wp = wd == DType::kBF16 ? static_cast<const void*>(packed.data()) : w.data();
@@ -1103,8 +1110,8 @@ TEST(SmallRowsGemm, MatchesDoubleOnEveryIsaAndRowsAreIndependent) {
               for (int64_t j = 0; j < n; ++j) {
                 double sum = 0, abs_sum = 0;
                 for (int64_t v = 0; v < k; ++v) {
-                  sum += static_cast<double>(x[i * k + v]) * w[j * k + v];
-                  abs_sum += std::fabs(static_cast<double>(x[i * k + v]) * w[j * k + v]);
+                  sum += static_cast<double>(x_used[i * k + v]) * w[j * k + v];
+                  abs_sum += std::fabs(static_cast<double>(x_used[i * k + v]) * w[j * k + v]);
                 }
                 got.push_back(c[i * ldc + j]);
                 want.push_back(sum);
@@ -1123,9 +1130,9 @@ TEST(SmallRowsGemm, MatchesDoubleOnEveryIsaAndRowsAreIndependent) {
 
 // The small-batch path inside the fused expert MLP: a forward-only layer whose
 // experts have 0, 1, 2, 3, 5, 16 and 17 rows, so the rule (set to at most 16
-// rows) splits the call between the two paths. y against a double composition (the
-// small path keeps h in fp32; bf16 on oneDNN rounds it for the 17-row expert, as
-// ForwardBackwardMatchComposition bounds), the pairs the path computed counted,
+// rows) splits the call between the two paths. y against a double composition (h
+// rounded to bf16 by bf16 on oneDNN and by the small path's AVX-512 BF16 kernel,
+// as ForwardBackwardMatchComposition bounds), the pairs the path computed counted,
 // the same bits in one-row parts, and the same values with the path turned off.
 class ExpertMlpSmallBatch : public CpuOps, public ::testing::WithParamInterface<std::tuple<DType, GemmEngine>> {};
 
@@ -1180,7 +1187,11 @@ TEST_P(ExpertMlpSmallBatch, SplitsByRowsAndMatchesComposition) {
           sum[m * H + j] += std::fabs(pw[m] * h[i] * w2[(e * H + j) * I + i]);
         }
     }
-  const double coef = bf16 && engine == GemmEngine::kOneDnn ? 0x1.0p-7 : 0.0;
+  // h rounded to bf16: by oneDNN's bf16 path, and by the small path's bf16
+  // dot-product kernel on the experts it computes.
+  const bool h_rounded =
+      bf16 && (engine == GemmEngine::kOneDnn || cpu::small_gemm_isa() == cpu::SmallGemmIsa::kAvx512Bf16);
+  const double coef = h_rounded ? 0x1.0p-7 : 0.0;
   EXPECT_TRUE(close_bounded("y", to_double(y), want, sum, coef, 1e-4, 1e-5));
 
   // One pair per part: the small experts' rows give the same bits.
@@ -1229,10 +1240,13 @@ INSTANTIATE_TEST_SUITE_P(Engines, ExpertMlpSmallBatch,
 
 TEST(SmallBatchRule, FollowsTheEnginesAndTheOverride) {
   const CpuEngines blas{GemmEngine::kOpenBlas, GemmEngine::kOpenBlas}, dnn{GemmEngine::kOneDnn, GemmEngine::kOneDnn};
+  // bf16: the AVX-512 BF16 kernel up to 64 rows; else oneDNN's bf16 kernels
+  // above 16 rows.
+  const bool dot = cpu::small_gemm_isa() == cpu::SmallGemmIsa::kAvx512Bf16;
   EXPECT_EQ(cpu::SmallRowsRule::for_engines(blas).fp32, 32);
-  EXPECT_EQ(cpu::SmallRowsRule::for_engines(blas).bf16, 32);
+  EXPECT_EQ(cpu::SmallRowsRule::for_engines(blas).bf16, dot ? 64 : 32);
   EXPECT_EQ(cpu::SmallRowsRule::for_engines(dnn).fp32, 32);
-  EXPECT_EQ(cpu::SmallRowsRule::for_engines(dnn).bf16, 16);  // oneDNN's bf16 kernels hold up better
+  EXPECT_EQ(cpu::SmallRowsRule::for_engines(dnn).bf16, dot ? 64 : 16);
   ::setenv("MOE_SMALL_BATCH_ROWS", "8", 1);
   EXPECT_EQ(cpu::SmallRowsRule::for_engines(dnn).fp32, 8);
   EXPECT_EQ(cpu::SmallRowsRule::for_engines(dnn).bf16, 8);
