@@ -8,6 +8,7 @@
 #include "moe/base/check.h"
 #include "moe/kernels/cpu_backend.h"
 #include "onednn_matmul.h"
+#include "small_gemm.h"
 
 namespace moe::kernels {
 namespace {
@@ -124,6 +125,7 @@ CpuBackendInfo cpu_backend_info() {
     info.engines = apply_override(env, info.engines);
   }
   cpu::check_engines_run_here(info.engines, info.engine_source);
+  info.small_gemm = cpu::small_gemm_isa_name(cpu::small_gemm_isa());
   return info;
 }
 
@@ -136,7 +138,7 @@ std::string cpu_backend_summary() {
   try {
     const CpuBackendInfo i = cpu_backend_info();
     return "cpu backend on " + i.cpu_model + ": oneDNN ISA " + i.isa + ", GEMM fp32=" + i.gemm_engine(DType::kF32) +
-           " bf16=" + i.gemm_engine(DType::kBF16) + " (" + i.engine_source + ")";
+           " bf16=" + i.gemm_engine(DType::kBF16) + " (" + i.engine_source + "), few-row kernel " + i.small_gemm;
   } catch (const std::exception& e) {
     return std::string("cpu backend: ") + e.what();
   }

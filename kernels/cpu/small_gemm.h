@@ -29,6 +29,10 @@ SmallGemmIsa small_gemm_isa();
 const char* small_gemm_isa_name(SmallGemmIsa isa);
 // Whether this CPU can run the kernel of `isa` (tests run every one it can).
 bool small_gemm_isa_runs_here(SmallGemmIsa isa);
+// The kernel a MOE_SMALL_GEMM_ISA value asks for on a CPU whose best is `best`
+// (null or empty: best); a name that is not a kernel, or one the CPU cannot run,
+// throws naming the variable.
+SmallGemmIsa small_gemm_isa_for(const char* requested, SmallGemmIsa best);
 
 // bf16 weights in the layout the kernel of `isa` streams, made once when the
 // weights are set: row-major for AVX2; for both AVX-512 kernels panels of 8 rows, each 32

@@ -114,19 +114,20 @@ SmallGemmIsa best_isa_here() {
 
 }  // namespace
 
+SmallGemmIsa small_gemm_isa_for(const char* requested, SmallGemmIsa best) {
+  if (!requested || !*requested) return best;
+  for (const SmallGemmIsa isa : {SmallGemmIsa::kAvx2, SmallGemmIsa::kAvx512, SmallGemmIsa::kAvx512Bf16})
+    if (std::strcmp(requested, small_gemm_isa_name(isa)) == 0) {
+      MOE_CHECK(isa <= best, "MOE_SMALL_GEMM_ISA='", requested, "': this CPU runs at most ",
+                small_gemm_isa_name(best));
+      return isa;
+    }
+  MOE_CHECK(false, "MOE_SMALL_GEMM_ISA='", requested, "': expected avx2, avx512 or avx512-bf16");
+  return best;
+}
+
 SmallGemmIsa small_gemm_isa() {
-  static const SmallGemmIsa isa = [] {
-    const SmallGemmIsa best = best_isa_here();
-    const char* env = std::getenv("MOE_SMALL_GEMM_ISA");
-    if (!env || !*env) return best;
-    for (const SmallGemmIsa isa : {SmallGemmIsa::kAvx2, SmallGemmIsa::kAvx512, SmallGemmIsa::kAvx512Bf16})
-      if (std::strcmp(env, small_gemm_isa_name(isa)) == 0) {
-        MOE_CHECK(isa <= best, "MOE_SMALL_GEMM_ISA='", env, "': this CPU runs at most ", small_gemm_isa_name(best));
-        return isa;
-      }
-    MOE_CHECK(false, "MOE_SMALL_GEMM_ISA='", env, "': expected avx2, avx512 or avx512-bf16");
-    return best;
-  }();
+  static const SmallGemmIsa isa = small_gemm_isa_for(std::getenv("MOE_SMALL_GEMM_ISA"), best_isa_here());
   return isa;
 }
 

@@ -25,10 +25,6 @@ constexpr int kNr = 8;  // rows of W per block (a bf16 panel)
 constexpr int kMrF32 = 3, kMrBf16 = 2;
 constexpr int64_t kAhead = 4;  // blocks of 8 weight rows prefetched ahead of the one computed
 
-inline __mmask16 mask16(int64_t left) {
-  return left >= 16 ? __mmask16(0xffff) : static_cast<__mmask16>((1u << left) - 1);
-}
-
 // fp32 weights: c[i, j0 + r] for i < MR, r < NR; the k tail is a masked step.
 // pf: this group's share of the rows kAhead blocks on.
 template <int MR, int NR>

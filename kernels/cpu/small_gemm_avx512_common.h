@@ -9,6 +9,11 @@
 namespace moe::kernels::cpu::detail {
 namespace {
 
+// Lanes [0, left) of 16 (none when left <= 0).
+inline __mmask16 mask16(int64_t left) {
+  return left >= 16 ? __mmask16(0xffff) : left <= 0 ? __mmask16(0) : static_cast<__mmask16>((1u << left) - 1);
+}
+
 // The lane sums of eight accumulators, in order, in one ymm: a transposing tree
 // (quarters 0+2 and 1+3, then those two, then the four lanes of a quarter as
 // (0+2)+(1+3)) of 12 shuffles and 7 adds where eight _mm512_reduce_add_ps take

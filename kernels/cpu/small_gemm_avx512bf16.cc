@@ -50,13 +50,15 @@ void panel_dot(const bf16_t* xb, int64_t kp, const bf16_t* panel, Prefetch pf, i
   for (int i = 0; i < MR; ++i) store_reduced8(acc[i], valid, c + i * ldc);
 }
 
-// x [m, k] fp32 -> bf16 rows of kp values, zero padded.
+// x [m, k] fp32 -> bf16 rows of kp values, zero padded: VCVTNE2PS2BF16 rounds to
+// nearest even and flushes denormals to zero, as VDPBF16PS would treat them.
 void round_rows(const float* x, int64_t m, int64_t k, int64_t kp, bf16_t* xb) {
-  for (int64_t i = 0; i < m; ++i) {
-    bf16_t* d = xb + i * kp;
-    for (int64_t v = 0; v < k; ++v) d[v] = f32_to_bf16(x[i * k + v]);
-    std::fill(d + k, d + kp, bf16_t{0});
-  }
+  for (int64_t i = 0; i < m; ++i)
+    for (int64_t v = 0; v < kp; v += 32) {
+      const __m512 lo = _mm512_maskz_loadu_ps(mask16(k - v), x + i * k + v);
+      const __m512 hi = _mm512_maskz_loadu_ps(mask16(k - v - 16), x + i * k + v + 16);
+      _mm512_storeu_si512(xb + i * kp + v, (__m512i)_mm512_cvtne2ps_pbh(hi, lo));
+    }
 }
 
 }  // namespace

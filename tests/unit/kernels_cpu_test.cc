@@ -1238,6 +1238,24 @@ INSTANTIATE_TEST_SUITE_P(Engines, ExpertMlpSmallBatch,
                                   engine_suffix(std::get<1>(info.param));
                          });
 
+TEST(SmallRowsGemm, TheIsaOverrideNamesWhatItRefuses) {
+  using cpu::SmallGemmIsa;
+  EXPECT_EQ(cpu::small_gemm_isa_for(nullptr, SmallGemmIsa::kAvx512Bf16), SmallGemmIsa::kAvx512Bf16);
+  EXPECT_EQ(cpu::small_gemm_isa_for("", SmallGemmIsa::kAvx512), SmallGemmIsa::kAvx512);
+  EXPECT_EQ(cpu::small_gemm_isa_for("avx512", SmallGemmIsa::kAvx512Bf16), SmallGemmIsa::kAvx512);
+  EXPECT_EQ(cpu::small_gemm_isa_for("avx2", SmallGemmIsa::kAvx512Bf16), SmallGemmIsa::kAvx2);
+  for (const auto& [bad, what] : std::vector<std::pair<const char*, const char*>>{
+           {"avx512-bf16", "runs at most avx512"}, {"sse", "expected avx2, avx512 or avx512-bf16"}}) {
+    try {
+      cpu::small_gemm_isa_for(bad, SmallGemmIsa::kAvx512);
+      ADD_FAILURE() << bad << " was accepted";
+    } catch (const Error& e) {
+      EXPECT_NE(std::string(e.what()).find("MOE_SMALL_GEMM_ISA"), std::string::npos) << e.what();
+      EXPECT_NE(std::string(e.what()).find(what), std::string::npos) << e.what();
+    }
+  }
+}
+
 TEST(SmallBatchRule, FollowsTheEnginesAndTheOverride) {
   const CpuEngines blas{GemmEngine::kOpenBlas, GemmEngine::kOpenBlas}, dnn{GemmEngine::kOneDnn, GemmEngine::kOneDnn};
   // bf16: the AVX-512 BF16 kernel up to 64 rows; else oneDNN's bf16 kernels

@@ -36,6 +36,7 @@ struct CpuBackendInfo {
   bool bf16_dot = false;  // the ISA has bf16 dot products (avx512_bf16 or AMX)
   CpuEngines engines;     // the table's choice, or MOE_GEMM_ENGINE's
   std::string engine_source;  // "table" or "MOE_GEMM_ENGINE=<value>"
+  std::string small_gemm;     // the small-batch path's kernel: avx2, avx512 or avx512-bf16
   const char* gemm_engine(DType d) const { return gemm_engine_name(engines.of(d)); }
 };
 
@@ -44,7 +45,8 @@ struct CpuBackendInfo {
 CpuBackendInfo cpu_backend_info();
 
 // One line for --version and logs: "cpu backend on <model>: oneDNN ISA <isa>,
-// GEMM fp32=<engine> bf16=<engine> (<source>)", or the reason it cannot run.
+// GEMM fp32=<engine> bf16=<engine> (<source>), few-row kernel <kernel>", or the
+// reason it cannot run.
 std::string cpu_backend_summary();
 
 // The table alone: the engines for a CPU whose oneDNN ISA is `isa` (a name as in
