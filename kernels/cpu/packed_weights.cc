@@ -70,9 +70,8 @@ std::unique_ptr<PackedWeights> make_expert_weights(const ExpertMlpConfig& c, Gem
   p->cfg = c;
   p->engine = engine;
   if (c.x_dtype == DType::kBF16 && !c.train && c.num_experts > 0) {
-    const SmallGemmIsa isa = small_gemm_isa();
-    p->small_w13_elems = small_bf16_weight_elems(isa, 2 * static_cast<int64_t>(c.ffn_hidden), c.hidden);
-    p->small_w2_elems = small_bf16_weight_elems(isa, c.hidden, c.ffn_hidden);
+    p->small_w13_elems = small_bf16_weight_elems(2 * static_cast<int64_t>(c.ffn_hidden), c.hidden);
+    p->small_w2_elems = small_bf16_weight_elems(c.hidden, c.ffn_hidden);
     p->small_w13 = HostBytes(align64(p->small_w13_elems * c.num_experts * sizeof(bf16_t)));
     p->small_w2 = HostBytes(align64(p->small_w2_elems * c.num_experts * sizeof(bf16_t)));
   }
@@ -152,8 +151,8 @@ void pack_expert_weights(ThreadPool& pool, PackedWeights& packed, const float* w
     auto* s2 = reinterpret_cast<bf16_t*>(p->small_w2.get());
     pool.parallel_for(count, [&](int64_t i, int) {
       const int64_t e = first + i;
-      pack_small_bf16_weights(small_gemm_isa(), w13 + e * 2 * I * H, 2 * I, H, s13 + e * p->small_w13_elems);
-      pack_small_bf16_weights(small_gemm_isa(), w2 + e * H * I, H, I, s2 + e * p->small_w2_elems);
+      pack_small_bf16_weights(w13 + e * 2 * I * H, 2 * I, H, s13 + e * p->small_w13_elems);
+      pack_small_bf16_weights(w2 + e * H * I, H, I, s2 + e * p->small_w2_elems);
     });
   }
   if (p->blas_w13.get() && count > 0) {

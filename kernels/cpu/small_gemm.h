@@ -34,15 +34,15 @@ bool small_gemm_isa_runs_here(SmallGemmIsa isa);
 // throws naming the variable.
 SmallGemmIsa small_gemm_isa_for(const char* requested, SmallGemmIsa best);
 
-// bf16 weights in the layout the kernel of `isa` streams, made once when the
-// weights are set: row-major for AVX2; for both AVX-512 kernels panels of 8 rows, each 32
-// values of a row beside the other 7 rows' (one linear stream however few rows a
-// call has), rows padded to a multiple of 32 values and panels to 8 rows with zeros.
-size_t small_bf16_weight_elems(SmallGemmIsa isa, int64_t n, int64_t k);
-void pack_small_bf16_weights(SmallGemmIsa isa, const float* w, int64_t n, int64_t k, bf16_t* out);
+// bf16 weights in the layout every kernel streams, made once when the weights are
+// set: panels of 8 rows, each 32 values of a row beside the other 7 rows' (one
+// linear stream however few rows a call has), rows padded to a multiple of 32
+// values and panels to 8 rows with zeros.
+size_t small_bf16_weight_elems(int64_t n, int64_t k);
+void pack_small_bf16_weights(const float* w, int64_t n, int64_t k, bf16_t* out);
 
 // x [m, k] fp32 (row stride k); w [n, k]: fp32 row-major (row stride k), or bf16 in
-// pack_small_bf16_weights' layout for the same isa; c [m, n] fp32 (row stride ldc).
+// pack_small_bf16_weights' layout; c [m, n] fp32 (row stride ldc).
 // m, n, k >= 0. kAvx512Bf16 with bf16 weights computes with x rounded to bf16.
 void small_rows_gemm(const float* x, int64_t m, int64_t k, const void* w, DType w_dtype, int64_t n, float* c,
                      int64_t ldc);

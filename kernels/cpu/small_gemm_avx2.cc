@@ -1,12 +1,24 @@
-// The AVX2/FMA few-row GEMM (small_gemm.h) and the kernel choice.
+// The AVX2/FMA few-row GEMM (small_gemm.h), the bf16 weight panels and the
+// kernel choice.
+//
+// fp32 weights are read row-major, blocks of W rows against groups of X rows.
+// bf16 weights come in the panels the AVX-512 kernels read (a step is 8 rows x 32
+// values, 512 contiguous bytes), so the call streams them linearly with the
+// panel four on prefetched; a panel is computed in two halves of 4 rows (8
+// accumulators and 2 rows of X in 16 ymm), the second from L1. A 16-value load
+// holds the even values in its low halves and the odd ones in its high halves:
+// a shift and a mask widen it, against rows de-interleaved to match once per call.
 #include <immintrin.h>
 
 #include <algorithm>
 #include <cstdlib>
 #include <cstring>
 
+#include <vector>
+
 #include "moe/base/check.h"
 #include "small_gemm.h"
+#include "small_gemm_prefetch.h"
 #include "vec.h"
 
 namespace moe::kernels::cpu {
@@ -17,26 +29,11 @@ constexpr int kMr = 4;  // rows of X per block
 // weight vector within 16 ymm, and at least 8 independent FMA chains.
 constexpr int nr_for(int mr) { return mr == 1 ? 8 : mr == 2 ? 4 : mr == 3 ? 4 : 2; }
 
-template <bool kBf16>
-__m256 load_w(const void* w, int64_t idx) {
-  if constexpr (kBf16)
-    return load_bf16_ps(static_cast<const bf16_t*>(w) + idx);
-  else
-    return _mm256_loadu_ps(static_cast<const float*>(w) + idx);
-}
-
-template <bool kBf16>
-float w_at(const void* w, int64_t idx) {
-  if constexpr (kBf16)
-    return bf16_to_f32(static_cast<const bf16_t*>(w)[idx]);
-  else
-    return static_cast<const float*>(w)[idx];
-}
-
 // c[i, j0 + r] for i < MR, r < NR. The k tail (k % 8) is summed in scalar after
-// the lane reduction, in the same order for every row.
-template <int MR, int NR, bool kBf16>
-void block(const float* x, int64_t k, const void* w, int64_t j0, float* c, int64_t ldc) {
+// the lane reduction, in the same order for every row. pf: the group's prefetch,
+// a step of it per k step.
+template <int MR, int NR>
+void block(const float* x, int64_t k, const float* w, int64_t j0, detail::Prefetch& pf, float* c, int64_t ldc) {
   __m256 acc[MR][NR];
 #pragma GCC unroll 8
   for (int i = 0; i < MR; ++i)
@@ -44,12 +41,13 @@ void block(const float* x, int64_t k, const void* w, int64_t j0, float* c, int64
     for (int r = 0; r < NR; ++r) acc[i][r] = _mm256_setzero_ps();
   const int64_t k8 = k / 8 * 8;
   for (int64_t kk = 0; kk < k8; kk += 8) {
+    pf.step();
     __m256 xv[MR];
 #pragma GCC unroll 8
     for (int i = 0; i < MR; ++i) xv[i] = _mm256_loadu_ps(x + i * k + kk);
 #pragma GCC unroll 8
     for (int r = 0; r < NR; ++r) {
-      const __m256 wv = load_w<kBf16>(w, (j0 + r) * k + kk);
+      const __m256 wv = _mm256_loadu_ps(w + (j0 + r) * k + kk);
 #pragma GCC unroll 8
       for (int i = 0; i < MR; ++i) acc[i][r] = _mm256_fmadd_ps(xv[i], wv, acc[i][r]);
     }
@@ -59,36 +57,123 @@ void block(const float* x, int64_t k, const void* w, int64_t j0, float* c, int64
 #pragma GCC unroll 8
     for (int r = 0; r < NR; ++r) {
       float s = hsum_ps(acc[i][r]);
-      for (int64_t kk = k8; kk < k; ++kk) s = std::fma(x[i * k + kk], w_at<kBf16>(w, (j0 + r) * k + kk), s);
+      for (int64_t kk = k8; kk < k; ++kk) s = std::fma(x[i * k + kk], w[(j0 + r) * k + kk], s);
       c[i * ldc + j0 + r] = s;
     }
 }
 
-template <int MR, bool kBf16>
-void rows_block(const float* x, int64_t k, const void* w, int64_t n, float* c, int64_t ldc) {
+// Rows [0, n) of the block w against MR rows of X; pf: the group's share of the
+// prefetch of the block kAhead on, spread over every k step of the group.
+template <int MR>
+void rows_block(const float* x, int64_t k, const float* w, int64_t n, detail::Prefetch pf, float* c, int64_t ldc) {
   constexpr int kNr = nr_for(MR);
   int64_t j = 0;
-  for (; j + kNr <= n; j += kNr) block<MR, kNr, kBf16>(x, k, w, j, c, ldc);
-  for (; j < n; ++j) block<MR, 1, kBf16>(x, k, w, j, c, ldc);
+  for (; j + kNr <= n; j += kNr) block<MR, kNr>(x, k, w, j, pf, c, ldc);
+  for (; j < n; ++j) block<MR, 1>(x, k, w, j, pf, c, ldc);
 }
 
+constexpr int64_t kAhead = 4;  // blocks (of W rows, or bf16 panels) prefetched ahead of the one computed
+
 // W rows outermost in blocks of about 32 KiB, X row groups inside: a block of W
-// is read from memory once and from L1/L2 for the other row groups.
-template <bool kBf16>
-void run(const float* x, int64_t m, int64_t k, const void* w, int64_t n, float* c, int64_t ldc) {
-  const int64_t es = kBf16 ? 2 : 4;
+// is read from memory once and from L1/L2 for the other row groups, which share
+// the prefetch of the block kAhead on.
+void run_f32(const float* x, int64_t m, int64_t k, const float* w, int64_t n, float* c, int64_t ldc) {
   constexpr int64_t kLcm = 8;  // a multiple of every NR, so blocks of W rows split alike for every MR
-  const int64_t jb = std::max<int64_t>(kLcm, (32 << 10) / std::max<int64_t>(1, k * es) / kLcm * kLcm);
+  const int64_t jb = std::max<int64_t>(kLcm, (32 << 10) / std::max<int64_t>(1, k * 4) / kLcm * kLcm);
+  const int64_t groups = (m + kMr - 1) / kMr;
   for (int64_t j0 = 0; j0 < n; j0 += jb) {
     const int64_t nb = std::min(jb, n - j0);
-    const void* wb = static_cast<const uint8_t*>(w) + j0 * k * es;
+    const float* wb = w + j0 * k;
+    const float* ahead = j0 + (kAhead + 1) * jb <= n ? wb + kAhead * jb * k : nullptr;
+    // a group's k steps over the block: at least one per row of W (NR <= 8)
+    auto pf = [&](int64_t i) { return detail::Prefetch::slice(ahead, jb * k * 4, i / kMr, groups, nb / 8 * (k / 8)); };
     int64_t i = 0;
-    for (; i + kMr <= m; i += kMr) rows_block<kMr, kBf16>(x + i * k, k, wb, nb, c + i * ldc + j0, ldc);
+    for (; i + kMr <= m; i += kMr) rows_block<kMr>(x + i * k, k, wb, nb, pf(i), c + i * ldc + j0, ldc);
     switch (m - i) {
-      case 3: rows_block<3, kBf16>(x + i * k, k, wb, nb, c + i * ldc + j0, ldc); break;
-      case 2: rows_block<2, kBf16>(x + i * k, k, wb, nb, c + i * ldc + j0, ldc); break;
-      case 1: rows_block<1, kBf16>(x + i * k, k, wb, nb, c + i * ldc + j0, ldc); break;
+      case 3: rows_block<3>(x + i * k, k, wb, nb, pf(i), c + i * ldc + j0, ldc); break;
+      case 2: rows_block<2>(x + i * k, k, wb, nb, pf(i), c + i * ldc + j0, ldc); break;
+      case 1: rows_block<1>(x + i * k, k, wb, nb, pf(i), c + i * ldc + j0, ldc); break;
       default: break;
+    }
+  }
+}
+
+constexpr int kPanelRows = 8;    // rows of W per bf16 panel
+constexpr int kHalfRows = 4;     // rows of a panel one call of half_panel computes
+constexpr int kMrBf16 = 2;       // rows of X per group
+
+// c[i, r] for i < MR, r < 4: rows r0 .. r0 + 3 of a panel against MR rows of xd
+// (de-interleaved per 16 values, kp each, zero padded as the panel is); the sums
+// of rows at or past `valid` are not stored.
+template <int MR>
+void half_panel(const float* xd, int64_t kp, const bf16_t* panel, int r0, detail::Prefetch pf, int valid,
+                float* c, int64_t ldc) {
+  const __m256i high = _mm256_set1_epi32(static_cast<int>(0xffff0000u));
+  __m256 acc[MR][kHalfRows];
+#pragma GCC unroll 8
+  for (int i = 0; i < MR; ++i)
+#pragma GCC unroll 4
+    for (int r = 0; r < kHalfRows; ++r) acc[i][r] = _mm256_setzero_ps();
+  for (int64_t kk = 0; kk < kp; kk += 16) {
+    pf.step();
+    const bf16_t* step = panel + kk / 32 * 32 * kPanelRows + kk % 32;  // this 16-value half of the step
+    __m256 even[MR], odd[MR];
+#pragma GCC unroll 8
+    for (int i = 0; i < MR; ++i) {
+      even[i] = _mm256_loadu_ps(xd + i * kp + kk);
+      odd[i] = _mm256_loadu_ps(xd + i * kp + kk + 8);
+    }
+#pragma GCC unroll 4
+    for (int r = 0; r < kHalfRows; ++r) {
+      const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(step + (r0 + r) * 32));
+      const __m256 we = _mm256_castsi256_ps(_mm256_slli_epi32(v, 16));
+      const __m256 wo = _mm256_castsi256_ps(_mm256_and_si256(v, high));
+#pragma GCC unroll 8
+      for (int i = 0; i < MR; ++i) {
+        acc[i][r] = _mm256_fmadd_ps(even[i], we, acc[i][r]);
+        acc[i][r] = _mm256_fmadd_ps(odd[i], wo, acc[i][r]);
+      }
+    }
+  }
+#pragma GCC unroll 8
+  for (int i = 0; i < MR; ++i)
+#pragma GCC unroll 4
+    for (int r = 0; r < kHalfRows; ++r)
+      if (r0 + r < valid) c[i * ldc + r0 + r] = hsum_ps(acc[i][r]);
+}
+
+// The rows of x [m, k] with each 16 values reordered evens then odds, zero
+// padded to kp per row.
+void deinterleave16(const float* x, int64_t m, int64_t k, int64_t kp, float* xd) {
+  for (int64_t i = 0; i < m; ++i) {
+    float* d = xd + i * kp;
+    std::fill(d, d + kp, 0.0f);
+    for (int64_t v = 0; v < k; ++v) d[v / 16 * 16 + (v % 2) * 8 + (v % 16) / 2] = x[i * k + v];
+  }
+}
+
+void run_bf16(const float* x, int64_t m, int64_t k, const bf16_t* w, int64_t n, float* c, int64_t ldc) {
+  const int64_t kp = (k + 31) / 32 * 32;
+  thread_local std::vector<float> xd;  // grows to the largest call, then stays
+  if (xd.size() < static_cast<size_t>(m * kp)) xd.resize(m * kp);
+  deinterleave16(x, m, k, kp, xd.data());
+  const int64_t groups = (m + kMrBf16 - 1) / kMrBf16, calls = 2 * groups;
+  for (int64_t j0 = 0; j0 < n; j0 += kPanelRows) {
+    const bf16_t* panel = w + j0 * kp;
+    const int valid = static_cast<int>(std::min<int64_t>(kPanelRows, n - j0));
+    // Every call on this panel takes its share of the prefetch of the panel
+    // kAhead on; all but the first read this one from L1.
+    const bf16_t* ahead = j0 + (kAhead + 1) * kPanelRows <= n ? panel + kAhead * kPanelRows * kp : nullptr;
+    for (int r0 = 0; r0 < kPanelRows; r0 += kHalfRows) {
+      if (r0 >= valid) break;
+      auto pf = [&](int64_t i) {
+        return detail::Prefetch::slice(ahead, kPanelRows * kp * 2, r0 / kHalfRows * groups + i / kMrBf16, calls,
+                                       kp / 16);
+      };
+      int64_t i = 0;
+      for (; i + kMrBf16 <= m; i += kMrBf16)
+        half_panel<kMrBf16>(xd.data() + i * kp, kp, panel, r0, pf(i), valid, c + i * ldc + j0, ldc);
+      if (m - i == 1) half_panel<1>(xd.data() + i * kp, kp, panel, r0, pf(i), valid, c + i * ldc + j0, ldc);
     }
   }
 }
@@ -99,9 +184,9 @@ namespace detail {
 void small_rows_gemm_avx2(const float* x, int64_t m, int64_t k, const void* w, DType w_dtype, int64_t n, float* c,
                           int64_t ldc) {
   if (w_dtype == DType::kBF16)
-    run<true>(x, m, k, w, n, c, ldc);
+    run_bf16(x, m, k, static_cast<const bf16_t*>(w), n, c, ldc);
   else
-    run<false>(x, m, k, w, n, c, ldc);
+    run_f32(x, m, k, static_cast<const float*>(w), n, c, ldc);
 }
 }  // namespace detail
 
@@ -141,16 +226,11 @@ const char* small_gemm_isa_name(SmallGemmIsa isa) {
 
 bool small_gemm_isa_runs_here(SmallGemmIsa isa) { return isa <= best_isa_here(); }
 
-size_t small_bf16_weight_elems(SmallGemmIsa isa, int64_t n, int64_t k) {
-  if (isa == SmallGemmIsa::kAvx2) return static_cast<size_t>(n) * k;
+size_t small_bf16_weight_elems(int64_t n, int64_t k) {
   return static_cast<size_t>((n + 7) / 8 * 8) * ((k + 31) / 32 * 32);
 }
 
-void pack_small_bf16_weights(SmallGemmIsa isa, const float* w, int64_t n, int64_t k, bf16_t* out) {
-  if (isa == SmallGemmIsa::kAvx2) {
-    for (int64_t v = 0; v < n * k; ++v) out[v] = f32_to_bf16(w[v]);
-    return;
-  }
+void pack_small_bf16_weights(const float* w, int64_t n, int64_t k, bf16_t* out) {
   const int64_t kp = (k + 31) / 32 * 32;
   for (int64_t j = 0; j < (n + 7) / 8 * 8; ++j)
     for (int64_t v = 0; v < kp; ++v) {

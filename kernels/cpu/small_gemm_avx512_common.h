@@ -1,10 +1,12 @@
-// What the AVX-512 few-row kernels (small_gemm.h) share: the lane sums and the
-// paced weight prefetch. Included only by translation units built with AVX-512.
+// The lane sums the AVX-512 few-row kernels (small_gemm.h) share. Included only
+// by translation units built with AVX-512.
 #pragma once
 
 #include <immintrin.h>
 
 #include <cstdint>
+
+#include "small_gemm_prefetch.h"
 
 namespace moe::kernels::cpu::detail {
 namespace {
@@ -40,31 +42,6 @@ inline __m256 reduce8(const __m512 (&a)[8]) {
 inline void store_reduced8(const __m512 (&a)[8], int valid, float* c) {
   _mm256_mask_storeu_ps(c, static_cast<__mmask8>((1u << valid) - 1), reduce8(a));
 }
-
-// The weights a block reads next, prefetched into L2 while the rows compute.
-// A block of weights is read from memory by the first group of rows and from L1
-// by the others, so a call's groups split the prefetch of the block kAhead on
-// between them (slice), each spreading its share over its k steps (step): the
-// misses stay in flight through the whole block instead of in a burst during
-// the first group.
-struct Prefetch {
-  const char* next = nullptr;
-  const char* end = nullptr;
-  int64_t per_step = 0;
-
-  // Group g of `groups`' share of the `bytes` at `ahead` (null: nothing), over
-  // `steps` k steps.
-  static Prefetch slice(const void* ahead, int64_t bytes, int64_t g, int64_t groups, int64_t steps) {
-    if (!ahead) return {};
-    const int64_t lines = bytes / 64, b = g * lines / groups, e = (g + 1) * lines / groups;
-    const char* base = static_cast<const char*>(ahead);
-    return {base + b * 64, base + e * 64, (e - b + steps - 1) / steps};
-  }
-
-  void step() {
-    for (int64_t l = 0; l < per_step && next < end; ++l, next += 64) _mm_prefetch(next, _MM_HINT_T1);
-  }
-};
 
 }  // namespace
 }  // namespace moe::kernels::cpu::detail

@@ -146,7 +146,11 @@ TEST(Elastic, WithoutReplicasTheJobRollsBackToItsCheckpoint) {
   EXPECT_GE(w.step(), 30);
   EXPECT_GT(w.experts_from_checkpoint(), 0);
   EXPECT_EQ(w.experts_from_replicas(), 0);
-  EXPECT_GE(w.steps_recomputed(), 1);
+  // The latest complete checkpoint: at most the steps between two run again (none
+  // when the kill lands just after one was written, 10 when it lands while the
+  // next is being written; with steps this short the kill can land anywhere).
+  EXPECT_GE(w.steps_recomputed(), 0);
+  EXPECT_LE(w.steps_recomputed(), 10);
   EXPECT_NE(w.checkpoint().find("step-0000"), std::string::npos) << w.checkpoint();
 }
 

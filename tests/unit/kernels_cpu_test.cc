@@ -1099,8 +1099,8 @@ TEST(SmallRowsGemm, MatchesDoubleOnEveryIsaAndRowsAreIndependent) {
             // The bf16 dot-product kernel computes with the rows rounded to bf16.
             std::vector<float> x_used = x;
             if (wd == DType::kBF16 && isa == cpu::SmallGemmIsa::kAvx512Bf16) model::round_to_bf16(x_used);
-            std::vector<bf16_t> packed(cpu::small_bf16_weight_elems(isa, n, k), 0xffff);
-            cpu::pack_small_bf16_weights(isa, w.data(), n, k, packed.data());
+            std::vector<bf16_t> packed(cpu::small_bf16_weight_elems(n, k), 0xffff);
+            cpu::pack_small_bf16_weights(w.data(), n, k, packed.data());
             const void* wp = wd == DType::kBF16 ? static_cast<const void*>(packed.data()) : w.data();
             const int64_t ldc = n + 3;
             std::vector<float> c(m * ldc, -7.0f);
