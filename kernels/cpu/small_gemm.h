@@ -1,6 +1,7 @@
 // Few-row GEMMs that stream a weight matrix once (docs/backends.md#small-batches):
-// C[i, j] = sum_k X[i, k] W[j, k] for a handful of rows X, W stored row-major
-// [n, k] in fp32 or bf16 (bf16 widened to fp32 in registers, never in memory).
+// C[i, j] = sum_k X[i, k] W[j, k] for a handful of rows X, W [n, k] in fp32
+// (row-major) or bf16 (in panels, below; widened to fp32 in registers, or
+// multiplied as bf16 pairs, never materialised as fp32 in memory).
 // The decode regime: a few tokens per expert, where the step's cost is reading
 // the expert weights, not the flops.
 //
@@ -22,8 +23,8 @@ namespace moe::kernels::cpu {
 // weights and its own for bf16.
 enum class SmallGemmIsa { kAvx2, kAvx512, kAvx512Bf16 };
 
-// The kernel this process runs: AVX-512 BF16 (with F and BW) when the CPU has it,
-// else AVX-512 (F and BW), else AVX2; MOE_SMALL_GEMM_ISA (avx2 | avx512 |
+// The kernel this process runs: AVX-512 BF16 (with F, BW and VL) when the CPU has
+// it, else AVX-512 (F, BW and VL), else AVX2; MOE_SMALL_GEMM_ISA (avx2 | avx512 |
 // avx512-bf16, at most what the CPU has) picks a lesser one for measurements.
 SmallGemmIsa small_gemm_isa();
 const char* small_gemm_isa_name(SmallGemmIsa isa);
@@ -46,7 +47,7 @@ void pack_small_bf16_weights(const float* w, int64_t n, int64_t k, bf16_t* out);
 // m, n, k >= 0. kAvx512Bf16 with bf16 weights computes with x rounded to bf16.
 void small_rows_gemm(const float* x, int64_t m, int64_t k, const void* w, DType w_dtype, int64_t n, float* c,
                      int64_t ldc);
-// The same on a named kernel (tests run both where the CPU can).
+// The same on a named kernel (tests run every one the CPU can).
 void small_rows_gemm(SmallGemmIsa isa, const float* x, int64_t m, int64_t k, const void* w, DType w_dtype,
                      int64_t n, float* c, int64_t ldc);
 

@@ -62,11 +62,14 @@ void block(const float* x, int64_t k, const float* w, int64_t j0, detail::Prefet
     }
 }
 
-// Rows [0, n) of the block w against MR rows of X; pf: the group's share of the
-// prefetch of the block kAhead on, spread over every k step of the group.
+// Rows [0, n) of the block w against MR rows of X, group g of `groups`; it takes
+// its share of the prefetch of the `ahead_bytes` at `ahead` (the block kAhead on,
+// or null), spread over every k step it makes.
 template <int MR>
-void rows_block(const float* x, int64_t k, const float* w, int64_t n, detail::Prefetch pf, float* c, int64_t ldc) {
+void rows_block(const float* x, int64_t k, const float* w, int64_t n, const float* ahead, int64_t ahead_bytes,
+                int64_t g, int64_t groups, float* c, int64_t ldc) {
   constexpr int kNr = nr_for(MR);
+  detail::Prefetch pf = detail::Prefetch::slice(ahead, ahead_bytes, g, groups, (n / kNr + n % kNr) * (k / 8));
   int64_t j = 0;
   for (; j + kNr <= n; j += kNr) block<MR, kNr>(x, k, w, j, pf, c, ldc);
   for (; j < n; ++j) block<MR, 1>(x, k, w, j, pf, c, ldc);
@@ -85,14 +88,14 @@ void run_f32(const float* x, int64_t m, int64_t k, const float* w, int64_t n, fl
     const int64_t nb = std::min(jb, n - j0);
     const float* wb = w + j0 * k;
     const float* ahead = j0 + (kAhead + 1) * jb <= n ? wb + kAhead * jb * k : nullptr;
-    // a group's k steps over the block: at least one per row of W (NR <= 8)
-    auto pf = [&](int64_t i) { return detail::Prefetch::slice(ahead, jb * k * 4, i / kMr, groups, nb / 8 * (k / 8)); };
+    const int64_t bytes = jb * k * 4;
     int64_t i = 0;
-    for (; i + kMr <= m; i += kMr) rows_block<kMr>(x + i * k, k, wb, nb, pf(i), c + i * ldc + j0, ldc);
+    for (; i + kMr <= m; i += kMr)
+      rows_block<kMr>(x + i * k, k, wb, nb, ahead, bytes, i / kMr, groups, c + i * ldc + j0, ldc);
     switch (m - i) {
-      case 3: rows_block<3>(x + i * k, k, wb, nb, pf(i), c + i * ldc + j0, ldc); break;
-      case 2: rows_block<2>(x + i * k, k, wb, nb, pf(i), c + i * ldc + j0, ldc); break;
-      case 1: rows_block<1>(x + i * k, k, wb, nb, pf(i), c + i * ldc + j0, ldc); break;
+      case 3: rows_block<3>(x + i * k, k, wb, nb, ahead, bytes, i / kMr, groups, c + i * ldc + j0, ldc); break;
+      case 2: rows_block<2>(x + i * k, k, wb, nb, ahead, bytes, i / kMr, groups, c + i * ldc + j0, ldc); break;
+      case 1: rows_block<1>(x + i * k, k, wb, nb, ahead, bytes, i / kMr, groups, c + i * ldc + j0, ldc); break;
       default: break;
     }
   }
@@ -193,7 +196,9 @@ void small_rows_gemm_avx2(const float* x, int64_t m, int64_t k, const void* w, D
 namespace {
 
 SmallGemmIsa best_isa_here() {
-  if (!__builtin_cpu_supports("avx512f") || !__builtin_cpu_supports("avx512bw")) return SmallGemmIsa::kAvx2;
+  if (!__builtin_cpu_supports("avx512f") || !__builtin_cpu_supports("avx512bw") ||
+      !__builtin_cpu_supports("avx512vl"))
+    return SmallGemmIsa::kAvx2;
   return __builtin_cpu_supports("avx512bf16") ? SmallGemmIsa::kAvx512Bf16 : SmallGemmIsa::kAvx512;
 }
 

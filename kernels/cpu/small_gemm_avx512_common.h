@@ -18,7 +18,7 @@ inline __mmask16 mask16(int64_t left) {
 
 // The lane sums of eight accumulators, in order, in one ymm: a transposing tree
 // (quarters 0+2 and 1+3, then those two, then the four lanes of a quarter as
-// (0+2)+(1+3)) of 12 shuffles and 7 adds where eight _mm512_reduce_add_ps take
+// (0+2)+(1+3)) of 16 shuffles and 8 adds where eight _mm512_reduce_add_ps take
 // about 64 instructions. Each sum's order is fixed and involves its own
 // accumulator only, whatever the other seven hold.
 inline __m256 reduce8(const __m512 (&a)[8]) {

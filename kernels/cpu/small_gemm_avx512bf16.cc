@@ -55,8 +55,10 @@ void panel_dot(const bf16_t* xb, int64_t kp, const bf16_t* panel, Prefetch pf, i
 void round_rows(const float* x, int64_t m, int64_t k, int64_t kp, bf16_t* xb) {
   for (int64_t i = 0; i < m; ++i)
     for (int64_t v = 0; v < kp; v += 32) {
-      const __m512 lo = _mm512_maskz_loadu_ps(mask16(k - v), x + i * k + v);
-      const __m512 hi = _mm512_maskz_loadu_ps(mask16(k - v - 16), x + i * k + v + 16);
+      const float* row = x + i * k;
+      // A load that reads nothing keeps its address inside the row.
+      const __m512 lo = _mm512_maskz_loadu_ps(mask16(k - v), row + v);
+      const __m512 hi = _mm512_maskz_loadu_ps(mask16(k - v - 16), v + 16 < k ? row + v + 16 : row);
       _mm512_storeu_si512(xb + i * kp + v, (__m512i)_mm512_cvtne2ps_pbh(hi, lo));
     }
 }

@@ -19,12 +19,14 @@ struct Prefetch {
   const char* end = nullptr;
   int64_t per_step = 0;
 
-  // Group g of `groups`' share of the `bytes` at `ahead` (null: nothing), over
-  // `steps` k steps.
+  // Group g of `groups`' share of the cache lines the `bytes` at `ahead` touch
+  // (null: nothing), over `steps` k steps.
   static Prefetch slice(const void* ahead, int64_t bytes, int64_t g, int64_t groups, int64_t steps) {
-    if (!ahead) return {};
-    const int64_t lines = bytes / 64, b = g * lines / groups, e = (g + 1) * lines / groups;
-    const char* base = static_cast<const char*>(ahead);
+    if (!ahead || bytes <= 0) return {};
+    const char* first = static_cast<const char*>(ahead);
+    const int64_t skew = static_cast<int64_t>(reinterpret_cast<uintptr_t>(first) % 64);
+    const int64_t lines = (skew + bytes + 63) / 64, b = g * lines / groups, e = (g + 1) * lines / groups;
+    const char* base = first - skew;  // the first line's start, inside the allocation's line
     steps = steps < 1 ? 1 : steps;
     return {base + b * 64, base + e * 64, (e - b + steps - 1) / steps};
   }

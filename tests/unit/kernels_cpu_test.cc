@@ -1087,45 +1087,51 @@ TEST(SmallRowsGemm, MatchesDoubleOnEveryIsaAndRowsAreIndependent) {
   for (const cpu::SmallGemmIsa isa :
        {cpu::SmallGemmIsa::kAvx2, cpu::SmallGemmIsa::kAvx512, cpu::SmallGemmIsa::kAvx512Bf16})
     if (cpu::small_gemm_isa_runs_here(isa)) isas.push_back(isa);
+  auto check = [](cpu::SmallGemmIsa isa, DType wd, int64_t m, int64_t n, int64_t k) {
+    const std::string what = std::string(cpu::small_gemm_isa_name(isa)) + " " + dtype_name(wd) +
+                             " m=" + std::to_string(m) + " n=" + std::to_string(n) + " k=" + std::to_string(k);
+    std::vector<float> x = normal_vector(m * k, 11 + k), w = normal_vector(n * k, 12 + n);
+    if (wd == DType::kBF16) model::round_to_bf16(w);
+    // The bf16 dot-product kernel computes with the rows rounded to bf16.
+    std::vector<float> x_used = x;
+    if (wd == DType::kBF16 && isa == cpu::SmallGemmIsa::kAvx512Bf16) model::round_to_bf16(x_used);
+    std::vector<bf16_t> packed(cpu::small_bf16_weight_elems(n, k), 0xffff);
+    cpu::pack_small_bf16_weights(w.data(), n, k, packed.data());
+    const void* wp = wd == DType::kBF16 ? static_cast<const void*>(packed.data()) : w.data();
+    const int64_t ldc = n + 3;
+    std::vector<float> c(m * ldc, -7.0f);
+    cpu::small_rows_gemm(isa, x.data(), m, k, wp, wd, n, c.data(), ldc);
+    std::vector<double> got, want, bound;
+    for (int64_t i = 0; i < m; ++i)
+      for (int64_t j = 0; j < n; ++j) {
+        double sum = 0, abs_sum = 0;
+        for (int64_t v = 0; v < k; ++v) {
+          sum += static_cast<double>(x_used[i * k + v]) * w[j * k + v];
+          abs_sum += std::fabs(static_cast<double>(x_used[i * k + v]) * w[j * k + v]);
+        }
+        got.push_back(c[i * ldc + j]);
+        want.push_back(sum);
+        bound.push_back(abs_sum * static_cast<double>(k + 8));
+      }
+    ASSERT_TRUE(close_bounded(what, got, want, bound, 0x1.0p-24, 0, 0, true));
+    for (int64_t i = 0; i < m; ++i)  // the padding between rows is untouched
+      for (int64_t j = n; j < ldc; ++j) ASSERT_EQ(c[i * ldc + j], -7.0f) << what;
+    for (int64_t i = 0; i < m; ++i) {
+      std::vector<float> one(n);
+      cpu::small_rows_gemm(isa, x.data() + i * k, 1, k, wp, wd, n, one.data(), n);
+      ASSERT_EQ(one, std::vector<float>(c.begin() + i * ldc, c.begin() + i * ldc + n)) << what << " row " << i;
+    }
+  };
   for (const cpu::SmallGemmIsa isa : isas)
-    for (const DType wd : {DType::kF32, DType::kBF16})
+    for (const DType wd : {DType::kF32, DType::kBF16}) {
       for (const int64_t k : {1, 15, 16, 33, 100, 256})
-        for (const int64_t n : {1, 7, 8, 13, 50})
-          for (const int64_t m : {1, 2, 3, 4, 5, 7, 9}) {
-            const std::string what = std::string(cpu::small_gemm_isa_name(isa)) + " " + dtype_name(wd) +
-                                     " m=" + std::to_string(m) + " n=" + std::to_string(n) + " k=" + std::to_string(k);
-            std::vector<float> x = normal_vector(m * k, 11 + k), w = normal_vector(n * k, 12 + n);
-            if (wd == DType::kBF16) model::round_to_bf16(w);
-            // The bf16 dot-product kernel computes with the rows rounded to bf16.
-            std::vector<float> x_used = x;
-            if (wd == DType::kBF16 && isa == cpu::SmallGemmIsa::kAvx512Bf16) model::round_to_bf16(x_used);
-            std::vector<bf16_t> packed(cpu::small_bf16_weight_elems(n, k), 0xffff);
-            cpu::pack_small_bf16_weights(w.data(), n, k, packed.data());
-            const void* wp = wd == DType::kBF16 ? static_cast<const void*>(packed.data()) : w.data();
-            const int64_t ldc = n + 3;
-            std::vector<float> c(m * ldc, -7.0f);
-            cpu::small_rows_gemm(isa, x.data(), m, k, wp, wd, n, c.data(), ldc);
-            std::vector<double> got, want, bound;
-            for (int64_t i = 0; i < m; ++i)
-              for (int64_t j = 0; j < n; ++j) {
-                double sum = 0, abs_sum = 0;
-                for (int64_t v = 0; v < k; ++v) {
-                  sum += static_cast<double>(x_used[i * k + v]) * w[j * k + v];
-                  abs_sum += std::fabs(static_cast<double>(x_used[i * k + v]) * w[j * k + v]);
-                }
-                got.push_back(c[i * ldc + j]);
-                want.push_back(sum);
-                bound.push_back(abs_sum * static_cast<double>(k + 8));
-              }
-            ASSERT_TRUE(close_bounded(what, got, want, bound, 0x1.0p-24, 0, 0, true));
-            for (int64_t i = 0; i < m; ++i)  // the padding between rows is untouched
-              for (int64_t j = n; j < ldc; ++j) ASSERT_EQ(c[i * ldc + j], -7.0f) << what;
-            for (int64_t i = 0; i < m; ++i) {
-              std::vector<float> one(n);
-              cpu::small_rows_gemm(isa, x.data() + i * k, 1, k, wp, wd, n, one.data(), n);
-              ASSERT_EQ(one, std::vector<float>(c.begin() + i * ldc, c.begin() + i * ldc + n)) << what << " row " << i;
-            }
-          }
+        for (const int64_t n : {1, 4, 7, 8, 12, 13, 50})
+          for (const int64_t m : {1, 2, 3, 4, 5, 7, 9}) check(isa, wd, m, n, k);
+      // The rule's row counts, and weights long enough that every kernel
+      // prefetches blocks ahead (n >= 5 blocks of W rows).
+      for (const int64_t k : {256, 1000})
+        for (const int64_t m : {16, 64}) check(isa, wd, m, 200, k);
+    }
 }
 
 // The small-batch path inside the fused expert MLP: a forward-only layer whose
@@ -1227,7 +1233,8 @@ TEST_P(ExpertMlpSmallBatch, SplitsByRowsAndMatchesComposition) {
   f0.workspace = workspace(off_be->expert_mlp_workspace_bytes(cfg));
   off_be->expert_mlp_forward(cfg, f0);
   EXPECT_EQ(stats0.small_batch_pairs, 0);
-  EXPECT_TRUE(close_bounded("y, path off", to_double(y0), want, sum, coef, 1e-4, 1e-5));
+  const double coef_off = bf16 && engine == GemmEngine::kOneDnn ? 0x1.0p-7 : 0.0;
+  EXPECT_TRUE(close_bounded("y, path off", to_double(y0), want, sum, coef_off, 1e-4, 1e-5));
 }
 
 INSTANTIATE_TEST_SUITE_P(Engines, ExpertMlpSmallBatch,
