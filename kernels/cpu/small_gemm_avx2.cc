@@ -18,7 +18,7 @@
 
 #include "moe/base/check.h"
 #include "small_gemm.h"
-#include "small_gemm_prefetch.h"
+#include "small_gemm_shared.h"
 #include "vec.h"
 
 namespace moe::kernels::cpu {
@@ -75,7 +75,7 @@ void rows_block(const float* x, int64_t k, const float* w, int64_t n, const floa
   for (; j < n; ++j) block<MR, 1>(x, k, w, j, pf, c, ldc);
 }
 
-constexpr int64_t kAhead = 4;  // blocks (of W rows, or bf16 panels) prefetched ahead of the one computed
+constexpr int64_t kAhead = 4;  // blocks of W rows prefetched ahead of the one computed
 
 // W rows outermost in blocks of about 32 KiB, X row groups inside: a block of W
 // is read from memory once and from L1/L2 for the other row groups, which share
@@ -101,7 +101,6 @@ void run_f32(const float* x, int64_t m, int64_t k, const float* w, int64_t n, fl
   }
 }
 
-constexpr int kPanelRows = 8;    // rows of W per bf16 panel
 constexpr int kHalfRows = 4;     // rows of a panel one call of half_panel computes
 constexpr int kMrBf16 = 2;       // rows of X per group
 
@@ -119,7 +118,7 @@ void half_panel(const float* xd, int64_t kp, const bf16_t* panel, int r0, detail
     for (int r = 0; r < kHalfRows; ++r) acc[i][r] = _mm256_setzero_ps();
   for (int64_t kk = 0; kk < kp; kk += 16) {
     pf.step();
-    const bf16_t* step = panel + kk / 32 * 32 * kPanelRows + kk % 32;  // this 16-value half of the step
+    const bf16_t* step = panel + kk / 32 * 32 * detail::kPanelRows + kk % 32;  // this 16-value half of the step
     __m256 even[MR], odd[MR];
 #pragma GCC unroll 8
     for (int i = 0; i < MR; ++i) {
@@ -145,40 +144,25 @@ void half_panel(const float* xd, int64_t kp, const bf16_t* panel, int r0, detail
       if (r0 + r < valid) c[i * ldc + r0 + r] = hsum_ps(acc[i][r]);
 }
 
-// The rows of x [m, k] with each 16 values reordered evens then odds, zero
-// padded to kp per row.
-void deinterleave16(const float* x, int64_t m, int64_t k, int64_t kp, float* xd) {
-  for (int64_t i = 0; i < m; ++i) {
-    float* d = xd + i * kp;
-    std::fill(d, d + kp, 0.0f);
-    for (int64_t v = 0; v < k; ++v) d[v / 16 * 16 + (v % 2) * 8 + (v % 16) / 2] = x[i * k + v];
-  }
-}
-
 void run_bf16(const float* x, int64_t m, int64_t k, const bf16_t* w, int64_t n, float* c, int64_t ldc) {
   const int64_t kp = (k + 31) / 32 * 32;
   thread_local std::vector<float> xd;  // grows to the largest call, then stays
   if (xd.size() < static_cast<size_t>(m * kp)) xd.resize(m * kp);
-  deinterleave16(x, m, k, kp, xd.data());
-  const int64_t groups = (m + kMrBf16 - 1) / kMrBf16, calls = 2 * groups;
-  for (int64_t j0 = 0; j0 < n; j0 += kPanelRows) {
-    const bf16_t* panel = w + j0 * kp;
-    const int valid = static_cast<int>(std::min<int64_t>(kPanelRows, n - j0));
-    // Every call on this panel takes its share of the prefetch of the panel
-    // kAhead on; all but the first read this one from L1.
-    const bf16_t* ahead = j0 + (kAhead + 1) * kPanelRows <= n ? panel + kAhead * kPanelRows * kp : nullptr;
-    for (int r0 = 0; r0 < kPanelRows; r0 += kHalfRows) {
-      if (r0 >= valid) break;
-      auto pf = [&](int64_t i) {
-        return detail::Prefetch::slice(ahead, kPanelRows * kp * 2, r0 / kHalfRows * groups + i / kMrBf16, calls,
-                                       kp / 16);
-      };
-      int64_t i = 0;
-      for (; i + kMrBf16 <= m; i += kMrBf16)
-        half_panel<kMrBf16>(xd.data() + i * kp, kp, panel, r0, pf(i), valid, c + i * ldc + j0, ldc);
-      if (m - i == 1) half_panel<1>(xd.data() + i * kp, kp, panel, r0, pf(i), valid, c + i * ldc + j0, ldc);
-    }
-  }
+  detail::deinterleave(x, m, k, kp, 16, xd.data());
+  // A panel in two halves of 4 rows (the second skipped when the panel has no
+  // more rows), each against every group of rows.
+  detail::walk_panels(w, n, kp, m, kMrBf16, detail::kPanelRows / kHalfRows, kp / 16,
+                      [&](int64_t j0, int part, int64_t i, int64_t rows, const bf16_t* panel, int valid,
+                          detail::Prefetch pf) {
+                        const int r0 = part * kHalfRows;
+                        if (r0 >= valid) return;
+                        const float* xi = xd.data() + i * kp;
+                        float* ci = c + i * ldc + j0;
+                        if (rows == 2)
+                          half_panel<2>(xi, kp, panel, r0, pf, valid, ci, ldc);
+                        else
+                          half_panel<1>(xi, kp, panel, r0, pf, valid, ci, ldc);
+                      });
 }
 
 }  // namespace

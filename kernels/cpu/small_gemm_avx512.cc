@@ -20,7 +20,7 @@
 namespace moe::kernels::cpu::detail {
 namespace {
 
-constexpr int kNr = 8;  // rows of W per block (a bf16 panel)
+constexpr int kNr = 8;  // rows of W per fp32 block
 // Rows of X per block: MR x 8 accumulators, the rows and the weight vectors in 32 zmm.
 constexpr int kMrF32 = 3, kMrBf16 = 2;
 constexpr int64_t kAhead = 4;  // blocks of 8 weight rows prefetched ahead of the one computed
@@ -88,13 +88,13 @@ void run_f32(const float* x, int64_t m, int64_t k, const float* w, int64_t n, fl
 template <int MR>
 void panel_bf16(const float* xd, int64_t kp, const bf16_t* panel, Prefetch pf, int valid, float* c, int64_t ldc) {
   const __m512i high = _mm512_set1_epi32(static_cast<int>(0xffff0000u));
-  __m512 acc[MR][kNr];
+  __m512 acc[MR][kPanelRows];
 #pragma GCC unroll 8
   for (int i = 0; i < MR; ++i)
 #pragma GCC unroll 8
-    for (int r = 0; r < kNr; ++r) acc[i][r] = _mm512_setzero_ps();
+    for (int r = 0; r < kPanelRows; ++r) acc[i][r] = _mm512_setzero_ps();
   for (int64_t kk = 0; kk < kp; kk += 32) {
-    const bf16_t* step = panel + kk * kNr;  // 8 rows x 32 values
+    const bf16_t* step = panel + kk * kPanelRows;  // 8 rows x 32 values
     pf.step();
     __m512 even[MR], odd[MR];
 #pragma GCC unroll 8
@@ -103,7 +103,7 @@ void panel_bf16(const float* xd, int64_t kp, const bf16_t* panel, Prefetch pf, i
       odd[i] = _mm512_loadu_ps(xd + i * kp + kk + 16);
     }
 #pragma GCC unroll 8
-    for (int r = 0; r < kNr; ++r) {
+    for (int r = 0; r < kPanelRows; ++r) {
       const __m512i v = _mm512_loadu_si512(step + r * 32);
       const __m512 we = _mm512_castsi512_ps(_mm512_slli_epi32(v, 16));
       const __m512 wo = _mm512_castsi512_ps(_mm512_and_si512(v, high));
@@ -118,33 +118,20 @@ void panel_bf16(const float* xd, int64_t kp, const bf16_t* panel, Prefetch pf, i
   for (int i = 0; i < MR; ++i) store_reduced8(acc[i], valid, c + i * ldc);
 }
 
-// The rows of x [m, k] with each 32 values reordered evens then odds, zero padded
-// to kp per row.
-void deinterleave(const float* x, int64_t m, int64_t k, int64_t kp, float* xd) {
-  for (int64_t i = 0; i < m; ++i) {
-    float* d = xd + i * kp;
-    std::fill(d, d + kp, 0.0f);
-    for (int64_t v = 0; v < k; ++v) d[v / 32 * 32 + (v % 2) * 16 + (v % 32) / 2] = x[i * k + v];
-  }
-}
-
 void run_bf16(const float* x, int64_t m, int64_t k, const bf16_t* w, int64_t n, float* c, int64_t ldc) {
   const int64_t kp = (k + 31) / 32 * 32;
   thread_local std::vector<float> xd;  // grows to the largest call, then stays
   if (xd.size() < static_cast<size_t>(m * kp)) xd.resize(m * kp);
-  deinterleave(x, m, k, kp, xd.data());
-  for (int64_t j0 = 0; j0 < n; j0 += kNr) {
-    const bf16_t* panel = w + j0 * kp;
-    const int valid = static_cast<int>(std::min<int64_t>(kNr, n - j0));
-    // The row groups share the prefetch of the panel kAhead panels on.
-    const bf16_t* ahead = j0 + (kAhead + 1) * kNr <= n ? panel + kAhead * kNr * kp : nullptr;
-    const int64_t groups = (m + kMrBf16 - 1) / kMrBf16;
-    auto slice = [&](int64_t i) { return Prefetch::slice(ahead, kNr * kp * 2, i / kMrBf16, groups, kp / 32); };
-    int64_t i = 0;
-    for (; i + kMrBf16 <= m; i += kMrBf16)
-      panel_bf16<kMrBf16>(xd.data() + i * kp, kp, panel, slice(i), valid, c + i * ldc + j0, ldc);
-    if (m - i == 1) panel_bf16<1>(xd.data() + i * kp, kp, panel, slice(i), valid, c + i * ldc + j0, ldc);
-  }
+  deinterleave(x, m, k, kp, 32, xd.data());
+  walk_panels(w, n, kp, m, kMrBf16, 1, kp / 32,
+              [&](int64_t j0, int, int64_t i, int64_t rows, const bf16_t* panel, int valid, Prefetch pf) {
+                const float* xi = xd.data() + i * kp;
+                float* ci = c + i * ldc + j0;
+                if (rows == 2)
+                  panel_bf16<2>(xi, kp, panel, pf, valid, ci, ldc);
+                else
+                  panel_bf16<1>(xi, kp, panel, pf, valid, ci, ldc);
+              });
 }
 
 }  // namespace

@@ -6,7 +6,7 @@
 
 #include <cstdint>
 
-#include "small_gemm_prefetch.h"
+#include "small_gemm_shared.h"
 
 namespace moe::kernels::cpu::detail {
 namespace {

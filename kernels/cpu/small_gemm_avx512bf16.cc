@@ -20,27 +20,25 @@
 namespace moe::kernels::cpu::detail {
 namespace {
 
-constexpr int kNr = 8;  // rows of W per panel
 constexpr int kMr = 3;  // rows of X per block: 24 accumulators, 3 rows and a weight vector in 32 zmm
-constexpr int64_t kAhead = 4;  // panels prefetched ahead of the one computed
 
 // c[i, r] for the i < MR rows of xb (bf16, kp values each, zero padded) against
-// a panel; pf: this group's share of the panel kAhead on.
+// a panel; pf: this group's share of the prefetch (walk_panels).
 template <int MR>
 void panel_dot(const bf16_t* xb, int64_t kp, const bf16_t* panel, Prefetch pf, int valid, float* c, int64_t ldc) {
-  __m512 acc[MR][kNr];
+  __m512 acc[MR][kPanelRows];
 #pragma GCC unroll 8
   for (int i = 0; i < MR; ++i)
 #pragma GCC unroll 8
-    for (int r = 0; r < kNr; ++r) acc[i][r] = _mm512_setzero_ps();
+    for (int r = 0; r < kPanelRows; ++r) acc[i][r] = _mm512_setzero_ps();
   for (int64_t kk = 0; kk < kp; kk += 32) {
-    const bf16_t* step = panel + kk * kNr;  // 8 rows x 32 values
+    const bf16_t* step = panel + kk * kPanelRows;  // 8 rows x 32 values
     pf.step();
     __m512bh xv[MR];
 #pragma GCC unroll 8
     for (int i = 0; i < MR; ++i) xv[i] = (__m512bh)_mm512_loadu_si512(xb + i * kp + kk);
 #pragma GCC unroll 8
-    for (int r = 0; r < kNr; ++r) {
+    for (int r = 0; r < kPanelRows; ++r) {
       const __m512bh wv = (__m512bh)_mm512_loadu_si512(step + r * 32);
 #pragma GCC unroll 8
       for (int i = 0; i < MR; ++i) acc[i][r] = _mm512_dpbf16_ps(acc[i][r], xv[i], wv);
@@ -71,20 +69,17 @@ void small_rows_gemm_avx512bf16(const float* x, int64_t m, int64_t k, const bf16
   thread_local std::vector<bf16_t> xb;  // grows to the largest call, then stays
   if (xb.size() < static_cast<size_t>(m * kp)) xb.resize(m * kp);
   round_rows(x, m, k, kp, xb.data());
-  for (int64_t j0 = 0; j0 < n; j0 += kNr) {
-    const bf16_t* panel = w + j0 * kp;
-    const int valid = static_cast<int>(std::min<int64_t>(kNr, n - j0));
-    // The row groups share the prefetch of the panel kAhead on; all but the
-    // first find this one in L1.
-    const bf16_t* ahead = j0 + (kAhead + 1) * kNr <= n ? panel + kAhead * kNr * kp : nullptr;
-    const int64_t groups = (m + kMr - 1) / kMr;
-    auto slice = [&](int64_t i) { return Prefetch::slice(ahead, kNr * kp * 2, i / kMr, groups, kp / 32); };
-    int64_t i = 0;
-    for (; i + kMr <= m; i += kMr)
-      panel_dot<kMr>(xb.data() + i * kp, kp, panel, slice(i), valid, c + i * ldc + j0, ldc);
-    if (m - i == 2) panel_dot<2>(xb.data() + i * kp, kp, panel, slice(i), valid, c + i * ldc + j0, ldc);
-    if (m - i == 1) panel_dot<1>(xb.data() + i * kp, kp, panel, slice(i), valid, c + i * ldc + j0, ldc);
-  }
+  walk_panels(w, n, kp, m, kMr, 1, kp / 32,
+              [&](int64_t j0, int, int64_t i, int64_t rows, const bf16_t* panel, int valid, Prefetch pf) {
+                const bf16_t* xi = xb.data() + i * kp;
+                float* ci = c + i * ldc + j0;
+                if (rows == 3)
+                  panel_dot<3>(xi, kp, panel, pf, valid, ci, ldc);
+                else if (rows == 2)
+                  panel_dot<2>(xi, kp, panel, pf, valid, ci, ldc);
+                else
+                  panel_dot<1>(xi, kp, panel, pf, valid, ci, ldc);
+              });
 }
 
 }  // namespace moe::kernels::cpu::detail
