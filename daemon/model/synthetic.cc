@@ -18,23 +18,53 @@ enum Tensor : uint64_t { kGate = 1, kGateProj = 2, kUpProj = 3, kDownProj = 4, k
 constexpr int kSharedExpert = -1;
 constexpr uint64_t kInputTag = 0x1e9u;
 
-float weight(uint64_t seed, int layer, int expert, Tensor tensor, int64_t element, double stddev) {
-  return static_cast<float>(
-      stddev * normal(key_hash({seed, static_cast<uint64_t>(layer), static_cast<uint64_t>(expert),
-                                tensor, static_cast<uint64_t>(element)})));
+// out[i] = scale x value i of the draws keyed by key.hash(0), key.hash(1), ...
+// (values 2j and 2j + 1: draw j's two); n may be odd. Bits do not depend on how a
+// tensor is split into calls: the hashes are scalar, then the Box-Muller loop
+// runs over blocks of them, the same float operations in every lane.
+void fill_normal_pairs(const KeyPrefix& key, int64_t n, float scale, float* out) {
+  constexpr int64_t kBlock = 256;  // pairs
+  uint32_t hi[kBlock], lo[kBlock];
+  float a[kBlock], b[kBlock];
+  for (int64_t p0 = 0; p0 < (n + 1) / 2; p0 += kBlock) {
+    const int64_t np = std::min(kBlock, (n + 1) / 2 - p0);
+    for (int64_t j = 0; j < np; ++j) {
+      const uint64_t h = key.hash(static_cast<uint64_t>(p0 + j));
+      hi[j] = static_cast<uint32_t>(h >> 32);
+      lo[j] = static_cast<uint32_t>(h);
+    }
+    for (int64_t j = 0; j < np; ++j) box_muller_f32(hi[j], lo[j], &a[j], &b[j]);
+    float* o = out + 2 * p0;
+    const int64_t whole = std::min(np, (n - 2 * p0) / 2);  // the last draw of an odd n gives one value
+    for (int64_t j = 0; j < whole; ++j) {
+      o[2 * j] = scale * a[j];
+      o[2 * j + 1] = scale * b[j];
+    }
+    if (whole < np) o[2 * whole] = scale * a[whole];
+  }
+}
+
+// Tensor t of (layer, expert), n values ~ N(0, stddev^2): pairs keyed by (seed, layer, expert, t, pair).
+void fill_tensor(uint64_t seed, int layer, int expert, Tensor tensor, int64_t n, double stddev, float* out) {
+  const KeyPrefix key({seed, static_cast<uint64_t>(layer), static_cast<uint64_t>(expert), tensor});
+  fill_normal_pairs(key, n, static_cast<float>(stddev), out);
 }
 
 }  // namespace
 
 void fill_inputs(uint64_t seed, int64_t step, int64_t token_begin, int64_t T, int H, float* x) {
   for (int64_t t = 0; t < T; ++t) {
-    const uint64_t token_key = key_hash({kInputTag, seed, static_cast<uint64_t>(step),
-                                         static_cast<uint64_t>(token_begin + t)});
-    float* row = x + t * H;
-    int h = 0;
-    for (; h + 1 < H; h += 2) normal_pair(key_hash({token_key, static_cast<uint64_t>(h)}), row + h, row + h + 1);
-    if (h < H) row[h] = static_cast<float>(normal(key_hash({token_key, static_cast<uint64_t>(h)})));
+    const KeyPrefix key({kInputTag, seed, static_cast<uint64_t>(step), static_cast<uint64_t>(token_begin + t)});
+    fill_normal_pairs(key, H, 1.0f, x + t * H);
   }
+}
+
+void fill_expert_weights(uint64_t seed, int layer, const LayerShape& s, int expert, float* w13, float* w2) {
+  const int64_t H = s.hidden, I = s.ffn_hidden;
+  const double in_std = 1.0 / std::sqrt(static_cast<double>(H));
+  fill_tensor(seed, layer, expert, kGateProj, I * H, in_std, w13);
+  fill_tensor(seed, layer, expert, kUpProj, I * H, in_std, w13 + I * H);
+  fill_tensor(seed, layer, expert, kDownProj, H * I, 1.0 / std::sqrt(static_cast<double>(I)), w2);
 }
 
 namespace {
@@ -47,14 +77,12 @@ void add_shared_weights(uint64_t seed, int layer, const LayerShape& s, LayerWeig
   const double down_std = 1.0 / std::sqrt(static_cast<double>(Is));
   w.shared_w13.resize(2 * Is * H);
   w.shared_w2.resize(H * Is);
-  for (int64_t i = 0; i < Is * H; ++i) {
-    w.shared_w13[i] = weight(seed, layer, kSharedExpert, kGateProj, i, in_std);
-    w.shared_w13[Is * H + i] = weight(seed, layer, kSharedExpert, kUpProj, i, in_std);
-  }
-  for (int64_t i = 0; i < H * Is; ++i) w.shared_w2[i] = weight(seed, layer, kSharedExpert, kDownProj, i, down_std);
+  fill_tensor(seed, layer, kSharedExpert, kGateProj, Is * H, in_std, w.shared_w13.data());
+  fill_tensor(seed, layer, kSharedExpert, kUpProj, Is * H, in_std, w.shared_w13.data() + Is * H);
+  fill_tensor(seed, layer, kSharedExpert, kDownProj, H * Is, down_std, w.shared_w2.data());
   if (!s.shared_gate) return;
   w.shared_gate.resize(H);
-  for (int64_t h = 0; h < H; ++h) w.shared_gate[h] = weight(seed, layer, kSharedExpert, kSharedGate, h, in_std);
+  fill_tensor(seed, layer, kSharedExpert, kSharedGate, H, in_std, w.shared_gate.data());
 }
 
 }  // namespace
@@ -72,16 +100,9 @@ LayerWeights make_layer_weights(uint64_t seed, int layer, const LayerShape& s, c
   w.w13.resize(E * 2 * I * H);
   w.w2.resize(E * H * I);
   const double in_std = 1.0 / std::sqrt(static_cast<double>(H));
-  const double down_std = 1.0 / std::sqrt(static_cast<double>(I));
-  for (int64_t e = 0; e < E; ++e) {
-    for (int64_t h = 0; h < H; ++h) w.gate[e * H + h] = weight(seed, layer, e, kGate, h, in_std);
-    if (!needed[e]) continue;
-    float* w13 = &w.w13[e * 2 * I * H];
-    for (int64_t i = 0; i < I * H; ++i) {
-      w13[i] = weight(seed, layer, e, kGateProj, i, in_std);
-      w13[I * H + i] = weight(seed, layer, e, kUpProj, i, in_std);
-    }
-    for (int64_t i = 0; i < H * I; ++i) w.w2[e * H * I + i] = weight(seed, layer, e, kDownProj, i, down_std);
+  for (int e = 0; e < E; ++e) {
+    fill_tensor(seed, layer, e, kGate, H, in_std, &w.gate[e * H]);
+    if (needed[e]) fill_expert_weights(seed, layer, s, e, &w.w13[e * 2 * I * H], &w.w2[e * H * I]);
   }
   add_shared_weights(seed, layer, s, w);
   return w;

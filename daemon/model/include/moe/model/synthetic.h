@@ -36,16 +36,19 @@ struct LayerShape {
 
 // Inputs: x[t, h] ~ N(0, 1) for global tokens [token_begin, token_begin + T);
 // elements 2i and 2i+1 of a row are the two outputs of one Box-Muller draw keyed
-// by (seed, step, token, 2i).
+// by (seed, step, token, i) (box_muller_f32).
 void fill_inputs(uint64_t seed, int64_t step, int64_t token_begin, int64_t T, int hidden,
                  float* x);
 
-// Weights: gate, gate_proj and up_proj ~ N(0, 1/H), down_proj ~ N(0, 1/I). No
+// Weights: gate, gate_proj and up_proj ~ N(0, 1/H), down_proj ~ N(0, 1/I), values
+// 2i and 2i+1 of a tensor one draw keyed by (seed, layer, expert, tensor, i). No
 // selection bias. Every rank can build any expert's weights.
 LayerWeights make_layer_weights(uint64_t seed, int layer, const LayerShape& shape);
 // The same, but only the experts with needed[e] set are generated; the others
 // stay zero (a rank builds the router and its own experts).
 LayerWeights make_layer_weights(uint64_t seed, int layer, const LayerShape& shape, const std::vector<bool>& needed);
+// Expert e's w13 [2I, H] and w2 [H, I] as make_layer_weights draws them.
+void fill_expert_weights(uint64_t seed, int layer, const LayerShape& shape, int expert, float* w13, float* w2);
 
 // Skew: "uniform" adds nothing (returns empty); "zipf:ALPHA" returns
 // -ALPHA * ln(1 + p(e)) with p a seed-derived permutation of the experts.
