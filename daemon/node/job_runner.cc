@@ -22,10 +22,12 @@ JobRunner::JobRunner(v1::StartJob job, RunnerEnv env)
   for (int i = 0; i < env_.devices; ++i) threads_.emplace_back([this, i] { rank_main(i); });
 }
 
-// The stop grace bounds the wait for the step boundary; what is left of it, and at
-// least a second, goes to delivering the ranks' reports.
+// A running job is being stopped with the daemon: the stop grace bounds the wait
+// for the step boundary; what is left of it, and at least a second, goes to
+// delivering the ranks' reports. A finished job's runner (replaced by the next
+// job's) cancels nothing.
 JobRunner::~JobRunner() {
-  cancel("daemon stopping");
+  if (!finished()) cancel("daemon stopping");
   const auto until = std::chrono::steady_clock::now() + env_.stop_grace;
   while (!finished() && std::chrono::steady_clock::now() < until)
     std::this_thread::sleep_for(std::chrono::milliseconds(20));  // polling the ranks' count

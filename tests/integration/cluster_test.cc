@@ -497,6 +497,22 @@ TEST(Cluster, ASilentNodeIsDeadAfterTheJobsTimeoutAndRejoinsWhenItWakes) {
       << out;
 }
 
+// The daemon's log tells the truth: the next job replacing a finished one cancels
+// nothing (it used to log "cancel requested (daemon stopping)" for the old one).
+TEST(Cluster, ANewJobReplacesAFinishedOneWithoutCancellingAnything) {
+  Cluster c(1, 1);
+  ASSERT_TRUE(c.up());
+  for (int job = 0; job < 2; ++job) {
+    const auto [rc, out] = c.ctl({"job", "submit", "--wait", "--experts", "4", "--top-k", "2", "--hidden", "32",
+                                  "--ffn-hidden", "16", "--tokens-per-rank", "32", "--steps", "1"},
+                                 60s);
+    ASSERT_EQ(rc, 0) << out << c.logs();
+  }
+  const std::string log = read_text_file(c.dir() / "logs" / "node0.log");
+  EXPECT_NE(log.find("starting job-2"), std::string::npos) << log;
+  EXPECT_EQ(log.find("cancel requested"), std::string::npos) << log;
+}
+
 TEST(Cluster, ADaemonStoppedMidJobCancelsIt) {
   // SIGTERM: the daemon's ranks stop at a step boundary (so do everyone's); the job
   // is recorded CANCELLED with the reason, not SUCCEEDED with fewer steps.
