@@ -43,6 +43,17 @@ double median_of(std::deque<double> v) {
   return v[v.size() / 2];
 }
 
+// The slowest rank's time of a complete step into the job's recent window; a
+// world's first step leaves it when the next arrives (RunningJob).
+void push_recent_step(RunningJob& job, double seconds) {
+  std::deque<double>& window = job.recent_step_seconds;
+  if (job.warmup_in_window && !window.empty()) window.pop_front();
+  window.push_back(seconds);
+  if (window.size() > RunningJob::kRecentSteps) window.pop_front();
+  job.warmup_in_window = job.next_step_warms_up;
+  job.next_step_warms_up = false;
+}
+
 }  // namespace
 
 v1::JobResult Scheduler::view(const std::string& id) const {
@@ -257,8 +268,7 @@ void Scheduler::on_step(const v1::StepReport& r, Clock::time_point now) {
   running_->steps_recorded = r.stats().step() + 1;
   double slowest = 0;
   for (const v1::StepStats& s : by_rank) slowest = std::max(slowest, s.step_seconds());
-  running_->recent_step_seconds.push_back(slowest);
-  if (running_->recent_step_seconds.size() > RunningJob::kRecentSteps) running_->recent_step_seconds.pop_front();
+  push_recent_step(*running_, slowest);
   record_load(by_rank);
   update_progress(rec, by_rank, now);
   if (running_->recovering_since) note_recovered(now);

@@ -262,6 +262,7 @@ void Scheduler::enter_world(const DecidedWorld& d) {
   job.reports.steps.erase(job.reports.steps.lower_bound(w.resume_step()), job.reports.steps.end());
   for (const auto& [step, by_rank] : job.reports.steps) job.reports.whole.insert(step);
   job.steps_recorded = w.resume_step();
+  job.next_step_warms_up = true;
   jobs_.at(job.id).set_steps_completed(w.resume_step());
   job.recovering_since = job.halt->started;
   job.restored = false;  // this agent decided the world: its ranks answer to it

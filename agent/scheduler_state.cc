@@ -107,6 +107,7 @@ std::unique_ptr<RunningJob> restored_job(const v1::RunningJobState& r, const v1:
   job->done.assign(r.world_size(), false);
   job->last_report = now;
   job->steps_recorded = static_cast<int>(rec.steps_completed());
+  job->next_step_warms_up = job->steps_recorded == 0;  // else its ranks are past their warm-up
   job->restored = true;
   job->heard.assign(r.world_size(), false);
   job->restored_at = now;

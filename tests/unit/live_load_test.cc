@@ -115,6 +115,26 @@ TEST_F(LiveLoadTest, BeforeAnyJobTheReplySaysSo) {
   expect_fits(lines, 80);
 }
 
+// A job's first step carries its warm-up: shown while it is the only one, then
+// left out of the pace and the ETA (it took 8 s where the next took 1.3 s).
+TEST_F(LiveLoadTest, TheFirstStepsWarmUpLeavesThePaceOnceAnotherStepIsIn) {
+  add_nodes(1, 1);
+  const std::string id = start_job(16, 1, 10);
+  report_step(id, 0, 1, 16, 1, 8.0);
+  v1::LiveLoad l = reply();
+  EXPECT_EQ(l.job().recent_steps(), 1);
+  EXPECT_NEAR(l.job().step_seconds(), 8.0, 1e-12);
+  report_step(id, 1, 1, 16, 1, 1.25);
+  l = reply();
+  EXPECT_EQ(l.job().recent_steps(), 1);
+  EXPECT_NEAR(l.job().step_seconds(), 1.25, 1e-12);
+  EXPECT_NEAR(l.job().eta_seconds(), 8 * 1.25, 1e-9);
+  report_step(id, 2, 1, 16, 1, 1.5);
+  l = reply();
+  EXPECT_EQ(l.job().recent_steps(), 2);
+  EXPECT_NEAR(l.job().step_seconds(), 1.5, 1e-12);  // the upper median of {1.25, 1.5}
+}
+
 TEST_F(LiveLoadTest, TheRunningJobShowsItsRecentStepTimeAndTheWindowLoad) {
   add_nodes(2, 2);
   const std::string id = start_job(16, 2, 100);
