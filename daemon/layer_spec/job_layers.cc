@@ -153,9 +153,16 @@ model::LayerWeights checkpoint_weights(const v1::JobSpec& s, int layer, const st
 
 }  // namespace
 
-model::LayerWeights layer_weights(const v1::JobSpec& s, int layer, const std::vector<bool>& needed) {
-  model::LayerWeights w = s.weights().empty() ? model::make_layer_weights(s.seed(), layer, layer_shape(s), needed)
-                                              : checkpoint_weights(s, layer, needed);
+model::LayerWeights layer_weights(const v1::JobSpec& s, int layer, const std::vector<bool>& needed,
+                                  kernels::ThreadPool* pool) {
+  model::ForEach on_pool;
+  if (pool)
+    on_pool = [pool](int64_t n, const std::function<void(int64_t)>& body) {
+      pool->parallel_for(n, [&](int64_t i, int) { body(i); });
+    };
+  model::LayerWeights w = s.weights().empty()
+                              ? model::make_layer_weights(s.seed(), layer, layer_shape(s), needed, on_pool)
+                              : checkpoint_weights(s, layer, needed);
   w.logit_bias = model::skew_logit_bias(s.skew(), s.seed(), s.experts());
   return w;
 }

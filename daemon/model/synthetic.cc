@@ -91,7 +91,8 @@ LayerWeights make_layer_weights(uint64_t seed, int layer, const LayerShape& s) {
   return make_layer_weights(seed, layer, s, std::vector<bool>(s.num_experts, true));
 }
 
-LayerWeights make_layer_weights(uint64_t seed, int layer, const LayerShape& s, const std::vector<bool>& needed) {
+LayerWeights make_layer_weights(uint64_t seed, int layer, const LayerShape& s, const std::vector<bool>& needed,
+                                const ForEach& for_each) {
   const int64_t H = s.hidden, I = s.ffn_hidden, E = s.num_experts;
   MOE_CHECK(static_cast<int64_t>(needed.size()) == E, "make_layer_weights: needed has ", needed.size(),
             " entries for ", E, " experts");
@@ -100,10 +101,14 @@ LayerWeights make_layer_weights(uint64_t seed, int layer, const LayerShape& s, c
   w.w13.resize(E * 2 * I * H);
   w.w2.resize(E * H * I);
   const double in_std = 1.0 / std::sqrt(static_cast<double>(H));
-  for (int e = 0; e < E; ++e) {
-    fill_tensor(seed, layer, e, kGate, H, in_std, &w.gate[e * H]);
-    if (needed[e]) fill_expert_weights(seed, layer, s, e, &w.w13[e * 2 * I * H], &w.w2[e * H * I]);
-  }
+  const auto expert = [&](int64_t e) {
+    fill_tensor(seed, layer, static_cast<int>(e), kGate, H, in_std, &w.gate[e * H]);
+    if (needed[e]) fill_expert_weights(seed, layer, s, static_cast<int>(e), &w.w13[e * 2 * I * H], &w.w2[e * H * I]);
+  };
+  if (for_each)
+    for_each(E, expert);
+  else
+    for (int64_t e = 0; e < E; ++e) expert(e);
   add_shared_weights(seed, layer, s, w);
   return w;
 }

@@ -44,10 +44,10 @@ ModelStack::ModelStack(const v1::JobSpec& spec, const std::vector<moe::ExpertMap
   for (int l = 0; l < L; ++l) {
     const std::vector<bool> needed = maps[l].hosted(rank_);
     layers_.push_back(std::make_unique<ep::EpLayer>(cfg, maps[l], comm, be, layer_options(l)));
-    layers_.back()->set_weights(layer_spec::layer_weights(spec, l, needed));
+    layers_.back()->set_weights(layer_spec::layer_weights(spec, l, needed, &pool_));
     if (!train) continue;
     teacher_.push_back(std::make_unique<ep::EpLayer>(teacher_cfg, maps[l], comm, be, layer_options(l)));
-    teacher_.back()->set_weights(layer_spec::layer_weights(teacher_spec, l, needed));
+    teacher_.back()->set_weights(layer_spec::layer_weights(teacher_spec, l, needed, &pool_));
   }
   const size_t bytes = T_ * H_ * kernels::dtype_size(dt_) + 1;
   for (int l = 0; l <= L; ++l) xs_.emplace_back(be, bytes);
@@ -86,7 +86,7 @@ void ModelStack::stage(const std::vector<ExpertMap>& next, const std::vector<std
   staged_teacher_.clear();
   for (int l = 0; l < num_layers(); ++l) {
     staged_teacher_.push_back(std::make_unique<ep::EpLayer>(teacher_cfg, next[l], comm_, be_, layer_options(l)));
-    staged_teacher_.back()->set_weights(layer_spec::layer_weights(teacher_spec, l, next[l].hosted(rank_)));
+    staged_teacher_.back()->set_weights(layer_spec::layer_weights(teacher_spec, l, next[l].hosted(rank_), &pool_));
   }
 }
 

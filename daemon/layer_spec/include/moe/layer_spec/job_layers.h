@@ -34,8 +34,9 @@ kernels::OptimizerConfig optimizer_config(const v1::JobSpec& spec);
 // layer, and every tensor of the layer is checked against the spec from the
 // headers before the needed ones are read), else synthetic from (seed, layer).
 // The skew term is added either way. Throws moe::Error naming the layer, the
-// checkpoint and the tensor or field.
-model::LayerWeights layer_weights(const v1::JobSpec& spec, int layer, const std::vector<bool>& needed);
+// checkpoint and the tensor or field. Synthetic experts are drawn on `pool` when given.
+model::LayerWeights layer_weights(const v1::JobSpec& spec, int layer, const std::vector<bool>& needed,
+                                  kernels::ThreadPool* pool = nullptr);
 
 // x [T, H] of `rank` at `step` (global tokens rank x T + t), in fp32, rounded to
 // bf16 values for a bf16 job.

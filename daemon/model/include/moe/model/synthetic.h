@@ -5,6 +5,7 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <functional>
 #include <string>
 #include <vector>
 
@@ -44,9 +45,13 @@ void fill_inputs(uint64_t seed, int64_t step, int64_t token_begin, int64_t T, in
 // 2i and 2i+1 of a tensor one draw keyed by (seed, layer, expert, tensor, i). No
 // selection bias. Every rank can build any expert's weights.
 LayerWeights make_layer_weights(uint64_t seed, int layer, const LayerShape& shape);
+// Runs body(i) once for every i in [0, n), in any order, possibly concurrently.
+using ForEach = std::function<void(int64_t n, const std::function<void(int64_t)>& body)>;
 // The same, but only the experts with needed[e] set are generated; the others
-// stay zero (a rank builds the router and its own experts).
-LayerWeights make_layer_weights(uint64_t seed, int layer, const LayerShape& shape, const std::vector<bool>& needed);
+// stay zero (a rank builds the router and its own experts). for_each runs the
+// experts (a rank's thread pool); the values do not depend on it.
+LayerWeights make_layer_weights(uint64_t seed, int layer, const LayerShape& shape, const std::vector<bool>& needed,
+                                const ForEach& for_each = {});
 // Expert e's w13 [2I, H] and w2 [H, I] as make_layer_weights draws them.
 void fill_expert_weights(uint64_t seed, int layer, const LayerShape& shape, int expert, float* w13, float* w2);
 
