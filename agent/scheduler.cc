@@ -44,10 +44,12 @@ double median_of(std::deque<double> v) {
 }
 
 // The slowest rank's time of a complete step into the job's recent window; a
-// world's first step leaves it when the next arrives (RunningJob).
+// world's first step, the newest entry until then, leaves it when the next
+// arrives (RunningJob). After an elastic world change the window still holds the
+// old world's steps, older than it.
 void push_recent_step(RunningJob& job, double seconds) {
   std::deque<double>& window = job.recent_step_seconds;
-  if (job.warmup_in_window && !window.empty()) window.pop_front();
+  if (job.warmup_in_window && !window.empty()) window.pop_back();
   window.push_back(seconds);
   if (window.size() > RunningJob::kRecentSteps) window.pop_front();
   job.warmup_in_window = job.next_step_warms_up;

@@ -84,6 +84,7 @@ v1::SchedulerState Scheduler::state() const {
     r->set_world_epoch(running_->world_epoch);
     for (int n : running_->nodes) r->add_nodes(n);
     r->set_tokens_per_rank(running_->reports.spec.tokens_per_rank());
+    r->set_warmup_pending(running_->next_step_warms_up);
     for (const auto& [epoch, past] : running_->past_worlds) {
       v1::PastWorldState* p = r->add_past_worlds();
       p->set_world_epoch(epoch);
@@ -107,7 +108,7 @@ std::unique_ptr<RunningJob> restored_job(const v1::RunningJobState& r, const v1:
   job->done.assign(r.world_size(), false);
   job->last_report = now;
   job->steps_recorded = static_cast<int>(rec.steps_completed());
-  job->next_step_warms_up = job->steps_recorded == 0;  // else its ranks are past their warm-up
+  job->next_step_warms_up = r.warmup_pending();
   job->restored = true;
   job->heard.assign(r.world_size(), false);
   job->restored_at = now;

@@ -168,6 +168,7 @@ TEST(AgentState, SavedAndReadBackUnchanged) {
   ASSERT_NE(after.scheduler.running(), nullptr);
   EXPECT_EQ(after.scheduler.running()->id, "job-2");
   EXPECT_EQ(after.scheduler.running()->steps_recorded, 2);
+  EXPECT_FALSE(after.scheduler.running()->next_step_warms_up) << "its first step is past";
   // The job counter goes on.
   EXPECT_EQ(after.scheduler.submit(spec(1)).job_id(), "job-4");
   fs::remove_all(dir);

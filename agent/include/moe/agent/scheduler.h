@@ -100,8 +100,8 @@ struct RunningJob {
   // A world's first step carries its warm-up (first touch of the ranks' buffers,
   // lazy setup: several times a later step on a fresh daemon). It leaves the
   // window once a later step is in it, so the pace and the ETA are the steady ones.
-  bool next_step_warms_up = true;  // set again by a world change
-  bool warmup_in_window = false;   // the window's oldest step is that first step
+  bool next_step_warms_up = true;  // set again by a world change; kept by the agent's state
+  bool warmup_in_window = false;   // the window's newest step is that first step
   Clock::time_point last_fill;  // when the record's result fields were last refreshed
   // Read back by a restarted agent: its daemons re-send every report. Until
   // each rank was heard from again, a failure is the restart's.
