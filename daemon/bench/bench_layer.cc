@@ -200,7 +200,7 @@ Report run_layer_bench(const LayerBenchOptions& o) {
   r.add("backend", be->name());
   r.add("gemm_engine", be->gemm_engine(o.dtype));
   r.add("isa", info.isa);
-  r.add("small_gemm_kernel", info.small_gemm);
+  r.add("small_gemm_kernel", info.small_gemm(o.dtype));  // the one this run's dtype takes
   r.add("cpu", info.cpu_model);
   r.add("mode", o.train ? "train" : "forward");
   r.add("dtype", kernels::dtype_name(o.dtype));

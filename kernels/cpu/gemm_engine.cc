@@ -125,7 +125,9 @@ CpuBackendInfo cpu_backend_info() {
     info.engines = apply_override(env, info.engines);
   }
   cpu::check_engines_run_here(info.engines, info.engine_source);
-  info.small_gemm = cpu::small_gemm_isa_name(cpu::small_gemm_isa());
+  const cpu::SmallGemmIsa small = cpu::small_gemm_isa();
+  info.small_gemm_f32 = cpu::small_gemm_isa_name(cpu::small_gemm_kernel_for(small, DType::kF32));
+  info.small_gemm_bf16 = cpu::small_gemm_isa_name(cpu::small_gemm_kernel_for(small, DType::kBF16));
   return info;
 }
 
@@ -138,7 +140,7 @@ std::string cpu_backend_summary() {
   try {
     const CpuBackendInfo i = cpu_backend_info();
     return "cpu backend on " + i.cpu_model + ": oneDNN ISA " + i.isa + ", GEMM fp32=" + i.gemm_engine(DType::kF32) +
-           " bf16=" + i.gemm_engine(DType::kBF16) + " (" + i.engine_source + "), few-row kernel " + i.small_gemm;
+           " bf16=" + i.gemm_engine(DType::kBF16) + " (" + i.engine_source + "), few-row kernels fp32=" + i.small_gemm_f32 + " bf16=" + i.small_gemm_bf16;
   } catch (const std::exception& e) {
     return std::string("cpu backend: ") + e.what();
   }

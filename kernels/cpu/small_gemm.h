@@ -28,6 +28,9 @@ enum class SmallGemmIsa { kAvx2, kAvx512, kAvx512Bf16 };
 // avx512-bf16, at most what the CPU has) picks a lesser one for measurements.
 SmallGemmIsa small_gemm_isa();
 const char* small_gemm_isa_name(SmallGemmIsa isa);
+// The kernel that multiplies w_dtype weights when `isa` is chosen: kAvx512Bf16
+// runs kAvx512's for fp32 weights.
+SmallGemmIsa small_gemm_kernel_for(SmallGemmIsa isa, DType w_dtype);
 // Whether this CPU can run the kernel of `isa` (tests run every one it can).
 bool small_gemm_isa_runs_here(SmallGemmIsa isa);
 // The kernel a MOE_SMALL_GEMM_ISA value asks for on a CPU whose best is `best`

@@ -205,6 +205,10 @@ SmallGemmIsa small_gemm_isa() {
   return isa;
 }
 
+SmallGemmIsa small_gemm_kernel_for(SmallGemmIsa isa, DType w_dtype) {
+  return isa == SmallGemmIsa::kAvx512Bf16 && w_dtype != DType::kBF16 ? SmallGemmIsa::kAvx512 : isa;
+}
+
 const char* small_gemm_isa_name(SmallGemmIsa isa) {
   switch (isa) {
     case SmallGemmIsa::kAvx512: return "avx512";
@@ -237,12 +241,13 @@ void small_rows_gemm(SmallGemmIsa isa, const float* x, int64_t m, int64_t k, con
   if (m == 0 || n == 0) return;
   MOE_CHECK(small_gemm_isa_runs_here(isa), "small_rows_gemm: this CPU cannot run the ", small_gemm_isa_name(isa),
             " kernel");
-  if (isa == SmallGemmIsa::kAvx512Bf16 && w_dtype == DType::kBF16)
-    detail::small_rows_gemm_avx512bf16(x, m, k, static_cast<const bf16_t*>(w), n, c, ldc);
-  else if (isa != SmallGemmIsa::kAvx2)
-    detail::small_rows_gemm_avx512(x, m, k, w, w_dtype, n, c, ldc);
-  else
-    detail::small_rows_gemm_avx2(x, m, k, w, w_dtype, n, c, ldc);
+  switch (small_gemm_kernel_for(isa, w_dtype)) {
+    case SmallGemmIsa::kAvx512Bf16:
+      detail::small_rows_gemm_avx512bf16(x, m, k, static_cast<const bf16_t*>(w), n, c, ldc);
+      break;
+    case SmallGemmIsa::kAvx512: detail::small_rows_gemm_avx512(x, m, k, w, w_dtype, n, c, ldc); break;
+    case SmallGemmIsa::kAvx2: detail::small_rows_gemm_avx2(x, m, k, w, w_dtype, n, c, ldc); break;
+  }
 }
 
 void small_rows_gemm(const float* x, int64_t m, int64_t k, const void* w, DType w_dtype, int64_t n, float* c,

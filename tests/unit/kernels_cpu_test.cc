@@ -1247,6 +1247,10 @@ INSTANTIATE_TEST_SUITE_P(Engines, ExpertMlpSmallBatch,
 
 TEST(SmallRowsGemm, TheIsaOverrideNamesWhatItRefuses) {
   using cpu::SmallGemmIsa;
+  // The BF16 kernel multiplies bf16 weights only; fp32 weights take the AVX-512 one.
+  EXPECT_EQ(cpu::small_gemm_kernel_for(SmallGemmIsa::kAvx512Bf16, DType::kF32), SmallGemmIsa::kAvx512);
+  EXPECT_EQ(cpu::small_gemm_kernel_for(SmallGemmIsa::kAvx512Bf16, DType::kBF16), SmallGemmIsa::kAvx512Bf16);
+  EXPECT_EQ(cpu::small_gemm_kernel_for(SmallGemmIsa::kAvx2, DType::kBF16), SmallGemmIsa::kAvx2);
   EXPECT_EQ(cpu::small_gemm_isa_for(nullptr, SmallGemmIsa::kAvx512Bf16), SmallGemmIsa::kAvx512Bf16);
   EXPECT_EQ(cpu::small_gemm_isa_for("", SmallGemmIsa::kAvx512), SmallGemmIsa::kAvx512);
   EXPECT_EQ(cpu::small_gemm_isa_for("avx512", SmallGemmIsa::kAvx512Bf16), SmallGemmIsa::kAvx512);

@@ -36,8 +36,10 @@ struct CpuBackendInfo {
   bool bf16_dot = false;  // the ISA has bf16 dot products (avx512_bf16 or AMX)
   CpuEngines engines;     // the table's choice, or MOE_GEMM_ENGINE's
   std::string engine_source;  // "table" or "MOE_GEMM_ENGINE=<value>"
-  std::string small_gemm;     // the small-batch path's kernel: avx2, avx512 or avx512-bf16
+  // The small-batch path's kernel for fp32 and bf16 weights: avx2, avx512 or avx512-bf16.
+  std::string small_gemm_f32, small_gemm_bf16;
   const char* gemm_engine(DType d) const { return gemm_engine_name(engines.of(d)); }
+  const std::string& small_gemm(DType d) const { return d == DType::kBF16 ? small_gemm_bf16 : small_gemm_f32; }
 };
 
 // Reads the CPU's features and MOE_GEMM_ENGINE now. Throws moe::Error naming a bad
@@ -45,7 +47,8 @@ struct CpuBackendInfo {
 CpuBackendInfo cpu_backend_info();
 
 // One line for --version and logs: "cpu backend on <model>: oneDNN ISA <isa>,
-// GEMM fp32=<engine> bf16=<engine> (<source>), few-row kernel <kernel>", or the
+// GEMM fp32=<engine> bf16=<engine> (<source>), few-row kernels fp32=<kernel>
+// bf16=<kernel>", or the
 // reason it cannot run.
 std::string cpu_backend_summary();
 
