@@ -140,7 +140,8 @@ std::string cpu_backend_summary() {
   try {
     const CpuBackendInfo i = cpu_backend_info();
     return "cpu backend on " + i.cpu_model + ": oneDNN ISA " + i.isa + ", GEMM fp32=" + i.gemm_engine(DType::kF32) +
-           " bf16=" + i.gemm_engine(DType::kBF16) + " (" + i.engine_source + "), few-row kernels fp32=" + i.small_gemm_f32 + " bf16=" + i.small_gemm_bf16;
+           " bf16=" + i.gemm_engine(DType::kBF16) + " (" + i.engine_source + "), few-row kernels fp32=" +
+           i.small_gemm_f32 + " bf16=" + i.small_gemm_bf16;
   } catch (const std::exception& e) {
     return std::string("cpu backend: ") + e.what();
   }

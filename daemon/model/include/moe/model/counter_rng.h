@@ -4,6 +4,7 @@
 #pragma once
 
 #include <cmath>
+#include <cstddef>
 #include <cstdint>
 #include <cstring>
 #include <initializer_list>
@@ -16,10 +17,14 @@ inline uint64_t mix64(uint64_t z) {
   return z ^ (z >> 31);
 }
 
+// A key's hash starts from its length and takes its words one by one.
+inline uint64_t key_start(size_t words) { return 0x6a09e667f3bcc909ull ^ words; }
+inline uint64_t key_step(uint64_t h, uint64_t word) { return mix64(h + 0x9e3779b97f4a7c15ull + word); }
+
 // Hash of an ordered key: different orders or lengths give different values.
 inline uint64_t key_hash(std::initializer_list<uint64_t> words) {
-  uint64_t h = 0x6a09e667f3bcc909ull ^ words.size();
-  for (uint64_t w : words) h = mix64(h + 0x9e3779b97f4a7c15ull + w);
+  uint64_t h = key_start(words.size());
+  for (uint64_t w : words) h = key_step(h, w);
   return h;
 }
 
@@ -37,22 +42,17 @@ inline double normal(uint64_t key) {
 // leading words, so each key costs one mix64.
 class KeyPrefix {
  public:
-  explicit KeyPrefix(std::initializer_list<uint64_t> leading) : h_(0x6a09e667f3bcc909ull ^ (leading.size() + 1)) {
-    for (uint64_t w : leading) h_ = mix64(h_ + 0x9e3779b97f4a7c15ull + w);
+  explicit KeyPrefix(std::initializer_list<uint64_t> leading) : h_(key_start(leading.size() + 1)) {
+    for (uint64_t w : leading) h_ = key_step(h_, w);
   }
-  uint64_t hash(uint64_t last) const { return mix64(h_ + 0x9e3779b97f4a7c15ull + last); }
+  uint64_t hash(uint64_t last) const { return key_step(h_, last); }
 
  private:
   uint64_t h_;
 };
 
-// Two independent standard normals from a key's 64 bits (hi, lo): one Box-Muller
-// draw in fp32, u1 = (hi's top 24 bits + 1) / 2^24 in (0, 1], the angle's
-// quadrant from hi's low 2 bits and its fraction from lo's top 22. log, sin and
-// cos are polynomials of plain IEEE float operations, branch-free: every CPU,
-// and every vector width a compiler picks, gives the same bits (the file that
-// calls it is built without FMA contraction). Largest |value|: sqrt(2 ln 2^24) = 5.77.
-// (C++17: the CUDA tests include this header.)
+// A float's bits and back (memcpy, not std::bit_cast: the CUDA tests include
+// this header as C++17).
 inline uint32_t bits_of(float f) {
   uint32_t u;
   std::memcpy(&u, &f, sizeof u);
@@ -64,6 +64,12 @@ inline float float_of(uint32_t u) {
   return f;
 }
 
+// Two independent standard normals from a key's 64 bits (hi, lo): one Box-Muller
+// draw in fp32, u1 = (hi's top 24 bits + 1) / 2^24 in (0, 1], the angle's
+// quadrant from hi's low 2 bits and its fraction from lo's top 22. log, sin and
+// cos are polynomials of plain IEEE float operations, branch-free: every CPU,
+// and every vector width a compiler picks, gives the same bits (the file that
+// calls it is built without FMA contraction). Largest |value|: sqrt(2 ln 2^24) = 5.77.
 inline void box_muller_f32(uint32_t hi, uint32_t lo, float* a, float* b) {
   // ln u1 = e ln 2 + ln m, m in [sqrt(1/2), sqrt(2)): ln m = 2 atanh(s), s = (m - 1) / (m + 1),
   // |s| <= 0.172, the series to s^9 within 1e-9.
@@ -78,10 +84,10 @@ inline void box_muller_f32(uint32_t hi, uint32_t lo, float* a, float* b) {
   const float r = std::sqrt(-2.0f * ln_u1);
   // theta in [0, pi/2): Taylor series to theta^11 (sin) and theta^12 (cos), within 6e-8.
   const float t = static_cast<float>(lo >> 10) * (0x1.0p-22f * 1.5707963268f), t2 = t * t;
-  const float sn =
-      t * (1.0f + t2 * (-1.0f / 6 + t2 * (1.0f / 120 + t2 * (-1.0f / 5040 + t2 * (1.0f / 362880 + t2 * (-1.0f / 39916800))))));
-  const float cs =
-      1.0f + t2 * (-0.5f + t2 * (1.0f / 24 + t2 * (-1.0f / 720 + t2 * (1.0f / 40320 + t2 * (-1.0f / 3628800 + t2 * (1.0f / 479001600))))));
+  const float sn = t * (1.0f + t2 * (-1.0f / 6 + t2 * (1.0f / 120 + t2 * (-1.0f / 5040 +
+                                     t2 * (1.0f / 362880 + t2 * (-1.0f / 39916800))))));
+  const float cs = 1.0f + t2 * (-0.5f + t2 * (1.0f / 24 + t2 * (-1.0f / 720 + t2 * (1.0f / 40320 +
+                                     t2 * (-1.0f / 3628800 + t2 * (1.0f / 479001600))))));
   // The quadrant q turns (cos, sin) by q x 90 degrees.
   const uint32_t q = hi & 3u;
   const float x = (q & 1u) ? sn : cs, y = (q & 1u) ? cs : sn;
