@@ -25,6 +25,61 @@ int max_world(const JobReports& r) {
   return static_cast<int>(w);
 }
 
+// Per layer, the mean / max of the rank loads (docs/jobs.md#result), taken per
+// world (a run of steps with the same number of ranks) and weighted by its steps:
+// a world that lost a rank has no idle rank to count. A rank's load is its pairs
+// per step it reported, so a step declared whole without a lost rank's report
+// does not make that rank look idle.
+class WorldBalance {
+ public:
+  explicit WorldBalance(int layers) : per_layer_(layers, 0.0), load_(layers) {}
+
+  void add(const std::vector<v1::StepStats>& by_rank) {
+    if (by_rank.size() != reports_.size()) close_world(by_rank.size());
+    for (size_t rank = 0; rank < by_rank.size(); ++rank) {
+      const v1::StepStats& s = by_rank[rank];
+      if (s.step_seconds() <= 0) continue;  // missing from a whole step
+      ++reports_[rank];
+      for (size_t l = 0; l < std::min(load_.size(), static_cast<size_t>(s.layer_pairs_size())); ++l)
+        load_[l][rank] += s.layer_pairs(static_cast<int>(l));
+    }
+    ++world_steps_;
+  }
+
+  // Per layer, over every step added.
+  std::vector<double> per_layer() {
+    close_world(0);
+    std::vector<double> out(per_layer_.size(), 0.0);
+    for (size_t l = 0; l < out.size(); ++l) out[l] = steps_ > 0 ? per_layer_[l] / steps_ : 0.0;
+    return out;
+  }
+
+ private:
+  void close_world(size_t next_ranks) {
+    for (size_t l = 0; l < load_.size(); ++l) {
+      std::vector<double> per_step;
+      for (size_t rank = 0; rank < reports_.size(); ++rank)
+        if (reports_[rank] > 0) per_step.push_back(load_[l][rank] / reports_[rank]);
+      per_layer_[l] += world_steps_ * balancedness_of(per_step);
+      load_[l].assign(next_ranks, 0.0);
+    }
+    reports_.assign(next_ranks, 0);
+    steps_ += world_steps_;
+    world_steps_ = 0;
+  }
+
+  std::vector<double> per_layer_;          // weighted sums over closed worlds
+  std::vector<std::vector<double>> load_;  // [layer][rank] pairs in the open world
+  std::vector<int> reports_;               // [rank] steps reported in it
+  double steps_ = 0, world_steps_ = 0;
+};
+
+double mean_of(const std::vector<double>& v) {
+  double sum = 0;
+  for (double x : v) sum += x;
+  return v.empty() ? 0.0 : sum / static_cast<double>(v.size());
+}
+
 // Steps every rank reported (or declared whole), in step order.
 std::vector<const std::vector<v1::StepStats>*> complete_steps(const JobReports& r) {
   std::vector<const std::vector<v1::StepStats>*> out;
@@ -120,15 +175,16 @@ void fill_sums(const std::vector<const std::vector<v1::StepStats>*>& steps, cons
   for (const auto& layer : expert_tokens) *rec.add_expert_tokens()->mutable_tokens() = {layer.begin(), layer.end()};
   *rec.mutable_rank_received_rows() = {received.begin(), received.end()};
   std::vector<double> rank_tokens(W, 0.0);
-  double balance_sum = 0;
   for (const auto& layer : layer_rank) {
     *rec.add_layer_rank_tokens()->mutable_tokens() = {layer.begin(), layer.end()};
     for (int rank = 0; rank < W; ++rank) rank_tokens[rank] += layer[rank];
-    rec.add_layer_balancedness(balancedness_of(layer));
-    balance_sum += rec.layer_balancedness(rec.layer_balancedness_size() - 1);
   }
   *rec.mutable_rank_tokens() = {rank_tokens.begin(), rank_tokens.end()};
-  rec.set_balancedness(L > 0 ? balance_sum / L : 0.0);
+  WorldBalance balance(L);
+  for (const auto* by_rank : steps) balance.add(*by_rank);
+  const std::vector<double> per_layer = balance.per_layer();
+  *rec.mutable_layer_balancedness() = {per_layer.begin(), per_layer.end()};
+  rec.set_balancedness(mean_of(per_layer));
 }
 
 // The epoch a step ran under: the newest of its layers' maps.
@@ -143,11 +199,11 @@ int64_t step_epoch(const std::vector<v1::StepStats>& by_rank) {
 // and the medians of its step and slowest-rank expert times.
 void fill_epochs(const std::vector<const std::vector<v1::StepStats>*>& steps, const JobReports& r,
                  v1::JobResult& rec) {
-  const int L = r.spec.layers(), W = max_world(r);
+  const int L = r.spec.layers();
   size_t i = 0;
   while (i < steps.size()) {
     const int64_t epoch = step_epoch(*steps[i]);
-    std::vector<std::vector<double>> load(L, std::vector<double>(W, 0.0));
+    WorldBalance balance(L);
     std::vector<double> step_time, expert;
     v1::EpochRun* run = rec.add_epochs();
     run->set_epoch(epoch);
@@ -158,15 +214,13 @@ void fill_epochs(const std::vector<const std::vector<v1::StepStats>*>& steps, co
         const v1::StepStats& s = (*steps[i])[rank];
         t = std::max(t, s.step_seconds());
         pe = std::max(pe, s.phase_seconds().expert());
-        for (int l = 0; l < std::min(L, s.layer_pairs_size()); ++l) load[l][rank] += s.layer_pairs(l);
       }
+      balance.add(*steps[i]);
       step_time.push_back(t);
       expert.push_back(pe);
     }
     run->set_steps(static_cast<int32_t>(step_time.size()));
-    double balance = 0;
-    for (const auto& layer : load) balance += balancedness_of(layer) / std::max(1, L);
-    run->set_balancedness(balance);
+    run->set_balancedness(mean_of(balance.per_layer()));
     run->set_step_seconds_p50(median(step_time));
     run->set_first_step_seconds(step_time.front());
     run->set_slowest_rank_expert_seconds(median(expert));

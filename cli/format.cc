@@ -26,6 +26,20 @@ std::string human_bytes(double bytes) {
   return (u == 0 ? std::to_string(static_cast<int64_t>(bytes)) : fmt(bytes, 3)) + " " + units[u];
 }
 
+std::string human_count(double v) {
+  static const char* units[] = {"", "k", "M", "G", "T"};
+  int u = 0;
+  while (std::fabs(v) >= 999.5 && u < 4) v /= 1000, ++u;
+  char buf[32];
+  std::snprintf(buf, sizeof buf, u > 0 && v < 9.995 ? "%.2f%s" : u > 0 && v < 99.95 ? "%.1f%s" : "%.0f%s", v, units[u]);
+  return buf;
+}
+
+std::string rate_text(double v) {
+  if (!std::isfinite(v)) return "-";
+  return std::fabs(v) >= 100 ? std::to_string(std::llround(v)) : fmt(v, 3);
+}
+
 std::string human_seconds(double seconds) {
   if (!std::isfinite(seconds) || seconds < 0) return "-";
   if (seconds < 10) return fmt(seconds, 2) + "s";

@@ -14,6 +14,10 @@ std::string state_name(v1::JobState s);  // "SUCCEEDED"
 std::string fmt(double v, int precision = 4);
 // "978 MB", "1.46 GB", "512 B": decimal units, three significant digits.
 std::string human_bytes(double bytes);
+// "980", "46.3k", "1.07M": a count or rate for a column, three significant digits.
+std::string human_count(double v);
+// A rate in full for a detail view: "46269" (whole from 100 up), "12.5" below.
+std::string rate_text(double v);
 // "45s", "3m05s", "2h03m": a duration for people.
 std::string human_seconds(double seconds);
 // A unix_ms time in local time: "14:03:04" today, else "12-01 14:03".

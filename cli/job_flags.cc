@@ -61,12 +61,15 @@ std::string default_text(const FieldDescriptor& f) {
       return os.str();
     }
     case FieldDescriptor::CPPTYPE_BOOL: return r->GetBool(defaults, &f) ? "true" : "false";
-    case FieldDescriptor::CPPTYPE_ENUM: return r->GetEnum(defaults, &f)->name();
+    case FieldDescriptor::CPPTYPE_ENUM: {  // unset (*_UNSPECIFIED): the help says what that means
+      const auto* v = r->GetEnum(defaults, &f);
+      return v->number() == 0 ? "" : v->name();
+    }
     case FieldDescriptor::CPPTYPE_STRING: {
       const std::string s = r->GetString(defaults, &f);
       return s.empty() ? "none" : s;
     }
-    default: return "?";
+    default: return "";  // repeated and map fields: none
   }
 }
 
@@ -150,7 +153,7 @@ const std::vector<JobFieldDoc>& job_field_docs() {
       {"seed", "seed of the synthetic inputs and weights", false},
       {"lr", "learning rate of the optimizer (train)", false},
       {"optimizer", "optimizer of the train mode", false},
-      {"moments_dtype", "how Adam keeps its moments: fp32, or bf16 (half the optimizer state)", false},
+      {"moments_dtype", "how Adam keeps its moments (unset: fp32; bf16 halves the optimizer state)", false},
       {"verify", "check step 0 against the fp64 reference", false},
       {"dump_dir", "folder for layer 0's step-0 tensors (rank{r}.safetensors, spec.json)", false},
       {"weights", "safetensors file to read the weights from (none: synthetic from the seed)", false},
@@ -189,7 +192,8 @@ const std::vector<JobFieldDoc>& job_field_docs() {
        "the format the forward dispatch's rows travel in (unset: the layer dtype); fp8 is e4m3 with a scale per 128 "
        "values",
        false},
-      {"combine_wire", "the format the combine's results travel back in (unset: the layer dtype)", false},
+      {"combine_wire", "the format the combine's results travel back in (unset: the layer dtype)", false,
+       "fp32 | bf16"},
       {"overlap_chunks",
        "chunks of each forward dispatch/combine pipelined with the experts: 0 chooses from the measured link, 1 is "
        "serial, up to 8",
@@ -208,9 +212,11 @@ std::string flag_name(const std::string& field) {
 std::string flag_help(const JobFieldDoc& doc) {
   const FieldDescriptor& f = field_of(doc.field);
   std::string help = doc.help;
-  if (f.cpp_type() == FieldDescriptor::CPPTYPE_ENUM) help += ": " + enum_choices(f);
+  if (f.cpp_type() == FieldDescriptor::CPPTYPE_ENUM) help += ": " + (doc.choices ? doc.choices : enum_choices(f));
   if (f.cpp_type() == FieldDescriptor::CPPTYPE_BOOL) help += ": true | false";
-  return help + (doc.required ? " (required)" : " (default: " + default_text(f) + ")");
+  if (doc.required) return help + " (required)";
+  const std::string d = default_text(f);
+  return d.empty() ? help : help + " (default: " + d + ")";
 }
 
 void set_field(v1::JobSpec& s, const std::string& field, const std::string& text) {

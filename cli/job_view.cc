@@ -14,7 +14,7 @@ std::string phases_line(const v1::PhaseSeconds& p) {
   std::string line;
   for (int f = 0; f < d->field_count(); ++f) {
     const double v = v1::PhaseSeconds::GetReflection()->GetDouble(p, d->field(f));
-    if (v > 0) line += (line.empty() ? "" : ", ") + d->field(f)->name() + " " + fmt(v);
+    if (v > 0) line += (line.empty() ? "" : ", ") + d->field(f)->name() + " " + fmt(1e3 * v, 3);
   }
   return line;
 }
@@ -41,7 +41,7 @@ void progress_rows(const v1::JobResult& j, Rows& rows) {
     rows.push_back({"tokens/s", "- (no step has completed yet)"});
   } else {
     const std::string over = " (median of the last " + std::to_string(p.recent_steps()) + " steps)";
-    rows.push_back({"tokens/s", fmt(p.tokens_per_second(), 6) + over});
+    rows.push_back({"tokens/s", rate_text(p.tokens_per_second()) + over});
     rows.push_back({"step time", human_seconds(p.step_seconds()) + over});
   }
   if (p.has_eta_seconds()) rows.push_back({"eta", human_seconds(p.eta_seconds())});
@@ -53,13 +53,13 @@ void progress_rows(const v1::JobResult& j, Rows& rows) {
 
 void result_rows(const v1::JobResult& j, Rows& rows) {
   rows.push_back({"steps", fmt(j.steps_completed()) + "/" + std::to_string(j.spec().steps())});
-  rows.push_back({"tokens/s", fmt(j.tokens_per_second(), 6)});
+  rows.push_back({"tokens/s", rate_text(j.tokens_per_second())});
   rows.push_back({"step p50", human_seconds(j.step_seconds_p50())});
   if (j.phase_seconds().teacher() > 0 || j.phase_seconds().inputs() > 0)
-    rows.push_back({"layer tokens/s", fmt(j.layer_tokens_per_second(), 6) + " (step " +
+    rows.push_back({"layer tokens/s", rate_text(j.layer_tokens_per_second()) + " (step " +
                                           human_seconds(j.layer_step_seconds_p50()) +
                                           " without the synthetic teacher and inputs)"});
-  rows.push_back({"phases (s)", phases_line(j.phase_seconds())});
+  rows.push_back({"phases (ms)", phases_line(j.phase_seconds())});
   const double ratio = j.naive_dispatch_bytes() > 0 ? j.dispatch_bytes() / j.naive_dispatch_bytes() : 0;
   rows.push_back({"dispatch bytes", human_bytes(j.dispatch_bytes()) + " (" + fmt(100 * ratio, 3) + "% of naive)"});
   rows.push_back({"combine bytes", human_bytes(j.combine_bytes())});
@@ -151,7 +151,7 @@ std::string progress_line(const v1::JobResult& j) {
   if (j.state() == v1::JOB_STATE_QUEUED) return s + ": waiting for " + p.waiting_for();
   s += " step " + step_text(j);
   if (p.has_loss()) s += "  loss " + fmt(p.loss());
-  if (p.recent_steps() > 0) s += "  tokens/s " + fmt(p.tokens_per_second(), 4) + "  step " + human_seconds(p.step_seconds());
+  if (p.recent_steps() > 0) s += "  tokens/s " + human_count(p.tokens_per_second()) + "  step " + human_seconds(p.step_seconds());
   if (j.state() == v1::JOB_STATE_RUNNING && p.has_eta_seconds()) s += "  eta " + human_seconds(p.eta_seconds());
   if (p.epoch() > 0) s += "  epoch " + std::to_string(p.epoch());
   if (p.has_window_balancedness()) s += "  balancedness " + fmt(p.window_balancedness(), 3);
@@ -176,7 +176,7 @@ void print_job_list(std::ostream& out, const std::vector<v1::JobResult>& jobs, i
     else if (running && !j.progress().rebalance().empty()) reason = j.progress().rebalance();
     rows.push_back({j.job_id(), j.spec().name(), state_name(j.state()), v1::JobSpec::Mode_Name(j.spec().mode()),
                     local_time(j.submitted_unix_ms()), duration_of(j) < 0 ? "-" : human_seconds(duration_of(j)),
-                    step_text(j), tps > 0 ? fmt(tps, 4) : "-", reason});
+                    step_text(j), tps > 0 ? human_count(tps) : "-", reason});
   }
   if (!names)
     for (auto& r : rows) r.erase(r.begin() + 1);

@@ -14,19 +14,6 @@ constexpr int kGroup = 8;     // heat cells between spaces
 constexpr int kMaxHot = 5;    // hottest experts named per layer
 constexpr int kMaxBar = 40;   // columns of a rank's bar
 
-// 41600 -> "41.6k"
-std::string human(double v) {
-  const char* unit[] = {"", "k", "M", "G", "T"};
-  int u = 0;
-  while (std::fabs(v) >= 1000 && u < 4) {
-    v /= 1000;
-    ++u;
-  }
-  char buf[32];
-  std::snprintf(buf, sizeof buf, v < 10 && u > 0 ? "%.2f%s" : v < 100 && u > 0 ? "%.1f%s" : "%.0f%s", v, unit[u]);
-  return buf;
-}
-
 // 0.0123 -> "12.3 ms"
 std::string duration(double s) {
   char buf[32];
@@ -68,7 +55,7 @@ std::string progress(const v1::LiveJob& j) {
   std::string s = "step " + std::to_string(j.steps_completed()) + "/" + std::to_string(j.steps()) + "   ";
   if (j.state() == v1::JOB_STATE_RUNNING && j.recent_steps() == 0) return s + "waiting for its first complete step";
   if (j.has_loss()) s += "loss " + fmt(j.loss()) + "   ";
-  s += duration(j.step_seconds()) + "/step   " + human(j.tokens_per_second()) + " tokens/s";
+  s += duration(j.step_seconds()) + "/step   " + human_count(j.tokens_per_second()) + " tokens/s";
   if (j.has_eta_seconds()) s += "   eta " + human_seconds(j.eta_seconds());
   return s;
 }

@@ -91,6 +91,9 @@ TEST(Ux, ARunningJobShowsLiveProgressEverywhere) {
   EXPECT_TRUE(has(result, "EPOCH  STEPS")) << result;
   EXPECT_TRUE(std::regex_search(result, std::regex("dispatch bytes +[0-9.]+ (kB|MB|GB) \\("))) << result;
   EXPECT_FALSE(has(result, "e+0")) << "a number in exponent notation:\n" << result;
+  const std::string list = c.ctl({"job", "list"}).second;
+  EXPECT_TRUE(std::regex_search(list, std::regex(id + " .* [0-9.]+[kM]? +cancelled"))) << list;
+  EXPECT_FALSE(has(list, "e+0")) << "job list's tokens/s in exponent notation:\n" << list;
   // Between jobs the progress gauges are gone.
   ASSERT_TRUE(poll_until([&] { return !has(agent_metrics(c), "moe_job_step{"); }, 5s)) << agent_metrics(c);
 }

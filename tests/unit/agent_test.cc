@@ -86,6 +86,44 @@ TEST(JobResult, LoadIsPairsPerRankAndBalancednessIsPerLayer) {
   EXPECT_EQ(rec.rank_received_rows(0), 20);  // communication, kept apart from load
 }
 
+// An elastic job that lost rank 1 at step 2 ran balanced in both worlds: the
+// one-rank world has no idle rank, and step 1, declared whole without rank 1's
+// report, does not make rank 1 look idle either.
+TEST(JobResult, BalancednessIsTakenPerWorldOfAnElasticJob) {
+  JobReports r = two_rank_reports();
+  r.steps.clear();
+  auto with_epoch = [](v1::StepStats s, int64_t epoch) {
+    s.add_layer_epoch(epoch);
+    return s;
+  };
+  r.steps[0] = {with_epoch(step_stats(0, 1.0, 30, 30), 1), with_epoch(step_stats(0, 1.0, 30, 30), 1)};
+  r.steps[1] = {with_epoch(step_stats(1, 1.0, 30, 30), 1), v1::StepStats{}};
+  r.whole = {0, 1};  // what the world change declares (scheduler_elastic.cc)
+  r.steps[2] = {with_epoch(step_stats(2, 1.0, 60, 60), 2)};
+  r.steps[3] = {with_epoch(step_stats(3, 1.0, 60, 60), 2)};
+  r.world = 1;  // the world now
+  v1::JobResult rec;
+  fill_result(r, v1::JOB_STATE_SUCCEEDED, rec);
+  EXPECT_EQ(rec.steps_completed(), 4);
+  ASSERT_EQ(rec.layer_balancedness_size(), 2);
+  EXPECT_DOUBLE_EQ(rec.layer_balancedness(0), 1.0);
+  EXPECT_DOUBLE_EQ(rec.balancedness(), 1.0);
+  ASSERT_EQ(rec.epochs_size(), 2);
+  EXPECT_DOUBLE_EQ(rec.epochs(0).balancedness(), 1.0);
+  EXPECT_DOUBLE_EQ(rec.epochs(1).balancedness(), 1.0);
+
+  // Imbalance within a world still shows, weighted by the world's steps: here
+  // the world grows to 3 ranks at step 2, and layer 0's loads are 60, 20, 40.
+  for (int step : {2, 3})
+    r.steps[step] = {with_epoch(step_stats(step, 1.0, 60, 60), 2), with_epoch(step_stats(step, 1.0, 20, 60), 2),
+                     with_epoch(step_stats(step, 1.0, 40, 60), 2)};
+  r.world = 3;
+  fill_result(r, v1::JOB_STATE_SUCCEEDED, rec);
+  EXPECT_DOUBLE_EQ(rec.layer_balancedness(0), (2 * 1.0 + 2 * (40.0 / 60.0)) / 4);
+  EXPECT_DOUBLE_EQ(rec.layer_balancedness(1), 1.0);
+  EXPECT_DOUBLE_EQ(rec.epochs(1).balancedness(), (40.0 / 60.0 + 1.0) / 2);
+}
+
 TEST(JobResult, VerifyPassesOnlyIfEveryRankAndTheJobDid) {
   JobReports r = two_rank_reports();
   v1::JobResult rec;

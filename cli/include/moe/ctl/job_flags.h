@@ -24,8 +24,9 @@ namespace moe::ctl {
 // One JobSpec field's documentation.
 struct JobFieldDoc {
   const char* field;
-  const char* help;  // what it is and its unit
-  bool required;     // no default: a job must set it
+  const char* help;               // what it is and its unit
+  bool required;                  // no default: a job must set it
+  const char* choices = nullptr;  // an enum's accepted values where fewer than its type's
 };
 const std::vector<JobFieldDoc>& job_field_docs();
 
