@@ -23,8 +23,9 @@ Rebalancer::Rebalancer(RebalanceOptions options, PlacementService& placement, co
 }
 
 // The plan as a reply: the changed layers' maps, balancedness before and
-// predicted, and the copies with their bytes in the running job (or, with none,
-// in a forward job of the shape's size).
+// predicted, and the copies with their bytes in the running job. With no job on
+// the shape nothing is copied (the next job loads its experts where the maps
+// place them), so the reply lists no copies, dry run or not.
 v1::RebalanceReply Rebalancer::plan_reply(const v1::RebalanceRequest& req, const RunningJob* job) const {
   const ShapeKey shape = job ? job->shape : ShapeKey::of(req.shape());
   const RebalancePlan plan =
@@ -35,13 +36,17 @@ v1::RebalanceReply Rebalancer::plan_reply(const v1::RebalanceRequest& req, const
   for (const auto& m : plan.maps) *r.add_maps() = m;
   *r.mutable_balancedness_before() = {plan.before.begin(), plan.before.end()};
   *r.mutable_predicted_balancedness() = {plan.predicted.begin(), plan.predicted.end()};
-  const double bytes = job ? expert_copy_bytes(job->reports.spec) : 0.0;
+  if (!job) {
+    r.set_message("no job runs on the shape: the maps take force for the next job, nothing is copied");
+    return r;
+  }
+  const double bytes = expert_copy_bytes(job->reports.spec);
   for (v1::ExpertCopy c : plan.copies) {
     c.set_bytes(bytes);
     r.set_copy_bytes(r.copy_bytes() + bytes);
     *r.add_copies() = c;
   }
-  if (job) r.set_job_id(job->id);
+  r.set_job_id(job->id);
   return r;
 }
 
@@ -61,8 +66,6 @@ uint64_t Rebalancer::start(const v1::RebalanceRequest& req, Clock::time_point no
   if (!job) {  // nothing runs on the shape: the next job starts on the new maps
     reply.set_epoch(placement_.install(ShapeKey::of(reply.shape()), {reply.maps().begin(), reply.maps().end()}));
     reply.set_result(v1::REBALANCE_RESULT_COMMITTED);
-    reply.clear_copies();
-    reply.set_copy_bytes(0);
     reply.set_message("no job runs on the shape: the maps are in force for the next job");
     ++counts_[v1::REBALANCE_RESULT_COMMITTED];
     log::info("placement: rebalanced ", ShapeKey::of(reply.shape()).name(), " to epoch ", reply.epoch());

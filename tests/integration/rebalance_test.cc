@@ -374,6 +374,9 @@ TEST(PlacementCommands, WithoutAJobTwiceInAJobDryRunExportImportAndLoads) {
   const auto [drc, dry] = c.ctl({"placement", "rebalance", "--redundant-experts", "2", "--dry-run"});
   EXPECT_EQ(drc, 0) << dry;
   EXPECT_TRUE(has(dry, "dry run")) << dry;
+  // With no job nothing would be copied: no copies of "0 B" listed.
+  EXPECT_TRUE(has(dry, "0 copies, 0 MB")) << dry;
+  EXPECT_TRUE(has(dry, "nothing is copied")) << dry;
   EXPECT_EQ(c.ctl({"--output", "json", "placement", "show"}).second, before);
   // The slot rule.
   const auto [brc, bad] = c.ctl({"placement", "rebalance", "--redundant-experts", "3"});
