@@ -493,7 +493,8 @@ void Agent::fence(const std::string& job_id, int node, const std::string& reason
 }
 
 void Agent::job_ended(const v1::JobResult& result) {
-  rebalancer_.on_job_ended(result.job_id(), result.message().empty() ? v1::JobState_Name(result.state()) : result.message(),
+  rebalancer_.on_job_ended(result.job_id(), result.message().empty() ? v1::JobState_Name(result.state()).substr(10)  // drop JOB_STATE_
+                                                                    : result.message(),
                            Clock::now());
   if (scheduler_.running() == nullptr) relay_.clear();
   persist();

@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <sstream>
+#include <thread>
 
 #include "moe/base/check.h"
 #include "moe/base/clock.h"
@@ -189,11 +190,23 @@ void RebalanceSession::tell_agent_ready(bool ok, const std::string& reason) {
   // An agent that does not hear it aborts the rebalance at its timeout, and one
   // that restarted has lost it (the daemon drops the staging when it registers):
   // either way the job goes on, so a READY that cannot be delivered fails nothing.
-  try {
-    agent_.call(msg, std::chrono::seconds(10));
-  } catch (const rpc::RpcError& e) {
-    log::warn("job ", env_.job_id, ": rank ", env_.rank, ": READY for epoch ", staged_->epoch(),
-              " did not reach the agent: ", e.what());
+  // The connection may predate an agent restart that came before the PREPARE:
+  // the first call then fails at once on it and the client reconnects, so an
+  // unreachable agent is tried again twice (a READY the agent already has is
+  // taken again harmlessly), at most 0.4 s more of the rank's thread.
+  for (int attempt = 0;; ++attempt) {
+    try {
+      agent_.call(msg, std::chrono::seconds(10));
+      return;
+    } catch (const rpc::RpcError& e) {
+      if (e.code() == v1::ERROR_CODE_UNAVAILABLE && attempt < 2) {
+        std::this_thread::sleep_for(std::chrono::milliseconds(attempt == 0 ? 0 : 400));
+        continue;
+      }
+      log::warn("job ", env_.job_id, ": rank ", env_.rank, ": READY for epoch ", staged_->epoch(),
+                " did not reach the agent: ", e.what());
+      return;
+    }
   }
 }
 

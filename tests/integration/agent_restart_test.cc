@@ -238,6 +238,28 @@ TEST(AgentRestart, DuringALiveRebalanceTheJobGoesOnAndTheStagingIsDropped) {
   EXPECT_EQ(rc, 0) << out << agent.output() << c.logs();
 }
 
+// A rebalance after the agent came back mid-job commits in that job: the ranks'
+// READY went out on their connection to the old agent, failed, and was lost, so
+// the rebalance waited until the job ended (fixed: READY is sent again once on a
+// connection that closed).
+TEST(AgentRestart, AfterARestartMidJobALiveRebalanceCommits) {
+  Cluster c(2, 1);
+  ASSERT_TRUE(c.up());
+  const std::string id = c.start_long_job(3);
+  c.kill_agent();
+  Process agent = c.start_agent_again();
+  ASSERT_TRUE(poll_until([&] { return every_node_alive(c, 2); }, 30s)) << c.logs();
+  const double steps = c.job(id).steps_completed();
+  ASSERT_TRUE(poll_until([&] { return c.job(id).steps_completed() >= steps + 3; }, 30s)) << "the job stopped";
+  const auto [rc, out] = c.ctl({"placement", "rebalance", "--redundant-experts", "2"}, 60s);
+  EXPECT_EQ(rc, 0) << out << c.logs();
+  EXPECT_NE(out.find("rebalance committed"), std::string::npos) << out;
+  EXPECT_EQ(c.job(id).state(), v1::JOB_STATE_RUNNING) << "it committed only because the job ended";
+  EXPECT_EQ(c.ctl({"job", "cancel", id}).first, 0);
+  EXPECT_EQ(parse_result(c.ctl({"--output", "json", "job", "wait", id}, 60s).second).state(),
+            v1::JOB_STATE_CANCELLED);
+}
+
 TEST(AgentRestart, ADamagedStateFileIsRefusedNamingTheFile) {
   const fs::path dir = fs::temp_directory_path() / ("moe_agent_state_" + std::to_string(::getpid()));
   fs::remove_all(dir);
