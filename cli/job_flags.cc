@@ -275,7 +275,11 @@ v1::JobSpec JobFlags::build() const {
   std::set<std::string> set_by_user;
   if (!file_.empty()) {
     const std::string json = read_file(file_);
-    s = spec::spec_from_json(json);
+    try {
+      s = spec::spec_from_json(json);
+    } catch (const moe::InvalidArgument& e) {
+      throw moe::InvalidArgument(file_ + ": " + e.what());
+    }
     set_by_user = json_fields(json);
   }
   for (const auto& [field, text] : given_) {

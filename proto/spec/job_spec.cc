@@ -201,7 +201,10 @@ v1::JobSpec spec_from_json(const std::string& json) {
   google::protobuf::util::JsonParseOptions o;
   o.ignore_unknown_fields = false;
   const auto st = google::protobuf::util::JsonStringToMessage(json, &s, o);
-  if (!st.ok()) throw moe::InvalidArgument("spec: " + st.ToString());
+  if (!st.ok()) {  // the parser's first line: what is wrong and where (its excerpt follows)
+    const std::string what(st.message());
+    throw moe::InvalidArgument("not a JobSpec in JSON: " + what.substr(0, what.find('\n')));
+  }
   return s;
 }
 
