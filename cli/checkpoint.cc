@@ -31,8 +31,9 @@ void print_manifest(std::ostream& out, const std::string& folder, const v1::Chec
       {"job", m.job_id()},
       {"step", std::to_string(m.step()) + " of " + std::to_string(s.steps()) + " (resumes at step " +
                    std::to_string(m.step()) + ")"},
-      {"cluster", std::to_string(m.world_size()) + " ranks (" + std::to_string(m.world_size() / std::max(1, m.devices_per_node())) +
-                      "x" + std::to_string(m.devices_per_node()) + ")"},
+      {"cluster", counted(m.world_size(), "rank") + " (" +
+                      std::to_string(m.world_size() / std::max(1, m.devices_per_node())) + "x" +
+                      std::to_string(m.devices_per_node()) + ")"},
       {"spec", v1::JobSpec::Mode_Name(s.mode()) + " " + v1::JobSpec::DType_Name(s.dtype()) + " E=" +
                    std::to_string(s.experts()) + " K=" + std::to_string(s.top_k()) + " H=" + std::to_string(s.hidden()) +
                    " I=" + std::to_string(s.ffn_hidden()) + " layers=" + std::to_string(s.layers()) +

@@ -40,6 +40,10 @@ std::string rate_text(double v) {
   return std::fabs(v) >= 100 ? std::to_string(std::llround(v)) : fmt(v, 3);
 }
 
+std::string counted(int64_t n, const std::string& noun) {
+  return std::to_string(n) + " " + noun + (n == 1 ? "" : "s");
+}
+
 std::string human_seconds(double seconds) {
   if (!std::isfinite(seconds) || seconds < 0) return "-";
   if (seconds < 10) return fmt(seconds, 2) + "s";
@@ -71,7 +75,7 @@ int terminal_columns(int otherwise) {
 }
 
 std::string ranks_text(int registered, int alive) {
-  return std::to_string(registered) + " ranks" + (alive < registered ? " (" + std::to_string(alive) + " alive)" : "");
+  return counted(registered, "rank") + (alive < registered ? " (" + std::to_string(alive) + " alive)" : "");
 }
 
 std::string cut(const std::string& text, size_t width) {

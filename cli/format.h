@@ -1,6 +1,7 @@
 // moectl's table output.
 #pragma once
 
+#include <cstdint>
 #include <ostream>
 #include <string>
 #include <utility>
@@ -18,6 +19,8 @@ std::string human_bytes(double bytes);
 std::string human_count(double v);
 // A rate in full for a detail view: "46269" (whole from 100 up), "12.5" below.
 std::string rate_text(double v);
+// "1 rank", "4 ranks": n and the noun, plural unless n is 1.
+std::string counted(int64_t n, const std::string& noun);
 // "45s", "3m05s", "2h03m": a duration for people.
 std::string human_seconds(double seconds);
 // A unix_ms time in local time: "14:03:04" today, else "12-01 14:03".
