@@ -167,7 +167,7 @@ int job_status(const Globals& g, const std::string& id, bool watch, std::ostream
     v1::JobResult j = c.call(req, g.timeout).job();
     if (!watch || finished(j.state())) {
       print_record(out, j, g.json);
-      return kExitOk;
+      return watch ? job_exit(j) : kExitOk;
     }
     // A line (a JSON object with -o json) per step until the job ends, then its record.
     const DetachNotice notice(id);
@@ -183,7 +183,7 @@ int job_status(const Globals& g, const std::string& id, bool watch, std::ostream
       j = wait_once(c, id, std::max(seen, -1), std::chrono::seconds(30));
     }
     print_record(out, j, g.json);
-    return kExitOk;
+    return job_exit(j);  // a watch ends as a wait does
   });
 }
 

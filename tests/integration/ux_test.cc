@@ -107,6 +107,8 @@ TEST(Ux, JobListIsInSubmitOrderWithTimesAndFitsTheWidth) {
   // One failed job with a long message: weights that do not exist.
   const std::string bad = submit(c, concat(kTiny, {"--steps", "2", "--weights", "/nonexistent/" + std::string(150, 'w') + ".safetensors"}));
   ASSERT_EQ(c.ctl({"job", "wait", bad}, 60s).first, 1);
+  EXPECT_EQ(c.ctl({"job", "status", bad, "-w"}).first, 1) << "a watch ends as a wait does";
+  EXPECT_EQ(c.ctl({"job", "status", bad}).first, 0) << "a look is not a wait";
   ::setenv("COLUMNS", "100", 1);
   const auto [rc, out] = c.ctl({"job", "list"});
   ::unsetenv("COLUMNS");
