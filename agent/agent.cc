@@ -243,12 +243,25 @@ v1::Envelope Agent::cluster_status() const {
 
 rpc::awaitable<void> Agent::watchdog() {
   rpc::asio::steady_timer timer(io_);
+  const Clock::duration period = opts_.heartbeat_interval / 2;
+  Clock::time_point last = Clock::now();
   while (!stopped_) {
-    timer.expires_after(opts_.heartbeat_interval / 2);
+    timer.expires_after(period);
     boost::system::error_code ec;
     co_await timer.async_wait(rpc::asio::redirect_error(rpc::use_awaitable, ec));
     if (stopped_) co_return;
     const auto now = Clock::now();
+    // A tick a quarter of the dead-node timeout late: the agent itself stood still
+    // (SIGSTOP, a paused VM). The nodes' heartbeats of that time are still unread,
+    // so their silence is not held against them (docs/jobs.md#dead-nodes). Shorter
+    // delays (a loaded host) count as silence: they cannot make a node dead alone.
+    const Clock::duration stalled = now - last - period;
+    if (stalled > std::max<Clock::duration>(opts_.heartbeat_interval, dead_node_timeout() / 4)) {
+      log::warn("the agent did not run for ", std::chrono::duration_cast<std::chrono::milliseconds>(stalled).count(),
+                " ms (stopped or paused): the nodes' silence during it does not count");
+      members_.forgive_stall(stalled);
+    }
+    last = now;
     for (const int index : members_.expire(now, dead_node_timeout())) {
       const NodeRecord& n = members_.nodes()[index];
       if (n.restored) {  // read back from the state dir, never heard from since

@@ -68,6 +68,10 @@ std::vector<int> Membership::expire(Clock::time_point now, Clock::duration timeo
   return dead;
 }
 
+void Membership::forgive_stall(Clock::duration stalled) {
+  for (NodeRecord& n : nodes_) n.last_heartbeat += stalled;
+}
+
 void Membership::mark_busy(const std::string& job_id, int node) {
   for (NodeRecord& n : nodes_) {
     if (node >= 0 && n.index != node) continue;

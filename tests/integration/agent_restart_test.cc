@@ -260,6 +260,27 @@ TEST(AgentRestart, AfterARestartMidJobALiveRebalanceCommits) {
             v1::JOB_STATE_CANCELLED);
 }
 
+// The agent SIGSTOPped past the heartbeat timeout (3 s) but within the daemons'
+// grace: the nodes heartbeat all along, so the job goes on and no node is dead
+// (the agent used to count its own stall as the nodes' silence and failed the
+// job with "node node0 stopped responding").
+TEST(AgentRestart, AnAgentThatStoodStillBlamesNoNode) {
+  Cluster c(2, 1);
+  ASSERT_TRUE(c.up());
+  const std::string id = c.start_long_job(3);
+  const pid_t agent = std::stoi(read_text_file(c.dir() / "pids" / "agent.pid"));
+  ASSERT_EQ(::kill(agent, SIGSTOP), 0);
+  std::this_thread::sleep_for(4500ms);
+  ASSERT_EQ(::kill(agent, SIGCONT), 0);
+  EXPECT_TRUE(poll_until([&] { return c.logs().find("the agent did not run for") != std::string::npos; }, 10s))
+      << c.logs();
+  const double steps = c.job(id).steps_completed();
+  EXPECT_TRUE(poll_until([&] { return c.job(id).steps_completed() >= steps + 3; }, 30s)) << c.logs();
+  EXPECT_EQ(c.job(id).state(), v1::JOB_STATE_RUNNING) << c.job(id).message();
+  EXPECT_TRUE(every_node_alive(c, 2)) << c.logs();
+  EXPECT_EQ(c.ctl({"job", "cancel", id}).first, 0);
+}
+
 TEST(AgentRestart, ADamagedStateFileIsRefusedNamingTheFile) {
   const fs::path dir = fs::temp_directory_path() / ("moe_agent_state_" + std::to_string(::getpid()));
   fs::remove_all(dir);

@@ -52,6 +52,10 @@ class Membership {
   std::vector<int> expire(Clock::time_point now) { return expire(now, heartbeat_timeout_); }
   // ... with another timeout: a running job's own (JobSpec.dead_node_timeout_ms).
   std::vector<int> expire(Clock::time_point now, Clock::duration timeout);
+  // The agent itself did not run for `stalled` (stopped, its VM paused): every
+  // node's silence so far is shortened by it, since what the nodes sent meanwhile
+  // waits unread in the agent's sockets and only the agent's running time counts.
+  void forgive_stall(Clock::duration stalled);
 
   // Every node (or node `node` only: one joining an elastic job) is busy with
   // job_id until each of its ranks reports done.
