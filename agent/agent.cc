@@ -12,6 +12,12 @@
 #include "outbound.h"
 
 namespace moe::agent {
+namespace {
+
+// How often a state directory that refused a write is tried again.
+constexpr auto kStateRetryInterval = std::chrono::seconds(2);
+
+}  // namespace
 
 using rpc::RpcError;
 
@@ -238,6 +244,10 @@ v1::Envelope Agent::cluster_status() const {
   s->set_queued_jobs(scheduler_.queued());
   s->set_agent_address(server_->address());
   s->set_agent_metrics_address(opts_.metrics_address);
+  if (!persist_error_.empty()) {
+    s->set_state_error(persist_error_);
+    s->set_state_error_since_unix_ms(persist_error_since_);
+  }
   return reply;
 }
 
@@ -276,6 +286,9 @@ rpc::awaitable<void> Agent::watchdog() {
     }
     scheduler_.tick(now);
     rebalancer_.tick(now);
+    // A failed write is tried again though nothing changed: a disk that was
+    // full may have room again.
+    if (!persist_error_.empty() && now - last_persist_ > kStateRetryInterval) persist();
   }
 }
 

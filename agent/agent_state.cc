@@ -122,6 +122,7 @@ void Agent::persist() {
     persist_error_.clear();
   } catch (const std::exception& e) {
     if (persist_error_ != e.what()) log::error("state dir: ", e.what());
+    if (persist_error_.empty()) persist_error_since_ = unix_ms();
     persist_error_ = e.what();
   }
 }

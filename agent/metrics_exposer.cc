@@ -61,6 +61,11 @@ struct MetricsExposer::Impl {
                   .Register(*registry);
     nodes = &BuildGauge().Name("moe_nodes").Help("Registered nodes by state").Register(*registry);
     jobs = &BuildGauge().Name("moe_jobs").Help("Jobs by state").Register(*registry);
+    if (agent.saves_state())
+      state_saved = &BuildGauge().Name("moe_agent_state_saved")
+                         .Help("1 while the agent's state directory takes every write, 0 while it refuses them")
+                         .Register(*registry)
+                         .Add({});
     BuildGauge().Name("moe_build_info").Help("moed build").Register(*registry)
         .Add({{"version", MOE_VERSION}}).Set(1);  // no "role": the scrape target's label
     refresh();
@@ -79,6 +84,7 @@ struct MetricsExposer::Impl {
       nodes->Add({{"state", lower_state(v1::NodeState_Name(state), 11)}}).Set(n);  // drop NODE_STATE_
     for (const auto& [state, n] : agent.scheduler().counts())
       jobs->Add({{"state", lower_state(v1::JobState_Name(state), 10)}}).Set(n);  // drop JOB_STATE_
+    if (state_saved) state_saved->Set(agent.state_error().empty() ? 1 : 0);
     refresh_placement();
     refresh_job();
     for (const auto& [family, gauge] : shown)
@@ -159,6 +165,7 @@ struct MetricsExposer::Impl {
   size_t recoveries = 0;
   std::shared_ptr<prometheus::Registry> registry;
   http::MetricsEndpoint endpoint;
+  prometheus::Gauge* state_saved = nullptr;
   prometheus::Family<prometheus::Gauge>* epoch;
   prometheus::Family<prometheus::Gauge>* balanced;
   prometheus::Family<prometheus::Gauge>* replicas;

@@ -36,6 +36,9 @@ int cluster_status(const Globals& g, std::ostream& out, std::ostream& err) {
         << "), world " << ranks_text(st.registered_ranks(), st.world_size()) << ", "
         << (st.running_job().empty() ? "idle" : "running " + st.running_job()) << ", " << st.queued_jobs()
         << " queued\n";
+    if (!st.state_error().empty())
+      out << "WARNING: the agent cannot write its state directory since " << local_time(st.state_error_since_unix_ms())
+          << " (" << st.state_error() << "): a restarted agent would lose what changed since\n";
     if (st.nodes_size() == 0) out << "no node has registered yet\n";
     std::vector<std::vector<std::string>> rows = {
         {"NODE", "NAME", "STATE", "RANKS", "BACKEND", "CONTROL", "METRICS", "HEARTBEAT"}};

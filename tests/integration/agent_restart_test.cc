@@ -281,6 +281,34 @@ TEST(AgentRestart, AnAgentThatStoodStillBlamesNoNode) {
   EXPECT_EQ(c.ctl({"job", "cancel", id}).first, 0);
 }
 
+// The state file cannot be written (here a folder sits where its new copy goes,
+// as a full disk would refuse it): the agent goes on, cluster status and the
+// metrics say so, and once the way is clear it writes again without any change.
+TEST(AgentRestart, AStateDirThatRefusesWritesIsShownUntilItTakesThemAgain) {
+  Cluster c(1, 1);
+  ASSERT_TRUE(c.up());
+  const fs::path blocker = c.dir() / "agent" / "agent_state.pb.tmp";
+  fs::create_directories(blocker / "x");
+  auto [rc, out] = c.ctl(job({"job", "submit", "--wait"}, {"--steps", "2"}), 60s);
+  EXPECT_EQ(rc, 0) << out << c.logs();
+  std::tie(rc, out) = c.ctl({"cluster", "status"});
+  EXPECT_NE(out.find("WARNING: the agent cannot write its state directory since"), std::string::npos) << out;
+  EXPECT_NE(out.find("agent_state.pb.tmp"), std::string::npos) << out;
+  const std::string metrics = c.status().agent_metrics_address();
+  ASSERT_TRUE(poll_until([&] { return scrape(metrics).find("moe_agent_state_saved 0") != std::string::npos; }, 5s))
+      << scrape(metrics);
+  fs::remove_all(blocker);
+  ASSERT_TRUE(poll_until([&] { return c.ctl({"cluster", "status"}).second.find("WARNING") == std::string::npos; }, 10s))
+      << c.ctl({"cluster", "status"}).second;
+  EXPECT_TRUE(poll_until([&] { return scrape(metrics).find("moe_agent_state_saved 1") != std::string::npos; }, 5s));
+  EXPECT_NE(c.logs().find("state dir: written again"), std::string::npos) << c.logs();
+  // What the job changed is on disk: a restarted agent still knows the job.
+  c.kill_agent();
+  Process agent = c.start_agent_again();
+  std::tie(rc, out) = c.ctl({"job", "list"});
+  EXPECT_NE(out.find("SUCCEEDED"), std::string::npos) << out << agent.output();
+}
+
 TEST(AgentRestart, ADamagedStateFileIsRefusedNamingTheFile) {
   const fs::path dir = fs::temp_directory_path() / ("moe_agent_state_" + std::to_string(::getpid()));
   fs::remove_all(dir);

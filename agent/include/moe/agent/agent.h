@@ -78,6 +78,9 @@ class Agent : private SchedulerActions, private RebalanceActions {
   const Scheduler& scheduler() const { return scheduler_; }
   const PlacementService& placement() const { return placement_; }
   const Rebalancer& rebalancer() const { return rebalancer_; }
+  // The state directory's last write error; empty while writes succeed or with none.
+  const std::string& state_error() const { return persist_error_; }
+  bool saves_state() const { return store_ != nullptr; }
 
  private:
   rpc::awaitable<v1::Envelope> handle(const v1::Envelope& req, const rpc::RequestContext& ctx);
@@ -146,6 +149,7 @@ class Agent : private SchedulerActions, private RebalanceActions {
   bool persist_pending_ = false;
   Clock::time_point last_persist_{};
   std::string persist_error_;  // the last write error, logged once
+  double persist_error_since_ = 0;  // unix ms of the first failed write of a run of them
 };
 
 }  // namespace moe::agent
