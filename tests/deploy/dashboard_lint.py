@@ -51,6 +51,7 @@ DOCUMENTED_METRICS = {
     "moe_world_change_recovery_seconds": ("histogram", set()),
     "moe_nodes": ("gauge", {"state"}),
     "moe_jobs": ("gauge", {"state"}),
+    "moe_agent_state_saved": ("gauge", set()),
     "moe_placement_shape_info": ("gauge", {"shape"}),
     "moe_job_step": ("gauge", {"job_id", "name"}),
     "moe_job_steps": ("gauge", {"job_id", "name"}),
