@@ -28,10 +28,12 @@ std::vector<std::string> process_names(const StateDir& s) {
   return out;
 }
 
-std::string names_text(const StateDir& s) {
+// "agent, node0, node1" (or the nodes only): the names, for a message.
+std::string names_text(const StateDir& s, bool with_agent = true) {
   std::string out;
-  for (const std::string& n : process_names(s)) out += (out.empty() ? "" : ", ") + n;
-  return out;
+  for (const std::string& n : process_names(s))
+    if (with_agent || n != "agent") out += (out.empty() ? "" : ", ") + n;
+  return out.empty() ? "none" : out;
 }
 
 }  // namespace
@@ -41,7 +43,8 @@ int node_restart(const Globals& g, const std::string& name, std::ostream& out, s
     const Resolved r = resolve(g);
     const StateDir s{r.state_dir};
     if (!fs::exists(s.node_argv(name))) {
-      err << "moectl: no node '" << name << "' in " << s.dir.string() << " (its nodes: " << names_text(s) << ")\n";
+      err << "moectl: no node '" << name << "' in " << s.dir.string() << " (its nodes: " << names_text(s, false)
+          << (name == "agent" ? "; the agent restarts with moectl cluster restart-agent" : "") << ")\n";
       return kExitUsage;
     }
     const Command cmd = read_command(s.node_argv(name));
