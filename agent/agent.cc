@@ -17,6 +17,12 @@ namespace {
 // How often a state directory that refused a write is tried again.
 constexpr auto kStateRetryInterval = std::chrono::seconds(2);
 
+// "SUCCEEDED" for JOB_STATE_SUCCEEDED.
+std::string state_text(v1::JobState s) {
+  const std::string name = v1::JobState_Name(s);
+  return name.rfind("JOB_STATE_", 0) == 0 ? name.substr(10) : name;
+}
+
 }  // namespace
 
 using rpc::RpcError;
@@ -264,12 +270,12 @@ rpc::awaitable<void> Agent::watchdog() {
     // A tick a quarter of the dead-node timeout late: the agent itself stood still
     // (SIGSTOP, a paused VM). The nodes' heartbeats of that time are still unread,
     // so their silence is not held against them (docs/jobs.md#dead-nodes). Shorter
-    // delays (a loaded host) count as silence: they cannot make a node dead alone.
+    // delays (a loaded host) count as silence.
     const Clock::duration stalled = now - last - period;
     if (stalled > std::max<Clock::duration>(opts_.heartbeat_interval, dead_node_timeout() / 4)) {
       log::warn("the agent did not run for ", std::chrono::duration_cast<std::chrono::milliseconds>(stalled).count(),
                 " ms (stopped or paused): the nodes' silence during it does not count");
-      members_.forgive_stall(stalled);
+      members_.forgive_stall(last + period, now);
     }
     last = now;
     for (const int index : members_.expire(now, dead_node_timeout())) {
@@ -519,8 +525,7 @@ void Agent::fence(const std::string& job_id, int node, const std::string& reason
 }
 
 void Agent::job_ended(const v1::JobResult& result) {
-  rebalancer_.on_job_ended(result.job_id(), result.message().empty() ? v1::JobState_Name(result.state()).substr(10)  // drop JOB_STATE_
-                                                                    : result.message(),
+  rebalancer_.on_job_ended(result.job_id(), result.message().empty() ? state_text(result.state()) : result.message(),
                            Clock::now());
   if (scheduler_.running() == nullptr) relay_.clear();
   persist();

@@ -26,7 +26,8 @@ int max_world(const JobReports& r) {
 }
 
 // Per layer, the mean / max of the rank loads (docs/jobs.md#result), taken per
-// world (a run of steps with the same number of ranks) and weighted by its steps:
+// world (a run of steps of one world epoch and size: an elastic job renumbers its
+// ranks at each world change) and weighted by its steps:
 // a world that lost a rank has no idle rank to count. A rank's load is its pairs
 // per step it reported, so a step declared whole without a lost rank's report
 // does not make that rank look idle.
@@ -35,7 +36,15 @@ class WorldBalance {
   explicit WorldBalance(int layers) : per_layer_(layers, 0.0), load_(layers) {}
 
   void add(const std::vector<v1::StepStats>& by_rank) {
-    if (by_rank.size() != reports_.size()) close_world(by_rank.size());
+    if (by_rank.empty()) return;
+    int64_t world_epoch = 0;
+    for (const v1::StepStats& s : by_rank)
+      if (s.step_seconds() > 0) {
+        world_epoch = s.world_epoch();
+        break;
+      }
+    if (by_rank.size() != reports_.size() || world_epoch != world_epoch_) close_world(by_rank.size());
+    world_epoch_ = world_epoch;
     for (size_t rank = 0; rank < by_rank.size(); ++rank) {
       const v1::StepStats& s = by_rank[rank];
       if (s.step_seconds() <= 0) continue;  // missing from a whole step
@@ -71,6 +80,7 @@ class WorldBalance {
   std::vector<double> per_layer_;          // weighted sums over closed worlds
   std::vector<std::vector<double>> load_;  // [layer][rank] pairs in the open world
   std::vector<int> reports_;               // [rank] steps reported in it
+  int64_t world_epoch_ = 0;                // of the open world
   double steps_ = 0, world_steps_ = 0;
 };
 

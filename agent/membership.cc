@@ -68,8 +68,11 @@ std::vector<int> Membership::expire(Clock::time_point now, Clock::duration timeo
   return dead;
 }
 
-void Membership::forgive_stall(Clock::duration stalled) {
-  for (NodeRecord& n : nodes_) n.last_heartbeat += stalled;
+void Membership::forgive_stall(Clock::time_point from, Clock::time_point to) {
+  for (NodeRecord& n : nodes_) {
+    const bool waited = n.state == v1::NODE_STATE_ALIVE || n.state == v1::NODE_STATE_UNHEARD;
+    if (waited && n.last_heartbeat < from) n.last_heartbeat = std::min(n.last_heartbeat + (to - from), to);
+  }
 }
 
 void Membership::mark_busy(const std::string& job_id, int node) {

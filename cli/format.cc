@@ -27,6 +27,7 @@ std::string human_bytes(double bytes) {
 }
 
 std::string human_count(double v) {
+  if (!std::isfinite(v)) return "-";
   static const char* units[] = {"", "k", "M", "G", "T"};
   int u = 0;
   while (std::fabs(v) >= 999.5 && u < 4) v /= 1000, ++u;

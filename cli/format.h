@@ -17,7 +17,7 @@ std::string fmt(double v, int precision = 4);
 std::string human_bytes(double bytes);
 // "980", "46.3k", "1.07M": a count or rate for a column, three significant digits.
 std::string human_count(double v);
-// A rate in full for a detail view: "46269" (whole from 100 up), "12.5" below.
+// A rate or time in full for a detail view: "46269" (whole from 100 up), "12.5" below.
 std::string rate_text(double v);
 // "1 rank", "4 ranks": n and the noun, plural unless n is 1.
 std::string counted(int64_t n, const std::string& noun);

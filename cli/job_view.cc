@@ -14,7 +14,7 @@ std::string phases_line(const v1::PhaseSeconds& p) {
   std::string line;
   for (int f = 0; f < d->field_count(); ++f) {
     const double v = v1::PhaseSeconds::GetReflection()->GetDouble(p, d->field(f));
-    if (v > 0) line += (line.empty() ? "" : ", ") + d->field(f)->name() + " " + fmt(1e3 * v, 3);
+    if (v > 0) line += (line.empty() ? "" : ", ") + d->field(f)->name() + " " + rate_text(1e3 * v);
   }
   return line;
 }
@@ -52,7 +52,8 @@ void progress_rows(const v1::JobResult& j, Rows& rows) {
 }
 
 void result_rows(const v1::JobResult& j, Rows& rows) {
-  rows.push_back({"steps", fmt(j.steps_completed()) + "/" + std::to_string(j.spec().steps())});
+  rows.push_back({"steps", std::to_string(static_cast<int64_t>(j.steps_completed())) + "/" +
+                               std::to_string(j.spec().steps())});
   rows.push_back({"tokens/s", rate_text(j.tokens_per_second())});
   rows.push_back({"step p50", human_seconds(j.step_seconds_p50())});
   if (j.phase_seconds().teacher() > 0 || j.phase_seconds().inputs() > 0)
@@ -139,7 +140,7 @@ void print_job(std::ostream& out, const v1::JobResult& j) {
   else if (j.steps_completed() > 0) result_rows(j, rows);
   if (!j.progress().rebalance().empty()) rows.push_back({"rebalance", j.progress().rebalance()});
   if (j.spec().verify()) rows.push_back({"verify", verify_text(j)});
-  if (j.state() != v1::JOB_STATE_RUNNING) rows.push_back({"placement epoch", fmt(j.placement_epoch())});
+  if (j.state() != v1::JOB_STATE_RUNNING) rows.push_back({"placement epoch", std::to_string(static_cast<int64_t>(j.placement_epoch()))});
   print_rows(out, rows);
   print_epochs(out, j);
   print_world_changes(out, j);

@@ -192,15 +192,19 @@ void RebalanceSession::tell_agent_ready(bool ok, const std::string& reason) {
   // either way the job goes on, so a READY that cannot be delivered fails nothing.
   // The connection may predate an agent restart that came before the PREPARE:
   // the first call then fails at once on it and the client reconnects, so an
-  // unreachable agent is tried again twice (a READY the agent already has is
-  // taken again harmlessly), at most 0.4 s more of the rank's thread.
+  // unreachable agent is tried again, twice at most (a READY the agent already
+  // has is taken again harmlessly), all within the one 10 s deadline.
+  using Clock = std::chrono::steady_clock;
+  const Clock::time_point deadline = Clock::now() + std::chrono::seconds(10);
   for (int attempt = 0;; ++attempt) {
     try {
-      agent_.call(msg, std::chrono::seconds(10));
+      const auto left = std::chrono::duration_cast<std::chrono::milliseconds>(deadline - Clock::now());
+      agent_.call(msg, std::max(left, std::chrono::milliseconds(1)));
       return;
     } catch (const rpc::RpcError& e) {
-      if (e.code() == v1::ERROR_CODE_UNAVAILABLE && attempt < 2) {
-        std::this_thread::sleep_for(std::chrono::milliseconds(attempt == 0 ? 0 : 400));
+      const auto pause = std::chrono::milliseconds(attempt == 0 ? 0 : 400);
+      if (e.code() == v1::ERROR_CODE_UNAVAILABLE && attempt < 2 && Clock::now() + pause < deadline) {
+        std::this_thread::sleep_for(pause);
         continue;
       }
       log::warn("job ", env_.job_id, ": rank ", env_.rank, ": READY for epoch ", staged_->epoch(),

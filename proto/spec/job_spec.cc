@@ -187,7 +187,7 @@ void check_keys(const std::string& json) {
       const size_t dist = edit_distance(key, d->field(i)->name());
       if (dist < best_distance) best_distance = dist, best = d->field(i)->name();
     }
-    throw moe::InvalidArgument("spec: unknown field '" + key + "'" +
+    throw moe::InvalidArgument("unknown field '" + key + "'" +
                                (best.empty() ? std::string(" (docs/jobs.md#spec lists the fields)")
                                              : " (did you mean '" + best + "'?)"));
   }

@@ -240,8 +240,8 @@ TEST(AgentRestart, DuringALiveRebalanceTheJobGoesOnAndTheStagingIsDropped) {
 
 // A rebalance after the agent came back mid-job commits in that job: the ranks'
 // READY went out on their connection to the old agent, failed, and was lost, so
-// the rebalance waited until the job ended (fixed: READY is sent again once on a
-// connection that closed).
+// the rebalance waited until the job ended (fixed: READY is sent again when the
+// call finds the agent unreachable).
 TEST(AgentRestart, AfterARestartMidJobALiveRebalanceCommits) {
   Cluster c(2, 1);
   ASSERT_TRUE(c.up());

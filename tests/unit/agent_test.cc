@@ -122,6 +122,22 @@ TEST(JobResult, BalancednessIsTakenPerWorldOfAnElasticJob) {
   EXPECT_DOUBLE_EQ(rec.layer_balancedness(0), (2 * 1.0 + 2 * (40.0 / 60.0)) / 4);
   EXPECT_DOUBLE_EQ(rec.layer_balancedness(1), 1.0);
   EXPECT_DOUBLE_EQ(rec.epochs(1).balancedness(), (40.0 / 60.0 + 1.0) / 2);
+
+  // A world of the same size (a node lost and another joined) renumbers the
+  // ranks: loads 60, 20 and then 20, 60 are imbalanced in each world, not
+  // balanced on average.
+  r.steps.clear();
+  r.whole.clear();
+  r.world = 2;
+  for (int step : {0, 1, 2, 3}) {
+    const bool second = step >= 2;
+    v1::StepStats a = step_stats(step, 1.0, second ? 20 : 60, 60), b = step_stats(step, 1.0, second ? 60 : 20, 60);
+    a.set_world_epoch(second);
+    b.set_world_epoch(second);
+    r.steps[step] = {a, b};
+  }
+  fill_result(r, v1::JOB_STATE_SUCCEEDED, rec);
+  EXPECT_DOUBLE_EQ(rec.layer_balancedness(0), 40.0 / 60.0);
 }
 
 TEST(JobResult, VerifyPassesOnlyIfEveryRankAndTheJobDid) {
@@ -223,6 +239,35 @@ class SchedulerTest : public ::testing::Test {
   Recorder rec;
   Scheduler scheduler;
 };
+
+// The agent stood still for 10 s: a node last heard before the stall is not
+// dead for it, one whose heartbeat the agent read after the stall keeps its
+// time (no credit into the future), and a dead node stays dead.
+TEST(MembershipTest, TheAgentsOwnStallIsNotANodesSilence) {
+  Membership members(3s);
+  const Clock::time_point t0 = Clock::now();
+  auto add = [&](const char* name, Clock::time_point at) {
+    v1::RegisterNodeRequest r;
+    r.set_name(name);
+    r.set_devices(1);
+    members.register_node(r, false, at);
+  };
+  add("gone", t0 - 10s);  // node 0: dead before the stall
+  add("quiet", t0);       // node 1: last heard just before it
+  add("fresh", t0);       // node 2: its heartbeat is read after it
+  ASSERT_EQ(members.expire(t0), std::vector<int>({0}));
+  const Clock::time_point from = t0 + 1s, to = t0 + 11s;  // the agent did not run
+  v1::HeartbeatRequest hb;
+  hb.set_name("fresh");
+  hb.set_node_index(2);
+  ASSERT_TRUE(members.heartbeat(hb, to));  // read from its socket before the watchdog's tick
+  members.forgive_stall(from, to);
+  EXPECT_TRUE(members.expire(to + 1s).empty()) << "quiet: 2 s of the agent's running time, not 12";
+  EXPECT_EQ(members.expire(to + 3500ms), std::vector<int>({1, 2})) << "no credit past the stall's end";
+  members.forgive_stall(to + 3500ms, to + 20s);
+  EXPECT_TRUE(members.expire(to + 20s).empty());
+  for (const auto& n : members.nodes()) EXPECT_EQ(n.state, v1::NODE_STATE_DEAD) << n.name << " came back";
+}
 
 TEST_F(SchedulerTest, AJobWaitsForNodesThenRunsOnEveryRankAndSucceeds) {
   const std::string id = scheduler.submit(spec()).job_id();

@@ -52,10 +52,11 @@ class Membership {
   std::vector<int> expire(Clock::time_point now) { return expire(now, heartbeat_timeout_); }
   // ... with another timeout: a running job's own (JobSpec.dead_node_timeout_ms).
   std::vector<int> expire(Clock::time_point now, Clock::duration timeout);
-  // The agent itself did not run for `stalled` (stopped, its VM paused): every
-  // node's silence so far is shortened by it, since what the nodes sent meanwhile
-  // waits unread in the agent's sockets and only the agent's running time counts.
-  void forgive_stall(Clock::duration stalled);
+  // The agent itself did not run from `from` to `to` (stopped, its VM paused):
+  // the nodes it waits for that it last heard before `from` have their silence
+  // shortened by the stall (never past `to`), since what they sent meanwhile waits
+  // unread in its sockets and only the agent's running time counts.
+  void forgive_stall(Clock::time_point from, Clock::time_point to);
 
   // Every node (or node `node` only: one joining an elastic job) is busy with
   // job_id until each of its ranks reports done.
