@@ -6,6 +6,7 @@
 #include <cstring>
 #include <iostream>
 #include <set>
+#include <thread>
 
 #include "agent_call.h"
 #include "format.h"
@@ -31,14 +32,40 @@ int job_exit(const v1::JobResult& j) {
   return finished(j.state()) ? kExitJobFailed : kExitOk;
 }
 
+// How long a wait rides out an agent it cannot reach: a restart on its state
+// takes seconds, and the daemons keep the job for their --agent-grace (30 s).
+constexpr auto kAgentAwayLimit = std::chrono::seconds(60);
+
 // One agent-side wait of at most `slice`: the record when it ended, or, with
-// after_step, once its progress passed that step.
+// after_step, once its progress passed that step. An agent that cannot be
+// reached (restarting, stopped) is tried again every 0.5 s, said once on `err`,
+// until it answers, has been away kAgentAwayLimit or `until` passed; then its
+// error is thrown.
+using Clock = std::chrono::steady_clock;
 v1::JobResult wait_once(rpc::RpcClient& c, const std::string& id, std::optional<int> after_step,
-                        std::chrono::milliseconds slice) {
+                        std::chrono::milliseconds slice, std::ostream& err,
+                        Clock::time_point until = Clock::time_point::max()) {
   v1::Envelope req;
   req.mutable_wait_job()->set_job_id(id);
   if (after_step) req.mutable_wait_job()->set_after_step(*after_step);
-  return c.call(req, slice).job();
+  std::optional<Clock::time_point> away;
+  for (;;) {
+    try {
+      v1::JobResult j = c.call(req, slice).job();
+      if (away) err << "moectl: the agent answers again" << std::endl;
+      return j;
+    } catch (const rpc::RpcError& e) {
+      const bool unreachable =
+          e.code() == v1::ERROR_CODE_UNAVAILABLE || e.code() == v1::ERROR_CODE_DEADLINE_EXCEEDED;
+      if (!unreachable || Clock::now() >= until || (away && Clock::now() - *away > kAgentAwayLimit)) throw;
+      if (!away) {
+        away = Clock::now();
+        err << "moectl: " << e.what() << "; waiting up to " << kAgentAwayLimit.count() << " s for the agent to answer ("
+            << id << " may be running on)" << std::endl;
+      }
+      std::this_thread::sleep_for(std::chrono::milliseconds(500));
+    }
+  }
 }
 
 // The message SIGINT prints while a wait is attached to a job, written by the
@@ -72,7 +99,7 @@ class DetachNotice {
 // Waits for the job to end (or the timeout), streaming a progress line per step
 // to `progress` when given. nullopt: still not ended when the timeout ran out.
 std::optional<v1::JobResult> wait_for(rpc::RpcClient& c, const std::string& id, std::optional<double> timeout_s,
-                                      std::ostream* progress) {
+                                      std::ostream* progress, std::ostream& err) {
   const DetachNotice notice(id);
   const auto deadline = std::chrono::steady_clock::now() +
                         std::chrono::milliseconds(static_cast<int64_t>(timeout_s.value_or(1e9) * 1000));
@@ -83,7 +110,7 @@ std::optional<v1::JobResult> wait_for(rpc::RpcClient& c, const std::string& id, 
     if (left.count() <= 0) return std::nullopt;
     // At least a second per call: a shorter one could run out before the agent's reply arrives.
     const auto slice = std::clamp<std::chrono::milliseconds>(left, std::chrono::seconds(1), std::chrono::seconds(30));
-    const v1::JobResult j = wait_once(c, id, progress ? std::optional<int>(seen) : std::nullopt, slice);
+    const v1::JobResult j = wait_once(c, id, progress ? std::optional<int>(seen) : std::nullopt, slice, err, deadline);
     if (finished(j.state())) return j;
     const int step = j.progress().step();
     if (progress && (step > seen || j.state() != seen_state)) {
@@ -155,8 +182,8 @@ int job_submit(const Globals& g, const v1::JobSpec& given, const WaitOptions& w,
     }
     if (!g.json) out << job.job_id() << " submitted" << std::endl;  // seen even if the wait is interrupted
     std::ostream* progress = isatty(STDERR_FILENO) && !g.json ? &err : nullptr;
-    return report_wait(g, job.job_id(), wait_for(c, job.job_id(), w.timeout_s, progress), w.timeout_s.value_or(0), out,
-                       err);
+    return report_wait(g, job.job_id(), wait_for(c, job.job_id(), w.timeout_s, progress, err),
+                       w.timeout_s.value_or(0), out, err);
   });
 }
 
@@ -180,7 +207,7 @@ int job_status(const Globals& g, const std::string& id, bool watch, std::ostream
         seen = j.state() == v1::JOB_STATE_RUNNING ? j.progress().step() : -1;
         seen_state = j.state();
       }
-      j = wait_once(c, id, std::max(seen, -1), std::chrono::seconds(30));
+      j = wait_once(c, id, std::max(seen, -1), std::chrono::seconds(30), err);
     }
     print_record(out, j, g.json);
     return job_exit(j);  // a watch ends as a wait does
@@ -196,7 +223,7 @@ int job_wait(const Globals& g, const std::string& id, const WaitOptions& w, std:
       const v1::JobResult j = c.call(req, g.timeout).job();
       if (j.state() == v1::JOB_STATE_QUEUED) err << "moectl: " << progress_line(j) << std::endl;
     }
-    return report_wait(g, id, wait_for(c, id, w.timeout_s, progress), w.timeout_s.value_or(0), out, err);
+    return report_wait(g, id, wait_for(c, id, w.timeout_s, progress, err), w.timeout_s.value_or(0), out, err);
   });
 }
 

@@ -127,7 +127,6 @@ TEST(AgentRestart, MidJobWithinTheGraceTheJobCompletesWithEveryStep) {
   ASSERT_EQ(rc, 0) << out;
   const std::string id = out.substr(0, out.find('\n'));
   ASSERT_TRUE(poll_until([&] { return c.job(id).steps_completed() >= 5; }, 60s)) << c.logs();
-
   c.kill_agent();
   // The daemons notice and hold their reports while their steps go on.
   EXPECT_TRUE(poll_until([&] { return c.logs().find("holding its reports") != std::string::npos; }, 20s)) << c.logs();
@@ -203,6 +202,26 @@ TEST(AgentRestart, DuringAJobsBootstrapTheJobFailsAndTheNextRuns) {
   EXPECT_TRUE(poll_until([&] { return every_node_alive(c, 2); }, 30s)) << c.logs();
   std::tie(rc, out) = c.ctl(job({"job", "submit", "--wait"}, {"--steps", "2"}), 60s);
   EXPECT_EQ(rc, 0) << out << agent.output() << c.logs();
+}
+
+// A user's `job wait` attached to a running job rides out the agent's restart:
+// it says the agent is away, then that it answers again, and ends with the job.
+TEST(AgentRestart, AWaitRidesOutTheAgentsRestart) {
+  Cluster c(2, 1);
+  ASSERT_TRUE(c.up());
+  const std::string id = c.start_long_job(3);
+  Process waiter = Process::spawn({std::string(MOE_BIN_DIR) + "/cli/moectl", "--state-dir", c.dir().string(), "job",
+                                   "wait", id});
+  std::this_thread::sleep_for(2s);  // attached: only a wait that reached the agent once rides it out
+  c.kill_agent();
+  Process agent = c.start_agent_again();
+  const double steps = c.job(id).steps_completed();
+  ASSERT_TRUE(poll_until([&] { return c.job(id).steps_completed() >= steps + 3; }, 30s)) << c.logs();
+  EXPECT_EQ(c.ctl({"job", "cancel", id}).first, 0);
+  EXPECT_EQ(waiter.wait(60s), 1) << waiter.output();  // the job was cancelled
+  EXPECT_NE(waiter.output().find("waiting up to 60 s for the agent"), std::string::npos) << waiter.output();
+  EXPECT_NE(waiter.output().find("the agent answers again"), std::string::npos) << waiter.output();
+  EXPECT_NE(waiter.output().find("CANCELLED"), std::string::npos) << waiter.output();
 }
 
 // The agent dies while a live rebalance has copies staged (node1 holds its copy):
