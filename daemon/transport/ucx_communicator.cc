@@ -566,7 +566,9 @@ UcxCommunicator::UcxCommunicator(int rank, int size, Bootstrap& bootstrap, const
     ep.err_handler.cb = &Impl::on_ep_error;
     ep.err_handler.arg = &p;
     s = ucp_ep_create(m.worker, &ep, &p.ep);
-    MOE_CHECK(s == UCS_OK, "ucx: ucp_ep_create to rank ", r, ": ", status_str(s));
+    if (s != UCS_OK)  // the peer is named: the agent blames it, as for a failed transfer
+      throw TransportError(r, "ucx: cannot connect to rank " + std::to_string(r) + " (ucp_ep_create: " +
+                                  status_str(s) + ")");
   }
   m.prove_job_key(options.job_key, Clock::now() + options.connect_timeout);
 }
