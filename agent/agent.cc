@@ -17,12 +17,6 @@ namespace {
 // How often a state directory that refused a write is tried again.
 constexpr auto kStateRetryInterval = std::chrono::seconds(2);
 
-// "SUCCEEDED" for JOB_STATE_SUCCEEDED.
-std::string state_text(v1::JobState s) {
-  const std::string name = v1::JobState_Name(s);
-  return name.rfind("JOB_STATE_", 0) == 0 ? name.substr(10) : name;
-}
-
 }  // namespace
 
 using rpc::RpcError;
@@ -525,7 +519,8 @@ void Agent::fence(const std::string& job_id, int node, const std::string& reason
 }
 
 void Agent::job_ended(const v1::JobResult& result) {
-  rebalancer_.on_job_ended(result.job_id(), result.message().empty() ? state_text(result.state()) : result.message(),
+  rebalancer_.on_job_ended(result.job_id(), result.message().empty() ? v1::JobState_Name(result.state()).substr(10)  // drop JOB_STATE_
+                                                                    : result.message(),
                            Clock::now());
   if (scheduler_.running() == nullptr) relay_.clear();
   persist();

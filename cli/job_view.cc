@@ -140,7 +140,8 @@ void print_job(std::ostream& out, const v1::JobResult& j) {
   else if (j.steps_completed() > 0) result_rows(j, rows);
   if (!j.progress().rebalance().empty()) rows.push_back({"rebalance", j.progress().rebalance()});
   if (j.spec().verify()) rows.push_back({"verify", verify_text(j)});
-  if (j.state() != v1::JOB_STATE_RUNNING) rows.push_back({"placement epoch", std::to_string(static_cast<int64_t>(j.placement_epoch()))});
+  if (j.state() != v1::JOB_STATE_RUNNING)
+    rows.push_back({"placement epoch", std::to_string(static_cast<int64_t>(j.placement_epoch()))});
   print_rows(out, rows);
   print_epochs(out, j);
   print_world_changes(out, j);
@@ -152,7 +153,8 @@ std::string progress_line(const v1::JobResult& j) {
   if (j.state() == v1::JOB_STATE_QUEUED) return s + ": waiting for " + p.waiting_for();
   s += " step " + step_text(j);
   if (p.has_loss()) s += "  loss " + fmt(p.loss());
-  if (p.recent_steps() > 0) s += "  tokens/s " + human_count(p.tokens_per_second()) + "  step " + human_seconds(p.step_seconds());
+  if (p.recent_steps() > 0)
+    s += "  tokens/s " + human_count(p.tokens_per_second()) + "  step " + human_seconds(p.step_seconds());
   if (j.state() == v1::JOB_STATE_RUNNING && p.has_eta_seconds()) s += "  eta " + human_seconds(p.eta_seconds());
   if (p.epoch() > 0) s += "  epoch " + std::to_string(p.epoch());
   if (p.has_window_balancedness()) s += "  balancedness " + fmt(p.window_balancedness(), 3);

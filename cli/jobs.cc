@@ -32,6 +32,8 @@ int job_exit(const v1::JobResult& j) {
   return finished(j.state()) ? kExitJobFailed : kExitOk;
 }
 
+using Clock = std::chrono::steady_clock;
+
 // How long a wait rides out an agent it cannot reach: a restart on its state
 // takes seconds, and the daemons keep the job for their --agent-grace (30 s).
 constexpr auto kAgentAwayLimit = std::chrono::seconds(60);
@@ -41,7 +43,6 @@ constexpr auto kAgentAwayLimit = std::chrono::seconds(60);
 // reached (restarting, stopped) is tried again every 0.5 s, said once on `err`,
 // until it answers, has been away kAgentAwayLimit or `until` passed; then its
 // error is thrown.
-using Clock = std::chrono::steady_clock;
 v1::JobResult wait_once(rpc::RpcClient& c, const std::string& id, std::optional<int> after_step,
                         std::chrono::milliseconds slice, std::ostream& err,
                         Clock::time_point until = Clock::time_point::max()) {
@@ -101,12 +102,12 @@ class DetachNotice {
 std::optional<v1::JobResult> wait_for(rpc::RpcClient& c, const std::string& id, std::optional<double> timeout_s,
                                       std::ostream* progress, std::ostream& err) {
   const DetachNotice notice(id);
-  const auto deadline = std::chrono::steady_clock::now() +
+  const auto deadline = Clock::now() +
                         std::chrono::milliseconds(static_cast<int64_t>(timeout_s.value_or(1e9) * 1000));
   int seen = -1;
   v1::JobState seen_state = v1::JOB_STATE_UNSPECIFIED;
   for (;;) {
-    const auto left = std::chrono::duration_cast<std::chrono::milliseconds>(deadline - std::chrono::steady_clock::now());
+    const auto left = std::chrono::duration_cast<std::chrono::milliseconds>(deadline - Clock::now());
     if (left.count() <= 0) return std::nullopt;
     // At least a second per call: a shorter one could run out before the agent's reply arrives.
     const auto slice = std::clamp<std::chrono::milliseconds>(left, std::chrono::seconds(1), std::chrono::seconds(30));

@@ -65,8 +65,7 @@ uint64_t Rebalancer::start(const v1::RebalanceRequest& req, Clock::time_point no
   }
   if (!job) {  // nothing runs on the shape: the next job starts on the new maps
     reply.set_epoch(placement_.install(ShapeKey::of(reply.shape()), {reply.maps().begin(), reply.maps().end()}));
-    reply.set_result(v1::REBALANCE_RESULT_COMMITTED);
-    reply.set_message("no job runs on the shape: the maps are in force for the next job");
+    reply.set_result(v1::REBALANCE_RESULT_COMMITTED);  // plan_reply's message says what that means
     ++counts_[v1::REBALANCE_RESULT_COMMITTED];
     log::info("placement: rebalanced ", ShapeKey::of(reply.shape()).name(), " to epoch ", reply.epoch());
     complete(id, std::move(reply));

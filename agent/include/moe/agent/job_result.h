@@ -31,9 +31,9 @@ struct JobReports {
 // (token, expert) pairs its experts computed
 // (docs/placement.md#load-and-balancedness); balancedness is, per layer, mean
 // rank load / max rank load over the job's steps (per world of an elastic job,
-// weighted by its steps), and the job's figure is the mean over layers. epochs lists each placement epoch the steps
-// ran under (a step's epoch: the newest of its layers'), and placement_epoch is
-// the last one. Verify passes only if every rank's did and the job succeeded.
+// weighted by its steps), and the job's figure is the mean over layers. epochs
+// lists each placement epoch the steps ran under (a step's epoch: the newest of
+// its layers'), and placement_epoch is the last one. Verify passes only if every rank's did and the job succeeded.
 void fill_result(const JobReports& reports, v1::JobState state, v1::JobResult& rec);
 
 // Mean / max of loads; 0 when every load is 0 or there is none.
