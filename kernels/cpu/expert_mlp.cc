@@ -1,9 +1,16 @@
 // The fused expert MLP: per row tile of one expert, gather -> GEMM (gate|up) ->
 // SwiGLU x routing weight -> GEMM (down), with the tile's intermediates in
-// per-thread panels. Backward runs the dgrad chain per row tile, then the
-// weight gradients per expert (tiles over W's rows, so no two tasks share output).
-// This file holds the OpenBLAS path (fp32 panels) and the entry points, which run
-// the path of the packed weights' engine (the oneDNN one is expert_mlp_onednn.cc).
+// per-thread panels. Backward runs the dgrad chain per row tile, then the weight
+// gradients per expert (expert_mlp_wgrad.cc, tiles over W's rows, so no two
+// tasks share output).
+//
+// Every GEMM of a row (forward and dgrad) is the row-invariant GEMM (row_gemm.h):
+// a row's outputs are the same bits whatever rows share its tile, so a chunked
+// layer, replicas and rebalances leave them alone (docs/layer.md#overlap). The
+// rows are fp32 (a bf16 layer's widened as gathered) and so are h and dgu; the
+// weights are the compute dtype's values (bf16-rounded in a bf16 layer), so a
+// bf16 layer rounds only its outputs. Experts with few rows in the layout take
+// the small-batch path in forward (expert_mlp_small.cc).
 #include <cstring>
 
 #include "cpu_ops.h"
@@ -26,153 +33,113 @@ void gather_rows(const void* rows, DType dtype, int H, const int32_t* src, int64
 
 namespace {
 
-// Workspace layout:
-//   per thread: xp [tile, H] | gup [tile, 2I] | hp [tile, I]
-//   train only: h_perm [M, I] (dgu is stored over saved_gu: each row's gu is read
-//   before its dgu is stored, and nothing reads gu after the dgrad)
+// Workspace layout (fp32 unless said):
+//   per thread: xp [tile, H] | gup [tile, 2I] | hp [tile, I] | the row GEMM's scratch
+//   train only: h_perm [M, I] and, where the weight gradients read bf16 operands
+//   (oneDNN), dgu16 [M, 2I], both in wgrad_operand_dtype
 // xp holds a tile's gathered rows: x in forward, the output gradient g in dgrad,
-// g or x again for each row chunk of the weight gradients.
-struct MlpWorkspace {
-  size_t thread_floats;
-  float* base;
-  float* h_perm = nullptr;
+// g or x again for each row chunk of the weight gradients. An fp32 dgu is stored
+// over saved_gu: each row's gu is read before its dgu is stored, and nothing
+// reads gu after the dgrad.
+struct Layout {
+  size_t xp, gup, hp, scratch, thread;  // per-thread region sizes in bytes
+  size_t h_perm, dgu16;                 // train region sizes in bytes
 
-  float* xp(const ExpertMlpConfig&, int t) const { return base + t * thread_floats; }
-  float* gup(const ExpertMlpConfig& c, int t) const { return xp(c, t) + kMlpMaxTileRows * c.hidden; }
-  float* hp(const ExpertMlpConfig& c, int t) const {
-    return gup(c, t) + kMlpMaxTileRows * 2 * static_cast<int64_t>(c.ffn_hidden);
+  Layout(const ExpertMlpConfig& c, GemmEngine engine) {
+    const size_t tile = kMlpMaxTileRows, H = c.hidden, I = c.ffn_hidden, M = c.max_rows;
+    xp = align64(tile * H * 4);
+    gup = align64(tile * 2 * I * 4);
+    hp = align64(tile * I * 4);
+    scratch = row_gemm_scratch_bytes(std::max<int64_t>(c.hidden, 2 * static_cast<int64_t>(c.ffn_hidden)));
+    thread = xp + gup + hp + scratch;
+    const size_t es = dtype_size(wgrad_operand_dtype(c, engine));
+    h_perm = c.train ? align64(M * I * es) : 0;
+    dgu16 = c.train && es != sizeof(float) ? align64(M * 2 * I * es) : 0;
   }
+  size_t bytes(int num_threads) const { return thread * num_threads + h_perm + dgu16; }
 };
 
-size_t thread_floats(const ExpertMlpConfig& c) {
-  return align64(4 * kMlpMaxTileRows * (static_cast<size_t>(c.hidden) + 3 * c.ffn_hidden)) / 4;
-}
+struct Workspace {
+  Layout lay;
+  uint8_t* base;
+  uint8_t* h_perm;
+  uint8_t* dgu16;
 
-MlpWorkspace carve(const ExpertMlpConfig& c, void* workspace, int num_threads) {
-  MlpWorkspace ws;
-  ws.thread_floats = thread_floats(c);
-  ws.base = static_cast<float*>(workspace);
-  if (c.train) ws.h_perm = ws.base + ws.thread_floats * num_threads;
-  return ws;
-}
-
-size_t blas_workspace_bytes(const ExpertMlpConfig& c, int num_threads) {
-  size_t floats = thread_floats(c) * num_threads;
-  if (c.train) floats += static_cast<size_t>(c.max_rows) * c.ffn_hidden;
-  return floats * 4;
-}
-
-// One fp32 operand of a weight gradient, [M, width] per pair: stored (dgu, h), or
-// each pair's source row (g, x: width H, in x_dtype) gathered per row chunk.
-struct WgradRows {
-  const float* stored = nullptr;
-  const void* src_rows = nullptr;
-  int64_t width = 0;
-
-  const float* rows(const ExpertMlpConfig& c, const int32_t* perm_src_row, int64_t r0, int64_t rows, int64_t col,
-                    float* panel) const {
-    if (stored) return stored + r0 * width + col;
-    gather_rows(src_rows, c.x_dtype, static_cast<int>(width), perm_src_row + r0, rows, c.max_src_rows, panel);
-    return panel + col;
+  Workspace(const ExpertMlpConfig& c, GemmEngine engine, void* ws, int num_threads)
+      : lay(c, engine), base(static_cast<uint8_t*>(ws)) {
+    h_perm = base + lay.thread * num_threads;
+    dgu16 = h_perm + lay.h_perm;
   }
+  float* xp(int t) const { return reinterpret_cast<float*>(base + lay.thread * t); }
+  float* gup(int t) const { return reinterpret_cast<float*>(base + lay.thread * t + lay.xp); }
+  float* hp(int t) const { return reinterpret_cast<float*>(base + lay.thread * t + lay.xp + lay.gup); }
+  void* scratch(int t) const { return base + lay.thread * t + lay.xp + lay.gup + lay.hp; }
 };
 
-// W_g [n, k] = A_g^T D_g by row chunks (for_each_wgrad_chunk), sgemm with beta 0
-// for the first chunk and 1 after; at most one operand is gathered, into xp.
-void wgrad_blas(CpuExec& exec, const ExpertMlpConfig& c, const ExpertMlpBackwardArgs& args, int64_t n, int64_t k,
-                const WgradRows& a, const WgradRows& d, float* w, const MlpWorkspace& ws) {
-  MOE_ASSERT(a.stored || d.stored);
-  for_each_wgrad_chunk(exec, args.expert_offset, c.num_experts, n, k, w,
-                       [&](const GemmTile& t, int64_t r0, int64_t rows, bool accumulate, float* out, int thread) {
-    const float* ap = a.rows(c, args.perm_src_row, r0, rows, t.begin, ws.xp(c, thread));
-    const float* dp = d.rows(c, args.perm_src_row, r0, rows, 0, ws.xp(c, thread));
-    sgemm(true, false, t.end - t.begin, k, rows, 1.0f, ap, n, dp, k, accumulate ? 1.0f : 0.0f, out, k);
-  });
-}
-
-// OpenBLAS: every panel fp32 (bf16 rows converted as they are gathered).
-void forward_blas(CpuExec& exec, const ExpertMlpConfig& c, const ExpertMlpForwardArgs& a, const CpuExpertWeights& p) {
+void forward_tiles(CpuExec& exec, const ExpertMlpConfig& c, const ExpertMlpForwardArgs& a, const CpuExpertWeights& p) {
   const int64_t H = c.hidden, I = c.ffn_hidden;
-  const MlpWorkspace ws = carve(c, a.workspace, exec.pool.num_threads());
+  const Workspace ws(c, p.engine, a.workspace, exec.pool.num_threads());
   PhaseTotals totals;
   for_each_row_tile(exec, a.expert_offset, a.part, c.num_experts,
                     [&](const GemmTile& t, int64_t rows, int thread, PhaseClock& clock) {
-    float* xp = ws.xp(c, thread);
-    float* gu = a.saved_gu ? a.saved_gu + t.begin * 2 * I : ws.gup(c, thread);
-    float* hp = ws.hp(c, thread);
-    const float* w13 = p.blas_w13_of(t.group, a.w13);
-    const float* w2 = p.blas_w2_of(t.group, a.w2);
+    float* xp = ws.xp(thread);
+    float* gu = a.saved_gu ? a.saved_gu + t.begin * 2 * I : ws.gup(thread);
+    float* hp = ws.hp(thread);
     gather_rows(a.rows, c.x_dtype, c.hidden, a.perm_src_row + t.begin, rows, c.max_src_rows, xp);
     clock.lap(totals.gather);
-    sgemm(false, true, rows, 2 * I, H, 1.0f, xp, H, w13, H, 0.0f, gu, 2 * I);
+    row_gemm(p.w13_fwd.panels.kernel, xp, rows, H, RowGemmB::of(p.w13_fwd.expert(t.group)), gu, 2 * I,
+             ws.scratch(thread));
     clock.lap(totals.gemm);
     swiglu_forward_rows(gu, a.perm_weight ? a.perm_weight + t.begin : nullptr, hp, rows, c.ffn_hidden);
     clock.lap(totals.swiglu);
-    sgemm(false, true, rows, H, I, 1.0f, hp, I, w2, I, 0.0f, a.y + t.begin * H, H);
+    row_gemm(p.w2_fwd.panels.kernel, hp, rows, I, RowGemmB::of(p.w2_fwd.expert(t.group)), a.y + t.begin * H, H,
+             ws.scratch(thread));
     clock.lap(totals.gemm);
   });
   totals.flush(a.stats);
 }
 
-void dgrad_blas(CpuExec& exec, const ExpertMlpConfig& c, const ExpertMlpBackwardArgs& a, const CpuExpertWeights& p,
-                const MlpWorkspace& ws);
-
-void backward_blas(CpuExec& exec, const ExpertMlpConfig& c, const ExpertMlpBackwardArgs& a, const CpuExpertWeights& p) {
+// Row tiles of the part: the dgrad chain. dh = g w2; the SwiGLU backward gives
+// dgu (over saved_gu), the scaled h and the routing-weight gradient; dx = dgu w13.
+// The weights' blocks are packed per tile (rounded to bf16 values in a bf16 layer,
+// whose w13 and w2 are its fp32 masters). Leaves dgu and h per pair for the
+// weight gradients, in their operand dtype.
+void dgrad_tiles(CpuExec& exec, const ExpertMlpConfig& c, const ExpertMlpBackwardArgs& a, const CpuExpertWeights& p,
+                 const Workspace& ws) {
   const int64_t H = c.hidden, I = c.ffn_hidden;
-  const MlpWorkspace ws = carve(c, a.workspace, exec.pool.num_threads());
-
-  if (a.phase != MlpBackwardPhase::kWgrad) dgrad_blas(exec, c, a, p, ws);
-  if (a.phase == MlpBackwardPhase::kDgrad) return;
-  // Weight gradients: dW2_e = g_e^T h_e ([H, I]); dW13_e = dgu_e^T x_e ([2I, H]).
-  const WgradRows g{.src_rows = a.grad_rows, .width = H}, x{.src_rows = a.rows, .width = H};
-  const WgradRows h{.stored = ws.h_perm, .width = I}, dgu{.stored = a.saved_gu, .width = 2 * I};
-  wgrad_blas(exec, c, a, H, I, g, h, a.grad_w2, ws);
-  wgrad_blas(exec, c, a, 2 * I, H, dgu, x, a.grad_w13, ws);
-}
-
-// Row tiles of the part: the dgrad chain. dh' = g w2; SwiGLU backward gives dgu,
-// the scaled h and the routing-weight gradient; dx = dgu w13. Leaves dgu and h per
-// pair in the workspace for the weight gradients (which gather g and x again).
-void dgrad_blas(CpuExec& exec, const ExpertMlpConfig& c, const ExpertMlpBackwardArgs& a, const CpuExpertWeights& p,
-                const MlpWorkspace& ws) {
-  const int64_t H = c.hidden, I = c.ffn_hidden;
+  const bool bf16 = c.x_dtype == DType::kBF16;
+  const bool wgrad_bf16 = ws.lay.dgu16 != 0;
+  const RowGemmKernel kernel = p.w13_fwd.panels.kernel;
   PhaseTotals totals;
   for_each_row_tile(exec, a.expert_offset, a.part, c.num_experts,
                     [&](const GemmTile& t, int64_t rows, int thread, PhaseClock& clock) {
-    const float* w13 = p.blas_w13_of(t.group, a.w13);
-    const float* w2 = p.blas_w2_of(t.group, a.w2);
-    float* g = ws.xp(c, thread);
+    const float* w13 = a.w13 + static_cast<int64_t>(t.group) * 2 * I * H;
+    const float* w2 = a.w2 + static_cast<int64_t>(t.group) * H * I;
+    float* g = ws.xp(thread);
+    float* dh = ws.hp(thread);
     float* dgu = a.saved_gu + t.begin * 2 * I;  // over this pair's gu
-    float* dh = ws.hp(c, thread);
+    float* h = wgrad_bf16 ? ws.gup(thread) : reinterpret_cast<float*>(ws.h_perm) + t.begin * I;
     gather_rows(a.grad_rows, c.x_dtype, c.hidden, a.perm_src_row + t.begin, rows, c.max_src_rows, g);
     clock.lap(totals.gather);
-    sgemm(false, false, rows, I, H, 1.0f, g, H, w2, I, 0.0f, dh, I);
+    row_gemm(kernel, g, rows, H, RowGemmB::weight(w2, false, H, I, bf16), dh, I, ws.scratch(thread));
     clock.lap(totals.gemm);
-    swiglu_backward_rows(a.saved_gu + t.begin * 2 * I, dh,
-                         a.perm_weight ? a.perm_weight + t.begin : nullptr, dgu,
-                         a.grad_perm_weight + t.begin, ws.h_perm + t.begin * I, rows, c.ffn_hidden);
+    swiglu_backward_rows(a.saved_gu + t.begin * 2 * I, dh, a.perm_weight ? a.perm_weight + t.begin : nullptr, dgu,
+                         a.grad_perm_weight + t.begin, h, rows, c.ffn_hidden);
+    if (wgrad_bf16) {  // the bf16 operands of oneDNN's weight gradients
+      store_row_f32(h, ws.h_perm + t.begin * I * 2, DType::kBF16, rows * I);
+      store_row_f32(dgu, ws.dgu16 + t.begin * 2 * I * 2, DType::kBF16, rows * 2 * I);
+    }
     clock.lap(totals.swiglu);
-    sgemm(false, false, rows, H, 2 * I, 1.0f, dgu, 2 * I, w13, H, 0.0f, a.grad_perm_x + t.begin * H, H);
+    row_gemm(kernel, dgu, rows, 2 * I, RowGemmB::weight(w13, false, 2 * I, H, bf16), a.grad_perm_x + t.begin * H, H,
+             ws.scratch(thread));
     clock.lap(totals.gemm);
   });
   totals.flush(a.stats);
 }
 
-}  // namespace
-
-namespace {
 size_t engine_workspace_bytes(const ExpertMlpConfig& c, int num_threads, GemmEngine engine) {
-  return align64(engine == GemmEngine::kOneDnn ? onednn_mlp_workspace_bytes(c, num_threads)
-                                               : blas_workspace_bytes(c, num_threads));
+  return align64(Layout(c, engine).bytes(num_threads));
 }
-}  // namespace
-
-// The engine path's workspace, then the small-batch path's panels.
-size_t expert_mlp_workspace_bytes(const ExpertMlpConfig& c, int num_threads, GemmEngine engine) {
-  return engine_workspace_bytes(c, num_threads, engine) + small_mlp_workspace_bytes(c, num_threads);
-}
-
-namespace {
 
 // The packed weights say which path runs; they must be this backend's engine's.
 const CpuExpertWeights& checked_for(const CpuExec& exec, const ExpertMlpConfig& c, const PackedWeights* packed,
@@ -185,6 +152,11 @@ const CpuExpertWeights& checked_for(const CpuExec& exec, const ExpertMlpConfig& 
 }
 
 }  // namespace
+
+// The tiles' workspace, then the small-batch path's panels.
+size_t expert_mlp_workspace_bytes(const ExpertMlpConfig& c, int num_threads, GemmEngine engine) {
+  return engine_workspace_bytes(c, num_threads, engine) + small_mlp_workspace_bytes(c, num_threads);
+}
 
 void expert_mlp_forward(CpuExec& exec, const ExpertMlpConfig& c, const ExpertMlpForwardArgs& a) {
   c.validate();
@@ -199,10 +171,7 @@ void expert_mlp_forward(CpuExec& exec, const ExpertMlpConfig& c, const ExpertMlp
   if (!split.rest) return;
   ExpertMlpForwardArgs rest = a;
   rest.part = split.rest_part;
-  if (p.engine == GemmEngine::kOneDnn)
-    forward_onednn(exec, c, rest, p);
-  else
-    forward_blas(exec, c, rest, p);
+  forward_tiles(exec, c, rest, p);
 }
 
 void expert_mlp_backward(CpuExec& exec, const ExpertMlpConfig& c, const ExpertMlpBackwardArgs& a) {
@@ -214,10 +183,15 @@ void expert_mlp_backward(CpuExec& exec, const ExpertMlpConfig& c, const ExpertMl
     MOE_CHECK(a.phase == MlpBackwardPhase::kDgrad, "expert mlp backward: a part computes the dgrad phase only");
     c.check_part(a.expert_offset, a.part.pair_begin, a.part.pair_end);
   }
-  if (p.engine == GemmEngine::kOneDnn)
-    backward_onednn(exec, c, a, p);
-  else
-    backward_blas(exec, c, a, p);
+  const Workspace ws(c, p.engine, a.workspace, exec.pool.num_threads());
+  if (a.phase != MlpBackwardPhase::kWgrad) {
+    MOE_CHECK(a.w13 && a.w2, "expert mlp backward: w13 and w2 are null (the dgrad reads them)");
+    dgrad_tiles(exec, c, a, p, ws);
+  }
+  if (a.phase == MlpBackwardPhase::kDgrad) return;
+  const WgradInputs in{ws.h_perm, ws.lay.dgu16 ? static_cast<const void*>(ws.dgu16) : a.saved_gu,
+                       reinterpret_cast<uint8_t*>(ws.xp(0)), ws.lay.thread};
+  expert_weight_grads(exec, c, a, p, in);
 }
 
 }  // namespace moe::kernels::cpu

@@ -1,6 +1,6 @@
-// The CPU backend's PackedWeights: for the oneDNN engine, the matmul primitives
-// of a config and its weights packed in the layout each primitive prefers; for
-// OpenBLAS, only the config (sgemm reads the fp32 weights).
+// The CPU backend's PackedWeights: the experts' forward weights in the
+// row-invariant GEMM's panels, the oneDNN primitives of the weight gradients and
+// of the router's logits, and the router's weight in oneDNN's layout.
 #pragma once
 
 #include <memory>
@@ -8,6 +8,7 @@
 
 #include "cpu_ops.h"
 #include "onednn_matmul.h"
+#include "row_gemm.h"
 
 namespace moe::kernels::cpu {
 
@@ -49,36 +50,36 @@ struct CpuRouterWeights final : PackedWeights {
   bool packed = false;  // pack_router_weights ran
 };
 
+// One weight of L experts as row-invariant GEMM panels of `panels` (whose data is
+// unset): expert e's at data + e * stride.
+struct PanelTensor {
+  RowGemmPanels panels;
+  size_t stride = 0;  // bytes per expert, a multiple of 64
+  HostBytes data;
+  PanelTensor() = default;
+  PanelTensor(const RowGemmPanels& shape, int num_experts);
+  RowGemmPanels expert(int e) const;
+  void* expert_data(int e) { return data.get() + stride * e; }
+};
+
 // Expert weights w13 [L, 2I, H], w2 [L, H, I], in the compute dtype (x_dtype).
 struct CpuExpertWeights final : PackedWeights {
   ExpertMlpConfig cfg;
-  GemmEngine engine = GemmEngine::kOpenBlas;
-  // Forward: gu = x w13^T, y = h w2^T.
-  std::unique_ptr<OneDnnMatmul> gate_up, down;
-  // Train: dh = g w2, dx = dgu w13 (dgrad); dW2 = g^T h, dW13 = dgu^T x (wgrad,
-  // runtime m and k, no packed operand; the _acc ones add to the gradient, for the
-  // row chunks after the first).
-  std::unique_ptr<OneDnnMatmul> down_dgrad, gate_up_dgrad, down_wgrad, gate_up_wgrad;
-  std::unique_ptr<OneDnnMatmul> down_wgrad_acc, gate_up_wgrad_acc;
-  // w2_dgrad / w13_dgrad stay empty where the dgrad primitive's layout is the
-  // weight's own (fp32 on gemm:jit): the dgrad reads w2 / w13 as given.
-  PackedTensor w13_fwd, w2_fwd, w2_dgrad, w13_dgrad;
+  GemmEngine engine = GemmEngine::kOpenBlas;  // the weight gradients' engine
+  // Forward (docs/backends.md#row-invariant-gemm): gu = x w13^T and y = h w2^T
+  // on panels of w13_e^T [H, 2I] and w2_e^T [I, H], in x_dtype (a bf16 layer's
+  // values rounded). The dgrad packs w2 and w13 per call.
+  PanelTensor w13_fwd, w2_fwd;
+  // oneDNN, train: dW2 = g^T h, dW13 = dgu^T x (runtime m and k, no packed
+  // operand; the _acc ones add to the gradient, for the row chunks after the first).
+  std::unique_ptr<OneDnnMatmul> down_wgrad, gate_up_wgrad, down_wgrad_acc, gate_up_wgrad_acc;
   // The small-batch path's weights for bf16 layers that are forward-only: w13
   // and w2 rounded to bf16 in pack_small_bf16_weights' layout, small_w13_elems /
   // small_w2_elems values per expert (fp32 layers read w13 and w2 as given).
   HostBytes small_w13, small_w2;
   size_t small_w13_elems = 0, small_w2_elems = 0;
-  // OpenBLAS engine, bf16 train configs: w13 and w2 rounded to bf16 values, kept
-  // fp32 for sgemm (the caller's arrays are the fp32 masters, api.h).
-  HostBytes blas_w13, blas_w2;
   bool packed = false;
 
-  // Expert e's fp32 weights as the OpenBLAS path reads them (w13, w2: the call's).
-  const float* blas_w13_of(int e, const float* w13) const;
-  const float* blas_w2_of(int e, const float* w2) const;
-  // Expert e's weight as the dgrad primitives read it (w13, w2: the call's).
-  const void* w13_dgrad_of(int e, const float* w13) const;
-  const void* w2_dgrad_of(int e, const float* w2) const;
   // Whether the small-batch path can run on these weights.
   bool has_small_weights() const { return cfg.x_dtype == DType::kF32 || small_w13.get() != nullptr; }
   // Expert e's w13 / w2 as the small-batch path reads them (w13, w2: the call's).
@@ -91,13 +92,20 @@ struct CpuExpertWeights final : PackedWeights {
 const CpuRouterWeights& checked_router_weights(const PackedWeights* p, const RouterConfig& cfg);
 const CpuExpertWeights& checked_expert_weights(const PackedWeights* p, const ExpertMlpConfig& cfg, bool backward);
 
-// The oneDNN path of the fused expert MLP (expert_mlp_onednn.cc); the entry points
-// in expert_mlp.cc check the config and offsets, then call these.
-size_t onednn_mlp_workspace_bytes(const ExpertMlpConfig& cfg, int num_threads);
-void forward_onednn(CpuExec& exec, const ExpertMlpConfig& cfg, const ExpertMlpForwardArgs& a,
-                    const CpuExpertWeights& p);
-void backward_onednn(CpuExec& exec, const ExpertMlpConfig& cfg, const ExpertMlpBackwardArgs& a,
-                     const CpuExpertWeights& p);
+// The weight gradients of the fused expert MLP (expert_mlp_wgrad.cc), on the
+// packed weights' engine: dW2_e = g_e^T h_e, dW13_e = dgu_e^T x_e over every pair.
+// Operands: h and dgu per pair as the dgrad stored them (wgrad_operand_dtype),
+// g and x gathered again from the call's rows. panel: a thread's [tile, H] fp32
+// region for those gathers, panel_bytes apart per thread.
+DType wgrad_operand_dtype(const ExpertMlpConfig& cfg, GemmEngine engine);
+struct WgradInputs {
+  const void* h = nullptr;    // [M, I] wgrad_operand_dtype
+  const void* dgu = nullptr;  // [M, 2I] wgrad_operand_dtype
+  uint8_t* panels = nullptr;
+  size_t panel_bytes = 0;
+};
+void expert_weight_grads(CpuExec& exec, const ExpertMlpConfig& cfg, const ExpertMlpBackwardArgs& a,
+                         const CpuExpertWeights& p, const WgradInputs& in);
 
 // The small-batch path (expert_mlp_small.cc), docs/backends.md#small-batches.
 // Its per-thread panels follow the engine path's workspace.

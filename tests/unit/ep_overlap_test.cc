@@ -40,30 +40,9 @@ std::vector<EpCase> overlap_cases() {
   return v;
 }
 
-// Whether a row's GEMM result is independent of the other rows of its call on
-// this engine (docs/layer.md#overlap): fp32 on oneDNN and on OpenBLAS's blocked
-// kernels; OpenBLAS's AVX-512 small-matrix kernel, and oneDNN's bf16 kernels for
-// a few rows, sum in another order.
-bool rows_independent(kernels::DType dtype) {
-  const kernels::CpuBackendInfo info = kernels::cpu_backend_info();
-  if (dtype != kernels::DType::kF32) return false;
-  return info.engines.of(dtype) == kernels::GemmEngine::kOneDnn || info.isa.rfind("avx512", 0) != 0;
-}
-
-// The same bits where rows are independent; else the same values to rounding
-// (fp32: of the sums; bf16: one bf16 rounding of the values).
-void expect_same(const char* what, const std::vector<float>& got, const std::vector<float>& want,
-                 kernels::DType dtype) {
-  if (rows_independent(dtype))
-    EXPECT_EQ(got, want) << what;
-  else if (dtype == kernels::DType::kF32)
-    EXPECT_TRUE(close(what, to_double(got), to_double(want), 1e-5, 1e-6, want.empty()));
-  else
-    EXPECT_TRUE(close(what, to_double(got), to_double(want), 0x1.0p-7, 0x1.0p-8, want.empty()));
-}
-
 // chunks = 1 is the serial path; every other count must give its bits exactly
-// (where the engine's rows are independent), 8 included (more chunks than some
+// (every GEMM a row goes through computes it alike in a call of any rows: the
+// row-invariant GEMM, docs/backends.md#row-invariant-gemm), 8 included (more chunks than some
 // ranks have rows): the output, and in a train layer every gradient (the weight
 // gradients sum rows in the handle's row order, which no chunking changes); and
 // every count matches the reference.
@@ -82,12 +61,12 @@ void expect_every_chunk_count_gives_the_serial_bits(EpCase serial) {
       EXPECT_EQ(got[r].topk_idx, want[r].topk_idx);
       EXPECT_EQ(got[r].dispatch_bytes, want[r].dispatch_bytes);
       EXPECT_EQ(got[r].combine_bytes, want[r].combine_bytes);
-      expect_same("out", got[r].out, want[r].out, c.dtype);
-      expect_same("grad_x", got[r].grad_x, want[r].grad_x, c.dtype);
-      expect_same("grad_gate", got[r].grad_gate, want[r].grad_gate, c.dtype);
-      expect_same("grad_w13", got[r].grad_w13, want[r].grad_w13, c.dtype);
-      expect_same("grad_w2", got[r].grad_w2, want[r].grad_w2, c.dtype);
-      expect_same("grad_shared_w13", got[r].grad_shared_w13, want[r].grad_shared_w13, c.dtype);
+      EXPECT_EQ(got[r].out, want[r].out) << "out";
+      EXPECT_EQ(got[r].grad_x, want[r].grad_x) << "grad_x";
+      EXPECT_EQ(got[r].grad_gate, want[r].grad_gate) << "grad_gate";
+      EXPECT_EQ(got[r].grad_w13, want[r].grad_w13) << "grad_w13";
+      EXPECT_EQ(got[r].grad_w2, want[r].grad_w2) << "grad_w2";
+      EXPECT_EQ(got[r].grad_shared_w13, want[r].grad_shared_w13) << "grad_shared_w13";
     }
   }
 }
@@ -136,10 +115,10 @@ TEST(OverlapUcx, ChunksOverUcxGiveTheSerialBits) {
     for (int r = 0; r < c.ranks; ++r) {
       SCOPED_TRACE(c.name + " rank " + std::to_string(r));
       EXPECT_EQ(got[r].chunks, 3);
-      expect_same("out", got[r].out, want[r].out, c.dtype);
-      expect_same("grad_x", got[r].grad_x, want[r].grad_x, c.dtype);
-      expect_same("grad_w13", got[r].grad_w13, want[r].grad_w13, c.dtype);
-      expect_same("grad_w2", got[r].grad_w2, want[r].grad_w2, c.dtype);
+      EXPECT_EQ(got[r].out, want[r].out) << "out";
+      EXPECT_EQ(got[r].grad_x, want[r].grad_x) << "grad_x";
+      EXPECT_EQ(got[r].grad_w13, want[r].grad_w13) << "grad_w13";
+      EXPECT_EQ(got[r].grad_w2, want[r].grad_w2) << "grad_w2";
     }
   }
 }
