@@ -268,9 +268,7 @@ Report run_ep_bench(const EpBenchOptions& o, const std::string& self_exe) {
   r.add("tokens_per_rank", o.tokens).add("hidden", static_cast<int64_t>(o.hidden)).add("ffn", static_cast<int64_t>(o.ffn));
   r.add("experts", static_cast<int64_t>(o.experts)).add("top_k", static_cast<int64_t>(o.top_k));
   r.add("dtype", kernels::dtype_name(o.dtype));
-  const kernels::CpuBackendInfo info = kernels::cpu_backend_info();  // what every rank's backend runs
-  r.add("gemm_engine", kernels::gemm_engine_name(info.engines.of(o.dtype)));
-  r.add("isa", info.isa);
+  add_cpu_kernels(r, o.dtype);  // what every rank's backend runs
   r.add("forward_tokens_per_second", total_tokens / fwd);
   r.add("train_tokens_per_second", total_tokens / train);
   r.add("forward_step_seconds_p50", fwd);

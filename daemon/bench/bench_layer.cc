@@ -100,6 +100,16 @@ void write_spec_json(const std::string& path, const v1::JobSpec& spec) {
 
 }  // namespace
 
+void add_cpu_kernels(Report& r, kernels::DType dtype) {
+  const kernels::CpuBackendInfo info = kernels::cpu_backend_info();
+  r.add("cpu", info.cpu_model);
+  r.add("cpu_isa", info.cpu_isa);  // the backend's own kernels (MOE_CPU_ISA caps it)
+  r.add("row_gemm_kernel", info.row_gemm);
+  r.add("gemm_engine", info.gemm_engine(dtype));  // the weight gradients'
+  r.add("openblas_core", info.openblas_core);
+  r.add("onednn_isa", info.isa);
+}
+
 Report run_layer_bench(const LayerBenchOptions& o) {
   MOE_CHECK(o.threads >= 1, "--threads must be >= 1, got ", o.threads);
   MOE_CHECK(o.iters >= 1, "--iters must be >= 1, got ", o.iters);
@@ -198,10 +208,7 @@ Report run_layer_bench(const LayerBenchOptions& o) {
   Report r;
   r.add("bench", "layer");
   r.add("backend", be->name());
-  r.add("gemm_engine", be->gemm_engine(o.dtype));
-  r.add("isa", info.isa);
-  r.add("small_gemm_kernel", info.small_gemm(o.dtype));  // the one this run's dtype takes
-  r.add("cpu", info.cpu_model);
+  add_cpu_kernels(r, o.dtype);
   r.add("mode", o.train ? "train" : "forward");
   r.add("dtype", kernels::dtype_name(o.dtype));
   r.add("threads", static_cast<int64_t>(o.threads));

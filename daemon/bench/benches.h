@@ -12,6 +12,10 @@
 
 namespace moe::bench {
 
+// Which code produced a CPU figure: the kernels' ISA and every kernel family's
+// kernel or engine (the layer dtype's GEMM engine), added to `r`.
+void add_cpu_kernels(Report& r, kernels::DType dtype);
+
 // `moe-bench layer`: one MoE layer on one rank (CPU backend).
 struct LayerBenchOptions {
   int64_t tokens = 4096;

@@ -47,7 +47,7 @@ load = lambda p: json.load(open(p))
 layer = {(dt, m): load(f"{d}/layer_{dt}_{m}.json") for dt in ("fp32", "bf16") for m in ("forward", "train", "adam")}
 ep = {dt: load(f"{d}/ep_{dt}.json") for dt in ("fp32", "bf16")}
 l0 = layer[("fp32", "forward")]
-print(f"CPU: {l0['cpu']}, isa {l0['isa']}, engine {l0['gemm_engine']}")
+print(f"CPU: {l0['cpu']}, ISA {l0['cpu_isa']}, row GEMM {l0['row_gemm_kernel']}, wgrad engine {l0['gemm_engine']}")
 # Ratios against the bare layer are of the whole job (every rank shares this machine's
 # cores, so the cluster as a whole has the layer's threads); "layer" drops the
 # synthetic task's teacher and inputs (the result's layer_tokens_per_second); train

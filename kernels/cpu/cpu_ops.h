@@ -99,15 +99,6 @@ struct GemmTile {
   int64_t end;
 };
 
-// The small-batch rule's row limits (expert_mlp_small.cc).
-struct SmallRowsRule {
-  int64_t fp32 = 0, bf16 = 0;
-  int64_t of(DType d) const { return d == DType::kBF16 ? bf16 : fp32; }
-  // The measured defaults for these engines, or MOE_SMALL_BATCH_ROWS (0..64, both
-  // dtypes) when set; a malformed value throws naming it.
-  static SmallRowsRule for_engines(const CpuEngines& engines);
-};
-
 // What the GEMM-driving ops share: the pool, the engines and a tile list reused
 // across calls (it only grows, so steady-state steps do not allocate).
 struct CpuExec {
@@ -116,13 +107,6 @@ struct CpuExec {
   ThreadPool& pool;
   CpuEngines engines;
   std::vector<GemmTile> tiles;
-  // The expert MLP's small-batch rule (docs/backends.md#small-batches), per
-  // dtype: experts with at most this many rows in a layout stream their weights
-  // with the few-row kernels. 0: the path is off.
-  SmallRowsRule small_rows = SmallRowsRule::for_engines(engines);
-  // Scratch of the expert MLP's split between the two paths (grow only).
-  std::vector<int32_t> small_experts;
-  std::vector<int64_t> rest_begin, rest_end;
 };
 
 // Row tiles over groups [offset[g], offset[g+1]): each group split evenly into
@@ -149,20 +133,6 @@ struct OptimizerPass {
 };
 OptimizerPass prepare_optimizer(const OptimizerConfig& cfg, const OptimizerArgs& args);
 void optimizer_range(const OptimizerPass& pass, const OptimizerArgs& args, int64_t begin, int64_t end);
-
-// An fp32 weight stored [n, k] (w_nk: transposed) or [k, n] into dst as a plain
-// row-major [k, n] in dtype, bf16 rounded as round_to_bf16 (plain_pack.cc).
-void pack_plain_b(const float* w, bool w_nk, int64_t k, int64_t n, DType dtype, void* dst);
-// Both packs of one weight w [rows, cols] in one read of it: its transpose
-// [cols, rows] and itself [rows, cols], each in dtype.
-void pack_plain_b_both(const float* w, int64_t rows, int64_t cols, DType dtype, void* transposed, void* same);
-// The part of pack_plain_b_both that rows [row_begin, row_end) of w make (same may
-// be null): columns [row_begin, row_end) of the transpose, those rows of the copy.
-// Where row_begin is a multiple of plain_pack_rows(dtype) the bits and the
-// stores are those of the whole call's.
-void pack_plain_b_rows(const float* w, int64_t rows, int64_t cols, DType dtype, void* transposed, void* same,
-                       int64_t row_begin, int64_t row_end);
-int64_t plain_pack_rows(DType dtype);  // 16 fp32 or 32 bf16: one 64-byte line of the transpose
 
 size_t expert_mlp_workspace_bytes(const ExpertMlpConfig& cfg, int num_threads, GemmEngine engine);
 std::unique_ptr<PackedWeights> make_expert_weights(const ExpertMlpConfig& cfg, GemmEngine engine);

@@ -9,8 +9,8 @@
 // layer, replicas and rebalances leave them alone (docs/layer.md#overlap). The
 // rows are fp32 (a bf16 layer's widened as gathered) and so are h and dgu; the
 // weights are the compute dtype's values (bf16-rounded in a bf16 layer), so a
-// bf16 layer rounds only its outputs. Experts with few rows in the layout take
-// the small-batch path in forward (expert_mlp_small.cc).
+// bf16 layer rounds only its outputs. One path for every row count: a decode
+// step's few rows an expert stream its panels once (docs/backends.md#small-batches).
 #include <cstring>
 
 #include "cpu_ops.h"
@@ -137,10 +137,6 @@ void dgrad_tiles(CpuExec& exec, const ExpertMlpConfig& c, const ExpertMlpBackwar
   totals.flush(a.stats);
 }
 
-size_t engine_workspace_bytes(const ExpertMlpConfig& c, int num_threads, GemmEngine engine) {
-  return align64(Layout(c, engine).bytes(num_threads));
-}
-
 // The packed weights say which path runs; they must be this backend's engine's.
 const CpuExpertWeights& checked_for(const CpuExec& exec, const ExpertMlpConfig& c, const PackedWeights* packed,
                                     bool backward) {
@@ -153,9 +149,8 @@ const CpuExpertWeights& checked_for(const CpuExec& exec, const ExpertMlpConfig& 
 
 }  // namespace
 
-// The tiles' workspace, then the small-batch path's panels.
 size_t expert_mlp_workspace_bytes(const ExpertMlpConfig& c, int num_threads, GemmEngine engine) {
-  return engine_workspace_bytes(c, num_threads, engine) + small_mlp_workspace_bytes(c, num_threads);
+  return align64(Layout(c, engine).bytes(num_threads));
 }
 
 void expert_mlp_forward(CpuExec& exec, const ExpertMlpConfig& c, const ExpertMlpForwardArgs& a) {
@@ -163,15 +158,7 @@ void expert_mlp_forward(CpuExec& exec, const ExpertMlpConfig& c, const ExpertMlp
   const CpuExpertWeights& p = checked_for(exec, c, a.packed, false);
   c.check_offsets(a.expert_offset);
   if (!a.part.whole()) c.check_part(a.expert_offset, a.part.pair_begin, a.part.pair_end);
-  const SmallBatchSplit split = split_small_batch(exec, c, a, p);
-  if (split.small) {
-    auto* panels = static_cast<uint8_t*>(a.workspace) + engine_workspace_bytes(c, exec.pool.num_threads(), p.engine);
-    forward_small(exec, c, a, p, panels);
-  }
-  if (!split.rest) return;
-  ExpertMlpForwardArgs rest = a;
-  rest.part = split.rest_part;
-  forward_tiles(exec, c, rest, p);
+  forward_tiles(exec, c, a, p);
 }
 
 void expert_mlp_backward(CpuExec& exec, const ExpertMlpConfig& c, const ExpertMlpBackwardArgs& a) {

@@ -8,7 +8,9 @@
 #include "moe/base/check.h"
 #include "moe/kernels/cpu_backend.h"
 #include "onednn_matmul.h"
-#include "small_gemm.h"
+#include "row_gemm.h"
+
+extern "C" char* openblas_get_corename();
 
 namespace moe::kernels {
 namespace {
@@ -125,9 +127,12 @@ CpuBackendInfo cpu_backend_info() {
     info.engines = apply_override(env, info.engines);
   }
   cpu::check_engines_run_here(info.engines, info.engine_source);
-  const cpu::SmallGemmIsa small = cpu::small_gemm_isa();
-  info.small_gemm_f32 = cpu::small_gemm_isa_name(cpu::small_gemm_kernel_for(small, DType::kF32));
-  info.small_gemm_bf16 = cpu::small_gemm_isa_name(cpu::small_gemm_kernel_for(small, DType::kBF16));
+  const cpu::CpuIsa isa = cpu::cpu_isa();
+  info.cpu_isa = cpu::cpu_isa_name(isa);
+  const char* cap = std::getenv("MOE_CPU_ISA");
+  info.cpu_isa_source = cap && *cap ? std::string("MOE_CPU_ISA=") + cap : "cpu";
+  info.row_gemm = cpu::row_gemm_kernel_name(cpu::row_gemm_kernel(isa));
+  info.openblas_core = openblas_get_corename();
   return info;
 }
 
@@ -139,9 +144,10 @@ double measure_gemm_gflops(GemmEngine engine, DType dtype, int threads, int n, i
 std::string cpu_backend_summary() {
   try {
     const CpuBackendInfo i = cpu_backend_info();
-    return "cpu backend on " + i.cpu_model + ": oneDNN ISA " + i.isa + ", GEMM fp32=" + i.gemm_engine(DType::kF32) +
-           " bf16=" + i.gemm_engine(DType::kBF16) + " (" + i.engine_source + "), few-row kernels fp32=" +
-           i.small_gemm_f32 + " bf16=" + i.small_gemm_bf16;
+    return "cpu backend on " + i.cpu_model + ": ISA " + i.cpu_isa + " (" + i.cpu_isa_source + "); row-invariant GEMM " +
+           i.row_gemm + " (expert forward and dgrad, router logits); weight gradients fp32=" + i.gemm_engine(DType::kF32) +
+           " bf16=" + i.gemm_engine(DType::kBF16) + " (" + i.engine_source + "; OpenBLAS core " + i.openblas_core +
+           ", oneDNN ISA " + i.isa + ")";
   } catch (const std::exception& e) {
     return std::string("cpu backend: ") + e.what();
   }

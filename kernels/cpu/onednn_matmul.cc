@@ -42,7 +42,7 @@ memory::dim dim_or_runtime(int64_t d) { return d == kRuntimeDim ? DNNL_RUNTIME_D
 std::string describe(const MatmulShape& s) {
   auto d = [](int64_t v) { return v == kRuntimeDim ? std::string("runtime") : std::to_string(v); };
   return std::string(dtype_name(s.dtype)) + " matmul m=" + d(s.m) + " k=" + d(s.k) + " n=" + d(s.n) +
-         (s.trans_a ? " (A transposed)" : "") + (s.packed_b ? " (packed B)" : "") +
+         (s.trans_a ? " (A transposed)" : "") +
          (s.accumulate ? " (accumulating)" : "") + " -> " +
          dtype_name(s.out_dtype);
 }
@@ -52,15 +52,11 @@ std::string describe(const MatmulShape& s) {
 struct OneDnnMatmul::Impl {
   dnnl::matmul::primitive_desc pd;
   dnnl::matmul prim;
-  dnnl::reorder pack;  // fp32 weight -> pd.weights_desc() (packed_b only)
-  memory::desc b_source;  // that fp32 weight
-  bool plain_b = false;   // pd.weights_desc() is a row-major [k, n]: pack_plain_b packs it
 
   memory::desc a_desc(const MatmulShape& s, memory::dim m, memory::dim k) const {
     return memory::desc({m, k}, dnnl_type(s.dtype), s.trans_a ? Dims{1, s.lda} : Dims{s.lda, 1});
   }
   memory::desc b_desc(const MatmulShape& s, memory::dim k) const {
-    if (s.packed_b) return pd.weights_desc();
     return memory::desc({k, s.n}, dnnl_type(s.dtype), Dims{s.ldb, 1});
   }
   memory::desc c_desc(const MatmulShape& s, memory::dim m) const {
@@ -71,11 +67,9 @@ struct OneDnnMatmul::Impl {
 OneDnnMatmul::OneDnnMatmul(const MatmulShape& s) : shape_(s), impl_(std::make_unique<Impl>()) {
   MOE_CHECK(s.n > 0 && (s.k > 0 || s.k == kRuntimeDim) && (s.m > 0 || s.m == kRuntimeDim),
             "oneDNN ", describe(s), ": bad dimensions");
-  MOE_CHECK(!s.packed_b || s.k != kRuntimeDim, "oneDNN ", describe(s), ": a packed B needs a fixed k");
   ensure_team_of_one();
   const memory::dim m = dim_or_runtime(s.m), k = dim_or_runtime(s.k);
-  const memory::desc b = s.packed_b ? memory::desc({k, s.n}, dnnl_type(s.dtype), memory::format_tag::any)
-                                    : impl_->b_desc(s, k);
+  const memory::desc b = impl_->b_desc(s, k);
   try {
     const dnnl::matmul::desc md(impl_->a_desc(s, m, k), b, impl_->c_desc(s, m));
     dnnl::primitive_attr attr;
@@ -86,46 +80,12 @@ OneDnnMatmul::OneDnnMatmul(const MatmulShape& s) : shape_(s), impl_(std::make_un
     }
     impl_->pd = dnnl::matmul::primitive_desc(md, attr, cpu_engine());
     impl_->prim = dnnl::matmul(impl_->pd);
-    if (s.packed_b) {
-      impl_->b_source = memory::desc({s.k, s.n}, memory::data_type::f32, s.b_nk ? Dims{1, s.k} : Dims{s.n, 1});
-      impl_->pack = dnnl::reorder(
-          dnnl::reorder::primitive_desc(cpu_engine(), impl_->b_source, cpu_engine(), impl_->pd.weights_desc()));
-      impl_->plain_b = impl_->pd.weights_desc() == memory::desc({s.k, s.n}, dnnl_type(s.dtype), Dims{s.n, 1});
-    }
   } catch (const dnnl::error& e) {
     detail::fail("oneDNN has no ", describe(s), " on this CPU (ISA ", onednn_isa_name(), "): ", e.what());
   }
 }
 
 OneDnnMatmul::~OneDnnMatmul() = default;
-
-size_t OneDnnMatmul::packed_b_bytes() const {
-  MOE_ASSERT(shape_.packed_b);
-  return impl_->pd.weights_desc().get_size();
-}
-
-bool OneDnnMatmul::packed_b_is_source() const {
-  MOE_ASSERT(shape_.packed_b);
-  return impl_->pd.weights_desc() == impl_->b_source;
-}
-
-bool OneDnnMatmul::packed_b_is_plain() const {
-  MOE_ASSERT(shape_.packed_b);
-  return impl_->plain_b;
-}
-
-void OneDnnMatmul::pack_b(const float* w, void* dst) const {
-  MOE_ASSERT(shape_.packed_b);
-  if (impl_->plain_b) {  // gemm:jit's layout: a transpose or a conversion, at memory speed
-    pack_plain_b(w, shape_.b_nk, shape_.k, shape_.n, shape_.dtype, dst);
-    return;
-  }
-  ensure_team_of_one();
-  memory from(impl_->b_source, cpu_engine(), const_cast<float*>(w));
-  memory to(impl_->pd.weights_desc(), cpu_engine(), dst);
-  impl_->pack.execute(thread_stream(), from, to);
-  thread_stream().wait();
-}
 
 void OneDnnMatmul::run(const void* a, const void* b, void* c, int64_t m, int64_t k) const {
   ensure_team_of_one();
@@ -167,24 +127,18 @@ bool onednn_has_bf16_dot() {
   return isa == dnnl::cpu_isa::avx512_core_bf16 || isa == dnnl::cpu_isa::avx512_core_amx;
 }
 
+// The probe builds what the backend builds: a weight gradient's matmul (A
+// transposed, runtime m and k).
 bool onednn_matmul_available(DType dtype) {
-  static const bool available[2] = {
-      [] {
-        try {
-          OneDnnMatmul probe({DType::kF32, DType::kF32, kRuntimeDim, 64, 64, 64, 64, 64, false, true, true});
-          return true;
-        } catch (const Error&) {
-          return false;
-        }
-      }(),
-      [] {
-        try {
-          OneDnnMatmul probe({DType::kBF16, DType::kF32, kRuntimeDim, 64, 64, 64, 64, 64, false, true, true});
-          return true;
-        } catch (const Error&) {
-          return false;
-        }
-      }()};
+  auto probe = [](DType d) {
+    try {
+      OneDnnMatmul m({d, DType::kF32, kRuntimeDim, kRuntimeDim, 64, 64, 64, 64, true});
+      return true;
+    } catch (const Error&) {
+      return false;
+    }
+  };
+  static const bool available[2] = {probe(DType::kF32), probe(DType::kBF16)};
   return available[dtype == DType::kF32 ? 0 : 1];
 }
 

@@ -22,9 +22,7 @@ inline constexpr int64_t kRuntimeDim = -1;
 // C[m, n] = A[m, k] B[k, n] with A and B in `dtype`, fp32 accumulation, C in
 // `out_dtype`. Row-major with row strides lda/ldb/ldc in elements; trans_a means
 // A is stored as its transpose [k, m] (row stride lda). m and k may be
-// kRuntimeDim; n is always fixed. packed_b: B is a weight in the layout oneDNN
-// prefers for this shape, written by OneDnnMatmul::pack_b (ldb is unused) from an
-// fp32 weight stored [n, k] row-major (b_nk: C = A W^T) or [k, n] (C = A W).
+// kRuntimeDim; n is always fixed.
 struct MatmulShape {
   DType dtype = DType::kBF16;
   DType out_dtype = DType::kF32;
@@ -35,14 +33,12 @@ struct MatmulShape {
   int64_t ldb = 0;
   int64_t ldc = 0;
   bool trans_a = false;
-  bool packed_b = false;
-  bool b_nk = false;
   bool accumulate = false;  // C += A B (oneDNN's sum post-op) instead of C = A B
 };
 
 class OneDnnMatmul {
  public:
-  // Builds the primitive (and, for packed_b, the reorder that packs B). Throws
+  // Builds the primitive. Throws
   // moe::Error naming the shape when oneDNN has no implementation for it here.
   explicit OneDnnMatmul(const MatmulShape& shape);
   ~OneDnnMatmul();
@@ -50,20 +46,6 @@ class OneDnnMatmul {
   OneDnnMatmul& operator=(const OneDnnMatmul&) = delete;
 
   const MatmulShape& shape() const { return shape_; }
-  // Bytes of one packed B (packed_b only).
-  size_t packed_b_bytes() const;
-  // Whether the packed layout is the fp32 source's own (packed_b only): oneDNN
-  // chose a plain row-major B in fp32 (as gemm:jit does for a weight stored
-  // [k, n]), so pack_b would only copy and run() reads the source as it is.
-  bool packed_b_is_source() const;
-  // Whether the packed layout is a plain row-major [k, n] in dtype (packed_b only).
-  bool packed_b_is_plain() const;
-  // Packs one fp32 weight (laid out as shape().b_nk says) into dst
-  // (packed_b_bytes, 64-byte aligned), rounding to dtype as round_to_bf16 does.
-  // Thread-safe. The layout oneDNN chose decides how: a plain row-major [k, n]
-  // (gemm:jit's, for every weight here) by pack_plain_b at memory speed, any
-  // other by oneDNN's reorder.
-  void pack_b(const float* w, void* dst) const;
   // C = A B on the calling thread; thread-safe. m and k are the call's values of runtime dims
   // (ignored for fixed ones); m = 0 or k = 0 is the caller's business (skip, or
   // zero C): oneDNN is not called with empty shapes.

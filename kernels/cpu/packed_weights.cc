@@ -1,28 +1,13 @@
 // Making and packing the CPU backend's PackedWeights (router and experts).
 #include "packed_weights.h"
 
-
 #include "moe/base/check.h"
-#include "small_gemm.h"
 #include "vec.h"
 
 namespace moe::kernels::cpu {
 namespace {
 
 std::unique_ptr<OneDnnMatmul> matmul(const MatmulShape& s) { return std::make_unique<OneDnnMatmul>(s); }
-
-// A primitive whose B is a packed weight stored [n, k] (C = A W^T) or [k, n].
-MatmulShape weight_gemm(DType d, int64_t k, int64_t n, bool w_nk) {
-  MatmulShape s;
-  s.dtype = d;
-  s.k = k;
-  s.n = n;
-  s.lda = k;
-  s.ldc = n;
-  s.packed_b = true;
-  s.b_nk = w_nk;
-  return s;
-}
 
 // Weight gradient rows: C [m, n] = A^T B (accumulate: C += A^T B) with A stored
 // [k, m] (row stride lda), B [k, n]; m and k given per call.
@@ -41,28 +26,6 @@ MatmulShape wgrad_gemm(DType d, int64_t lda, int64_t n, bool accumulate = false)
 
 }  // namespace
 
-PackedTensor::PackedTensor(const OneDnnMatmul& mm, int num_experts)
-    : stride(align64(mm.packed_b_bytes())), data(stride * num_experts) {}
-
-std::unique_ptr<PackedWeights> make_router_weights(const RouterConfig& cfg, GemmEngine engine) {
-  cfg.validate();
-  auto p = std::make_unique<CpuRouterWeights>();
-  p->cfg = cfg;
-  p->engine = engine;
-  if (engine == GemmEngine::kOneDnn) {
-    p->logits = matmul(weight_gemm(cfg.x_dtype, cfg.hidden, cfg.num_experts, true));
-    p->gate = PackedTensor(*p->logits, 1);
-  }
-  return p;
-}
-
-void pack_router_weights(ThreadPool&, PackedWeights& packed, const float* weight) {
-  auto* p = dynamic_cast<CpuRouterWeights*>(&packed);
-  MOE_CHECK(p, "pack_router_weights: the packed weights are not the CPU backend's router weights");
-  if (p->logits) p->logits->pack_b(weight, p->gate.expert(0));
-  p->packed = true;
-}
-
 PanelTensor::PanelTensor(const RowGemmPanels& shape, int num_experts)
     : panels(shape),
       stride(align64(row_gemm_panel_elems(shape.kernel, shape.k, shape.n) * dtype_size(shape.dtype))),
@@ -72,6 +35,23 @@ RowGemmPanels PanelTensor::expert(int e) const {
   RowGemmPanels p = panels;
   p.data = data.get() + stride * e;
   return p;
+}
+
+std::unique_ptr<PackedWeights> make_router_weights(const RouterConfig& cfg, GemmEngine engine) {
+  cfg.validate();
+  auto p = std::make_unique<CpuRouterWeights>();
+  p->cfg = cfg;
+  p->engine = engine;
+  p->gate_t = PanelTensor({nullptr, DType::kF32, row_gemm_kernel(), cfg.hidden, cfg.num_experts}, 1);
+  return p;
+}
+
+void pack_router_weights(ThreadPool&, PackedWeights& packed, const float* weight) {
+  auto* p = dynamic_cast<CpuRouterWeights*>(&packed);
+  MOE_CHECK(p, "pack_router_weights: the packed weights are not the CPU backend's router weights");
+  const RowGemmPanels& s = p->gate_t.panels;
+  pack_row_gemm_panels(s.kernel, weight, true, s.k, s.n, s.dtype, p->gate_t.expert_data(0), 0, s.n);
+  p->packed = true;
 }
 
 std::unique_ptr<PackedWeights> make_expert_weights(const ExpertMlpConfig& c, GemmEngine engine) {
@@ -85,12 +65,6 @@ std::unique_ptr<PackedWeights> make_expert_weights(const ExpertMlpConfig& c, Gem
   const RowGemmKernel kernel = row_gemm_kernel();
   p->w13_fwd = PanelTensor({nullptr, d, kernel, H, 2 * I}, L);  // B = w13_e^T [H, 2I]
   p->w2_fwd = PanelTensor({nullptr, d, kernel, I, H}, L);       // B = w2_e^T [I, H]
-  if (d == DType::kBF16 && !c.train && L > 0) {
-    p->small_w13_elems = small_bf16_weight_elems(2 * I, H);
-    p->small_w2_elems = small_bf16_weight_elems(H, I);
-    p->small_w13 = HostBytes(align64(p->small_w13_elems * L * sizeof(bf16_t)));
-    p->small_w2 = HostBytes(align64(p->small_w2_elems * L * sizeof(bf16_t)));
-  }
   if (engine == GemmEngine::kOneDnn && c.train) {
     p->down_wgrad = matmul(wgrad_gemm(d, H, I));             // g^T [H, rows] h [rows, I]
     p->gate_up_wgrad = matmul(wgrad_gemm(d, 2 * I, H));      // dgu^T [2I, rows] x [rows, H]
@@ -126,15 +100,6 @@ void pack_expert_weights(ThreadPool& pool, PackedWeights& packed, const float* w
     else
       pack_forward_rows(p->w2_fwd, w2, e, 0, H);
   });
-  if (p->small_w13.get() && count > 0) {
-    auto* s13 = reinterpret_cast<bf16_t*>(p->small_w13.get());
-    auto* s2 = reinterpret_cast<bf16_t*>(p->small_w2.get());
-    pool.parallel_for(count, [&](int64_t i, int) {
-      const int64_t e = first + i;
-      pack_small_bf16_weights(w13 + e * 2 * I * H, 2 * I, H, s13 + e * p->small_w13_elems);
-      pack_small_bf16_weights(w2 + e * H * I, H, I, s2 + e * p->small_w2_elems);
-    });
-  }
   p->packed = true;
 }
 
@@ -151,12 +116,7 @@ void update_expert_weights(ThreadPool& pool, const OptimizerConfig& cfg, const O
   MOE_CHECK(p, "update_expert_weights: the packed weights are not the CPU backend's expert weights");
   MOE_CHECK(num_experts == p->cfg.num_experts, "update_expert_weights: ", num_experts,
             " experts, the packed weights were made for ", p->cfg.num_experts);
-  if (p->small_w13.get() || num_experts == 0) {
-    optimizer_step(pool, cfg, w13);
-    optimizer_step(pool, cfg, w2);
-    pack_expert_weights(pool, packed, w13.weight, w2.weight, 0, num_experts);
-    return;
-  }
+  if (num_experts == 0) return;
   const int64_t H = p->cfg.hidden, I = p->cfg.ffn_hidden, L = num_experts;
   MOE_CHECK(w13.count == L * 2 * I * H && w2.count == L * H * I, "update_expert_weights: ", w13.count, " and ",
             w2.count, " values for ", L, " experts of H=", H, ", I=", I);
@@ -179,16 +139,6 @@ void update_expert_weights(ThreadPool& pool, const OptimizerConfig& cfg, const O
     pack_forward_rows(*w.forward, w.args->weight, e, r0, r1);
   });
   p->packed = true;
-}
-
-const void* CpuExpertWeights::small_expert_w13(int e, const float* w13) const {
-  if (cfg.x_dtype == DType::kF32) return w13 + static_cast<int64_t>(e) * 2 * cfg.ffn_hidden * cfg.hidden;
-  return reinterpret_cast<const bf16_t*>(small_w13.get()) + e * small_w13_elems;
-}
-
-const void* CpuExpertWeights::small_expert_w2(int e, const float* w2) const {
-  if (cfg.x_dtype == DType::kF32) return w2 + static_cast<int64_t>(e) * cfg.hidden * cfg.ffn_hidden;
-  return reinterpret_cast<const bf16_t*>(small_w2.get()) + e * small_w2_elems;
 }
 
 const CpuRouterWeights& checked_router_weights(const PackedWeights* packed, const RouterConfig& cfg) {

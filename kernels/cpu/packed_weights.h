@@ -29,27 +29,6 @@ class HostBytes {
   void* p_ = nullptr;
 };
 
-// One weight tensor of L experts in one primitive's layout: expert e at
-// data + e * stride.
-struct PackedTensor {
-  size_t stride = 0;  // bytes per expert, a multiple of 64
-  HostBytes data;
-  PackedTensor() = default;
-  PackedTensor(const OneDnnMatmul& mm, int num_experts);
-  bool empty() const { return data.get() == nullptr; }
-  const uint8_t* expert(int e) const { return data.get() + stride * e; }
-  uint8_t* expert(int e) { return data.get() + stride * e; }
-};
-
-// Router weight gate [E, H]: logits [T, E] = x [T, H] gate^T.
-struct CpuRouterWeights final : PackedWeights {
-  RouterConfig cfg;
-  GemmEngine engine = GemmEngine::kOpenBlas;
-  std::unique_ptr<OneDnnMatmul> logits;  // oneDNN: x (x_dtype) . gate^T -> fp32
-  PackedTensor gate;
-  bool packed = false;  // pack_router_weights ran
-};
-
 // One weight of L experts as row-invariant GEMM panels of `panels` (whose data is
 // unset): expert e's at data + e * stride.
 struct PanelTensor {
@@ -60,6 +39,16 @@ struct PanelTensor {
   PanelTensor(const RowGemmPanels& shape, int num_experts);
   RowGemmPanels expert(int e) const;
   void* expert_data(int e) { return data.get() + stride * e; }
+};
+
+// Router weight gate [E, H]: logits [T, E] = x [T, H] gate^T, on panels of
+// gate^T [H, E] (fp32: the layer's router keeps fp32 values, bf16-rounded in a
+// bf16 layer).
+struct CpuRouterWeights final : PackedWeights {
+  RouterConfig cfg;
+  GemmEngine engine = GemmEngine::kOpenBlas;  // the backward's grad_weight
+  PanelTensor gate_t;
+  bool packed = false;  // pack_router_weights ran
 };
 
 // Expert weights w13 [L, 2I, H], w2 [L, H, I], in the compute dtype (x_dtype).
@@ -73,18 +62,7 @@ struct CpuExpertWeights final : PackedWeights {
   // oneDNN, train: dW2 = g^T h, dW13 = dgu^T x (runtime m and k, no packed
   // operand; the _acc ones add to the gradient, for the row chunks after the first).
   std::unique_ptr<OneDnnMatmul> down_wgrad, gate_up_wgrad, down_wgrad_acc, gate_up_wgrad_acc;
-  // The small-batch path's weights for bf16 layers that are forward-only: w13
-  // and w2 rounded to bf16 in pack_small_bf16_weights' layout, small_w13_elems /
-  // small_w2_elems values per expert (fp32 layers read w13 and w2 as given).
-  HostBytes small_w13, small_w2;
-  size_t small_w13_elems = 0, small_w2_elems = 0;
   bool packed = false;
-
-  // Whether the small-batch path can run on these weights.
-  bool has_small_weights() const { return cfg.x_dtype == DType::kF32 || small_w13.get() != nullptr; }
-  // Expert e's w13 / w2 as the small-batch path reads them (w13, w2: the call's).
-  const void* small_expert_w13(int e, const float* w13) const;
-  const void* small_expert_w2(int e, const float* w2) const;
 };
 
 // The packed object behind `p`, checked against the op's config (the fields
@@ -106,23 +84,5 @@ struct WgradInputs {
 };
 void expert_weight_grads(CpuExec& exec, const ExpertMlpConfig& cfg, const ExpertMlpBackwardArgs& a,
                          const CpuExpertWeights& p, const WgradInputs& in);
-
-// The small-batch path (expert_mlp_small.cc), docs/backends.md#small-batches.
-// Its per-thread panels follow the engine path's workspace.
-size_t small_mlp_workspace_bytes(const ExpertMlpConfig& cfg, int num_threads);
-// Splits a forward call: exec.small_experts gets the experts the rule gives the
-// small-batch path (at most exec.small_rows.of(dtype) rows in the layout) that have
-// pairs to compute; the returned part is everything else, for the engine path
-// (empty = nothing left). Without small experts it returns a.part unchanged.
-struct SmallBatchSplit {
-  bool small = false;  // the small-batch path has experts
-  bool rest = false;   // the engine path has pairs
-  ExpertMlpPart rest_part;
-};
-SmallBatchSplit split_small_batch(CpuExec& exec, const ExpertMlpConfig& cfg, const ExpertMlpForwardArgs& a,
-                                  const CpuExpertWeights& p);
-// Forward of exec.small_experts' pairs; panels: small_mlp_workspace_bytes of scratch.
-void forward_small(CpuExec& exec, const ExpertMlpConfig& cfg, const ExpertMlpForwardArgs& a,
-                   const CpuExpertWeights& p, uint8_t* panels);
 
 }  // namespace moe::kernels::cpu

@@ -80,23 +80,29 @@ void scores_row(ScoreFunc score, const float* logits, float* s, int n) {
   }
 }
 
-// Workspace: [x as fp32 (bf16 input only)] [per-thread selection scratch] x threads.
+// Workspace: [x as fp32 (bf16 input only)] [per-thread selection scratch, the
+// row GEMM's scratch] x threads.
 struct RouterScratch {
   float* biased;       // [E]
   float* group_score;  // [G]
   float* top_key;      // [max(K, group_top_k)]
   int32_t* top_groups; // [group_top_k]
   uint8_t* allowed;    // [E]
+  void* gemm;          // row_gemm_scratch_bytes(max(E, H))
 };
 
 size_t router_x32_bytes(const RouterConfig& cfg) {
   return cfg.x_dtype == DType::kF32 ? 0 : align64(static_cast<size_t>(cfg.num_tokens) * cfg.hidden * 4);
 }
 
-size_t router_scratch_bytes(const RouterConfig& cfg) {
+size_t router_selection_bytes(const RouterConfig& cfg) {
   const size_t E = cfg.num_experts, G = std::max(cfg.num_groups, 1);
   const size_t k = std::max(cfg.top_k, cfg.group_top_k);
   return align64(4 * (E + G + k + std::max(cfg.group_top_k, 1)) + E);
+}
+
+size_t router_scratch_bytes(const RouterConfig& cfg) {
+  return router_selection_bytes(cfg) + row_gemm_scratch_bytes(std::max(cfg.num_experts, cfg.hidden));
 }
 
 RouterScratch router_scratch(const RouterConfig& cfg, void* workspace, int thread) {
@@ -110,6 +116,7 @@ RouterScratch router_scratch(const RouterConfig& cfg, void* workspace, int threa
   s.top_key = s.group_score + G;
   s.top_groups = reinterpret_cast<int32_t*>(s.top_key + k);
   s.allowed = reinterpret_cast<uint8_t*>(s.top_groups + std::max(cfg.group_top_k, 1));
+  s.gemm = base + router_selection_bytes(cfg);
   return s;
 }
 
@@ -119,24 +126,18 @@ size_t router_workspace_bytes(const RouterConfig& cfg, int num_threads) {
   return router_x32_bytes(cfg) + router_scratch_bytes(cfg) * num_threads;
 }
 
-// logits [T, E] = x gate^T in fp32: oneDNN on x as it is stored (bf16 operands,
-// fp32 accumulation), or OpenBLAS on x converted to fp32. Both multiply the same
-// values exactly (bf16 products are exact in fp32) and differ only in summation order.
+// logits [T, E] = x gate^T in fp32 on the row-invariant GEMM (a token's logits
+// are the same bits whatever tokens share its rank), x widened to fp32 (bf16
+// values are exact in fp32), gate^T in the panels pack_router_weights made.
 void router_logits(ThreadPool& pool, const RouterConfig& cfg, const RouterForwardArgs& a,
                    const CpuRouterWeights& packed) {
   const int64_t T = cfg.num_tokens;
   const int H = cfg.hidden, E = cfg.num_experts;
-  if (packed.logits) {
-    const size_t row_bytes = dtype_size(cfg.x_dtype) * H;
-    parallel_blocks(pool, T, kRowsPerGemmBlock, [&](int64_t t0, int64_t t1, int) {
-      packed.logits->run(static_cast<const uint8_t*>(a.x) + t0 * row_bytes, packed.gate.expert(0),
-                         a.logits + t0 * E, t1 - t0);
-    });
-    return;
-  }
   const float* x = x_as_f32(pool, cfg, a.x, a.workspace);
-  parallel_blocks(pool, T, kRowsPerGemmBlock, [&](int64_t t0, int64_t t1, int) {
-    sgemm(false, true, t1 - t0, E, H, 1.0f, x + t0 * H, H, a.weight, H, 0.0f, a.logits + t0 * E, E);
+  const RowGemmPanels gate = packed.gate_t.expert(0);
+  parallel_blocks(pool, T, kRowsPerGemmBlock, [&](int64_t t0, int64_t t1, int thread) {
+    row_gemm(gate.kernel, x + t0 * H, t1 - t0, H, RowGemmB::of(gate), a.logits + t0 * E, E,
+             router_scratch(cfg, a.workspace, thread).gemm);
   });
 }
 
@@ -310,10 +311,10 @@ void router_backward(ThreadPool& pool, const RouterConfig& cfg, const RouterBack
     sgemm(true, false, E, h1 - h0, T, 1.0f, a.grad_logits, E, x + h0, H, 0.0f,
           a.grad_weight + h0, H);
   });
-  // grad_x[T, H] += grad_logits W.
-  parallel_blocks(pool, T, kRowsPerGemmBlock, [&](int64_t t0, int64_t t1, int) {
-    sgemm(false, false, t1 - t0, H, E, 1.0f, a.grad_logits + t0 * E, E, a.weight, H, 1.0f,
-          a.grad_x + t0 * H, H);
+  // grad_x[T, H] += grad_logits W, a token's row alike whatever tokens share the rank.
+  parallel_blocks(pool, T, kRowsPerGemmBlock, [&](int64_t t0, int64_t t1, int thread) {
+    row_gemm(a.grad_logits + t0 * E, t1 - t0, E, RowGemmB::weight(a.weight, false, E, H, false), a.grad_x + t0 * H, H,
+             router_scratch(cfg, a.workspace, thread).gemm, true);
   });
 }
 

@@ -194,13 +194,14 @@ size_t row_gemm_scratch_bytes(int64_t n) {
 }
 
 namespace detail {
-void row_gemm_avx2(const float* a, int64_t m, int64_t lda, const RowGemmB& b, float* c, int64_t ldc, void* scratch) {
-  row_gemm_impl::Kernel<row_gemm_impl::Avx2>::run(a, m, lda, b, c, ldc, scratch);
+void row_gemm_avx2(const float* a, int64_t m, int64_t lda, const RowGemmB& b, float* c, int64_t ldc, void* scratch,
+                   bool accumulate) {
+  row_gemm_impl::Kernel<row_gemm_impl::Avx2>::run(a, m, lda, b, c, ldc, scratch, accumulate);
 }
 }  // namespace detail
 
 void row_gemm(RowGemmKernel kernel, const float* a, int64_t m, int64_t lda, const RowGemmB& b, float* c, int64_t ldc,
-              void* scratch) {
+              void* scratch, bool accumulate) {
   MOE_CHECK(m >= 0 && b.k >= 0 && b.n >= 0 && lda >= b.k && ldc >= b.n, "row gemm: bad shape m=", m, " k=", b.k,
             " n=", b.n, " lda=", lda, " ldc=", ldc);
   MOE_CHECK(!(b.panels && b.w) && (b.panels || b.w || b.k == 0 || b.n == 0),
@@ -214,13 +215,14 @@ void row_gemm(RowGemmKernel kernel, const float* a, int64_t m, int64_t lda, cons
   MOE_CHECK(row_gemm_kernel(cpu_isa_best()) >= kernel, "row gemm: this CPU cannot run the ",
             row_gemm_kernel_name(kernel), " kernel");
   if (kernel == RowGemmKernel::kAvx512)
-    detail::row_gemm_avx512(a, m, lda, b, c, ldc, scratch);
+    detail::row_gemm_avx512(a, m, lda, b, c, ldc, scratch, accumulate);
   else
-    detail::row_gemm_avx2(a, m, lda, b, c, ldc, scratch);
+    detail::row_gemm_avx2(a, m, lda, b, c, ldc, scratch, accumulate);
 }
 
-void row_gemm(const float* a, int64_t m, int64_t lda, const RowGemmB& b, float* c, int64_t ldc, void* scratch) {
-  row_gemm(row_gemm_kernel(), a, m, lda, b, c, ldc, scratch);
+void row_gemm(const float* a, int64_t m, int64_t lda, const RowGemmB& b, float* c, int64_t ldc, void* scratch,
+              bool accumulate) {
+  row_gemm(row_gemm_kernel(), a, m, lda, b, c, ldc, scratch, accumulate);
 }
 
 }  // namespace moe::kernels::cpu

@@ -5,7 +5,7 @@
 //
 //   for each block b of kRowGemmKc consecutive k, in order:
 //     p = 0; for k in the block, in order: p = fma(A[i, k], B[k, j], p)
-//     C[i, j] = (b == 0) ? p : C[i, j] + p
+//     C[i, j] = (b == 0 && !accumulate) ? p : C[i, j] + p
 //
 // So a chunked layer, a replica or a rebalance that hands an expert's rows to
 // calls of other sizes leaves each row's bits alone (GEMM libraries choose
@@ -74,16 +74,20 @@ struct RowGemmB {
 size_t row_gemm_scratch_bytes(int64_t n);
 
 // C [m, n] (row stride ldc) = A [m, k] (row stride lda) B, on the process's
-// kernel or a named one (panels must be that kernel's). scratch:
-// row_gemm_scratch_bytes(n), any alignment. m, n, k >= 0; k = 0 stores zeros.
-void row_gemm(const float* a, int64_t m, int64_t lda, const RowGemmB& b, float* c, int64_t ldc, void* scratch);
+// kernel or a named one (panels must be that kernel's); with accumulate,
+// C += A B (every block's sum added to C, the first one too). scratch:
+// row_gemm_scratch_bytes(n), any alignment. m, n, k >= 0; k = 0 stores zeros
+// (accumulate: leaves C).
+void row_gemm(const float* a, int64_t m, int64_t lda, const RowGemmB& b, float* c, int64_t ldc, void* scratch,
+              bool accumulate = false);
 void row_gemm(RowGemmKernel kernel, const float* a, int64_t m, int64_t lda, const RowGemmB& b, float* c, int64_t ldc,
-              void* scratch);
+              void* scratch, bool accumulate = false);
 
 namespace detail {
-void row_gemm_avx2(const float* a, int64_t m, int64_t lda, const RowGemmB& b, float* c, int64_t ldc, void* scratch);
+void row_gemm_avx2(const float* a, int64_t m, int64_t lda, const RowGemmB& b, float* c, int64_t ldc, void* scratch,
+                   bool accumulate);
 void row_gemm_avx512(const float* a, int64_t m, int64_t lda, const RowGemmB& b, float* c, int64_t ldc,
-                     void* scratch);
+                     void* scratch, bool accumulate);
 }  // namespace detail
 
 }  // namespace moe::kernels::cpu

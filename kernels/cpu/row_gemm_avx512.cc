@@ -35,8 +35,8 @@ struct Avx512 {
 
 namespace detail {
 void row_gemm_avx512(const float* a, int64_t m, int64_t lda, const RowGemmB& b, float* c, int64_t ldc,
-                     void* scratch) {
-  row_gemm_impl::Kernel<row_gemm_impl::Avx512>::run(a, m, lda, b, c, ldc, scratch);
+                     void* scratch, bool accumulate) {
+  row_gemm_impl::Kernel<row_gemm_impl::Avx512>::run(a, m, lda, b, c, ldc, scratch, accumulate);
 }
 }  // namespace detail
 

@@ -107,60 +107,76 @@ struct Kernel {
     return tile_for<BT>(rows, std::make_integer_sequence<int, MR>{});
   }
 
-  // One k block [pc, pc + kc) of every row and panel. panel(p) gives panel p's
-  // kc rows; bf16 says what they hold.
-  template <class PanelAt>
-  static void block(const float* a, int64_t m, int64_t lda, int64_t n, int64_t pc, int64_t kc, const PanelAt& panel,
-                    bool bf16, float* c, int64_t ldc, void* scratch) {
-    float* ap = a_pack(scratch);
-    float* edge = edge_tile(scratch);
-    const bool add = pc > 0;
-    const int64_t panels = ceil_div(n, NR);
-    for (int64_t i0 = 0; i0 < m; i0 += kMc) {
-      const int64_t mc = std::min(kMc, m - i0);
-      pack_a<MR>(a + i0 * lda + pc, lda, mc, kc, ap);
-      for (int64_t p = 0; p < panels; ++p) {
-        const void* bp = panel(p);
-        const int64_t j0 = p * NR, cols = std::min<int64_t>(NR, n - j0);
-        for (int64_t ir = 0; ir < mc; ir += MR) {
-          const int rows = static_cast<int>(std::min<int64_t>(MR, mc - ir));
-          const TileFn fn = bf16 ? tile_for<bf16_t>(rows) : tile_for<float>(rows);
-          float* ct = c + (i0 + ir) * ldc + j0;
-          if (cols == NR) {
-            fn(kc, ap + ir * kc, bp, ct, ldc, add);
-            continue;
-          }
-          // A last, narrower panel: through a full-width tile.
-          for (int r = 0; r < rows; ++r) {
-            std::fill(edge + r * NR, edge + (r + 1) * NR, 0.0f);
-            if (add) std::copy(ct + r * ldc, ct + r * ldc + cols, edge + r * NR);
-          }
-          fn(kc, ap + ir * kc, bp, edge, NR, add);
-          for (int r = 0; r < rows; ++r) std::copy(edge + r * NR, edge + r * NR + cols, ct + r * ldc);
-        }
+  // Rows [0, mc) (packed in ap: MR-row panels of kc values) times one panel's k
+  // block bp, into C's columns [j0, j0 + cols) (c: the rows' first C row).
+  static void panel_block(const float* ap, int64_t mc, int64_t kc, const void* bp, bool bf16, float* c, int64_t ldc,
+                          int64_t j0, int64_t cols, bool add, float* edge) {
+    for (int64_t ir = 0; ir < mc; ir += MR) {
+      const int rows = static_cast<int>(std::min<int64_t>(MR, mc - ir));
+      const TileFn fn = bf16 ? tile_for<bf16_t>(rows) : tile_for<float>(rows);
+      float* ct = c + ir * ldc + j0;
+      if (cols == NR) {
+        fn(kc, ap + ir * kc, bp, ct, ldc, add);
+        continue;
       }
+      // A last, narrower panel: through a full-width tile.
+      for (int r = 0; r < rows; ++r) {
+        std::fill(edge + r * NR, edge + (r + 1) * NR, 0.0f);
+        if (add) std::copy(ct + r * ldc, ct + r * ldc + cols, edge + r * NR);
+      }
+      fn(kc, ap + ir * kc, bp, edge, NR, add);
+      for (int r = 0; r < rows; ++r) std::copy(edge + r * NR, edge + r * NR + cols, ct + r * ldc);
     }
   }
 
-  static void run(const float* a, int64_t m, int64_t lda, const RowGemmB& b, float* c, int64_t ldc, void* scratch) {
+  static void run(const float* a, int64_t m, int64_t lda, const RowGemmB& b, float* c, int64_t ldc, void* scratch,
+                  bool accumulate) {
     const int64_t k = b.k, n = b.n;
-    if (m == 0 || n == 0) return;
+    if (m == 0 || n == 0 || (k == 0 && accumulate)) return;
     if (k == 0) {
       for (int64_t i = 0; i < m; ++i) std::fill(c + i * ldc, c + i * ldc + n, 0.0f);
       return;
     }
-    for (int64_t pc = 0; pc < k; pc += kKc) {
-      const int64_t kc = std::min(kKc, k - pc);
+    const int64_t panels = ceil_div(n, NR), blocks = ceil_div(k, kKc);
+    float* ap = a_pack(scratch);
+    float* edge = edge_tile(scratch);
+    auto kc_of = [&](int64_t blk) { return std::min(kKc, k - blk * kKc); };
+    if (b.panels && ceil_div(m, MR) * MR * k <= kMc * kKc) {
+      // Few rows: all of A packed once (block by block), then each panel's k
+      // blocks in turn, so the panels stream as one run of memory.
+      const int64_t m_pad = ceil_div(m, MR) * MR;
+      for (int64_t blk = 0; blk < blocks; ++blk) pack_a<MR>(a + blk * kKc, lda, m, kc_of(blk), ap + blk * kKc * m_pad);
+      const bool bf16 = b.panels->dtype == DType::kBF16;
+      const auto* base = static_cast<const uint8_t*>(b.panels->data);
+      const size_t es = bf16 ? 2 : 4;
+      for (int64_t p = 0; p < panels; ++p)
+        for (int64_t blk = 0; blk < blocks; ++blk)
+          panel_block(ap + blk * kKc * m_pad, m, kc_of(blk), base + (p * k + blk * kKc) * NR * es, bf16, c, ldc,
+                      p * NR, std::min<int64_t>(NR, n - p * NR), blk > 0 || accumulate, edge);
+      return;
+    }
+    // BLIS's order: a k block of B (packed here unless in panels), then blocks of
+    // kMc rows of A packed for it, each passing every panel.
+    for (int64_t blk = 0; blk < blocks; ++blk) {
+      const int64_t pc = blk * kKc, kc = kc_of(blk);
+      const bool add = blk > 0 || accumulate, bf16 = b.panels && b.panels->dtype == DType::kBF16;
+      const void* bblock = nullptr;  // panel p's k block at bblock + p * pstride bytes
+      size_t pstride = 0;
       if (b.panels) {
-        const bool bf16 = b.panels->dtype == DType::kBF16;
         const size_t es = bf16 ? 2 : 4;
-        const auto* base = static_cast<const uint8_t*>(b.panels->data);
-        block(a, m, lda, n, pc, kc, [&](int64_t p) { return base + ((p * k + pc) * NR) * es; }, bf16, c, ldc,
-              scratch);
+        bblock = static_cast<const uint8_t*>(b.panels->data) + pc * NR * es;
+        pstride = k * NR * es;
       } else {
-        float* bp = b_pack(scratch);
-        pack_b_block(b, NR, pc, kc, bp);
-        block(a, m, lda, n, pc, kc, [&](int64_t p) { return bp + p * kc * NR; }, false, c, ldc, scratch);
+        pack_b_block(b, NR, pc, kc, b_pack(scratch));
+        bblock = b_pack(scratch);
+        pstride = kc * NR * 4;
+      }
+      for (int64_t i0 = 0; i0 < m; i0 += kMc) {
+        const int64_t mc = std::min(kMc, m - i0);
+        pack_a<MR>(a + i0 * lda + pc, lda, mc, kc, ap);
+        for (int64_t p = 0; p < panels; ++p)
+          panel_block(ap, mc, kc, static_cast<const uint8_t*>(bblock) + p * pstride, bf16, c + i0 * ldc, ldc, p * NR,
+                      std::min<int64_t>(NR, n - p * NR), add, edge);
       }
     }
   }

@@ -270,7 +270,9 @@ TEST(Ux, VersionCompletionHealthAndFriendlyErrors) {
   }
   Process moed = Process::spawn({MOE_BIN_DIR "/daemon/moed", "--version"});
   moed.wait(10s);
-  EXPECT_TRUE(has(moed.output(), "GEMM fp32=")) << moed.output();
+  // Which code computes: the kernels' ISA, the row GEMM's kernel, the engines (docs/backends.md#isa).
+  for (const char* part : {": ISA avx", "row-invariant GEMM avx", "weight gradients fp32=", "OpenBLAS core "})
+    EXPECT_TRUE(has(moed.output(), part)) << part << " in " << moed.output();
   const auto [crc, completion] = moectl({"completion", "bash"});
   EXPECT_EQ(crc, 0);
   EXPECT_TRUE(has(completion, "[\"moectl job submit\"]=\"")) << completion;

@@ -15,7 +15,6 @@
 #include "moe/kernels/thread_pool.h"
 #include "cpu_ops.h"
 #include "packed_weights.h"
-#include "small_gemm.h"
 #include "test_util.h"
 #include "vec.h"
 
@@ -653,46 +652,6 @@ TEST_F(CpuOps, SwigluForwardBackwardMatchDoubleFormulas) {
   EXPECT_TRUE(close("grad_scale", to_double(dscale), wds, 1e-5, 1e-6));
 }
 
-// pack_plain_b: a transpose (weight stored [n, k]) or a straight copy into a
-// row-major [k, n], bf16 rounded as round_to_bf16; pack_plain_b_both: both at
-// once. Sizes with block edges; {48, 64} and {64, 96} have whole-line rows, so
-// the stores stream.
-TEST(PlainPack, TransposesAndRoundsEveryValueWhereItBelongs) {
-  auto line_aligned = [](std::vector<uint8_t>& bytes) {
-    return bytes.data() + (64 - reinterpret_cast<uintptr_t>(bytes.data()) % 64) % 64;
-  };
-  for (const auto [k, n] : {std::pair<int64_t, int64_t>{13, 21}, {64, 40}, {48, 64}, {64, 96}, {8, 8}, {1, 9}})
-    for (const DType d : {DType::kF32, DType::kBF16}) {
-      std::vector<float> w(k * n);  // stored [n, k]; read as [k, n] by the straight pack
-      for (size_t i = 0; i < w.size(); ++i) w[i] = std::ldexp(static_cast<float>(i) * 1.37f + 0.3f, -7) - 1.0f;
-      w[3] = std::numeric_limits<float>::quiet_NaN();
-      auto value = [&](const uint8_t* out, int64_t at) {
-        return d == DType::kF32 ? reinterpret_cast<const float*>(out)[at]
-                                : bf16_to_f32(reinterpret_cast<const bf16_t*>(out)[at]);
-      };
-      auto expect_at = [&](const char* what, const uint8_t* out, int64_t at, float src) {
-        const float want = d == DType::kF32 ? src : round_to_bf16(src);
-        if (std::isnan(want)) {
-          EXPECT_TRUE(std::isnan(value(out, at))) << what << " " << k << "x" << n << " at " << at;
-        } else {
-          ASSERT_EQ(value(out, at), want) << what << " " << k << "x" << n << " " << dtype_name(d) << " at " << at;
-        }
-      };
-      std::vector<uint8_t> b1(dtype_size(d) * k * n + 64), b2(b1.size()), b3(b1.size()), b4(b1.size());
-      uint8_t *t = line_aligned(b1), *straight = line_aligned(b2), *bt = line_aligned(b3), *bs = line_aligned(b4);
-      cpu::pack_plain_b(w.data(), true, k, n, d, t);
-      cpu::pack_plain_b(w.data(), false, k, n, d, straight);
-      cpu::pack_plain_b_both(w.data(), n, k, d, bt, bs);
-      for (int64_t kk = 0; kk < k; ++kk)
-        for (int64_t nn = 0; nn < n; ++nn) {
-          expect_at("transposed", t, kk * n + nn, w[nn * k + kk]);
-          expect_at("both: transposed", bt, kk * n + nn, w[nn * k + kk]);
-          expect_at("straight", straight, kk * n + nn, w[kk * n + nn]);
-          expect_at("both: as stored", bs, nn * k + kk, w[nn * k + kk]);
-        }
-    }
-}
-
 TEST_F(CpuOps, OptimizerStepsMatchTheirFormulas) {
   const int64_t n = 3001;
   const std::vector<float> w0 = normal_vector(n, 1), g1 = normal_vector(n, 2, 0.01), g2 = normal_vector(n, 3, 0.01);
@@ -1061,80 +1020,15 @@ INSTANTIATE_TEST_SUITE_P(Engines, ExpertMlpOp,
                                   engine_suffix(std::get<1>(info.param));
                          });
 
-// The few-row kernels of the small-batch path (docs/backends.md#small-batches) on
-// every ISA this CPU runs, fp32 and bf16 weights, against a double loop: fp32
-// accumulation of k exact products, so |error| <= k 2^-24 sum |x w| (plus the
-// reduction's log2(lanes) adds, inside the k). Shapes cover the k tails (not a
-// multiple of 8, 16, 32), every row-group remainder and partial weight panels.
-// The AVX-512 BF16 kernel's bf16 products are exact as well, so it meets the same
-// bound against the rows rounded to bf16.
-// A row's results are the same bits whether computed alone or among others.
-TEST(SmallRowsGemm, MatchesDoubleOnEveryIsaAndRowsAreIndependent) {
-  std::vector<cpu::SmallGemmIsa> isas;
-  for (const cpu::SmallGemmIsa isa :
-       {cpu::SmallGemmIsa::kAvx2, cpu::SmallGemmIsa::kAvx512, cpu::SmallGemmIsa::kAvx512Bf16})
-    if (cpu::small_gemm_isa_runs_here(isa)) isas.push_back(isa);
-  auto check = [](cpu::SmallGemmIsa isa, DType wd, int64_t m, int64_t n, int64_t k) {
-    const std::string what = std::string(cpu::small_gemm_isa_name(isa)) + " " + dtype_name(wd) +
-                             " m=" + std::to_string(m) + " n=" + std::to_string(n) + " k=" + std::to_string(k);
-    std::vector<float> x = normal_vector(m * k, 11 + k), w = normal_vector(n * k, 12 + n);
-    if (wd == DType::kBF16) model::round_to_bf16(w);
-    // The bf16 dot-product kernel computes with the rows rounded to bf16.
-    std::vector<float> x_used = x;
-    if (wd == DType::kBF16 && isa == cpu::SmallGemmIsa::kAvx512Bf16) model::round_to_bf16(x_used);
-    std::vector<bf16_t> packed(cpu::small_bf16_weight_elems(n, k), 0xffff);
-    cpu::pack_small_bf16_weights(w.data(), n, k, packed.data());
-    const void* wp = wd == DType::kBF16 ? static_cast<const void*>(packed.data()) : w.data();
-    const int64_t ldc = n + 3;
-    std::vector<float> c(m * ldc, -7.0f);
-    cpu::small_rows_gemm(isa, x.data(), m, k, wp, wd, n, c.data(), ldc);
-    std::vector<double> got, want, bound;
-    for (int64_t i = 0; i < m; ++i)
-      for (int64_t j = 0; j < n; ++j) {
-        double sum = 0, abs_sum = 0;
-        for (int64_t v = 0; v < k; ++v) {
-          sum += static_cast<double>(x_used[i * k + v]) * w[j * k + v];
-          abs_sum += std::fabs(static_cast<double>(x_used[i * k + v]) * w[j * k + v]);
-        }
-        got.push_back(c[i * ldc + j]);
-        want.push_back(sum);
-        bound.push_back(abs_sum * static_cast<double>(k + 8));
-      }
-    ASSERT_TRUE(close_bounded(what, got, want, bound, 0x1.0p-24, 0, 0, true));
-    for (int64_t i = 0; i < m; ++i)  // the padding between rows is untouched
-      for (int64_t j = n; j < ldc; ++j) ASSERT_EQ(c[i * ldc + j], -7.0f) << what;
-    for (int64_t i = 0; i < m; ++i) {
-      std::vector<float> one(n);
-      cpu::small_rows_gemm(isa, x.data() + i * k, 1, k, wp, wd, n, one.data(), n);
-      ASSERT_EQ(one, std::vector<float>(c.begin() + i * ldc, c.begin() + i * ldc + n)) << what << " row " << i;
-    }
-  };
-  for (const cpu::SmallGemmIsa isa : isas)
-    for (const DType wd : {DType::kF32, DType::kBF16}) {
-      for (const int64_t k : {1, 15, 16, 33, 100, 256})
-        for (const int64_t n : {1, 4, 7, 8, 12, 13, 50})
-          for (const int64_t m : {1, 2, 3, 4, 5, 7, 9}) check(isa, wd, m, n, k);
-      // The rule's row counts, and weights long enough that every kernel
-      // prefetches blocks ahead (n >= 5 blocks of W rows).
-      for (const int64_t k : {256, 1000})
-        for (const int64_t m : {16, 64}) check(isa, wd, m, 200, k);
-    }
-}
+// A decode step in the fused expert MLP (docs/backends.md#small-batches): a
+// forward-only layer whose experts have 0, 1, 2, 3, 5, 16 and 17 rows. y against
+// a double composition, and the same bits computed one row per part.
+class ExpertMlpFewRows : public CpuOps, public ::testing::WithParamInterface<std::tuple<DType, GemmEngine>> {};
 
-// The small-batch path inside the fused expert MLP: a forward-only layer whose
-// experts have 0, 1, 2, 3, 5, 16 and 17 rows, so the rule (set to at most 16
-// rows) splits the call between the two paths. y against a double composition (h
-// rounded to bf16 by bf16 on oneDNN and by the small path's AVX-512 BF16 kernel,
-// as ForwardBackwardMatchComposition bounds), the pairs the path computed counted,
-// the same bits in one-row parts, and the same values with the path turned off.
-class ExpertMlpSmallBatch : public CpuOps, public ::testing::WithParamInterface<std::tuple<DType, GemmEngine>> {};
-
-TEST_P(ExpertMlpSmallBatch, SplitsByRowsAndMatchesComposition) {
+TEST_P(ExpertMlpFewRows, MatchCompositionAndEachRowAlone) {
   const auto [dtype, engine] = GetParam();
   std::string skip;
-  ::setenv("MOE_SMALL_BATCH_ROWS", "16", 1);
   std::unique_ptr<Backend> be = backend_with(pool, dtype, engine, &skip);
-  ::unsetenv("MOE_SMALL_BATCH_ROWS");
   if (!be) GTEST_SKIP() << skip;
   const bool bf16 = dtype == DType::kBF16;
   const int L = 7, H = 40, I = 24;
@@ -1155,13 +1049,11 @@ TEST_P(ExpertMlpSmallBatch, SplitsByRowsAndMatchesComposition) {
   be->pack_expert_weights(*packed, w13.data(), w2.data(), 0, L);
   std::vector<float> y(M * H, 5.0f);
   void* ws = workspace(be->expert_mlp_workspace_bytes(cfg));
-  ExpertMlpStats stats;
   ExpertMlpForwardArgs f{rows_s.data(), off.data(), src.data(), pw.data(), w13.data(), w2.data(), packed.get(),
-                         y.data(), nullptr, ws, &stats};
+                         y.data(), nullptr, ws, nullptr};
   be->expert_mlp_forward(cfg, f);
-  EXPECT_EQ(stats.small_batch_pairs, 27);  // experts of 1..16 rows; the 17-row one is the engine's
 
-  std::vector<double> want(M * H, 0), sum(M * H, 0);
+  std::vector<double> want(M * H, 0);
   for (int e = 0; e < L; ++e)
     for (int64_t m = off[e]; m < off[e + 1]; ++m) {
       const float* x = &rows[src[m] * H];
@@ -1175,19 +1067,11 @@ TEST_P(ExpertMlpSmallBatch, SplitsByRowsAndMatchesComposition) {
         h[i] = g / (1 + std::exp(-g)) * u;
       }
       for (int j = 0; j < H; ++j)
-        for (int i = 0; i < I; ++i) {
-          want[m * H + j] += pw[m] * h[i] * w2[(e * H + j) * I + i];
-          sum[m * H + j] += std::fabs(pw[m] * h[i] * w2[(e * H + j) * I + i]);
-        }
+        for (int i = 0; i < I; ++i) want[m * H + j] += pw[m] * h[i] * w2[(e * H + j) * I + i];
     }
-  // h rounded to bf16: by oneDNN's bf16 path, and by the small path's bf16
-  // dot-product kernel on the experts it computes.
-  const bool h_rounded =
-      bf16 && (engine == GemmEngine::kOneDnn || cpu::small_gemm_isa() == cpu::SmallGemmIsa::kAvx512Bf16);
-  const double coef = h_rounded ? 0x1.0p-7 : 0.0;
-  EXPECT_TRUE(close_bounded("y", to_double(y), want, sum, coef, 1e-4, 1e-5));
+  EXPECT_TRUE(close("y", to_double(y), want, 1e-4, 1e-5));
 
-  // One pair per part: the small experts' rows give the same bits.
+  // One pair per part: every row gives the same bits alone.
   std::vector<float> y1(M * H, 9.0f);
   ExpertMlpForwardArgs fp = f;
   fp.y = y1.data();
@@ -1202,83 +1086,16 @@ TEST_P(ExpertMlpSmallBatch, SplitsByRowsAndMatchesComposition) {
     fp.part = {.pair_begin = b.data(), .pair_end = e.data()};
     be->expert_mlp_forward(cfg, fp);
   }
-  for (int64_t m = 0; m < off[6]; ++m)
-    for (int j = 0; j < H; ++j) ASSERT_EQ(y1[m * H + j], y[m * H + j]) << "pair " << m;
-
-  // The path off (MOE_SMALL_BATCH_ROWS=0): every pair on the engine path.
-  ::setenv("MOE_SMALL_BATCH_ROWS", "0", 1);
-  std::unique_ptr<Backend> off_be = backend_with(pool, dtype, engine, &skip);
-  ::unsetenv("MOE_SMALL_BATCH_ROWS");
-  const std::unique_ptr<PackedWeights> packed_off = off_be->make_expert_weights(cfg);
-  off_be->pack_expert_weights(*packed_off, w13.data(), w2.data(), 0, L);
-  std::vector<float> y0(M * H);
-  ExpertMlpStats stats0;
-  ExpertMlpForwardArgs f0 = f;
-  f0.packed = packed_off.get();
-  f0.y = y0.data();
-  f0.stats = &stats0;
-  f0.workspace = workspace(off_be->expert_mlp_workspace_bytes(cfg));
-  off_be->expert_mlp_forward(cfg, f0);
-  EXPECT_EQ(stats0.small_batch_pairs, 0);
-  const double coef_off = bf16 && engine == GemmEngine::kOneDnn ? 0x1.0p-7 : 0.0;
-  EXPECT_TRUE(close_bounded("y, path off", to_double(y0), want, sum, coef_off, 1e-4, 1e-5));
+  EXPECT_EQ(y1, y);
 }
 
-INSTANTIATE_TEST_SUITE_P(Engines, ExpertMlpSmallBatch,
+INSTANTIATE_TEST_SUITE_P(Engines, ExpertMlpFewRows,
                          ::testing::Combine(::testing::Values(DType::kF32, DType::kBF16),
                                             ::testing::Values(GemmEngine::kOpenBlas, GemmEngine::kOneDnn)),
                          [](const ::testing::TestParamInfo<std::tuple<DType, GemmEngine>>& info) {
                            return std::string(dtype_name(std::get<0>(info.param))) +
                                   engine_suffix(std::get<1>(info.param));
                          });
-
-TEST(SmallRowsGemm, TheIsaOverrideNamesWhatItRefuses) {
-  using cpu::SmallGemmIsa;
-  // The BF16 kernel multiplies bf16 weights only; fp32 weights take the AVX-512 one.
-  EXPECT_EQ(cpu::small_gemm_kernel_for(SmallGemmIsa::kAvx512Bf16, DType::kF32), SmallGemmIsa::kAvx512);
-  EXPECT_EQ(cpu::small_gemm_kernel_for(SmallGemmIsa::kAvx512Bf16, DType::kBF16), SmallGemmIsa::kAvx512Bf16);
-  EXPECT_EQ(cpu::small_gemm_kernel_for(SmallGemmIsa::kAvx2, DType::kBF16), SmallGemmIsa::kAvx2);
-  EXPECT_EQ(cpu::small_gemm_isa_for(nullptr, SmallGemmIsa::kAvx512Bf16), SmallGemmIsa::kAvx512Bf16);
-  EXPECT_EQ(cpu::small_gemm_isa_for("", SmallGemmIsa::kAvx512), SmallGemmIsa::kAvx512);
-  EXPECT_EQ(cpu::small_gemm_isa_for("avx512", SmallGemmIsa::kAvx512Bf16), SmallGemmIsa::kAvx512);
-  EXPECT_EQ(cpu::small_gemm_isa_for("avx2", SmallGemmIsa::kAvx512Bf16), SmallGemmIsa::kAvx2);
-  for (const auto& [bad, what] : std::vector<std::pair<const char*, const char*>>{
-           {"avx512-bf16", "runs at most avx512"}, {"sse", "expected avx2, avx512 or avx512-bf16"}}) {
-    try {
-      cpu::small_gemm_isa_for(bad, SmallGemmIsa::kAvx512);
-      ADD_FAILURE() << bad << " was accepted";
-    } catch (const Error& e) {
-      EXPECT_NE(std::string(e.what()).find("MOE_SMALL_GEMM_ISA"), std::string::npos) << e.what();
-      EXPECT_NE(std::string(e.what()).find(what), std::string::npos) << e.what();
-    }
-  }
-}
-
-TEST(SmallBatchRule, FollowsTheEnginesAndTheOverride) {
-  const CpuEngines blas{GemmEngine::kOpenBlas, GemmEngine::kOpenBlas}, dnn{GemmEngine::kOneDnn, GemmEngine::kOneDnn};
-  // bf16: the AVX-512 BF16 kernel up to 64 rows; else oneDNN's bf16 kernels
-  // above 16 rows.
-  const bool dot = cpu::small_gemm_isa() == cpu::SmallGemmIsa::kAvx512Bf16;
-  EXPECT_EQ(cpu::SmallRowsRule::for_engines(blas).fp32, 32);
-  EXPECT_EQ(cpu::SmallRowsRule::for_engines(blas).bf16, dot ? 64 : 32);
-  EXPECT_EQ(cpu::SmallRowsRule::for_engines(dnn).fp32, 32);
-  EXPECT_EQ(cpu::SmallRowsRule::for_engines(dnn).bf16, dot ? 64 : 16);
-  ::setenv("MOE_SMALL_BATCH_ROWS", "8", 1);
-  EXPECT_EQ(cpu::SmallRowsRule::for_engines(dnn).fp32, 8);
-  EXPECT_EQ(cpu::SmallRowsRule::for_engines(dnn).bf16, 8);
-  ::unsetenv("MOE_SMALL_BATCH_ROWS");
-  ThreadPool pool(1);
-  for (const char* bad : {"-1", "65", "x", "8x"}) {
-    ::setenv("MOE_SMALL_BATCH_ROWS", bad, 1);
-    try {
-      make_cpu_backend(pool);
-      ADD_FAILURE() << bad << " was accepted";
-    } catch (const Error& e) {
-      EXPECT_NE(std::string(e.what()).find("MOE_SMALL_BATCH_ROWS"), std::string::npos) << e.what();
-    }
-  }
-  ::unsetenv("MOE_SMALL_BATCH_ROWS");
-}
 
 TEST_F(CpuOps, ExpertMlpRejectsMissingOrMismatchedPackedWeights) {
   const int L = 2, H = 16, I = 8;

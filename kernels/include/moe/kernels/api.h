@@ -343,7 +343,6 @@ struct ExpertMlpStats {
   double gather_seconds = 0;
   double gemm_seconds = 0;
   double swiglu_seconds = 0;
-  int64_t small_batch_pairs = 0;  // pairs the small-batch path computed (CPU)
 };
 
 struct ExpertMlpForwardArgs {

@@ -1,6 +1,10 @@
 // The CPU backend, its GEMM engines and its measuring helpers.
 //
-// GEMM engines (the table is in kernels/cpu/gemm_engine.cc and README "GEMM engines"):
+// The GEMMs a row goes through (the experts' forward and dgrad, the router's
+// logits) run on the backend's own row-invariant GEMM on every engine
+// (docs/backends.md#row-invariant-gemm). The engine runs the rest: the weight
+// gradients (the experts' and the router's) and the router's dx.
+// GEMM engines (the table is in kernels/cpu/gemm_engine.cc and docs/backends.md):
 //   openblas: OpenBLAS sgemm on fp32 panels; bf16 storage is converted to fp32 first.
 //   onednn:   oneDNN matmul in the storage dtype: bf16 operands with bf16 dot
 //             products (avx512_bf16, AMX) and fp32 accumulation; fp32 stays fp32.
@@ -32,24 +36,24 @@ struct CpuEngines {
 // What the CPU backend runs on this machine (for logs, metrics and benchmarks).
 struct CpuBackendInfo {
   std::string cpu_model;  // /proc/cpuinfo "model name", or "unknown"
-  std::string isa;        // oneDNN's effective ISA, e.g. "avx512_core_bf16"
+  // The ISA the backend's own kernel families run (avx2 | avx512 | avx512-bf16):
+  // the CPU's best, or less where MOE_CPU_ISA caps it (cpu_isa_source says which).
+  std::string cpu_isa, cpu_isa_source;
+  std::string row_gemm;   // the row-invariant GEMM's kernel: avx2 | avx512
+  std::string isa;        // oneDNN's effective ISA, e.g. "avx512_core_bf16" (ONEDNN_MAX_CPU_ISA caps it)
+  std::string openblas_core;  // OpenBLAS's kernel set, e.g. "Zen" (OPENBLAS_CORETYPE picks it)
   bool bf16_dot = false;  // the ISA has bf16 dot products (avx512_bf16 or AMX)
   CpuEngines engines;     // the table's choice, or MOE_GEMM_ENGINE's
   std::string engine_source;  // "table" or "MOE_GEMM_ENGINE=<value>"
-  // The small-batch path's kernel for fp32 and bf16 weights: avx2, avx512 or avx512-bf16.
-  std::string small_gemm_f32, small_gemm_bf16;
   const char* gemm_engine(DType d) const { return gemm_engine_name(engines.of(d)); }
-  const std::string& small_gemm(DType d) const { return d == DType::kBF16 ? small_gemm_bf16 : small_gemm_f32; }
 };
 
 // Reads the CPU's features and MOE_GEMM_ENGINE now. Throws moe::Error naming a bad
 // MOE_GEMM_ENGINE value, or an engine this CPU cannot run (oneDNN bf16 needs AVX-512).
 CpuBackendInfo cpu_backend_info();
 
-// One line for --version and logs: "cpu backend on <model>: oneDNN ISA <isa>,
-// GEMM fp32=<engine> bf16=<engine> (<source>), few-row kernels fp32=<kernel>
-// bf16=<kernel>", or the
-// reason it cannot run.
+// One line for --version and logs: every kernel family's ISA and engine (see
+// cpu_backend_summary in gemm_engine.cc), or the reason the backend cannot run.
 std::string cpu_backend_summary();
 
 // The table alone: the engines for a CPU whose oneDNN ISA is `isa` (a name as in
