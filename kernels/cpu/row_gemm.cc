@@ -54,18 +54,26 @@ void transpose8(__m256 r[8]) {
 
 // Where a panel's fp32 rows go: a row of nr values per k, each value rounded to
 // bf16 when asked. Full 8-value groups come as vectors, everything else as scalars.
+// stream: panels made once and read later, written around the caches (every
+// line is written whole: a row's groups come in order).
 struct F32Rows {
   float* out;
   int64_t nr;
   bool round;
+  bool stream = false;
   void put8(int64_t kk, int64_t j, __m256 v) const {
-    _mm256_storeu_ps(out + kk * nr + j, round ? round_bf16_ps(v) : v);
+    if (round) v = round_bf16_ps(v);
+    if (stream)
+      _mm256_stream_ps(out + kk * nr + j, v);
+    else
+      _mm256_storeu_ps(out + kk * nr + j, v);
   }
   void put(int64_t kk, int64_t j, float v) const { out[kk * nr + j] = round ? round_to_bf16(v) : v; }
 };
 
 // One panel's rows [k0, k1) of B (columns [j0, j0 + cols) of it, cols <= nr; the
-// rest of each row zero), as fp32 values through sink.put8 / put.
+// rest of each row zero), as fp32 values through sink.put8 / put, each row's
+// values in order.
 template <class Sink>
 void panel_rows(const RowGemmB& b, int64_t nr, int64_t j0, int64_t cols, int64_t k0, int64_t k1, const Sink& sink) {
   const int64_t kc = k1 - k0;
@@ -80,22 +88,25 @@ void panel_rows(const RowGemmB& b, int64_t nr, int64_t j0, int64_t cols, int64_t
       for (int64_t j = 0; j < nr; j += 8) sink.put8(kk, j, _mm256_loadu_ps(b.w + (k0 + kk) * b.n + j0 + j));
     return;
   }
-  // B = w^T, w [n, k]: 8 rows of w by 8 k values, transposed.
+  // B = w^T, w [n, k]: 8 k values of each of the panel's nr rows of w, transposed
+  // (nr / 8 8 x 8 blocks), then the 8 rows of the panel they make, one by one.
   int64_t kk = 0;
-  for (; kk + 8 <= kc; kk += 8)
-    for (int64_t j = 0; j < nr; j += 8) {
-      __m256 r[8];
-      for (int i = 0; i < 8; ++i) r[i] = _mm256_loadu_ps(b.w + (j0 + j + i) * b.k + k0 + kk);
-      transpose8(r);
-      for (int i = 0; i < 8; ++i) sink.put8(kk + i, j, r[i]);
+  for (; kk + 8 <= kc; kk += 8) {
+    __m256 t[kMaxNr / 8][8];
+    for (int64_t g = 0; g < nr / 8; ++g) {
+      for (int i = 0; i < 8; ++i) t[g][i] = _mm256_loadu_ps(b.w + (j0 + g * 8 + i) * b.k + k0 + kk);
+      transpose8(t[g]);
     }
+    for (int i = 0; i < 8; ++i)
+      for (int64_t g = 0; g < nr / 8; ++g) sink.put8(kk + i, g * 8, t[g][i]);
+  }
   for (; kk < kc; ++kk)
     for (int64_t j = 0; j < nr; ++j) sink.put(kk, j, b.w[(j0 + j) * b.k + k0 + kk]);
 }
 
 // bf16 panels: each row's nr values rounded, column c paired with c + nr/2 in
-// word c. A row is gathered in fp32 first and stored when its last value comes
-// (eight rows at a time: the transposing path fills eight rows side by side).
+// word c, the row stored when its last value comes (around the caches: panels
+// are made once; a row's values come in order, eight rows apart at most).
 struct Bf16Rows {
   bf16_t* out;
   int64_t nr;
@@ -111,7 +122,7 @@ struct Bf16Rows {
     for (int64_t w = 0; w < half; w += 8) {
       const __m256i lo = _mm256_castps_si256(round_bf16_ps(_mm256_load_ps(row + w)));
       const __m256i hi = _mm256_castps_si256(round_bf16_ps(_mm256_load_ps(row + half + w)));
-      _mm256_storeu_si256(reinterpret_cast<__m256i*>(words + w), _mm256_or_si256(hi, _mm256_srli_epi32(lo, 16)));
+      _mm256_stream_si256(reinterpret_cast<__m256i*>(words + w), _mm256_or_si256(hi, _mm256_srli_epi32(lo, 16)));
     }
   }
   void put8(int64_t kk, int64_t j, __m256 v) const {
@@ -125,6 +136,36 @@ struct Bf16Rows {
 };
 
 }  // namespace
+
+// Eight rows at a time: 8 x 8 transposes, each k's mr values stored whole (an
+// 8-row group as one vector; a group of 4 or 6 rows as 4 + 2 values).
+void pack_a(const float* a, int64_t lda, int64_t rows, int64_t kc, int mr, float* out) {
+  for (int64_t i0 = 0; i0 < rows; i0 += mr) {
+    float* panel = out + i0 * kc;
+    const int64_t r_end = std::min<int64_t>(mr, rows - i0);
+    int64_t k = 0;
+    for (; k + 8 <= kc; k += 8)
+      for (int g = 0; g < mr; g += 8) {
+        const int width = std::min(8, mr - g);
+        __m256 r[8];
+        for (int i = 0; i < 8; ++i)
+          r[i] = g + i < r_end && i < width ? _mm256_loadu_ps(a + (i0 + g + i) * lda + k) : _mm256_setzero_ps();
+        transpose8(r);
+        for (int i = 0; i < 8; ++i) {
+          float* dst = panel + (k + i) * mr + g;
+          if (width == 8) {
+            _mm256_storeu_ps(dst, r[i]);
+            continue;
+          }
+          const __m128 lo = _mm256_castps256_ps128(r[i]);
+          _mm_storeu_ps(dst, lo);  // width 4 or 6
+          if (width == 6) _mm_storel_pi(reinterpret_cast<__m64*>(dst + 4), _mm256_extractf128_ps(r[i], 1));
+        }
+      }
+    for (; k < kc; ++k)
+      for (int64_t r = 0; r < r_end; ++r) panel[k * mr + r] = a[(i0 + r) * lda + k];
+  }
+}
 
 void pack_b_block(const RowGemmB& b, int64_t nr, int64_t pc, int64_t kc, float* out) {
   const int64_t full = b.n / nr;
@@ -181,10 +222,11 @@ void pack_row_gemm_panels(RowGemmKernel kernel, const float* w, bool w_nk, int64
     const int64_t j0 = p * nr, cols = std::min(nr, n - j0);
     const size_t at = static_cast<size_t>((p * k + k0) * nr);
     if (dtype == DType::kF32)
-      panel_rows(b, nr, j0, cols, k0, k1, F32Rows{static_cast<float*>(panels) + at, nr, false});
+      panel_rows(b, nr, j0, cols, k0, k1, F32Rows{static_cast<float*>(panels) + at, nr, false, true});
     else
       panel_rows(b, nr, j0, cols, k0, k1, Bf16Rows{static_cast<bf16_t*>(panels) + at, nr});
   }
+  _mm_sfence();  // the streamed panels are visible before they are read
 }
 
 size_t row_gemm_scratch_bytes(int64_t n) {

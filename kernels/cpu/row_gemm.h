@@ -52,6 +52,7 @@ size_t row_gemm_panel_elems(RowGemmKernel kernel, int64_t k, int64_t n);
 // rows are columns of B, and a range starting at a multiple of NR packs whole
 // panels (so ranges on different threads write disjoint bytes); for B = w the
 // rows are rows of B. bf16 values are rounded as round_to_bf16 rounds them.
+// panels: 64-byte aligned (the rows are stored around the caches, whole lines).
 void pack_row_gemm_panels(RowGemmKernel kernel, const float* w, bool w_nk, int64_t k, int64_t n, DType dtype,
                           void* panels, int64_t row_begin, int64_t row_end);
 

@@ -34,19 +34,10 @@ inline float* a_pack(void* scratch) {
 inline float* edge_tile(void* scratch) { return a_pack(scratch) + kMc * kKc; }
 inline float* b_pack(void* scratch) { return edge_tile(scratch) + kMaxMr * kMaxNr; }
 
-// Rows [0, rows) of A's k block [kc] into MR-row panels [kc][MR]; a last panel
-// of fewer rows leaves its other lanes unread.
-template <int MR>
-void pack_a(const float* a, int64_t lda, int64_t rows, int64_t kc, float* out) {
-  for (int64_t i0 = 0; i0 < rows; i0 += MR) {
-    float* panel = out + i0 * kc;
-    const int64_t r_end = std::min<int64_t>(MR, rows - i0);
-    for (int64_t r = 0; r < r_end; ++r) {
-      const float* src = a + (i0 + r) * lda;
-      for (int64_t k = 0; k < kc; ++k) panel[k * MR + r] = src[k];
-    }
-  }
-}
+// Rows [0, rows) of A's k block [kc] into mr-row panels [kc][mr]; a last panel
+// of fewer rows leaves its other lanes unread (row_gemm.cc: AVX2, shared by every
+// kernel).
+void pack_a(const float* a, int64_t lda, int64_t rows, int64_t kc, int mr, float* out);
 
 // The k block [pc, pc + kc) of b's weight as fp32 panels [ceil(n / nr)][kc][nr]
 // (row_gemm.cc: AVX2, shared by every kernel).
@@ -57,6 +48,7 @@ struct Kernel {
   using Reg = typename V::Reg;
   static constexpr int L = V::kLanes, NR = 2 * L, MR = V::kMr;
   static_assert(NR <= kMaxNr && MR <= kMaxMr && kMc % MR == 0, "tile sizes fit the scratch");
+  static_assert(MR % 8 == 0 || MR % 8 == 4 || MR % 8 == 6, "pack_a stores groups of 8, 6 or 4 rows");
 
   // The R x NR tile at c (row stride ldc): sums k in [0, kc) of ap (an MR-row
   // panel) times bp (kc rows of NR values of BT) from zero, then adds the old C
@@ -74,6 +66,7 @@ struct Kernel {
         _mm_prefetch(reinterpret_cast<const char*>(c + r * ldc + NR - 1), _MM_HINT_T0);
       }
     }
+#pragma GCC unroll 4
     for (int64_t k = 0; k < kc; ++k) {
       Reg b0, b1;
       V::load_b(bp + k * NR, b0, b1);
@@ -145,7 +138,7 @@ struct Kernel {
       // Few rows: all of A packed once (block by block), then each panel's k
       // blocks in turn, so the panels stream as one run of memory.
       const int64_t m_pad = ceil_div(m, MR) * MR;
-      for (int64_t blk = 0; blk < blocks; ++blk) pack_a<MR>(a + blk * kKc, lda, m, kc_of(blk), ap + blk * kKc * m_pad);
+      for (int64_t blk = 0; blk < blocks; ++blk) pack_a(a + blk * kKc, lda, m, kc_of(blk), MR, ap + blk * kKc * m_pad);
       const bool bf16 = b.panels->dtype == DType::kBF16;
       const auto* base = static_cast<const uint8_t*>(b.panels->data);
       const size_t es = bf16 ? 2 : 4;
@@ -173,7 +166,7 @@ struct Kernel {
       }
       for (int64_t i0 = 0; i0 < m; i0 += kMc) {
         const int64_t mc = std::min(kMc, m - i0);
-        pack_a<MR>(a + i0 * lda + pc, lda, mc, kc, ap);
+        pack_a(a + i0 * lda + pc, lda, mc, kc, MR, ap);
         for (int64_t p = 0; p < panels; ++p)
           panel_block(ap, mc, kc, static_cast<const uint8_t*>(bblock) + p * pstride, bf16, c + i0 * ldc, ldc, p * NR,
                       std::min<int64_t>(NR, n - p * NR), add, edge);

@@ -30,7 +30,19 @@ std::vector<RowGemmKernel> kernels_here() {
   return out;
 }
 
-// 64-byte aligned scratch.
+// `size` zeroed bytes from a 64-byte boundary (panels and scratch).
+struct Aligned {
+  std::vector<uint8_t> raw;
+  size_t size;
+  explicit Aligned(size_t n) : raw(n + 64, 0), size(n) {}
+  void* get() { return raw.data() + (64 - reinterpret_cast<uintptr_t>(raw.data()) % 64) % 64; }
+  std::vector<uint8_t> bytes() {
+    auto* p = static_cast<uint8_t*>(get());
+    return std::vector<uint8_t>(p, p + size);
+  }
+};
+
+// Scratch of a row GEMM call (any alignment; this one on a boundary).
 struct Scratch {
   std::vector<uint8_t> bytes;
   explicit Scratch(int64_t n) : bytes(cpu::row_gemm_scratch_bytes(n) + 64) {}
@@ -90,12 +102,11 @@ std::vector<float> run(RowGemmKernel kernel, BForm form, const std::vector<float
   *b_used = w;
   const bool bf16 = form == BForm::kPanelsBf16 || form == BForm::kWeightKnRounded;
   if (bf16) model::round_to_bf16(*b_used);
-  std::vector<uint8_t> panels;
   cpu::RowGemmPanels p{nullptr, bf16 ? DType::kBF16 : DType::kF32, kernel, s.k, s.n};
+  Aligned panels(cpu::row_gemm_panel_elems(kernel, s.k, s.n) * dtype_size(p.dtype));
   RowGemmB b;
   if (form == BForm::kPanelsF32 || form == BForm::kPanelsBf16) {
-    panels.assign(cpu::row_gemm_panel_elems(kernel, s.k, s.n) * dtype_size(p.dtype) + 64, 0xee);
-    void* at = panels.data() + (64 - reinterpret_cast<uintptr_t>(panels.data()) % 64) % 64;
+    void* at = panels.get();
     // Alternate the two sources: panels of w^T [n, k] and of w [k, n] are the same.
     if ((s.k + s.n) % 2)
       cpu::pack_row_gemm_panels(kernel, w_nk.data(), true, s.k, s.n, p.dtype, at, 0, s.n);
@@ -190,15 +201,17 @@ TEST(RowGemm, PanelsPackedInRangesEqualOneWholePack) {
         const int64_t k = 70, n = 3 * cpu::row_gemm_nr(kernel) + 5, rows = w_nk ? n : k;
         const std::vector<float> w = values(k * n, 9);
         const size_t bytes = cpu::row_gemm_panel_elems(kernel, k, n) * dtype_size(d);
-        std::vector<uint8_t> whole(bytes, 0), parts(bytes, 0);
-        cpu::pack_row_gemm_panels(kernel, w.data(), w_nk, k, n, d, whole.data(), 0, rows);
+        Aligned whole(bytes), parts(bytes);
+        cpu::pack_row_gemm_panels(kernel, w.data(), w_nk, k, n, d, whole.get(), 0, rows);
         const int64_t step = w_nk ? cpu::row_gemm_nr(kernel) : 9;
         for (int64_t r = 0; r < rows; r += step)
-          cpu::pack_row_gemm_panels(kernel, w.data(), w_nk, k, n, d, parts.data(), r, std::min(rows, r + step));
-        EXPECT_EQ(parts, whole) << cpu::row_gemm_kernel_name(kernel) << " " << dtype_name(d) << " w_nk " << w_nk;
+          cpu::pack_row_gemm_panels(kernel, w.data(), w_nk, k, n, d, parts.get(), r, std::min(rows, r + step));
+        EXPECT_EQ(parts.bytes(), whole.bytes())
+            << cpu::row_gemm_kernel_name(kernel) << " " << dtype_name(d) << " w_nk " << w_nk;
       }
-  std::vector<float> w(16 * 16), out(16 * 64);
-  EXPECT_THROW(cpu::pack_row_gemm_panels(RowGemmKernel::kAvx2, w.data(), true, 16, 16, DType::kF32, out.data(), 3, 16),
+  std::vector<float> w(16 * 16);
+  Aligned out(16 * 64 * 4);
+  EXPECT_THROW(cpu::pack_row_gemm_panels(RowGemmKernel::kAvx2, w.data(), true, 16, 16, DType::kF32, out.get(), 3, 16),
                Error);
 }
 
