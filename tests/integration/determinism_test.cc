@@ -33,7 +33,9 @@ TEST(Determinism, ATrainJobGivesTheSameBitsAtEveryChunkCountAndWhenRunTwice) {
     for (const std::string chunks : {"2", "4", "0", "0"}) {
       const v1::JobResult r = train(c, dtype, chunks);
       ASSERT_EQ(r.state(), v1::JOB_STATE_SUCCEEDED) << r.message();
-      if (chunks != "0") EXPECT_EQ(r.overlap_chunks(), std::stoi(chunks));
+      if (chunks != "0") {
+        EXPECT_EQ(r.overlap_chunks(), std::stoi(chunks));
+      }
       ASSERT_EQ(r.loss_size(), serial.loss_size());
       for (int s = 0; s < r.loss_size(); ++s)
         EXPECT_EQ(r.loss(s), serial.loss(s)) << "--overlap-chunks " << chunks << " (ran " << r.overlap_chunks()
