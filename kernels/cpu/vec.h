@@ -122,23 +122,4 @@ inline void store_row_f32(const float* src, void* dst, DType dtype, int64_t n) {
   for (; i < n; ++i) d[i] = f32_to_bf16(src[i]);
 }
 
-// acc[i] += w * x[i]
-inline void axpy_row(float w, const float* x, float* acc, int64_t n) {
-  const __m256 vw = _mm256_set1_ps(w);
-  int64_t i = 0;
-  for (; i + 8 <= n; i += 8)
-    _mm256_storeu_ps(acc + i, _mm256_fmadd_ps(vw, _mm256_loadu_ps(x + i), _mm256_loadu_ps(acc + i)));
-  for (; i < n; ++i) acc[i] = std::fma(w, x[i], acc[i]);
-}
-
-// sum_i a[i] * b[i], fp32 accumulation in 8 lanes then a fixed-order reduction.
-inline float dot_row(const float* a, const float* b, int64_t n) {
-  __m256 acc = _mm256_setzero_ps();
-  int64_t i = 0;
-  for (; i + 8 <= n; i += 8) acc = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i), acc);
-  float s = hsum_ps(acc);
-  for (; i < n; ++i) s = std::fma(a[i], b[i], s);
-  return s;
-}
-
 }  // namespace moe::kernels::cpu

@@ -114,7 +114,6 @@ MOE_HOST_DEVICE inline SwigluGrad swiglu_grad(float g, float u, float dh, float 
 #else
 #define MOE_RN(device, host) return host
 #endif
-MOE_HOST_DEVICE inline float add_rn(float a, float b) { MOE_RN(__fadd_rn(a, b), a + b); }
 MOE_HOST_DEVICE inline float sub_rn(float a, float b) { MOE_RN(__fsub_rn(a, b), a - b); }
 MOE_HOST_DEVICE inline float mul_rn(float a, float b) { MOE_RN(__fmul_rn(a, b), a * b); }
 MOE_HOST_DEVICE inline float div_rn(float a, float b) { MOE_RN(__fdiv_rn(a, b), a / b); }

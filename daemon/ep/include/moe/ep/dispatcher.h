@@ -184,9 +184,6 @@ class Dispatcher {
                          float* grad_x32, float* grad_topk_weight);
 
   const DispatchStats& stats() const { return stats_; }
-  size_t row_bytes() const { return row_bytes_; }
-  size_t dispatch_wire_row_bytes() const { return wire_bytes_; }
-  size_t meta_bytes_per_row() const { return meta_bytes_; }
 
  private:
   transport::Deadline deadline() const { return transport::deadline_in(opts_.timeout); }
