@@ -98,7 +98,7 @@ struct MetricsExposer::Impl {
     });
   }
 
-  // The last job's shape only (docs/metrics.md#agent): its maps and live windows.
+  // The last job's shape only (docs/metrics.md#agent-metrics): its maps and live windows.
   void refresh_placement() {
     const v1::PlacementReply p = agent.placement().describe({}, std::nullopt);
     if (p.layers_size() > 0) {

@@ -525,7 +525,7 @@ TEST(Cluster, ADaemonStoppedMidJobCancelsIt) {
   EXPECT_NE(out.find("daemon stopping"), std::string::npos) << out;
 }
 
-// docs/architecture.md#stopping: a daemon stopped while its job waits on a silent
+// docs/architecture.md#processes: a daemon stopped while its job waits on a silent
 // peer (and on a silent agent, which would otherwise halt the world) does not wait
 // out the 30 s transfer deadline: after its --stop-grace it aborts the job's
 // transfers, says so, and exits.

@@ -1,4 +1,4 @@
-// The same job gives the same bits (docs/layer.md#same-bits): a train job's loss
+// The same job gives the same bits (docs/layer.md#overlap): a train job's loss
 // curve, bit for bit, at every chunk count of the overlapped dispatch/combine
 // (fixed and chosen per step by the rule), and when submitted twice; fp32 and bf16.
 // Real processes: a 2x2 local cluster, moectl, UCX between the daemons. The

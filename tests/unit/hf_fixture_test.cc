@@ -1,4 +1,4 @@
-// The loaders on files they did not write (docs/formats.md#safetensors): a sharded
+// The loaders on files they did not write (docs/formats.md#weights): a sharded
 // checkpoint made by tests/fixtures/independent/make.py, an independent writer of the
 // published safetensors format and Hugging Face index (header padded with spaces,
 // tensors laid out in the reverse of header order, F32 and BF16 shards, an I64

@@ -36,7 +36,7 @@ struct DaemonOptions {
   // How long a job runs on while the agent cannot be reached (its reports held).
   std::chrono::milliseconds agent_grace{30000};
   // How long a stopping daemon waits for its job's ranks to reach a step boundary
-  // before it aborts their transfers (docs/architecture.md#stopping).
+  // before it aborts their transfers (docs/architecture.md#processes).
   std::chrono::milliseconds stop_grace{5000};
 };
 
