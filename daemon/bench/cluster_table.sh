@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The cluster benchmark table (README "Cluster jobs beside the bare layer"): `moectl job submit --wait
+# The cluster benchmark table (docs/benchmarks.md#cluster-jobs-beside-the-bare-layer): `moectl job submit --wait
 # --output json` for forward and train, fp32 and bf16, on 1x1, 1x2, 2x1 and 2x2
 # local clusters (T tokens per rank), beside `moe-bench layer` (one rank, the
 # same per-rank shape) and `moe-bench ep --ranks 2`; prints a Markdown table and,

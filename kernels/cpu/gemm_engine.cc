@@ -17,7 +17,7 @@ namespace {
 
 // The engine table, keyed by oneDNN's effective ISA (the CPU's features read at
 // run time; ONEDNN_MAX_CPU_ISA caps them). Filled from same-run measurements of
-// `moe-bench layer` (README "GEMM engines"); never from a timing at start-up, so
+// `moe-bench layer` (docs/benchmarks.md#single-rank-layer); never from a timing at start-up, so
 // every rank of a job on one kind of machine picks the same engine.
 struct EngineRow {
   std::string_view isa;

@@ -74,21 +74,22 @@ def main():
         if rel.startswith("tests/fixtures/") or "/corpus/" in rel or rel == "tests/arch/links.py":
             continue
         if rel.endswith(".md"):
-            in_fence = False
-            with open(full, encoding="utf-8") as f:
-                for n, line in enumerate(f, 1):
-                    if line.startswith("```"):
-                        in_fence = not in_fence
-                    if in_fence:
-                        continue
-                    for target in MD_LINK.findall(line):
-                        links += 1
-                        where = f"{rel}:{n}"
-                        if target.startswith("#"):
-                            if target[1:] not in anchors_of(full):
-                                problems.append(f"{where}: {target}: no such heading here")
-                        else:
-                            check(root, where, os.path.dirname(full), target, problems)
+            # Links may wrap across lines: match on the text with fenced blocks blanked.
+            text, in_fence, kept = open(full, encoding="utf-8").read(), False, []
+            for line in text.split("\n"):
+                if line.startswith("```"):
+                    in_fence = not in_fence
+                kept.append("" if in_fence or line.startswith("```") else line)
+            text = "\n".join(kept)
+            for m in MD_LINK.finditer(text):
+                target = m.group(1)
+                links += 1
+                where = f"{rel}:{text.count(chr(10), 0, m.start()) + 1}"
+                if target.startswith("#"):
+                    if target[1:] not in anchors_of(full):
+                        problems.append(f"{where}: {target}: no such heading here")
+                else:
+                    check(root, where, os.path.dirname(full), target, problems)
         elif rel.endswith(CODE_SUFFIXES) or os.path.basename(rel) == "CMakeLists.txt":
             try:
                 text = open(full, encoding="utf-8").read()

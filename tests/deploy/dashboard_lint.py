@@ -14,7 +14,7 @@ Checks, each failure printed with the place it was found:
   metric carries (its documented labels plus the file_sd labels role and node, and instance),
   every by/without/on label is one of the expression's metrics' labels, and nothing uses the
   label `job` (Prometheus owns it);
-- the panels the README promises exist (checked by what they query).
+- the panels docs/operations.md#the-dashboard-deploygrafanamoedjson promises exist (checked by what they query).
 
 With --exposition (the text of a live /metrics, e.g. of a daemon and of the agent; repeatable),
 the names are checked against what the processes export instead: every metric and label a query
@@ -312,7 +312,7 @@ def main():
             used_everywhere |= check_expr(tw, t.get("expr", ""), known)
             queries.append((p.get("type"), p.get("title", ""), t.get("expr", "")))
 
-    # The panels the README promises, found by what they query.
+    # The panels docs/operations.md promises, found by what they query.
     def has(ptype, pattern):
         return any((ptype is None or t == ptype) and re.search(pattern, e) for t, _, e in queries)
 

@@ -91,7 +91,7 @@ TEST(Cluster, TwoByTwoEqualsOneByOneWithFourTimesTheTokens) {
 TEST(Cluster, TrainJobVerifiesGradientsAndHalvesTheLossByStep20) {
   // docs/jobs.md#teacher-and-loss: the student learns a teacher built from seed + 1;
   // the step-20 loss is at most half the step-0 loss. A small hidden size, so that
-  // 20 Adam steps can learn much of a random teacher (see README).
+  // 20 Adam steps can learn much of a random teacher (docs/benchmarks.md#cluster-jobs-beside-the-bare-layer).
   Cluster c(2, 1);
   ASSERT_TRUE(c.up());
   const auto [rc, out] = c.ctl({"--output", "json", "job", "submit", "--wait", "--mode", "train", "--experts", "16",

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The long thrash run (docs/architecture.md#thrashing): ITERATIONS (default 200) small jobs
 # with random faults on a local 2x2 cluster, against the Release build, figures into
-# OUT (default thrash.json in the build folder). README quotes the latest.
+# OUT (default thrash.json in the build folder). docs/testing.md quotes the latest.
 #   tests/thrash/long_run.sh [ITERATIONS] [SEED] [OUT]
 set -euo pipefail
 source "$(dirname "$0")/../../deploy/local/common.sh"
