@@ -12,51 +12,36 @@
 #include <deque>
 #include <map>
 
+#include "op_book.h"
 #include "p2p_collectives.h"
 #include "tags.h"
 
 namespace moe::transport {
 
-struct InProcCommunicator::Impl {
-  // One posted message; a deque keeps addresses stable (the hub writes the
-  // completion of a receive from the sender's thread).
-  struct Op {
-    int peer = -1;
-    bool is_recv = false;
-    size_t bytes = 0;
-    LocalHub::Completion done;
-    std::shared_ptr<const void> keep;  // a background transfer's buffer owner
-  };
+namespace {
+// One posted message.
+struct InProcOp {
+  int peer = -1;
+  bool is_recv = false;
+  size_t bytes = 0;
+  LocalHub::Completion done;  // written by the hub from the sender's thread
+  std::shared_ptr<const void> keep;  // a background transfer's buffer owner
+};
+}  // namespace
 
+struct InProcCommunicator::Impl : detail::OpBook<InProcCommunicator::Impl, InProcOp> {
+  using Op = InProcOp;
   std::shared_ptr<LocalHub> hub;
   int rank = 0, size = 1;
   int wake_fd = -1;
-  uint64_t seq = 0;  // collective sequence, the same on every rank
-  bool broken = false;
-  std::string broken_reason;
-  int broken_peer = -1;
-  // abort() from another thread: the next wait (or call) fails with the reason.
-  std::atomic<bool> aborted{false};
-  std::mutex abort_mu;
-  std::string abort_reason;  // guarded by abort_mu
-  std::deque<Op> ops;
-  std::map<uint64_t, Op> background;  // by transfer id
-  uint64_t next_transfer = 1;
-  std::vector<float> reduce_parts;  // rank 0's buffer for the other ranks' parts
 
   void check_usable() {
-    if (broken) throw TransportError(broken_peer, "communicator unusable after an earlier failure: " + broken_reason);
+    if (broken) throw_broken();
     check_aborted();
   }
 
   void check_aborted() {
-    if (!aborted.load(std::memory_order_acquire)) return;
-    std::string why;
-    {
-      std::lock_guard<std::mutex> lock(abort_mu);
-      why = abort_reason;
-    }
-    fail(-1, "aborted: " + why);
+    if (aborted.load(std::memory_order_acquire)) fail(-1, "aborted: " + aborted_why());
   }
 
   void check_peer(int peer, const char* what) const {
@@ -74,36 +59,13 @@ struct InProcCommunicator::Impl {
     op.bytes = bytes;
     hub->post_recv(peer, rank, tag, buf, bytes, &op.done);
   }
-  // The ops of p2p_collectives.h.
-  void post_send(int peer, const void* buf, size_t bytes, uint64_t tag, const char* what) {
-    check_peer(peer, what);
-    start_send(ops.emplace_back(), peer, buf, bytes, tag);
-  }
-  void post_recv(int peer, void* buf, size_t bytes, uint64_t tag, const char* what) {
-    check_peer(peer, what);
-    start_recv(ops.emplace_back(), peer, buf, bytes, tag);
-  }
-
-  // A background transfer's op, completed in test(); it holds `keep` (the
-  // buffer's owner) until then.
-  std::pair<uint64_t, Op*> new_background(int peer, const char* what, std::shared_ptr<const void> keep) {
-    check_usable();
-    check_peer(peer, what);
-    const uint64_t id = next_transfer++;
-    Op& op = background[id];
-    op.keep = std::move(keep);
-    return {id, &op};
-  }
-
   // The hub forgets our receives, our siblings learn we stopped (blaming
   // `peer`), and every later call throws.
   [[noreturn]] void fail(int peer, const std::string& msg) {
     hub->withdraw(rank);
     hub->abort(rank, msg, peer >= 0 ? peer : rank);
     ops.clear();
-    broken = true;
-    broken_reason = msg;
-    broken_peer = peer;
+    mark_broken(peer, msg);
     throw TransportError(peer, msg);
   }
 
@@ -121,6 +83,8 @@ struct InProcCommunicator::Impl {
       fail(why->culprit, std::string(what) + ": rank " + std::to_string(op.peer) + " failed (" + why->reason + ")");
     return false;
   }
+
+  bool settled_background(const Op& op, const char* what) { return settled(op, what); }
 
   // Waits for every posted op; throws naming the peer on failure or deadline.
   void wait_all(Deadline deadline, const char* what) {
@@ -186,52 +150,29 @@ void InProcCommunicator::barrier(Deadline deadline) {
 }
 
 void InProcCommunicator::send(int peer, const void* data, size_t bytes, uint32_t tag, Deadline deadline) {
-  Impl& m = *impl_;
-  m.check_usable();
-  m.post_send(peer, data, bytes, make_tag(TagKind::kP2P, tag, rank_), "send");
-  m.wait_all(deadline, "send");
+  impl_->send(rank_, peer, data, bytes, tag, deadline);
 }
 
 void InProcCommunicator::recv(int peer, void* data, size_t bytes, uint32_t tag, Deadline deadline) {
-  Impl& m = *impl_;
-  m.check_usable();
-  m.post_recv(peer, data, bytes, make_tag(TagKind::kP2P, tag, peer), "recv");
-  m.wait_all(deadline, "recv");
+  impl_->recv(peer, data, bytes, tag, deadline);
 }
 
 Communicator::TransferId InProcCommunicator::isend(int peer, const void* data, size_t bytes, uint32_t tag,
                                                    std::shared_ptr<const void> keep) {
-  const auto [id, op] = impl_->new_background(peer, "isend", std::move(keep));
-  impl_->start_send(*op, peer, data, bytes, make_tag(TagKind::kBackground, tag, rank_));
-  return id;
+  return impl_->isend(rank_, peer, data, bytes, tag, std::move(keep));
 }
 
 Communicator::TransferId InProcCommunicator::irecv(int peer, void* data, size_t bytes, uint32_t tag,
                                                    std::shared_ptr<const void> keep) {
-  const auto [id, op] = impl_->new_background(peer, "irecv", std::move(keep));
-  impl_->start_recv(*op, peer, data, bytes, make_tag(TagKind::kBackground, tag, peer));
-  return id;
+  return impl_->irecv(peer, data, bytes, tag, std::move(keep));
 }
+
+bool InProcCommunicator::test(TransferId id) { return impl_->test(id); }
 
 void InProcCommunicator::abort(const std::string& why) {
-  Impl& m = *impl_;
-  {
-    std::lock_guard<std::mutex> lock(m.abort_mu);
-    m.abort_reason = why;
-  }
-  m.aborted.store(true, std::memory_order_release);
+  if (!impl_->record_abort(why)) return;
   const uint64_t one = 1;
-  (void)!::write(m.wake_fd, &one, sizeof one);  // a wait in progress looks again
-}
-
-bool InProcCommunicator::test(TransferId id) {
-  Impl& m = *impl_;
-  m.check_usable();
-  const auto it = m.background.find(id);
-  MOE_CHECK(it != m.background.end(), "test: no transfer ", id);
-  if (!m.settled(it->second, it->second.is_recv ? "irecv" : "isend")) return false;
-  m.background.erase(it);
-  return true;
+  (void)!::write(impl_->wake_fd, &one, sizeof one);  // a wait in progress looks again
 }
 
 InProcGroup::InProcGroup(int size) : size_(size) {

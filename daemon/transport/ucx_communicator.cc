@@ -20,6 +20,7 @@
 #include <optional>
 
 #include "moe/base/log.h"
+#include "op_book.h"
 #include "p2p_collectives.h"
 #include "tags.h"
 
@@ -55,29 +56,32 @@ Proof key_proof(const std::string& key, int from, int to) {
 
 }  // namespace
 
-struct UcxCommunicator::Impl {
+namespace {
+// One posted request. Kept in a deque (stable addresses): a receive's completion
+// callback writes into its Op.
+struct UcxOp {
+  void* req = nullptr;
+  int peer = -1;
+  bool is_recv = false;
+  size_t bytes = 0;
+  bool done = false;
+  ucs_status_t status = UCS_OK;
+  ucp_tag_recv_info_t info{};
+  bool recv_completed = false;  // set by on_recv
+  ucs_status_t recv_status = UCS_OK;
+  bool local = false;
+  LocalHub::Completion local_done;  // completion of a hub op
+  std::shared_ptr<const void> keep;  // a background transfer's buffer owner
+};
+}  // namespace
+
+struct UcxCommunicator::Impl : detail::OpBook<UcxCommunicator::Impl, UcxOp> {
+  using Op = UcxOp;
   struct Peer {
     bool local = false;  // through the hub, not UCX
     ucp_ep_h ep = nullptr;
     bool failed = false;
     std::string error;
-  };
-
-  // One posted request. Kept in a deque (stable addresses): a receive's completion
-  // callback writes into its Op.
-  struct Op {
-    void* req = nullptr;
-    int peer = -1;
-    bool is_recv = false;
-    size_t bytes = 0;
-    bool done = false;
-    ucs_status_t status = UCS_OK;
-    ucp_tag_recv_info_t info{};
-    bool recv_completed = false;  // set by on_recv
-    ucs_status_t recv_status = UCS_OK;
-    bool local = false;
-    LocalHub::Completion local_done;  // completion of a hub op
-    std::shared_ptr<const void> keep;  // a background transfer's buffer owner
   };
 
   int rank, size;
@@ -88,25 +92,9 @@ struct UcxCommunicator::Impl {
   int epoll_fd = -1;
   std::shared_ptr<LocalHub> hub;
   std::vector<Peer> peers;
-  uint64_t seq = 0;  // collective sequence, the same on every rank
-  bool broken = false;
-  std::string broken_reason;
-  int broken_peer = -1;
-  // Set by abort() from another thread: the agent saw the group fail (a node
-  // died or restarted); a wait ends at once instead of at UCX's endpoint timeout.
-  std::atomic<bool> aborted{false};
-  mutable std::mutex abort_mu;
-  std::string abort_reason;
-  std::deque<Op> ops;
-  // Background transfers (isend/irecv), by id; map nodes keep their addresses.
-  std::map<uint64_t, Op> background;
-  uint64_t next_transfer = 1;
   // Ops abandoned after a failure whose requests UCX still holds; kept alive so a
   // late callback writes into valid memory.
   std::vector<std::deque<Op>> abandoned;
-  // Rank 0's receive buffer for the other ranks' parts in all_reduce_sum, reused.
-  std::vector<float> reduce_parts;
-
   // The posted receive of abort notices from any peer (re-posted after each), and
   // the culprit each peer named (-1: no notice).
   struct NoticeRecv {
@@ -197,13 +185,8 @@ struct UcxCommunicator::Impl {
   }
 
   void check_usable() const {
-    if (broken) throw TransportError(broken_peer, "communicator unusable after an earlier failure: " + broken_reason);
+    if (broken) throw_broken();
     if (aborted.load()) throw TransportError(-1, "aborted: " + aborted_why());
-  }
-
-  std::string aborted_why() const {
-    std::lock_guard<std::mutex> lock(abort_mu);
-    return abort_reason;
   }
 
   // Why a peer failed, and whom to blame: the peer, or (for a local sibling that
@@ -224,29 +207,6 @@ struct UcxCommunicator::Impl {
   void check_peer(int peer, const char* what) {
     MOE_CHECK(peer >= 0 && peer < size && peer != rank, what, ": peer ", peer, " out of range or self");
     if (const auto why = peer_failure(peer)) fail_peer(peer, what, *why);
-  }
-
-  // The peer is checked BEFORE its op exists: a failed peer makes check_peer
-  // throw through fail(), which drains every op, and an op UCX never took has no
-  // request to wait on (polling it read a null request: a crash under load).
-  void post_send(int peer, const void* buf, size_t bytes, uint64_t tag, const char* what) {
-    check_peer(peer, what);
-    start_send(ops.emplace_back(), peer, buf, bytes, tag);
-  }
-  void post_recv(int peer, void* buf, size_t bytes, uint64_t tag, const char* what) {
-    check_peer(peer, what);
-    start_recv(ops.emplace_back(), peer, buf, bytes, tag);
-  }
-
-  // A background transfer's op for `peer` (checked first, as above), holding
-  // `keep` until the transfer ends.
-  std::pair<uint64_t, Op*> new_background(int peer, const char* what, std::shared_ptr<const void> keep) {
-    check_usable();
-    check_peer(peer, what);
-    const uint64_t id = next_transfer++;
-    Op& op = background[id];
-    op.keep = std::move(keep);
-    return {id, &op};
   }
 
   // Posts op, whose peer check_peer accepted.
@@ -444,10 +404,24 @@ struct UcxCommunicator::Impl {
     for (const Op& op : ops) any_pending |= !op.done;
     if (any_pending) abandoned.push_back(std::move(ops));  // elements keep their addresses
     ops.clear();
-    broken = true;
-    broken_reason = msg;
-    broken_peer = peer;
+    mark_broken(peer, msg);
     throw TransportError(peer, msg);
+  }
+
+  // A background transfer: progresses the worker once; true once it completed,
+  // throws naming the peer when it failed.
+  bool settled_background(Op& op, const char* what) {
+    ucp_worker_progress(worker);
+    poll(op);
+    if (op.done && op.status != UCS_OK)
+      fail(op.local ? op.peer : culprit_behind(op.peer),
+           std::string(what) + ": rank " + std::to_string(op.peer) + " failed: " + status_str(op.status));
+    if (op.done && op.is_recv && op.info.length != op.bytes)
+      fail(op.peer, std::string(what) + ": rank " + std::to_string(op.peer) + " sent " +
+                        std::to_string(op.info.length) + " bytes, expected " + std::to_string(op.bytes));
+    if (!op.done)
+      if (const auto why = peer_failure(op.peer)) fail_peer(op.peer, what, *why);
+    return op.done;
   }
 
   // Waits for every posted op; throws naming the peer on failure or deadline.
@@ -592,68 +566,29 @@ void UcxCommunicator::barrier(Deadline deadline) {
 }
 
 void UcxCommunicator::send(int peer, const void* data, size_t bytes, uint32_t tag, Deadline deadline) {
-  Impl& m = *impl_;
-  m.check_usable();
-  m.post_send(peer, data, bytes, make_tag(Kind::kP2P, tag, rank_), "send");
-  m.wait_all(deadline, "send");
+  impl_->send(rank_, peer, data, bytes, tag, deadline);
 }
 
 void UcxCommunicator::recv(int peer, void* data, size_t bytes, uint32_t tag, Deadline deadline) {
-  Impl& m = *impl_;
-  m.check_usable();
-  m.post_recv(peer, data, bytes, make_tag(Kind::kP2P, tag, peer), "recv");
-  m.wait_all(deadline, "recv");
+  impl_->recv(peer, data, bytes, tag, deadline);
 }
 
 Communicator::TransferId UcxCommunicator::isend(int peer, const void* data, size_t bytes, uint32_t tag,
                                                 std::shared_ptr<const void> keep) {
-  Impl& m = *impl_;
-  const auto [id, op] = m.new_background(peer, "isend", std::move(keep));
-  m.start_send(*op, peer, data, bytes, make_tag(Kind::kBackground, tag, rank_));
-  return id;
+  return impl_->isend(rank_, peer, data, bytes, tag, std::move(keep));
 }
 
 Communicator::TransferId UcxCommunicator::irecv(int peer, void* data, size_t bytes, uint32_t tag,
                                                 std::shared_ptr<const void> keep) {
-  Impl& m = *impl_;
-  const auto [id, op] = m.new_background(peer, "irecv", std::move(keep));
-  m.start_recv(*op, peer, data, bytes, make_tag(Kind::kBackground, tag, peer));
-  return id;
+  return impl_->irecv(peer, data, bytes, tag, std::move(keep));
 }
 
 void UcxCommunicator::abort(const std::string& why) {
-  Impl& m = *impl_;
-  {
-    std::lock_guard<std::mutex> lock(m.abort_mu);
-    if (m.aborted.load()) return;
-    m.abort_reason = why;
-  }
-  m.aborted.store(true);
+  if (!impl_->record_abort(why)) return;
   const uint64_t one = 1;
-  (void)!::write(m.wake_fd, &one, sizeof one);  // a wait in epoll_wait looks at the flag now
+  (void)!::write(impl_->wake_fd, &one, sizeof one);  // a wait in epoll_wait looks at the flag now
 }
 
-bool UcxCommunicator::test(TransferId id) {
-  Impl& m = *impl_;
-  m.check_usable();
-  const auto it = m.background.find(id);
-  MOE_CHECK(it != m.background.end(), "test: no transfer ", id);
-  ucp_worker_progress(m.worker);
-  Impl::Op& op = it->second;
-  m.poll(op);
-  const char* what = op.is_recv ? "irecv" : "isend";
-  if (op.done && op.status != UCS_OK)
-    m.fail(op.local ? op.peer : m.culprit_behind(op.peer), std::string(what) + ": rank " + std::to_string(op.peer) +
-                                                             " failed: " + status_str(op.status));
-  if (op.done && op.is_recv && op.info.length != op.bytes)
-    m.fail(op.peer, std::string(what) + ": rank " + std::to_string(op.peer) + " sent " +
-                        std::to_string(op.info.length) + " bytes, expected " + std::to_string(op.bytes));
-  if (!op.done) {
-    if (const auto why = m.peer_failure(op.peer)) m.fail_peer(op.peer, what, *why);
-    return false;
-  }
-  m.background.erase(it);
-  return true;
-}
+bool UcxCommunicator::test(TransferId id) { return impl_->test(id); }
 
 }  // namespace moe::transport
