@@ -52,6 +52,21 @@ const PlacementService::Shape& PlacementService::find(const ShapeKey& shape) con
   return it->second;
 }
 
+namespace {
+
+// The node redundancy a shape gets on `key`: its min_node_replicas (>= 1, as
+// stored), at most the nodes it has. The one place it is clamped.
+int min_nodes_on(const ShapeKey& key, int min_node_replicas) { return std::min(min_node_replicas, key.nodes); }
+
+// The fewest redundant slots that put every expert on `m` nodes and fill whole ranks.
+int redundant_for(const ShapeKey& key, int m) {
+  int redundant = key.experts * (m - 1);
+  while ((key.experts + redundant) % key.ranks() != 0) ++redundant;
+  return redundant;
+}
+
+}  // namespace
+
 placement::PlacementSpec PlacementService::solver_spec(const ShapeKey& key, const Shape& s, int redundant) const {
   placement::PlacementSpec ps;
   ps.num_experts = key.experts;
@@ -62,13 +77,13 @@ placement::PlacementSpec PlacementService::solver_spec(const ShapeKey& key, cons
   ps.num_groups = s.num_groups > 1 && s.num_groups % key.nodes == 0 ? s.num_groups : 0;
   ps.top_k = s.top_k;
   ps.group_top_k = ps.num_groups > 1 ? s.group_top_k : 0;
-  ps.min_node_replicas = std::min(s.min_node_replicas, key.nodes);
+  ps.min_node_replicas = min_nodes_on(key, s.min_node_replicas);
   return ps;
 }
 
 // Whether every layer's map keeps each expert on min_node_replicas nodes.
 bool PlacementService::spread_enough(const ShapeKey& key, const Shape& s) const {
-  const int m = std::min(s.min_node_replicas, key.nodes);
+  const int m = min_nodes_on(key, s.min_node_replicas);
   if (m <= 1) return true;
   for (const v1::PlacementMap& pm : s.maps)
     if (placement::min_nodes_spanned(spec::from_proto(pm), key.nodes) < m) return false;
@@ -117,9 +132,7 @@ std::vector<v1::PlacementMap> PlacementService::maps_for_job(const v1::JobSpec& 
     // A shape's first maps, or maps whose copies do not span min_node_replicas
     // nodes: the solver's for uniform load, with the fewest redundant slots the
     // rule needs (docs/placement.md#node-redundancy).
-    const int m = std::min(s.min_node_replicas, key.nodes);
-    int redundant = key.experts * (m - 1);
-    while ((key.experts + redundant) % key.ranks() != 0) ++redundant;
+    const int redundant = redundant_for(key, min_nodes_on(key, s.min_node_replicas));
     const ExpertMap first =
         placement::solve_layer(solver_spec(key, s, redundant), std::vector<double>(key.experts, 1.0));
     ++epoch_;
@@ -140,9 +153,7 @@ std::vector<v1::PlacementMap> PlacementService::maps_for_world(const v1::JobSpec
         loads[l] = w;
     }
   Shape& s = shape_for_job(spec, next);
-  const int m = std::min(std::max(1, s.min_node_replicas), next.nodes);
-  int redundant = next.experts * (m - 1);
-  while ((next.experts + redundant) % next.ranks() != 0) ++redundant;
+  const int redundant = redundant_for(next, min_nodes_on(next, s.min_node_replicas));
   ++epoch_;
   s.maps.clear();
   for (int l = 0; l < next.layers; ++l)
