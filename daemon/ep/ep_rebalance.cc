@@ -9,18 +9,6 @@
 #include "moe/kernels/buffer.h"
 
 namespace moe::ep {
-namespace {
-
-// On the wire one state is [weights | m | v] (moments in train jobs with Adam).
-std::vector<float> pack(const ExpertState& s) {
-  std::vector<float> w(s.weights);
-  w.insert(w.end(), s.m.begin(), s.m.end());
-  w.insert(w.end(), s.v.begin(), s.v.end());
-  return w;
-}
-
-}  // namespace
-
 StagedExperts::StagedExperts(ExpertMap next, std::vector<ExpertCopy> copies, int rank, const MoeLayerConfig& cfg,
                              bool adam, uint32_t tag_base)
     : next_(std::move(next)),
@@ -54,7 +42,7 @@ void StagedExperts::start(const ExpertStage& stage, const ExpertMap& current, tr
       ExpertState snapshot;
       snapshot.resize(H, I, adam_);
       stage.export_slot(slot, snapshot);
-      Sent s{.wire = std::make_shared<std::vector<float>>(pack(snapshot))};
+      Sent s{.wire = std::make_shared<std::vector<float>>(snapshot.to_wire())};
       s.transfer = comm.isend(p.to_rank, s.wire->data(), 4 * s.wire->size(), tag, s.wire);
       sent_.push_back(std::move(s));
     }
@@ -69,11 +57,7 @@ void StagedExperts::start(const ExpertStage& stage, const ExpertMap& current, tr
 }
 
 void StagedExperts::unpack(Gained& g) {
-  ExpertState& s = *g.state;
-  const float* w = g.wire->data();
-  std::copy_n(w, s.weights.size(), s.weights.begin());
-  std::copy_n(w + s.weights.size(), s.m.size(), s.m.begin());
-  std::copy_n(w + s.weights.size() + s.m.size(), s.v.size(), s.v.begin());
+  g.state->from_wire(*g.wire);
   bytes_received_ += 4 * static_cast<int64_t>(g.wire->size());
   g.wire.reset();
   g.arrived = true;

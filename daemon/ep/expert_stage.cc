@@ -55,6 +55,22 @@ void ExpertState::resize(int hidden, int ffn_hidden, bool moments) {
   v.assign(moments ? n : 0, 0.0f);
 }
 
+std::vector<float> ExpertState::to_wire() const {
+  std::vector<float> w;
+  w.reserve(floats());
+  for (const auto* part : {&weights, &m, &v}) w.insert(w.end(), part->begin(), part->end());
+  return w;
+}
+
+void ExpertState::from_wire(const std::vector<float>& wire) {
+  MOE_CHECK(wire.size() == floats(), "expert state: ", wire.size(), " values on the wire, expected ", floats());
+  auto at = wire.begin();
+  for (auto* part : {&weights, &m, &v}) {
+    std::copy(at, at + static_cast<std::ptrdiff_t>(part->size()), part->begin());
+    at += static_cast<std::ptrdiff_t>(part->size());
+  }
+}
+
 void ExpertStage::copy_slot(const ExpertStage& src, int from, int to) {
   MOE_CHECK(from >= 0 && from < src.L_ && to >= 0 && to < L_, "expert stage: copy of slot ", from, " to slot ", to);
   const size_t H = cfg_.hidden, I = cfg_.ffn_hidden, n13 = 2 * I * H, n2 = H * I;

@@ -518,9 +518,7 @@ std::vector<RankRun::Incoming> RankRun::post_moves(const std::vector<World*>& he
       ep::ExpertState st;
       st.resize(spec.hidden(), spec.ffn_hidden(), moments);
       w->stack.layer(mv.layer()).export_slot(s, st);
-      auto wire = std::make_shared<std::vector<float>>();
-      wire->reserve(st.floats());
-      for (const auto* v : {&st.weights, &st.m, &st.v}) wire->insert(wire->end(), v->begin(), v->end());
+      auto wire = std::make_shared<std::vector<float>>(st.to_wire());
       outgoing.push_back(to.comm.isend(mv.to_rank(), wire->data(), wire->size() * sizeof(float), i, wire));
     }
     if (mv.to_rank() == to.rank && mv.from_rank() != to.rank) {
@@ -565,11 +563,7 @@ void RankRun::move_state(World* from, World& to, const v1::NewWorld& next) {
   }
   for (Incoming& in : incoming) {
     wait_for(to.comm, in.id, until, "expert " + std::to_string(in.expert) + " of layer " + std::to_string(in.layer));
-    size_t at = 0;
-    for (auto* v : {&in.state->weights, &in.state->m, &in.state->v}) {
-      std::copy(in.wire->begin() + at, in.wire->begin() + at + v->size(), v->begin());
-      at += v->size();
-    }
+    in.state->from_wire(*in.wire);
     const moe::ExpertMap& m = to.stack.map(in.layer);  // every slot of the expert here
     for (int s = 0; s < m.slots_per_rank; ++s)
       if (m.expert_at(to.rank, s) == in.expert) to.stack.layer(in.layer).import_slot(s, *in.state);

@@ -21,11 +21,19 @@ using kernels::DType;
 // down] = 2IH + HI floats per array. weights: the fp32 masters in a train
 // stage, the values it computes with otherwise; m, v: Adam moments (empty for
 // forward and SGD).
+// One expert's state: weights [gate (I x H) | up (I x H) | down (H x I)], fp32
+// (the masters of a train job), and Adam's moments m and v in the same layout
+// (empty without them). The one layout of a live rebalance's copies, an elastic
+// world's moves and a checkpoint's tensors (docs/formats.md#expert-state).
 struct ExpertState {
   std::vector<float> weights, m, v;
   // Resizes for H, I; moments only when `moments`.
   void resize(int hidden, int ffn_hidden, bool moments);
   size_t floats() const { return weights.size() + m.size() + v.size(); }
+  // On the wire: [weights | m | v], floats() values.
+  std::vector<float> to_wire() const;
+  // From a wire of floats() values (the sizes set by resize); throws on another size.
+  void from_wire(const std::vector<float>& wire);
 };
 
 // Wall seconds of the last ExpertStage::forward, and the fused MLP's split.
