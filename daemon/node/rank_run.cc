@@ -418,12 +418,6 @@ void wait_for(transport::Communicator& comm, transport::Communicator::TransferId
   }
 }
 
-// A layer's replicated state as the arrays it is made of, in one order.
-std::vector<std::vector<float>*> arrays_of(ep::EpLayer::ReplicatedState& s) {
-  return {&s.gate.master, &s.gate.m,    &s.gate.v,           &s.selection_bias,   &s.shared.weights,
-          &s.shared.m,    &s.shared.v,  &s.shared_gate.master, &s.shared_gate.m, &s.shared_gate.v};
-}
-
 }  // namespace
 
 // What every rank holds alike (router, shared experts, their optimizer state,
@@ -458,7 +452,7 @@ void RankRun::move_replicated(World* from, World& to, const v1::NewWorld& next) 
     auto payload = std::make_shared<std::vector<float>>();
     for (int l = 0; l < L; ++l) {
       ep::EpLayer::ReplicatedState st = state_of(from->stack.layer(l));
-      for (const auto* v : arrays_of(st)) {
+      for (const auto* v : st.arrays()) {
         sizes->push_back(static_cast<int64_t>(v->size()));
         payload->insert(payload->end(), v->begin(), v->end());
       }
@@ -472,7 +466,7 @@ void RankRun::move_replicated(World* from, World& to, const v1::NewWorld& next) 
     for (const auto id : sent) wait_for(to.comm, id, until, "sending the replicated state to a joining rank");
     return;
   }
-  auto sizes = std::make_shared<std::vector<int64_t>>(10 * L);
+  auto sizes = std::make_shared<std::vector<int64_t>>(ep::EpLayer::ReplicatedState{}.arrays().size() * L);
   wait_for(to.comm, to.comm.irecv(source, sizes->data(), sizes->size() * sizeof(int64_t), kReplicatedTag, sizes), until,
            "the replicated state's sizes");
   int64_t total = 0;
@@ -483,7 +477,7 @@ void RankRun::move_replicated(World* from, World& to, const v1::NewWorld& next) 
   size_t at = 0, k = 0;
   for (int l = 0; l < L; ++l) {
     ep::EpLayer::ReplicatedState st;
-    for (auto* v : arrays_of(st)) {
+    for (auto* v : st.arrays()) {
       v->assign(payload->begin() + at, payload->begin() + at + (*sizes)[k]);
       at += (*sizes)[k++];
     }

@@ -108,6 +108,12 @@ class EpLayer {
     std::vector<float> selection_bias;  // empty without one
     ExpertState shared;                 // empty without shared experts
     TensorState shared_gate;            // empty without the gate
+    // The arrays it is made of, in the one order it travels in (an elastic
+    // world's joining rank gets them this way).
+    std::vector<std::vector<float>*> arrays() {
+      return {&gate.master, &gate.m, &gate.v, &selection_bias, &shared.weights,
+              &shared.m,    &shared.v, &shared_gate.master, &shared_gate.m, &shared_gate.v};
+    }
   };
   ReplicatedState replicated_state(bool moments) const;
   void set_replicated_state(const ReplicatedState& s);
