@@ -16,28 +16,19 @@
 #include <memory>
 #include <optional>
 
+#include "moe/node/agent_bootstrap.h"
 #include "moe/node/job_runner.h"
 #include "moe/node/model_stack.h"
 #include "moe/node/rebalance_session.h"
 #include "moe/node/step_report.h"
+#include "moe/node/world_change.h"
 #include "moe/rpc/client.h"
 #include "moe/transport/transport_factory.h"
 
 namespace moe::node {
 
-// The transport bootstrap through the agent: publish our bytes, get everyone's.
-class AgentBootstrap final : public transport::Bootstrap {
- public:
-  AgentBootstrap(rpc::RpcClient& agent, std::string job_id, int rank, int64_t world_epoch)
-      : agent_(agent), job_id_(std::move(job_id)), rank_(rank), world_epoch_(world_epoch) {}
-  std::vector<std::string> all_gather(const std::string& mine) override;
-
- private:
-  rpc::RpcClient& agent_;
-  std::string job_id_;
-  int rank_;
-  int64_t world_epoch_;
-};
+struct RankWorld;
+struct RankWorldEnv;
 
 class RankRun {
  public:
@@ -61,7 +52,8 @@ class RankRun {
   int64_t world_epoch() const;
 
  private:
-  struct World;
+  using World = RankWorld;
+  RankWorldEnv world_env();
   transport::Deadline deadline() const { return transport::deadline_in(env_.transport_timeout); }
   // The steps of the current world, until done or cancelled.
   int run_world(const std::function<bool()>& cancel_requested);
@@ -79,20 +71,10 @@ class RankRun {
   // Elastic: catch up (or back) to the new world's resume step, then move onto it.
   void enter(const v1::NewWorld& next);
   void catch_up(int resume_step);
-  // Every rank of the new world: the state each rank lacks, from the ranks that
-  // have it (from: null on a joining rank, which has none).
-  void move_state(World* from, World& to, const v1::NewWorld& next);
-  void move_replicated(World* from, World& to, const v1::NewWorld& next);
-  struct Incoming {  // an expert state on its way to this rank
-    int layer, expert;
-    std::shared_ptr<ep::ExpertState> state;
-    std::shared_ptr<std::vector<float>> wire;
-    transport::Communicator::TransferId id;
-  };
-  std::pair<World*, int> holder(const std::vector<World*>& held, int layer, int expert) const;
-  std::vector<Incoming> post_moves(const std::vector<World*>& held, World& to, const v1::NewWorld& next,
-                                   std::vector<transport::Communicator::TransferId>& outgoing);
-  void roll_back(World& to, const v1::NewWorld& next);
+  // The new world's side of a state move (world_change.h), and the stacks this
+  // rank holds: `from` (the world it leaves; null for none), then the retired ones.
+  WorldTarget target(World& w) const;
+  std::vector<HeldStack> held(World* from) const;
 
   const v1::StartJob& job_;
   const RunnerEnv& env_;
