@@ -33,6 +33,29 @@ Segments segs(const std::vector<size_t>& rows, const std::vector<size_t>& first,
   return s;
 }
 
+Segments segs(const PairRanges& p, size_t unit) { return segs(p.count, p.first, unit); }
+
+// The pair rows of row ranges: rows [first, first + count) hold pair rows
+// [offset[first], offset[first + count]).
+PairRanges pairs_of(const PairRanges& rows, const std::vector<int64_t>& offset) {
+  PairRanges p;
+  for (size_t r = 0; r < rows.first.size(); ++r) {
+    p.first.push_back(offset[rows.first[r]]);
+    p.count.push_back(offset[rows.first[r] + rows.count[r]] - offset[rows.first[r]]);
+  }
+  return p;
+}
+
+// Per-peer ranges of `counts` rows laid out back to back from `first`.
+PairRanges packed_ranges(const std::vector<int64_t>& counts, const std::vector<int64_t>& first) {
+  PairRanges p;
+  for (size_t r = 0; r < counts.size(); ++r) {
+    p.first.push_back(first[r]);
+    p.count.push_back(counts[r]);
+  }
+  return p;
+}
+
 // The pieces of the row order (build_row_order): chunk boundaries are piece
 // boundaries for every chunk count up to kMaxChunks (chunk_piece).
 constexpr int kOrderPieces = 840;
@@ -101,6 +124,7 @@ Dispatcher::Dispatcher(const DispatcherConfig& cfg, transport::Communicator& com
   MOE_CHECK(cfg.combine_wire != Wire::kFP8, "combine wire fp8: results go back in fp32 or bf16");
   const size_t T = cfg.max_tokens, K = cfg.top_k, R = cfg.num_ranks, S = cfg.slots_per_rank;
   const size_t max_send_rows = T * std::min(R, K);  // a token goes to at most min(R, K) ranks
+  const size_t max_pairs = T * K;  // the pair rows coming back
   auto make = [&](size_t bytes) { return Buffer(be_, bytes); };
   num_tokens_per_rank_ = make(4 * R);
   num_tokens_per_slot_ = make(4 * R * S);
@@ -110,7 +134,8 @@ Dispatcher::Dispatcher(const DispatcherConfig& cfg, transport::Communicator& com
   send_slot_ = make(kSlotBytes * max_send_rows * K);
   send_weight_ = make(kWeightBytes * max_send_rows * K);
   send_rows_ = make(max_send_rows * row_bytes_);
-  back_rows_ = make(max_send_rows * row_bytes_);  // >= combine_bytes_ a row
+  back_rows_ = make(max_pairs * row_bytes_);  // >= combine_bytes_ a row
+  h_.pair_back_pos_ = make(4 * max_pairs);
   if (encoded_dispatch()) send_wire_ = make(max_send_rows * wire_bytes_);
   layout_ws_ = make(be_.dispatch_layout_workspace_bytes({cfg.max_tokens, cfg.top_k, cfg.num_ranks, cfg.slots_per_rank}));
   if (cfg.train) back_gw_ = make(kWeightBytes * max_send_rows * K);
@@ -130,7 +155,8 @@ void Dispatcher::reserve(int64_t n) {
   if (cfg_.train) grad_recv_rows_ = Buffer(be_, N * row_bytes_);
   if (cfg_.train && can_chunk()) h_.row_order_ = Buffer(be_, 4 * N);
   if (encoded_dispatch()) recv_wire_ = Buffer(be_, N * wire_bytes_);
-  if (encoded_combine()) y_wire_ = Buffer(be_, N * combine_bytes_);
+  // A received row carries at most min(K, S) of this rank's pairs.
+  if (encoded_combine()) y_wire_ = Buffer(be_, N * std::min(K, size_t(cfg_.slots_per_rank)) * combine_bytes_);
 }
 
 // The send rows in the dispatch wire's format: x permuted rank-major into
@@ -158,13 +184,87 @@ void Dispatcher::decode_rows(int64_t first, int64_t n) {
     be_.convert(in, dispatch_dtype_, out, cfg_.dtype, n * cfg_.hidden);
 }
 
-// Results [first, first + n) of y in the combine wire's format: y itself, or y_wire_.
+// Pair rows [first, first + n) of y in the combine wire's format: y itself, or y_wire_.
 const void* Dispatcher::encode_results(const void* y, int64_t first, int64_t n) {
   if (!encoded_combine()) return y;
   if (n > 0)
     be_.convert(static_cast<const uint8_t*>(y) + first * row_bytes_, cfg_.dtype,
                 y_wire_.as<uint8_t>() + first * combine_bytes_, combine_dtype_, n * cfg_.hidden);
   return y_wire_.get();
+}
+
+// Where each pair's result travels back (docs/layer.md#dispatch-and-combine).
+// The receiver sends a received row's results as one row per pair it carried
+// (its local slots in k order), and the source lays them out per send row in k
+// order: pair_back_pos [T, K] finds pair (t, k) among them, so the combine sums
+// a token's K results in k order, wherever its experts live. Host math over
+// copies of the slots, then the map to the backend. Runs once the slots are in.
+void Dispatcher::lay_out_returns() {
+  const int K = cfg_.top_k, R = cfg_.num_ranks, S = cfg_.slots_per_rank;
+  const int64_t N = h_.num_recv_rows_, T = h_.num_tokens_, rows = h_.rank_offset_[R];
+  std::vector<int64_t>& recv = h_.recv_pair_offset_;
+  host_slots_.resize(static_cast<size_t>(std::max(N, T)) * K);
+  be_.copy_to_host(host_slots_.data(), h_.recv_slot_.get(), 4 * N * K);
+  recv.assign(N + 1, 0);
+  for (int64_t n = 0; n < N; ++n) {
+    int64_t local = 0;
+    for (int k = 0; k < K; ++k) local += host_slots_[n * K + k] >= 0;
+    recv[n + 1] = recv[n] + local;
+  }
+  // The source: pairs per send row, then each pair's place among its row's.
+  be_.copy_to_host(host_slots_.data(), h_.topk_slot_, 4 * T * K);
+  host_send_row_.resize(static_cast<size_t>(T) * R);
+  be_.copy_to_host(host_send_row_.data(), h_.token_send_row_.get(), 4 * T * R);
+  std::vector<int64_t>& send = h_.send_pair_offset_;
+  send.assign(rows + 1, 0);
+  for (int64_t i = 0; i < T * K; ++i)
+    if (host_slots_[i] >= 0) ++send[host_send_row_[(i / K) * R + host_slots_[i] / S] + 1];
+  for (int64_t j = 0; j < rows; ++j) send[j + 1] += send[j];
+  host_back_pos_.assign(static_cast<size_t>(T) * K, -1);
+  std::vector<int64_t> next(R);
+  for (int64_t t = 0; t < T; ++t) {
+    for (int r = 0; r < R; ++r) next[r] = host_send_row_[t * R + r] >= 0 ? send[host_send_row_[t * R + r]] : 0;
+    for (int k = 0; k < K; ++k) {
+      const int32_t slot = host_slots_[t * K + k];
+      if (slot >= 0) host_back_pos_[t * K + k] = static_cast<int32_t>(next[slot / S]++);
+    }
+  }
+  be_.copy_to_device(h_.pair_back_pos_.get(), host_back_pos_.data(), 4 * T * K);
+  std::vector<int64_t> recv_first(R, 0);  // of peer r's rows in source order
+  for (int r = 1; r < R; ++r) recv_first[r] = recv_first[r - 1] + h_.recv_counts_[r - 1];
+  if (h_.chunks_ > 1) {
+    plan_returns(recv_first);
+    return;
+  }
+  h_.source_rank_.resize(N);  // serial: the received rows are in source order
+  for (int64_t n = 0; n < N; ++n) h_.source_rank_[n] = n;
+  h_.recv_pairs_ = pairs_of(packed_ranges(h_.recv_counts_, recv_first), recv);
+  h_.send_pairs_ = pairs_of(packed_ranges(h_.send_counts_, h_.rank_offset_), send);
+  count_return_bytes(h_.recv_pairs_.count, h_.send_pairs_.count);
+}
+
+// Each chunk's pair rows back, from its row ranges; and where each received row
+// (chunk-major) stands in source order (peer r's rows from recv_first[r]).
+void Dispatcher::plan_returns(const std::vector<int64_t>& recv_first) {
+  const size_t R = cfg_.num_ranks;
+  std::vector<size_t> out_pairs(R, 0), in_pairs(R, 0);
+  std::vector<int64_t> next(recv_first);
+  h_.source_rank_.resize(h_.num_recv_rows_);
+  for (ChunkPlan& p : plan_) {
+    for (size_t r = 0; r < R; ++r)
+      for (size_t i = 0; i < p.recv_row_ranges.count[r]; ++i) h_.source_rank_[p.recv_row_ranges.first[r] + i] = next[r]++;
+    const PairRanges out = pairs_of(p.recv_row_ranges, h_.recv_pair_offset_);
+    const PairRanges in = pairs_of(p.send_row_ranges, h_.send_pair_offset_);
+    p.recv_results = segs(out, combine_bytes_);
+    p.send_results = segs(in, combine_bytes_);
+    p.recv_grad_pairs = segs(out, row_bytes_);
+    p.send_grad_pairs = segs(in, row_bytes_);
+    for (size_t r = 0; r < R; ++r) {
+      out_pairs[r] += out.count[r];
+      in_pairs[r] += in.count[r];
+    }
+  }
+  count_return_bytes(out_pairs, in_pairs);
 }
 
 void Dispatcher::check(const DispatchHandle& h) const {
@@ -263,8 +363,6 @@ void Dispatcher::exchange(int64_t T) {
   h_.recv_meta_ = scaled(h_.recv_counts_, meta_bytes_);
   h_.send_wire_ = scaled(h_.send_counts_, wire_bytes_);
   h_.recv_wire_ = scaled(h_.recv_counts_, wire_bytes_);
-  h_.send_results_ = scaled(h_.send_counts_, combine_bytes_);
-  h_.recv_results_ = scaled(h_.recv_counts_, combine_bytes_);
   if (cfg_.train && can_chunk()) build_row_order();
   be_.synchronize();
   if (h_.chunks_ > 1) {
@@ -280,6 +378,7 @@ void Dispatcher::exchange(int64_t T) {
                      deadline());
   stats_.dispatch_transport = now_seconds() - t0;
   decode_rows(0, N);
+  lay_out_returns();
 }
 
 // The order of the received rows that every chunk count C <= kMaxChunks cuts into
@@ -333,8 +432,8 @@ void Dispatcher::plan_chunks() {
     p.num_rows = row - p.first_row;
     p.send_rows = segs(send_bytes, send_off, wire_bytes_);
     p.recv_rows = segs(recv_bytes, recv_off, wire_bytes_);
-    p.send_results = segs(send_bytes, send_off, combine_bytes_);
-    p.recv_results = segs(recv_bytes, recv_off, combine_bytes_);
+    p.send_row_ranges = {send_off, send_bytes};
+    p.recv_row_ranges = {recv_off, recv_bytes};
     p.send_meta = segs(send_bytes, send_off, meta_bytes_);
     p.recv_meta = segs(recv_bytes, recv_off, meta_bytes_);
     p.send_grad = segs(send_bytes, send_off, row_bytes_);
@@ -362,7 +461,7 @@ void Dispatcher::post_dispatch_chunk(int c) {
 }
 
 // Chunk c's results go back where its rows came from: into back_rows_ at the
-// rows' send positions, so the unpermute reads what a serial combine leaves.
+// send rows' pair positions, so the unpermute reads what a serial combine leaves.
 void Dispatcher::post_combine_chunk(int c, const void* y) {
   const ChunkPlan& p = plan_[c];
   last_op_ = worker_->post([this, &p, y] {
@@ -383,6 +482,7 @@ int Dispatcher::take_chunk(const char* what) {
 
 ChunkRows Dispatcher::next_chunk() {
   const int c = take_chunk("next_chunk");
+  if (c == 0) lay_out_returns();  // every row's slots came with chunk 0
   if (c + 1 < h_.chunks_) post_dispatch_chunk(c + 1);
   decode_rows(plan_[c].first_row, plan_[c].num_rows);
   return {.first_row = plan_[c].first_row, .num_rows = plan_[c].num_rows};
@@ -402,12 +502,13 @@ void Dispatcher::wait_for(transport::TransferWorker::OpId id) {
 void Dispatcher::chunk_done(const void* y) {
   MOE_CHECK(next_chunk_ < h_.chunks_, "dispatcher: chunk_done without a chunk");
   const ChunkPlan& p = plan_[next_chunk_];
-  const void* results = encode_results(y, p.first_row, p.num_rows);
+  const int64_t first = h_.recv_pair_offset_[p.first_row];
+  const void* results = encode_results(y, first, h_.recv_pair_offset_[p.first_row + p.num_rows] - first);
   be_.synchronize();
   post_combine_chunk(next_chunk_++, results);
 }
 
-// The accounting (docs/transport.md#accounting) of the forward pair: rows for ourselves are not
+// The accounting (docs/transport.md#accounting) of the forward's dispatch: rows for ourselves are not
 // transport bytes; the naive scheme sends one row per remote (token, expert) pair.
 void Dispatcher::count_bytes() {
   const int R = cfg_.num_ranks, S = cfg_.slots_per_rank, me = comm_.rank();
@@ -420,8 +521,6 @@ void Dispatcher::count_bytes() {
     if (r == me) continue;
     stats_.dispatch_bytes += h_.send_counts_[r] * dispatched_row;
     stats_.dispatch_received_bytes += h_.recv_counts_[r] * dispatched_row;
-    stats_.combine_bytes += h_.recv_counts_[r] * row;
-    stats_.combine_received_bytes += h_.send_counts_[r] * row;
     int64_t pairs = 0;
     for (int s = 0; s < S; ++s) pairs += per_slot_host_[r * S + s];
     stats_.naive_dispatch_bytes += pairs * naive_pair;
@@ -430,12 +529,25 @@ void Dispatcher::count_bytes() {
   stats_.received_rows = h_.num_recv_rows_;
 }
 
+// The combine's bytes: a row per remote pair, `out` pairs to each peer and `in` from it.
+void Dispatcher::count_return_bytes(const std::vector<size_t>& out, const std::vector<size_t>& in) {
+  const int64_t row = static_cast<int64_t>(combine_bytes_);
+  pairs_out_.assign(out.begin(), out.end());
+  pairs_in_.assign(in.begin(), in.end());
+  for (int r = 0; r < cfg_.num_ranks; ++r) {
+    if (r == comm_.rank()) continue;
+    stats_.combine_bytes += static_cast<int64_t>(out[r]) * row;
+    stats_.combine_received_bytes += static_cast<int64_t>(in[r]) * row;
+  }
+}
+
 const DispatchHandle& Dispatcher::dispatch(const void* x, int64_t T, const int32_t* topk_slot,
                                            const float* topk_weight) {
   MOE_CHECK(T >= 0 && T <= cfg_.max_tokens, "dispatch: ", T, " tokens, the layer holds at most ", cfg_.max_tokens);
   if (worker_) worker_->drain();  // a chunked pair abandoned by an error
   stats_ = {};
   h_.topk_slot_ = topk_slot;
+  h_.recv_pair_offset_.clear();
   build_layout(x, T, topk_weight);
   exchange(T);
   stats_.chunks = h_.chunks_;
@@ -449,31 +561,33 @@ void Dispatcher::combine(const DispatchHandle& h, const void* y, void* out) {
     MOE_CHECK(next_chunk_ == h_.chunks_, "dispatcher: combine after ", next_chunk_, " of ", h_.chunks_, " chunks");
     wait_for(last_op_);
   } else {
-    const void* results = encode_results(y, 0, h_.num_recv_rows_);
+    const void* results = encode_results(y, 0, h_.num_recv_pairs());
     be_.synchronize();
     if (opts_.isolate_transport_timing) comm_.barrier(deadline());
     const double t0 = now_seconds();
-    comm_.all_to_all_v(results, h_.recv_results_, back_rows_.get(), h_.send_results_, deadline());
+    comm_.all_to_all_v(results, segs(h_.recv_pairs_, combine_bytes_), back_rows_.get(),
+                       segs(h_.send_pairs_, combine_bytes_), deadline());
     stats_.combine_transport = now_seconds() - t0;
   }
   last_transfer_ = stats_.dispatch_transport + stats_.combine_transport;
-  // A token's rows from every rank, summed in rank order.
-  be_.unpermute({.num_rows = h_.num_tokens_, .top_k = cfg_.num_ranks, .hidden = cfg_.hidden,
-                 .out_dtype = cfg_.dtype, .accumulate = false, .in_dtype = combine_dtype_},
-                {.perm = back_rows_.get(), .pair_pos = h_.token_send_row_.as<int32_t>(), .pair_weight = nullptr,
+  // A token's pair rows, summed in k order.
+  be_.unpermute({.num_rows = h_.num_tokens_, .top_k = cfg_.top_k, .hidden = cfg_.hidden, .out_dtype = cfg_.dtype,
+                 .accumulate = false, .in_dtype = combine_dtype_, .num_perm_rows = h_.send_pair_offset_.back()},
+                {.perm = back_rows_.get(), .pair_pos = h_.pair_back_pos_.as<int32_t>(), .pair_weight = nullptr,
                  .out = out});
 }
 
-// Bytes of the backward pair (docs/transport.md#accounting).
+// Bytes of the backward pair (docs/transport.md#accounting): a grad row per
+// dispatched row out; back, a row per pair and K weight gradients per row.
 void Dispatcher::count_backward_bytes() {
   const int R = cfg_.num_ranks;
-  const int64_t row = static_cast<int64_t>(row_bytes_), row_back = static_cast<int64_t>(row_bytes_ + cfg_.top_k * kWeightBytes);
+  const int64_t row = static_cast<int64_t>(row_bytes_), weights = static_cast<int64_t>(cfg_.top_k * kWeightBytes);
   for (int r = 0; r < R; ++r) {
     if (r == comm_.rank()) continue;
     stats_.backward_dispatch_bytes += h_.send_counts_[r] * row;
     stats_.backward_dispatch_received_bytes += h_.recv_counts_[r] * row;
-    stats_.backward_combine_bytes += h_.recv_counts_[r] * row_back;
-    stats_.backward_combine_received_bytes += h_.send_counts_[r] * row_back;
+    stats_.backward_combine_bytes += h_.recv_counts_[r] * weights + pairs_out_[r] * row;
+    stats_.backward_combine_received_bytes += h_.send_counts_[r] * weights + pairs_in_[r] * row;
   }
 }
 
@@ -512,7 +626,7 @@ void Dispatcher::post_grad_result_chunk(int c, const void* grad_rows, const floa
   const ChunkPlan& p = plan_[c];
   last_op_ = worker_->post([this, &p, grad_rows, grad_pair_weight] {
     const double t0 = now_seconds();
-    comm_.all_to_all_v({AllToAllBuffer{grad_rows, &p.recv_grad, back_rows_.get(), &p.send_grad},
+    comm_.all_to_all_v({AllToAllBuffer{grad_rows, &p.recv_grad_pairs, back_rows_.get(), &p.send_grad_pairs},
                         AllToAllBuffer{grad_pair_weight, &p.recv_grad_w, back_gw_.get(), &p.send_grad_w}},
                        deadline());
     stats_.backward_combine_transport += now_seconds() - t0;
@@ -545,14 +659,15 @@ void Dispatcher::dispatch_backward(const DispatchHandle& h, const void* grad_row
     const double t0 = now_seconds();
     const Segments grad_meta_recv = scaled(h_.recv_counts_, K * kWeightBytes);
     const Segments grad_meta_send = scaled(h_.send_counts_, K * kWeightBytes);
-    comm_.all_to_all_v({AllToAllBuffer{grad_rows, &h_.recv_rows_segs_, back_rows_.get(), &h_.send_rows_},
+    const Segments grad_recv = segs(h_.recv_pairs_, row_bytes_), grad_send = segs(h_.send_pairs_, row_bytes_);
+    comm_.all_to_all_v({AllToAllBuffer{grad_rows, &grad_recv, back_rows_.get(), &grad_send},
                         AllToAllBuffer{grad_pair_weight, &grad_meta_recv, back_gw_.get(), &grad_meta_send}},
                        deadline());
     stats_.backward_combine_transport = now_seconds() - t0;
   }
-  be_.unpermute({.num_rows = h_.num_tokens_, .top_k = R, .hidden = cfg_.hidden, .out_dtype = DType::kF32,
-                 .accumulate = false, .in_dtype = cfg_.dtype},
-                {.perm = back_rows_.get(), .pair_pos = h_.token_send_row_.as<int32_t>(), .pair_weight = nullptr,
+  be_.unpermute({.num_rows = h_.num_tokens_, .top_k = K, .hidden = cfg_.hidden, .out_dtype = DType::kF32,
+                 .accumulate = false, .in_dtype = cfg_.dtype, .num_perm_rows = h_.send_pair_offset_.back()},
+                {.perm = back_rows_.get(), .pair_pos = h_.pair_back_pos_.as<int32_t>(), .pair_weight = nullptr,
                  .out = grad_x32});
   be_.combine_pair_scalars(h_.topk_slot_, h_.token_send_row_.as<int32_t>(), h_.num_tokens_, K, R,
                            cfg_.slots_per_rank, back_gw_.as<float>(), grad_topk_weight);

@@ -63,15 +63,19 @@ void EpLayer::install_map(const ExpertMap& map) {
   be_.copy_to_device(logcnt_.get(), map.logcnt.data(), 4 * map.logcnt.size());
 }
 
-// Buffers of the received rows' results: combined rows, and in train mode the
-// per-pair weight gradients.
+// Buffers of the received rows: in train mode their per-pair weight gradients.
 void EpLayer::reserve_rows(int64_t n) {
   if (n <= recv_capacity_) return;
   recv_capacity_ = n;
-  const size_t N = n, K = cfg_.top_k;
-  combined_ = Buffer(be_, N * kernels::dtype_size(cfg_.dtype) * cfg_.hidden);
-  if (cfg_.train) grad_pair_weight_ = Buffer(be_, 4 * N * K);
+  if (cfg_.train) grad_pair_weight_ = Buffer(be_, 4 * static_cast<size_t>(n) * cfg_.top_k);
   experts_->reserve(n);
+}
+
+// The results of the received pairs, a row each (and their input gradients).
+void EpLayer::reserve_pairs(int64_t pairs) {
+  if (pairs <= pair_capacity_) return;
+  pair_capacity_ = pairs;
+  combined_ = Buffer(be_, static_cast<size_t>(pairs) * kernels::dtype_size(cfg_.dtype) * cfg_.hidden);
 }
 
 void EpLayer::set_weights(const model::LayerWeights& w) {
@@ -158,6 +162,12 @@ void EpLayer::update_selection_bias(double rate) {
   router_.set_selection_bias(selection_bias_);
 }
 
+// The received rows as the experts see them: chunk runs, results a row per pair,
+// weight gradients in source order.
+RowLayout EpLayer::row_layout(const DispatchHandle& h) {
+  return {.row_order = h.row_order(), .pair_row_offset = h.recv_pair_offset(), .source_rank = h.source_rank()};
+}
+
 void EpLayer::forward(const void* x, int64_t T, int64_t token_begin, void* out) {
   const int K = cfg_.top_k;
   x_ = x;
@@ -182,8 +192,9 @@ void EpLayer::forward(const void* x, int64_t T, int64_t token_begin, void* out) 
   if (dispatcher_->chunks() > 1) {
     forward_chunks(h, out);
   } else {
+    reserve_pairs(h.num_recv_pairs());
     experts_->forward(h.recv_rows(), h.num_recv_rows(), h.recv_slot(), h.recv_weight(), combined_.get(),
-                      h.row_order());
+                      row_layout(h));
     for (int64_t n : experts_->expert_rows()) stats_.computed_pairs += n;
     t1 = now_seconds();
     stats_.expert = t1 - t0;
@@ -213,7 +224,8 @@ void EpLayer::forward_chunks(const DispatchHandle& h, void* out) {
     double t1 = now_seconds();
     stats_.dispatch += t1 - t0;
     if (c == 0) {
-      experts_->layout(h.recv_slot(), h.recv_weight(), h.num_recv_rows(), h.row_order());
+      reserve_pairs(h.num_recv_pairs());
+      experts_->layout(h.recv_slot(), h.recv_weight(), h.num_recv_rows(), row_layout(h));
       for (int64_t n : experts_->expert_rows()) stats_.computed_pairs += n;
     }
     experts_->forward_rows(h.recv_rows(), ch.first_row, ch.num_rows, combined_.get());

@@ -156,6 +156,8 @@ void ExpertStage::reserve(int64_t rows) {
   perm_weight_ = Buffer(be_, 4 * N * K);
   pair_pos_ = Buffer(be_, 4 * N * K);
   pair_y_ = Buffer(be_, 4 * M * H);
+  pair_src_ = Buffer(be_, 4 * M);
+  if (cfg_.train) wgrad_order_ = Buffer(be_, 4 * M);
   if (cfg_.train) {
     saved_gu_ = Buffer(be_, 4 * M * 2 * I);
     grad_perm_weight_ = Buffer(be_, 4 * M);
@@ -165,8 +167,8 @@ void ExpertStage::reserve(int64_t rows) {
 }
 
 void ExpertStage::forward(const void* rows, int64_t N, const int32_t* row_expert, const float* row_weight,
-                          void* combined, const int32_t* row_order) {
-  layout(row_expert, row_weight, N, row_order);
+                          void* combined, const RowLayout& rl) {
+  layout(row_expert, row_weight, N, rl);
   run_forward(rows, 0, N, combined, {});
 }
 
@@ -177,11 +179,12 @@ void ExpertStage::backward(const void* grad_combined, void* grad_rows, DType gra
   has_forward_ = false;  // the backward consumed the forward's saved_gu (api.h)
 }
 
-void ExpertStage::layout(const int32_t* row_expert, const float* row_weight, int64_t N, const int32_t* row_order) {
+void ExpertStage::layout(const int32_t* row_expert, const float* row_weight, int64_t N, const RowLayout& rl) {
   reserve(N);
   N_ = N;
   rows_ = grad_combined_ = nullptr;
   has_layout_ = true;
+  host_layout_ = false;
   has_forward_ = false;
   parts_.clear();
   dgrad_rows_ = 0;
@@ -195,25 +198,83 @@ void ExpertStage::layout(const int32_t* row_expert, const float* row_weight, int
   pl.perm_weight = perm_weight_.as<float>();
   pl.pair_pos = pair_pos_.as<int32_t>();
   pl.workspace = layout_ws_.get();
-  pl.row_order = row_order;
+  pl.row_order = rl.row_order;
   be_.permute_layout({N, cfg_.top_k, L_}, pl);
   MOE_CHECK(expert_offset_[L_] <= mlp_config().max_rows, "expert stage: ", expert_offset_[L_],
             " pairs exceed the reserved ", mlp_config().max_rows);
   be_.synchronize();
+  lay_out_pair_rows(rl.pair_row_offset);
+  order_weight_grads(rl.row_order ? rl.source_rank : nullptr);
   times_.layout = now_seconds() - t0;
+}
+
+void ExpertStage::copy_layout_to_host() {
+  if (host_layout_) return;
+  const int64_t M = expert_offset_[L_];
+  host_src_row_.resize(M);
+  host_pair_pos_.resize(N_ * cfg_.top_k);
+  be_.copy_to_host(host_src_row_.data(), perm_src_row_.get(), 4 * M);
+  be_.copy_to_host(host_pair_pos_.data(), pair_pos_.get(), 4 * N_ * cfg_.top_k);
+  host_layout_ = true;
+}
+
+// The output row of every pair, when the caller asked for pair rows: row n's
+// pairs (pair_pos >= 0) in k order from pair_row_offset[n], which must count them.
+void ExpertStage::lay_out_pair_rows(const int64_t* pair_row_offset) {
+  pair_row_offset_.clear();
+  if (!pair_row_offset) return;
+  const int K = cfg_.top_k;
+  copy_layout_to_host();
+  pair_row_offset_.assign(pair_row_offset, pair_row_offset + N_ + 1);
+  host_pair_src_.clear();
+  for (int64_t n = 0; n < N_; ++n) {
+    for (int k = 0; k < K; ++k)
+      if (host_pair_pos_[n * K + k] >= 0) host_pair_src_.push_back(host_pair_pos_[n * K + k]);
+    MOE_CHECK(static_cast<int64_t>(host_pair_src_.size()) == pair_row_offset_[n + 1],
+              "expert stage: row ", n, " has ", host_pair_src_.size() - pair_row_offset_[n],
+              " local pairs, its pair rows say ", pair_row_offset_[n + 1] - pair_row_offset_[n]);
+  }
+  be_.copy_to_device(pair_src_.get(), host_pair_src_.data(), 4 * host_pair_src_.size());
+}
+
+// The weight gradients' order: each expert's pairs by their rows' source rank
+// (stable), when the layout's order (row_order's) may differ from it.
+void ExpertStage::order_weight_grads(const int64_t* source_rank) {
+  wgrad_ordered_ = cfg_.train && source_rank;
+  if (!wgrad_ordered_) return;
+  copy_layout_to_host();
+  const int64_t M = expert_offset_[L_];
+  host_wgrad_order_.resize(M);
+  for (int64_t m = 0; m < M; ++m) host_wgrad_order_[m] = static_cast<int32_t>(m);
+  for (int e = 0; e < L_; ++e)
+    std::stable_sort(host_wgrad_order_.begin() + expert_offset_[e], host_wgrad_order_.begin() + expert_offset_[e + 1],
+                     [&](int32_t a, int32_t b) {
+                       return source_rank[host_src_row_[a]] < source_rank[host_src_row_[b]];
+                     });
+  be_.copy_to_device(wgrad_order_.get(), host_wgrad_order_.data(), 4 * M);
+}
+
+// pair_y_'s values of rows [first, first + n) into out: summed per row in k
+// order, or one row per pair (pair rows).
+void ExpertStage::write_rows(int64_t first, int64_t n, void* out, DType dtype) {
+  const int K = cfg_.top_k, H = cfg_.hidden;
+  const size_t out_row = kernels::dtype_size(dtype) * H;
+  if (pair_row_offset_.empty()) {
+    be_.unpermute({n, K, H, dtype, false, DType::kF32, expert_offset_[L_]},
+                  {pair_y_.get(), pair_pos_.as<int32_t>() + first * K, nullptr,
+                   static_cast<uint8_t*>(out) + first * out_row});
+    return;
+  }
+  const int64_t p0 = pair_row_offset_[first], p1 = pair_row_offset_[first + n];
+  be_.unpermute({p1 - p0, 1, H, dtype, false, DType::kF32, expert_offset_[L_]},
+                {pair_y_.get(), pair_src_.as<int32_t>() + p0, nullptr, static_cast<uint8_t*>(out) + p0 * out_row});
 }
 
 // The next part: each expert's pairs from where the last part ended, as long as
 // their rows are in [first, first + n); all of the rows' pairs must be found.
 const ExpertStage::Part& ExpertStage::add_part(int64_t first, int64_t n) {
   const int K = cfg_.top_k;
-  if (parts_.empty()) {
-    const int64_t M = expert_offset_[L_];
-    host_src_row_.resize(M);
-    host_pair_pos_.resize(N_ * K);
-    be_.copy_to_host(host_src_row_.data(), perm_src_row_.get(), 4 * M);
-    be_.copy_to_host(host_pair_pos_.data(), pair_pos_.get(), 4 * N_ * K);
-  }
+  copy_layout_to_host();
   Part p{.first = first, .n = n, .begin = std::vector<int64_t>(L_), .end = std::vector<int64_t>(L_)};
   int64_t found = 0, want = 0;
   for (int e = 0; e < L_; ++e) {
@@ -249,7 +310,6 @@ void ExpertStage::run_forward(const void* rows, int64_t first, int64_t n, void* 
                               const kernels::ExpertMlpPart& part) {
   rows_ = rows;
   has_forward_ = true;
-  const int K = cfg_.top_k, H = cfg_.hidden;
   double t0 = now_seconds();
   kernels::ExpertMlpForwardArgs a;
   a.rows = rows;
@@ -270,9 +330,7 @@ void ExpertStage::run_forward(const void* rows, int64_t first, int64_t n, void* 
   times_.mlp += t1 - t0;
 
   // y is already weighted: the local combine is a plain per-row sum.
-  const size_t out_row = kernels::dtype_size(cfg_.dtype) * H;
-  be_.unpermute({n, K, H, cfg_.dtype, false, DType::kF32, expert_offset_[L_]},
-                {pair_y_.get(), pair_pos_.as<int32_t>() + first * K, nullptr, static_cast<uint8_t*>(combined) + first * out_row});
+  write_rows(first, n, combined, cfg_.dtype);
   be_.synchronize();
   times_.combine += now_seconds() - t1;
 }
@@ -293,6 +351,7 @@ kernels::ExpertMlpBackwardArgs ExpertStage::backward_args(const void* grad_combi
   m.grad_perm_weight = grad_perm_weight_.as<float>();
   m.grad_w13 = grad_w13_.as<float>();
   m.grad_w2 = grad_w2_.as<float>();
+  m.wgrad_order = wgrad_ordered_ ? wgrad_order_.as<int32_t>() : nullptr;
   m.workspace = mlp_ws_.get();
   m.phase = phase;
   return m;
@@ -316,14 +375,11 @@ void ExpertStage::run_dgrad(const void* grad_combined, int64_t first, int64_t n,
   MOE_CHECK(dgrad_rows_ == 0 || grad_combined == grad_combined_,
             "expert stage: the backward's row parts read different gradient buffers");
   grad_combined_ = grad_combined;
-  const int K = cfg_.top_k, H = cfg_.hidden;
+  const int K = cfg_.top_k;
   kernels::ExpertMlpBackwardArgs m = backward_args(grad_combined, phase);
   m.part = part;
   be_.expert_mlp_backward(mlp_config(), m);
-  const size_t out_row = kernels::dtype_size(grad_rows_dtype) * H;
-  be_.unpermute({n, K, H, grad_rows_dtype, false, DType::kF32, expert_offset_[L_]},
-                {pair_y_.get(), pair_pos_.as<int32_t>() + first * K, nullptr,
-                 static_cast<uint8_t*>(grad_rows) + first * out_row});
+  write_rows(first, n, grad_rows, grad_rows_dtype);
   be_.unpermute_scalars(pair_pos_.as<int32_t>() + first * K, n, K, grad_perm_weight_.as<float>(),
                         grad_pair_weight + first * K);
   dgrad_rows_ += n;

@@ -38,7 +38,8 @@ namespace {
 //   train only: h_perm [M, I] and, where the weight gradients read bf16 operands
 //   (oneDNN), dgu16 [M, 2I], both in wgrad_operand_dtype
 // xp holds a tile's gathered rows: x in forward, the output gradient g in dgrad,
-// g or x again for each row chunk of the weight gradients. An fp32 dgu is stored
+// and for each row chunk of the weight gradients the operands it gathers (g or x,
+// and h or dgu in a wgrad_order), back to back over the thread's region. An fp32 dgu is stored
 // over saved_gu: each row's gu is read before its dgu is stored, and nothing
 // reads gu after the dgrad.
 struct Layout {

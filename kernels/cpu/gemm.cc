@@ -17,6 +17,7 @@ namespace {
 constexpr int64_t kMinTileRows = 128;    // below this, repacking W per call dominates
 constexpr int64_t kGemmMaxTileRows = 1024;
 constexpr int64_t kMinWgradTileRows = 64;
+constexpr int64_t kWgradTileWork = 256 * 1024;  // pairs x output rows of a wgrad tile, about
 
 void sort_largest_first(std::vector<GemmTile>& tiles) {
   std::stable_sort(tiles.begin(), tiles.end(), [](const GemmTile& a, const GemmTile& b) {
@@ -90,14 +91,15 @@ void plan_row_tiles(CpuExec& exec, const int64_t* begin, const int64_t* end, int
   sort_largest_first(exec.tiles);
 }
 
+// A group's split depends on its own rows and n alone, never on the other groups
+// or the thread count: an engine's sum for an element may depend on the tile's
+// width, so an expert's gradient keeps its bits wherever it is hosted and beside
+// whichever experts (docs/layer.md#determinism).
 void plan_wgrad_tiles(CpuExec& exec, const int64_t* offset, int num_groups, int64_t n) {
-  const int64_t total = offset[num_groups] - offset[0];
-  const int64_t target = std::max<int64_t>(
-      1, ceil_div(total, 2 * static_cast<int64_t>(exec.pool.num_threads())));
   exec.tiles.clear();
   for (int g = 0; g < num_groups; ++g) {
     const int64_t m = offset[g + 1] - offset[g];
-    const int64_t pieces = std::clamp<int64_t>(ceil_div(m, target), 1,
+    const int64_t pieces = std::clamp<int64_t>(ceil_div(m * n, kWgradTileWork), 1,
                                                std::max<int64_t>(1, n / kMinWgradTileRows));
     for (int64_t p = 0; p < pieces; ++p) exec.tiles.push_back({g, n * p / pieces, n * (p + 1) / pieces});
   }

@@ -1,6 +1,7 @@
 // The same job gives the same bits (docs/layer.md#overlap): a train job's loss
 // curve, bit for bit, at every chunk count of the overlapped dispatch/combine
-// (fixed and chosen per step by the rule), and when submitted twice; fp32 and bf16.
+// (fixed and chosen per step by the rule), when submitted twice, and across a
+// live rebalance that moves experts; fp32 and bf16.
 // Real processes: a 2x2 local cluster, moectl, UCX between the daemons. The
 // numeric run with the narrowest ISA forced runs it too (deploy/local/test.sh).
 #include <gtest/gtest.h>
@@ -41,6 +42,35 @@ TEST(Determinism, ATrainJobGivesTheSameBitsAtEveryChunkCountAndWhenRunTwice) {
         EXPECT_EQ(r.loss(s), serial.loss(s)) << "--overlap-chunks " << chunks << " (ran " << r.overlap_chunks()
                                              << "), step " << s;
     }
+  }
+}
+
+// docs/layer.md#determinism: where an expert lives changes no bit, so a live
+// rebalance that moves experts mid-job (no replicas) leaves the loss curve's bits.
+TEST(Determinism, ALiveRebalanceThatMovesExpertsKeepsTheBits) {
+  Cluster c(2, 2);
+  ASSERT_TRUE(c.up());
+  for (const std::string dtype : {"fp32", "bf16"}) {
+    SCOPED_TRACE(dtype);
+    const std::vector<std::string> job = {"--mode", "train", "--experts", "16", "--top-k", "4", "--hidden", "128",
+                                          "--ffn-hidden", "64", "--tokens-per-rank", "256", "--skew", "zipf:1.2",
+                                          "--lr", "0.01", "--steps", "40", "--dtype", dtype, "--overlap-chunks", "0"};
+    auto [rc, out] = c.ctl(concat({"--output", "json", "job", "submit", "--wait"}, job), 120s);
+    ASSERT_EQ(rc, 0) << out << c.logs();
+    const v1::JobResult plain = parse_result(out);
+    std::tie(rc, out) = c.ctl(concat({"job", "submit"}, job));
+    ASSERT_EQ(rc, 0) << out;
+    const std::string id = out.substr(0, out.find('\n'));
+    ASSERT_TRUE(poll_until([&] { return c.job(id).steps_completed() >= 3; }, 60s)) << c.logs();
+    std::tie(rc, out) = c.ctl({"placement", "rebalance", "--redundant-experts", "0"}, 60s);
+    ASSERT_EQ(rc, 0) << out << c.logs();
+    EXPECT_NE(out.find("rebalance committed"), std::string::npos) << out;
+    std::tie(rc, out) = c.ctl({"--output", "json", "job", "wait", id}, 120s);
+    const v1::JobResult moved = parse_result(out);
+    ASSERT_EQ(moved.state(), v1::JOB_STATE_SUCCEEDED) << moved.message() << c.logs();
+    EXPECT_EQ(moved.epochs_size(), 2) << "the rebalance landed mid-job";
+    ASSERT_EQ(moved.loss_size(), plain.loss_size());
+    for (int s = 0; s < moved.loss_size(); ++s) EXPECT_EQ(moved.loss(s), plain.loss(s)) << "step " << s;
   }
 }
 

@@ -115,6 +115,12 @@ moe::ExpertMap EpCase::expert_map() const {
       for (int e = 0; e < E; ++e) p[(e / S) * S + e % S] = e;
       return moe::ExpertMap::make(E, R, S, std::move(p));
     }
+    case MapKind::kReversed: {
+      // The contiguous map read backwards: rank r hosts rank R-1-r's experts, last first.
+      const moe::ExpertMap c = moe::ExpertMap::contiguous(E, R);
+      std::vector<int32_t> p(c.phy2log.rbegin(), c.phy2log.rend());
+      return moe::ExpertMap::make(E, R, c.slots_per_rank, std::move(p));
+    }
   }
   detail::fail("unknown map kind");
 }

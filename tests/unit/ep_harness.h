@@ -15,7 +15,7 @@
 
 namespace moe::test {
 
-enum class MapKind { kContiguous, kReplicas, kEmptyRank };
+enum class MapKind { kContiguous, kReplicas, kEmptyRank, kReversed };
 
 struct EpCase {
   std::string name;

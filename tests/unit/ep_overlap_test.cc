@@ -123,10 +123,11 @@ TEST(OverlapUcx, ChunksOverUcxGiveTheSerialBits) {
   }
 }
 
-// A dispatcher alone, with experts that return their rows: combine then gives
-// each token x times the number of ranks it went to; the backward pair, with
-// "experts" that return their grad rows and a weight gradient of 1 a pair, gives
-// grad_out times that number, and 1 for every routed pair.
+// A dispatcher alone, with experts that return their row for each of its pairs:
+// combine then gives each token x times the number of its routed pairs; the
+// backward pair, with "experts" that return their grad row for each pair and a
+// weight gradient of 1 a pair, gives grad_out times that number, and 1 for every
+// routed pair.
 struct IdentityRun {
   int chunks = 0;
   std::vector<int64_t> chunk_rows;  // received rows per chunk, forward
@@ -149,24 +150,32 @@ IdentityRun identity_pair(transport::Communicator& comm, int asked_chunks, int64
   const ep::DispatchHandle& h = d.dispatch(x.data(), T, slot.data(), weight.data());
   if (die == Die::kAfterDispatch) throw std::runtime_error("rank gone");
   const int64_t N = h.num_recv_rows();
-  std::vector<float> y(N * H);
+  std::vector<float> y;
+  // Each received row's pair rows (h.recv_pair_offset()) hold a copy of `rows`' row.
+  auto per_pair = [&](const float* rows, int64_t first, int64_t n, std::vector<float>& out) {
+    out.resize(h.num_recv_pairs() * H);
+    for (int64_t i = first; i < first + n; ++i)
+      for (int64_t p = h.recv_pair_offset()[i]; p < h.recv_pair_offset()[i + 1]; ++p)
+        std::copy_n(rows + i * H, H, out.data() + p * H);
+  };
   IdentityRun run;
   for (int c = 0; c < d.chunks(); ++c) {
     const ep::ChunkRows ch = d.next_chunk();
-    std::copy_n(static_cast<const float*>(h.recv_rows()) + ch.first_row * H, ch.num_rows * H, y.data() + ch.first_row * H);
+    per_pair(static_cast<const float*>(h.recv_rows()), ch.first_row, ch.num_rows, y);
     d.chunk_done(y.data());
     run.chunk_rows.push_back(ch.num_rows);
   }
   run.chunks = d.chunks();
   run.out.resize(T * H);
+  if (d.chunks() == 1) per_pair(static_cast<const float*>(h.recv_rows()), 0, N, y);
   d.combine(h, y.data(), run.out.data());
 
   // Backward with grad_out = x: the grad rows come back as they went out.
   const auto* g = static_cast<const float*>(d.combine_backward(h, x.data()));
   if (die == Die::kMidBackward) throw std::runtime_error("rank gone");
-  std::vector<float> grad_rows(N * H), grad_pair_weight(N * K);
+  std::vector<float> grad_rows, grad_pair_weight(N * K);
   auto compute = [&](int64_t first, int64_t n) {
-    std::copy_n(g + first * H, n * H, grad_rows.data() + first * H);
+    per_pair(g, first, n, grad_rows);
     for (int64_t i = first * K; i < (first + n) * K; ++i) grad_pair_weight[i] = h.recv_slot()[i] >= 0 ? 1.0f : 0.0f;
   };
   if (d.chunks() == 1) compute(0, N);
@@ -181,17 +190,12 @@ IdentityRun identity_pair(transport::Communicator& comm, int asked_chunks, int64
 
   run.want.assign(T * H, 0.0f);
   run.want_grad_topk_weight.assign(T * K, 0.0f);
-  for (int64_t t = 0; t < T; ++t) {
-    std::vector<bool> to(R, false);
+  for (int64_t t = 0; t < T; ++t)
     for (int k = 0; k < K; ++k)
       if (slot[t * K + k] >= 0) {
-        to[slot[t * K + k] / S] = true;
         run.want_grad_topk_weight[t * K + k] = 1.0f;
-      }
-    for (int r = 0; r < R; ++r)
-      if (to[r])
         for (int i = 0; i < H; ++i) run.want[t * H + i] += x[t * H + i];
-  }
+      }
   return run;
 }
 

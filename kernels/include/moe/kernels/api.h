@@ -226,8 +226,8 @@ struct PermuteArgs {
 
 // Unpermute, the local combine: out[n] = sum_k w[n,k] * perm[pair_pos[n,k]],
 // summed in k order in fp32; a row with no pair gets zeros. w null means 1. With
-// pair_pos = token_send_row (top_k = R) it is the EP combine: a token's rows from
-// every rank, summed in rank order.
+// pair_pos [T, K] the positions of each pair's returned row it is the EP combine
+// (a token's K results summed in k order); top_k = 1 gathers rows.
 struct UnpermuteConfig {
   int64_t num_rows = 0;  // N
   int top_k = 0;
@@ -384,6 +384,12 @@ struct ExpertMlpBackwardArgs {
   ExpertMlpStats* stats = nullptr;        // HOST, accumulated into when not null
   MlpBackwardPhase phase = MlpBackwardPhase::kAll;
   ExpertMlpPart part;                     // kDgrad only: the pairs to compute
+  // [M] or null (the layout's order): the order in which the weight gradients sum
+  // each expert's pairs, a permutation of each [expert_offset[e], expert_offset[e+1]).
+  // So an expert's gradient can keep its bits when a layout orders its pairs
+  // otherwise (docs/layer.md#determinism). The CUDA backend ignores it: cuBLAS
+  // picks its own summation order by shape.
+  const int32_t* wgrad_order = nullptr;
 };
 
 // ---------------------------------------------------------------------------

@@ -5,8 +5,9 @@
 //   dispatch(x, topk_slot, topk_weight) -> handle: the rows this rank received,
 //       each with its local expert slots and routing weights. A token goes to a
 //       rank ONCE however many of its experts live there; the receiver fans it out.
-//   combine(handle, y, out): each received row's result goes back to its source,
-//       which sums a token's rows in rank order.
+//   combine(handle, y, out): each received row's results go back to its source
+//       as one row per pair (its local slots in k order), and the source sums a
+//       token's K rows in k order, wherever its experts live.
 // Backward reuses the forward's handle (docs/layer.md#backward): combine^T = dispatch, so
 //   combine_backward(handle, grad_out) sends grad_out rows where x rows went;
 //   dispatch_backward(handle, grad_rows, grad_pair_weight) brings the grad rows
@@ -20,8 +21,9 @@
 //
 // Wire sizes (docs/transport.md#accounting: bytes for OTHER ranks only):
 //   a dispatched row  = wire row bytes + K x (int32 slot + fp32 weight)
-//   a combined row    = combine wire row bytes
-//   a backward row    = row_bytes (+ K fp32 weight gradients on the way back)
+//   a combined row    = combine wire row bytes, one per (token, expert) pair
+//   a backward row    = row_bytes out; back, row_bytes a pair + K fp32 weight
+//                       gradients a row
 //   the naive scheme  = one row + one slot + one weight per (token, expert) pair
 //
 // Overlap (docs/layer.md#overlap): with more than one rank the dispatcher may split
@@ -44,8 +46,8 @@
 //
 // The ranks agree on the chunk count at every dispatch (the largest any rank
 // proposes); the backward uses the forward's. A row is computed the same way in
-// any chunk, and a token's rows are summed in rank order after all of them are
-// back, so the outputs do not depend on the chunking. Sums over rows (weight
+// any chunk, and a token's pair rows are summed in k order after all of them are
+// back, so the outputs depend on neither the chunking nor the placement. Sums over rows (weight
 // gradients) take them in h.row_order(), which no chunking changes.
 #pragma once
 
@@ -119,6 +121,11 @@ struct ChunkRows {
 
 class Dispatcher;
 
+// Rows [first[r], first[r] + count[r]) of a buffer, per peer r.
+struct PairRanges {
+  std::vector<size_t> first, count;
+};
+
 // What dispatch leaves for combine and the backward pair. Owned by its
 // Dispatcher and valid until the next dispatch.
 class DispatchHandle {
@@ -132,6 +139,16 @@ class DispatchHandle {
   // count cuts into runs, chunk c being the c-th run ([N], docs/layer.md#overlap);
   // null otherwise.
   const int32_t* row_order() const { return row_order_.as<int32_t>(); }  // allocated only then
+  // The results' layout (docs/layer.md#dispatch-and-combine): received row n's
+  // results are rows [recv_pair_offset()[n], recv_pair_offset()[n + 1]) of y, one
+  // per local slot of the row in k order. Host, [N + 1]; set once the rows' slots
+  // are in (after dispatch, or a chunked dispatch's first next_chunk).
+  const int64_t* recv_pair_offset() const { return recv_pair_offset_.data(); }
+  // Each received row's place in source order (peer by peer, each peer's rows as
+  // it sent them), which no chunking or placement changes the relative order of.
+  // Host, [N]; set with recv_pair_offset.
+  const int64_t* source_rank() const { return source_rank_.data(); }
+  int64_t num_recv_pairs() const { return recv_pair_offset_.empty() ? 0 : recv_pair_offset_.back(); }
 
  private:
   friend class Dispatcher;
@@ -141,8 +158,14 @@ class DispatchHandle {
   std::vector<int64_t> send_counts_, recv_counts_;  // rows per peer
   std::vector<int64_t> rank_offset_;                // [R + 1] host
   transport::Segments send_rows_, recv_rows_segs_, send_meta_, recv_meta_;  // rows: layer dtype
-  transport::Segments send_wire_, recv_wire_, send_results_, recv_results_;  // the forward's wires
+  transport::Segments send_wire_, recv_wire_;  // the forward's dispatch wire
+  // Serial: the pair rows coming back (results, input gradients) per peer, of its
+  // received rows (recv) and of this rank's send rows (send).
+  PairRanges recv_pairs_, send_pairs_;
+  std::vector<int64_t> recv_pair_offset_, send_pair_offset_;  // host, [N + 1], [send rows + 1]
+  std::vector<int64_t> source_rank_;                          // host, [N]
   kernels::Buffer token_send_row_, send_src_token_;  // the layout, [T, R] and [rows]
+  kernels::Buffer pair_back_pos_;  // [T, K]: pair (t, k)'s row among the returned pair rows, or -1
   kernels::Buffer recv_rows_, recv_slot_, recv_weight_, row_order_;
 };
 
@@ -158,10 +181,10 @@ class Dispatcher {
   int chunks() const { return h_.chunks_; }
   // Chunked: waits for the next chunk's rows and sends the one after it.
   ChunkRows next_chunk();
-  // Chunked: the rows of the chunk next_chunk() gave are computed in y [N, H]; sends them back.
+  // Chunked: the pairs of the chunk next_chunk() gave are computed in y [P, H]; sends them back.
   void chunk_done(const void* y);
-  // y [N, H] dtype, one row per received row -> out [T, H] dtype. Chunked: waits
-  // for every chunk's results (y was sent by chunk_done).
+  // y [P, H] dtype, a row per received pair (h.recv_pair_offset()) -> out [T, H]
+  // dtype. Chunked: waits for every chunk's results (y was sent by chunk_done).
   void combine(const DispatchHandle& h, const void* y, void* out);
   // The forward's expert seconds and (token, expert) pairs per local expert of
   // the step, for the next chunk proposal.
@@ -174,11 +197,11 @@ class Dispatcher {
   const void* combine_backward(const DispatchHandle& h, const void* grad_out);
   // Chunked: waits for the next chunk's grad rows and sends the one after it.
   ChunkRows next_backward_chunk();
-  // Chunked: that chunk's rows of grad_rows [N, H] and grad_pair_weight [N, K] are
-  // computed; sends them back.
+  // Chunked: that chunk's pairs of grad_rows [P, H] and rows of grad_pair_weight
+  // [N, K] are computed; sends them back.
   void backward_chunk_done(const void* grad_rows, const float* grad_pair_weight);
-  // grad_rows [N, H] dtype, grad_pair_weight [N, K] -> grad_x32 [T, H] (=, rank
-  // order) and grad_topk_weight [T, K] at the source. Chunked: waits for every
+  // grad_rows [P, H] dtype (a row per received pair), grad_pair_weight [N, K] ->
+  // grad_x32 [T, H] (=, k order) and grad_topk_weight [T, K] at the source. Chunked: waits for every
   // chunk (sent by backward_chunk_done).
   void dispatch_backward(const DispatchHandle& h, const void* grad_rows, const float* grad_pair_weight,
                          float* grad_x32, float* grad_topk_weight);
@@ -199,6 +222,8 @@ class Dispatcher {
   bool can_chunk() const;
   void plan_chunks();
   void build_row_order();
+  void lay_out_returns();
+  void plan_returns(const std::vector<int64_t>& recv_first);
   void post_dispatch_chunk(int c);
   void post_combine_chunk(int c, const void* y);
   void post_grad_chunk(int c);
@@ -207,8 +232,9 @@ class Dispatcher {
   void wait_for(transport::TransferWorker::OpId id);
   void encode_send_rows(const void* x, int64_t T);
   void decode_rows(int64_t first, int64_t n);
-  const void* encode_results(const void* y, int64_t first, int64_t n);
+  const void* encode_results(const void* y, int64_t first_pair, int64_t pairs);
   void count_bytes();
+  void count_return_bytes(const std::vector<size_t>& out, const std::vector<size_t>& in);
   void count_backward_bytes();
   void reserve(int64_t rows);
   void check(const DispatchHandle& h) const;
@@ -230,13 +256,17 @@ class Dispatcher {
   kernels::Buffer send_wire_, recv_wire_, y_wire_;
   kernels::Buffer proposals_;  // [3 R] floats: propose_chunks' all-reduce
   std::vector<int32_t> per_slot_host_;  // pairs per physical slot, for the naive figures
+  std::vector<int32_t> host_slots_, host_send_row_, host_back_pos_;  // lay_out_returns' copies
+  std::vector<int64_t> pairs_out_, pairs_in_;  // pair rows back per peer: this rank's results, and ours from it
   DispatchStats stats_;
   // Chunked pairs: per chunk, the segments of rows and of metadata each way.
   struct ChunkPlan {
     transport::Segments send_rows, recv_rows, send_meta, recv_meta;  // rows: dispatch wire bytes
-    transport::Segments send_results, recv_results;                 // combine wire bytes, back
     transport::Segments send_grad, recv_grad;                       // backward rows: row_bytes_
     transport::Segments send_grad_w, recv_grad_w;                   // K weight gradients a row, back
+    PairRanges send_row_ranges, recv_row_ranges;                    // the chunk's rows, per peer
+    // Pair rows back (plan_returns): results in combine wire bytes, input gradients in row_bytes_.
+    transport::Segments send_results, recv_results, send_grad_pairs, recv_grad_pairs;
     int64_t first_row = 0, num_rows = 0;  // of the received rows (chunk-major)
     transport::TransferWorker::OpId arrived = 0;  // the op bringing its rows (forward or backward)
   };

@@ -154,6 +154,8 @@ class EpLayer {
  private:
   transport::Deadline deadline() const { return transport::deadline_in(opts_.timeout); }
   void reserve_rows(int64_t recv_rows);
+  static RowLayout row_layout(const DispatchHandle& h);
+  void reserve_pairs(int64_t recv_pairs);
   void gather_counts();
   RouterBalance balance_terms() const;
   void forward_chunks(const DispatchHandle& h, void* out);
@@ -181,7 +183,7 @@ class EpLayer {
   const DispatchHandle* handle_ = nullptr;  // of the last forward, for backward
   bool adam_ = false;                        // staged copies carry Adam moments
   const void* x_ = nullptr;
-  int64_t recv_capacity_ = -1;
+  int64_t recv_capacity_ = -1, pair_capacity_ = -1;
 
   kernels::Buffer log2phy_, logcnt_, topk_slot_;
   kernels::Buffer combined_, grad_pair_weight_, grad_topk_weight_, grad_x32_;

@@ -44,6 +44,21 @@ struct ExpertStageTimes {
   kernels::ExpertMlpStats mlp_stats;
 };
 
+// How an EP layer's received rows are laid out; every member may be null (a
+// local layer: rows in their own order, results summed per row).
+struct RowLayout {
+  // The order that cuts into the chunks of an overlapped layer (layout()).
+  const int32_t* row_order = nullptr;
+  // Results as pair rows: row n's weighted outputs (and backward, its input
+  // gradients) are rows [pair_row_offset[n], pair_row_offset[n + 1]) in k order
+  // (the EP combine's return rows, docs/layer.md#dispatch-and-combine). Host, [N + 1].
+  const int64_t* pair_row_offset = nullptr;
+  // Each row's place in source order (host, [N]): the weight gradients sum every
+  // expert's pairs in it, so the sum does not depend on row_order, which depends
+  // on what else the rank hosts (docs/layer.md#determinism).
+  const int64_t* source_rank = nullptr;
+};
+
 class ExpertStage {
  public:
   ExpertStage(const MoeLayerConfig& cfg, int num_local_experts, kernels::Backend& be);
@@ -53,26 +68,27 @@ class ExpertStage {
   void reserve(int64_t rows);
 
   // rows [N, H] (dtype), row_expert / row_weight [N, K] (local expert or -1) ->
-  // combined [N, H] in dtype: each row's local pairs, weighted and summed.
-  // row_order: as in layout().
+  // combined in dtype: [N, H], each row's local pairs weighted and summed in k
+  // order; or, with rl.pair_row_offset, a row per pair (RowLayout).
   void forward(const void* rows, int64_t N, const int32_t* row_expert, const float* row_weight, void* combined,
-               const int32_t* row_order = nullptr);
-  // grad_combined [N, H] (dtype) -> grad_rows [N, H] in grad_rows_dtype, the
-  // routing-weight gradient per (row, k) [N, K] (0 where no pair), and the weight
-  // gradients of the local experts (overwritten).
+               const RowLayout& rl = {});
+  // grad_combined [N, H] (dtype) -> grad_rows in grad_rows_dtype, laid out as the
+  // forward's combined ([N, H] summed, or a row per pair), the routing-weight
+  // gradient per (row, k) [N, K] (0 where no pair), and the weight gradients of
+  // the local experts (overwritten).
   void backward(const void* grad_combined, void* grad_rows, DType grad_rows_dtype, float* grad_pair_weight);
 
   // The same in parts, to overlap a chunked dispatch (docs/layer.md#overlap):
-  //   layout(row_expert, row_weight, N, row_order)     // all rows' pairs, once
+  //   layout(row_expert, row_weight, N, rl)            // all rows' pairs, once
   //   forward_rows(rows, first, n, combined)           // part by part, in row_order's order
   //   backward_rows(grad_combined, first, n, ...)      // the forward's parts: the dgrad chain
   //   weight_grads()                                   // after every part's backward
-  // A part is a range of rows that is also a range of row_order (null: the rows'
+  // A part is a range of rows that is also a range of rl.row_order (null: the rows'
   // own order), so each expert's pairs of a part are contiguous in the layout; a
   // part that is not throws. Every pair is computed as in the whole call, and the
   // weight gradients sum the pairs in the same order, so the results do not
   // depend on the parts.
-  void layout(const int32_t* row_expert, const float* row_weight, int64_t N, const int32_t* row_order);
+  void layout(const int32_t* row_expert, const float* row_weight, int64_t N, const RowLayout& rl = {});
   void forward_rows(const void* rows, int64_t first, int64_t n, void* combined);
   void backward_rows(const void* grad_combined, int64_t first, int64_t n, void* grad_rows, DType grad_rows_dtype,
                      float* grad_pair_weight);
@@ -112,6 +128,10 @@ class ExpertStage {
   kernels::ExpertMlpConfig mlp_config() const;
   const Part& add_part(int64_t first, int64_t n);
   const Part* part_of(int64_t first, int64_t n) const;
+  void copy_layout_to_host();
+  void lay_out_pair_rows(const int64_t* pair_row_offset);
+  void order_weight_grads(const int64_t* source_rank);
+  void write_rows(int64_t first, int64_t n, void* out, DType dtype);
   void run_forward(const void* rows, int64_t first, int64_t n, void* combined, const kernels::ExpertMlpPart& part);
   void run_dgrad(const void* grad_combined, int64_t first, int64_t n, void* grad_rows, DType grad_rows_dtype,
                  float* grad_pair_weight, const kernels::ExpertMlpPart& part, kernels::MlpBackwardPhase phase);
@@ -128,12 +148,21 @@ class ExpertStage {
   std::vector<Part> parts_;          // of the last forward, when it ran in parts
   int64_t dgrad_rows_ = 0;           // rows whose dgrad ran since the forward
   std::vector<int32_t> host_src_row_, host_pair_pos_;  // the layout, read to find parts
+  bool host_layout_ = false;                          // ... and copied since the last layout()
+  // Pair rows out (a pair_row_offset given): the offsets, and pair_src_ [M], the
+  // pair (pair_y_ row) each output row takes; empty offsets: rows summed.
+  std::vector<int64_t> pair_row_offset_;
+  std::vector<int32_t> host_pair_src_;
+  // The weight gradients' pair order (order_weight_grads), or none: the layout's.
+  bool wgrad_ordered_ = false;
+  std::vector<int32_t> host_wgrad_order_;
   std::vector<int64_t> expert_offset_;  // host, [L + 1]
   kernels::Buffer w13_, w2_, grad_w13_, grad_w2_;
   // pair_y_: the weighted expert outputs per pair [M, H] fp32 in forward (read by
   // the combine), then the input gradients per pair in backward (the dgrad writes
   // them after the forward's combine has read every y; no pass reads y again).
-  kernels::Buffer perm_src_row_, perm_weight_, pair_pos_, pair_y_, saved_gu_, grad_perm_weight_;
+  kernels::Buffer perm_src_row_, perm_weight_, pair_pos_, pair_src_, wgrad_order_, pair_y_, saved_gu_,
+      grad_perm_weight_;
   kernels::Buffer layout_ws_, mlp_ws_;
   TrainableTensor w13_param_, w2_param_;
   // w13_, w2_ as the GEMM engine reads them (rounded to bf16 in a bf16 layer: in a
