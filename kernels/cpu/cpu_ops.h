@@ -116,8 +116,9 @@ void plan_row_tiles(CpuExec& exec, const int64_t* offset, int num_groups, int64_
 // The same over ranges [begin[g], end[g]) of each group (a part of a layout).
 void plan_row_tiles(CpuExec& exec, const int64_t* begin, const int64_t* end, int num_groups, int64_t max_rows);
 // Tiles over the n output rows of each group's W_g for wgrad, split by the
-// group's rows x n alone; a group with no rows still gets one tile (its gradient
-// is zero).
+// group's rows x n alone (not the thread count: on a many-core host a few small
+// experts may give fewer tiles than threads); a group with no rows still gets one
+// tile (its gradient is zero).
 void plan_wgrad_tiles(CpuExec& exec, const int64_t* offset, int num_groups, int64_t n);
 
 void grouped_gemm(CpuExec& exec, const GroupedGemmConfig& cfg, const GroupedGemmArgs& args);

@@ -47,8 +47,9 @@
 // The ranks agree on the chunk count at every dispatch (the largest any rank
 // proposes); the backward uses the forward's. A row is computed the same way in
 // any chunk, and a token's pair rows are summed in k order after all of them are
-// back, so the outputs depend on neither the chunking nor the placement. Sums over rows (weight
-// gradients) take them in h.row_order(), which no chunking changes.
+// back, so the outputs depend on neither the chunking nor the placement. Sums over
+// rows (weight gradients) take them in h.source_rank()'s order, which neither
+// changes (h.row_order() lays the pairs out for the chunks).
 #pragma once
 
 #include <cstdint>

@@ -3,7 +3,7 @@
 //
 //   RouterStage (router + capacity on the local tokens) -> replica choice
 //   -> Dispatcher::dispatch -> ExpertStage on the received rows (permute,
-//      experts, weighted local combine: one row back per (source rank, token))
+//      experts: one weighted row back per (token, expert) pair)
 //   -> Dispatcher::combine.
 //
 // Backward mirrors it through the forward's dispatch handle (combine_backward,
