@@ -194,6 +194,10 @@ const std::vector<JobFieldDoc>& job_field_docs() {
        false},
       {"combine_wire", "the format the combine's results travel back in (unset: the layer dtype)", false,
        "fp32 | bf16"},
+      {"exact_replica_grads",
+       "a replicated expert's gradient taken at its primary over all of its pairs: the bits of a job without the "
+       "replicas, for the primary's computing the replicas' share again",
+       false},
       {"overlap_chunks",
        "chunks of each forward dispatch/combine pipelined with the experts: 0 chooses from the measured link, 1 is "
        "serial, up to 8",

@@ -16,6 +16,7 @@ namespace {
 
 constexpr size_t kSlotBytes = sizeof(int32_t);   // a local expert slot of a pair
 constexpr size_t kWeightBytes = sizeof(float);   // a routing weight (or its gradient)
+constexpr size_t kTokenBytes = sizeof(int32_t);   // a row's token index at its source
 
 Segments scaled(const std::vector<int64_t>& rows, size_t bytes_per_row) {
   std::vector<size_t> b(rows.size());
@@ -34,6 +35,9 @@ Segments segs(const std::vector<size_t>& rows, const std::vector<size_t>& first,
 }
 
 Segments segs(const PairRanges& p, size_t unit) { return segs(p.count, p.first, unit); }
+
+// A row's source (DispatchHandle::source_key): its rank and its token index there.
+int64_t source_key(int rank, int32_t token) { return (static_cast<int64_t>(rank) << 32) | static_cast<uint32_t>(token); }
 
 // The pair rows of row ranges: rows [first, first + count) hold pair rows
 // [offset[first], offset[first + count]).
@@ -152,6 +156,7 @@ void Dispatcher::reserve(int64_t n) {
   h_.recv_rows_ = Buffer(be_, N * row_bytes_);
   h_.recv_slot_ = Buffer(be_, kSlotBytes * N * K);
   h_.recv_weight_ = Buffer(be_, kWeightBytes * N * K);
+  h_.recv_token_ = Buffer(be_, kTokenBytes * N);
   if (cfg_.train) grad_recv_rows_ = Buffer(be_, N * row_bytes_);
   if (cfg_.train && can_chunk()) h_.row_order_ = Buffer(be_, 4 * N);
   if (encoded_dispatch()) recv_wire_ = Buffer(be_, N * wire_bytes_);
@@ -200,10 +205,33 @@ const void* Dispatcher::encode_results(const void* y, int64_t first, int64_t n) 
 // a token's K results in k order, wherever its experts live. Host math over
 // copies of the slots, then the map to the backend. Runs once the slots are in.
 void Dispatcher::lay_out_returns() {
-  const int K = cfg_.top_k, R = cfg_.num_ranks, S = cfg_.slots_per_rank;
-  const int64_t N = h_.num_recv_rows_, T = h_.num_tokens_, rows = h_.rank_offset_[R];
+  count_received_pairs();
+  place_returned_pairs();
+  const int R = cfg_.num_ranks;
+  const int64_t N = h_.num_recv_rows_;
+  host_token_.resize(N);
+  be_.copy_to_host(host_token_.data(), h_.recv_token_.get(), kTokenBytes * N);
+  h_.source_key_.resize(N);
+  if (h_.chunks_ > 1) {
+    plan_returns();
+    return;
+  }
+  int64_t n = 0;  // serial: the received rows are rank-major
+  for (int r = 0; r < R; ++r)
+    for (int64_t i = 0; i < h_.recv_counts_[r]; ++i, ++n) h_.source_key_[n] = source_key(r, host_token_[n]);
+  std::vector<int64_t> recv_first(R, 0);
+  for (int r = 1; r < R; ++r) recv_first[r] = recv_first[r - 1] + h_.recv_counts_[r - 1];
+  h_.recv_pairs_ = pairs_of(packed_ranges(h_.recv_counts_, recv_first), h_.recv_pair_offset_);
+  h_.send_pairs_ = pairs_of(packed_ranges(h_.send_counts_, h_.rank_offset_), h_.send_pair_offset_);
+  count_return_bytes(h_.recv_pairs_.count, h_.send_pairs_.count);
+}
+
+// The receiver: each received row's pairs (its local slots), as offsets.
+void Dispatcher::count_received_pairs() {
+  const int K = cfg_.top_k;
+  const int64_t N = h_.num_recv_rows_;
   std::vector<int64_t>& recv = h_.recv_pair_offset_;
-  host_slots_.resize(static_cast<size_t>(std::max(N, T)) * K);
+  host_slots_.resize(static_cast<size_t>(N) * K);
   be_.copy_to_host(host_slots_.data(), h_.recv_slot_.get(), 4 * N * K);
   recv.assign(N + 1, 0);
   for (int64_t n = 0; n < N; ++n) {
@@ -211,7 +239,14 @@ void Dispatcher::lay_out_returns() {
     for (int k = 0; k < K; ++k) local += host_slots_[n * K + k] >= 0;
     recv[n + 1] = recv[n] + local;
   }
-  // The source: pairs per send row, then each pair's place among its row's.
+}
+
+// The source: pairs per send row (offsets), then each pair's place among its
+// row's in k order (pair_back_pos, to the backend).
+void Dispatcher::place_returned_pairs() {
+  const int K = cfg_.top_k, R = cfg_.num_ranks, S = cfg_.slots_per_rank;
+  const int64_t T = h_.num_tokens_, rows = h_.rank_offset_[R];
+  host_slots_.resize(static_cast<size_t>(T) * K);
   be_.copy_to_host(host_slots_.data(), h_.topk_slot_, 4 * T * K);
   host_send_row_.resize(static_cast<size_t>(T) * R);
   be_.copy_to_host(host_send_row_.data(), h_.token_send_row_.get(), 4 * T * R);
@@ -230,29 +265,17 @@ void Dispatcher::lay_out_returns() {
     }
   }
   be_.copy_to_device(h_.pair_back_pos_.get(), host_back_pos_.data(), 4 * T * K);
-  std::vector<int64_t> recv_first(R, 0);  // of peer r's rows in source order
-  for (int r = 1; r < R; ++r) recv_first[r] = recv_first[r - 1] + h_.recv_counts_[r - 1];
-  if (h_.chunks_ > 1) {
-    plan_returns(recv_first);
-    return;
-  }
-  h_.source_rank_.resize(N);  // serial: the received rows are in source order
-  for (int64_t n = 0; n < N; ++n) h_.source_rank_[n] = n;
-  h_.recv_pairs_ = pairs_of(packed_ranges(h_.recv_counts_, recv_first), recv);
-  h_.send_pairs_ = pairs_of(packed_ranges(h_.send_counts_, h_.rank_offset_), send);
-  count_return_bytes(h_.recv_pairs_.count, h_.send_pairs_.count);
 }
 
-// Each chunk's pair rows back, from its row ranges; and where each received row
-// (chunk-major) stands in source order (peer r's rows from recv_first[r]).
-void Dispatcher::plan_returns(const std::vector<int64_t>& recv_first) {
+// Each chunk's pair rows back, from its row ranges; and each received row's
+// source key (the rows are chunk-major).
+void Dispatcher::plan_returns() {
   const size_t R = cfg_.num_ranks;
   std::vector<size_t> out_pairs(R, 0), in_pairs(R, 0);
-  std::vector<int64_t> next(recv_first);
-  h_.source_rank_.resize(h_.num_recv_rows_);
   for (ChunkPlan& p : plan_) {
     for (size_t r = 0; r < R; ++r)
-      for (size_t i = 0; i < p.recv_row_ranges.count[r]; ++i) h_.source_rank_[p.recv_row_ranges.first[r] + i] = next[r]++;
+      for (size_t i = p.recv_row_ranges.first[r]; i < p.recv_row_ranges.first[r] + p.recv_row_ranges.count[r]; ++i)
+        h_.source_key_[i] = source_key(static_cast<int>(r), host_token_[i]);
     const PairRanges out = pairs_of(p.recv_row_ranges, h_.recv_pair_offset_);
     const PairRanges in = pairs_of(p.send_row_ranges, h_.send_pair_offset_);
     p.recv_results = segs(out, combine_bytes_);
@@ -361,6 +384,8 @@ void Dispatcher::exchange(int64_t T) {
   h_.recv_rows_segs_ = scaled(h_.recv_counts_, row_bytes_);
   h_.send_meta_ = scaled(h_.send_counts_, meta_bytes_);
   h_.recv_meta_ = scaled(h_.recv_counts_, meta_bytes_);
+  h_.send_token_segs_ = scaled(h_.send_counts_, kTokenBytes);
+  h_.recv_token_segs_ = scaled(h_.recv_counts_, kTokenBytes);
   h_.send_wire_ = scaled(h_.send_counts_, wire_bytes_);
   h_.recv_wire_ = scaled(h_.recv_counts_, wire_bytes_);
   if (cfg_.train && can_chunk()) build_row_order();
@@ -374,7 +399,9 @@ void Dispatcher::exchange(int64_t T) {
   const double t0 = now_seconds();
   comm_.all_to_all_v({AllToAllBuffer{wire_send(), &h_.send_wire_, wire_recv(), &h_.recv_wire_},
                       AllToAllBuffer{send_slot_.get(), &h_.send_meta_, h_.recv_slot_.get(), &h_.recv_meta_},
-                      AllToAllBuffer{send_weight_.get(), &h_.send_meta_, h_.recv_weight_.get(), &h_.recv_meta_}},
+                      AllToAllBuffer{send_weight_.get(), &h_.send_meta_, h_.recv_weight_.get(), &h_.recv_meta_},
+                      AllToAllBuffer{h_.send_src_token_.get(), &h_.send_token_segs_, h_.recv_token_.get(),
+                                     &h_.recv_token_segs_}},
                      deadline());
   stats_.dispatch_transport = now_seconds() - t0;
   decode_rows(0, N);
@@ -436,6 +463,8 @@ void Dispatcher::plan_chunks() {
     p.recv_row_ranges = {recv_off, recv_bytes};
     p.send_meta = segs(send_bytes, send_off, meta_bytes_);
     p.recv_meta = segs(recv_bytes, recv_off, meta_bytes_);
+    p.send_token = segs(send_bytes, send_off, kTokenBytes);
+    p.recv_token = segs(recv_bytes, recv_off, kTokenBytes);
     p.send_grad = segs(send_bytes, send_off, row_bytes_);
     p.recv_grad = segs(recv_bytes, recv_off, row_bytes_);
     p.send_grad_w = segs(send_bytes, send_off, cfg_.top_k * kWeightBytes);
@@ -443,7 +472,7 @@ void Dispatcher::plan_chunks() {
   }
 }
 
-// Chunk c's rows; with chunk 0, every chunk's slots and weights, so the receiver
+// Chunk c's rows; with chunk 0, every chunk's slots, weights and source tokens, so the receiver
 // can lay out all its rows' pairs before it computes the first chunk.
 void Dispatcher::post_dispatch_chunk(int c) {
   ChunkPlan& p = plan_[c];
@@ -452,6 +481,7 @@ void Dispatcher::post_dispatch_chunk(int c) {
     for (const ChunkPlan& q : plan_) {
       bufs.push_back({send_slot_.get(), &q.send_meta, h_.recv_slot_.get(), &q.recv_meta});
       bufs.push_back({send_weight_.get(), &q.send_meta, h_.recv_weight_.get(), &q.recv_meta});
+      bufs.push_back({h_.send_src_token_.get(), &q.send_token, h_.recv_token_.get(), &q.recv_token});
     }
   p.arrived = last_op_ = worker_->post([this, bufs = std::move(bufs)] {
     const double t0 = now_seconds();
@@ -514,7 +544,8 @@ void Dispatcher::count_bytes() {
   const int R = cfg_.num_ranks, S = cfg_.slots_per_rank, me = comm_.rank();
   per_slot_host_.resize(static_cast<size_t>(R) * S);
   be_.copy_to_host(per_slot_host_.data(), num_tokens_per_slot_.get(), 4 * per_slot_host_.size());
-  const int64_t dispatched_row = static_cast<int64_t>(wire_bytes_ + meta_bytes_ + cfg_.top_k * kWeightBytes);
+  const int64_t dispatched_row =
+      static_cast<int64_t>(wire_bytes_ + meta_bytes_ + cfg_.top_k * kWeightBytes + kTokenBytes);
   const int64_t naive_pair = static_cast<int64_t>(wire_bytes_ + kSlotBytes + kWeightBytes);
   const int64_t row = static_cast<int64_t>(combine_bytes_);
   for (int r = 0; r < R; ++r) {

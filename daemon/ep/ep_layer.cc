@@ -22,7 +22,7 @@ EpLayer::EpLayer(const MoeLayerConfig& cfg, const ExpertMap& map, transport::Com
       router_(cfg, be),
       dispatcher_(make_dispatcher(map)),
       experts_(std::make_unique<ExpertStage>(cfg, map.slots_per_rank, be)),
-      replica_grads_(cfg, comm, be, options.tag_base, options.timeout) {
+      replica_grads_(cfg, comm, be, options.tag_base, options.timeout, options.exact_replica_grads) {
   MOE_CHECK(map.num_experts == cfg.num_experts, "ep layer: the map places ", map.num_experts,
             " experts, the layer has ", cfg.num_experts);
   const size_t T = cfg.max_tokens, K = cfg.top_k, H = cfg.hidden;
@@ -165,7 +165,7 @@ void EpLayer::update_selection_bias(double rate) {
 // The received rows as the experts see them: chunk runs, results a row per pair,
 // weight gradients in source order.
 RowLayout EpLayer::row_layout(const DispatchHandle& h) {
-  return {.row_order = h.row_order(), .pair_row_offset = h.recv_pair_offset(), .source_rank = h.source_rank()};
+  return {.row_order = h.row_order(), .pair_row_offset = h.recv_pair_offset(), .source_key = h.source_key()};
 }
 
 void EpLayer::forward(const void* x, int64_t T, int64_t token_begin, void* out) {
@@ -250,7 +250,13 @@ void EpLayer::backward(const void* grad_out, void* grad_x) {
   if (shared_) shared_->backward(grad_out, grad_x32_.as<float>());
   be_.synchronize();
   all_reduce_replicated_grads();
-  replica_grads_.run(map_, *experts_, staged_.get());
+  replica_grads_.run(map_, *experts_, staged_.get(),
+                     {.x = handle_->recv_rows(),
+                      .grad = grad_rows_,
+                      .slot = handle_->recv_slot(),
+                      .weight = handle_->recv_weight(),
+                      .source_key = handle_->source_key(),
+                      .num_rows = handle_->num_recv_rows()});
   be_.convert(grad_x32_.get(), DType::kF32, grad_x, cfg_.dtype, T * cfg_.hidden);
   be_.synchronize();
   stats_.backward = now_seconds() - t0;
@@ -263,7 +269,7 @@ void EpLayer::backward(const void* grad_out, void* grad_x) {
 // (no transfer) while the last results are in flight. The received rows'
 // gradients overwrite their combined outputs (no longer needed).
 void EpLayer::experts_backward(const void* grad_out) {
-  const void* grad_rows = dispatcher_->combine_backward(*handle_, grad_out);
+  const void* grad_rows = grad_rows_ = dispatcher_->combine_backward(*handle_, grad_out);
   float* grad_pair_weight = grad_pair_weight_.as<float>();
   if (dispatcher_->chunks() == 1) {
     const double t0 = now_seconds();

@@ -72,15 +72,21 @@ void ExpertState::from_wire(const std::vector<float>& wire) {
 }
 
 void ExpertStage::copy_slot(const ExpertStage& src, int from, int to) {
+  if (!cfg_.train) return copy_compute_weights(src, from, to);
   MOE_CHECK(from >= 0 && from < src.L_ && to >= 0 && to < L_, "expert stage: copy of slot ", from, " to slot ", to);
   const size_t H = cfg_.hidden, I = cfg_.ffn_hidden, n13 = 2 * I * H, n2 = H * I;
-  if (!cfg_.train) {
-    be_.copy(w13_.as<float>() + to * n13, src.w13_.as<float>() + from * n13, 4 * n13);
-    be_.copy(w2_.as<float>() + to * n2, src.w2_.as<float>() + from * n2, 4 * n2);
-  } else {
-    w13_param_.copy_range(src.w13_param_, from * n13, to * n13, n13);
-    w2_param_.copy_range(src.w2_param_, from * n2, to * n2, n2);
-  }
+  w13_param_.copy_range(src.w13_param_, from * n13, to * n13, n13);
+  w2_param_.copy_range(src.w2_param_, from * n2, to * n2, n2);
+  pack_weights(to, 1);
+}
+
+// w13_ and w2_ are what a stage computes with (a train stage's masters, which the
+// packing rounds for a bf16 layer).
+void ExpertStage::copy_compute_weights(const ExpertStage& src, int from, int to) {
+  MOE_CHECK(from >= 0 && from < src.L_ && to >= 0 && to < L_, "expert stage: copy of slot ", from, " to slot ", to);
+  const size_t H = cfg_.hidden, I = cfg_.ffn_hidden, n13 = 2 * I * H, n2 = H * I;
+  be_.copy(w13_.as<float>() + to * n13, src.w13_.as<float>() + from * n13, 4 * n13);
+  be_.copy(w2_.as<float>() + to * n2, src.w2_.as<float>() + from * n2, 4 * n2);
   pack_weights(to, 1);
 }
 
@@ -204,7 +210,7 @@ void ExpertStage::layout(const int32_t* row_expert, const float* row_weight, int
             " pairs exceed the reserved ", mlp_config().max_rows);
   be_.synchronize();
   lay_out_pair_rows(rl.pair_row_offset);
-  order_weight_grads(rl.row_order ? rl.source_rank : nullptr);
+  order_weight_grads(rl.row_order ? rl.source_key : nullptr);
   times_.layout = now_seconds() - t0;
 }
 
@@ -239,8 +245,8 @@ void ExpertStage::lay_out_pair_rows(const int64_t* pair_row_offset) {
 
 // The weight gradients' order: each expert's pairs by their rows' source rank
 // (stable), when the layout's order (row_order's) may differ from it.
-void ExpertStage::order_weight_grads(const int64_t* source_rank) {
-  wgrad_ordered_ = cfg_.train && source_rank;
+void ExpertStage::order_weight_grads(const int64_t* source_key) {
+  wgrad_ordered_ = cfg_.train && source_key;
   if (!wgrad_ordered_) return;
   copy_layout_to_host();
   const int64_t M = expert_offset_[L_];
@@ -249,7 +255,7 @@ void ExpertStage::order_weight_grads(const int64_t* source_rank) {
   for (int e = 0; e < L_; ++e)
     std::stable_sort(host_wgrad_order_.begin() + expert_offset_[e], host_wgrad_order_.begin() + expert_offset_[e + 1],
                      [&](int32_t a, int32_t b) {
-                       return source_rank[host_src_row_[a]] < source_rank[host_src_row_[b]];
+                       return source_key[host_src_row_[a]] < source_key[host_src_row_[b]];
                      });
   be_.copy_to_device(wgrad_order_.get(), host_wgrad_order_.data(), 4 * M);
 }

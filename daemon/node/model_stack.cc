@@ -66,6 +66,7 @@ ep::EpOptions ModelStack::layer_options(int l) const {
   return {.timeout = timeout_,
           .tag_base = static_cast<uint32_t>(l) << 24,
           .overlap_chunks = spec_.overlap_chunks(),
+          .exact_replica_grads = spec_.exact_replica_grads(),
           .dispatch_wire = layer_spec::wire(spec_.dispatch_wire()),
           .combine_wire = layer_spec::wire(spec_.combine_wire()),
           .data_comm = data_comm_};

@@ -79,7 +79,7 @@ void check_resume_spec(const v1::JobSpec& checkpoint, const v1::JobSpec& resumed
   static const std::set<std::string> may_differ = {
       "steps", "checkpoint_dir", "checkpoint_every", "resume", "verify", "verify_step", "dump_dir", "dump_step",
       "tokens_per_rank", "name", "labels", "elastic", "elastic_batch", "min_node_replicas", "dead_node_timeout_ms",
-      "overlap_chunks", "moments_dtype"};
+      "overlap_chunks", "moments_dtype", "exact_replica_grads"};
   const auto* d = v1::JobSpec::descriptor();
   for (int i = 0; i < d->field_count(); ++i) {
     const auto* fd = d->field(i);

@@ -450,8 +450,8 @@ TEST(Cluster, WireFormatsVerifyAndShrinkTheDispatch) {
     runs[name] = parse_result(out);
     EXPECT_TRUE(runs[name].verify().passed()) << name << ": " << out;
   }
-  // fp8: H + 4 x 2 scales + 8K bytes a row against 4H + 8K.
-  const double want = (256.0 + 8 + 32) / (4 * 256 + 32);
+  // fp8: H + 4 x 2 scales + 8K + 4 bytes a row against 4H + 8K + 4 (slots, weights, the source token).
+  const double want = (256.0 + 8 + 32 + 4) / (4 * 256 + 32 + 4);
   EXPECT_NEAR(runs["fp8"].dispatch_bytes() / runs["fp32"].dispatch_bytes(), want, 1e-9);
   EXPECT_NEAR(runs["fp8"].combine_bytes() / runs["fp32"].combine_bytes(), 0.5, 1e-9);
   const auto [rc, out] = c.ctl({"job", "submit", "--experts", "4", "--top-k", "2", "--hidden", "8", "--ffn-hidden", "8",

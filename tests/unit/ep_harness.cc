@@ -132,7 +132,7 @@ std::string EpCase::encode() const {
   os << ";H=" << hidden << ";I=" << ffn << ";E=" << experts << ";K=" << top_k << ";score=" << kernels::score_name(score)
      << ";cf=" << capacity_factor << ";dtype=" << kernels::dtype_name(dtype) << ";map=" << static_cast<int>(map)
      << ";seed=" << seed << ";skew=" << skew << ";aux=" << aux << ";z=" << z << ";shared=" << shared
-     << ";sgate=" << shared_gate << ";train=" << train << ";chunks=" << overlap_chunks
+     << ";sgate=" << shared_gate << ";train=" << train << ";chunks=" << overlap_chunks << ";xrg=" << exact_replica_grads
      << ";dwire=" << static_cast<int>(dispatch_wire) << ";cwire=" << static_cast<int>(combine_wire);
   return os.str();
 }
@@ -168,6 +168,7 @@ EpCase EpCase::decode(const std::string& s) {
     else if (k == "sgate") c.shared_gate = v == "1";
     else if (k == "train") c.train = v == "1";
     else if (k == "chunks") c.overlap_chunks = std::stoi(v);
+    else if (k == "xrg") c.exact_replica_grads = v == "1";
     else if (k == "dwire") c.dispatch_wire = static_cast<ep::Wire>(std::stoi(v));
     else if (k == "cwire") c.combine_wire = static_cast<ep::Wire>(std::stoi(v));
     else detail::fail("ep case: unknown key '", k, "'");
@@ -236,6 +237,7 @@ RankResult run_rank(const EpCase& c, transport::Communicator& comm, kernels::Bac
                     {.timeout = std::chrono::seconds(30),
                      .tag_base = 0,
                      .overlap_chunks = c.overlap_chunks,
+                     .exact_replica_grads = c.exact_replica_grads,
                      .dispatch_wire = c.dispatch_wire,
                      .combine_wire = c.combine_wire,
                      .data_comm = data_comm});
@@ -318,7 +320,7 @@ std::vector<RankResult> run_inproc_with_data_comm(const EpCase& c) {
 int64_t analytic_dispatch_bytes(const EpCase& c, const RankResult& r) {
   const moe::ExpertMap map = c.expert_map();
   const int K = c.top_k;
-  const int64_t row = static_cast<int64_t>(kernels::dtype_size(c.dtype)) * c.hidden + 8 * K;
+  const int64_t row = static_cast<int64_t>(kernels::dtype_size(c.dtype)) * c.hidden + 8 * K + 4;  // slots, weights, the source token
   const int64_t T = c.tokens[r.rank], begin = c.token_begin(r.rank);
   int64_t bytes = 0;
   for (int64_t t = 0; t < T; ++t) {

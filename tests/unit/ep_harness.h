@@ -33,6 +33,7 @@ struct EpCase {
   bool shared_gate = false;
   bool train = true;        // false: a forward-only layer (forward checked, no backward)
   int overlap_chunks = 0;   // EpOptions::overlap_chunks
+  bool exact_replica_grads = false;  // EpOptions::exact_replica_grads
   ep::Wire dispatch_wire = ep::Wire::kLayer, combine_wire = ep::Wire::kLayer;  // EpOptions
 
   int64_t token_begin(int rank) const;

@@ -85,7 +85,7 @@ TEST(WireFormats, MoveTheBytesOfTheirRows) {
   const auto bf16 = run_inproc(c);
   c.dispatch_wire = Wire::kFP8;
   const auto fp8 = run_inproc(c);
-  const int64_t H = c.hidden, K = c.top_k, meta = 8 * K;
+  const int64_t H = c.hidden, K = c.top_k, meta = 8 * K + 4;  // slots, weights, the source token
   for (int r = 0; r < c.ranks; ++r) {
     ASSERT_EQ(bf16[r].topk_idx, fp32[r].topk_idx);  // the router sees x as it is
     EXPECT_NE(fp8[r].out, fp32[r].out);              // the experts do not

@@ -20,7 +20,8 @@
 // in the layer dtype.
 //
 // Wire sizes (docs/transport.md#accounting: bytes for OTHER ranks only):
-//   a dispatched row  = wire row bytes + K x (int32 slot + fp32 weight)
+//   a dispatched row  = wire row bytes + K x (int32 slot + fp32 weight) + an int32
+//                       source token
 //   a combined row    = combine wire row bytes, one per (token, expert) pair
 //   a backward row    = row_bytes out; back, row_bytes a pair + K fp32 weight
 //                       gradients a row
@@ -48,7 +49,7 @@
 // proposes); the backward uses the forward's. A row is computed the same way in
 // any chunk, and a token's pair rows are summed in k order after all of them are
 // back, so the outputs depend on neither the chunking nor the placement. Sums over
-// rows (weight gradients) take them in h.source_rank()'s order, which neither
+// rows (weight gradients) take them in h.source_key()'s order, which neither
 // changes (h.row_order() lays the pairs out for the chunks).
 #pragma once
 
@@ -145,10 +146,11 @@ class DispatchHandle {
   // per local slot of the row in k order. Host, [N + 1]; set once the rows' slots
   // are in (after dispatch, or a chunked dispatch's first next_chunk).
   const int64_t* recv_pair_offset() const { return recv_pair_offset_.data(); }
-  // Each received row's place in source order (peer by peer, each peer's rows as
-  // it sent them), which no chunking or placement changes the relative order of.
+  // Each received row's source: (its rank << 32) | its token index there. The
+  // same on any rank for a token, and sorted it is source order (peer by peer,
+  // each peer's rows as it sent them), which no chunking or placement changes.
   // Host, [N]; set with recv_pair_offset.
-  const int64_t* source_rank() const { return source_rank_.data(); }
+  const int64_t* source_key() const { return source_key_.data(); }
   int64_t num_recv_pairs() const { return recv_pair_offset_.empty() ? 0 : recv_pair_offset_.back(); }
 
  private:
@@ -159,15 +161,16 @@ class DispatchHandle {
   std::vector<int64_t> send_counts_, recv_counts_;  // rows per peer
   std::vector<int64_t> rank_offset_;                // [R + 1] host
   transport::Segments send_rows_, recv_rows_segs_, send_meta_, recv_meta_;  // rows: layer dtype
+  transport::Segments send_token_segs_, recv_token_segs_;  // a row's source token: 4 bytes
   transport::Segments send_wire_, recv_wire_;  // the forward's dispatch wire
   // Serial: the pair rows coming back (results, input gradients) per peer, of its
   // received rows (recv) and of this rank's send rows (send).
   PairRanges recv_pairs_, send_pairs_;
   std::vector<int64_t> recv_pair_offset_, send_pair_offset_;  // host, [N + 1], [send rows + 1]
-  std::vector<int64_t> source_rank_;                          // host, [N]
+  std::vector<int64_t> source_key_;                          // host, [N]
   kernels::Buffer token_send_row_, send_src_token_;  // the layout, [T, R] and [rows]
   kernels::Buffer pair_back_pos_;  // [T, K]: pair (t, k)'s row among the returned pair rows, or -1
-  kernels::Buffer recv_rows_, recv_slot_, recv_weight_, row_order_;
+  kernels::Buffer recv_rows_, recv_slot_, recv_weight_, recv_token_, row_order_;
 };
 
 class Dispatcher {
@@ -224,7 +227,9 @@ class Dispatcher {
   void plan_chunks();
   void build_row_order();
   void lay_out_returns();
-  void plan_returns(const std::vector<int64_t>& recv_first);
+  void count_received_pairs();
+  void place_returned_pairs();
+  void plan_returns();
   void post_dispatch_chunk(int c);
   void post_combine_chunk(int c, const void* y);
   void post_grad_chunk(int c);
@@ -257,12 +262,13 @@ class Dispatcher {
   kernels::Buffer send_wire_, recv_wire_, y_wire_;
   kernels::Buffer proposals_;  // [3 R] floats: propose_chunks' all-reduce
   std::vector<int32_t> per_slot_host_;  // pairs per physical slot, for the naive figures
-  std::vector<int32_t> host_slots_, host_send_row_, host_back_pos_;  // lay_out_returns' copies
+  std::vector<int32_t> host_slots_, host_send_row_, host_back_pos_, host_token_;  // lay_out_returns' copies
   std::vector<int64_t> pairs_out_, pairs_in_;  // pair rows back per peer: this rank's results, and ours from it
   DispatchStats stats_;
   // Chunked pairs: per chunk, the segments of rows and of metadata each way.
   struct ChunkPlan {
     transport::Segments send_rows, recv_rows, send_meta, recv_meta;  // rows: dispatch wire bytes
+    transport::Segments send_token, recv_token;                      // 4 bytes a row
     transport::Segments send_grad, recv_grad;                       // backward rows: row_bytes_
     transport::Segments send_grad_w, recv_grad_w;                   // K weight gradients a row, back
     PairRanges send_row_ranges, recv_row_ranges;                    // the chunk's rows, per peer

@@ -38,6 +38,9 @@ struct EpOptions {
   // Chunks of the layer's dispatch/combine pairs (DispatcherOptions): 0 by
   // the rule of docs/layer.md#overlap, n fixed (1: serial).
   int overlap_chunks = 0;
+  // A replicated expert's gradient over all its pairs at the primary
+  // (ReplicaGradReduction): the bits of one copy, for more work.
+  bool exact_replica_grads = false;
   // The forward pair's wire formats (DispatcherConfig; docs/layer.md#wire-formats).
   Wire dispatch_wire = Wire::kLayer;
   Wire combine_wire = Wire::kLayer;
@@ -181,6 +184,7 @@ class EpLayer {
   std::unique_ptr<ExpertStage> next_experts_;
   std::unique_ptr<Dispatcher> next_dispatcher_;
   const DispatchHandle* handle_ = nullptr;  // of the last forward, for backward
+  const void* grad_rows_ = nullptr;          // the last backward's grad rows, for the replica reduction
   bool adam_ = false;                        // staged copies carry Adam moments
   const void* x_ = nullptr;
   int64_t recv_capacity_ = -1, pair_capacity_ = -1;

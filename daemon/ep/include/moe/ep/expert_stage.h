@@ -53,10 +53,10 @@ struct RowLayout {
   // gradients) are rows [pair_row_offset[n], pair_row_offset[n + 1]) in k order
   // (the EP combine's return rows, docs/layer.md#dispatch-and-combine). Host, [N + 1].
   const int64_t* pair_row_offset = nullptr;
-  // Each row's place in source order (host, [N]): the weight gradients sum every
-  // expert's pairs in it, so the sum does not depend on row_order, which depends
-  // on what else the rank hosts (docs/layer.md#determinism).
-  const int64_t* source_rank = nullptr;
+  // Each row's source key (host, [N], DispatchHandle::source_key): the weight
+  // gradients sum every expert's pairs in source order, which does not depend on
+  // row_order's, which depends on what else the rank hosts (docs/layer.md#determinism).
+  const int64_t* source_key = nullptr;
 };
 
 class ExpertStage {
@@ -107,6 +107,9 @@ class ExpertStage {
   // Slot `from` of src (weights, and in a train stage masters and moments) into
   // slot `to` of this stage, bit for bit.
   void copy_slot(const ExpertStage& src, int from, int to);
+  // Slot `from` of src's weights, as src computes with them, into slot `to` (no
+  // optimizer state): for a stage that only computes with them.
+  void copy_compute_weights(const ExpertStage& src, int from, int to);
   // Touches every buffer once (with `moments`, the Adam moments too), so a stage
   // built ahead of use faults its pages in then rather than in its first step.
   void touch(bool moments);
@@ -130,7 +133,7 @@ class ExpertStage {
   const Part* part_of(int64_t first, int64_t n) const;
   void copy_layout_to_host();
   void lay_out_pair_rows(const int64_t* pair_row_offset);
-  void order_weight_grads(const int64_t* source_rank);
+  void order_weight_grads(const int64_t* source_key);
   void write_rows(int64_t first, int64_t n, void* out, DType dtype);
   void run_forward(const void* rows, int64_t first, int64_t n, void* combined, const kernels::ExpertMlpPart& part);
   void run_dgrad(const void* grad_combined, int64_t first, int64_t n, void* grad_rows, DType grad_rows_dtype,
