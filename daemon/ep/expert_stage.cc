@@ -243,7 +243,7 @@ void ExpertStage::lay_out_pair_rows(const int64_t* pair_row_offset) {
   be_.copy_to_device(pair_src_.get(), host_pair_src_.data(), 4 * host_pair_src_.size());
 }
 
-// The weight gradients' order: each expert's pairs by their rows' source rank
+// The weight gradients' order: each expert's pairs by their rows' source keys
 // (stable), when the layout's order (row_order's) may differ from it.
 void ExpertStage::order_weight_grads(const int64_t* source_key) {
   wgrad_ordered_ = cfg_.train && source_key;

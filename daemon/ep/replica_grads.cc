@@ -40,7 +40,7 @@ ReplicaGradReduction::~ReplicaGradReduction() = default;
 void ReplicaGradReduction::run(const ExpertMap& map, ExpertStage& experts, StagedExperts* staged,
                                const ReceivedRows& rows) {
   rows_ = rows;
-  host_slot_.clear();  // read at the first expert that needs this rank's pairs
+  host_rows_ = false;  // read at the first expert that needs this rank's pairs
   acc_.resize(n13_ + n2_);
   msg_.resize(n13_ + n2_);
   for (int e = 0; e < map.num_experts; ++e) {
@@ -53,11 +53,16 @@ void ReplicaGradReduction::run(const ExpertMap& map, ExpertStage& experts, Stage
 ReplicaGradReduction::Pairs ReplicaGradReduction::local_pairs(int expert, const ExpertMap& map) {
   const int me = comm_.rank(), S = map.slots_per_rank, K = cfg_.top_k;
   const int64_t N = rows_.num_rows;
-  if (host_slot_.size() != static_cast<size_t>(N * K)) {
+  if (!host_rows_) {  // once a step: the slots, weights and rows to the host
     host_slot_.resize(N * K);
     host_weight_.resize(N * K);
+    host_x_.resize(N * row_bytes_);
+    host_grad_.resize(N * row_bytes_);
     be_.copy_to_host(host_slot_.data(), rows_.slot, 4 * N * K);
     be_.copy_to_host(host_weight_.data(), rows_.weight, 4 * N * K);
+    be_.copy_to_host(host_x_.data(), rows_.x, N * row_bytes_);
+    be_.copy_to_host(host_grad_.data(), rows_.grad, N * row_bytes_);
+    host_rows_ = true;
   }
   Pairs p;
   for (int64_t n = 0; n < N; ++n)
@@ -66,11 +71,8 @@ ReplicaGradReduction::Pairs ReplicaGradReduction::local_pairs(int expert, const 
       if (s < 0 || s >= S || map.expert_at(me, s) != expert) continue;
       p.key.push_back(rows_.source_key[n]);
       p.weight.push_back(host_weight_[n * K + k]);
-      for (auto [from, to] : {std::pair{rows_.x, &p.x}, std::pair{rows_.grad, &p.grad}}) {
-        to->resize(to->size() + row_bytes_);
-        be_.copy_to_host(to->data() + to->size() - row_bytes_, static_cast<const uint8_t*>(from) + n * row_bytes_,
-                         row_bytes_);
-      }
+      for (auto [from, to] : {std::pair{&host_x_, &p.x}, std::pair{&host_grad_, &p.grad}})
+        to->insert(to->end(), from->begin() + n * row_bytes_, from->begin() + (n + 1) * row_bytes_);
     }
   return p;
 }
@@ -215,7 +217,7 @@ void ReplicaGradReduction::take_gradient(int e, const ExpertMap& map, ExpertStag
     gradient_of(all, experts, reps[0] % S, acc_.data());
     return;
   }
-  // Replica order: a holder sends its slots' partials in the order they come.
+  // Replica order; replica i's partial travels under its own tag.
   auto load = [&](int32_t slot, float* dst) {  // backend -> host
     be_.copy_to_host(dst, experts.grad_w13() + static_cast<size_t>(slot % S) * n13_, 4 * n13_);
     be_.copy_to_host(dst + n13_, experts.grad_w2() + static_cast<size_t>(slot % S) * n2_, 4 * n2_);
@@ -226,8 +228,7 @@ void ReplicaGradReduction::take_gradient(int e, const ExpertMap& map, ExpertStag
     if (owner == me) {
       load(reps[i], msg_.data());
     } else {
-      const size_t j = std::find(holders.begin(), holders.end(), owner) - holders.begin();
-      comm_.recv(owner, msg_.data(), 4 * (n13_ + n2_), tag(e, j, kPairs), transport::deadline_in(timeout_));
+      comm_.recv(owner, msg_.data(), 4 * (n13_ + n2_), tag(e, i, kPairs), transport::deadline_in(timeout_));
     }
     for (size_t k = 0; k < n13_ + n2_; ++k) acc_[k] += msg_[k];
   }
@@ -240,11 +241,12 @@ void ReplicaGradReduction::give_share(int e, const ExpertMap& map, ExpertStage& 
     send_pairs(primary, local_pairs(e, map), tag(e, j, kCount), tag(e, j, kPairs));
     return;
   }
-  for (int32_t slot : map.replicas(e)) {
-    if (map.rank_of_slot(slot) != me) continue;
-    be_.copy_to_host(msg_.data(), experts.grad_w13() + static_cast<size_t>(slot % S) * n13_, 4 * n13_);
-    be_.copy_to_host(msg_.data() + n13_, experts.grad_w2() + static_cast<size_t>(slot % S) * n2_, 4 * n2_);
-    comm_.send(primary, msg_.data(), 4 * (n13_ + n2_), tag(e, j, kPairs), transport::deadline_in(timeout_));
+  const std::vector<int32_t> reps = map.replicas(e);
+  for (size_t i = 1; i < reps.size(); ++i) {
+    if (map.rank_of_slot(reps[i]) != me) continue;
+    be_.copy_to_host(msg_.data(), experts.grad_w13() + static_cast<size_t>(reps[i] % S) * n13_, 4 * n13_);
+    be_.copy_to_host(msg_.data() + n13_, experts.grad_w2() + static_cast<size_t>(reps[i] % S) * n2_, 4 * n2_);
+    comm_.send(primary, msg_.data(), 4 * (n13_ + n2_), tag(e, i, kPairs), transport::deadline_in(timeout_));
   }
 }
 

@@ -115,6 +115,16 @@ moe::ExpertMap EpCase::expert_map() const {
       for (int e = 0; e < E; ++e) p[(e / S) * S + e % S] = e;
       return moe::ExpertMap::make(E, R, S, std::move(p));
     }
+    case MapKind::kTwoReplicasOnARank: {
+      // As kReplicas, with two slots of the next rank's first expert on each rank.
+      const int per = E / R, S = per + 2;
+      std::vector<int32_t> p(R * S);
+      for (int r = 0; r < R; ++r) {
+        for (int i = 0; i < per; ++i) p[r * S + i] = r * per + i;
+        p[r * S + per] = p[r * S + per + 1] = ((r + 1) % R) * per;
+      }
+      return moe::ExpertMap::make(E, R, S, std::move(p));
+    }
     case MapKind::kReversed: {
       // The contiguous map read backwards: rank r hosts rank R-1-r's experts, last first.
       const moe::ExpertMap c = moe::ExpertMap::contiguous(E, R);

@@ -15,7 +15,7 @@
 
 namespace moe::test {
 
-enum class MapKind { kContiguous, kReplicas, kEmptyRank, kReversed };
+enum class MapKind { kContiguous, kReplicas, kEmptyRank, kReversed, kTwoReplicasOnARank };
 
 struct EpCase {
   std::string name;

@@ -91,7 +91,8 @@ TEST(EpLayer, PlacementChangesNoBit) {
     const auto ra = run_inproc(a);
     const moe::ExpertMap amap = a.expert_map();
     for (const auto& [kind, exact] : {std::pair{MapKind::kReversed, false}, {MapKind::kEmptyRank, false},
-                                      {MapKind::kReplicas, true}, {MapKind::kReplicas, false}}) {
+                                      {MapKind::kReplicas, true}, {MapKind::kReplicas, false},
+                                      {MapKind::kTwoReplicasOnARank, true}, {MapKind::kTwoReplicasOnARank, false}}) {
       EpCase b = a;
       b.map = kind;
       b.exact_replica_grads = exact;

@@ -16,7 +16,10 @@
 // Experts are handled in increasing id on every rank, and within an expert all
 // traffic is between the primary and its replicas and shadows, so the blocking
 // sends and receives cannot wait on each other in a cycle. Everything crosses
-// the host communicator (staged through host memory).
+// the host communicator (staged through host memory). In exact mode a holder
+// waits while its primary computes every earlier expert it is primary of: each
+// wait has the layer's transport deadline, which a very large expert on a slow
+// CPU could pass (docs/layer.md#backward).
 #pragma once
 
 #include <chrono>
@@ -81,8 +84,10 @@ class ReplicaGradReduction {
   const bool exact_;
   int recipients_ = 0;  // tags: per expert, the holders, then the shadows
   ReceivedRows rows_;
+  bool host_rows_ = false;  // the host copies below hold this step's rows
   std::vector<int32_t> host_slot_;
   std::vector<float> host_weight_, acc_, msg_;
+  std::vector<uint8_t> host_x_, host_grad_;
   std::unique_ptr<ExpertStage> merge_;  // one expert, top-1: the primary's run over every pair
   kernels::Buffer merge_x_, merge_grad_, merge_expert_, merge_weight_, merge_out_, merge_gx_, merge_gw_;
   int64_t merge_capacity_ = -1;
