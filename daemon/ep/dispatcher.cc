@@ -208,22 +208,32 @@ void Dispatcher::lay_out_returns() {
   count_received_pairs();
   place_returned_pairs();
   const int R = cfg_.num_ranks;
+  std::vector<PairRanges> arrived;  // where each peer's rows landed: per chunk, or rank-major
+  if (h_.chunks_ > 1) {
+    for (const ChunkPlan& p : plan_) arrived.push_back(p.recv_row_ranges);
+    plan_returns();
+  } else {
+    std::vector<int64_t> recv_first(R, 0);
+    for (int r = 1; r < R; ++r) recv_first[r] = recv_first[r - 1] + h_.recv_counts_[r - 1];
+    arrived.push_back(packed_ranges(h_.recv_counts_, recv_first));
+    h_.recv_pairs_ = pairs_of(arrived[0], h_.recv_pair_offset_);
+    h_.send_pairs_ = pairs_of(packed_ranges(h_.send_counts_, h_.rank_offset_), h_.send_pair_offset_);
+    count_return_bytes(h_.recv_pairs_.count, h_.send_pairs_.count);
+  }
+  if (cfg_.train) key_sources(arrived);
+}
+
+// Each received row's source key, from where each peer's rows landed: a train
+// layer's weight-gradient order and replica reduction read them.
+void Dispatcher::key_sources(const std::vector<PairRanges>& arrived) {
   const int64_t N = h_.num_recv_rows_;
   host_token_.resize(N);
   be_.copy_to_host(host_token_.data(), h_.recv_token_.get(), kTokenBytes * N);
   h_.source_key_.resize(N);
-  if (h_.chunks_ > 1) {
-    plan_returns();
-    return;
-  }
-  int64_t n = 0;  // serial: the received rows are rank-major
-  for (int r = 0; r < R; ++r)
-    for (int64_t i = 0; i < h_.recv_counts_[r]; ++i, ++n) h_.source_key_[n] = source_key(r, host_token_[n]);
-  std::vector<int64_t> recv_first(R, 0);
-  for (int r = 1; r < R; ++r) recv_first[r] = recv_first[r - 1] + h_.recv_counts_[r - 1];
-  h_.recv_pairs_ = pairs_of(packed_ranges(h_.recv_counts_, recv_first), h_.recv_pair_offset_);
-  h_.send_pairs_ = pairs_of(packed_ranges(h_.send_counts_, h_.rank_offset_), h_.send_pair_offset_);
-  count_return_bytes(h_.recv_pairs_.count, h_.send_pairs_.count);
+  for (const PairRanges& a : arrived)
+    for (size_t r = 0; r < a.first.size(); ++r)
+      for (size_t i = a.first[r]; i < a.first[r] + a.count[r]; ++i)
+        h_.source_key_[i] = source_key(static_cast<int>(r), host_token_[i]);
 }
 
 // The receiver: each received row's pairs (its local slots), as offsets.
@@ -267,15 +277,11 @@ void Dispatcher::place_returned_pairs() {
   be_.copy_to_device(h_.pair_back_pos_.get(), host_back_pos_.data(), 4 * T * K);
 }
 
-// Each chunk's pair rows back, from its row ranges; and each received row's
-// source key (the rows are chunk-major).
+// Each chunk's pair rows back, from its row ranges.
 void Dispatcher::plan_returns() {
   const size_t R = cfg_.num_ranks;
   std::vector<size_t> out_pairs(R, 0), in_pairs(R, 0);
   for (ChunkPlan& p : plan_) {
-    for (size_t r = 0; r < R; ++r)
-      for (size_t i = p.recv_row_ranges.first[r]; i < p.recv_row_ranges.first[r] + p.recv_row_ranges.count[r]; ++i)
-        h_.source_key_[i] = source_key(static_cast<int>(r), host_token_[i]);
     const PairRanges out = pairs_of(p.recv_row_ranges, h_.recv_pair_offset_);
     const PairRanges in = pairs_of(p.send_row_ranges, h_.send_pair_offset_);
     p.recv_results = segs(out, combine_bytes_);

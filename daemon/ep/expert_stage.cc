@@ -163,8 +163,8 @@ void ExpertStage::reserve(int64_t rows) {
   pair_pos_ = Buffer(be_, 4 * N * K);
   pair_y_ = Buffer(be_, 4 * M * H);
   pair_src_ = Buffer(be_, 4 * M);
-  if (cfg_.train) wgrad_order_ = Buffer(be_, 4 * M);
   if (cfg_.train) {
+    wgrad_order_ = Buffer(be_, 4 * M);
     saved_gu_ = Buffer(be_, 4 * M * 2 * I);
     grad_perm_weight_ = Buffer(be_, 4 * M);
   }

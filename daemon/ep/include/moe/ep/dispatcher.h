@@ -149,8 +149,8 @@ class DispatchHandle {
   // Each received row's source: (its rank << 32) | its token index there. The
   // same on any rank for a token, and sorted it is source order (peer by peer,
   // each peer's rows as it sent them), which no chunking or placement changes.
-  // Host, [N]; set with recv_pair_offset.
-  const int64_t* source_key() const { return source_key_.data(); }
+  // Host, [N]; set with recv_pair_offset in a train dispatcher (empty otherwise).
+  const int64_t* source_key() const { return source_key_.empty() ? nullptr : source_key_.data(); }
   int64_t num_recv_pairs() const { return recv_pair_offset_.empty() ? 0 : recv_pair_offset_.back(); }
 
  private:
@@ -230,6 +230,7 @@ class Dispatcher {
   void count_received_pairs();
   void place_returned_pairs();
   void plan_returns();
+  void key_sources(const std::vector<PairRanges>& arrived);
   void post_dispatch_chunk(int c);
   void post_combine_chunk(int c, const void* y);
   void post_grad_chunk(int c);
