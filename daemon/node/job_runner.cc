@@ -9,15 +9,26 @@
 #include "moe/transport/communicator.h"
 
 namespace moe::node {
+namespace {
+
+std::vector<int> node_ranks(int first, int count) {
+  std::vector<int> ranks;
+  for (int i = 0; i < count; ++i) ranks.push_back(first + i);
+  return ranks;
+}
+
+}  // namespace
 
 JobRunner::JobRunner(v1::StartJob job, RunnerEnv env)
-    : job_(std::move(job)), env_(std::move(env)), mailbox_(job_.job_id(), env_.devices) {
+    : job_(std::move(job)),
+      env_(std::move(env)),
+      mailbox_(job_.job_id(), env_.devices),
+      worlds_(job_.job_id(), job_.world_epoch(), node_ranks(first_rank(), env_.devices),
+              [this](const std::string& why) { cancel(why); }) {
   reports_ = std::make_unique<ReportSender>(
       rpc::ClientOptions::make(env_.agent_address, env_.token, "moed", env_.node_name + "/reports", env_.tls), *env_.link,
       job_.job_id(), env_.devices);
   env_.reports = reports_.get();
-  for (int i = 0; i < env_.devices; ++i) local_ranks_.push_back(first_rank() + i);
-  hubs_[job_.world_epoch()] = std::make_shared<transport::LocalHub>(local_ranks_);
   running_ = env_.devices;
   for (int i = 0; i < env_.devices; ++i) threads_.emplace_back([this, i] { rank_main(i); });
 }
@@ -63,60 +74,19 @@ void JobRunner::cancel(const std::string& reason) {
     cancel_reason_ = reason;
     log::info("job ", job_.job_id(), ": cancel requested (", reason, ")");
   }
-  std::lock_guard<std::mutex> lock(world_mu_);
-  world_cv_.notify_all();  // ranks waiting for a new world stop
+  worlds_.close();  // ranks waiting for a new world stop
 }
 
 void JobRunner::halt(int64_t epoch, const std::string& reason) {
   log::warn("job ", job_.job_id(), ": the agent halts world ", epoch, ": ", reason);
-  int64_t seen = halted_epoch_.load();
-  while (seen < epoch && !halted_epoch_.compare_exchange_weak(seen, epoch)) {
-  }
+  worlds_.halt(epoch);
   std::lock_guard<std::mutex> lock(cancel_mu_);
   for (auto& [local, run] : live_ranks_) run->abort_transport("world " + std::to_string(epoch) + " halted: " + reason, epoch);
 }
 
 void JobRunner::new_world(const v1::NewWorld& next) {
-  std::lock_guard<std::mutex> lock(world_mu_);
-  const int64_t newest = next_ ? next_->world_epoch() : job_.world_epoch();
-  if (next.world_epoch() <= newest)
-    throw rpc::RpcError(v1::ERROR_CODE_FAILED_PRECONDITION, "job " + job_.job_id() + ": world " +
-                                                                std::to_string(next.world_epoch()) + " is not newer than " +
-                                                                std::to_string(newest));
-  std::vector<int> ranks;
-  for (int r : local_ranks_) {
-    if (r < 0 || r >= next.new_rank_size() || next.new_rank(r) < 0 || next.new_rank(r) >= next.world_size())
-      throw rpc::RpcError(v1::ERROR_CODE_INVALID_ARGUMENT, "job " + job_.job_id() + ": world " +
-                                                               std::to_string(next.world_epoch()) + " has no rank for rank " +
-                                                               std::to_string(r) + " of this node");
-    ranks.push_back(next.new_rank(r));
-  }
-  local_ranks_ = ranks;
-  hubs_[next.world_epoch()] = std::make_shared<transport::LocalHub>(ranks);
+  worlds_.post(next);
   mailbox_.abandon("the job moves to world " + std::to_string(next.world_epoch()));  // its ranks are gone
-  next_ = next;
-  log::info("job ", job_.job_id(), ": world ", next.world_epoch(), " of ", next.world_size(), " ranks from step ",
-            next.resume_step());
-  world_cv_.notify_all();
-}
-
-std::optional<v1::NewWorld> JobRunner::next_world(int64_t epoch) {
-  std::unique_lock<std::mutex> lock(world_mu_);
-  const bool told = world_cv_.wait_for(lock, kNewWorldPatience,
-                                       [&] { return cancel_.load() || (next_ && next_->world_epoch() > epoch); });
-  if (next_ && next_->world_epoch() > epoch && !cancel_.load()) return next_;
-  lock.unlock();
-  if (!told)  // the agent never decided: the job ends here rather than wait forever
-    cancel("no new world within " + std::to_string(kNewWorldPatience.count()) + " s of world " +
-           std::to_string(epoch) + "'s halt");
-  return std::nullopt;
-}
-
-std::shared_ptr<transport::LocalHub> JobRunner::hub(int64_t epoch) {
-  std::lock_guard<std::mutex> lock(world_mu_);
-  const auto it = hubs_.find(epoch);
-  MOE_CHECK(it != hubs_.end(), "job ", job_.job_id(), ": no world ", epoch, " on this node");
-  return it->second;
 }
 
 std::string JobRunner::cancel_reason() const {
@@ -148,7 +118,7 @@ void JobRunner::rank_main(int local) {
       live_ranks_[local] = &run;
       if (!failure_.empty()) run.abort_transport("job failed: " + failure_);
       if (!stop_abort_.empty()) run.abort_transport(stop_abort_);
-      if (halted_epoch_.load() >= run.world_epoch()) run.abort_transport("world halted", run.world_epoch());
+      if (worlds_.halted_epoch() >= run.world_epoch()) run.abort_transport("world halted", run.world_epoch());
     }
     struct Unregister {
       JobRunner* self;
@@ -182,11 +152,11 @@ void JobRunner::rank_main(int local) {
     d->set_ok(false);
     d->set_message(e.what());
     d->set_failed_peer(e.peer());
-    hub(epoch)->abort(rank, e.what(), e.peer());  // siblings waiting on us blame the same rank
+    worlds_.hub(epoch)->abort(rank, e.what(), e.peer());  // siblings waiting on us blame the same rank
   } catch (const std::exception& e) {
     d->set_ok(false);
     d->set_message(e.what());
-    hub(epoch)->abort(rank, e.what());
+    worlds_.hub(epoch)->abort(rank, e.what());
   }
   d->set_rank(rank);
   d->set_world_epoch(epoch);

@@ -209,7 +209,7 @@ int RankRun::run(const std::function<bool()>& cancel_requested) {
       if (!next || e.code() != v1::ERROR_CODE_FAILED_PRECONDITION) throw;
       report_halted(e.what(), -1);
     }
-    next = runner_.next_world(place_.epoch);
+    next = runner_.worlds().next_after(place_.epoch);
     if (!next) return applied_;  // cancelled, or the job failed, while it waited
   }
 }
@@ -265,7 +265,7 @@ void RankRun::enter(const v1::NewWorld& next) {
   {  // a halt of the new world from now on aborts its transports (at once if it came already)
     std::lock_guard<std::mutex> lock(world_mu_);
     entering_ = fresh.get();
-    if (runner_.halted_epoch() >= next.world_epoch()) fresh->abort("world " + std::to_string(next.world_epoch()) + " halted");
+    if (runner_.worlds().halted_epoch() >= next.world_epoch()) fresh->abort("world " + std::to_string(next.world_epoch()) + " halted");
   }
   struct Entered {
     RankRun* self;

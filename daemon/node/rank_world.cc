@@ -25,7 +25,7 @@ RankWorld::RankWorld(v1::StartJob s, int r, const RankWorldEnv& e)
       boot(e.agent, start.job_id(), rank, start.world_epoch()),
       transports(transport::make_rank_transports({.rank = rank,
                                                   .world = start.world_size(),
-                                                  .local = e.runner.hub(start.world_epoch()),
+                                                  .local = e.runner.worlds().hub(start.world_epoch()),
                                                   .bootstrap = &boot,
                                                   .data_memory = data_memory(e.backend),
                                                   .device = e.local,

@@ -7,8 +7,6 @@
 #pragma once
 
 #include <atomic>
-#include <condition_variable>
-#include <optional>
 #include <map>
 #include <functional>
 #include <memory>
@@ -23,6 +21,7 @@
 #include "moe/node/agent_link.h"
 #include "moe/node/rebalance_session.h"
 #include "moe/node/report_sender.h"
+#include "moe/node/world_mailbox.h"
 #include "moe/transport/local_hub.h"
 #include "moe/v1/job_run.pb.h"
 
@@ -75,16 +74,8 @@ class JobRunner {
   // rpc::RpcError naming an epoch that is not newer, or ranks of other nodes).
   void halt(int64_t epoch, const std::string& reason);
   void new_world(const v1::NewWorld& next);
-  // Ranks: the world after `epoch` once the agent sent it; nullopt when the job
-  // was cancelled or failed first, or none came within kNewWorldPatience (the
-  // agent decides within its halt timeout, or fails the job: it never came
-  // back, or this node was left behind and never heard).
-  std::optional<v1::NewWorld> next_world(int64_t epoch);
-  static constexpr std::chrono::seconds kNewWorldPatience{60};
-  // The in-process hub of this node's ranks in world `epoch`.
-  std::shared_ptr<transport::LocalHub> hub(int64_t epoch);
-  // The newest world the agent halted (-1: none).
-  int64_t halted_epoch() const { return halted_epoch_.load(); }
+  // Where the ranks wait for the next world and find each world's hub.
+  WorldMailbox& worlds() { return worlds_; }
   // This node's first rank in the job's first world here (a joining node's
   // place in the world it joins).
   int first_rank() const;
@@ -95,16 +86,11 @@ class JobRunner {
 
   v1::StartJob job_;
   RunnerEnv env_;
-  std::mutex world_mu_;
-  std::condition_variable world_cv_;
-  std::map<int64_t, std::shared_ptr<transport::LocalHub>> hubs_;  // by world epoch, guarded by world_mu_
-  std::vector<int> local_ranks_;                                   // in the newest world, guarded by world_mu_
-  std::optional<v1::NewWorld> next_;                               // guarded by world_mu_
   RebalanceMailbox mailbox_;
+  WorldMailbox worlds_;
   std::unique_ptr<ReportSender> reports_;
   std::atomic<bool> cancel_{false};
   std::atomic<bool> agent_lost_{false};
-  std::atomic<int64_t> halted_epoch_{-1};
   mutable std::mutex cancel_mu_;
   std::string cancel_reason_;  // guarded by cancel_mu_
   std::string failure_;        // fail()'s reason, guarded by cancel_mu_
