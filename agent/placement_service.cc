@@ -38,11 +38,6 @@ ExpertMap checked_map(const v1::PlacementMap& m) {
   return map;
 }
 
-v1::PlacementMap layer_proto(ExpertMap map, int layer, int64_t epoch) {
-  map.epoch = epoch;
-  return spec::to_proto(map, layer);
-}
-
 }  // namespace
 
 const PlacementService::Shape& PlacementService::find(const ShapeKey& shape) const {
@@ -54,9 +49,11 @@ const PlacementService::Shape& PlacementService::find(const ShapeKey& shape) con
 
 namespace {
 
-// The node redundancy a shape gets on `key`: its min_node_replicas (>= 1, as
-// stored), at most the nodes it has. The one place it is clamped.
-int min_nodes_on(const ShapeKey& key, int min_node_replicas) { return std::min(min_node_replicas, key.nodes); }
+// The node redundancy a shape gets on `key`: its min_node_replicas (0: unset),
+// at least 1 and at most the nodes it has. The one place it is clamped.
+int min_nodes_on(const ShapeKey& key, int min_node_replicas) {
+  return std::clamp(min_node_replicas, 1, std::max(1, key.nodes));
+}
 
 // The fewest redundant slots that put every expert on `m` nodes and fill whole ranks.
 int redundant_for(const ShapeKey& key, int m) {
@@ -85,9 +82,23 @@ placement::PlacementSpec PlacementService::solver_spec(const ShapeKey& key, cons
 bool PlacementService::spread_enough(const ShapeKey& key, const Shape& s) const {
   const int m = min_nodes_on(key, s.min_node_replicas);
   if (m <= 1) return true;
-  for (const v1::PlacementMap& pm : s.maps)
-    if (placement::min_nodes_spanned(spec::from_proto(pm), key.nodes) < m) return false;
+  for (const ExpertMap& map : s.maps)
+    if (placement::min_nodes_spanned(map, key.nodes) < m) return false;
   return true;
+}
+
+std::vector<v1::PlacementMap> PlacementService::Shape::protos() const {
+  std::vector<v1::PlacementMap> out;
+  for (size_t l = 0; l < maps.size(); ++l) out.push_back(spec::to_proto(maps[l], static_cast<int>(l)));
+  return out;
+}
+
+std::vector<v1::PlacementMap> PlacementService::place(const ShapeKey& key, Shape& s, std::vector<ExpertMap> maps) {
+  ++epoch_;
+  for (ExpertMap& m : maps) m.epoch = epoch_;
+  s.maps = std::move(maps);
+  s.windows.assign(key.layers, LoadWindow(window_steps_));
+  return s.protos();
 }
 
 PlacementService::Shape& PlacementService::shape_for_job(const v1::JobSpec& spec, const ShapeKey& key) {
@@ -96,7 +107,7 @@ PlacementService::Shape& PlacementService::shape_for_job(const v1::JobSpec& spec
   s.num_groups = spec.num_groups();
   s.top_k = spec.top_k();
   s.group_top_k = spec.group_top_k();
-  s.min_node_replicas = std::max(1, spec.min_node_replicas());
+  s.min_node_replicas = spec.min_node_replicas();
   return s;
 }
 
@@ -104,15 +115,10 @@ std::vector<v1::PlacementMap> PlacementService::maps_for_resume(const v1::JobSpe
                                                                 const v1::CheckpointManifest& ck) {
   Shape& s = shape_for_job(spec, key);
   const bool same_shape = ck.world_size() == key.ranks() && ck.devices_per_node() == key.devices_per_node;
-  ++epoch_;
-  s.maps.clear();
+  std::vector<ExpertMap> maps;
   for (int l = 0; l < key.layers; ++l) {
     if (same_shape) {
-      v1::PlacementMap m = ck.maps(l);
-      checked_map(m);
-      m.set_epoch(epoch_);
-      m.set_layer(l);
-      s.maps.push_back(std::move(m));
+      maps.push_back(checked_map(ck.maps(l)));
       continue;
     }
     std::vector<double> loads(key.experts, 1.0);
@@ -120,10 +126,9 @@ std::vector<v1::PlacementMap> PlacementService::maps_for_resume(const v1::JobSpe
       const auto& t = ck.expert_loads(l).tokens();
       if (std::any_of(t.begin(), t.end(), [](double v) { return v > 0; })) loads.assign(t.begin(), t.end());
     }
-    s.maps.push_back(layer_proto(placement::solve_layer(solver_spec(key, s, 0), loads), l, epoch_));
+    maps.push_back(placement::solve_layer(solver_spec(key, s, 0), loads));
   }
-  s.windows.assign(key.layers, LoadWindow(window_steps_));
-  return s.maps;
+  return place(key, s, std::move(maps));
 }
 
 std::vector<v1::PlacementMap> PlacementService::maps_for_job(const v1::JobSpec& spec, const ShapeKey& key) {
@@ -135,12 +140,9 @@ std::vector<v1::PlacementMap> PlacementService::maps_for_job(const v1::JobSpec& 
     const int redundant = redundant_for(key, min_nodes_on(key, s.min_node_replicas));
     const ExpertMap first =
         placement::solve_layer(solver_spec(key, s, redundant), std::vector<double>(key.experts, 1.0));
-    ++epoch_;
-    s.maps.clear();
-    for (int l = 0; l < key.layers; ++l) s.maps.push_back(layer_proto(first, l, epoch_));
-    s.windows.assign(key.layers, LoadWindow(window_steps_));
+    return place(key, s, std::vector<ExpertMap>(key.layers, first));
   }
-  return s.maps;
+  return s.protos();
 }
 
 std::vector<v1::PlacementMap> PlacementService::maps_for_world(const v1::JobSpec& spec, const ShapeKey& old,
@@ -154,12 +156,9 @@ std::vector<v1::PlacementMap> PlacementService::maps_for_world(const v1::JobSpec
     }
   Shape& s = shape_for_job(spec, next);
   const int redundant = redundant_for(next, min_nodes_on(next, s.min_node_replicas));
-  ++epoch_;
-  s.maps.clear();
-  for (int l = 0; l < next.layers; ++l)
-    s.maps.push_back(layer_proto(placement::solve_layer(solver_spec(next, s, redundant), loads[l]), l, epoch_));
-  s.windows.assign(next.layers, LoadWindow(window_steps_));
-  return s.maps;
+  std::vector<ExpertMap> maps;
+  for (int l = 0; l < next.layers; ++l) maps.push_back(placement::solve_layer(solver_spec(next, s, redundant), loads[l]));
+  return place(next, s, std::move(maps));
 }
 
 void PlacementService::record_step(const ShapeKey& key, const std::vector<std::vector<double>>& expert,
@@ -173,7 +172,7 @@ void PlacementService::record_step(const ShapeKey& key, const std::vector<std::v
 
 v1::LayerPlacement PlacementService::describe_layer(const Shape& s, int l) const {
   v1::LayerPlacement lp;
-  *lp.mutable_map() = s.maps[l];
+  *lp.mutable_map() = spec::to_proto(s.maps[l], l);
   const LoadWindow& w = s.windows[l];
   const std::vector<double> expert = w.expert_loads(), rank = w.rank_loads();
   *lp.mutable_expert_loads() = {expert.begin(), expert.end()};
@@ -181,8 +180,8 @@ v1::LayerPlacement PlacementService::describe_layer(const Shape& s, int l) const
   lp.set_window_steps(w.expert_steps());
   lp.set_rank_window_steps(w.rank_steps());
   lp.set_balancedness(w.balancedness());
-  if (static_cast<int>(expert.size()) == s.maps[l].num_experts())
-    lp.set_predicted_balancedness(placement::balancedness(spec::from_proto(s.maps[l]), expert));
+  if (static_cast<int>(expert.size()) == s.maps[l].num_experts)
+    lp.set_predicted_balancedness(placement::balancedness(s.maps[l], expert));
   return lp;
 }
 
@@ -198,8 +197,8 @@ v1::PlacementReply PlacementService::describe(ShapeKey key, std::optional<int> l
                    "layer: must be in [0, " + std::to_string(key.layers) + "), got " + std::to_string(*layer));
   for (int l = 0; l < key.layers; ++l) {
     if (layer && l != *layer) continue;
-    *reply.add_maps() = s.maps[l];
     *reply.add_layers() = describe_layer(s, l);
+    *reply.add_maps() = reply.layers(reply.layers_size() - 1).map();
   }
   return reply;
 }
@@ -227,7 +226,7 @@ RebalancePlan PlacementService::plan(ShapeKey key, std::optional<int> redundant,
   key = resolve(key);
   if (key.empty()) throw RpcError(v1::ERROR_CODE_NOT_FOUND, "nothing to rebalance: no job has run yet");
   const Shape& s = find(key);
-  const int current = s.maps[0].num_ranks() * s.maps[0].slots_per_rank() - key.experts;
+  const int current = s.maps[0].num_slots() - key.experts;
   const int n = redundant.value_or(current);
   if (n < 0) throw InvalidArgument("redundant_experts: must be >= 0, got " + std::to_string(n));
   if ((key.experts + n) % key.ranks() != 0)
@@ -243,7 +242,7 @@ RebalancePlan PlacementService::plan(ShapeKey key, std::optional<int> redundant,
     if (layer && l != *layer) continue;
     std::vector<double> loads = s.windows[l].expert_loads();
     if (static_cast<int>(loads.size()) != key.experts) loads.assign(key.experts, 1.0);  // nothing measured yet
-    const ExpertMap old = spec::from_proto(s.maps[l]);
+    const ExpertMap& old = s.maps[l];
     placement::LayerContext ctx;
     if (n == current) ctx.current = &old;  // keep copies in place
     ExpertMap next = placement::keep_local_slots(old, placement::solve_layer(spec, loads, ctx));
@@ -268,6 +267,7 @@ int64_t PlacementService::install(ShapeKey key, std::vector<v1::PlacementMap> ma
   key = resolve(key);
   find(key);  // NOT_FOUND for a shape never placed
   Shape& s = shapes_.at(key);
+  std::vector<ExpertMap> checked;
   for (const v1::PlacementMap& m : maps) {
     const std::string where = "layer " + std::to_string(m.layer()) + ": ";
     if (m.layer() < 0 || m.layer() >= key.layers)
@@ -279,25 +279,25 @@ int64_t PlacementService::install(ShapeKey key, std::vector<v1::PlacementMap> ma
     if ((m.num_ranks() * m.slots_per_rank()) % key.ranks() != 0 || m.num_ranks() * m.slots_per_rank() < key.experts)
       throw InvalidArgument(where + "experts + redundant must fill every rank's slots");
     try {
-      const ExpertMap lm = spec::from_proto(m);
-      placement::validate_layer_map(lm, solver_spec(key, s, lm.num_slots() - key.experts));
+      checked.push_back(spec::from_proto(m));
+      placement::validate_layer_map(checked.back(), solver_spec(key, s, checked.back().num_slots() - key.experts));
     } catch (const moe::Error& e) {
       throw InvalidArgument(where + e.what());
     }
   }
   if (epoch <= 0) epoch = ++epoch_;
-  for (v1::PlacementMap& m : maps) {
-    const int l = m.layer();
-    m.set_epoch(epoch);
-    s.maps[l] = std::move(m);
+  for (size_t i = 0; i < maps.size(); ++i) {
+    const int l = maps[i].layer();
+    checked[i].epoch = epoch;
+    s.maps[l] = std::move(checked[i]);
     s.windows[l].restart_ranks(epoch);
   }
   return epoch;
 }
 
-const std::vector<v1::PlacementMap>* PlacementService::maps(const ShapeKey& key) const {
+std::vector<v1::PlacementMap> PlacementService::maps(const ShapeKey& key) const {
   const auto it = shapes_.find(key);
-  return it == shapes_.end() ? nullptr : &it->second.maps;
+  return it == shapes_.end() ? std::vector<v1::PlacementMap>{} : it->second.protos();
 }
 
 std::vector<double> PlacementService::live_balancedness() const {
@@ -323,7 +323,7 @@ v1::PlacementState PlacementService::state() const {
   for (const auto& [key, s] : shapes_) {
     v1::ShapePlacement* sp = st.add_shapes();
     *sp->mutable_shape() = key.proto();
-    for (const auto& m : s.maps) *sp->add_maps() = m;
+    for (const v1::PlacementMap& m : s.protos()) *sp->add_maps() = m;
     sp->set_num_groups(s.num_groups);
     sp->set_top_k(s.top_k);
     sp->set_group_top_k(s.group_top_k);
@@ -344,11 +344,11 @@ void PlacementService::restore(const v1::PlacementState& st) {
   shapes_.clear();
   for (const v1::ShapePlacement& sp : st.shapes()) {
     Shape& s = shapes_[ShapeKey::of(sp.shape())];
-    s.maps.assign(sp.maps().begin(), sp.maps().end());
+    for (const v1::PlacementMap& m : sp.maps()) s.maps.push_back(spec::from_proto(m));
     s.num_groups = sp.num_groups();
     s.top_k = sp.top_k();
     s.group_top_k = sp.group_top_k();
-    s.min_node_replicas = std::max(1, sp.min_node_replicas());
+    s.min_node_replicas = sp.min_node_replicas();
     s.windows.assign(s.maps.size(), LoadWindow(window_steps_));
     for (int l = 0; l < sp.windows_size() && l < static_cast<int>(s.windows.size()); ++l) {
       std::deque<std::vector<double>> expert, rank;

@@ -186,7 +186,7 @@ Scheduler::DecidedWorld Scheduler::decide_world() {
                       .halted = h.halted,
                       .old_maps = {},
                       .node_names = {}};
-  if (const auto* maps = placement_.maps(job.shape)) in.old_maps = *maps;
+  in.old_maps = placement_.maps(job.shape);
   for (const NodeRecord& n : members_.nodes()) in.node_names.push_back(n.name);
   WorldChangePlan plan = plan_world(in);
   DecidedWorld d{.world = {}, .nodes = plan.nodes, .shape = job.shape, .steps_recomputed = 0, .from_checkpoint = 0};

@@ -76,7 +76,7 @@ uint64_t Rebalancer::start(const v1::RebalanceRequest& req, Clock::time_point no
   live.reply.set_epoch(epoch);
   for (auto& m : *live.reply.mutable_maps()) m.set_epoch(epoch);
   // Every layer's map: the changed ones new, the others as they are.
-  std::vector<v1::PlacementMap> all = *placement_.maps(job->shape);
+  std::vector<v1::PlacementMap> all = placement_.maps(job->shape);
   for (const auto& m : live.reply.maps()) all[m.layer()] = m;
   live.prepare.set_job_id(job->id);
   live.prepare.set_epoch(epoch);

@@ -105,6 +105,30 @@ ep::LayerSpec layer_spec(const v1::JobSpec& s) {
           .shared_expert_gate = s.shared_expert_gate()};
 }
 
+JobView::JobView(const v1::JobSpec& s)
+    : spec(s),
+      train(is_train(s)),
+      adam(train && optimizer_kind(s.optimizer()) == kernels::OptimizerKind::kAdam),
+      dtype(job_dtype(s)),
+      shape(layer_shape(s)),
+      layers(s.layers()),
+      top_k(s.top_k()),
+      steps(s.steps()),
+      tokens_per_rank(s.tokens_per_rank()),
+      dispatch_wire(wire(s.dispatch_wire())),
+      combine_wire(wire(s.combine_wire())),
+      overlap_chunks(s.overlap_chunks()),
+      exact_replica_grads(s.exact_replica_grads()),
+      bias_update_rate(s.bias_update_rate()),
+      elastic(s.elastic()),
+      verify(s.verify()),
+      verify_step(s.verify_step()),
+      dump_dir(s.dump_dir()),
+      dump_step(s.dump_step()),
+      checkpoint_dir(s.checkpoint_dir()),
+      checkpoint_every(s.checkpoint_every()),
+      resume(s.resume()) {}
+
 ep::MoeLayerConfig layer_config(const v1::JobSpec& s) { return ep::layer_config(layer_spec(s)); }
 
 v1::JobSpec teacher_of(const v1::JobSpec& s) {

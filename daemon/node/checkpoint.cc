@@ -41,21 +41,20 @@ void add_swiglu(io::SafetensorsWriter& out, const std::string& prefix, const ep:
               moments ? st.m.data() + offsets[i] : nullptr, moments ? st.v.data() + offsets[i] : nullptr);
 }
 
-bool adam(const v1::JobSpec& s) { return s.optimizer() != v1::JobSpec::sgd; }
-
-void write_rank_file(const fs::path& folder, ModelStack& stack, const v1::JobSpec& spec, int rank) {
+void write_rank_file(const fs::path& folder, ModelStack& stack, int rank) {
+  const layer_spec::JobView& job = stack.job();
   io::SafetensorsWriter out;
   out.set_metadata("format", "moed-checkpoint-1");
-  const int64_t H = spec.hidden(), I = spec.ffn_hidden();
+  const int64_t H = job.shape.hidden, I = job.shape.ffn_hidden;
   for (int l = 0; l < stack.num_layers(); ++l) {
     const moe::ExpertMap& map = stack.map(l);
-    std::vector<bool> written(spec.experts(), false);
+    std::vector<bool> written(job.shape.num_experts, false);
     for (int s = 0; s < map.slots_per_rank; ++s) {
       const int e = map.expert_at(rank, s);
       if (e < 0 || written[e]) continue;
       written[e] = true;
       ep::ExpertState st;
-      st.resize(static_cast<int>(H), static_cast<int>(I), adam(spec));
+      st.resize(static_cast<int>(H), static_cast<int>(I), job.adam);
       stack.layer(l).export_slot(s, st);
       add_swiglu(out, layer_name(l) + "experts." + std::to_string(e) + ".", st, H, I);
     }
@@ -63,18 +62,19 @@ void write_rank_file(const fs::path& folder, ModelStack& stack, const v1::JobSpe
   out.write((folder / ("rank" + std::to_string(rank) + ".safetensors")).string());
 }
 
-void write_router_file(const fs::path& folder, ModelStack& stack, const v1::JobSpec& spec) {
+void write_router_file(const fs::path& folder, ModelStack& stack) {
+  const layer_spec::JobView& job = stack.job();
   io::SafetensorsWriter out;
   out.set_metadata("format", "moed-checkpoint-1");
-  const int64_t H = spec.hidden(), E = spec.experts();
+  const int64_t H = job.shape.hidden, E = job.shape.num_experts;
   for (int l = 0; l < stack.num_layers(); ++l) {
-    const ep::EpLayer::ReplicatedState st = stack.layer(l).replicated_state(adam(spec));
+    const ep::EpLayer::ReplicatedState st = stack.layer(l).replicated_state(job.adam);
     const std::string p = layer_name(l);
     const auto ptr = [](const std::vector<float>& v) { return v.empty() ? nullptr : v.data(); };
     add_state(out, p + "gate.weight", {E, H}, st.gate.master.data(), ptr(st.gate.m), ptr(st.gate.v));
     if (!st.selection_bias.empty()) out.add_f32(p + "gate.e_score_correction_bias", {E}, st.selection_bias.data());
     if (!st.shared.weights.empty())
-      add_swiglu(out, p + "shared_experts.", st.shared, H, layer_spec::layer_shape(spec).shared_ffn_hidden);
+      add_swiglu(out, p + "shared_experts.", st.shared, H, job.shape.shared_ffn_hidden);
     if (!st.shared_gate.master.empty())
       add_state(out, p + "shared_expert_gate.weight", {1, H}, st.shared_gate.master.data(), ptr(st.shared_gate.m),
                 ptr(st.shared_gate.v));
@@ -131,15 +131,16 @@ ep::ExpertState read_swiglu(const io::SafetensorsReader& f, const std::string& p
   return st;
 }
 
-void load_replicated(const io::SafetensorsReader& f, ModelStack& stack, const v1::JobSpec& spec) {
-  const int64_t H = spec.hidden(), E = spec.experts(), Is = layer_spec::layer_shape(spec).shared_ffn_hidden;
+void load_replicated(const io::SafetensorsReader& f, ModelStack& stack) {
+  const model::LayerShape& shape = stack.job().shape;
+  const int64_t H = shape.hidden, E = shape.num_experts, Is = shape.shared_ffn_hidden;
   for (int l = 0; l < stack.num_layers(); ++l) {
     const std::string p = layer_name(l);
     ep::EpLayer::ReplicatedState st;
     st.gate = read_state(f, p + "gate.weight", {E, H});
     if (f.has(p + "gate.e_score_correction_bias")) st.selection_bias = f.read_f32(p + "gate.e_score_correction_bias", {E});
     if (Is > 0) st.shared = read_swiglu(f, p + "shared_experts.", H, Is);
-    if (spec.shared_expert_gate()) st.shared_gate = read_state(f, p + "shared_expert_gate.weight", {1, H});
+    if (shape.shared_gate) st.shared_gate = read_state(f, p + "shared_expert_gate.weight", {1, H});
     stack.layer(l).set_replicated_state(st);
   }
 }
@@ -155,8 +156,7 @@ int holder_of(const v1::PlacementMap& m, int e) {
 
 void write_checkpoint(const v1::StartJob& job, ModelStack& stack, int steps_done, int rank,
                       transport::Communicator& comm, transport::Deadline deadline) {
-  const v1::JobSpec& spec = job.spec();
-  const fs::path folder = fs::path(spec.checkpoint_dir()) / spec::step_folder_name(steps_done);
+  const fs::path folder = fs::path(layer_spec::JobView(job.spec()).checkpoint_dir) / spec::step_folder_name(steps_done);
   std::vector<std::vector<float>> loads = stack.expert_loads();
   for (auto& l : loads) comm.all_reduce_sum(l.data(), l.size(), deadline);
   if (rank == 0) {  // a folder being rewritten is incomplete until its new manifest
@@ -164,18 +164,17 @@ void write_checkpoint(const v1::StartJob& job, ModelStack& stack, int steps_done
     fs::remove(folder / spec::kManifestName);
   }
   comm.barrier(deadline);
-  write_rank_file(folder, stack, spec, rank);
-  if (rank == 0) write_router_file(folder, stack, spec);
+  write_rank_file(folder, stack, rank);
+  if (rank == 0) write_router_file(folder, stack);
   comm.barrier(deadline);  // every rank's file is whole
   if (rank == 0) write_manifest(folder, job, stack, steps_done, loads);
 }
 
 void load_checkpoint(const std::string& folder, const v1::CheckpointManifest& m, ModelStack& stack, int rank) {
-  const v1::JobSpec& spec = m.spec();
-  spec::check_files(folder, m);
-  load_replicated(io::SafetensorsReader((fs::path(folder) / "router.safetensors").string()), stack, spec);
+  spec::check_files(folder, m);  // the agent checked that its spec resumes as the stack's
+  load_replicated(io::SafetensorsReader((fs::path(folder) / "router.safetensors").string()), stack);
   std::map<int, std::unique_ptr<io::SafetensorsReader>> files;  // opened when first needed; tensors read by seek
-  const int64_t H = spec.hidden(), I = spec.ffn_hidden();
+  const int64_t H = stack.job().shape.hidden, I = stack.job().shape.ffn_hidden;
   for (int l = 0; l < stack.num_layers(); ++l) {
     const moe::ExpertMap& map = stack.map(l);
     for (int s = 0; s < map.slots_per_rank; ++s) {

@@ -10,29 +10,30 @@
 
 namespace moe::node {
 
-void dump_step(const v1::JobSpec& spec, const ModelStack& stack, const model::LayerWeights& layer0, int rank) {
-  std::filesystem::create_directories(spec.dump_dir());
+void dump_step(const layer_spec::JobView& job, const ModelStack& stack, const model::LayerWeights& layer0, int rank) {
+  std::filesystem::create_directories(job.dump_dir);
   const LayerSnapshot& s = stack.snapshot(0);
   const moe::ExpertMap& map = stack.map(0);
   io::LayerDump d;
-  d.dtype = layer_spec::job_dtype(spec);
-  d.shape = layer_spec::layer_shape(spec);
-  d.top_k = spec.top_k();
-  d.num_tokens = spec.tokens_per_rank();
+  d.dtype = job.dtype;
+  d.shape = job.shape;
+  d.top_k = job.top_k;
+  d.num_tokens = job.tokens_per_rank;
   d.x = s.x.data();
   d.out = s.out.data();
   d.topk_idx = s.kept_idx.data();
   d.topk_weight = s.topk_weight.data();
   const std::vector<bool> mine = map.hosted(rank);
-  for (int e = 0; e < spec.experts(); ++e)
+  for (int e = 0; e < job.shape.num_experts; ++e)
     if (mine[e]) d.experts.push_back(e);
   d.weights = &layer0;
   // Expert gradients indexed by logical expert, from this rank's slots.
   std::vector<float> g13, g2;
-  if (spec.mode() == v1::JobSpec::train) {
-    const size_t H = spec.hidden(), I = spec.ffn_hidden(), n13 = 2 * I * H, n2 = H * I;
-    g13.assign(spec.experts() * n13, 0.0f);
-    g2.assign(spec.experts() * n2, 0.0f);
+  if (job.train) {
+    const size_t E = job.shape.num_experts, H = job.shape.hidden, I = job.shape.ffn_hidden, n13 = 2 * I * H,
+                 n2 = H * I;
+    g13.assign(E * n13, 0.0f);
+    g2.assign(E * n2, 0.0f);
     for (int slot = 0; slot < map.slots_per_rank; ++slot) {
       const int e = map.expert_at(rank, slot);
       if (e < 0) continue;
@@ -50,8 +51,8 @@ void dump_step(const v1::JobSpec& spec, const ModelStack& stack, const model::La
       d.grad_shared_gate = s.grads.shared_gate.empty() ? nullptr : s.grads.shared_gate.data();
     }
   }
-  io::write_layer_dump(spec.dump_dir() + "/rank" + std::to_string(rank) + ".safetensors", d);
-  if (rank == 0) write_file_atomically(spec.dump_dir() + "/spec.json", spec::to_json(spec));
+  io::write_layer_dump(job.dump_dir + "/rank" + std::to_string(rank) + ".safetensors", d);
+  if (rank == 0) write_file_atomically(job.dump_dir + "/spec.json", spec::to_json(job.spec));
 }
 
 }  // namespace moe::node

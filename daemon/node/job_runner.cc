@@ -5,6 +5,7 @@
 #include <thread>
 
 #include "moe/base/log.h"
+#include "moe/layer_spec/job_layers.h"
 #include "moe/node/rank_run.h"
 #include "moe/transport/communicator.h"
 
@@ -111,6 +112,7 @@ void JobRunner::rank_main(int local) {
   auto* d = done.mutable_rank_done();
   d->set_job_id(job_.job_id());
   int64_t epoch = job_.world_epoch();
+  const layer_spec::JobView view(job_.spec());
   try {
     RankRun run(job_, env_, rank, local, *this, agent);
     {  // fail() aborts its device transport from now on (at once if it already ran)
@@ -138,7 +140,7 @@ void JobRunner::rank_main(int local) {
     }
     rank = run.rank();
     epoch = run.world_epoch();
-    if (steps < job_.spec().steps()) {
+    if (steps < view.steps) {
       d->set_ok(false);
       d->set_cancelled(true);
       d->set_cancel_requested_here(cancel_.load());
@@ -146,7 +148,7 @@ void JobRunner::rank_main(int local) {
       d->set_message("cancelled at step " + std::to_string(steps) + " (" + cancel_reason() + ")");
     } else {
       d->set_ok(true);
-      if (job_.spec().verify()) *d->mutable_verify() = run.verification();
+      if (view.verify) *d->mutable_verify() = run.verification();
     }
   } catch (const transport::TransportError& e) {
     d->set_ok(false);

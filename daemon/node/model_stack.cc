@@ -10,21 +10,11 @@ namespace moe::node {
 
 using kernels::DType;
 
-namespace {
-
-// The teacher's layers: forward only, no balancing statistics (its spec has none).
-ep::MoeLayerConfig teacher_config(const v1::JobSpec& teacher_spec) {
-  ep::LayerSpec s = layer_spec::layer_spec(teacher_spec);
-  s.train = false;
-  return ep::layer_config(s);
-}
-
-}  // namespace
-
 ModelStack::ModelStack(const v1::JobSpec& spec, const std::vector<moe::ExpertMap>& maps, int rank, int world,
                        transport::Communicator& comm, kernels::Backend& be, kernels::ThreadPool& pool,
-                       std::chrono::milliseconds timeout, transport::Communicator* data_comm)
-    : spec_(spec),
+                       std::chrono::milliseconds timeout, transport::Communicator* data_comm,
+                       std::unique_ptr<StepSource> source)
+    : job_(spec),
       comm_(comm),
       data_comm_(data_comm),
       be_(be),
@@ -32,43 +22,39 @@ ModelStack::ModelStack(const v1::JobSpec& spec, const std::vector<moe::ExpertMap
       timeout_(timeout),
       rank_(rank),
       world_(world),
-      T_(spec.tokens_per_rank()),
-      H_(spec.hidden()),
-      dt_(layer_spec::job_dtype(spec)) {
-  const int L = spec.layers();
+      T_(job_.tokens_per_rank),
+      H_(job_.shape.hidden),
+      dt_(job_.dtype) {
+  const int L = job_.layers;
   MOE_CHECK(static_cast<int>(maps.size()) == L, "start: ", maps.size(), " placement maps for ", L, " layers");
-  const bool train = spec.mode() == v1::JobSpec::train;
   const ep::MoeLayerConfig cfg = layer_spec::layer_config(spec);
-  const v1::JobSpec teacher_spec = layer_spec::teacher_of(spec);
-  const ep::MoeLayerConfig teacher_cfg = teacher_config(teacher_spec);
   for (int l = 0; l < L; ++l) {
-    const std::vector<bool> needed = maps[l].hosted(rank_);
     layers_.push_back(std::make_unique<ep::EpLayer>(cfg, maps[l], comm, be, layer_options(l)));
-    layers_.back()->set_weights(layer_spec::layer_weights(spec, l, needed, &pool_));
-    if (!train) continue;
-    teacher_.push_back(std::make_unique<ep::EpLayer>(teacher_cfg, maps[l], comm, be, layer_options(l)));
-    teacher_.back()->set_weights(layer_spec::layer_weights(teacher_spec, l, needed, &pool_));
+    layers_.back()->set_weights(layer_spec::layer_weights(spec, l, maps[l].hosted(rank_), &pool_));
   }
+  source_ = source ? std::move(source)
+                   : std::make_unique<SyntheticSource>(job_, maps, rank_, comm, be, pool_,
+                                                       [this](int l) { return layer_options(l); });
   const size_t bytes = T_ * H_ * kernels::dtype_size(dt_) + 1;
   for (int l = 0; l <= L; ++l) xs_.emplace_back(be, bytes);
   out_ = kernels::Buffer(be, bytes);
-  if (train) {
+  if (job_.train) {
     grad_ = kernels::Buffer(be, bytes);
     grad_x_ = kernels::Buffer(be, bytes);
-    xt_ = kernels::Buffer(be, bytes);
+    targets_ = kernels::Buffer(be, bytes);
   }
   snaps_.resize(L);
-  loads_.assign(L, std::vector<float>(spec.experts(), 0.0f));
+  loads_.assign(L, std::vector<float>(job_.shape.num_experts, 0.0f));
   opt_ = layer_spec::optimizer_config(spec);
 }
 
 ep::EpOptions ModelStack::layer_options(int l) const {
   return {.timeout = timeout_,
           .tag_base = static_cast<uint32_t>(l) << 24,
-          .overlap_chunks = spec_.overlap_chunks(),
-          .exact_replica_grads = spec_.exact_replica_grads(),
-          .dispatch_wire = layer_spec::wire(spec_.dispatch_wire()),
-          .combine_wire = layer_spec::wire(spec_.combine_wire()),
+          .overlap_chunks = job_.overlap_chunks,
+          .exact_replica_grads = job_.exact_replica_grads,
+          .dispatch_wire = job_.dispatch_wire,
+          .combine_wire = job_.combine_wire,
           .data_comm = data_comm_};
 }
 
@@ -79,16 +65,8 @@ std::vector<uint8_t> ModelStack::host_bytes(const kernels::Buffer& b) const {
 void ModelStack::stage(const std::vector<ExpertMap>& next, const std::vector<std::vector<ExpertCopy>>& copies) {
   MOE_CHECK(static_cast<int>(next.size()) == num_layers() && static_cast<int>(copies.size()) == num_layers(),
             "rebalance: ", next.size(), " maps for ", num_layers(), " layers");
-  const bool adam = spec_.mode() == v1::JobSpec::train && spec_.optimizer() != v1::JobSpec::sgd;
-  for (int l = 0; l < num_layers(); ++l) layers_[l]->stage(next[l], copies[l], adam);
-  if (teacher_.empty()) return;
-  const v1::JobSpec teacher_spec = layer_spec::teacher_of(spec_);
-  const ep::MoeLayerConfig teacher_cfg = teacher_config(teacher_spec);
-  staged_teacher_.clear();
-  for (int l = 0; l < num_layers(); ++l) {
-    staged_teacher_.push_back(std::make_unique<ep::EpLayer>(teacher_cfg, next[l], comm_, be_, layer_options(l)));
-    staged_teacher_.back()->set_weights(layer_spec::layer_weights(teacher_spec, l, next[l].hosted(rank_), &pool_));
-  }
+  for (int l = 0; l < num_layers(); ++l) layers_[l]->stage(next[l], copies[l], job_.adam);
+  source_->stage(next);
 }
 
 bool ModelStack::staged_ready() {
@@ -99,13 +77,12 @@ bool ModelStack::staged_ready() {
 
 void ModelStack::switch_to_staged() {
   for (auto& layer : layers_) layer->switch_to_staged();
-  if (!staged_teacher_.empty()) teacher_ = std::move(staged_teacher_);
-  staged_teacher_.clear();
+  source_->switch_to_staged();
 }
 
 void ModelStack::drop_staged() {
   for (auto& layer : layers_) layer->drop_staged();
-  staged_teacher_.clear();
+  source_->drop_staged();
 }
 
 int64_t ModelStack::staged_bytes_received() const {
@@ -116,9 +93,9 @@ int64_t ModelStack::staged_bytes_received() const {
 
 std::vector<model::LayerWeights> ModelStack::weights_in_use(int step, transport::Deadline deadline) const {
   std::vector<model::LayerWeights> all;
-  const bool trained = spec_.mode() == v1::JobSpec::train && step > 0;
+  const bool trained = job_.train && step > 0;
   for (int l = 0; l < num_layers(); ++l) {
-    const model::LayerWeights spec_w = layer_spec::layer_weights(spec_, l, std::vector<bool>(spec_.experts(), !trained));
+    const model::LayerWeights spec_w = layer_spec::layer_weights(job_.spec, l, std::vector<bool>(job_.shape.num_experts, !trained));
     if (!trained) {
       all.push_back(ep::weights_as_used(spec_w, dt_));
       all.back().selection_bias = layers_[l]->selection_bias();  // moved by bias updates
@@ -136,7 +113,7 @@ std::vector<model::LayerWeights> ModelStack::weights_in_use(int step, transport:
 // Layer l's inputs, output and routing as this step saw them, to host memory.
 void ModelStack::capture_forward(int l) {
   const ep::EpLayer& layer = *layers_[l];
-  const size_t pairs = T_ * spec_.top_k();
+  const size_t pairs = T_ * job_.top_k;
   LayerSnapshot& s = snaps_[l];
   s.x = host_bytes(xs_[l]);
   s.out = host_bytes(out_);
@@ -146,12 +123,9 @@ void ModelStack::capture_forward(int l) {
 }
 
 void ModelStack::forward(int step, StepReport& report, bool capture) {
-  const int K = spec_.top_k();
+  const int K = job_.top_k;
   const size_t n = T_ * H_;
-  const double t0 = now_seconds();
-  const std::vector<uint8_t> x = model::to_storage(layer_spec::step_inputs(spec_, rank_, step, pool_), dt_);
-  be_.copy_to_device(xs_[0].get(), x.data(), n * kernels::dtype_size(dt_));
-  report.set_inputs_seconds(now_seconds() - t0);
+  source_->inputs(step, xs_[0], report);
   for (int l = 0; l < num_layers(); ++l) {
     ep::EpLayer& layer = *layers_[l];
     layer.forward(xs_[l].get(), T_, token_begin(), out_.get());
@@ -167,16 +141,9 @@ void ModelStack::forward(int step, StepReport& report, bool capture) {
 
 void ModelStack::backward(StepReport& report, bool capture) {
   const size_t n = T_ * H_;
-  const double t_teacher = now_seconds();
-  be_.copy(xt_.get(), xs_[0].get(), n * kernels::dtype_size(dt_));
-  for (auto& teacher : teacher_) {
-    teacher->forward(xt_.get(), T_, token_begin(), out_.get());
-    report.note_chunks(teacher->stats().transfer.chunks);
-    be_.add(xt_.get(), out_.get(), dt_, static_cast<int64_t>(n));
-  }
-  report.set_teacher_seconds(now_seconds() - t_teacher);
+  source_->targets(xs_[0], targets_, report);
   const std::vector<float> y = model::from_storage(host_bytes(xs_.back()).data(), n, dt_);
-  const std::vector<float> yt = model::from_storage(host_bytes(xt_).data(), n, dt_);
+  const std::vector<float> yt = model::from_storage(host_bytes(targets_).data(), n, dt_);
   const double norm = static_cast<double>(T_) * world_ * H_;
   double loss = 0;
   std::vector<float> g(n);
@@ -205,7 +172,7 @@ void ModelStack::backward(StepReport& report, bool capture) {
 }
 
 int ModelStack::first_nonfinite_router_gradient() const {
-  const size_t n = static_cast<size_t>(spec_.experts()) * H_;
+  const size_t n = static_cast<size_t>(job_.shape.num_experts) * H_;
   for (int l = 0; l < num_layers(); ++l) {
     const std::vector<float> g = kernels::to_host<float>(be_, layers_[l]->grad_gate(), n);
     if (!std::all_of(g.begin(), g.end(), [](float v) { return std::isfinite(v); })) return l;
@@ -214,11 +181,11 @@ int ModelStack::first_nonfinite_router_gradient() const {
 }
 
 void ModelStack::update_selection_bias() {
-  if (spec_.bias_update_rate() <= 0) return;
+  if (job_.bias_update_rate <= 0) return;
   bias_before_.clear();
   for (auto& layer : layers_) {
     bias_before_.push_back(layer->selection_bias());
-    layer->update_selection_bias(spec_.bias_update_rate());
+    layer->update_selection_bias(job_.bias_update_rate);
   }
 }
 

@@ -26,7 +26,7 @@ RankRun::RankRun(const v1::StartJob& job, const RunnerEnv& env, int rank, int lo
       backend_(env.make_backend(pool_, local_)) {
   world_ = std::make_unique<World>(job, rank, world_env());
   verify_.set_passed(true);
-  const v1::JobSpec& spec = job.spec();
+  const layer_spec::JobView& view = world_->job();
   if (job.has_join()) {  // a node that joins a running elastic job: its state comes from the others
     if (job.join().rollback().empty())
       move_state(held(nullptr), false, target(*world_), job.join(), deadline());
@@ -34,19 +34,19 @@ RankRun::RankRun(const v1::StartJob& job, const RunnerEnv& env, int rank, int lo
       roll_back(target(*world_), job.join(), deadline());
     first_step_ = job.join().resume_step();
     log::info("job ", job_.job_id(), ": rank ", rank, " joined world ", job.world_epoch(), " at step ", first_step_);
-  } else if (!spec.resume().empty()) {  // the agent resolved and checked the folder
-    const v1::CheckpointManifest m = spec::read_manifest(spec.resume());
-    load_checkpoint(spec.resume(), m, world_->stack, world_->rank);
+  } else if (!view.resume.empty()) {  // the agent resolved and checked the folder
+    const v1::CheckpointManifest m = spec::read_manifest(view.resume);
+    load_checkpoint(view.resume, m, world_->stack, world_->rank);
     first_step_ = m.step();
-    log::info("job ", job_.job_id(), ": rank ", world_->rank, " resumed from ", spec.resume(), " at step ", first_step_);
+    log::info("job ", job_.job_id(), ": rank ", world_->rank, " resumed from ", view.resume, " at step ", first_step_);
   }
   applied_ = world_first_step_ = first_step_;
   place_ = {job.world_epoch(), rank};
-  log::info("job ", job_.job_id(), ": rank ", world_->rank, " of ", job.world_size(), " ready (", spec.layers(),
-            " layers, ", spec.tokens_per_rank(), " tokens, ", v1::JobSpec::Mode_Name(spec.mode()), ", ",
+  log::info("job ", job_.job_id(), ": rank ", world_->rank, " of ", job.world_size(), " ready (", view.layers,
+            " layers, ", view.tokens_per_rank, " tokens, ", view.train ? "train" : "forward", ", ",
             backend_->name(), " backend on device ", local_, ", ", world_->comm.name(),
             world_->transports.data ? ", " + world_->transports.data->name() + " for its memory" : "",
-            spec.elastic() ? ", elastic" : "", ")");
+            view.elastic ? ", elastic" : "", ")");
 }
 
 RankRun::~RankRun() = default;
@@ -114,40 +114,39 @@ void RankRun::agree(int step, const std::string& nonfinite_here, StepReport& rep
 }
 
 void RankRun::run_step(int step) {
-  const v1::JobSpec& spec = world_->start.spec();
+  const layer_spec::JobView& job = world_->job();
   ModelStack& stack = world_->stack;
   // A resumed run covers its first step when asked for an earlier one.
-  const bool verify = spec.verify() && step == std::max(spec.verify_step(), first_step_);
-  const bool dump = !spec.dump_dir().empty() && step == std::max(spec.dump_step(), first_step_);
+  const bool verify = job.verify && step == std::max(job.verify_step, first_step_);
+  const bool dump = !job.dump_dir.empty() && step == std::max(job.dump_step, first_step_);
   const bool covered = verify || dump;
-  const bool train = spec.mode() == v1::JobSpec::train;
-  StepReport report(step, spec.experts());
+  StepReport report(step, job.shape.num_experts);
   report.set_world_epoch(world_->start.world_epoch());
   const double t0 = now_seconds();
   stack.forward(step, report, covered);
   // The weights this step uses, before its optimizer step changes them.
   std::vector<model::LayerWeights> weights;
   if (covered) weights = stack.weights_in_use(step, deadline());
-  if (train) {
+  if (job.train) {
     stack.backward(report, covered);
     const std::string bad = nonfinite(report);
     pending_ = true;  // from here its reduced gradients are whole: an elastic restart may apply them
-    if (spec.elastic()) pending_report_ = report;
+    if (job.elastic) pending_report_ = report;
     agree(step, bad, report);
   }
   report.set_step_seconds(now_seconds() - t0);
   finish_step(step, report);
   // The covered step's snapshots, gradients (the optimizer leaves them) and
   // weights are what verify and the dump need.
-  if (verify) verify_ = verify_step(spec, stack, weights, world_->rank, world_->comm, deadline());
-  if (dump) dump_step(spec, stack, weights[0], world_->rank);
+  if (verify) verify_ = verify_step(job, stack, weights, world_->rank, world_->comm, deadline());
+  if (dump) dump_step(job, stack, weights[0], world_->rank);
 }
 
 // The step's local end, which no peer can interrupt: the optimizer step (train),
 // the bias update, and the report.
 void RankRun::finish_step(int step, StepReport& report) {
   ModelStack& stack = world_->stack;
-  if (world_->start.spec().mode() == v1::JobSpec::train) {
+  if (world_->job().train) {
     const double t = now_seconds();
     stack.optimize(step, report);
     report.set_step_seconds(report.stats().step_seconds() + now_seconds() - t);
@@ -171,14 +170,14 @@ void RankRun::send_report(const StepReport& report) {
 
 // A checkpoint after `done` steps: every checkpoint_every steps and at the end.
 bool RankRun::checkpoint_due(int done) const {
-  const v1::JobSpec& spec = world_->start.spec();
-  if (spec.checkpoint_dir().empty()) return false;
-  const int every = spec.checkpoint_every();
-  return done == spec.steps() || (every > 0 && done % every == 0);
+  const layer_spec::JobView& job = world_->job();
+  if (job.checkpoint_dir.empty()) return false;
+  const int every = job.checkpoint_every;
+  return done == job.steps || (every > 0 && done % every == 0);
 }
 
 int RankRun::run_world(const std::function<bool()>& cancel_requested) {
-  const int steps = world_->start.spec().steps();
+  const int steps = world_->job().steps;
   int step = world_first_step_;
   for (; step < steps; ++step) {
     if (agree_and_act(cancel_requested(), step)) break;
@@ -199,10 +198,10 @@ int RankRun::run(const std::function<bool()>& cancel_requested) {
       if (next) enter(*next);
       return run_world(cancel_requested);
     } catch (const transport::TransportError& e) {
-      if (!job_.spec().elastic()) throw;
+      if (!world_->job().elastic) throw;
       // Every step done: the failure was in the closing barrier, which only
       // keeps endpoints up while a peer may still use them.
-      if (applied_ >= job_.spec().steps()) return applied_;
+      if (applied_ >= world_->job().steps) return applied_;
       report_halted(e.what(), e.peer());
     } catch (const rpc::RpcError& e) {
       // A world halted (or replaced) while its ranks bootstrapped it.
@@ -227,7 +226,7 @@ void RankRun::report_halted(const std::string& why, int failed_peer) {
 // it too (its reduced gradients are those every rank applied). Forward: a rank
 // that finished a step no other survivor did takes its bias update back.
 void RankRun::catch_up(int resume_step) {
-  const bool train = world_->start.spec().mode() == v1::JobSpec::train;
+  const bool train = world_->job().train;
   if (train && applied_ == resume_step - 1 && pending_ && pending_report_) {
     StepReport report = *pending_report_;
     finish_step(resume_step - 1, report);
@@ -289,13 +288,13 @@ void RankRun::enter(const v1::NewWorld& next) {
   retired_.push_back(std::move(fresh));
   world_first_step_ = next.resume_step();
   log::info("job ", job_.job_id(), ": rank ", old_rank, " is rank ", world_->rank, " of ", next.world_size(),
-            " in world ", next.world_epoch(), " (", world_->start.spec().tokens_per_rank(),
+            " in world ", next.world_epoch(), " (", world_->job().tokens_per_rank,
             " tokens), resuming at step ", world_first_step_, " after ", now_seconds() - t0, " s");
 }
 
 RankWorldEnv RankRun::world_env() { return {agent_, runner_, *backend_, pool_, local_, env_}; }
 
-WorldTarget RankRun::target(World& w) const { return {w.stack, w.rank, w.comm, w.start.spec(), job_.job_id()}; }
+WorldTarget RankRun::target(World& w) const { return {w.stack, w.rank, w.comm, w.job(), job_.job_id()}; }
 
 std::vector<HeldStack> RankRun::held(World* from) const {
   std::vector<HeldStack> out;

@@ -29,6 +29,8 @@ struct RankWorld {
   RankWorld(v1::StartJob start, int rank, const RankWorldEnv& env);
   // A wait on the world's transports fails now with `why`. Thread-safe.
   void abort(const std::string& why);
+  // The world's job (its spec's derived view).
+  const layer_spec::JobView& job() const { return stack.job(); }
 
   const v1::StartJob start;
   const int rank;

@@ -34,7 +34,7 @@ std::vector<double> to_double(const std::vector<float>& v) { return {v.begin(), 
 
 // What one layer's check needs.
 struct LayerCase {
-  const v1::JobSpec& spec;
+  const layer_spec::JobView& job;
   const ModelStack& stack;
   int layer, rank;
   ref::Config rc;
@@ -47,8 +47,8 @@ struct LayerCase {
 // break; the numbers are then compared on our selection. Returns the forward.
 ref::Forward check_forward(const LayerCase& c, v1::Verify& lv, bool& ok) {
   const LayerSnapshot& s = c.stack.snapshot(c.layer);
-  const int64_t T = c.spec.tokens_per_rank();
-  const int K = c.spec.top_k();
+  const int64_t T = c.job.tokens_per_rank;
+  const int K = c.job.top_k;
   const ref::Forward own = ref::forward(c.rc, c.rw, c.x, T);
   for (int64_t t = 0; t < T; ++t) {
     if (own.selection_margin[t] <= 1e-5) continue;
@@ -61,7 +61,7 @@ ref::Forward check_forward(const LayerCase& c, v1::Verify& lv, bool& ok) {
   if (!c.expert_x.empty()) opts.expert_x = &c.expert_x;
   ref::Forward f = ref::forward(c.rc, c.rw, c.x, T, opts);
   ok &= f.kept_idx == s.kept_idx;
-  compare(lv, model::from_storage(s.out.data(), T * c.spec.hidden(), layer_spec::job_dtype(c.spec)), f.out);
+  compare(lv, model::from_storage(s.out.data(), T * c.job.shape.hidden, c.job.dtype), f.out);
   if (c.rc.aux_loss_coeff > 0 || c.rc.z_loss_coeff > 0) {  // this rank's shares of the losses
     const ep::BalanceLosses& got = layer.balance_losses();
     compare(lv, std::vector<double>{got.aux, got.z}, {f.aux_loss, f.z_loss});
@@ -73,8 +73,8 @@ ref::Forward check_forward(const LayerCase& c, v1::Verify& lv, bool& ok) {
 void check_backward(const LayerCase& c, const ref::Forward& f, transport::Communicator& comm,
                     transport::Deadline deadline, v1::Verify& lv, v1::Verify& gv) {
   const LayerSnapshot& s = c.stack.snapshot(c.layer);
-  const size_t n = c.spec.tokens_per_rank() * c.spec.hidden();
-  const DType dt = layer_spec::job_dtype(c.spec);
+  const size_t n = c.job.tokens_per_rank * c.job.shape.hidden;
+  const DType dt = c.job.dtype;
   const ref::Grads g = ref::backward(c.rc, c.rw, c.x, f, to_double(model::from_storage(s.grad_out.data(), n, dt)));
   compare(lv, model::from_storage(s.grad_x.data(), n, dt), g.grad_x);
   std::vector<float> gate(g.grad_gate.begin(), g.grad_gate.end());
@@ -93,7 +93,7 @@ void check_backward(const LayerCase& c, const ref::Forward& f, transport::Commun
       if (!sum.empty()) compare(gv, *have, to_double(sum));
     }
   }
-  const size_t H = c.spec.hidden(), I = c.spec.ffn_hidden(), n13 = 2 * I * H, n2 = H * I;
+  const size_t H = c.job.shape.hidden, I = c.job.shape.ffn_hidden, n13 = 2 * I * H, n2 = H * I;
   const moe::ExpertMap& map = c.stack.map(c.layer);
   for (int slot = 0; slot < map.slots_per_rank; ++slot) {
     const int e = map.expert_at(c.rank, slot);
@@ -105,30 +105,30 @@ void check_backward(const LayerCase& c, const ref::Forward& f, transport::Commun
 
 }  // namespace
 
-v1::Verify verify_step(const v1::JobSpec& spec, const ModelStack& stack, const std::vector<model::LayerWeights>& weights,
-                       int rank, transport::Communicator& comm, transport::Deadline deadline) {
-  const DType dt = layer_spec::job_dtype(spec);
+v1::Verify verify_step(const layer_spec::JobView& job, const ModelStack& stack,
+                       const std::vector<model::LayerWeights>& weights, int rank, transport::Communicator& comm,
+                       transport::Deadline deadline) {
+  const DType dt = job.dtype;
   // Weight gradients are fp32 sums; in a bf16 job on the oneDNN engine one operand
   // of each (h or dgu) is rounded to bf16 first (2^-8 of each term): 1/64 of the
   // tensor's scale, as the bf16 outputs.
   // A bf16 combine wire rounds each rank's partial rows: out is held as a bf16 job's.
-  const bool bf16_out = dt == DType::kBF16 || spec.combine_wire() == v1::bf16;
+  const bool bf16_out = dt == DType::kBF16 || job.combine_wire == ep::Wire::kBF16;
   const double tol = bf16_out ? 1.0 / 64 : 1e-4, grad_tol = dt == DType::kF32 ? 1e-3 : 1.0 / 64;
-  const ref::DispatchWire wire = spec.dispatch_wire() == v1::fp8    ? ref::DispatchWire::kFP8
-                                 : spec.dispatch_wire() == v1::bf16 ? ref::DispatchWire::kBF16
-                                                                    : ref::DispatchWire::kExact;
-  const bool train = spec.mode() == v1::JobSpec::train;
-  const ref::Config rc = ep::reference_config(layer_spec::layer_config(spec));
+  const ref::DispatchWire wire = job.dispatch_wire == ep::Wire::kFP8    ? ref::DispatchWire::kFP8
+                                 : job.dispatch_wire == ep::Wire::kBF16 ? ref::DispatchWire::kBF16
+                                                                        : ref::DispatchWire::kExact;
+  const ref::Config rc = ep::reference_config(layer_spec::layer_config(job.spec));
   v1::Verify out;
   bool ok = true;
   for (int l = 0; l < stack.num_layers(); ++l) {
     const LayerSnapshot& s = stack.snapshot(l);
-    const std::vector<float> x = model::from_storage(s.x.data(), spec.tokens_per_rank() * spec.hidden(), dt);
-    LayerCase c{spec, stack, l, rank, rc, ep::reference_weights(weights[l]), to_double(x),
-                ref::expert_rows_through(wire, dt == DType::kBF16, x, spec.hidden())};
+    const std::vector<float> x = model::from_storage(s.x.data(), job.tokens_per_rank * job.shape.hidden, dt);
+    LayerCase c{job, stack, l, rank, rc, ep::reference_weights(weights[l]), to_double(x),
+                ref::expert_rows_through(wire, dt == DType::kBF16, x, job.shape.hidden)};
     v1::Verify lv, gv;  // out and grad_x (held to tol); weight gradients (grad_tol)
     const ref::Forward f = check_forward(c, lv, ok);
-    if (train) check_backward(c, f, comm, deadline, lv, gv);
+    if (job.train) check_backward(c, f, comm, deadline, lv, gv);
     ok &= lv.max_rel_error() <= tol && gv.max_rel_error() <= grad_tol;
     fold(out, lv);
     fold(out, gv);

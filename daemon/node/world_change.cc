@@ -62,9 +62,7 @@ void wait_for(transport::Communicator& comm, transport::Communicator::TransferId
 // that has it.
 void move_replicated(const HeldStack* from, const WorldTarget& to, const v1::NewWorld& next,
                      transport::Deadline until) {
-  const v1::JobSpec& spec = to.spec;
-  const bool train = spec.mode() == v1::JobSpec::train;
-  const bool moments = train && spec.optimizer() != v1::JobSpec::sgd;
+  const bool train = to.job.train, moments = to.job.adam;
   const int L = to.stack.num_layers();
   std::vector<bool> has(next.world_size(), false);
   for (int r : next.new_rank())
@@ -142,8 +140,7 @@ struct Incoming {  // an expert state on its way to this rank
 // Posts every move of `next` this rank sends or receives; returns the receives.
 std::vector<Incoming> post_moves(const std::vector<HeldStack>& held, const WorldTarget& to, const v1::NewWorld& next,
                                  std::vector<transport::Communicator::TransferId>& outgoing) {
-  const v1::JobSpec& spec = to.spec;
-  const bool moments = spec.optimizer() != v1::JobSpec::sgd;
+  const model::LayerShape& shape = to.job.shape;
   std::vector<Incoming> incoming;
   for (int i = 0; i < next.moves_size(); ++i) {
     const v1::ExpertMove& mv = next.moves(i);
@@ -152,14 +149,14 @@ std::vector<Incoming> post_moves(const std::vector<HeldStack>& held, const World
       MOE_CHECK(w, "world change: told to send expert ", mv.expert(), " of layer ", mv.layer(),
                 ", which this rank does not hold");
       ep::ExpertState st;
-      st.resize(spec.hidden(), spec.ffn_hidden(), moments);
+      st.resize(shape.hidden, shape.ffn_hidden, to.job.adam);
       w->stack.layer(mv.layer()).export_slot(s, st);
       auto wire = std::make_shared<std::vector<float>>(st.to_wire());
       outgoing.push_back(to.comm.isend(mv.to_rank(), wire->data(), wire->size() * sizeof(float), i, wire));
     }
     if (mv.to_rank() == to.rank && mv.from_rank() != to.rank) {
       Incoming in{mv.layer(), mv.expert(), std::make_shared<ep::ExpertState>(), nullptr, 0};
-      in.state->resize(spec.hidden(), spec.ffn_hidden(), moments);
+      in.state->resize(shape.hidden, shape.ffn_hidden, to.job.adam);
       in.wire = std::make_shared<std::vector<float>>(in.state->floats());
       in.id = to.comm.irecv(mv.from_rank(), in.wire->data(), in.wire->size() * sizeof(float), i, in.wire);
       incoming.push_back(std::move(in));
@@ -176,10 +173,8 @@ std::vector<Incoming> post_moves(const std::vector<HeldStack>& held, const World
 
 void move_state(const std::vector<HeldStack>& held, bool from_a_world, const WorldTarget& to, const v1::NewWorld& next,
                 transport::Deadline until) {
-  const v1::JobSpec& spec = to.spec;
   move_replicated(from_a_world ? &held.front() : nullptr, to, next, until);
-  if (spec.mode() != v1::JobSpec::train) return to.comm.barrier(until);
-  const bool moments = spec.optimizer() != v1::JobSpec::sgd;
+  if (!to.job.train) return to.comm.barrier(until);
   std::vector<transport::Communicator::TransferId> outgoing;
   std::vector<Incoming> incoming = post_moves(held, to, next, outgoing);
   std::set<std::pair<int, int>> moved_here;
@@ -191,7 +186,7 @@ void move_state(const std::vector<HeldStack>& held, bool from_a_world, const Wor
       const auto [w, o] = holder(held, l, e);
       MOE_CHECK(w, "world change: no source for expert ", e, " of layer ", l, " on rank ", to.rank);
       ep::ExpertState st;
-      st.resize(spec.hidden(), spec.ffn_hidden(), moments);
+      st.resize(to.job.shape.hidden, to.job.shape.ffn_hidden, to.job.adam);
       w->stack.layer(l).export_slot(o, st);
       to.stack.layer(l).import_slot(s, st);
     }

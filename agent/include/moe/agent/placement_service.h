@@ -3,8 +3,8 @@
 // layers, nodes, devices per node) and layer it keeps the epoch-numbered map in
 // force and the sliding window of measured load; a job starts on its shape's
 // current maps; a rebalance plans new maps from the window and installs them
-// under a new epoch. Epochs only grow, cluster-wide. The one place that converts
-// between the solver's maps and their protos. No I/O.
+// under a new epoch. Epochs only grow, cluster-wide. It holds the maps as
+// moe::ExpertMap and converts at its edge: protos in (checked) and out. No I/O.
 #pragma once
 
 #include <compare>
@@ -89,8 +89,8 @@ class PlacementService {
   ShapeKey resolve(ShapeKey shape) const { return shape.empty() ? last_shape_ : shape; }
   ShapeKey last_shape() const { return last_shape_; }
   int64_t epoch() const { return epoch_; }
-  // The shape's maps in force (null for a shape never placed).
-  const std::vector<v1::PlacementMap>* maps(const ShapeKey& shape) const;
+  // The shape's maps in force, one per layer (none for a shape never placed).
+  std::vector<v1::PlacementMap> maps(const ShapeKey& shape) const;
   // Of the last job's shape, per layer: measured and predicted balancedness.
   std::vector<double> live_balancedness() const;
   std::vector<double> live_predicted() const;
@@ -100,14 +100,17 @@ class PlacementService {
 
  private:
   struct Shape {
-    std::vector<v1::PlacementMap> maps;
+    std::vector<ExpertMap> maps;  // by layer, each with its epoch
     std::vector<LoadWindow> windows;
     int num_groups = 0, top_k = 0, group_top_k = 0;  // the last job's routing, for the solver
-    int min_node_replicas = 1;                        // ... and its node redundancy
+    int min_node_replicas = 0;                        // ... and its node redundancy as asked (0: unset)
+    std::vector<v1::PlacementMap> protos() const;    // the maps as they go on the wire
   };
   const Shape& find(const ShapeKey& shape) const;  // throws NOT_FOUND
   Shape& shape_for_job(const v1::JobSpec& spec, const ShapeKey& shape);  // creates it, notes the routing
   bool spread_enough(const ShapeKey& key, const Shape& s) const;  // its maps honour its min_node_replicas
+  // Its installed maps, all under a new epoch, and fresh load windows.
+  std::vector<v1::PlacementMap> place(const ShapeKey& key, Shape& s, std::vector<ExpertMap> maps);
   placement::PlacementSpec solver_spec(const ShapeKey& key, const Shape& s, int redundant) const;
   v1::LayerPlacement describe_layer(const Shape& s, int layer) const;
 

@@ -17,6 +17,34 @@
 
 namespace moe::layer_spec {
 
+// The job as the daemon sees it: every fact it needs of the spec, each derived
+// in one place (mode, optimizer, dtype, wires and overlap through the exhaustive
+// switches below). Holds `spec` by reference: it must outlive the view (a spec
+// passed where a view is asked for makes one for the call).
+struct JobView {
+  JobView(const v1::JobSpec& spec);  // NOLINT(google-explicit-constructor)
+  const v1::JobSpec& spec;  // for the functions below that take the whole spec
+  bool train;               // mode train (forward + backward + optimizer step)
+  bool adam;                // train with Adam: each trained parameter has moments m, v
+  kernels::DType dtype;
+  model::LayerShape shape;  // E, H, I, the shared experts' width and gate
+  int layers, top_k, steps;
+  int64_t tokens_per_rank;
+  ep::Wire dispatch_wire, combine_wire;
+  int overlap_chunks;
+  bool exact_replica_grads;
+  double bias_update_rate;
+  bool elastic;
+  // Outputs: verify and dump at one step, checkpoints every so many, a resume folder.
+  bool verify;
+  int verify_step;
+  std::string dump_dir;
+  int dump_step;
+  std::string checkpoint_dir;
+  int checkpoint_every;
+  std::string resume;
+};
+
 ep::LayerSpec layer_spec(const v1::JobSpec& spec);
 ep::MoeLayerConfig layer_config(const v1::JobSpec& spec);
 kernels::DType job_dtype(const v1::JobSpec& spec);

@@ -3,13 +3,13 @@
 #pragma once
 
 #include "moe/node/model_stack.h"
-#include "moe/v1/job.pb.h"
+#include "moe/layer_spec/job_layers.h"
 
 namespace moe::node {
 
-// Writes spec.dump_dir/rank{rank}.safetensors (and spec.json on rank 0).
+// Writes job.dump_dir/rank{rank}.safetensors (and spec.json on rank 0).
 // Throws moe::Error naming the file when it cannot be written.
 // layer0: layer 0's weights as the step used them.
-void dump_step(const v1::JobSpec& spec, const ModelStack& stack, const model::LayerWeights& layer0, int rank);
+void dump_step(const layer_spec::JobView& job, const ModelStack& stack, const model::LayerWeights& layer0, int rank);
 
 }  // namespace moe::node

@@ -12,7 +12,9 @@
 #include "moe/ep/ep_layer.h"
 #include "moe/kernels/buffer.h"
 #include "moe/kernels/thread_pool.h"
+#include "moe/layer_spec/job_layers.h"
 #include "moe/node/step_report.h"
+#include "moe/node/step_source.h"
 #include "moe/v1/job.pb.h"
 
 namespace moe::node {
@@ -31,14 +33,16 @@ class ModelStack {
   // spec: defaults filled. maps: one per layer. The stack builds its layers' and
   // the teacher's weights for the experts this rank hosts.
   // comm carries host memory; data_comm (null: comm) the backend's, as EpOptions says.
+  // The steps' tokens and targets come from `source` (null: a SyntheticSource).
   ModelStack(const v1::JobSpec& spec, const std::vector<moe::ExpertMap>& maps, int rank, int world,
              transport::Communicator& comm, kernels::Backend& be, kernels::ThreadPool& pool,
-             std::chrono::milliseconds timeout, transport::Communicator* data_comm = nullptr);
+             std::chrono::milliseconds timeout, transport::Communicator* data_comm = nullptr,
+             std::unique_ptr<StepSource> source = nullptr);
 
   // The forward of `step` on this rank's tokens; with capture, every layer's
   // snapshot is kept.
   void forward(int step, StepReport& report, bool capture);
-  // Train mode, after forward: the teacher's targets, the loss (this rank's
+  // Train mode, after forward: the source's targets, the loss (this rank's
   // share) and the backward through the stack.
   void backward(StepReport& report, bool capture);
   // One optimizer step (1-based: step + 1) on every layer.
@@ -51,8 +55,8 @@ class ModelStack {
   void undo_selection_bias();
 
   // Live rebalance (docs/placement.md#live-rebalance), at step boundaries every rank agreed on: stage()
-  // starts filling the slots the new maps give this rank (and builds the
-  // teacher's layers on them from the RNG: teacher weights are never copied);
+  // starts filling the slots the new maps give this rank (and the step source's
+  // layers, if it has any, follow);
   // staged_ready() progresses the copies; switch_to_staged() moves every layer
   // onto its new map; drop_staged() abandons the rebalance.
   // next: one map per layer; copies: per layer, in the same order on every rank.
@@ -72,6 +76,8 @@ class ModelStack {
   // every rank) holds a non-finite value, or -1.
   int first_nonfinite_router_gradient() const;
 
+  // The job as this stack runs it (its world's spec).
+  const layer_spec::JobView& job() const { return job_; }
   int num_layers() const { return static_cast<int>(layers_.size()); }
   const ep::EpLayer& layer(int l) const { return *layers_[l]; }
   ep::EpLayer& layer(int l) { return *layers_[l]; }
@@ -88,7 +94,7 @@ class ModelStack {
   std::vector<uint8_t> host_bytes(const kernels::Buffer& b) const;
   void capture_forward(int l);
 
-  const v1::JobSpec& spec_;
+  const layer_spec::JobView job_;
   transport::Communicator& comm_;
   transport::Communicator* data_comm_;
   kernels::Backend& be_;
@@ -98,11 +104,11 @@ class ModelStack {
   const int64_t T_;
   const int H_;
   const kernels::DType dt_;
-  std::vector<std::unique_ptr<ep::EpLayer>> layers_, teacher_;
-  std::vector<std::unique_ptr<ep::EpLayer>> staged_teacher_;  // on the staged maps
+  std::vector<std::unique_ptr<ep::EpLayer>> layers_;
+  std::unique_ptr<StepSource> source_;
   // Activations in the backend's memory, [T, H] in the job dtype.
   std::vector<kernels::Buffer> xs_;  // xs_[l]: input of layer l; xs_[L]: the stack's output
-  kernels::Buffer out_, grad_, grad_x_, xt_;  // xt_: the teacher's stack
+  kernels::Buffer out_, grad_, grad_x_, targets_;
   std::vector<LayerSnapshot> snaps_;
   std::vector<std::vector<float>> loads_;
   kernels::OptimizerConfig opt_;

@@ -4,7 +4,7 @@
 
 #include "moe/node/model_stack.h"
 #include "moe/transport/communicator.h"
-#include "moe/v1/job.pb.h"
+#include "moe/layer_spec/job_layers.h"
 
 namespace moe::node {
 
@@ -18,7 +18,7 @@ namespace moe::node {
 // gradients (fp32 sums over all ranks' tokens) 1e-3 in fp32, 1/64 in bf16 (one
 // operand of each term is rounded to bf16 on the oneDNN engine).
 // weights: each layer's weights as the step used them (ModelStack::weights_in_use).
-v1::Verify verify_step(const v1::JobSpec& spec, const ModelStack& stack, const std::vector<model::LayerWeights>& weights,
+v1::Verify verify_step(const layer_spec::JobView& job, const ModelStack& stack, const std::vector<model::LayerWeights>& weights,
                        int rank, transport::Communicator& comm, transport::Deadline deadline);
 
 }  // namespace moe::node

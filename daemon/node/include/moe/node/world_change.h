@@ -8,6 +8,7 @@
 #include <string>
 #include <vector>
 
+#include "moe/layer_spec/job_layers.h"
 #include "moe/node/model_stack.h"
 #include "moe/transport/communicator.h"
 #include "moe/v1/job_run.pb.h"
@@ -22,12 +23,12 @@ struct HeldStack {
 };
 
 // The new world's side: its stack, this rank's number in it, its host
-// communicator, its spec.
+// communicator, its job.
 struct WorldTarget {
   ModelStack& stack;
   int rank;
   transport::Communicator& comm;
-  const v1::JobSpec& spec;
+  const layer_spec::JobView& job;
   const std::string& job_id;
 };
 
