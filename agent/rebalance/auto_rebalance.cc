@@ -1,4 +1,4 @@
-#include "moe/agent/auto_rebalance.h"
+#include "moe/rebalance/auto_rebalance.h"
 
 namespace moe::agent {
 

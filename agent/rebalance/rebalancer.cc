@@ -1,4 +1,4 @@
-#include "moe/agent/rebalancer.h"
+#include "moe/rebalance/rebalancer.h"
 
 #include <sstream>
 

@@ -89,15 +89,6 @@ int64_t chunk_rows(int64_t n, int c, int C) { return chunk_begin(n, c + 1, C) - 
 constexpr int kChunkBits = 8;
 static_assert(kMaxChunks < (1 << kChunkBits));
 
-// The dtype rows travel in on a wire that is not fp8, checked against the layer's.
-DType wire_dtype(Wire w, DType layer, const char* which) {
-  if (w == Wire::kLayer || w == Wire::kFP8) return layer;
-  const DType d = w == Wire::kF32 ? DType::kF32 : DType::kBF16;
-  MOE_CHECK(kernels::dtype_size(d) <= kernels::dtype_size(layer), which, " wire ", wire_name(w),
-            " is wider than the layer's ", kernels::dtype_name(layer), " rows");
-  return d;
-}
-
 }  // namespace
 
 int chunk_rule(double transfer_seconds, double compute_seconds, double rows_per_expert) {
@@ -118,14 +109,12 @@ Dispatcher::Dispatcher(const DispatcherConfig& cfg, transport::Communicator& com
       opts_(options),
       row_bytes_(kernels::dtype_size(cfg.dtype) * cfg.hidden),
       meta_bytes_(cfg.top_k * kSlotBytes),
-      dispatch_dtype_(wire_dtype(cfg.dispatch_wire, cfg.dtype, "dispatch")),
-      combine_dtype_(wire_dtype(cfg.combine_wire, cfg.dtype, "combine")),
-      fp8_(cfg.dispatch_wire == Wire::kFP8),
-      wire_bytes_(fp8_ ? kernels::fp8_row_bytes(cfg.hidden) : kernels::dtype_size(dispatch_dtype_) * cfg.hidden),
-      combine_bytes_(kernels::dtype_size(combine_dtype_) * cfg.hidden) {
+      dispatch_(kernels::resolve_wire(cfg.dispatch_wire, cfg.dtype, kernels::WireRole::kDispatch)),
+      combine_(kernels::resolve_wire(cfg.combine_wire, cfg.dtype, kernels::WireRole::kCombine)),
+      wire_bytes_(dispatch_.row_bytes(cfg.hidden)),
+      combine_bytes_(combine_.row_bytes(cfg.hidden)) {
   MOE_CHECK(cfg.num_ranks == comm.size(), "dispatcher: ", cfg.num_ranks, " ranks, the communicator has ",
             comm.size());
-  MOE_CHECK(cfg.combine_wire != Wire::kFP8, "combine wire fp8: results go back in fp32 or bf16");
   const size_t T = cfg.max_tokens, K = cfg.top_k, R = cfg.num_ranks, S = cfg.slots_per_rank;
   const size_t max_send_rows = T * std::min(R, K);  // a token goes to at most min(R, K) ranks
   const size_t max_pairs = T * K;  // the pair rows coming back
@@ -170,12 +159,13 @@ void Dispatcher::reserve(int64_t n) {
 void Dispatcher::encode_send_rows(const void* x, int64_t T) {
   const int R = cfg_.num_ranks;
   const int64_t rows = h_.rank_offset_[R];
-  const bool direct = encoded_dispatch() && !fp8_;  // a bf16 wire: permute converts
+  const bool direct = encoded_dispatch() && dispatch_.plain;  // a plain wire: permute converts
   be_.permute({.num_rows = T, .top_k = R, .num_out_rows = rows, .hidden = cfg_.hidden, .in_dtype = cfg_.dtype,
-               .out_dtype = direct ? dispatch_dtype_ : cfg_.dtype},
+               .out_dtype = direct ? dispatch_.dtype : cfg_.dtype},
               {.rows = x, .src_row = h_.send_src_token_.as<int32_t>(), .pair_pos = h_.token_send_row_.as<int32_t>(),
                .out = direct ? send_wire_.get() : send_rows_.get()});
-  if (fp8_) be_.quantize_fp8_rows(send_rows_.get(), cfg_.dtype, rows, cfg_.hidden, send_wire_.get());
+  if (encoded_dispatch() && !direct)
+    be_.pack_rows(dispatch_.format, send_rows_.get(), cfg_.dtype, rows, cfg_.hidden, send_wire_.get());
 }
 
 // Received rows [first, first + n) from the dispatch wire into the handle's rows.
@@ -183,18 +173,15 @@ void Dispatcher::decode_rows(int64_t first, int64_t n) {
   if (!encoded_dispatch() || n == 0) return;
   const void* in = recv_wire_.as<uint8_t>() + first * wire_bytes_;
   void* out = h_.recv_rows_.as<uint8_t>() + first * row_bytes_;
-  if (fp8_)
-    be_.dequantize_fp8_rows(in, n, cfg_.hidden, out, cfg_.dtype);
-  else
-    be_.convert(in, dispatch_dtype_, out, cfg_.dtype, n * cfg_.hidden);
+  be_.unpack_rows(dispatch_.format, in, n, cfg_.hidden, out, cfg_.dtype);
 }
 
 // Pair rows [first, first + n) of y in the combine wire's format: y itself, or y_wire_.
 const void* Dispatcher::encode_results(const void* y, int64_t first, int64_t n) {
   if (!encoded_combine()) return y;
   if (n > 0)
-    be_.convert(static_cast<const uint8_t*>(y) + first * row_bytes_, cfg_.dtype,
-                y_wire_.as<uint8_t>() + first * combine_bytes_, combine_dtype_, n * cfg_.hidden);
+    be_.pack_rows(combine_.format, static_cast<const uint8_t*>(y) + first * row_bytes_, cfg_.dtype, n, cfg_.hidden,
+                  y_wire_.as<uint8_t>() + first * combine_bytes_);
   return y_wire_.get();
 }
 
@@ -609,7 +596,7 @@ void Dispatcher::combine(const DispatchHandle& h, const void* y, void* out) {
   last_transfer_ = stats_.dispatch_transport + stats_.combine_transport;
   // A token's pair rows, summed in k order.
   be_.unpermute({.num_rows = h_.num_tokens_, .top_k = cfg_.top_k, .hidden = cfg_.hidden, .out_dtype = cfg_.dtype,
-                 .accumulate = false, .in_dtype = combine_dtype_, .num_perm_rows = h_.send_pair_offset_.back()},
+                 .accumulate = false, .in_dtype = combine_.dtype, .num_perm_rows = h_.send_pair_offset_.back()},
                 {.perm = back_rows_.get(), .pair_pos = h_.pair_back_pos_.as<int32_t>(), .pair_weight = nullptr,
                  .out = out});
 }

@@ -69,16 +69,13 @@ kernels::DType dtype_of(v1::JobSpec::DType d, const char* field) {
 
 kernels::DType job_dtype(const v1::JobSpec& s) { return dtype_of(s.dtype(), "dtype"); }
 
-ep::Wire wire(v1::Wire w) {
-  switch (w) {
-    case v1::WIRE_UNSPECIFIED: return ep::Wire::kLayer;
-    case v1::fp32: return ep::Wire::kF32;
-    case v1::bf16: return ep::Wire::kBF16;
-    case v1::fp8: return ep::Wire::kFP8;
-    case v1::Wire_INT_MIN_SENTINEL_DO_NOT_USE_:  // a file-level enum's sentinels
-    case v1::Wire_INT_MAX_SENTINEL_DO_NOT_USE_: break;
-  }
-  detail::fail("wire: unknown value ", static_cast<int>(w));
+// Joined by name, so a format needs no line here; wire_format_test checks that
+// every proto value has its row.
+kernels::WireChoice wire(v1::Wire w) {
+  if (w == v1::WIRE_UNSPECIFIED) return std::nullopt;
+  const std::optional<kernels::WireFormat> f = kernels::wire_by_name(std::string(v1::Wire_Name(w)));
+  MOE_CHECK(f, "wire: unknown value ", static_cast<int>(w));
+  return f;
 }
 
 ep::LayerSpec layer_spec(const v1::JobSpec& s) {

@@ -6,16 +6,6 @@
 
 namespace moe::ep {
 
-const char* wire_name(Wire w) {
-  switch (w) {
-    case Wire::kLayer: return "layer";
-    case Wire::kF32: return "fp32";
-    case Wire::kBF16: return "bf16";
-    case Wire::kFP8: return "fp8";
-  }
-  return "?";
-}
-
 void MoeLayerConfig::validate() const {
   MOE_CHECK(max_tokens >= 0, "max_tokens must be >= 0, got ", max_tokens);
   MOE_CHECK(ffn_hidden > 0, "ffn_hidden must be > 0, got ", ffn_hidden);

@@ -113,11 +113,10 @@ v1::Verify verify_step(const layer_spec::JobView& job, const ModelStack& stack,
   // of each (h or dgu) is rounded to bf16 first (2^-8 of each term): 1/64 of the
   // tensor's scale, as the bf16 outputs.
   // A bf16 combine wire rounds each rank's partial rows: out is held as a bf16 job's.
-  const bool bf16_out = dt == DType::kBF16 || job.combine_wire == ep::Wire::kBF16;
+  const kernels::WireFormatInfo& dispatch = kernels::resolve_wire(job.dispatch_wire, dt, kernels::WireRole::kDispatch);
+  const kernels::WireFormatInfo& combine = kernels::resolve_wire(job.combine_wire, dt, kernels::WireRole::kCombine);
+  const bool bf16_out = dt == DType::kBF16 || combine.dtype == DType::kBF16;
   const double tol = bf16_out ? 1.0 / 64 : 1e-4, grad_tol = dt == DType::kF32 ? 1e-3 : 1.0 / 64;
-  const ref::DispatchWire wire = job.dispatch_wire == ep::Wire::kFP8    ? ref::DispatchWire::kFP8
-                                 : job.dispatch_wire == ep::Wire::kBF16 ? ref::DispatchWire::kBF16
-                                                                        : ref::DispatchWire::kExact;
   const ref::Config rc = ep::reference_config(layer_spec::layer_config(job.spec));
   v1::Verify out;
   bool ok = true;
@@ -125,7 +124,7 @@ v1::Verify verify_step(const layer_spec::JobView& job, const ModelStack& stack,
     const LayerSnapshot& s = stack.snapshot(l);
     const std::vector<float> x = model::from_storage(s.x.data(), job.tokens_per_rank * job.shape.hidden, dt);
     LayerCase c{job, stack, l, rank, rc, ep::reference_weights(weights[l]), to_double(x),
-                ref::expert_rows_through(wire, dt == DType::kBF16, x, job.shape.hidden)};
+                ref::expert_rows_through(dispatch.format, dt, x, job.shape.hidden)};
     v1::Verify lv, gv;  // out and grad_x (held to tol); weight gradients (grad_tol)
     const ref::Forward f = check_forward(c, lv, ok);
     if (job.train) check_backward(c, f, comm, deadline, lv, gv);

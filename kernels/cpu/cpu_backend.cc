@@ -67,11 +67,11 @@ class CpuBackend final : public Backend {
   void add(void* dst, const void* src, DType dtype, int64_t count) override {
     cpu::add(pool(), dst, src, dtype, count);
   }
-  void quantize_fp8_rows(const void* rows, DType dtype, int64_t n, int hidden, void* wire) override {
-    cpu::quantize_fp8_rows(pool(), rows, dtype, n, hidden, wire);
+  void pack_rows(WireFormat f, const void* rows, DType dtype, int64_t n, int hidden, void* wire) override {
+    cpu::pack_rows(pool(), f, rows, dtype, n, hidden, wire);
   }
-  void dequantize_fp8_rows(const void* wire, int64_t n, int hidden, void* rows, DType dtype) override {
-    cpu::dequantize_fp8_rows(pool(), wire, n, hidden, rows, dtype);
+  void unpack_rows(WireFormat f, const void* wire, int64_t n, int hidden, void* rows, DType dtype) override {
+    cpu::unpack_rows(pool(), f, wire, n, hidden, rows, dtype);
   }
 
   std::unique_ptr<PackedWeights> make_router_weights(const RouterConfig& c) override {

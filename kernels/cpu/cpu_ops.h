@@ -57,8 +57,10 @@ void host_free(void* p);
 void convert(ThreadPool& pool, const void* src, DType src_dtype, void* dst, DType dst_dtype,
              int64_t count);
 void add(ThreadPool& pool, void* dst, const void* src, DType dtype, int64_t count);
-void quantize_fp8_rows(ThreadPool& pool, const void* rows, DType dtype, int64_t num_rows, int hidden, void* wire);
-void dequantize_fp8_rows(ThreadPool& pool, const void* wire, int64_t num_rows, int hidden, void* rows, DType dtype);
+// Backend::pack_rows / unpack_rows: one case per wire format.
+void pack_rows(ThreadPool& pool, WireFormat f, const void* rows, DType dtype, int64_t num_rows, int hidden, void* wire);
+void unpack_rows(ThreadPool& pool, WireFormat f, const void* wire, int64_t num_rows, int hidden, void* rows,
+                 DType dtype);
 
 size_t router_workspace_bytes(const RouterConfig& cfg, int num_threads);
 std::unique_ptr<PackedWeights> make_router_weights(const RouterConfig& cfg, GemmEngine engine);

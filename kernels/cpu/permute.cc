@@ -58,6 +58,8 @@ void add(ThreadPool& pool, void* dst, const void* src, DType dtype, int64_t coun
   });
 }
 
+namespace {
+
 // types.h#fp8 wire rows: e4m3 bytes, then the groups' fp32 scales.
 void quantize_fp8_rows(ThreadPool& pool, const void* rows, DType dtype, int64_t num_rows, int hidden, void* wire) {
   const size_t in_bytes = dtype_size(dtype) * hidden, out_bytes = fp8_row_bytes(hidden);
@@ -95,6 +97,27 @@ void dequantize_fp8_rows(ThreadPool& pool, const void* wire, int64_t num_rows, i
       store_row_f32(x.data(), static_cast<uint8_t*>(rows) + r * out_bytes, dtype, hidden);
     }
   });
+}
+
+}  // namespace
+
+void pack_rows(ThreadPool& pool, WireFormat f, const void* rows, DType dtype, int64_t num_rows, int hidden, void* wire) {
+  switch (f) {
+    case WireFormat::kF32:
+    case WireFormat::kBF16: return convert(pool, rows, dtype, wire, wire_info(f).dtype, num_rows * hidden);
+    case WireFormat::kFP8: return quantize_fp8_rows(pool, rows, dtype, num_rows, hidden, wire);
+  }
+  detail::fail("pack_rows: invalid wire format ", static_cast<int>(f));
+}
+
+void unpack_rows(ThreadPool& pool, WireFormat f, const void* wire, int64_t num_rows, int hidden, void* rows,
+                 DType dtype) {
+  switch (f) {
+    case WireFormat::kF32:
+    case WireFormat::kBF16: return convert(pool, wire, wire_info(f).dtype, rows, dtype, num_rows * hidden);
+    case WireFormat::kFP8: return dequantize_fp8_rows(pool, wire, num_rows, hidden, rows, dtype);
+  }
+  detail::fail("unpack_rows: invalid wire format ", static_cast<int>(f));
 }
 
 void permute(ThreadPool& pool, const PermuteConfig& cfg, const PermuteArgs& a) {

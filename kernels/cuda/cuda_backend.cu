@@ -164,11 +164,11 @@ class CudaBackend final : public Backend {
   void convert(const void* src, DType sd, void* dst, DType dd, int64_t n) override {
     cuda::convert(ex(), src, sd, dst, dd, n);
   }
-  void quantize_fp8_rows(const void* rows, DType dtype, int64_t n, int hidden, void* wire) override {
-    cuda::quantize_fp8_rows(ex(), rows, dtype, n, hidden, wire);
+  void pack_rows(WireFormat f, const void* rows, DType dtype, int64_t n, int hidden, void* wire) override {
+    cuda::pack_rows(ex(), f, rows, dtype, n, hidden, wire);
   }
-  void dequantize_fp8_rows(const void* wire, int64_t n, int hidden, void* rows, DType dtype) override {
-    cuda::dequantize_fp8_rows(ex(), wire, n, hidden, rows, dtype);
+  void unpack_rows(WireFormat f, const void* wire, int64_t n, int hidden, void* rows, DType dtype) override {
+    cuda::unpack_rows(ex(), f, wire, n, hidden, rows, dtype);
   }
   void add(void* dst, const void* src, DType dtype, int64_t n) override { cuda::add(ex(), dst, src, dtype, n); }
 

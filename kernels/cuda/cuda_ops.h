@@ -35,8 +35,9 @@ void pack_expert_weights(CudaExec& ex, PackedWeights& p, const float* w13, const
 // elementwise.cu
 void convert(CudaExec& ex, const void* src, DType sd, void* dst, DType dd, int64_t count);
 void add(CudaExec& ex, void* dst, const void* src, DType dtype, int64_t count);
-void quantize_fp8_rows(CudaExec& ex, const void* rows, DType dtype, int64_t num_rows, int hidden, void* wire);
-void dequantize_fp8_rows(CudaExec& ex, const void* wire, int64_t num_rows, int hidden, void* rows, DType dtype);
+// Backend::pack_rows / unpack_rows: one case per wire format.
+void pack_rows(CudaExec& ex, WireFormat f, const void* rows, DType dtype, int64_t num_rows, int hidden, void* wire);
+void unpack_rows(CudaExec& ex, WireFormat f, const void* wire, int64_t num_rows, int hidden, void* rows, DType dtype);
 void optimizer_step(CudaExec& ex, const OptimizerConfig& cfg, const OptimizerArgs& a);
 void select_replicas(CudaExec& ex, int64_t T, int K, int E, const ReplicaArgs& a);
 void unpermute_scalars(CudaExec& ex, const int32_t* pair_pos, int64_t n, int k, const float* perm, float* pair);

@@ -127,6 +127,8 @@ void convert(CudaExec& ex, const void* src, DType sd, void* dst, DType dd, int64
   check(cudaGetLastError(), "convert");
 }
 
+namespace {
+
 void quantize_fp8_rows(CudaExec& ex, const void* rows, DType dtype, int64_t num_rows, int hidden, void* wire) {
   const int64_t blocks = num_rows * fp8_groups(hidden);
   if (blocks <= 0) return;
@@ -149,6 +151,26 @@ void dequantize_fp8_rows(CudaExec& ex, const void* wire, int64_t num_rows, int h
         static_cast<const uint8_t*>(wire), num_rows, hidden, static_cast<T*>(rows));
   });
   check(cudaGetLastError(), "dequantize_fp8_rows");
+}
+
+}  // namespace
+
+void pack_rows(CudaExec& ex, WireFormat f, const void* rows, DType dtype, int64_t num_rows, int hidden, void* wire) {
+  switch (f) {
+    case WireFormat::kF32:
+    case WireFormat::kBF16: return convert(ex, rows, dtype, wire, wire_info(f).dtype, num_rows * hidden);
+    case WireFormat::kFP8: return quantize_fp8_rows(ex, rows, dtype, num_rows, hidden, wire);
+  }
+  detail::fail("pack_rows: invalid wire format ", static_cast<int>(f));
+}
+
+void unpack_rows(CudaExec& ex, WireFormat f, const void* wire, int64_t num_rows, int hidden, void* rows, DType dtype) {
+  switch (f) {
+    case WireFormat::kF32:
+    case WireFormat::kBF16: return convert(ex, wire, wire_info(f).dtype, rows, dtype, num_rows * hidden);
+    case WireFormat::kFP8: return dequantize_fp8_rows(ex, wire, num_rows, hidden, rows, dtype);
+  }
+  detail::fail("unpack_rows: invalid wire format ", static_cast<int>(f));
 }
 
 void add(CudaExec& ex, void* dst, const void* src, DType dtype, int64_t count) {

@@ -490,14 +490,22 @@ std::vector<double> through_bf16_wire(const std::vector<float>& rows) {
   return out;
 }
 
-std::vector<double> expert_rows_through(DispatchWire wire, bool layer_bf16, const std::vector<float>& x, int H) {
-  if (wire == DispatchWire::kFP8) {
-    std::vector<double> ex = through_fp8_wire(x, static_cast<int64_t>(x.size()) / H, H);
-    if (!layer_bf16) return ex;
-    return through_bf16_wire(std::vector<float>(ex.begin(), ex.end()));  // decoded into bf16 rows
+std::vector<double> through_wire(kernels::WireFormat f, const std::vector<float>& rows, int64_t n, int H) {
+  MOE_CHECK(static_cast<int64_t>(rows.size()) == n * H, "ref: ", rows.size(), " values for ", n, " rows of ", H);
+  switch (f) {
+    case kernels::WireFormat::kF32: return {rows.begin(), rows.end()};
+    case kernels::WireFormat::kBF16: return through_bf16_wire(rows);
+    case kernels::WireFormat::kFP8: return through_fp8_wire(rows, n, H);
   }
-  if (wire == DispatchWire::kBF16 && !layer_bf16) return through_bf16_wire(x);
-  return {};
+  detail::fail("ref: invalid wire format ", static_cast<int>(f));
+}
+
+std::vector<double> expert_rows_through(kernels::WireFormat f, kernels::DType layer, const std::vector<float>& x,
+                                        int H) {
+  if (f == kernels::wire_of(layer)) return {};
+  std::vector<double> ex = through_wire(f, x, static_cast<int64_t>(x.size()) / H, H);
+  if (layer != kernels::DType::kBF16) return ex;
+  return through_bf16_wire(std::vector<float>(ex.begin(), ex.end()));  // decoded into bf16 rows
 }
 
 }  // namespace moe::ref

@@ -64,7 +64,8 @@ void validate(const v1::JobSpec& s, int world_size) {
     require(is_name(k) && is_name(v), "labels", "keys and values must be 1-63 of [A-Za-z0-9._-], got '" + k + "=" + v + "'");
   require(s.dead_node_timeout_ms() >= 0, "dead_node_timeout_ms",
           "must be >= 0, got " + std::to_string(s.dead_node_timeout_ms()));
-  require(s.combine_wire() != v1::fp8, "combine_wire", "must be fp32 or bf16 (results go back at 16 bits or more)");
+  require(s.combine_wire() == v1::WIRE_UNSPECIFIED || s.combine_wire() == v1::fp32 || s.combine_wire() == v1::bf16,
+          "combine_wire", "must be fp32 or bf16 (results go back at 16 bits or more)");
   for (const auto& [field, wire] : {std::pair<const char*, v1::Wire>{"dispatch_wire", s.dispatch_wire()},
                                     {"combine_wire", s.combine_wire()}})
     require(wire != v1::fp32 || s.dtype() != v1::JobSpec::bf16, field,

@@ -34,7 +34,12 @@ ALLOWED_INCLUDES = [
     ("daemon/", {"base", "map", "kernels", "ref", "model", "layer_spec", "transport", "io", "ep", "metrics", "node",
                  "v1", "rpc", "spec", "http"}),
     ("agent/placement/", {"base", "map", "placement"}),
-    ("agent/", {"base", "map", "placement", "agent", "v1", "rpc", "spec", "http"}),
+    # The agent's rooms, each above the ones before it (agent/CMakeLists.txt).
+    ("agent/cluster/", {"base", "map", "placement", "cluster", "v1", "rpc", "spec"}),
+    ("agent/jobs/", {"base", "map", "placement", "cluster", "jobs", "v1", "rpc", "spec"}),
+    ("agent/rebalance/", {"base", "map", "placement", "cluster", "jobs", "rebalance", "v1", "rpc"}),
+    ("agent/serve/", {"base", "map", "placement", "cluster", "jobs", "rebalance", "agent", "v1", "rpc", "spec",
+                      "http"}),
     ("cli/", {"base", "map", "ctl", "v1", "rpc", "spec"}),
 ]
 
@@ -44,7 +49,7 @@ DAEMON = {"moe_model", "moe_layer_spec", "moe_job_layers", "moe_layer", "moe_io"
           "moe_transport_nccl", "moe_transport_factory", "moe_ep", "moe_metrics", "moe_node"}
 TRANSPORT = {"moe_transport", "moe_transport_nccl", "moe_transport_factory"}
 CONTROL = {"moe_proto", "moe_rpc", "moe_rpc_server", "moe_spec", "moe_metrics_http"}
-AGENT = {"moe_agent_lib", "moe_placement"}
+AGENT = {"moe_agent_lib", "moe_agent_rebalance", "moe_agent_jobs", "moe_agent_cluster", "moe_placement"}
 CLI = {"moe_ctl"}
 FORBIDDEN_LINKS = [
     # (what the rule is, targets it applies to, libraries they must not reach)
@@ -58,6 +63,11 @@ FORBIDDEN_LINKS = [
      AGENT | {"moe-agent"}, KERNELS | DAEMON | TRANSPORT | CLI),
     ("the placement solver is pure: no control plane either", {"moe_placement", "moe-placement-sim"},
      CONTROL),
+    ("the agent's rooms link only the rooms below them: cluster state below the jobs, the jobs below "
+     "rebalancing, all below the service", {"moe_agent_cluster"},
+     {"moe_agent_jobs", "moe_agent_rebalance", "moe_agent_lib", "moe_rpc_server", "moe_metrics_http"}),
+    ("... the jobs", {"moe_agent_jobs"}, {"moe_agent_rebalance", "moe_agent_lib", "moe_rpc_server", "moe_metrics_http"}),
+    ("... rebalancing", {"moe_agent_rebalance"}, {"moe_agent_lib", "moe_rpc_server", "moe_metrics_http"}),
     ("the CLI links only the control plane's client side", CLI | {"moectl"},
      KERNELS | DAEMON | AGENT | {"moe_rpc_server", "moe_metrics_http"}),
     ("the spec library needs no RPC", {"moe_spec"}, {"moe_rpc", "moe_rpc_server"}),

@@ -93,8 +93,8 @@ Result check_fp8_rows(Backend& be) {
       for (float& v : xs) v = kernels::round_to_bf16(v);
     Buffer rows = dtype == DType::kF32 ? to_backend(be, xs) : to_backend(be, test::float_to_bf16(xs));
     Buffer wire(be, n * kernels::fp8_row_bytes(H)), back(be, 4 * n * H);
-    be.quantize_fp8_rows(rows.get(), dtype, n, H, wire.get());
-    be.dequantize_fp8_rows(wire.get(), n, H, back.get(), DType::kF32);
+    be.pack_rows(kernels::WireFormat::kFP8, rows.get(), dtype, n, H, wire.get());
+    be.unpack_rows(kernels::WireFormat::kFP8, wire.get(), n, H, back.get(), DType::kF32);
     std::vector<uint8_t> want(n * kernels::fp8_row_bytes(H));
     std::vector<uint32_t> want_back(n * H);
     for (int64_t r = 0; r < n; ++r)

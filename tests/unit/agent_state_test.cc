@@ -10,7 +10,7 @@
 #include <filesystem>
 #include <fstream>
 
-#include "moe/agent/scheduler.h"
+#include "moe/jobs/scheduler.h"
 #include "moe/agent/state_store.h"
 
 namespace moe::agent {

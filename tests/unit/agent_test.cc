@@ -3,10 +3,10 @@
 // recorder of the actions it asks for).
 #include <gtest/gtest.h>
 
-#include "moe/agent/auto_rebalance.h"
-#include "moe/agent/job_result.h"
-#include "moe/agent/rebalancer.h"
-#include "moe/agent/scheduler.h"
+#include "moe/rebalance/auto_rebalance.h"
+#include "moe/jobs/job_result.h"
+#include "moe/rebalance/rebalancer.h"
+#include "moe/jobs/scheduler.h"
 #include "moe/placement/placement_metrics.h"
 #include "moe/spec/expert_map_codec.h"
 #include "moe/rpc/frame.h"

@@ -32,13 +32,18 @@ model::LayerWeights case_weights(const EpCase& c) {
   return w;
 }
 
+// A wire choice in a case's string: the format's number, -1 for the layer's own.
+int wire_code(kernels::WireChoice w) { return w ? static_cast<int>(*w) : -1; }
+kernels::WireChoice wire_of_code(int code) {
+  if (code < 0) return std::nullopt;
+  return static_cast<kernels::WireFormat>(code);
+}
+
 }  // namespace
 
 std::vector<double> expert_input(const EpCase& c, const std::vector<float>& x) {
-  const ref::DispatchWire w = c.dispatch_wire == ep::Wire::kFP8    ? ref::DispatchWire::kFP8
-                              : c.dispatch_wire == ep::Wire::kBF16 ? ref::DispatchWire::kBF16
-                                                                    : ref::DispatchWire::kExact;
-  return ref::expert_rows_through(w, c.dtype == kernels::DType::kBF16, x, c.hidden);
+  const kernels::WireFormat w = c.dispatch_wire.value_or(kernels::wire_of(c.dtype));
+  return ref::expert_rows_through(w, c.dtype, x, c.hidden);
 }
 
 EpCase small_case(const std::string& name, std::vector<int64_t> tokens, MapKind map) {
@@ -143,7 +148,7 @@ std::string EpCase::encode() const {
      << ";cf=" << capacity_factor << ";dtype=" << kernels::dtype_name(dtype) << ";map=" << static_cast<int>(map)
      << ";seed=" << seed << ";skew=" << skew << ";aux=" << aux << ";z=" << z << ";shared=" << shared
      << ";sgate=" << shared_gate << ";train=" << train << ";chunks=" << overlap_chunks << ";xrg=" << exact_replica_grads
-     << ";dwire=" << static_cast<int>(dispatch_wire) << ";cwire=" << static_cast<int>(combine_wire);
+     << ";dwire=" << wire_code(dispatch_wire) << ";cwire=" << wire_code(combine_wire);
   return os.str();
 }
 
@@ -179,8 +184,8 @@ EpCase EpCase::decode(const std::string& s) {
     else if (k == "train") c.train = v == "1";
     else if (k == "chunks") c.overlap_chunks = std::stoi(v);
     else if (k == "xrg") c.exact_replica_grads = v == "1";
-    else if (k == "dwire") c.dispatch_wire = static_cast<ep::Wire>(std::stoi(v));
-    else if (k == "cwire") c.combine_wire = static_cast<ep::Wire>(std::stoi(v));
+    else if (k == "dwire") c.dispatch_wire = wire_of_code(std::stoi(v));
+    else if (k == "cwire") c.combine_wire = wire_of_code(std::stoi(v));
     else detail::fail("ep case: unknown key '", k, "'");
   }
   MOE_CHECK(static_cast<int>(c.tokens.size()) == c.ranks, "ep case: ", c.tokens.size(), " token counts for ", c.ranks,
@@ -414,7 +419,7 @@ void check_against_reference(const EpCase& c, const std::vector<RankResult>& res
   // allowed twice over for the fp32 accumulation behind those operands.
   // A bf16 combine wire rounds the partial rows alone: the same bound for out.
   const bool bf16 = c.dtype == kernels::DType::kBF16;
-  const bool bf16_out = bf16 || c.combine_wire == ep::Wire::kBF16;
+  const bool bf16_out = bf16 || c.combine_wire == kernels::WireFormat::kBF16;
   const double rt = bf16 ? 0x1.0p-7 : 1e-4, at = bf16 ? 0x1.0p-8 : 1e-5;
   const double out_rt = bf16_out ? 0x1.0p-7 : rt, out_at = bf16_out ? 0x1.0p-8 : at;
   const bool rounds_operands = bf16 && kernels::cpu_backend_info().engines.bf16 == kernels::GemmEngine::kOneDnn;

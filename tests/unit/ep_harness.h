@@ -34,7 +34,7 @@ struct EpCase {
   bool train = true;        // false: a forward-only layer (forward checked, no backward)
   int overlap_chunks = 0;   // EpOptions::overlap_chunks
   bool exact_replica_grads = false;  // EpOptions::exact_replica_grads
-  ep::Wire dispatch_wire = ep::Wire::kLayer, combine_wire = ep::Wire::kLayer;  // EpOptions
+  kernels::WireChoice dispatch_wire, combine_wire;  // EpOptions (nullopt: the layer's own)
 
   int64_t token_begin(int rank) const;
   int64_t total_tokens() const;

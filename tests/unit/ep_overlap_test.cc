@@ -85,8 +85,8 @@ std::vector<EpCase> train_overlap_cases() {
     v.push_back(c);
   }
   EpCase c = small_case("fp8_wire_aux_R2", {140, 120}, MapKind::kReplicas);
-  c.dispatch_wire = ep::Wire::kFP8;
-  c.combine_wire = ep::Wire::kBF16;
+  c.dispatch_wire = kernels::WireFormat::kFP8;
+  c.combine_wire = kernels::WireFormat::kBF16;
   c.aux = 0.01;
   v.push_back(c);
   return v;

@@ -71,11 +71,12 @@ void GuardedBackend::copy_to_host(void* d, const void* s, size_t n) { GUARDED(co
 void GuardedBackend::copy(void* d, const void* s, size_t n) { GUARDED(copy(d, s, n)); }
 void GuardedBackend::fill_zero(void* p, size_t n) { GUARDED(fill_zero(p, n)); }
 void GuardedBackend::convert(const void* s, DType sd, void* d, DType dd, int64_t n) { GUARDED(convert(s, sd, d, dd, n)); }
-void GuardedBackend::quantize_fp8_rows(const void* rows, DType dtype, int64_t n, int hidden, void* wire) {
-  GUARDED(quantize_fp8_rows(rows, dtype, n, hidden, wire));
+void GuardedBackend::pack_rows(kernels::WireFormat f, const void* rows, DType dtype, int64_t n, int hidden, void* wire) {
+  GUARDED(pack_rows(f, rows, dtype, n, hidden, wire));
 }
-void GuardedBackend::dequantize_fp8_rows(const void* wire, int64_t n, int hidden, void* rows, DType dtype) {
-  GUARDED(dequantize_fp8_rows(wire, n, hidden, rows, dtype));
+void GuardedBackend::unpack_rows(kernels::WireFormat f, const void* wire, int64_t n, int hidden, void* rows,
+                                 DType dtype) {
+  GUARDED(unpack_rows(f, wire, n, hidden, rows, dtype));
 }
 void GuardedBackend::add(void* d, const void* s, DType t, int64_t n) { GUARDED(add(d, s, t, n)); }
 std::unique_ptr<PackedWeights> GuardedBackend::make_router_weights(const RouterConfig& c) {

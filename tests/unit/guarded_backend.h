@@ -49,8 +49,10 @@ class GuardedBackend final : public kernels::Backend {
   void fill_zero(void* p, size_t bytes) override;
   void synchronize() override {}
   void convert(const void* src, kernels::DType sd, void* dst, kernels::DType dd, int64_t n) override;
-  void quantize_fp8_rows(const void* rows, kernels::DType dtype, int64_t n, int hidden, void* wire) override;
-  void dequantize_fp8_rows(const void* wire, int64_t n, int hidden, void* rows, kernels::DType dtype) override;
+  void pack_rows(kernels::WireFormat f, const void* rows, kernels::DType dtype, int64_t n, int hidden,
+                 void* wire) override;
+  void unpack_rows(kernels::WireFormat f, const void* wire, int64_t n, int hidden, void* rows,
+                   kernels::DType dtype) override;
   void add(void* dst, const void* src, kernels::DType dtype, int64_t n) override;
   std::unique_ptr<kernels::PackedWeights> make_router_weights(const kernels::RouterConfig& c) override;
   void pack_router_weights(kernels::PackedWeights& p, const float* w) override;

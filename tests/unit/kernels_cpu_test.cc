@@ -116,9 +116,9 @@ TEST_F(CpuOps, Fp8WireRowsMatchTheReference) {
     if (dtype == DType::kBF16)
       for (float& v : x) v = bf16_to_f32(f32_to_bf16(v));
     std::vector<uint8_t> wire(n * fp8_row_bytes(H));
-    be->quantize_fp8_rows(rows.data(), dtype, n, H, wire.data());
+    be->pack_rows(WireFormat::kFP8, rows.data(), dtype, n, H, wire.data());
     std::vector<float> back(n * H);
-    be->dequantize_fp8_rows(wire.data(), n, H, back.data(), DType::kF32);
+    be->unpack_rows(WireFormat::kFP8, wire.data(), n, H, back.data(), DType::kF32);
     const std::vector<double> want = ref::through_fp8_wire(x, n, H);
     for (int64_t i = 0; i < n * H; ++i) {
       if (std::isnan(x[i])) {
@@ -137,6 +137,27 @@ TEST_F(CpuOps, Fp8WireRowsMatchTheReference) {
     }
     EXPECT_EQ(back[5 * H + 1], 0.0f);
   }
+}
+
+// Every row of the wire-format table (kernels/wire_format.h): the backend's packed
+// rows are row_bytes long and unpack to what the reference says the format keeps.
+TEST_F(CpuOps, EveryWireFormatPacksAsTheReferenceSays) {
+  const int H = 300;
+  const int64_t n = 9;
+  const std::vector<float> x = normal_vector(n * H, 12, 3.0);
+  for (const WireFormatInfo& f : kWireFormats) {
+    SCOPED_TRACE(f.name);
+    EXPECT_EQ(wire_by_name(f.name), f.format);
+    const size_t bytes = f.row_bytes(H);
+    std::vector<uint8_t> wire(n * bytes + 16, 0xAB);  // a guard past the rows
+    be->pack_rows(f.format, x.data(), DType::kF32, n, H, wire.data());
+    for (size_t i = n * bytes; i < wire.size(); ++i) ASSERT_EQ(wire[i], 0xAB) << "written past the rows: " << i;
+    std::vector<float> back(n * H);
+    be->unpack_rows(f.format, wire.data(), n, H, back.data(), DType::kF32);
+    const std::vector<double> want = ref::through_wire(f.format, x, n, H);
+    for (int64_t i = 0; i < n * H; ++i) ASSERT_EQ(back[i], want[i]) << "element " << i;
+  }
+  EXPECT_FALSE(wire_by_name("int4"));
 }
 
 // ---------------------------------------------------------------------------

@@ -1,9 +1,9 @@
 // An elastic job's world change decided from the survivors' reports
-// (agent/world_change.cc, docs/jobs.md#elastic-jobs): the resume step, the new
+// (agent/jobs/world_change.cc, docs/jobs.md#elastic-jobs): the resume step, the new
 // ranks and batch, and which survivor sends which expert.
 #include <gtest/gtest.h>
 
-#include "moe/agent/world_change.h"
+#include "moe/jobs/world_change.h"
 #include "moe/base/check.h"
 
 namespace moe::agent {

@@ -30,6 +30,7 @@
 #include <string>
 
 #include "moe/kernels/types.h"
+#include "moe/kernels/wire_format.h"
 
 namespace moe::kernels {
 
@@ -466,10 +467,12 @@ class Backend {
                        int64_t count) = 0;
   // dst[i] += src[i], summed in fp32 and stored in dtype (count elements).
   virtual void add(void* dst, const void* src, DType dtype, int64_t count) = 0;
-  // FP8 wire rows (types.h: fp8_row_bytes each): rows [num_rows, hidden] in dtype
-  // -> wire, and back.
-  virtual void quantize_fp8_rows(const void* rows, DType dtype, int64_t num_rows, int hidden, void* wire) = 0;
-  virtual void dequantize_fp8_rows(const void* wire, int64_t num_rows, int hidden, void* rows, DType dtype) = 0;
+  // Wire rows (wire_format.h; wire_info(format).row_bytes(hidden) each): rows
+  // [num_rows, hidden] in dtype -> the format's wire rows, and back.
+  virtual void pack_rows(WireFormat format, const void* rows, DType dtype, int64_t num_rows, int hidden,
+                         void* wire) = 0;
+  virtual void unpack_rows(WireFormat format, const void* wire, int64_t num_rows, int hidden, void* rows,
+                           DType dtype) = 0;
 
   // Packed weights (see PackedWeights). The router's: gate [E, H] for configs of
   // this hidden, num_experts and x_dtype (num_tokens does not matter). The

@@ -96,8 +96,9 @@ struct DispatcherConfig {
   int num_ranks = 0;
   int slots_per_rank = 0;
   bool train = false;  // keep what the backward pair needs
-  Wire dispatch_wire = Wire::kLayer;  // kFP8 allowed; never wider than dtype
-  Wire combine_wire = Wire::kLayer;   // kLayer, kF32 or kBF16; never wider than dtype
+  // The wire formats (kernels::resolve_wire's rules): nullopt the layer's own;
+  // never wider than dtype; the combine's plain (fp32 or bf16).
+  kernels::WireChoice dispatch_wire, combine_wire;
 };
 
 // Bytes and seconds of the last dispatch/combine pair (forward) and of its
@@ -214,8 +215,8 @@ class Dispatcher {
 
  private:
   transport::Deadline deadline() const { return transport::deadline_in(opts_.timeout); }
-  bool encoded_dispatch() const { return fp8_ || dispatch_dtype_ != cfg_.dtype; }
-  bool encoded_combine() const { return combine_dtype_ != cfg_.dtype; }
+  bool encoded_dispatch() const { return dispatch_.format != kernels::wire_of(cfg_.dtype); }
+  bool encoded_combine() const { return combine_.format != kernels::wire_of(cfg_.dtype); }
   // The dispatch wire's rows: sent from, received into.
   const void* wire_send() const { return encoded_dispatch() ? send_wire_.get() : send_rows_.get(); }
   void* wire_recv() { return encoded_dispatch() ? recv_wire_.get() : h_.recv_rows_.get(); }
@@ -251,9 +252,8 @@ class Dispatcher {
   kernels::Backend& be_;
   DispatcherOptions opts_;
   const size_t row_bytes_, meta_bytes_;
-  // The wires, resolved: dtype of a bf16/fp32 wire, fp8 flag, bytes of a row.
-  DType dispatch_dtype_, combine_dtype_;
-  bool fp8_;
+  // The wires, resolved (rows of kernels::kWireFormats), and the bytes of a row on each.
+  const kernels::WireFormatInfo &dispatch_, &combine_;
   size_t wire_bytes_, combine_bytes_;
   DispatchHandle h_;
   kernels::Buffer num_tokens_per_rank_, num_tokens_per_slot_, in_rank_, layout_ws_;

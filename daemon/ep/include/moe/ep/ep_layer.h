@@ -42,8 +42,7 @@ struct EpOptions {
   // (ReplicaGradReduction): the bits of one copy, for more work.
   bool exact_replica_grads = false;
   // The forward pair's wire formats (DispatcherConfig; docs/layer.md#wire-formats).
-  Wire dispatch_wire = Wire::kLayer;
-  Wire combine_wire = Wire::kLayer;
+  kernels::WireChoice dispatch_wire, combine_wire;
   // The communicator for the backend's memory: the dispatcher's all-to-alls and
   // the all-reduce of the replicated weights' gradients (NCCL in a CUDA job). Null:
   // the layer's own communicator, which otherwise carries only host memory

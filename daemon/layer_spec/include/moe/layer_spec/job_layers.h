@@ -30,7 +30,7 @@ struct JobView {
   model::LayerShape shape;  // E, H, I, the shared experts' width and gate
   int layers, top_k, steps;
   int64_t tokens_per_rank;
-  ep::Wire dispatch_wire, combine_wire;
+  kernels::WireChoice dispatch_wire, combine_wire;
   int overlap_chunks;
   bool exact_replica_grads;
   double bias_update_rate;
@@ -48,7 +48,8 @@ struct JobView {
 ep::LayerSpec layer_spec(const v1::JobSpec& spec);
 ep::MoeLayerConfig layer_config(const v1::JobSpec& spec);
 kernels::DType job_dtype(const v1::JobSpec& spec);
-ep::Wire wire(v1::Wire w);  // unset: kLayer
+// The table's format (kernels/wire_format.h) the value names; unset: nullopt, the layer's own.
+kernels::WireChoice wire(v1::Wire w);
 bool is_train(const v1::JobSpec& spec);
 // E, H, I, and the shared experts' total width shared_experts x shared_ffn_hidden.
 model::LayerShape layer_shape(const v1::JobSpec& spec);

@@ -13,11 +13,6 @@
 
 namespace moe::ep {
 
-// The format rows travel in between ranks (docs/layer.md#wire-formats): the
-// layer's dtype, or a narrower one.
-enum class Wire : uint8_t { kLayer, kF32, kBF16, kFP8 };
-const char* wire_name(Wire w);  // "layer" | "fp32" | "bf16" | "fp8"
-
 using kernels::DType;
 
 // One layer: its routing (shared with the router op and the reference), sizes,

@@ -10,6 +10,7 @@
 #include <vector>
 
 #include "moe/kernels/types.h"
+#include "moe/kernels/wire_format.h"
 
 namespace moe::ref {
 
@@ -121,11 +122,13 @@ Grads backward(const Config& cfg, const Weights& w, const std::vector<double>& x
 double round_e4m3(double v);
 std::vector<double> through_fp8_wire(const std::vector<float>& rows, int64_t n, int H);
 std::vector<double> through_bf16_wire(const std::vector<float>& rows);
-// What the routed experts compute with after a dispatch wire: x (rows [n, H] of
-// the layer dtype's values) through fp8 or bf16, then stored in the layer dtype;
-// empty for a wire that carries x as it is.
-enum class DispatchWire { kExact, kBF16, kFP8 };
-std::vector<double> expert_rows_through(DispatchWire wire, bool layer_bf16, const std::vector<float>& x, int H);
+// The values rows [n, H] of fp32 take through wire format f (one case per format).
+std::vector<double> through_wire(kernels::WireFormat f, const std::vector<float>& rows, int64_t n, int H);
+// What the routed experts compute with after the dispatch wire f: x (rows [n, H]
+// of the layer dtype's values) through f, then stored in the layer dtype; empty
+// when f is the layer's own format (x as it is).
+std::vector<double> expert_rows_through(kernels::WireFormat f, kernels::DType layer, const std::vector<float>& x,
+                                        int H);
 
 // Capacity of one source of T tokens: ceil(cf * T * K / E), cf = 0 meaning none.
 int64_t capacity(double capacity_factor, int64_t T, int top_k, int num_experts);

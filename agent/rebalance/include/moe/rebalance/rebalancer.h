@@ -19,9 +19,9 @@
 #include <set>
 #include <string>
 
-#include "moe/agent/membership.h"
-#include "moe/agent/placement_service.h"
-#include "moe/agent/scheduler.h"
+#include "moe/cluster/membership.h"
+#include "moe/cluster/placement_service.h"
+#include "moe/jobs/scheduler.h"
 
 namespace moe::agent {
 

@@ -1,4 +1,4 @@
-#include "moe/agent/world_change.h"
+#include "moe/jobs/world_change.h"
 
 #include <algorithm>
 

@@ -5,7 +5,7 @@
 #include <algorithm>
 #include <set>
 
-#include "moe/agent/scheduler.h"
+#include "moe/jobs/scheduler.h"
 #include "moe/base/check.h"
 #include "moe/base/log.h"
 
@@ -31,8 +31,8 @@ void Scheduler::heard_from(int rank, Clock::time_point now) {
 void Scheduler::on_node_registered(const NodeRecord& node, const std::string& running_job, Clock::time_point now) {
   // A node back from silence with the part of a job that ended meanwhile (an
   // elastic job went on without it): nothing will come for that part; stop it.
-  if (const auto ended = jobs_.find(running_job);
-      ended != jobs_.end() && finished(ended->second.state()) && (!running_ || running_->id != running_job))
+  if (const auto ended = book_.jobs().find(running_job);
+      ended != book_.jobs().end() && finished(ended->second.state()) && (!running_ || running_->id != running_job))
     actions_.fence(running_job, node.index, members_.describe_node(node) + " came back after " + running_job + " ended");
   if (!running_) return;
   if (running_job == running_->id) {
@@ -73,9 +73,7 @@ void Scheduler::on_node_registered(const NodeRecord& node, const std::string& ru
 
 v1::SchedulerState Scheduler::state() const {
   v1::SchedulerState s;
-  for (const auto& [id, rec] : jobs_) *s.add_jobs() = rec;
-  for (const std::string& id : queue_) s.add_queue(id);
-  s.set_next_job(next_job_);
+  book_.save(s);
   if (running_) {
     v1::RunningJobState* r = s.mutable_running();
     r->set_job_id(running_->id);
@@ -160,9 +158,7 @@ void Scheduler::restore(const v1::SchedulerState& s, Clock::time_point now) {
     log::info("job ", running, " was running when the agent stopped (", job->steps_recorded,
               " steps recorded): waiting for its daemons");
   }
-  jobs_ = std::move(jobs);
-  queue_.assign(s.queue().begin(), s.queue().end());
-  next_job_ = s.next_job();
+  book_.restore(std::move(jobs), s);
   running_ = std::move(job);
 }
 

@@ -6,6 +6,7 @@
 #include <set>
 #include <vector>
 
+#include "moe/cluster/load_window.h"
 #include "moe/v1/job_run.pb.h"
 #include "moe/v1/job.pb.h"
 
@@ -35,8 +36,5 @@ struct JobReports {
 // lists each placement epoch the steps ran under (a step's epoch: the newest of
 // its layers'), and placement_epoch is the last one. Verify passes only if every rank's did and the job succeeded.
 void fill_result(const JobReports& reports, v1::JobState state, v1::JobResult& rec);
-
-// Mean / max of loads; 0 when every load is 0 or there is none.
-double balancedness_of(const std::vector<double>& loads);
 
 }  // namespace moe::agent

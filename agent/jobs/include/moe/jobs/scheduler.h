@@ -25,9 +25,10 @@
 #include <string>
 #include <vector>
 
-#include "moe/agent/job_result.h"
-#include "moe/agent/membership.h"
-#include "moe/agent/placement_service.h"
+#include "moe/jobs/job_book.h"
+#include "moe/jobs/job_result.h"
+#include "moe/cluster/membership.h"
+#include "moe/cluster/placement_service.h"
 #include "moe/v1/agent_state.pb.h"
 #include "moe/v1/job_run.pb.h"
 #include "moe/v1/placement.pb.h"
@@ -150,22 +151,20 @@ class Scheduler {
   const v1::JobResult& submit(v1::JobSpec spec);
   // Cancels a queued job at once, a running one through its daemons.
   const v1::JobResult& cancel(const std::string& id, Clock::time_point now);
-  const v1::JobResult& record(const std::string& id) const;  // throws rpc::RpcError(NOT_FOUND)
-  // The record as moectl shows it: a queued job's progress says what it waits for.
-  v1::JobResult view(const std::string& id) const;
-  // Every record as view() shows it, in submit order (job-2 before job-10).
-  std::vector<v1::JobResult> list() const;
-  // An automatic rebalance of the running job could not run: why, on its record.
-  void note_rebalance(const std::string& job_id, const std::string& why);
-  const std::map<std::string, v1::JobResult>& jobs() const { return jobs_; }
+  // The records and the queue (JobBook's).
+  const v1::JobResult& record(const std::string& id) const { return book_.record(id); }
+  v1::JobResult view(const std::string& id) const { return book_.view(id, running_id()); }
+  std::vector<v1::JobResult> list() const { return book_.list(running_id()); }
+  void note_rebalance(const std::string& job_id, const std::string& why) { book_.note_rebalance(job_id, why); }
+  const std::map<std::string, v1::JobResult>& jobs() const { return book_.jobs(); }
+  int queued() const { return book_.queued(); }
+  std::map<v1::JobState, int> counts() const { return book_.counts(); }
   const RunningJob* running() const { return running_.get(); }
-  int queued() const { return static_cast<int>(queue_.size()); }
-  std::map<v1::JobState, int> counts() const;  // every state present
   // Elastic jobs' world changes since the start, by WorldChange.kind, and each
   // one's recovery seconds (for the metrics).
   const std::map<std::string, int>& world_changes() const { return world_changes_; }
   const std::vector<double>& recovery_seconds() const { return recovery_seconds_; }
-  static bool finished(v1::JobState s);
+  static bool finished(v1::JobState s) { return JobBook::finished(s); }
 
   // Starts the queue's head when every node is alive and idle.
   void try_start(Clock::time_point now);
@@ -210,7 +209,7 @@ class Scheduler {
   void note_cancelled_rank(const v1::RankDone& d, Clock::time_point now);
   void record_load(const std::vector<v1::StepStats>& by_rank);
   void update_progress(v1::JobResult& rec, const std::vector<v1::StepStats>& by_rank, Clock::time_point now);
-  std::string waiting_for(const std::string& id) const;
+  std::string running_id() const { return running_ ? running_->id : ""; }
   void fail_running(const std::string& message, Clock::time_point now);
   // why, prefixed "agent restarted: " while a restored job waits for its ranks.
   std::string after_restart(const std::string& why) const;
@@ -239,9 +238,7 @@ class Scheduler {
   Membership& members_;
   PlacementService& placement_;
   SchedulerActions& actions_;
-  std::map<std::string, v1::JobResult> jobs_;
-  std::deque<std::string> queue_;
-  int64_t next_job_ = 1;
+  JobBook book_;
   std::unique_ptr<RunningJob> running_;
   std::map<std::string, int> world_changes_;
   std::vector<double> recovery_seconds_;

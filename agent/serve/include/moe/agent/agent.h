@@ -19,12 +19,12 @@
 #include <string>
 #include <vector>
 
-#include "moe/agent/auto_rebalance.h"
-#include "moe/agent/bootstrap_relay.h"
-#include "moe/agent/membership.h"
-#include "moe/agent/placement_service.h"
-#include "moe/agent/rebalancer.h"
-#include "moe/agent/scheduler.h"
+#include "moe/rebalance/auto_rebalance.h"
+#include "moe/cluster/bootstrap_relay.h"
+#include "moe/cluster/membership.h"
+#include "moe/cluster/placement_service.h"
+#include "moe/rebalance/rebalancer.h"
+#include "moe/jobs/scheduler.h"
 #include "moe/agent/state_store.h"
 #include "moe/rpc/server.h"
 #include "moe/v1/rpc.pb.h"

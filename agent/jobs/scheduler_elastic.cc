@@ -4,8 +4,8 @@
 // the experts on it and moves the survivors there.
 #include <algorithm>
 
-#include "moe/agent/scheduler.h"
-#include "moe/agent/world_change.h"
+#include "moe/jobs/scheduler.h"
+#include "moe/jobs/world_change.h"
 #include "moe/base/check.h"
 #include "moe/base/clock.h"
 #include "moe/base/log.h"
@@ -221,7 +221,7 @@ void Scheduler::record_change(const DecidedWorld& d) {
   const RunningJob& job = *running_;
   const RunningJob::Halt& h = *job.halt;
   const v1::NewWorld& w = d.world;
-  v1::WorldChange& c = *jobs_.at(job.id).add_world_changes();
+  v1::WorldChange& c = *book_.at(job.id).add_world_changes();
   c.set_world_epoch(w.world_epoch());
   c.set_step(w.resume_step());
   c.set_old_world(job.reports.world);
@@ -263,7 +263,7 @@ void Scheduler::enter_world(const DecidedWorld& d) {
   for (const auto& [step, by_rank] : job.reports.steps) job.reports.whole.insert(step);
   job.steps_recorded = w.resume_step();
   job.next_step_warms_up = true;
-  jobs_.at(job.id).set_steps_completed(w.resume_step());
+  book_.at(job.id).set_steps_completed(w.resume_step());
   job.recovering_since = job.halt->started;
   job.restored = false;  // this agent decided the world: its ranks answer to it
   job.halt.reset();
@@ -286,7 +286,7 @@ void Scheduler::enter_world(const DecidedWorld& d) {
 
 // The new world completed its first step: the change's recovery time.
 void Scheduler::note_recovered(Clock::time_point now) {
-  v1::JobResult& rec = jobs_.at(running_->id);
+  v1::JobResult& rec = book_.at(running_->id);
   const double took = seconds(now - *running_->recovering_since);
   if (rec.world_changes_size() > 0) rec.mutable_world_changes(rec.world_changes_size() - 1)->set_recovery_seconds(took);
   recovery_seconds_.push_back(took);

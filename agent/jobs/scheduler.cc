@@ -1,4 +1,4 @@
-#include "moe/agent/scheduler.h"
+#include "moe/jobs/scheduler.h"
 
 #include "moe/spec/checkpoint_manifest.h"
 
@@ -19,23 +19,13 @@ using rpc::RpcError;
 
 Scheduler::Scheduler(SchedulerOptions options, Membership& members, PlacementService& placement,
                      SchedulerActions& actions)
-    : opts_(options), members_(members), placement_(placement), actions_(actions) {}
-
-bool Scheduler::finished(v1::JobState s) {
-  return s == v1::JOB_STATE_SUCCEEDED || s == v1::JOB_STATE_FAILED || s == v1::JOB_STATE_CANCELLED;
-}
-
-const v1::JobResult& Scheduler::record(const std::string& id) const {
-  const auto it = jobs_.find(id);
-  if (it == jobs_.end()) throw RpcError(v1::ERROR_CODE_NOT_FOUND, "no job '" + id + "'");
-  return it->second;
-}
+    : opts_(options),
+      members_(members),
+      placement_(placement),
+      actions_(actions),
+      book_(options.heartbeat_interval, members) {}
 
 namespace {
-
-int64_t job_number(const std::string& id) {
-  return id.rfind("job-", 0) == 0 ? std::strtoll(id.c_str() + 4, nullptr, 10) : 0;
-}
 
 double median_of(std::deque<double> v) {
   if (v.empty()) return 0;
@@ -58,94 +48,11 @@ void push_recent_step(RunningJob& job, double seconds) {
 
 }  // namespace
 
-v1::JobResult Scheduler::view(const std::string& id) const {
-  v1::JobResult rec = record(id);
-  if (rec.state() == v1::JOB_STATE_QUEUED) rec.mutable_progress()->set_waiting_for(waiting_for(id));
-  return rec;
-}
-
-std::vector<v1::JobResult> Scheduler::list() const {
-  std::vector<v1::JobResult> out;
-  for (const auto& [id, rec] : jobs_) out.push_back(view(id));
-  std::stable_sort(out.begin(), out.end(), [](const v1::JobResult& a, const v1::JobResult& b) {
-    return job_number(a.job_id()) < job_number(b.job_id());
-  });
-  return out;
-}
-
-// What a queued job waits for: the running job, the jobs ahead of it, or the
-// nodes (docs/jobs.md#progress).
-std::string Scheduler::waiting_for(const std::string& id) const {
-  const auto pos = std::find(queue_.begin(), queue_.end(), id);
-  if (running_) return running_->id + " to end (one job runs at a time)";
-  if (pos != queue_.begin() && pos != queue_.end())
-    return std::to_string(pos - queue_.begin()) + " job(s) ahead of it, first " + queue_.front();
-  const std::string nodes = members_.not_ready_reason();
-  return nodes.empty() ? "its start" : nodes;
-}
-
-void Scheduler::note_rebalance(const std::string& job_id, const std::string& why) {
-  const auto it = jobs_.find(job_id);
-  if (it != jobs_.end()) it->second.mutable_progress()->set_rebalance(why);
-}
-
-std::map<v1::JobState, int> Scheduler::counts() const {
-  std::map<v1::JobState, int> c;
-  for (int s = v1::JOB_STATE_QUEUED; s <= v1::JOB_STATE_CANCELLED; ++s) c[static_cast<v1::JobState>(s)] = 0;
-  for (const auto& [id, j] : jobs_) ++c[j.state()];
-  return c;
-}
-
-const v1::JobResult& Scheduler::submit(v1::JobSpec spec) {
-  spec = spec::with_defaults(std::move(spec));
-  spec::validate(spec, members_.world_size());
-  if (spec.dead_node_timeout_ms() > 0 && spec.dead_node_timeout_ms() < 4 * opts_.heartbeat_interval.count())
-    throw moe::InvalidArgument("dead_node_timeout_ms: at least 4 heartbeat intervals (" +
-                               std::to_string(4 * opts_.heartbeat_interval.count()) + " ms), got " +
-                               std::to_string(spec.dead_node_timeout_ms()));
-  if (spec.min_node_replicas() > std::max(1, members_.num_nodes()))
-    throw moe::InvalidArgument("min_node_replicas: the job asks for every expert on " +
-                               std::to_string(spec.min_node_replicas()) + " nodes; the cluster has " +
-                               std::to_string(members_.num_nodes()));
-  if (spec.elastic() && spec.elastic_batch() == v1::JobSpec::global) {  // every world it may shrink to divides the batch
-    const int D = members_.devices_per_node();
-    const int64_t global = static_cast<int64_t>(spec.tokens_per_rank()) * members_.world_size();
-    for (int n = members_.num_nodes() - 1; n >= 1; --n)
-      if (global % (static_cast<int64_t>(n) * D) != 0)
-        throw moe::InvalidArgument("elastic_batch: global keeps the " + std::to_string(global) +
-                                   " tokens of a step, which do not divide over the " + std::to_string(n * D) +
-                                   " ranks of " + std::to_string(n) +
-                                   " surviving node(s); give another --tokens-per-rank, or --elastic-batch per_rank");
-  }
-  if (!spec.resume().empty()) {  // refused now, not as a failed job later: the checkpoint exists and fits
-    try {
-      std::string folder;
-      spec::load_for_resume(spec, folder);
-    } catch (const moe::InvalidArgument&) {
-      throw;
-    } catch (const moe::Error& e) {
-      throw moe::InvalidArgument(e.what());
-    }
-  }
-  const std::string id = "job-" + std::to_string(next_job_++);
-  v1::JobResult& rec = jobs_[id];
-  rec.set_job_id(id);
-  rec.set_state(v1::JOB_STATE_QUEUED);
-  *rec.mutable_spec() = spec;
-  rec.set_submitted_unix_ms(unix_ms());
-  queue_.push_back(id);
-  log::info("job ", id, " queued (", spec.experts(), " experts, top-", spec.top_k(), ", ", spec.layers(), " layers, ",
-            spec.steps(), " steps)");
-  return rec;
-}
+const v1::JobResult& Scheduler::submit(v1::JobSpec spec) { return book_.submit(std::move(spec)); }
 
 const v1::JobResult& Scheduler::cancel(const std::string& id, Clock::time_point now) {
-  v1::JobResult& rec = jobs_.at(record(id).job_id());
-  if (rec.state() == v1::JOB_STATE_QUEUED) {
-    queue_.erase(std::remove(queue_.begin(), queue_.end(), id), queue_.end());
-    rec.set_state(v1::JOB_STATE_CANCELLED);
-    rec.set_message("cancelled before it started");
-    rec.set_finished_unix_ms(unix_ms());
+  v1::JobResult& rec = book_.at(id);
+  if (book_.cancel_queued(id)) {
     actions_.job_ended(rec);
   } else if (rec.state() == v1::JOB_STATE_RUNNING && running_ && !running_->ending()) {
     running_->cancelled = true;
@@ -159,9 +66,8 @@ const v1::JobResult& Scheduler::cancel(const std::string& id, Clock::time_point 
 }
 
 void Scheduler::try_start(Clock::time_point now) {
-  while (!running_ && !queue_.empty() && members_.ready_for_job()) {
-    v1::JobResult& rec = jobs_.at(queue_.front());
-    queue_.pop_front();
+  while (!running_ && book_.queued() > 0 && members_.ready_for_job()) {
+    v1::JobResult& rec = book_.at(*book_.take_next());
     if (start(rec, now)) return;
   }
 }
@@ -262,7 +168,7 @@ void Scheduler::on_step(const v1::StepReport& r, Clock::time_point now) {
   const bool all = std::all_of(by_rank.begin(), by_rank.end(), [](const v1::StepStats& s) { return s.step_seconds() > 0; });
   if (!all) return;
   // progress shows in `job status` while it runs
-  v1::JobResult& rec = jobs_.at(r.job_id());
+  v1::JobResult& rec = book_.at(r.job_id());
   rec.set_steps_completed(std::max(rec.steps_completed(), static_cast<double>(r.stats().step() + 1)));
   // Steps complete in order (each rank reports in order); a re-sent one, after
   // a failed call or an agent restart, is in the window already.
@@ -443,7 +349,7 @@ void Scheduler::fail_running(const std::string& message, Clock::time_point now) 
 // RUNNING -> a final state, with the result built from the step reports.
 void Scheduler::finish(v1::JobState state, const std::string& message) {
   const std::unique_ptr<RunningJob> job = std::move(running_);
-  v1::JobResult& rec = jobs_.at(job->id);
+  v1::JobResult& rec = book_.at(job->id);
   rec.set_state(state);
   rec.set_message(message);
   rec.set_finished_unix_ms(unix_ms());

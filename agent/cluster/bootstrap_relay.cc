@@ -1,4 +1,4 @@
-#include "moe/agent/bootstrap_relay.h"
+#include "moe/cluster/bootstrap_relay.h"
 
 namespace moe::agent {
 

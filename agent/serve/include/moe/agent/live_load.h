@@ -5,9 +5,9 @@
 // no shape and no layers.
 #pragma once
 
-#include "moe/agent/membership.h"
-#include "moe/agent/placement_service.h"
-#include "moe/agent/scheduler.h"
+#include "moe/cluster/membership.h"
+#include "moe/cluster/placement_service.h"
+#include "moe/jobs/scheduler.h"
 #include "moe/v1/live_load.pb.h"
 
 namespace moe::agent {

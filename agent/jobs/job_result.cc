@@ -1,4 +1,4 @@
-#include "moe/agent/job_result.h"
+#include "moe/jobs/job_result.h"
 
 #include <algorithm>
 
@@ -259,14 +259,6 @@ void fill_verify(const JobReports& r, v1::JobState state, v1::JobResult& rec) {
 }
 
 }  // namespace
-
-double balancedness_of(const std::vector<double>& loads) {
-  if (loads.empty()) return 0;
-  const double mx = *std::max_element(loads.begin(), loads.end());
-  double mean = 0;
-  for (double v : loads) mean += v / static_cast<double>(loads.size());
-  return mx > 0 ? mean / mx : 0.0;
-}
 
 void fill_result(const JobReports& r, v1::JobState state, v1::JobResult& rec) {
   rec.clear_loss();

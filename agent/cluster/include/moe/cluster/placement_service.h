@@ -14,7 +14,7 @@
 #include <string>
 #include <vector>
 
-#include "moe/agent/load_window.h"
+#include "moe/cluster/load_window.h"
 #include "moe/placement/placement_map.h"
 #include "moe/v1/agent_state.pb.h"
 #include "moe/v1/checkpoint.pb.h"

@@ -11,6 +11,9 @@
 
 namespace moe::agent {
 
+// Mean / max of loads; 0 when every load is 0 or there is none.
+double balancedness_of(const std::vector<double>& loads);
+
 class LoadWindow {
  public:
   explicit LoadWindow(int steps = 32) : steps_(steps) {}

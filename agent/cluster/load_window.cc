@@ -1,8 +1,17 @@
-#include "moe/agent/load_window.h"
+#include "moe/cluster/load_window.h"
 
-#include "moe/agent/job_result.h"
+#include <algorithm>
 
 namespace moe::agent {
+
+double balancedness_of(const std::vector<double>& loads) {
+  if (loads.empty()) return 0;
+  const double mx = *std::max_element(loads.begin(), loads.end());
+  double mean = 0;
+  for (double v : loads) mean += v / static_cast<double>(loads.size());
+  return mx > 0 ? mean / mx : 0.0;
+}
+
 namespace {
 
 std::vector<double> sum(const std::deque<std::vector<double>>& steps) {

@@ -1,4 +1,4 @@
-#include "moe/agent/membership.h"
+#include "moe/cluster/membership.h"
 
 #include <algorithm>
 

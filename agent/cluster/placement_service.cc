@@ -1,4 +1,4 @@
-#include "moe/agent/placement_service.h"
+#include "moe/cluster/placement_service.h"
 
 #include <algorithm>
 
