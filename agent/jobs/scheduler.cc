@@ -1,362 +1,46 @@
 #include "moe/jobs/scheduler.h"
 
-#include "moe/spec/checkpoint_manifest.h"
-
-#include <algorithm>
-#include <cstring>
-#include <random>
-#include <optional>
-
-#include "moe/base/check.h"
-#include "moe/base/clock.h"
-#include "moe/base/log.h"
-#include "moe/rpc/frame.h"
-#include "moe/spec/job_spec.h"
-
 namespace moe::agent {
-
-using rpc::RpcError;
 
 Scheduler::Scheduler(SchedulerOptions options, Membership& members, PlacementService& placement,
                      SchedulerActions& actions)
     : opts_(options),
       members_(members),
-      placement_(placement),
       actions_(actions),
-      book_(options.heartbeat_interval, members) {}
-
-namespace {
-
-double median_of(std::deque<double> v) {
-  if (v.empty()) return 0;
-  std::sort(v.begin(), v.end());
-  return v[v.size() / 2];
-}
-
-// The slowest rank's time of a complete step into the job's recent window; a
-// world's first step, the newest entry until then, leaves it when the next
-// arrives (RunningJob). After an elastic world change the window still holds the
-// old world's steps, older than it.
-void push_recent_step(RunningJob& job, double seconds) {
-  std::deque<double>& window = job.recent_step_seconds;
-  if (job.warmup_in_window && !window.empty()) window.pop_back();
-  window.push_back(seconds);
-  if (window.size() > RunningJob::kRecentSteps) window.pop_front();
-  job.warmup_in_window = job.next_step_warms_up;
-  job.next_step_warms_up = false;
-}
-
-}  // namespace
-
-const v1::JobResult& Scheduler::submit(v1::JobSpec spec) { return book_.submit(std::move(spec)); }
+      book_(opts_.heartbeat_interval, members),
+      run_(opts_, members, placement, actions, book_),
+      worlds_(opts_, members, placement, actions, book_, run_) {}
 
 const v1::JobResult& Scheduler::cancel(const std::string& id, Clock::time_point now) {
   v1::JobResult& rec = book_.at(id);
-  if (book_.cancel_queued(id)) {
+  if (book_.cancel_queued(id))
     actions_.job_ended(rec);
-  } else if (rec.state() == v1::JOB_STATE_RUNNING && running_ && !running_->ending()) {
-    running_->cancelled = true;
-    running_->reason_known = true;
-    running_->failed_at = now;
-    running_->message = "cancelled";
-    log::info("job ", id, ": cancelling");
-    actions_.cancel_job(id, "cancelled by request", false);
-  }
+  else if (rec.state() == v1::JOB_STATE_RUNNING && running_id() == id)
+    run_.cancel(now);
   return rec;
 }
 
 void Scheduler::try_start(Clock::time_point now) {
-  while (!running_ && book_.queued() > 0 && members_.ready_for_job()) {
-    v1::JobResult& rec = book_.at(*book_.take_next());
-    if (start(rec, now)) return;
-  }
-}
-
-// std::random_device reads getrandom on Linux.
-std::string new_data_plane_key() {
-  std::random_device dev;
-  std::string key(32, '\0');
-  for (size_t i = 0; i < key.size(); i += 4) {
-    const uint32_t word = dev();
-    std::memcpy(&key[i], &word, 4);
-  }
-  return key;
-}
-
-// QUEUED -> RUNNING, or -> FAILED when the cluster cannot run the spec.
-bool Scheduler::start(v1::JobResult& rec, Clock::time_point now) {
-  const int world = members_.world_size();
-  if (const std::string mismatch = members_.backend_mismatch(); !mismatch.empty()) {
-    fail_unstarted(rec, mismatch);
-    return false;
-  }
-  v1::StartJob msg;
-  try {
-    spec::validate(rec.spec(), world);
-    for (v1::PlacementMap& m : job_maps(rec)) *msg.add_maps() = std::move(m);
-  } catch (const moe::Error& e) {  // names the field, the checkpoint's file or the placement rule
-    fail_unstarted(rec, e.what());
-    return false;
-  }
-  running_ = std::make_unique<RunningJob>();
-  running_->id = rec.job_id();
-  running_->shape = {rec.spec().experts(), rec.spec().layers(), members_.num_nodes(), members_.devices_per_node()};
-  running_->reports.spec = rec.spec();
-  running_->reports.world = world;
-  running_->reports.verify.assign(world, {});
-  running_->done.assign(world, false);
-  running_->last_report = now;
-  for (int n = 0; n < members_.num_nodes(); ++n) running_->nodes.push_back(n);
-  rec.set_state(v1::JOB_STATE_RUNNING);
-  rec.set_started_unix_ms(unix_ms());
-  rec.mutable_progress()->set_steps(rec.spec().steps());
-  rec.mutable_progress()->set_updated_unix_ms(unix_ms());
-  for (const auto& m : msg.maps()) rec.set_placement_epoch(std::max(rec.placement_epoch(), static_cast<double>(m.epoch())));
-  members_.mark_busy(rec.job_id());
-  log::info("job ", rec.job_id(), " starting on ", world, " ranks (", members_.num_nodes(), " nodes), placement epoch ",
-            placement_.epoch());
-  msg.set_job_id(rec.job_id());
-  *msg.mutable_spec() = rec.spec();
-  msg.set_world_size(world);
-  msg.set_devices_per_node(members_.devices_per_node());
-  msg.set_data_plane_key(new_data_plane_key());
-  actions_.start_job(msg);
-  return true;
-}
-
-// The maps a job starts on: its shape's current maps, or a resumed job's from its
-// checkpoint (docs/jobs.md#checkpoints-and-resume), whose folder is resolved to
-// its step folder (the daemons are then told it) and whose files and spec are
-// checked first. A solver error is named "placement: ...".
-std::vector<v1::PlacementMap> Scheduler::job_maps(v1::JobResult& rec) {
-  v1::JobSpec& spec = *rec.mutable_spec();
-  const ShapeKey shape{spec.experts(), spec.layers(), members_.num_nodes(), members_.devices_per_node()};
-  std::optional<v1::CheckpointManifest> ck;
-  if (!spec.resume().empty()) {
-    std::string folder;
-    ck = spec::load_for_resume(spec, folder);
-    spec.set_resume(folder);
-  }
-  try {
-    return ck ? placement_.maps_for_resume(spec, shape, *ck) : placement_.maps_for_job(spec, shape);
-  } catch (const RpcError&) {
-    throw;  // names its rule already
-  } catch (const moe::Error& e) {
-    detail::fail("placement: ", e.what());
-  }
-}
-
-void Scheduler::fail_unstarted(v1::JobResult& rec, const std::string& message) {
-  rec.set_state(v1::JOB_STATE_FAILED);
-  rec.set_message(message);
-  rec.set_finished_unix_ms(unix_ms());
-  log::warn("job ", rec.job_id(), " cannot start: ", message);
-  actions_.job_ended(rec);
+  while (!run_.running() && book_.queued() > 0 && members_.ready_for_job())
+    if (run_.start(book_.at(*book_.take_next()), now)) return;
 }
 
 void Scheduler::on_step(const v1::StepReport& r, Clock::time_point now) {
-  if (!running_ || running_->id != r.job_id()) return;
-  if (r.stats().world_epoch() != running_->world_epoch) {
-    if (on_past_world_step(r)) heard_from(-1, now);
-    return;
-  }
-  if (r.rank() < 0 || r.rank() >= running_->reports.world) return;
-  auto& by_rank = running_->reports.steps[r.stats().step()];
-  by_rank.resize(running_->reports.world);
-  by_rank[r.rank()] = r.stats();  // a re-sent report replaces its first copy
-  heard_from(r.rank(), now);
-  const bool all = std::all_of(by_rank.begin(), by_rank.end(), [](const v1::StepStats& s) { return s.step_seconds() > 0; });
-  if (!all) return;
-  // progress shows in `job status` while it runs
-  v1::JobResult& rec = book_.at(r.job_id());
-  rec.set_steps_completed(std::max(rec.steps_completed(), static_cast<double>(r.stats().step() + 1)));
-  // Steps complete in order (each rank reports in order); a re-sent one, after
-  // a failed call or an agent restart, is in the window already.
-  if (r.stats().step() < running_->steps_recorded) return;
-  running_->steps_recorded = r.stats().step() + 1;
-  double slowest = 0;
-  for (const v1::StepStats& s : by_rank) slowest = std::max(slowest, s.step_seconds());
-  push_recent_step(*running_, slowest);
-  record_load(by_rank);
-  update_progress(rec, by_rank, now);
-  if (running_->recovering_since) note_recovered(now);
-  actions_.step_completed(r.job_id(), r.stats().step());
-}
-
-// The running job's progress from its newest complete step; the result's
-// measured fields too, at most once a second (fill_result reads every step).
-void Scheduler::update_progress(v1::JobResult& rec, const std::vector<v1::StepStats>& by_rank, Clock::time_point now) {
-  const RunningJob& job = *running_;
-  const v1::JobSpec& spec = job.reports.spec;
-  v1::JobProgress& p = *rec.mutable_progress();
-  const int step = by_rank[0].step() + 1;
-  p.set_step(step);
-  p.set_steps(spec.steps());
-  double loss = 0;
-  int64_t epoch = 0;
-  for (const v1::StepStats& s : by_rank) {
-    loss += s.loss();
-    for (int64_t e : s.layer_epoch()) epoch = std::max(epoch, e);
-  }
-  if (by_rank[0].has_job_loss()) loss = by_rank[0].job_loss();  // the ranks' own sum, in rank order
-  if (spec.mode() == v1::JobSpec::train) p.set_loss(loss);
-  p.set_epoch(epoch);
-  const double step_seconds = median_of(job.recent_step_seconds);
-  p.set_step_seconds(step_seconds);
-  p.set_recent_steps(static_cast<int32_t>(job.recent_step_seconds.size()));
-  p.set_tokens_per_second(step_seconds > 0 ? static_cast<double>(spec.tokens_per_rank()) * job.reports.world / step_seconds
-                                           : 0.0);
-  p.set_eta_seconds(std::max(0, spec.steps() - step) * step_seconds);
-  p.set_updated_unix_ms(unix_ms());
-  if (now - job.last_fill < std::chrono::seconds(1) && step < spec.steps()) return;
-  running_->last_fill = now;
-  v1::JobProgress kept = p;
-  fill_result(job.reports, v1::JOB_STATE_RUNNING, rec);
-  *rec.mutable_progress() = kept;
-  const v1::PlacementReply window = placement_.describe(job.shape, std::nullopt);
-  double sum = 0;
-  int layers = 0;
-  for (const v1::LayerPlacement& l : window.layers())
-    if (l.rank_window_steps() > 0) sum += l.balancedness(), ++layers;
-  if (layers > 0) rec.mutable_progress()->set_window_balancedness(sum / layers);
-  else rec.mutable_progress()->clear_window_balancedness();
-}
-
-// A complete step's measured load into the placement window
-// (docs/placement.md#load-and-balancedness).
-void Scheduler::record_load(const std::vector<v1::StepStats>& by_rank) {
-  const int L = running_->reports.spec.layers(), E = running_->reports.spec.experts(), W = running_->reports.world;
-  std::vector<std::vector<double>> expert(L, std::vector<double>(E, 0.0)), rank(L, std::vector<double>(W, 0.0));
-  std::vector<int64_t> epochs(L, 0);
-  for (int r = 0; r < W; ++r) {
-    const v1::StepStats& s = by_rank[r];
-    for (int l = 0; l < std::min(L, s.expert_tokens_size()); ++l)
-      for (int e = 0; e < std::min(E, s.expert_tokens(l).tokens_size()); ++e) expert[l][e] += s.expert_tokens(l).tokens(e);
-    for (int l = 0; l < std::min(L, s.layer_pairs_size()); ++l) rank[l][r] = s.layer_pairs(l);
-    for (int l = 0; l < std::min(L, s.layer_epoch_size()); ++l) epochs[l] = std::max(epochs[l], s.layer_epoch(l));
-  }
-  placement_.record_step(running_->shape, expert, rank, epochs);
-}
-
-void Scheduler::on_activity(const std::string& job_id, Clock::time_point now) {
-  if (running_ && running_->id == job_id) running_->last_report = now;
-}
-
-// A rank stopped because the job was cancelled. The reason is the one from the
-// rank whose daemon was asked, whichever rank's report arrives first.
-void Scheduler::note_cancelled_rank(const v1::RankDone& d, Clock::time_point now) {
-  RunningJob& job = *running_;
-  if (job.failed || (job.cancelled && (!d.cancel_requested_here() || job.reason_known))) return;
-  if (!job.cancelled) job.failed_at = now;
-  job.cancelled = true;
-  job.reason_known = d.cancel_requested_here();
-  job.message = describe_rank(d.rank()) + ": " + d.message();
-}
-
-void Scheduler::on_rank_done(const v1::RankDone& d, Clock::time_point now) {
-  if (!running_ || running_->id != d.job_id() || d.rank() < 0 || d.rank() >= running_->reports.world) return;
-  if (d.world_epoch() != running_->world_epoch) return;  // a rank fenced out of an elastic job's world
-  RunningJob& job = *running_;
-  if (!job.done[d.rank()]) {
-    job.done[d.rank()] = true;
-    ++job.done_count;
-  }
-  job.reports.verify[d.rank()] = d.verify();
-  heard_from(d.rank(), now);
-  if (!d.ok() && d.agent_unreachable() && !job.failed) {
-    // Its daemon stopped the job: the agent was away longer than its grace. The
-    // peers it stopped may have reported first, as "cancelled by another rank".
-    job.cancelled = false;
-    log::warn("job ", job.id, ": ", describe_rank(d.rank()), " stopped without the agent: ", d.message());
-    return fail_running((job.restored ? "agent restarted: " : "") + describe_rank(d.rank()) + ": " + d.message(),
-                        now);
-  }
-  if (!d.ok() && d.cancelled()) note_cancelled_rank(d, now);
-  if (!d.ok() && !d.cancelled() && !job.ending()) {
-    log::warn("job ", job.id, ": ", describe_rank(d.rank()), " failed: ", d.message());
-    // Name the rank (and node) the error blames when the reporter knows it.
-    if (d.has_failed_peer() && d.failed_peer() >= 0 && d.failed_peer() != d.rank())
-      fail_running(describe_rank(d.failed_peer()) + " failed (reported by " +
-                       describe_rank(d.rank()) + "): " + d.message(),
-                   now);
-    else
-      fail_running(describe_rank(d.rank()) + ": " + d.message(), now);
-    return;
-  }
-  if (job.done_count < job.reports.world) return;
-  if (job.cancelled) finish(v1::JOB_STATE_CANCELLED, job.message);
-  else if (job.failed) finish(v1::JOB_STATE_FAILED, job.message);
-  else finish(v1::JOB_STATE_SUCCEEDED, "");
-}
-
-void Scheduler::on_start_failed(const std::string& job_id, const std::string& node, const std::string& error,
-                                Clock::time_point now) {
-  if (running_ && running_->id == job_id && !running_->failed)
-    fail_running("cannot start on node " + node + ": " + error, now);
+  const std::optional<int> step = run_.on_step(r, now);
+  if (!step) return;
+  worlds_.on_step_complete(now);
+  actions_.step_completed(r.job_id(), *step);
 }
 
 void Scheduler::on_node_dead(const std::string& why, Clock::time_point now, int node) {
-  if (!running_) return;
-  if (node >= 0 && elastic_running()) return node_lost(node, "node_dead", why, now);
-  if (!running_->ending()) fail_running(after_restart(why), now);
-  else finish(v1::JOB_STATE_FAILED, running_->message + "; " + why);  // it will never report
+  if (!run_.running()) return;
+  if (node >= 0 && run_.elastic_running()) return worlds_.node_lost(node, "node_dead", why, now);
+  run_.on_node_dead(why, now);
 }
 
 void Scheduler::tick(Clock::time_point now) {
-  if (!running_) return;
-  if (running_->halt && !running_->ending() && now - running_->halt->started > opts_.halt_timeout) {
-    std::string missing;
-    for (size_t pos = 0; pos < running_->nodes.size(); ++pos) {
-      if (running_->halt->lost.count(running_->nodes[pos])) continue;
-      for (int d = 0; d < members_.devices_per_node(); ++d) {
-        const int r = static_cast<int>(pos) * members_.devices_per_node() + d;
-        if (!running_->halt->halted.count(r)) missing += (missing.empty() ? "" : ", ") + describe_rank(r);
-      }
-    }
-    return fail_running("elastic: " + missing + " did not halt within " +
-                            std::to_string(std::chrono::duration_cast<std::chrono::seconds>(opts_.halt_timeout).count()) +
-                            " s of the world change after: " + running_->halt->cause,
-                        now);
-  }
-  if (running_->ending() && now - running_->failed_at > opts_.failed_job_grace)
-    finish(running_->failed ? v1::JOB_STATE_FAILED : v1::JOB_STATE_CANCELLED,
-           running_->message + " (not every rank reported back)");
-  else if (!running_->ending() && now - running_->last_report > opts_.stale_job_timeout)
-    fail_running("no rank reported for " +
-                     std::to_string(std::chrono::duration_cast<std::chrono::seconds>(opts_.stale_job_timeout).count()) +
-                     " s",
-                 now);
-  else if (!running_->ending() && running_->awaiting_ranks() && now - running_->restored_at > opts_.restored_job_timeout) {
-    const int rank = static_cast<int>(std::find(running_->heard.begin(), running_->heard.end(), false) - running_->heard.begin());
-    fail_running("agent restarted: " + describe_rank(rank) + " did not report within " +
-                     std::to_string(std::chrono::duration_cast<std::chrono::seconds>(opts_.restored_job_timeout).count()) +
-                     " s",
-                 now);
-  }
-}
-
-// RUNNING -> failing: the daemons are told to stop; the job ends when every rank
-// reported, at once if a node is dead (it never will), or after the grace.
-void Scheduler::fail_running(const std::string& message, Clock::time_point now) {
-  if (!running_) return;
-  running_->failed = true;
-  running_->failed_at = now;
-  running_->message = message;
-  actions_.cancel_job(running_->id, message, true);
-  if (members_.any_dead() || running_->done_count == running_->reports.world) finish(v1::JOB_STATE_FAILED, message);
-}
-
-// RUNNING -> a final state, with the result built from the step reports.
-void Scheduler::finish(v1::JobState state, const std::string& message) {
-  const std::unique_ptr<RunningJob> job = std::move(running_);
-  v1::JobResult& rec = book_.at(job->id);
-  rec.set_state(state);
-  rec.set_message(message);
-  rec.set_finished_unix_ms(unix_ms());
-  fill_result(job->reports, state, rec);
-  log::info("job ", job->id, " ", v1::JobState_Name(state), message.empty() ? "" : ": " + message, " (",
-            rec.steps_completed(), " steps, ", static_cast<int64_t>(rec.tokens_per_second()), " tokens/s)");
-  actions_.job_ended(rec);
+  if (!run_.running() || worlds_.tick(now)) return;
+  run_.tick(now);
 }
 
 }  // namespace moe::agent

@@ -11,85 +11,28 @@
 
 namespace moe::agent {
 
-bool RunningJob::awaiting_ranks() const {
-  return restored && std::find(heard.begin(), heard.end(), false) != heard.end();
-}
-
-std::string Scheduler::after_restart(const std::string& why) const {
-  return running_ && running_->awaiting_ranks() ? "agent restarted: " + why : why;
-}
-
-void Scheduler::heard_from(int rank, Clock::time_point now) {
-  running_->last_report = now;
-  if (running_->restored && rank >= 0 && rank < static_cast<int>(running_->heard.size())) running_->heard[rank] = true;
-}
-
-// A node of the running job registered again without it: the daemon restarted
-// (or, after an agent restart, lost the job). Its ranks' part ended with the old
-// process and they will never report: they count as done, the job fails at once
-// and the survivors abort their transports (docs/jobs.md#a-node-restarts).
+// A node (re-)registered. A node back from silence with the part of a job that
+// ended meanwhile (an elastic job went on without it) is fenced: nothing will
+// come for that part. An elastic job's world changes decide about its nodes; a
+// node of another running job that comes back without it fails the job
+// (docs/jobs.md#a-node-restarts).
 void Scheduler::on_node_registered(const NodeRecord& node, const std::string& running_job, Clock::time_point now) {
-  // A node back from silence with the part of a job that ended meanwhile (an
-  // elastic job went on without it): nothing will come for that part; stop it.
   if (const auto ended = book_.jobs().find(running_job);
-      ended != book_.jobs().end() && finished(ended->second.state()) && (!running_ || running_->id != running_job))
+      ended != book_.jobs().end() && finished(ended->second.state()) && running_id() != running_job)
     actions_.fence(running_job, node.index, members_.describe_node(node) + " came back after " + running_job + " ended");
-  if (!running_) return;
-  if (running_job == running_->id) {
-    // A node the elastic job left (silent, not dead) woke with its old part: fenced.
-    if (elastic_running() && std::find(running_->nodes.begin(), running_->nodes.end(), node.index) == running_->nodes.end())
-      actions_.fence(running_->id, node.index,
-                     members_.describe_node(node) + " left the job's world; world " +
-                         std::to_string(running_->world_epoch) + " runs without it");
+  if (!run_.running()) return;
+  if (running_job == running_id()) {
+    if (run_.elastic_running()) worlds_.on_node_registered(node, running_job, now);
     return;
   }
-  if (elastic_running()) {  // docs/jobs.md#elastic-jobs
-    // A node of the world that restarted lost its ranks' state: it leaves the
-    // world and joins the next one as a new node (in one world change when
-    // the first is still being decided); a node the job lost came back.
-    if (std::find(running_->nodes.begin(), running_->nodes.end(), node.index) != running_->nodes.end())
-      node_lost(node.index, "node_restarted",
-                members_.describe_node(node) + " restarted during the job (its ranks' state is lost)", now);
-    if (elastic_running() && running_job.empty()) node_joins(node, now);
-    return;
-  }
-  RunningJob& job = *running_;
-  const int D = members_.devices_per_node();
-  for (int r = node.index * D; r < (node.index + 1) * D && r < job.reports.world; ++r)
-    if (!job.done[r]) {
-      job.done[r] = true;
-      ++job.done_count;
-    }
-  if (job.ending()) {
-    if (job.done_count == job.reports.world) finish(job.failed ? v1::JOB_STATE_FAILED : v1::JOB_STATE_CANCELLED, job.message);
-    return;
-  }
-  const std::string came_back =
-      members_.describe_node(node) + " came back " + (running_job.empty() ? "running no job" : "running " + running_job);
-  fail_running(job.awaiting_ranks() ? "agent restarted: " + came_back
-                                    : members_.describe_node(node) + " restarted during the job (its ranks' state is lost)",
-               now);
+  if (run_.elastic_running()) return worlds_.on_node_registered(node, running_job, now);
+  run_.node_restarted(node, running_job, now);
 }
 
 v1::SchedulerState Scheduler::state() const {
   v1::SchedulerState s;
   book_.save(s);
-  if (running_) {
-    v1::RunningJobState* r = s.mutable_running();
-    r->set_job_id(running_->id);
-    *r->mutable_shape() = running_->shape.proto();
-    r->set_world_size(running_->reports.world);
-    r->set_world_epoch(running_->world_epoch);
-    for (int n : running_->nodes) r->add_nodes(n);
-    r->set_tokens_per_rank(running_->reports.spec.tokens_per_rank());
-    r->set_warmup_pending(running_->next_step_warms_up);
-    for (const auto& [epoch, past] : running_->past_worlds) {
-      v1::PastWorldState* p = r->add_past_worlds();
-      p->set_world_epoch(epoch);
-      for (int n : past.nodes) p->add_nodes(n);
-      p->set_next_step(past.next_step);
-    }
-  }
+  run_.save(s);
   return s;
 }
 
@@ -159,7 +102,7 @@ void Scheduler::restore(const v1::SchedulerState& s, Clock::time_point now) {
               " steps recorded): waiting for its daemons");
   }
   book_.restore(std::move(jobs), s);
-  running_ = std::move(job);
+  run_.adopt(std::move(job));
 }
 
 }  // namespace moe::agent

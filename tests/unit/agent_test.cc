@@ -98,7 +98,7 @@ TEST(JobResult, BalancednessIsTakenPerWorldOfAnElasticJob) {
   };
   r.steps[0] = {with_epoch(step_stats(0, 1.0, 30, 30), 1), with_epoch(step_stats(0, 1.0, 30, 30), 1)};
   r.steps[1] = {with_epoch(step_stats(1, 1.0, 30, 30), 1), v1::StepStats{}};
-  r.whole = {0, 1};  // what the world change declares (scheduler_elastic.cc)
+  r.whole = {0, 1};  // what the world change declares (elastic_worlds.cc)
   r.steps[2] = {with_epoch(step_stats(2, 1.0, 60, 60), 2)};
   r.steps[3] = {with_epoch(step_stats(3, 1.0, 60, 60), 2)};
   r.world = 1;  // the world now

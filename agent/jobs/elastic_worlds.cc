@@ -1,10 +1,7 @@
-// The scheduler's side of elastic jobs (docs/jobs.md#elastic-jobs): a lost node,
-// or a rank whose world failed, halts the job's world; once every surviving rank
-// said what it applied, the agent decides the new world (world_change.h), places
-// the experts on it and moves the survivors there.
+#include "moe/jobs/elastic_worlds.h"
+
 #include <algorithm>
 
-#include "moe/jobs/scheduler.h"
 #include "moe/jobs/world_change.h"
 #include "moe/base/check.h"
 #include "moe/base/clock.h"
@@ -32,43 +29,20 @@ std::string rollback_checkpoint(const v1::JobSpec& spec, const std::string& lost
 
 }  // namespace
 
-bool Scheduler::elastic_running() const {
-  return running_ && running_->reports.spec.elastic() && !running_->ending();
-}
+ElasticWorlds::ElasticWorlds(const SchedulerOptions& opts, Membership& members, PlacementService& placement,
+                             SchedulerActions& actions, JobBook& book, JobLifecycle& run)
+    : opts_(opts), members_(members), placement_(placement), actions_(actions), book_(book), run_(run) {}
 
-int Scheduler::home_rank(int rank, int64_t epoch) const {
-  if (!running_ || rank < 0) return rank;
-  const int D = members_.devices_per_node();
-  const std::vector<int>* nodes = &running_->nodes;
-  if (epoch != running_->world_epoch) {
-    const auto it = running_->past_worlds.find(epoch);
-    if (it == running_->past_worlds.end()) return rank;
-    nodes = &it->second.nodes;
-  }
-  const size_t pos = static_cast<size_t>(rank / D);
-  return pos < nodes->size() ? (*nodes)[pos] * D + rank % D : rank;
-}
-
-std::string Scheduler::describe_rank(int rank) const {
-  if (!running_ || running_->world_epoch == 0) return members_.describe_rank(rank);
-  const int D = members_.devices_per_node();
-  const size_t pos = static_cast<size_t>(rank / D);
-  if (rank < 0 || pos >= running_->nodes.size()) return "rank " + std::to_string(rank);
-  return "rank " + std::to_string(rank) + " (node " + members_.nodes()[running_->nodes[pos]].name + ")";
-}
-
-void Scheduler::node_lost(int node, const std::string& kind, const std::string& why, Clock::time_point now) {
-  RunningJob& job = *running_;
+void ElasticWorlds::node_lost(int node, const std::string& kind, const std::string& why, Clock::time_point now) {
+  RunningJob& job = this->job();
   const auto pos = std::find(job.nodes.begin(), job.nodes.end(), node);
   if (pos == job.nodes.end()) return;  // not in this world
   if (job.past_last_step()) {
     // Every step is complete: nothing to go on with. The node's ranks count as
     // done (their RankDones may never come); the job ends with the others'.
     log::warn("job ", job.id, ": ", why, " after its last step");
-    const int D = members_.devices_per_node();
-    for (int r = static_cast<int>(pos - job.nodes.begin()) * D, end = r + D; r < end; ++r)
-      if (!job.done[r]) job.done[r] = true, ++job.done_count;
-    if (job.done_count == job.reports.world) finish(v1::JOB_STATE_SUCCEEDED, "");
+    const int D = members_.devices_per_node(), first = static_cast<int>(pos - job.nodes.begin()) * D;
+    if (run_.mark_done(first, first + D)) run_.finish(v1::JOB_STATE_SUCCEEDED, "");
     return;
   }
   if (!job.halt) return begin_halt(kind, why, {node}, now);
@@ -82,8 +56,8 @@ void Scheduler::node_lost(int node, const std::string& kind, const std::string& 
 // A node outside the job's world registered idle: the world halts at once
 // (the step in flight is abandoned or rolled forward, as for a loss) and the
 // new one takes it in.
-void Scheduler::node_joins(const NodeRecord& node, Clock::time_point now) {
-  RunningJob& job = *running_;
+void ElasticWorlds::node_joins(const NodeRecord& node, Clock::time_point now) {
+  RunningJob& job = this->job();
   if (job.halt) {
     job.halt->joining.insert(node.index);
     return try_new_world(now);
@@ -98,39 +72,40 @@ void Scheduler::node_joins(const NodeRecord& node, Clock::time_point now) {
   actions_.halt_world(job.id, job.world_epoch, job.halt->cause, job.nodes);
 }
 
-void Scheduler::on_node_idle(const NodeRecord& node, Clock::time_point now) {
-  if (elastic_running() && node.state == v1::NODE_STATE_ALIVE &&
-      std::find(running_->nodes.begin(), running_->nodes.end(), node.index) == running_->nodes.end())
+void ElasticWorlds::on_node_idle(const NodeRecord& node, Clock::time_point now) {
+  if (run_.elastic_running() && node.state == v1::NODE_STATE_ALIVE &&
+      std::find(job().nodes.begin(), job().nodes.end(), node.index) == job().nodes.end())
     node_joins(node, now);
 }
 
-void Scheduler::on_rank_halted(const v1::RankHalted& h, Clock::time_point now) {
-  if (!elastic_running() || running_->id != h.job_id() || h.world_epoch() != running_->world_epoch) return;
-  if (running_->past_last_step()) return;  // its end is near
-  if (h.rank() < 0 || h.rank() >= running_->reports.world) return;
-  heard_from(h.rank(), now);
-  if (!running_->halt) {
+void ElasticWorlds::on_rank_halted(const v1::RankHalted& h, Clock::time_point now) {
+  if (!run_.elastic_running() || job().id != h.job_id() || h.world_epoch() != job().world_epoch) return;
+  if (job().past_last_step()) return;  // its end is near
+  if (h.rank() < 0 || h.rank() >= job().reports.world) return;
+  run_.heard_from(h.rank(), now);
+  if (!job().halt) {
     const bool blames = h.has_failed_peer() && h.failed_peer() >= 0 && h.failed_peer() != h.rank();
-    begin_halt("peer_failed", blames ? describe_rank(h.failed_peer()) + " failed (reported by " + describe_rank(h.rank()) +
+    begin_halt("peer_failed",
+               blames ? run_.describe_rank(h.failed_peer()) + " failed (reported by " + run_.describe_rank(h.rank()) +
                             "): " + h.message()
-                      : describe_rank(h.rank()) + ": " + h.message(),
+                      : run_.describe_rank(h.rank()) + ": " + h.message(),
                {}, now);
   }
-  running_->halt->halted[h.rank()] = h;
+  job().halt->halted[h.rank()] = h;
   try_new_world(now);
 }
 
-void Scheduler::on_halt_failed(const std::string& job_id, int64_t epoch, int node, const std::string& error,
+void ElasticWorlds::on_halt_failed(const std::string& job_id, int64_t epoch, int node, const std::string& error,
                                Clock::time_point now) {
-  if (!elastic_running() || running_->id != job_id || epoch != running_->world_epoch || !running_->halt) return;
+  if (!run_.elastic_running() || job().id != job_id || epoch != job().world_epoch || !job().halt) return;
   node_lost(node, "peer_failed", members_.describe_node(members_.nodes()[node]) + " cannot be reached (" + error + ")",
             now);
 }
 
 // Every node of the world stops it; a node already known lost is not asked.
-void Scheduler::begin_halt(const std::string& kind, const std::string& cause, std::set<int> lost,
+void ElasticWorlds::begin_halt(const std::string& kind, const std::string& cause, std::set<int> lost,
                            Clock::time_point now) {
-  RunningJob& job = *running_;
+  RunningJob& job = this->job();
   job.halt = RunningJob::Halt{
       .kind = kind, .cause = cause, .lost = std::move(lost), .joining = {}, .halted = {}, .started = now};
   for (int n : job.halt->lost)
@@ -144,8 +119,8 @@ void Scheduler::begin_halt(const std::string& kind, const std::string& cause, st
 }
 
 // Every node of the halted world is lost or has all of its ranks' reports.
-bool Scheduler::halt_complete() const {
-  const RunningJob& job = *running_;
+bool ElasticWorlds::halt_complete() const {
+  const RunningJob& job = this->job();
   const int D = members_.devices_per_node();
   for (size_t pos = 0; pos < job.nodes.size(); ++pos) {
     if (job.halt->lost.count(job.nodes[pos])) continue;
@@ -157,15 +132,15 @@ bool Scheduler::halt_complete() const {
 
 // Once the halt is complete: the new world decided, recorded and sent; or the
 // job failed naming why it cannot go on.
-void Scheduler::try_new_world(Clock::time_point now) {
+void ElasticWorlds::try_new_world(Clock::time_point now) {
   if (!halt_complete()) return;
   DecidedWorld next;
   try {
     next = decide_world();
   } catch (const moe::Error& e) {
-    return fail_running("elastic: " + std::string(e.what()) + " (world " + std::to_string(running_->world_epoch) +
-                            " halted: " + running_->halt->cause + ")",
-                        now);
+    return run_.fail_running("elastic: " + std::string(e.what()) + " (world " + std::to_string(job().world_epoch) +
+                                 " halted: " + job().halt->cause + ")",
+                             now);
   }
   record_change(next);
   enter_world(next);
@@ -174,8 +149,8 @@ void Scheduler::try_new_world(Clock::time_point now) {
 // The new world (world_change.h) with its maps and expert moves; when an expert
 // has no surviving copy, a rollback to the job's latest checkpoint instead.
 // Throws moe::Error naming what cannot go on.
-Scheduler::DecidedWorld Scheduler::decide_world() {
-  RunningJob& job = *running_;
+ElasticWorlds::DecidedWorld ElasticWorlds::decide_world() {
+  RunningJob& job = this->job();
   const RunningJob::Halt& h = *job.halt;
   WorldChangeInput in{.spec = job.reports.spec,
                       .devices_per_node = members_.devices_per_node(),
@@ -217,8 +192,8 @@ Scheduler::DecidedWorld Scheduler::decide_world() {
 }
 
 // The change in the job's record (and the counters behind the metrics).
-void Scheduler::record_change(const DecidedWorld& d) {
-  const RunningJob& job = *running_;
+void ElasticWorlds::record_change(const DecidedWorld& d) {
+  const RunningJob& job = this->job();
   const RunningJob::Halt& h = *job.halt;
   const v1::NewWorld& w = d.world;
   v1::WorldChange& c = *book_.at(job.id).add_world_changes();
@@ -237,7 +212,7 @@ void Scheduler::record_change(const DecidedWorld& d) {
   c.set_steps_recomputed(d.steps_recomputed);
   c.set_tokens_per_rank(w.tokens_per_rank());
   c.set_unix_ms(unix_ms());
-  ++world_changes_[h.kind];
+  ++counts_[h.kind];
   log::warn("job ", job.id, ": world ", w.world_epoch(), " of ", w.world_size(), " ranks (was ", job.reports.world,
             ") resumes at step ", w.resume_step(), ", ", w.moves_size(), " expert state(s) from replicas, ",
             w.tokens_per_rank(), " tokens per rank");
@@ -246,26 +221,15 @@ void Scheduler::record_change(const DecidedWorld& d) {
 // The running job moves onto the new world and its nodes are told. Steps
 // before the resume step are whole (a lost rank's report of one may never
 // come: its loss is in every survivor's report); the rest run again.
-void Scheduler::enter_world(const DecidedWorld& d) {
-  RunningJob& job = *running_;
+void ElasticWorlds::enter_world(const DecidedWorld& d) {
+  RunningJob& job = this->job();
   const v1::NewWorld& w = d.world;
   const std::set<int> joined = job.halt->joining;
   job.past_worlds[job.world_epoch] = {job.nodes, w.resume_step()};
   job.nodes = d.nodes;
   job.world_epoch = w.world_epoch();
-  job.shape = d.shape;
-  job.reports.spec.set_tokens_per_rank(w.tokens_per_rank());
-  job.reports.world = w.world_size();
-  job.reports.verify.assign(w.world_size(), {});
-  job.done.assign(w.world_size(), false);
-  job.done_count = 0;
-  job.reports.steps.erase(job.reports.steps.lower_bound(w.resume_step()), job.reports.steps.end());
-  for (const auto& [step, by_rank] : job.reports.steps) job.reports.whole.insert(step);
-  job.steps_recorded = w.resume_step();
-  job.next_step_warms_up = true;
-  book_.at(job.id).set_steps_completed(w.resume_step());
+  run_.move_to_world(w, d.shape);
   job.recovering_since = job.halt->started;
-  job.restored = false;  // this agent decided the world: its ranks answer to it
   job.halt.reset();
   std::vector<int> survivors, joining;
   for (int n : job.nodes) (joined.count(n) ? joining : survivors).push_back(n);
@@ -285,27 +249,54 @@ void Scheduler::enter_world(const DecidedWorld& d) {
 }
 
 // The new world completed its first step: the change's recovery time.
-void Scheduler::note_recovered(Clock::time_point now) {
-  v1::JobResult& rec = book_.at(running_->id);
-  const double took = seconds(now - *running_->recovering_since);
+void ElasticWorlds::on_step_complete(Clock::time_point now) {
+  if (!job().recovering_since) return;
+  v1::JobResult& rec = book_.at(job().id);
+  const double took = seconds(now - *job().recovering_since);
   if (rec.world_changes_size() > 0) rec.mutable_world_changes(rec.world_changes_size() - 1)->set_recovery_seconds(took);
   recovery_seconds_.push_back(took);
-  running_->recovering_since.reset();
+  job().recovering_since.reset();
 }
 
-// A report from an earlier world: a survivor's step it applied on its way to
-// the new world (kept beside the step's other reports), or a step that will run
-// again (dropped). True when kept.
-bool Scheduler::on_past_world_step(const v1::StepReport& r) {
-  const auto past = running_->past_worlds.find(r.stats().world_epoch());
-  if (past == running_->past_worlds.end() || r.stats().step() >= past->second.next_step) return false;
-  const int world = static_cast<int>(past->second.nodes.size()) * members_.devices_per_node();
-  if (r.rank() < 0 || r.rank() >= world) return false;
-  auto& by_rank = running_->reports.steps[r.stats().step()];
-  by_rank.resize(std::max<size_t>(by_rank.size(), world));
-  by_rank[r.rank()] = r.stats();
-  running_->reports.whole.insert(r.stats().step());
+// The halt deadline: a surviving rank that has not said what it applied
+// fails the job (its node is alive but stuck).
+bool ElasticWorlds::tick(Clock::time_point now) {
+  const RunningJob& job = this->job();
+  if (!job.halt || job.ending() || now - job.halt->started <= opts_.halt_timeout) return false;
+  std::string missing;
+  const int D = members_.devices_per_node();
+  for (size_t pos = 0; pos < job.nodes.size(); ++pos) {
+    if (job.halt->lost.count(job.nodes[pos])) continue;
+    for (int d = 0; d < D; ++d) {
+      const int r = static_cast<int>(pos) * D + d;
+      if (!job.halt->halted.count(r)) missing += (missing.empty() ? "" : ", ") + run_.describe_rank(r);
+    }
+  }
+  run_.fail_running("elastic: " + missing + " did not halt within " +
+                        std::to_string(std::chrono::duration_cast<std::chrono::seconds>(opts_.halt_timeout).count()) +
+                        " s of the world change after: " + job.halt->cause,
+                    now);
   return true;
+}
+
+// A node of the running elastic job registered: one that left the world (silent,
+// not dead) and woke with its old part is fenced; one of the world that
+// restarted lost its ranks' state, so it leaves the world and joins the next one
+// as a new node (in one world change when the first is still being decided); a
+// node the job lost came back and joins.
+void ElasticWorlds::on_node_registered(const NodeRecord& node, const std::string& running_job, Clock::time_point now) {
+  const bool in_world = std::find(job().nodes.begin(), job().nodes.end(), node.index) != job().nodes.end();
+  if (running_job == job().id) {
+    if (!in_world)
+      actions_.fence(job().id, node.index,
+                     members_.describe_node(node) + " left the job's world; world " +
+                         std::to_string(job().world_epoch) + " runs without it");
+    return;
+  }
+  if (in_world)
+    node_lost(node.index, "node_restarted",
+              members_.describe_node(node) + " restarted during the job (its ranks' state is lost)", now);
+  if (run_.elastic_running() && running_job.empty()) node_joins(node, now);
 }
 
 }  // namespace moe::agent
