@@ -50,14 +50,14 @@ struct MetricsExposer::Impl {
     shape_info = &BuildGauge().Name("moe_placement_shape_info")
                       .Help("The shape (EXPERTSxLAYERS@NODESxDEVICES) the placement series are of: the last job's")
                       .Register(*registry);
-    job_step = &BuildGauge().Name("moe_job_step").Help("Complete steps of the running job").Register(*registry);
-    job_steps = &BuildGauge().Name("moe_job_steps").Help("Steps the running job asks for").Register(*registry);
-    job_loss = &BuildGauge().Name("moe_job_loss").Help("The running train job's latest step loss").Register(*registry);
-    job_tps = &BuildGauge().Name("moe_job_tokens_per_second")
+    job_gauges.step = &BuildGauge().Name("moe_job_step").Help("Complete steps of the running job").Register(*registry);
+    job_gauges.steps = &BuildGauge().Name("moe_job_steps").Help("Steps the running job asks for").Register(*registry);
+    job_gauges.loss = &BuildGauge().Name("moe_job_loss").Help("The running train job's latest step loss").Register(*registry);
+    job_gauges.tps = &BuildGauge().Name("moe_job_tokens_per_second")
                   .Help("Tokens per second of the running job over its recent steps").Register(*registry);
-    job_step_seconds = &BuildGauge().Name("moe_job_step_seconds")
+    job_gauges.step_seconds = &BuildGauge().Name("moe_job_step_seconds")
                            .Help("Median slowest-rank step time of the running job's recent steps").Register(*registry);
-    job_eta = &BuildGauge().Name("moe_job_eta_seconds").Help("Seconds the running job has left at its recent pace")
+    job_gauges.eta = &BuildGauge().Name("moe_job_eta_seconds").Help("Seconds the running job has left at its recent pace")
                   .Register(*registry);
     nodes = &BuildGauge().Name("moe_nodes").Help("Registered nodes by state").Register(*registry);
     jobs = &BuildGauge().Name("moe_jobs").Help("Jobs by state").Register(*registry);
@@ -127,14 +127,14 @@ struct MetricsExposer::Impl {
     const v1::JobResult& rec = agent.scheduler().record(run->id);
     const v1::JobProgress& p = rec.progress();
     const std::map<std::string, std::string> job = {{"job_id", rec.job_id()}, {"name", rec.spec().name()}};
-    set(job_step, job, p.step());
-    set(job_steps, job, rec.spec().steps());
-    if (p.has_loss()) set(job_loss, job, p.loss());
+    set(job_gauges.step, job, p.step());
+    set(job_gauges.steps, job, rec.spec().steps());
+    if (p.has_loss()) set(job_gauges.loss, job, p.loss());
     if (p.recent_steps() > 0) {
-      set(job_tps, job, p.tokens_per_second());
-      set(job_step_seconds, job, p.step_seconds());
+      set(job_gauges.tps, job, p.tokens_per_second());
+      set(job_gauges.step_seconds, job, p.step_seconds());
     }
-    if (p.has_eta_seconds()) set(job_eta, job, p.eta_seconds());
+    if (p.has_eta_seconds()) set(job_gauges.eta, job, p.eta_seconds());
   }
 
   // Counters move by what happened since the last refresh.
@@ -172,7 +172,10 @@ struct MetricsExposer::Impl {
   prometheus::Family<prometheus::Gauge>* load;
   prometheus::Family<prometheus::Gauge>* nodes;
   prometheus::Family<prometheus::Gauge>* jobs;
-  prometheus::Family<prometheus::Gauge>*shape_info, *job_step, *job_steps, *job_loss, *job_tps, *job_step_seconds, *job_eta;
+  prometheus::Family<prometheus::Gauge>* shape_info;
+  struct JobGauges {  // the running job's progress
+    prometheus::Family<prometheus::Gauge>*step, *steps, *loss, *tps, *step_seconds, *eta;
+  } job_gauges;
   using Series = std::pair<prometheus::Family<prometheus::Gauge>*, prometheus::Gauge*>;
   std::set<Series> shown, fresh;  // the gauges the last refresh set, and this one's
 };

@@ -119,19 +119,19 @@ Dispatcher::Dispatcher(const DispatcherConfig& cfg, transport::Communicator& com
   const size_t max_send_rows = T * std::min(R, K);  // a token goes to at most min(R, K) ranks
   const size_t max_pairs = T * K;  // the pair rows coming back
   auto make = [&](size_t bytes) { return Buffer(be_, bytes); };
-  num_tokens_per_rank_ = make(4 * R);
-  num_tokens_per_slot_ = make(4 * R * S);
-  in_rank_ = make(T * R);
+  layout_.tokens_per_rank = make(4 * R);
+  layout_.tokens_per_slot = make(4 * R * S);
+  layout_.in_rank = make(T * R);
   h_.token_send_row_ = make(4 * T * R);
   h_.send_src_token_ = make(4 * max_send_rows);
-  send_slot_ = make(kSlotBytes * max_send_rows * K);
-  send_weight_ = make(kWeightBytes * max_send_rows * K);
-  send_rows_ = make(max_send_rows * row_bytes_);
-  back_rows_ = make(max_pairs * row_bytes_);  // >= combine_bytes_ a row
+  bufs_.send_slot = make(kSlotBytes * max_send_rows * K);
+  bufs_.send_weight = make(kWeightBytes * max_send_rows * K);
+  bufs_.send_rows = make(max_send_rows * row_bytes_);
+  bufs_.back_rows = make(max_pairs * row_bytes_);  // >= combine_bytes_ a row
   h_.pair_back_pos_ = make(4 * max_pairs);
-  if (encoded_dispatch()) send_wire_ = make(max_send_rows * wire_bytes_);
-  layout_ws_ = make(be_.dispatch_layout_workspace_bytes({cfg.max_tokens, cfg.top_k, cfg.num_ranks, cfg.slots_per_rank}));
-  if (cfg.train) back_gw_ = make(kWeightBytes * max_send_rows * K);
+  if (encoded_dispatch()) bufs_.send_wire = make(max_send_rows * wire_bytes_);
+  layout_.ws = make(be_.dispatch_layout_workspace_bytes({cfg.max_tokens, cfg.top_k, cfg.num_ranks, cfg.slots_per_rank}));
+  if (cfg.train) bufs_.back_gw = make(kWeightBytes * max_send_rows * K);
   h_.rank_offset_.assign(R + 1, 0);
   h_.send_counts_.assign(R, 0);
   h_.recv_counts_.assign(R, 0);
@@ -146,15 +146,15 @@ void Dispatcher::reserve(int64_t n) {
   h_.recv_slot_ = Buffer(be_, kSlotBytes * N * K);
   h_.recv_weight_ = Buffer(be_, kWeightBytes * N * K);
   h_.recv_token_ = Buffer(be_, kTokenBytes * N);
-  if (cfg_.train) grad_recv_rows_ = Buffer(be_, N * row_bytes_);
+  if (cfg_.train) bufs_.grad_recv_rows = Buffer(be_, N * row_bytes_);
   if (cfg_.train && can_chunk()) h_.row_order_ = Buffer(be_, 4 * N);
-  if (encoded_dispatch()) recv_wire_ = Buffer(be_, N * wire_bytes_);
+  if (encoded_dispatch()) bufs_.recv_wire = Buffer(be_, N * wire_bytes_);
   // A received row carries at most min(K, S) of this rank's pairs.
-  if (encoded_combine()) y_wire_ = Buffer(be_, N * std::min(K, size_t(cfg_.slots_per_rank)) * combine_bytes_);
+  if (encoded_combine()) bufs_.y_wire = Buffer(be_, N * std::min(K, size_t(cfg_.slots_per_rank)) * combine_bytes_);
 }
 
 // The send rows in the dispatch wire's format: x permuted rank-major into
-// send_rows_ (the layer dtype, or a bf16 wire's rows directly), then, for fp8,
+// bufs_.send_rows (the layer dtype, or a bf16 wire's rows directly), then, for fp8,
 // quantized.
 void Dispatcher::encode_send_rows(const void* x, int64_t T) {
   const int R = cfg_.num_ranks;
@@ -163,26 +163,26 @@ void Dispatcher::encode_send_rows(const void* x, int64_t T) {
   be_.permute({.num_rows = T, .top_k = R, .num_out_rows = rows, .hidden = cfg_.hidden, .in_dtype = cfg_.dtype,
                .out_dtype = direct ? dispatch_.dtype : cfg_.dtype},
               {.rows = x, .src_row = h_.send_src_token_.as<int32_t>(), .pair_pos = h_.token_send_row_.as<int32_t>(),
-               .out = direct ? send_wire_.get() : send_rows_.get()});
+               .out = direct ? bufs_.send_wire.get() : bufs_.send_rows.get()});
   if (encoded_dispatch() && !direct)
-    be_.pack_rows(dispatch_.format, send_rows_.get(), cfg_.dtype, rows, cfg_.hidden, send_wire_.get());
+    be_.pack_rows(dispatch_.format, bufs_.send_rows.get(), cfg_.dtype, rows, cfg_.hidden, bufs_.send_wire.get());
 }
 
 // Received rows [first, first + n) from the dispatch wire into the handle's rows.
 void Dispatcher::decode_rows(int64_t first, int64_t n) {
   if (!encoded_dispatch() || n == 0) return;
-  const void* in = recv_wire_.as<uint8_t>() + first * wire_bytes_;
+  const void* in = bufs_.recv_wire.as<uint8_t>() + first * wire_bytes_;
   void* out = h_.recv_rows_.as<uint8_t>() + first * row_bytes_;
   be_.unpack_rows(dispatch_.format, in, n, cfg_.hidden, out, cfg_.dtype);
 }
 
-// Pair rows [first, first + n) of y in the combine wire's format: y itself, or y_wire_.
+// Pair rows [first, first + n) of y in the combine wire's format: y itself, or bufs_.y_wire.
 const void* Dispatcher::encode_results(const void* y, int64_t first, int64_t n) {
   if (!encoded_combine()) return y;
   if (n > 0)
     be_.pack_rows(combine_.format, static_cast<const uint8_t*>(y) + first * row_bytes_, cfg_.dtype, n, cfg_.hidden,
-                  y_wire_.as<uint8_t>() + first * combine_bytes_);
-  return y_wire_.get();
+                  bufs_.y_wire.as<uint8_t>() + first * combine_bytes_);
+  return bufs_.y_wire.get();
 }
 
 // Where each pair's result travels back (docs/layer.md#dispatch-and-combine).
@@ -197,7 +197,7 @@ void Dispatcher::lay_out_returns() {
   const int R = cfg_.num_ranks;
   std::vector<PairRanges> arrived;  // where each peer's rows landed: per chunk, or rank-major
   if (h_.chunks_ > 1) {
-    for (const ChunkPlan& p : plan_) arrived.push_back(p.recv_row_ranges);
+    for (const ChunkPlan& p : chunking_.plan) arrived.push_back(p.recv_row_ranges);
     plan_returns();
   } else {
     std::vector<int64_t> recv_first(R, 0);
@@ -214,13 +214,13 @@ void Dispatcher::lay_out_returns() {
 // layer's weight-gradient order and replica reduction read them.
 void Dispatcher::key_sources(const std::vector<PairRanges>& arrived) {
   const int64_t N = h_.num_recv_rows_;
-  host_token_.resize(N);
-  be_.copy_to_host(host_token_.data(), h_.recv_token_.get(), kTokenBytes * N);
+  host_.token.resize(N);
+  be_.copy_to_host(host_.token.data(), h_.recv_token_.get(), kTokenBytes * N);
   h_.source_key_.resize(N);
   for (const PairRanges& a : arrived)
     for (size_t r = 0; r < a.first.size(); ++r)
       for (size_t i = a.first[r]; i < a.first[r] + a.count[r]; ++i)
-        h_.source_key_[i] = source_key(static_cast<int>(r), host_token_[i]);
+        h_.source_key_[i] = source_key(static_cast<int>(r), host_.token[i]);
 }
 
 // The receiver: each received row's pairs (its local slots), as offsets.
@@ -228,12 +228,12 @@ void Dispatcher::count_received_pairs() {
   const int K = cfg_.top_k;
   const int64_t N = h_.num_recv_rows_;
   std::vector<int64_t>& recv = h_.recv_pair_offset_;
-  host_slots_.resize(static_cast<size_t>(N) * K);
-  be_.copy_to_host(host_slots_.data(), h_.recv_slot_.get(), 4 * N * K);
+  host_.slots.resize(static_cast<size_t>(N) * K);
+  be_.copy_to_host(host_.slots.data(), h_.recv_slot_.get(), 4 * N * K);
   recv.assign(N + 1, 0);
   for (int64_t n = 0; n < N; ++n) {
     int64_t local = 0;
-    for (int k = 0; k < K; ++k) local += host_slots_[n * K + k] >= 0;
+    for (int k = 0; k < K; ++k) local += host_.slots[n * K + k] >= 0;
     recv[n + 1] = recv[n] + local;
   }
 }
@@ -243,32 +243,32 @@ void Dispatcher::count_received_pairs() {
 void Dispatcher::place_returned_pairs() {
   const int K = cfg_.top_k, R = cfg_.num_ranks, S = cfg_.slots_per_rank;
   const int64_t T = h_.num_tokens_, rows = h_.rank_offset_[R];
-  host_slots_.resize(static_cast<size_t>(T) * K);
-  be_.copy_to_host(host_slots_.data(), h_.topk_slot_, 4 * T * K);
-  host_send_row_.resize(static_cast<size_t>(T) * R);
-  be_.copy_to_host(host_send_row_.data(), h_.token_send_row_.get(), 4 * T * R);
+  host_.slots.resize(static_cast<size_t>(T) * K);
+  be_.copy_to_host(host_.slots.data(), h_.topk_slot_, 4 * T * K);
+  host_.send_row.resize(static_cast<size_t>(T) * R);
+  be_.copy_to_host(host_.send_row.data(), h_.token_send_row_.get(), 4 * T * R);
   std::vector<int64_t>& send = h_.send_pair_offset_;
   send.assign(rows + 1, 0);
   for (int64_t i = 0; i < T * K; ++i)
-    if (host_slots_[i] >= 0) ++send[host_send_row_[(i / K) * R + host_slots_[i] / S] + 1];
+    if (host_.slots[i] >= 0) ++send[host_.send_row[(i / K) * R + host_.slots[i] / S] + 1];
   for (int64_t j = 0; j < rows; ++j) send[j + 1] += send[j];
-  host_back_pos_.assign(static_cast<size_t>(T) * K, -1);
+  host_.back_pos.assign(static_cast<size_t>(T) * K, -1);
   std::vector<int64_t> next(R);
   for (int64_t t = 0; t < T; ++t) {
-    for (int r = 0; r < R; ++r) next[r] = host_send_row_[t * R + r] >= 0 ? send[host_send_row_[t * R + r]] : 0;
+    for (int r = 0; r < R; ++r) next[r] = host_.send_row[t * R + r] >= 0 ? send[host_.send_row[t * R + r]] : 0;
     for (int k = 0; k < K; ++k) {
-      const int32_t slot = host_slots_[t * K + k];
-      if (slot >= 0) host_back_pos_[t * K + k] = static_cast<int32_t>(next[slot / S]++);
+      const int32_t slot = host_.slots[t * K + k];
+      if (slot >= 0) host_.back_pos[t * K + k] = static_cast<int32_t>(next[slot / S]++);
     }
   }
-  be_.copy_to_device(h_.pair_back_pos_.get(), host_back_pos_.data(), 4 * T * K);
+  be_.copy_to_device(h_.pair_back_pos_.get(), host_.back_pos.data(), 4 * T * K);
 }
 
 // Each chunk's pair rows back, from its row ranges.
 void Dispatcher::plan_returns() {
   const size_t R = cfg_.num_ranks;
   std::vector<size_t> out_pairs(R, 0), in_pairs(R, 0);
-  for (ChunkPlan& p : plan_) {
+  for (ChunkPlan& p : chunking_.plan) {
     const PairRanges out = pairs_of(p.recv_row_ranges, h_.recv_pair_offset_);
     const PairRanges in = pairs_of(p.send_row_ranges, h_.send_pair_offset_);
     p.recv_results = segs(out, combine_bytes_);
@@ -295,15 +295,15 @@ void Dispatcher::build_layout(const void* x, int64_t T, const float* topk_weight
   kernels::DispatchLayoutArgs dl{
       .topk_slot = h_.topk_slot_,
       .topk_weight = topk_weight,
-      .num_tokens_per_rank = num_tokens_per_rank_.as<int32_t>(),
-      .num_tokens_per_slot = num_tokens_per_slot_.as<int32_t>(),
+      .num_tokens_per_rank = layout_.tokens_per_rank.as<int32_t>(),
+      .num_tokens_per_slot = layout_.tokens_per_slot.as<int32_t>(),
       .rank_offset = h_.rank_offset_.data(),
-      .is_token_in_rank = in_rank_.as<uint8_t>(),
+      .is_token_in_rank = layout_.in_rank.as<uint8_t>(),
       .token_send_row = h_.token_send_row_.as<int32_t>(),
       .send_src_token = h_.send_src_token_.as<int32_t>(),
-      .send_slot = send_slot_.as<int32_t>(),
-      .send_weight = send_weight_.as<float>(),
-      .workspace = layout_ws_.get(),
+      .send_slot = bufs_.send_slot.as<int32_t>(),
+      .send_weight = bufs_.send_weight.as<float>(),
+      .workspace = layout_.ws.get(),
   };
   be_.dispatch_layout({.num_tokens = T, .top_k = K, .num_ranks = R, .slots_per_rank = S}, dl);
   encode_send_rows(x, T);
@@ -325,13 +325,13 @@ int Dispatcher::propose_chunks() {
   if (opts_.overlap_chunks > 0) return std::min(opts_.overlap_chunks, kMaxChunks);
   const int R = cfg_.num_ranks, me = comm_.rank();
   std::vector<float> all(3 * R, 0.0f);  // zeros but for this rank's three: the sum gathers
-  all[3 * me] = static_cast<float>(last_transfer_);
-  all[3 * me + 1] = static_cast<float>(last_compute_);
-  all[3 * me + 2] = static_cast<float>(last_rows_per_expert_);
-  if (!proposals_.get()) proposals_ = Buffer(be_, 4 * all.size());
-  be_.copy_to_device(proposals_.get(), all.data(), 4 * all.size());
-  comm_.all_reduce_sum(proposals_.as<float>(), all.size(), deadline());
-  be_.copy_to_host(all.data(), proposals_.get(), 4 * all.size());
+  all[3 * me] = static_cast<float>(chunking_.last_transfer);
+  all[3 * me + 1] = static_cast<float>(chunking_.last_compute);
+  all[3 * me + 2] = static_cast<float>(chunking_.last_rows_per_expert);
+  if (!bufs_.proposals.get()) bufs_.proposals = Buffer(be_, 4 * all.size());
+  be_.copy_to_device(bufs_.proposals.get(), all.data(), 4 * all.size());
+  comm_.all_reduce_sum(bufs_.proposals.as<float>(), all.size(), deadline());
+  be_.copy_to_host(all.data(), bufs_.proposals.get(), 4 * all.size());
   double transfer = all[0], compute = 0, rows = 0;
   for (int r = 0; r < R; ++r) {
     transfer = std::min<double>(transfer, all[3 * r]);
@@ -373,14 +373,14 @@ void Dispatcher::exchange(int64_t T) {
   reserve(N);
   h_.num_tokens_ = T;
   h_.num_recv_rows_ = N;
-  h_.send_rows_ = scaled(h_.send_counts_, row_bytes_);
-  h_.recv_rows_segs_ = scaled(h_.recv_counts_, row_bytes_);
-  h_.send_meta_ = scaled(h_.send_counts_, meta_bytes_);
-  h_.recv_meta_ = scaled(h_.recv_counts_, meta_bytes_);
-  h_.send_token_segs_ = scaled(h_.send_counts_, kTokenBytes);
-  h_.recv_token_segs_ = scaled(h_.recv_counts_, kTokenBytes);
-  h_.send_wire_ = scaled(h_.send_counts_, wire_bytes_);
-  h_.recv_wire_ = scaled(h_.recv_counts_, wire_bytes_);
+  h_.segs_.send_rows = scaled(h_.send_counts_, row_bytes_);
+  h_.segs_.recv_rows = scaled(h_.recv_counts_, row_bytes_);
+  h_.segs_.send_meta = scaled(h_.send_counts_, meta_bytes_);
+  h_.segs_.recv_meta = scaled(h_.recv_counts_, meta_bytes_);
+  h_.segs_.send_token = scaled(h_.send_counts_, kTokenBytes);
+  h_.segs_.recv_token = scaled(h_.recv_counts_, kTokenBytes);
+  h_.segs_.send_wire = scaled(h_.send_counts_, wire_bytes_);
+  h_.segs_.recv_wire = scaled(h_.recv_counts_, wire_bytes_);
   if (cfg_.train && can_chunk()) build_row_order();
   be_.synchronize();
   if (h_.chunks_ > 1) {
@@ -390,11 +390,11 @@ void Dispatcher::exchange(int64_t T) {
   }
   if (opts_.isolate_transport_timing) comm_.barrier(deadline());
   const double t0 = now_seconds();
-  comm_.all_to_all_v({AllToAllBuffer{wire_send(), &h_.send_wire_, wire_recv(), &h_.recv_wire_},
-                      AllToAllBuffer{send_slot_.get(), &h_.send_meta_, h_.recv_slot_.get(), &h_.recv_meta_},
-                      AllToAllBuffer{send_weight_.get(), &h_.send_meta_, h_.recv_weight_.get(), &h_.recv_meta_},
-                      AllToAllBuffer{h_.send_src_token_.get(), &h_.send_token_segs_, h_.recv_token_.get(),
-                                     &h_.recv_token_segs_}},
+  comm_.all_to_all_v({AllToAllBuffer{wire_send(), &h_.segs_.send_wire, wire_recv(), &h_.segs_.recv_wire},
+                      AllToAllBuffer{bufs_.send_slot.get(), &h_.segs_.send_meta, h_.recv_slot_.get(), &h_.segs_.recv_meta},
+                      AllToAllBuffer{bufs_.send_weight.get(), &h_.segs_.send_meta, h_.recv_weight_.get(), &h_.segs_.recv_meta},
+                      AllToAllBuffer{h_.send_src_token_.get(), &h_.segs_.send_token, h_.recv_token_.get(),
+                                     &h_.segs_.recv_token}},
                      deadline());
   stats_.dispatch_transport = now_seconds() - t0;
   decode_rows(0, N);
@@ -433,12 +433,12 @@ void Dispatcher::build_row_order() {
 // in rank order, after chunk c - 1's), so a chunk is contiguous for the experts.
 void Dispatcher::plan_chunks() {
   const int R = cfg_.num_ranks, C = h_.chunks_;
-  plan_.assign(C, {});
-  next_chunk_ = 0;
-  if (!worker_) worker_ = std::make_unique<transport::TransferWorker>();
+  chunking_.plan.assign(C, {});
+  chunking_.next = 0;
+  if (!chunking_.worker) chunking_.worker = std::make_unique<transport::TransferWorker>();
   int64_t row = 0;
   for (int c = 0; c < C; ++c) {
-    ChunkPlan& p = plan_[c];
+    ChunkPlan& p = chunking_.plan[c];
     std::vector<size_t> send_bytes(R), send_off(R), recv_bytes(R), recv_off(R);
     p.first_row = row;
     for (int r = 0; r < R; ++r) {
@@ -468,38 +468,38 @@ void Dispatcher::plan_chunks() {
 // Chunk c's rows; with chunk 0, every chunk's slots, weights and source tokens, so the receiver
 // can lay out all its rows' pairs before it computes the first chunk.
 void Dispatcher::post_dispatch_chunk(int c) {
-  ChunkPlan& p = plan_[c];
+  ChunkPlan& p = chunking_.plan[c];
   std::vector<AllToAllBuffer> bufs{AllToAllBuffer{wire_send(), &p.send_rows, wire_recv(), &p.recv_rows}};
   if (c == 0)
-    for (const ChunkPlan& q : plan_) {
-      bufs.push_back({send_slot_.get(), &q.send_meta, h_.recv_slot_.get(), &q.recv_meta});
-      bufs.push_back({send_weight_.get(), &q.send_meta, h_.recv_weight_.get(), &q.recv_meta});
+    for (const ChunkPlan& q : chunking_.plan) {
+      bufs.push_back({bufs_.send_slot.get(), &q.send_meta, h_.recv_slot_.get(), &q.recv_meta});
+      bufs.push_back({bufs_.send_weight.get(), &q.send_meta, h_.recv_weight_.get(), &q.recv_meta});
       bufs.push_back({h_.send_src_token_.get(), &q.send_token, h_.recv_token_.get(), &q.recv_token});
     }
-  p.arrived = last_op_ = worker_->post([this, bufs = std::move(bufs)] {
+  p.arrived = chunking_.last_op = chunking_.worker->post([this, bufs = std::move(bufs)] {
     const double t0 = now_seconds();
     comm_.all_to_all_v(bufs, deadline());
     stats_.dispatch_transport += now_seconds() - t0;
   });
 }
 
-// Chunk c's results go back where its rows came from: into back_rows_ at the
+// Chunk c's results go back where its rows came from: into bufs_.back_rows at the
 // send rows' pair positions, so the unpermute reads what a serial combine leaves.
 void Dispatcher::post_combine_chunk(int c, const void* y) {
-  const ChunkPlan& p = plan_[c];
-  last_op_ = worker_->post([this, &p, y] {
+  const ChunkPlan& p = chunking_.plan[c];
+  chunking_.last_op = chunking_.worker->post([this, &p, y] {
     const double t0 = now_seconds();
-    comm_.all_to_all_v(y, p.recv_results, back_rows_.get(), p.send_results, deadline());
+    comm_.all_to_all_v(y, p.recv_results, bufs_.back_rows.get(), p.send_results, deadline());
     stats_.combine_transport += now_seconds() - t0;
   });
 }
 
 // The chunk the caller computes next, once its rows have arrived.
 int Dispatcher::take_chunk(const char* what) {
-  MOE_CHECK(h_.chunks_ > 1 && next_chunk_ < h_.chunks_, "dispatcher: ", what, " without a chunked pair (chunk ",
-            next_chunk_, " of ", h_.chunks_, ")");
-  const int c = next_chunk_;
-  wait_for(plan_[c].arrived);
+  MOE_CHECK(h_.chunks_ > 1 && chunking_.next < h_.chunks_, "dispatcher: ", what, " without a chunked pair (chunk ",
+            chunking_.next, " of ", h_.chunks_, ")");
+  const int c = chunking_.next;
+  wait_for(chunking_.plan[c].arrived);
   return c;
 }
 
@@ -507,36 +507,36 @@ ChunkRows Dispatcher::next_chunk() {
   const int c = take_chunk("next_chunk");
   if (c == 0) lay_out_returns();  // every row's slots came with chunk 0
   if (c + 1 < h_.chunks_) post_dispatch_chunk(c + 1);
-  decode_rows(plan_[c].first_row, plan_[c].num_rows);
-  return {.first_row = plan_[c].first_row, .num_rows = plan_[c].num_rows};
+  decode_rows(chunking_.plan[c].first_row, chunking_.plan[c].num_rows);
+  return {.first_row = chunking_.plan[c].first_row, .num_rows = chunking_.plan[c].num_rows};
 }
 
 // Waits for the worker's op `id`; on a failure, lets every posted op end first
 // (they use this dispatcher's buffers).
 void Dispatcher::wait_for(transport::TransferWorker::OpId id) {
   try {
-    worker_->wait(id);
+    chunking_.worker->wait(id);
   } catch (...) {
-    worker_->drain();
+    chunking_.worker->drain();
     throw;
   }
 }
 
 void Dispatcher::chunk_done(const void* y) {
-  MOE_CHECK(next_chunk_ < h_.chunks_, "dispatcher: chunk_done without a chunk");
-  const ChunkPlan& p = plan_[next_chunk_];
+  MOE_CHECK(chunking_.next < h_.chunks_, "dispatcher: chunk_done without a chunk");
+  const ChunkPlan& p = chunking_.plan[chunking_.next];
   const int64_t first = h_.recv_pair_offset_[p.first_row];
   const void* results = encode_results(y, first, h_.recv_pair_offset_[p.first_row + p.num_rows] - first);
   be_.synchronize();
-  post_combine_chunk(next_chunk_++, results);
+  post_combine_chunk(chunking_.next++, results);
 }
 
 // The accounting (docs/transport.md#accounting) of the forward's dispatch: rows for ourselves are not
 // transport bytes; the naive scheme sends one row per remote (token, expert) pair.
 void Dispatcher::count_bytes() {
   const int R = cfg_.num_ranks, S = cfg_.slots_per_rank, me = comm_.rank();
-  per_slot_host_.resize(static_cast<size_t>(R) * S);
-  be_.copy_to_host(per_slot_host_.data(), num_tokens_per_slot_.get(), 4 * per_slot_host_.size());
+  host_.per_slot.resize(static_cast<size_t>(R) * S);
+  be_.copy_to_host(host_.per_slot.data(), layout_.tokens_per_slot.get(), 4 * host_.per_slot.size());
   const int64_t dispatched_row =
       static_cast<int64_t>(wire_bytes_ + meta_bytes_ + cfg_.top_k * kWeightBytes + kTokenBytes);
   const int64_t naive_pair = static_cast<int64_t>(wire_bytes_ + kSlotBytes + kWeightBytes);
@@ -546,7 +546,7 @@ void Dispatcher::count_bytes() {
     stats_.dispatch_bytes += h_.send_counts_[r] * dispatched_row;
     stats_.dispatch_received_bytes += h_.recv_counts_[r] * dispatched_row;
     int64_t pairs = 0;
-    for (int s = 0; s < S; ++s) pairs += per_slot_host_[r * S + s];
+    for (int s = 0; s < S; ++s) pairs += host_.per_slot[r * S + s];
     stats_.naive_dispatch_bytes += pairs * naive_pair;
     stats_.naive_combine_bytes += pairs * row;
   }
@@ -556,8 +556,8 @@ void Dispatcher::count_bytes() {
 // The combine's bytes: a row per remote pair, `out` pairs to each peer and `in` from it.
 void Dispatcher::count_return_bytes(const std::vector<size_t>& out, const std::vector<size_t>& in) {
   const int64_t row = static_cast<int64_t>(combine_bytes_);
-  pairs_out_.assign(out.begin(), out.end());
-  pairs_in_.assign(in.begin(), in.end());
+  host_.pairs_out.assign(out.begin(), out.end());
+  host_.pairs_in.assign(in.begin(), in.end());
   for (int r = 0; r < cfg_.num_ranks; ++r) {
     if (r == comm_.rank()) continue;
     stats_.combine_bytes += static_cast<int64_t>(out[r]) * row;
@@ -568,7 +568,7 @@ void Dispatcher::count_return_bytes(const std::vector<size_t>& out, const std::v
 const DispatchHandle& Dispatcher::dispatch(const void* x, int64_t T, const int32_t* topk_slot,
                                            const float* topk_weight) {
   MOE_CHECK(T >= 0 && T <= cfg_.max_tokens, "dispatch: ", T, " tokens, the layer holds at most ", cfg_.max_tokens);
-  if (worker_) worker_->drain();  // a chunked pair abandoned by an error
+  if (chunking_.worker) chunking_.worker->drain();  // a chunked pair abandoned by an error
   stats_ = {};
   h_.topk_slot_ = topk_slot;
   h_.recv_pair_offset_.clear();
@@ -582,22 +582,22 @@ const DispatchHandle& Dispatcher::dispatch(const void* x, int64_t T, const int32
 void Dispatcher::combine(const DispatchHandle& h, const void* y, void* out) {
   check(h);
   if (h_.chunks_ > 1) {
-    MOE_CHECK(next_chunk_ == h_.chunks_, "dispatcher: combine after ", next_chunk_, " of ", h_.chunks_, " chunks");
-    wait_for(last_op_);
+    MOE_CHECK(chunking_.next == h_.chunks_, "dispatcher: combine after ", chunking_.next, " of ", h_.chunks_, " chunks");
+    wait_for(chunking_.last_op);
   } else {
     const void* results = encode_results(y, 0, h_.num_recv_pairs());
     be_.synchronize();
     if (opts_.isolate_transport_timing) comm_.barrier(deadline());
     const double t0 = now_seconds();
-    comm_.all_to_all_v(results, segs(h_.recv_pairs_, combine_bytes_), back_rows_.get(),
+    comm_.all_to_all_v(results, segs(h_.recv_pairs_, combine_bytes_), bufs_.back_rows.get(),
                        segs(h_.send_pairs_, combine_bytes_), deadline());
     stats_.combine_transport = now_seconds() - t0;
   }
-  last_transfer_ = stats_.dispatch_transport + stats_.combine_transport;
+  chunking_.last_transfer = stats_.dispatch_transport + stats_.combine_transport;
   // A token's pair rows, summed in k order.
   be_.unpermute({.num_rows = h_.num_tokens_, .top_k = cfg_.top_k, .hidden = cfg_.hidden, .out_dtype = cfg_.dtype,
                  .accumulate = false, .in_dtype = combine_.dtype, .num_perm_rows = h_.send_pair_offset_.back()},
-                {.perm = back_rows_.get(), .pair_pos = h_.pair_back_pos_.as<int32_t>(), .pair_weight = nullptr,
+                {.perm = bufs_.back_rows.get(), .pair_pos = h_.pair_back_pos_.as<int32_t>(), .pair_weight = nullptr,
                  .out = out});
 }
 
@@ -610,8 +610,8 @@ void Dispatcher::count_backward_bytes() {
     if (r == comm_.rank()) continue;
     stats_.backward_dispatch_bytes += h_.send_counts_[r] * row;
     stats_.backward_dispatch_received_bytes += h_.recv_counts_[r] * row;
-    stats_.backward_combine_bytes += h_.recv_counts_[r] * weights + pairs_out_[r] * row;
-    stats_.backward_combine_received_bytes += h_.send_counts_[r] * weights + pairs_in_[r] * row;
+    stats_.backward_combine_bytes += h_.recv_counts_[r] * weights + host_.pairs_out[r] * row;
+    stats_.backward_combine_received_bytes += h_.send_counts_[r] * weights + host_.pairs_in[r] * row;
   }
 }
 
@@ -623,35 +623,35 @@ const void* Dispatcher::combine_backward(const DispatchHandle& h, const void* gr
   be_.permute({.num_rows = h_.num_tokens_, .top_k = R, .num_out_rows = h_.rank_offset_[R], .hidden = cfg_.hidden,
                .in_dtype = cfg_.dtype, .out_dtype = cfg_.dtype},
               {.rows = grad_out, .src_row = h_.send_src_token_.as<int32_t>(),
-               .pair_pos = h_.token_send_row_.as<int32_t>(), .out = send_rows_.get()});
+               .pair_pos = h_.token_send_row_.as<int32_t>(), .out = bufs_.send_rows.get()});
   be_.synchronize();
   if (h_.chunks_ > 1) {
-    next_chunk_ = 0;
+    chunking_.next = 0;
     post_grad_chunk(0);
-    return grad_recv_rows_.get();
+    return bufs_.grad_recv_rows.get();
   }
   const double t0 = now_seconds();
-  comm_.all_to_all_v(send_rows_.get(), h_.send_rows_, grad_recv_rows_.get(), h_.recv_rows_segs_, deadline());
+  comm_.all_to_all_v(bufs_.send_rows.get(), h_.segs_.send_rows, bufs_.grad_recv_rows.get(), h_.segs_.recv_rows, deadline());
   stats_.backward_dispatch_transport = now_seconds() - t0;
-  return grad_recv_rows_.get();
+  return bufs_.grad_recv_rows.get();
 }
 
 void Dispatcher::post_grad_chunk(int c) {
-  ChunkPlan& p = plan_[c];
-  p.arrived = last_op_ = worker_->post([this, &p] {
+  ChunkPlan& p = chunking_.plan[c];
+  p.arrived = chunking_.last_op = chunking_.worker->post([this, &p] {
     const double t0 = now_seconds();
-    comm_.all_to_all_v(send_rows_.get(), p.send_grad, grad_recv_rows_.get(), p.recv_grad, deadline());
+    comm_.all_to_all_v(bufs_.send_rows.get(), p.send_grad, bufs_.grad_recv_rows.get(), p.recv_grad, deadline());
     stats_.backward_dispatch_transport += now_seconds() - t0;
   });
 }
 
 // Chunk c's grad rows and weight gradients go back where its rows came from.
 void Dispatcher::post_grad_result_chunk(int c, const void* grad_rows, const float* grad_pair_weight) {
-  const ChunkPlan& p = plan_[c];
-  last_op_ = worker_->post([this, &p, grad_rows, grad_pair_weight] {
+  const ChunkPlan& p = chunking_.plan[c];
+  chunking_.last_op = chunking_.worker->post([this, &p, grad_rows, grad_pair_weight] {
     const double t0 = now_seconds();
-    comm_.all_to_all_v({AllToAllBuffer{grad_rows, &p.recv_grad_pairs, back_rows_.get(), &p.send_grad_pairs},
-                        AllToAllBuffer{grad_pair_weight, &p.recv_grad_w, back_gw_.get(), &p.send_grad_w}},
+    comm_.all_to_all_v({AllToAllBuffer{grad_rows, &p.recv_grad_pairs, bufs_.back_rows.get(), &p.send_grad_pairs},
+                        AllToAllBuffer{grad_pair_weight, &p.recv_grad_w, bufs_.back_gw.get(), &p.send_grad_w}},
                        deadline());
     stats_.backward_combine_transport += now_seconds() - t0;
   });
@@ -660,13 +660,13 @@ void Dispatcher::post_grad_result_chunk(int c, const void* grad_rows, const floa
 ChunkRows Dispatcher::next_backward_chunk() {
   const int c = take_chunk("next_backward_chunk");
   if (c + 1 < h_.chunks_) post_grad_chunk(c + 1);
-  return {.first_row = plan_[c].first_row, .num_rows = plan_[c].num_rows};
+  return {.first_row = chunking_.plan[c].first_row, .num_rows = chunking_.plan[c].num_rows};
 }
 
 void Dispatcher::backward_chunk_done(const void* grad_rows, const float* grad_pair_weight) {
-  MOE_CHECK(next_chunk_ < h_.chunks_, "dispatcher: backward_chunk_done without a chunk");
+  MOE_CHECK(chunking_.next < h_.chunks_, "dispatcher: backward_chunk_done without a chunk");
   be_.synchronize();
-  post_grad_result_chunk(next_chunk_++, grad_rows, grad_pair_weight);
+  post_grad_result_chunk(chunking_.next++, grad_rows, grad_pair_weight);
 }
 
 void Dispatcher::dispatch_backward(const DispatchHandle& h, const void* grad_rows, const float* grad_pair_weight,
@@ -676,25 +676,25 @@ void Dispatcher::dispatch_backward(const DispatchHandle& h, const void* grad_row
   const int K = cfg_.top_k, R = cfg_.num_ranks;
   be_.synchronize();
   if (h_.chunks_ > 1) {
-    MOE_CHECK(next_chunk_ == h_.chunks_, "dispatcher: dispatch_backward after ", next_chunk_, " of ", h_.chunks_,
+    MOE_CHECK(chunking_.next == h_.chunks_, "dispatcher: dispatch_backward after ", chunking_.next, " of ", h_.chunks_,
               " chunks");
-    wait_for(last_op_);
+    wait_for(chunking_.last_op);
   } else {
     const double t0 = now_seconds();
     const Segments grad_meta_recv = scaled(h_.recv_counts_, K * kWeightBytes);
     const Segments grad_meta_send = scaled(h_.send_counts_, K * kWeightBytes);
     const Segments grad_recv = segs(h_.recv_pairs_, row_bytes_), grad_send = segs(h_.send_pairs_, row_bytes_);
-    comm_.all_to_all_v({AllToAllBuffer{grad_rows, &grad_recv, back_rows_.get(), &grad_send},
-                        AllToAllBuffer{grad_pair_weight, &grad_meta_recv, back_gw_.get(), &grad_meta_send}},
+    comm_.all_to_all_v({AllToAllBuffer{grad_rows, &grad_recv, bufs_.back_rows.get(), &grad_send},
+                        AllToAllBuffer{grad_pair_weight, &grad_meta_recv, bufs_.back_gw.get(), &grad_meta_send}},
                        deadline());
     stats_.backward_combine_transport = now_seconds() - t0;
   }
   be_.unpermute({.num_rows = h_.num_tokens_, .top_k = K, .hidden = cfg_.hidden, .out_dtype = DType::kF32,
                  .accumulate = false, .in_dtype = cfg_.dtype, .num_perm_rows = h_.send_pair_offset_.back()},
-                {.perm = back_rows_.get(), .pair_pos = h_.pair_back_pos_.as<int32_t>(), .pair_weight = nullptr,
+                {.perm = bufs_.back_rows.get(), .pair_pos = h_.pair_back_pos_.as<int32_t>(), .pair_weight = nullptr,
                  .out = grad_x32});
   be_.combine_pair_scalars(h_.topk_slot_, h_.token_send_row_.as<int32_t>(), h_.num_tokens_, K, R,
-                           cfg_.slots_per_rank, back_gw_.as<float>(), grad_topk_weight);
+                           cfg_.slots_per_rank, bufs_.back_gw.as<float>(), grad_topk_weight);
 }
 
 }  // namespace moe::ep

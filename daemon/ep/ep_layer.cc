@@ -27,14 +27,14 @@ EpLayer::EpLayer(const MoeLayerConfig& cfg, const ExpertMap& map, transport::Com
             " experts, the layer has ", cfg.num_experts);
   const size_t T = cfg.max_tokens, K = cfg.top_k, H = cfg.hidden;
   install_map(map);
-  topk_slot_ = Buffer(be_, 4 * T * K);
+  scratch_.topk_slot = Buffer(be_, 4 * T * K);
   if (cfg.train) {
-    grad_topk_weight_ = Buffer(be_, 4 * T * K);
-    grad_x32_ = Buffer(be_, 4 * T * H);
+    scratch_.grad_topk_weight = Buffer(be_, 4 * T * K);
+    scratch_.grad_x32 = Buffer(be_, 4 * T * H);
   }
   reserve_rows(T);  // a first guess; grows when a step receives more
   if (cfg.shared_ffn_hidden > 0) shared_ = std::make_unique<SharedExperts>(cfg, be);
-  if (cfg.global_counts) counts_dev_ = Buffer(be_, 4 * static_cast<size_t>(cfg.num_experts));
+  if (cfg.global_counts) balance_.counts_dev = Buffer(be_, 4 * static_cast<size_t>(cfg.num_experts));
 }
 
 // The dispatcher of a layer placed by `map`, on the backend-memory communicator.
@@ -65,17 +65,17 @@ void EpLayer::install_map(const ExpertMap& map) {
 
 // Buffers of the received rows: in train mode their per-pair weight gradients.
 void EpLayer::reserve_rows(int64_t n) {
-  if (n <= recv_capacity_) return;
-  recv_capacity_ = n;
-  if (cfg_.train) grad_pair_weight_ = Buffer(be_, 4 * static_cast<size_t>(n) * cfg_.top_k);
+  if (n <= scratch_.recv_capacity) return;
+  scratch_.recv_capacity = n;
+  if (cfg_.train) scratch_.grad_pair_weight = Buffer(be_, 4 * static_cast<size_t>(n) * cfg_.top_k);
   experts_->reserve(n);
 }
 
 // The results of the received pairs, a row each (and their input gradients).
 void EpLayer::reserve_pairs(int64_t pairs) {
-  if (pairs <= pair_capacity_) return;
-  pair_capacity_ = pairs;
-  combined_ = Buffer(be_, static_cast<size_t>(pairs) * kernels::dtype_size(cfg_.dtype) * cfg_.hidden);
+  if (pairs <= scratch_.pair_capacity) return;
+  scratch_.pair_capacity = pairs;
+  scratch_.combined = Buffer(be_, static_cast<size_t>(pairs) * kernels::dtype_size(cfg_.dtype) * cfg_.hidden);
 }
 
 void EpLayer::set_weights(const model::LayerWeights& w) {
@@ -101,35 +101,35 @@ void EpLayer::set_weights(const model::LayerWeights& w) {
   router_.set_weights(local);
   experts_->set_weights(local.w13.data(), local.w2.data());
   if (shared_) shared_->set_weights(local);
-  selection_bias_ = local.selection_bias;
+  balance_.selection_bias = local.selection_bias;
 }
 
 // c_e and T_g of the step over every rank (counts are integers: the float sum is exact).
 void EpLayer::gather_counts() {
-  counts_ = router_.expert_counts();
-  comm_.all_reduce_sum(counts_.data(), counts_.size(), deadline());
+  balance_.counts = router_.expert_counts();
+  comm_.all_reduce_sum(balance_.counts.data(), balance_.counts.size(), deadline());
   double pairs = 0;
-  for (float c : counts_) pairs += c;
-  global_tokens_ = pairs / cfg_.top_k;
-  be_.copy_to_device(counts_dev_.get(), counts_.data(), 4 * counts_.size());
+  for (float c : balance_.counts) pairs += c;
+  balance_.global_tokens = pairs / cfg_.top_k;
+  be_.copy_to_device(balance_.counts_dev.get(), balance_.counts.data(), 4 * balance_.counts.size());
   if (!cfg_.train || (cfg_.aux_loss_coeff == 0 && cfg_.z_loss_coeff == 0)) return;
   std::vector<float> logits, scores;
   router_.copy_logits(logits, scores);
-  losses_ = ep::balance_losses(cfg_.routing(), cfg_.aux_loss_coeff, cfg_.z_loss_coeff, logits, scores,
-                               router_.num_tokens(), counts_, global_tokens_);
+  balance_.losses = ep::balance_losses(cfg_.routing(), cfg_.aux_loss_coeff, cfg_.z_loss_coeff, logits, scores,
+                               router_.num_tokens(), balance_.counts, balance_.global_tokens);
 }
 
 RouterBalance EpLayer::balance_terms() const {
   if (!cfg_.global_counts) return {};
-  return {.aux_scale = static_cast<float>(aux_loss_scale(cfg_.aux_loss_coeff, cfg_.num_experts, cfg_.top_k, global_tokens_)),
-          .z_scale = static_cast<float>(z_loss_scale(cfg_.z_loss_coeff, global_tokens_)),
-          .counts = counts_dev_.as<float>()};
+  return {.aux_scale = static_cast<float>(aux_loss_scale(cfg_.aux_loss_coeff, cfg_.num_experts, cfg_.top_k, balance_.global_tokens)),
+          .z_scale = static_cast<float>(z_loss_scale(cfg_.z_loss_coeff, balance_.global_tokens)),
+          .counts = balance_.counts_dev.as<float>()};
 }
 
 EpLayer::ReplicatedState EpLayer::replicated_state(bool moments) const {
   ReplicatedState s;
   s.gate = router_.gate_state(moments);
-  s.selection_bias = selection_bias_;
+  s.selection_bias = balance_.selection_bias;
   if (shared_) {
     s.shared = shared_->state(moments);
     s.shared_gate = shared_->gate_state(moments);
@@ -140,8 +140,8 @@ EpLayer::ReplicatedState EpLayer::replicated_state(bool moments) const {
 void EpLayer::set_replicated_state(const ReplicatedState& s) {
   router_.set_gate_state(s.gate);
   if (!s.selection_bias.empty()) {
-    selection_bias_ = s.selection_bias;
-    router_.set_selection_bias(selection_bias_);
+    balance_.selection_bias = s.selection_bias;
+    router_.set_selection_bias(balance_.selection_bias);
   }
   if (shared_) shared_->set_state(s.shared, s.shared_gate);
 }
@@ -149,17 +149,17 @@ void EpLayer::set_replicated_state(const ReplicatedState& s) {
 void EpLayer::set_selection_bias(std::vector<float> bias) {
   MOE_CHECK(bias.empty() || static_cast<int>(bias.size()) == cfg_.num_experts, "selection bias: ", bias.size(),
             " values for ", cfg_.num_experts, " experts");
-  if (bias.empty() && selection_bias_.empty()) return;
-  selection_bias_ = std::move(bias);
-  router_.set_selection_bias(selection_bias_.empty() ? std::vector<float>(cfg_.num_experts, 0.0f) : selection_bias_);
+  if (bias.empty() && balance_.selection_bias.empty()) return;
+  balance_.selection_bias = std::move(bias);
+  router_.set_selection_bias(balance_.selection_bias.empty() ? std::vector<float>(cfg_.num_experts, 0.0f) : balance_.selection_bias);
 }
 
 void EpLayer::update_selection_bias(double rate) {
   MOE_CHECK(cfg_.global_counts, "bias update on a layer built without global_counts");
   if (rate <= 0) return;
-  if (selection_bias_.empty()) selection_bias_.assign(cfg_.num_experts, 0.0f);
-  ep::update_selection_bias(selection_bias_, counts_, rate);
-  router_.set_selection_bias(selection_bias_);
+  if (balance_.selection_bias.empty()) balance_.selection_bias.assign(cfg_.num_experts, 0.0f);
+  ep::update_selection_bias(balance_.selection_bias, balance_.counts, rate);
+  router_.set_selection_bias(balance_.selection_bias);
 }
 
 // The received rows as the experts see them: chunk runs, results a row per pair,
@@ -170,7 +170,7 @@ RowLayout EpLayer::row_layout(const DispatchHandle& h) {
 
 void EpLayer::forward(const void* x, int64_t T, int64_t token_begin, void* out) {
   const int K = cfg_.top_k;
-  x_ = x;
+  last_.x = x;
   stats_ = {};
 
   double t0 = now_seconds();
@@ -183,9 +183,9 @@ void EpLayer::forward(const void* x, int64_t T, int64_t token_begin, void* out) 
   be_.select_replicas(T, K, cfg_.num_experts,
                       {.topk_idx = router_.kept_idx(), .token_begin = token_begin, .log2phy = log2phy_.as<int32_t>(),
                        .logcnt = logcnt_.as<int32_t>(), .max_replicas = map_.max_replicas,
-                       .topk_slot = topk_slot_.as<int32_t>()});
-  const DispatchHandle& h = dispatcher_->dispatch(x, T, topk_slot_.as<int32_t>(), router_.topk_weight());
-  handle_ = &h;
+                       .topk_slot = scratch_.topk_slot.as<int32_t>()});
+  const DispatchHandle& h = dispatcher_->dispatch(x, T, scratch_.topk_slot.as<int32_t>(), router_.topk_weight());
+  last_.handle = &h;
   reserve_rows(h.num_recv_rows());
   t0 = now_seconds();
   stats_.dispatch = t0 - t1;
@@ -193,12 +193,12 @@ void EpLayer::forward(const void* x, int64_t T, int64_t token_begin, void* out) 
     forward_chunks(h, out);
   } else {
     reserve_pairs(h.num_recv_pairs());
-    experts_->forward(h.recv_rows(), h.num_recv_rows(), h.recv_slot(), h.recv_weight(), combined_.get(),
+    experts_->forward(h.recv_rows(), h.num_recv_rows(), h.recv_slot(), h.recv_weight(), scratch_.combined.get(),
                       row_layout(h));
     for (int64_t n : experts_->expert_rows()) stats_.computed_pairs += n;
     t1 = now_seconds();
     stats_.expert = t1 - t0;
-    dispatcher_->combine(h, combined_.get(), out);
+    dispatcher_->combine(h, scratch_.combined.get(), out);
     be_.synchronize();
     stats_.combine = now_seconds() - t1;
   }
@@ -228,36 +228,36 @@ void EpLayer::forward_chunks(const DispatchHandle& h, void* out) {
       experts_->layout(h.recv_slot(), h.recv_weight(), h.num_recv_rows(), row_layout(h));
       for (int64_t n : experts_->expert_rows()) stats_.computed_pairs += n;
     }
-    experts_->forward_rows(h.recv_rows(), ch.first_row, ch.num_rows, combined_.get());
+    experts_->forward_rows(h.recv_rows(), ch.first_row, ch.num_rows, scratch_.combined.get());
     stats_.expert += now_seconds() - t1;
-    dispatcher_->chunk_done(combined_.get());
+    dispatcher_->chunk_done(scratch_.combined.get());
   }
   const double t0 = now_seconds();
-  dispatcher_->combine(h, combined_.get(), out);
+  dispatcher_->combine(h, scratch_.combined.get(), out);
   be_.synchronize();
   stats_.combine = now_seconds() - t0;
 }
 
 void EpLayer::backward(const void* grad_out, void* grad_x) {
   MOE_CHECK(cfg_.train, "backward on a layer built without train = true");
-  MOE_CHECK(handle_, "backward called before forward");
+  MOE_CHECK(last_.handle, "backward called before forward");
   const int64_t T = router_.num_tokens();
   const double t0 = now_seconds();
   experts_backward(grad_out);
-  dispatcher_->dispatch_backward(*handle_, combined_.get(), grad_pair_weight_.as<float>(), grad_x32_.as<float>(),
-                                grad_topk_weight_.as<float>());
-  router_.backward(x_, grad_topk_weight_.as<float>(), grad_x32_.as<float>(), balance_terms());
-  if (shared_) shared_->backward(grad_out, grad_x32_.as<float>());
+  dispatcher_->dispatch_backward(*last_.handle, scratch_.combined.get(), scratch_.grad_pair_weight.as<float>(), scratch_.grad_x32.as<float>(),
+                                scratch_.grad_topk_weight.as<float>());
+  router_.backward(last_.x, scratch_.grad_topk_weight.as<float>(), scratch_.grad_x32.as<float>(), balance_terms());
+  if (shared_) shared_->backward(grad_out, scratch_.grad_x32.as<float>());
   be_.synchronize();
   all_reduce_replicated_grads();
-  replica_grads_.run(map_, *experts_, staged_.get(),
-                     {.x = handle_->recv_rows(),
-                      .grad = grad_rows_,
-                      .slot = handle_->recv_slot(),
-                      .weight = handle_->recv_weight(),
-                      .source_key = handle_->source_key(),
-                      .num_rows = handle_->num_recv_rows()});
-  be_.convert(grad_x32_.get(), DType::kF32, grad_x, cfg_.dtype, T * cfg_.hidden);
+  replica_grads_.run(map_, *experts_, next_.staged.get(),
+                     {.x = last_.handle->recv_rows(),
+                      .grad = last_.grad_rows,
+                      .slot = last_.handle->recv_slot(),
+                      .weight = last_.handle->recv_weight(),
+                      .source_key = last_.handle->source_key(),
+                      .num_rows = last_.handle->num_recv_rows()});
+  be_.convert(scratch_.grad_x32.get(), DType::kF32, grad_x, cfg_.dtype, T * cfg_.hidden);
   be_.synchronize();
   stats_.backward = now_seconds() - t0;
   stats_.transfer = dispatcher_->stats();
@@ -269,11 +269,11 @@ void EpLayer::backward(const void* grad_out, void* grad_x) {
 // (no transfer) while the last results are in flight. The received rows'
 // gradients overwrite their combined outputs (no longer needed).
 void EpLayer::experts_backward(const void* grad_out) {
-  const void* grad_rows = grad_rows_ = dispatcher_->combine_backward(*handle_, grad_out);
-  float* grad_pair_weight = grad_pair_weight_.as<float>();
+  const void* grad_rows = last_.grad_rows = dispatcher_->combine_backward(*last_.handle, grad_out);
+  float* grad_pair_weight = scratch_.grad_pair_weight.as<float>();
   if (dispatcher_->chunks() == 1) {
     const double t0 = now_seconds();
-    experts_->backward(grad_rows, combined_.get(), cfg_.dtype, grad_pair_weight);
+    experts_->backward(grad_rows, scratch_.combined.get(), cfg_.dtype, grad_pair_weight);
     be_.synchronize();
     stats_.expert_backward = now_seconds() - t0;
     return;
@@ -281,9 +281,9 @@ void EpLayer::experts_backward(const void* grad_out) {
   for (int c = 0; c < dispatcher_->chunks(); ++c) {
     const ChunkRows ch = dispatcher_->next_backward_chunk();
     const double t0 = now_seconds();
-    experts_->backward_rows(grad_rows, ch.first_row, ch.num_rows, combined_.get(), cfg_.dtype, grad_pair_weight);
+    experts_->backward_rows(grad_rows, ch.first_row, ch.num_rows, scratch_.combined.get(), cfg_.dtype, grad_pair_weight);
     stats_.expert_backward += now_seconds() - t0;
-    dispatcher_->backward_chunk_done(combined_.get(), grad_pair_weight);
+    dispatcher_->backward_chunk_done(scratch_.combined.get(), grad_pair_weight);
   }
   const double t0 = now_seconds();
   experts_->weight_grads();
@@ -305,7 +305,7 @@ model::LayerWeights EpLayer::primary_weights() const {
   model::LayerWeights w;
   w.gate.resize(E * H);
   router_.copy_gate(w.gate.data());
-  w.selection_bias = selection_bias_;
+  w.selection_bias = balance_.selection_bias;
   if (shared_) shared_->copy_weights(w);
   w.w13.assign(E * n13, 0.0f);
   w.w2.assign(E * n2, 0.0f);
@@ -322,7 +322,7 @@ void EpLayer::optimizer_step(const kernels::OptimizerConfig& cfg, int64_t step) 
   router_.apply_update(cfg, step);
   experts_->apply_update(cfg, step);
   if (shared_) shared_->apply_update(cfg, step);
-  if (staged_) staged_->optimizer_step(cfg, step, be_);
+  if (next_.staged) next_.staged->optimizer_step(cfg, step, be_);
   be_.synchronize();
 }
 

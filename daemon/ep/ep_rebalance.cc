@@ -148,27 +148,27 @@ void EpLayer::stage(const ExpertMap& next, std::vector<ExpertCopy> copies, bool 
   MOE_CHECK(next.num_experts == cfg_.num_experts && next.num_ranks == map_.num_ranks, "rebalance: the new map places ",
             next.num_experts, " experts on ", next.num_ranks, " ranks, the layer ", cfg_.num_experts, " on ",
             map_.num_ranks);
-  adam_ = adam && cfg_.train;
-  staged_ = std::make_unique<StagedExperts>(next, std::move(copies), comm_.rank(), cfg_, adam_, opts_.tag_base);
-  staged_->start(*experts_, map_, comm_);
+  next_.adam = adam && cfg_.train;
+  next_.staged = std::make_unique<StagedExperts>(next, std::move(copies), comm_.rank(), cfg_, next_.adam, opts_.tag_base);
+  next_.staged->start(*experts_, map_, comm_);
   if (next.slots_per_rank == map_.slots_per_rank) return;
   // Another slot count: the new stage and dispatcher are built (and their pages
   // faulted in) now, while copies stream, not at the switch.
-  next_experts_ = std::make_unique<ExpertStage>(cfg_, next.slots_per_rank, be_);
-  next_experts_->reserve(std::max<int64_t>(recv_capacity_, cfg_.max_tokens));
-  next_experts_->touch(adam_);
-  next_dispatcher_ = make_dispatcher(next);
+  next_.experts = std::make_unique<ExpertStage>(cfg_, next.slots_per_rank, be_);
+  next_.experts->reserve(std::max<int64_t>(scratch_.recv_capacity, cfg_.max_tokens));
+  next_.experts->touch(next_.adam);
+  next_.dispatcher = make_dispatcher(next);
 }
 
 bool EpLayer::staged_ready() {
-  MOE_CHECK(staged_, "rebalance: nothing is staged");
-  return staged_->ready(comm_, be_);
+  MOE_CHECK(next_.staged, "rebalance: nothing is staged");
+  return next_.staged->ready(comm_, be_);
 }
 
 void EpLayer::drop_staged() {
-  staged_.reset();
-  next_experts_.reset();
-  next_dispatcher_.reset();
+  next_.staged.reset();
+  next_.experts.reset();
+  next_.dispatcher.reset();
 }
 
 int EpLayer::old_slot_of(int expert) const {
@@ -181,12 +181,12 @@ int EpLayer::old_slot_of(int expert) const {
 // slot this rank already had (the same state, bit for bit) or from the staged
 // copy.
 void EpLayer::switch_to_staged() {
-  MOE_CHECK(staged_, "rebalance: nothing is staged");
-  const ExpertMap next = staged_->next();
-  if (next_experts_) switch_to_new_stage(next);
+  MOE_CHECK(next_.staged, "rebalance: nothing is staged");
+  const ExpertMap next = next_.staged->next();
+  if (next_.experts) switch_to_new_stage(next);
   else switch_in_place(next);
   install_map(next);
-  staged_.reset();
+  next_.staged.reset();
 }
 
 // Same slot count: only the slots whose expert changes are written; an expert
@@ -198,14 +198,14 @@ void EpLayer::switch_in_place(const ExpertMap& next) {
     const int e = next.expert_at(me, s);
     if (e < 0 || e == map_.expert_at(me, s) || old_slot_of(e) < 0) continue;
     ExpertState st;
-    st.resize(cfg_.hidden, cfg_.ffn_hidden, adam_);
+    st.resize(cfg_.hidden, cfg_.ffn_hidden, next_.adam);
     experts_->export_slot(old_slot_of(e), st);
     moves.emplace_back(s, std::move(st));
   }
   for (const auto& [s, st] : moves) experts_->import_slot(s, st);
   for (int s = 0; s < next.slots_per_rank; ++s) {
     const int e = next.expert_at(me, s);
-    if (e >= 0 && e != map_.expert_at(me, s) && old_slot_of(e) < 0) experts_->import_slot(s, staged_->gained_state(s));
+    if (e >= 0 && e != map_.expert_at(me, s) && old_slot_of(e) < 0) experts_->import_slot(s, next_.staged->gained_state(s));
   }
 }
 
@@ -216,11 +216,11 @@ void EpLayer::switch_to_new_stage(const ExpertMap& next) {
     const int e = next.expert_at(me, s);
     if (e < 0) continue;
     const int old = old_slot_of(e);
-    if (old >= 0) next_experts_->copy_slot(*experts_, old, s);
-    else next_experts_->import_slot(s, staged_->gained_state(s));
+    if (old >= 0) next_.experts->copy_slot(*experts_, old, s);
+    else next_.experts->import_slot(s, next_.staged->gained_state(s));
   }
-  experts_ = std::move(next_experts_);
-  dispatcher_ = std::move(next_dispatcher_);
+  experts_ = std::move(next_.experts);
+  dispatcher_ = std::move(next_.dispatcher);
 }
 
 }  // namespace moe::ep

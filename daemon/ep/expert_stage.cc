@@ -13,7 +13,7 @@ ExpertStage::ExpertStage(const MoeLayerConfig& cfg, int num_local_experts, kerne
     : cfg_(cfg), L_(num_local_experts), be_(be) {
   MOE_CHECK(L_ >= 0, "expert stage: negative expert count ", L_);
   const size_t H = cfg.hidden, I = cfg.ffn_hidden, L = L_;
-  expert_offset_.assign(L + 1, 0);
+  host_.expert_offset.assign(L + 1, 0);
   w13_ = Buffer(be, 4 * L * 2 * I * H);
   w2_ = Buffer(be, 4 * L * H * I);
   if (cfg.train) {
@@ -91,7 +91,7 @@ void ExpertStage::copy_compute_weights(const ExpertStage& src, int from, int to)
 }
 
 void ExpertStage::touch(bool moments) {
-  for (kernels::Buffer* b : {&w13_, &w2_, &grad_w13_, &grad_w2_, &pair_y_, &saved_gu_, &mlp_ws_})
+  for (kernels::Buffer* b : {&w13_, &w2_, &grad_w13_, &grad_w2_, &pairs_.pair_y, &pairs_.saved_gu, &pairs_.mlp_ws})
     if (b->get()) be_.fill_zero(b->get(), b->bytes());
   if (moments && cfg_.train) {
     w13_param_.ensure_moments();
@@ -158,18 +158,18 @@ void ExpertStage::reserve(int64_t rows) {
   capacity_rows_ = rows;
   const size_t N = rows, K = cfg_.top_k, H = cfg_.hidden, I = cfg_.ffn_hidden;
   const size_t M = N * std::min<size_t>(K, std::max(L_, 1));  // a row has at most min(K, L) local pairs
-  perm_src_row_ = Buffer(be_, 4 * N * K);
-  perm_weight_ = Buffer(be_, 4 * N * K);
-  pair_pos_ = Buffer(be_, 4 * N * K);
-  pair_y_ = Buffer(be_, 4 * M * H);
-  pair_src_ = Buffer(be_, 4 * M);
+  pairs_.perm_src_row = Buffer(be_, 4 * N * K);
+  pairs_.perm_weight = Buffer(be_, 4 * N * K);
+  pairs_.pair_pos = Buffer(be_, 4 * N * K);
+  pairs_.pair_y = Buffer(be_, 4 * M * H);
+  pairs_.pair_src = Buffer(be_, 4 * M);
   if (cfg_.train) {
-    wgrad_order_ = Buffer(be_, 4 * M);
-    saved_gu_ = Buffer(be_, 4 * M * 2 * I);
-    grad_perm_weight_ = Buffer(be_, 4 * M);
+    pairs_.wgrad_order = Buffer(be_, 4 * M);
+    pairs_.saved_gu = Buffer(be_, 4 * M * 2 * I);
+    pairs_.grad_perm_weight = Buffer(be_, 4 * M);
   }
-  layout_ws_ = Buffer(be_, be_.permute_layout_workspace_bytes({rows, cfg_.top_k, L_}));
-  mlp_ws_ = Buffer(be_, be_.expert_mlp_workspace_bytes(mlp_config()));
+  pairs_.layout_ws = Buffer(be_, be_.permute_layout_workspace_bytes({rows, cfg_.top_k, L_}));
+  pairs_.mlp_ws = Buffer(be_, be_.expert_mlp_workspace_bytes(mlp_config()));
 }
 
 void ExpertStage::forward(const void* rows, int64_t N, const int32_t* row_expert, const float* row_weight,
@@ -190,7 +190,7 @@ void ExpertStage::layout(const int32_t* row_expert, const float* row_weight, int
   N_ = N;
   rows_ = grad_combined_ = nullptr;
   has_layout_ = true;
-  host_layout_ = false;
+  host_.valid = false;
   has_forward_ = false;
   parts_.clear();
   dgrad_rows_ = 0;
@@ -199,14 +199,14 @@ void ExpertStage::layout(const int32_t* row_expert, const float* row_weight, int
   kernels::PermuteLayoutArgs pl;
   pl.row_expert = row_expert;
   pl.row_weight = row_weight;
-  pl.expert_offset = expert_offset_.data();
-  pl.perm_src_row = perm_src_row_.as<int32_t>();
-  pl.perm_weight = perm_weight_.as<float>();
-  pl.pair_pos = pair_pos_.as<int32_t>();
-  pl.workspace = layout_ws_.get();
+  pl.expert_offset = host_.expert_offset.data();
+  pl.perm_src_row = pairs_.perm_src_row.as<int32_t>();
+  pl.perm_weight = pairs_.perm_weight.as<float>();
+  pl.pair_pos = pairs_.pair_pos.as<int32_t>();
+  pl.workspace = pairs_.layout_ws.get();
   pl.row_order = rl.row_order;
   be_.permute_layout({N, cfg_.top_k, L_}, pl);
-  MOE_CHECK(expert_offset_[L_] <= mlp_config().max_rows, "expert stage: ", expert_offset_[L_],
+  MOE_CHECK(host_.expert_offset[L_] <= mlp_config().max_rows, "expert stage: ", host_.expert_offset[L_],
             " pairs exceed the reserved ", mlp_config().max_rows);
   be_.synchronize();
   lay_out_pair_rows(rl.pair_row_offset);
@@ -215,65 +215,65 @@ void ExpertStage::layout(const int32_t* row_expert, const float* row_weight, int
 }
 
 void ExpertStage::copy_layout_to_host() {
-  if (host_layout_) return;
-  const int64_t M = expert_offset_[L_];
-  host_src_row_.resize(M);
-  host_pair_pos_.resize(N_ * cfg_.top_k);
-  be_.copy_to_host(host_src_row_.data(), perm_src_row_.get(), 4 * M);
-  be_.copy_to_host(host_pair_pos_.data(), pair_pos_.get(), 4 * N_ * cfg_.top_k);
-  host_layout_ = true;
+  if (host_.valid) return;
+  const int64_t M = host_.expert_offset[L_];
+  host_.src_row.resize(M);
+  host_.pair_pos.resize(N_ * cfg_.top_k);
+  be_.copy_to_host(host_.src_row.data(), pairs_.perm_src_row.get(), 4 * M);
+  be_.copy_to_host(host_.pair_pos.data(), pairs_.pair_pos.get(), 4 * N_ * cfg_.top_k);
+  host_.valid = true;
 }
 
 // The output row of every pair, when the caller asked for pair rows: row n's
 // pairs (pair_pos >= 0) in k order from pair_row_offset[n], which must count them.
 void ExpertStage::lay_out_pair_rows(const int64_t* pair_row_offset) {
-  pair_row_offset_.clear();
+  host_.pair_row_offset.clear();
   if (!pair_row_offset) return;
   const int K = cfg_.top_k;
   copy_layout_to_host();
-  pair_row_offset_.assign(pair_row_offset, pair_row_offset + N_ + 1);
-  host_pair_src_.clear();
+  host_.pair_row_offset.assign(pair_row_offset, pair_row_offset + N_ + 1);
+  host_.pair_src.clear();
   for (int64_t n = 0; n < N_; ++n) {
     for (int k = 0; k < K; ++k)
-      if (host_pair_pos_[n * K + k] >= 0) host_pair_src_.push_back(host_pair_pos_[n * K + k]);
-    MOE_CHECK(static_cast<int64_t>(host_pair_src_.size()) == pair_row_offset_[n + 1],
-              "expert stage: row ", n, " has ", host_pair_src_.size() - pair_row_offset_[n],
-              " local pairs, its pair rows say ", pair_row_offset_[n + 1] - pair_row_offset_[n]);
+      if (host_.pair_pos[n * K + k] >= 0) host_.pair_src.push_back(host_.pair_pos[n * K + k]);
+    MOE_CHECK(static_cast<int64_t>(host_.pair_src.size()) == host_.pair_row_offset[n + 1],
+              "expert stage: row ", n, " has ", host_.pair_src.size() - host_.pair_row_offset[n],
+              " local pairs, its pair rows say ", host_.pair_row_offset[n + 1] - host_.pair_row_offset[n]);
   }
-  be_.copy_to_device(pair_src_.get(), host_pair_src_.data(), 4 * host_pair_src_.size());
+  be_.copy_to_device(pairs_.pair_src.get(), host_.pair_src.data(), 4 * host_.pair_src.size());
 }
 
 // The weight gradients' order: each expert's pairs by their rows' source keys
 // (stable), when the layout's order (row_order's) may differ from it.
 void ExpertStage::order_weight_grads(const int64_t* source_key) {
-  wgrad_ordered_ = cfg_.train && source_key;
-  if (!wgrad_ordered_) return;
+  host_.wgrad_ordered = cfg_.train && source_key;
+  if (!host_.wgrad_ordered) return;
   copy_layout_to_host();
-  const int64_t M = expert_offset_[L_];
-  host_wgrad_order_.resize(M);
-  for (int64_t m = 0; m < M; ++m) host_wgrad_order_[m] = static_cast<int32_t>(m);
+  const int64_t M = host_.expert_offset[L_];
+  host_.wgrad_order.resize(M);
+  for (int64_t m = 0; m < M; ++m) host_.wgrad_order[m] = static_cast<int32_t>(m);
   for (int e = 0; e < L_; ++e)
-    std::stable_sort(host_wgrad_order_.begin() + expert_offset_[e], host_wgrad_order_.begin() + expert_offset_[e + 1],
+    std::stable_sort(host_.wgrad_order.begin() + host_.expert_offset[e], host_.wgrad_order.begin() + host_.expert_offset[e + 1],
                      [&](int32_t a, int32_t b) {
-                       return source_key[host_src_row_[a]] < source_key[host_src_row_[b]];
+                       return source_key[host_.src_row[a]] < source_key[host_.src_row[b]];
                      });
-  be_.copy_to_device(wgrad_order_.get(), host_wgrad_order_.data(), 4 * M);
+  be_.copy_to_device(pairs_.wgrad_order.get(), host_.wgrad_order.data(), 4 * M);
 }
 
-// pair_y_'s values of rows [first, first + n) into out: summed per row in k
+// pairs_.pair_y's values of rows [first, first + n) into out: summed per row in k
 // order, or one row per pair (pair rows).
 void ExpertStage::write_rows(int64_t first, int64_t n, void* out, DType dtype) {
   const int K = cfg_.top_k, H = cfg_.hidden;
   const size_t out_row = kernels::dtype_size(dtype) * H;
-  if (pair_row_offset_.empty()) {
-    be_.unpermute({n, K, H, dtype, false, DType::kF32, expert_offset_[L_]},
-                  {pair_y_.get(), pair_pos_.as<int32_t>() + first * K, nullptr,
+  if (host_.pair_row_offset.empty()) {
+    be_.unpermute({n, K, H, dtype, false, DType::kF32, host_.expert_offset[L_]},
+                  {pairs_.pair_y.get(), pairs_.pair_pos.as<int32_t>() + first * K, nullptr,
                    static_cast<uint8_t*>(out) + first * out_row});
     return;
   }
-  const int64_t p0 = pair_row_offset_[first], p1 = pair_row_offset_[first + n];
-  be_.unpermute({p1 - p0, 1, H, dtype, false, DType::kF32, expert_offset_[L_]},
-                {pair_y_.get(), pair_src_.as<int32_t>() + p0, nullptr, static_cast<uint8_t*>(out) + p0 * out_row});
+  const int64_t p0 = host_.pair_row_offset[first], p1 = host_.pair_row_offset[first + n];
+  be_.unpermute({p1 - p0, 1, H, dtype, false, DType::kF32, host_.expert_offset[L_]},
+                {pairs_.pair_y.get(), pairs_.pair_src.as<int32_t>() + p0, nullptr, static_cast<uint8_t*>(out) + p0 * out_row});
 }
 
 // The next part: each expert's pairs from where the last part ended, as long as
@@ -284,13 +284,13 @@ const ExpertStage::Part& ExpertStage::add_part(int64_t first, int64_t n) {
   Part p{.first = first, .n = n, .begin = std::vector<int64_t>(L_), .end = std::vector<int64_t>(L_)};
   int64_t found = 0, want = 0;
   for (int e = 0; e < L_; ++e) {
-    int64_t m = parts_.empty() ? expert_offset_[e] : parts_.back().end[e];
+    int64_t m = parts_.empty() ? host_.expert_offset[e] : parts_.back().end[e];
     p.begin[e] = m;
-    while (m < expert_offset_[e + 1] && host_src_row_[m] >= first && host_src_row_[m] < first + n) ++m;
+    while (m < host_.expert_offset[e + 1] && host_.src_row[m] >= first && host_.src_row[m] < first + n) ++m;
     p.end[e] = m;
     found += m - p.begin[e];
   }
-  for (int64_t i = first * K; i < (first + n) * K; ++i) want += host_pair_pos_[i] >= 0;
+  for (int64_t i = first * K; i < (first + n) * K; ++i) want += host_.pair_pos[i] >= 0;
   MOE_CHECK(found == want, "expert stage: rows [", first, ", ", first + n, ") are not the next part of the layout's ",
             "row order (", found, " of their ", want, " pairs follow the last part)");
   parts_.push_back(std::move(p));
@@ -319,15 +319,15 @@ void ExpertStage::run_forward(const void* rows, int64_t first, int64_t n, void* 
   double t0 = now_seconds();
   kernels::ExpertMlpForwardArgs a;
   a.rows = rows;
-  a.expert_offset = expert_offset_.data();
-  a.perm_src_row = perm_src_row_.as<int32_t>();
-  a.perm_weight = perm_weight_.as<float>();
+  a.expert_offset = host_.expert_offset.data();
+  a.perm_src_row = pairs_.perm_src_row.as<int32_t>();
+  a.perm_weight = pairs_.perm_weight.as<float>();
   a.w13 = w13_.as<float>();
   a.w2 = w2_.as<float>();
   a.packed = packed_.get();
-  a.y = pair_y_.as<float>();
-  a.saved_gu = cfg_.train ? saved_gu_.as<float>() : nullptr;
-  a.workspace = mlp_ws_.get();
+  a.y = pairs_.pair_y.as<float>();
+  a.saved_gu = cfg_.train ? pairs_.saved_gu.as<float>() : nullptr;
+  a.workspace = pairs_.mlp_ws.get();
   a.stats = &times_.mlp_stats;
   a.part = part;
   be_.expert_mlp_forward(mlp_config(), a);
@@ -346,19 +346,19 @@ kernels::ExpertMlpBackwardArgs ExpertStage::backward_args(const void* grad_combi
   kernels::ExpertMlpBackwardArgs m;
   m.grad_rows = grad_combined;
   m.rows = rows_;
-  m.expert_offset = expert_offset_.data();
-  m.perm_src_row = perm_src_row_.as<int32_t>();
-  m.perm_weight = perm_weight_.as<float>();
+  m.expert_offset = host_.expert_offset.data();
+  m.perm_src_row = pairs_.perm_src_row.as<int32_t>();
+  m.perm_weight = pairs_.perm_weight.as<float>();
   m.w13 = w13_.as<float>();
   m.w2 = w2_.as<float>();
   m.packed = packed_.get();
-  m.saved_gu = saved_gu_.as<float>();
-  m.grad_perm_x = pair_y_.as<float>();
-  m.grad_perm_weight = grad_perm_weight_.as<float>();
+  m.saved_gu = pairs_.saved_gu.as<float>();
+  m.grad_perm_x = pairs_.pair_y.as<float>();
+  m.grad_perm_weight = pairs_.grad_perm_weight.as<float>();
   m.grad_w13 = grad_w13_.as<float>();
   m.grad_w2 = grad_w2_.as<float>();
-  m.wgrad_order = wgrad_ordered_ ? wgrad_order_.as<int32_t>() : nullptr;
-  m.workspace = mlp_ws_.get();
+  m.wgrad_order = host_.wgrad_ordered ? pairs_.wgrad_order.as<int32_t>() : nullptr;
+  m.workspace = pairs_.mlp_ws.get();
   m.phase = phase;
   return m;
 }
@@ -386,7 +386,7 @@ void ExpertStage::run_dgrad(const void* grad_combined, int64_t first, int64_t n,
   m.part = part;
   be_.expert_mlp_backward(mlp_config(), m);
   write_rows(first, n, grad_rows, grad_rows_dtype);
-  be_.unpermute_scalars(pair_pos_.as<int32_t>() + first * K, n, K, grad_perm_weight_.as<float>(),
+  be_.unpermute_scalars(pairs_.pair_pos.as<int32_t>() + first * K, n, K, pairs_.grad_perm_weight.as<float>(),
                         grad_pair_weight + first * K);
   dgrad_rows_ += n;
 }
@@ -400,7 +400,7 @@ void ExpertStage::weight_grads() {
 
 std::vector<int64_t> ExpertStage::expert_rows() const {
   std::vector<int64_t> counts(L_);
-  for (int e = 0; e < L_; ++e) counts[e] = expert_offset_[e + 1] - expert_offset_[e];
+  for (int e = 0; e < L_; ++e) counts[e] = host_.expert_offset[e + 1] - host_.expert_offset[e];
   return counts;
 }
 

@@ -40,7 +40,7 @@ ReplicaGradReduction::~ReplicaGradReduction() = default;
 void ReplicaGradReduction::run(const ExpertMap& map, ExpertStage& experts, StagedExperts* staged,
                                const ReceivedRows& rows) {
   rows_ = rows;
-  host_rows_ = false;  // read at the first expert that needs this rank's pairs
+  host_.valid = false;  // read at the first expert that needs this rank's pairs
   acc_.resize(n13_ + n2_);
   msg_.resize(n13_ + n2_);
   for (int e = 0; e < map.num_experts; ++e) {
@@ -53,25 +53,25 @@ void ReplicaGradReduction::run(const ExpertMap& map, ExpertStage& experts, Stage
 ReplicaGradReduction::Pairs ReplicaGradReduction::local_pairs(int expert, const ExpertMap& map) {
   const int me = comm_.rank(), S = map.slots_per_rank, K = cfg_.top_k;
   const int64_t N = rows_.num_rows;
-  if (!host_rows_) {  // once a step: the slots, weights and rows to the host
-    host_slot_.resize(N * K);
-    host_weight_.resize(N * K);
-    host_x_.resize(N * row_bytes_);
-    host_grad_.resize(N * row_bytes_);
-    be_.copy_to_host(host_slot_.data(), rows_.slot, 4 * N * K);
-    be_.copy_to_host(host_weight_.data(), rows_.weight, 4 * N * K);
-    be_.copy_to_host(host_x_.data(), rows_.x, N * row_bytes_);
-    be_.copy_to_host(host_grad_.data(), rows_.grad, N * row_bytes_);
-    host_rows_ = true;
+  if (!host_.valid) {  // once a step: the slots, weights and rows to the host
+    host_.slot.resize(N * K);
+    host_.weight.resize(N * K);
+    host_.x.resize(N * row_bytes_);
+    host_.grad.resize(N * row_bytes_);
+    be_.copy_to_host(host_.slot.data(), rows_.slot, 4 * N * K);
+    be_.copy_to_host(host_.weight.data(), rows_.weight, 4 * N * K);
+    be_.copy_to_host(host_.x.data(), rows_.x, N * row_bytes_);
+    be_.copy_to_host(host_.grad.data(), rows_.grad, N * row_bytes_);
+    host_.valid = true;
   }
   Pairs p;
   for (int64_t n = 0; n < N; ++n)
     for (int k = 0; k < K; ++k) {
-      const int32_t s = host_slot_[n * K + k];
+      const int32_t s = host_.slot[n * K + k];
       if (s < 0 || s >= S || map.expert_at(me, s) != expert) continue;
       p.key.push_back(rows_.source_key[n]);
-      p.weight.push_back(host_weight_[n * K + k]);
-      for (auto [from, to] : {std::pair{&host_x_, &p.x}, std::pair{&host_grad_, &p.grad}})
+      p.weight.push_back(host_.weight[n * K + k]);
+      for (auto [from, to] : {std::pair{&host_.x, &p.x}, std::pair{&host_.grad, &p.grad}})
         to->insert(to->end(), from->begin() + n * row_bytes_, from->begin() + (n + 1) * row_bytes_);
     }
   return p;
@@ -136,23 +136,23 @@ void ReplicaGradReduction::gradient_of(Pairs& p, const ExpertStage& experts, int
     std::memcpy(grad.data() + i * row_bytes_, p.grad.data() + order[i] * row_bytes_, row_bytes_);
     weight[i] = p.weight[order[i]];
   }
-  if (!merge_) merge_ = std::make_unique<ExpertStage>(merge_config(cfg_), 1, be_);
-  if (M > merge_capacity_) {
-    merge_capacity_ = M;
-    for (kernels::Buffer* b : {&merge_x_, &merge_grad_, &merge_out_, &merge_gx_}) *b = kernels::Buffer(be_, M * row_bytes_);
-    merge_expert_ = kernels::Buffer(be_, 4 * M);
-    be_.fill_zero(merge_expert_.get(), 4 * M);  // every row's one pair: expert 0
-    merge_weight_ = kernels::Buffer(be_, 4 * M);
-    merge_gw_ = kernels::Buffer(be_, 4 * M);
+  if (!merge_.stage) merge_.stage = std::make_unique<ExpertStage>(merge_config(cfg_), 1, be_);
+  if (M > merge_.capacity) {
+    merge_.capacity = M;
+    for (kernels::Buffer* b : {&merge_.x, &merge_.grad, &merge_.out, &merge_.gx}) *b = kernels::Buffer(be_, M * row_bytes_);
+    merge_.expert = kernels::Buffer(be_, 4 * M);
+    be_.fill_zero(merge_.expert.get(), 4 * M);  // every row's one pair: expert 0
+    merge_.weight = kernels::Buffer(be_, 4 * M);
+    merge_.gw = kernels::Buffer(be_, 4 * M);
   }
-  be_.copy_to_device(merge_x_.get(), x.data(), x.size());
-  be_.copy_to_device(merge_grad_.get(), grad.data(), grad.size());
-  be_.copy_to_device(merge_weight_.get(), weight.data(), 4 * M);
-  merge_->copy_compute_weights(experts, local_slot, 0);
-  merge_->forward(merge_x_.get(), M, merge_expert_.as<int32_t>(), merge_weight_.as<float>(), merge_out_.get());
-  merge_->backward(merge_grad_.get(), merge_gx_.get(), cfg_.dtype, merge_gw_.as<float>());
-  be_.copy_to_host(acc, merge_->grad_w13(), 4 * n13_);
-  be_.copy_to_host(acc + n13_, merge_->grad_w2(), 4 * n2_);
+  be_.copy_to_device(merge_.x.get(), x.data(), x.size());
+  be_.copy_to_device(merge_.grad.get(), grad.data(), grad.size());
+  be_.copy_to_device(merge_.weight.get(), weight.data(), 4 * M);
+  merge_.stage->copy_compute_weights(experts, local_slot, 0);
+  merge_.stage->forward(merge_.x.get(), M, merge_.expert.as<int32_t>(), merge_.weight.as<float>(), merge_.out.get());
+  merge_.stage->backward(merge_.grad.get(), merge_.gx.get(), cfg_.dtype, merge_.gw.as<float>());
+  be_.copy_to_host(acc, merge_.stage->grad_w13(), 4 * n13_);
+  be_.copy_to_host(acc + n13_, merge_.stage->grad_w2(), 4 * n2_);
 }
 
 // Recipient k of the expert: the replicas' ranks other than the primary's (in

@@ -161,9 +161,11 @@ class DispatchHandle {
   const int32_t* topk_slot_ = nullptr;             // [T, K], the caller's
   std::vector<int64_t> send_counts_, recv_counts_;  // rows per peer
   std::vector<int64_t> rank_offset_;                // [R + 1] host
-  transport::Segments send_rows_, recv_rows_segs_, send_meta_, recv_meta_;  // rows: layer dtype
-  transport::Segments send_token_segs_, recv_token_segs_;  // a row's source token: 4 bytes
-  transport::Segments send_wire_, recv_wire_;  // the forward's dispatch wire
+  struct Segments {  // a serial pass's segments per peer, each way
+    transport::Segments send_rows, recv_rows, send_meta, recv_meta;  // rows: layer dtype
+    transport::Segments send_token, recv_token;                      // a row's source token: 4 bytes
+    transport::Segments send_wire, recv_wire;                        // the forward's dispatch wire
+  } segs_;
   // Serial: the pair rows coming back (results, input gradients) per peer, of its
   // received rows (recv) and of this rank's send rows (send).
   PairRanges recv_pairs_, send_pairs_;
@@ -194,8 +196,8 @@ class Dispatcher {
   // The forward's expert seconds and (token, expert) pairs per local expert of
   // the step, for the next chunk proposal.
   void note_compute(double seconds, double rows_per_expert) {
-    last_compute_ = seconds;
-    last_rows_per_expert_ = rows_per_expert;
+    chunking_.last_compute = seconds;
+    chunking_.last_rows_per_expert = rows_per_expert;
   }
   // grad_out [T, H] dtype -> the grad rows [N, H] dtype each receiver gets.
   // Chunked: they arrive chunk by chunk (next_backward_chunk).
@@ -218,8 +220,8 @@ class Dispatcher {
   bool encoded_dispatch() const { return dispatch_.format != kernels::wire_of(cfg_.dtype); }
   bool encoded_combine() const { return combine_.format != kernels::wire_of(cfg_.dtype); }
   // The dispatch wire's rows: sent from, received into.
-  const void* wire_send() const { return encoded_dispatch() ? send_wire_.get() : send_rows_.get(); }
-  void* wire_recv() { return encoded_dispatch() ? recv_wire_.get() : h_.recv_rows_.get(); }
+  const void* wire_send() const { return encoded_dispatch() ? bufs_.send_wire.get() : bufs_.send_rows.get(); }
+  void* wire_recv() { return encoded_dispatch() ? bufs_.recv_wire.get() : h_.recv_rows_.get(); }
   void build_layout(const void* x, int64_t T, const float* topk_weight);
   void exchange(int64_t T);
   void exchange_counts_and_chunks();
@@ -256,15 +258,21 @@ class Dispatcher {
   const kernels::WireFormatInfo &dispatch_, &combine_;
   size_t wire_bytes_, combine_bytes_;
   DispatchHandle h_;
-  kernels::Buffer num_tokens_per_rank_, num_tokens_per_slot_, in_rank_, layout_ws_;
-  kernels::Buffer send_slot_, send_weight_, send_rows_, back_rows_, back_gw_, grad_recv_rows_;
-  // Encoded rows when a wire is narrower than the layer (else empty): what is
-  // sent and received, and the results before they go back.
-  kernels::Buffer send_wire_, recv_wire_, y_wire_;
-  kernels::Buffer proposals_;  // [3 R] floats: propose_chunks' all-reduce
-  std::vector<int32_t> per_slot_host_;  // pairs per physical slot, for the naive figures
-  std::vector<int32_t> host_slots_, host_send_row_, host_back_pos_, host_token_;  // lay_out_returns' copies
-  std::vector<int64_t> pairs_out_, pairs_in_;  // pair rows back per peer: this rank's results, and ours from it
+  struct LayoutBuffers {  // the layout kernel's counts and workspace
+    kernels::Buffer tokens_per_rank, tokens_per_slot, in_rank, ws;
+  } layout_;
+  struct RowBuffers {  // rows and their metadata on the backend
+    kernels::Buffer send_slot, send_weight, send_rows, back_rows, back_gw, grad_recv_rows;
+    // Encoded rows when a wire is narrower than the layer (else empty): what is
+    // sent and received, and the results before they go back.
+    kernels::Buffer send_wire, recv_wire, y_wire;
+    kernels::Buffer proposals;  // [3 R] floats: propose_chunks' all-reduce
+  } bufs_;
+  struct HostCopies {
+    std::vector<int32_t> per_slot;  // pairs per physical slot, for the naive figures
+    std::vector<int32_t> slots, send_row, back_pos, token;  // lay_out_returns' copies
+    std::vector<int64_t> pairs_out, pairs_in;  // pair rows back per peer: this rank's results, and ours from it
+  } host_;
   DispatchStats stats_;
   // Chunked pairs: per chunk, the segments of rows and of metadata each way.
   struct ChunkPlan {
@@ -278,11 +286,13 @@ class Dispatcher {
     int64_t first_row = 0, num_rows = 0;  // of the received rows (chunk-major)
     transport::TransferWorker::OpId arrived = 0;  // the op bringing its rows (forward or backward)
   };
-  std::vector<ChunkPlan> plan_;
-  int next_chunk_ = 0;
-  transport::TransferWorker::OpId last_op_ = 0;
-  std::unique_ptr<transport::TransferWorker> worker_;  // made at the first chunked dispatch
-  double last_compute_ = 0, last_transfer_ = 0, last_rows_per_expert_ = 0;
+  struct Chunking {  // docs/layer.md#overlap
+    std::vector<ChunkPlan> plan;
+    int next = 0;
+    transport::TransferWorker::OpId last_op = 0;
+    std::unique_ptr<transport::TransferWorker> worker;  // made at the first chunked dispatch
+    double last_compute = 0, last_transfer = 0, last_rows_per_expert = 0;  // for the next step's proposal
+  } chunking_;
 };
 
 }  // namespace moe::ep

@@ -131,21 +131,21 @@ class EpLayer {
   bool staged_ready();
   void switch_to_staged();
   void drop_staged();
-  bool staging() const { return staged_ != nullptr; }
-  int64_t staged_bytes_received() const { return staged_ ? staged_->bytes_received() : 0; }
+  bool staging() const { return next_.staged != nullptr; }
+  int64_t staged_bytes_received() const { return next_.staged ? next_.staged->bytes_received() : 0; }
   const ExpertMap& map() const { return map_; }
 
   // Balancing (docs/layer.md#balancing). After forward with cfg.global_counts: c_e of the step
   // over every rank [E], and (train) this rank's shares of the aux and z losses.
-  const std::vector<float>& global_counts() const { return counts_; }
-  double global_tokens() const { return global_tokens_; }
-  const BalanceLosses& balance_losses() const { return losses_; }
+  const std::vector<float>& global_counts() const { return balance_.counts; }
+  double global_tokens() const { return balance_.global_tokens; }
+  const BalanceLosses& balance_losses() const { return balance_.losses; }
   // After the step: the aux-loss-free bias update from global_counts() (every
   // rank applies the same counts, so the bias stays identical everywhere).
   void update_selection_bias(double rate);
   // The selection bias in use (empty without one), and a replacement for it
   // (an elastic world change; empty: none).
-  const std::vector<float>& selection_bias() const { return selection_bias_; }
+  const std::vector<float>& selection_bias() const { return balance_.selection_bias; }
   void set_selection_bias(std::vector<float> bias);
 
   const int32_t* topk_idx() const { return router_.topk_idx(); }
@@ -178,25 +178,32 @@ class EpLayer {
   RouterStage router_;
   std::unique_ptr<Dispatcher> dispatcher_;
   std::unique_ptr<ExpertStage> experts_;
-  std::unique_ptr<StagedExperts> staged_;
-  // Built at staging when the slot count changes, so the switch only copies.
-  std::unique_ptr<ExpertStage> next_experts_;
-  std::unique_ptr<Dispatcher> next_dispatcher_;
-  const DispatchHandle* handle_ = nullptr;  // of the last forward, for backward
-  const void* grad_rows_ = nullptr;          // the last backward's grad rows, for the replica reduction
-  bool adam_ = false;                        // staged copies carry Adam moments
-  const void* x_ = nullptr;
-  int64_t recv_capacity_ = -1, pair_capacity_ = -1;
-
-  kernels::Buffer log2phy_, logcnt_, topk_slot_;
-  kernels::Buffer combined_, grad_pair_weight_, grad_topk_weight_, grad_x32_;
+  struct Staging {  // a live rebalance's next placement (docs/placement.md#live-rebalance)
+    std::unique_ptr<StagedExperts> staged;
+    // Built at staging when the slot count changes, so the switch only copies.
+    std::unique_ptr<ExpertStage> experts;
+    std::unique_ptr<Dispatcher> dispatcher;
+    bool adam = false;  // staged copies carry Adam moments
+  } next_;
+  struct LastPass {  // what the backward needs of the last forward (and backward)
+    const DispatchHandle* handle = nullptr;
+    const void* x = nullptr;
+    const void* grad_rows = nullptr;  // the last backward's grad rows, for the replica reduction
+  } last_;
+  struct Scratch {  // per-pass buffers, grown to the most rows and pairs seen
+    kernels::Buffer topk_slot, combined, grad_pair_weight, grad_topk_weight, grad_x32;
+    int64_t recv_capacity = -1, pair_capacity = -1;
+  } scratch_;
+  kernels::Buffer log2phy_, logcnt_;  // the map's tables on the backend
   ReplicaGradReduction replica_grads_;
   EpStats stats_;
   std::unique_ptr<SharedExperts> shared_;  // with cfg.shared_ffn_hidden > 0
-  std::vector<float> counts_, selection_bias_;
-  double global_tokens_ = 0;
-  kernels::Buffer counts_dev_;  // counts_ for the router's backward
-  BalanceLosses losses_;
+  struct Balance {  // the last step's global counts, the selection bias, the balancing losses
+    std::vector<float> counts, selection_bias;
+    double global_tokens = 0;
+    kernels::Buffer counts_dev;  // counts for the router's backward
+    BalanceLosses losses;
+  } balance_;
 };
 
 }  // namespace moe::ep

@@ -150,23 +150,26 @@ class ExpertStage {
   bool has_layout_ = false, has_forward_ = false;
   std::vector<Part> parts_;          // of the last forward, when it ran in parts
   int64_t dgrad_rows_ = 0;           // rows whose dgrad ran since the forward
-  std::vector<int32_t> host_src_row_, host_pair_pos_;  // the layout, read to find parts
-  bool host_layout_ = false;                          // ... and copied since the last layout()
-  // Pair rows out (a pair_row_offset given): the offsets, and pair_src_ [M], the
-  // pair (pair_y_ row) each output row takes; empty offsets: rows summed.
-  std::vector<int64_t> pair_row_offset_;
-  std::vector<int32_t> host_pair_src_;
-  // The weight gradients' pair order (order_weight_grads), or none: the layout's.
-  bool wgrad_ordered_ = false;
-  std::vector<int32_t> host_wgrad_order_;
-  std::vector<int64_t> expert_offset_;  // host, [L + 1]
+  struct HostLayout {  // the layout on the host
+    std::vector<int32_t> src_row, pair_pos;  // read to find parts
+    bool valid = false;                      // ... and copied since the last layout()
+    // Pair rows out (a pair_row_offset given): the offsets, and pair_src [M], the
+    // pair (pairs_.pair_y row) each output row takes; empty offsets: rows summed.
+    std::vector<int64_t> pair_row_offset;
+    std::vector<int32_t> pair_src;
+    // The weight gradients' pair order (order_weight_grads), or none: the layout's.
+    bool wgrad_ordered = false;
+    std::vector<int32_t> wgrad_order;
+    std::vector<int64_t> expert_offset;  // [L + 1]
+  } host_;
   kernels::Buffer w13_, w2_, grad_w13_, grad_w2_;
-  // pair_y_: the weighted expert outputs per pair [M, H] fp32 in forward (read by
-  // the combine), then the input gradients per pair in backward (the dgrad writes
-  // them after the forward's combine has read every y; no pass reads y again).
-  kernels::Buffer perm_src_row_, perm_weight_, pair_pos_, pair_src_, wgrad_order_, pair_y_, saved_gu_,
-      grad_perm_weight_;
-  kernels::Buffer layout_ws_, mlp_ws_;
+  struct PairBuffers {  // on the backend, per pass
+    // pair_y: the weighted expert outputs per pair [M, H] fp32 in forward (read by
+    // the combine), then the input gradients per pair in backward (the dgrad writes
+    // them after the forward's combine has read every y; no pass reads y again).
+    kernels::Buffer perm_src_row, perm_weight, pair_pos, pair_src, wgrad_order, pair_y, saved_gu, grad_perm_weight;
+    kernels::Buffer layout_ws, mlp_ws;
+  } pairs_;
   TrainableTensor w13_param_, w2_param_;
   // w13_, w2_ as the GEMM engine reads them (rounded to bf16 in a bf16 layer: in a
   // train stage w13_ and w2_ are the fp32 masters, kernels/api.h).

@@ -84,13 +84,18 @@ class ReplicaGradReduction {
   const bool exact_;
   int recipients_ = 0;  // tags: per expert, the holders, then the shadows
   ReceivedRows rows_;
-  bool host_rows_ = false;  // the host copies below hold this step's rows
-  std::vector<int32_t> host_slot_;
-  std::vector<float> host_weight_, acc_, msg_;
-  std::vector<uint8_t> host_x_, host_grad_;
-  std::unique_ptr<ExpertStage> merge_;  // one expert, top-1: the primary's run over every pair
-  kernels::Buffer merge_x_, merge_grad_, merge_expert_, merge_weight_, merge_out_, merge_gx_, merge_gw_;
-  int64_t merge_capacity_ = -1;
+  struct HostRows {  // this step's received rows on the host, copied once a step
+    bool valid = false;
+    std::vector<int32_t> slot;
+    std::vector<float> weight;
+    std::vector<uint8_t> x, grad;
+  } host_;
+  std::vector<float> acc_, msg_;
+  struct Merge {  // exact mode: one expert, top-1: the primary's run over every pair
+    std::unique_ptr<ExpertStage> stage;
+    kernels::Buffer x, grad, expert, weight, out, gx, gw;
+    int64_t capacity = -1;
+  } merge_;
 };
 
 }  // namespace moe::ep
