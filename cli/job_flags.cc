@@ -147,8 +147,8 @@ const std::vector<JobFieldDoc>& job_field_docs() {
       {"capacity_factor", "cf: ceil(cf x T x K / E) pairs kept per expert per source rank (0: dropless)", false},
       {"drop_policy", "which pairs capacity drops first", false},
       {"tokens_per_rank", "tokens per rank per step (T)", true},
-      {"steps", "steps to run", true},
-      {"mode", "forward only, or train against a teacher", false},
+      {"steps", "steps to run (a serving job runs until cancelled)", true},
+      {"mode", "forward only, train against a teacher, or serve the layers to programs (docs/serving.md)", false},
       {"skew", "routing skew: uniform or zipf:ALPHA", false},
       {"seed", "seed of the synthetic inputs and weights", false},
       {"lr", "learning rate of the optimizer (train)", false},
@@ -194,6 +194,10 @@ const std::vector<JobFieldDoc>& job_field_docs() {
        false},
       {"combine_wire", "the format the combine's results travel back in (unset: the layer dtype)", false,
        "fp32 | bf16"},
+      {"serve_max_wait_ms",
+       "serve: a rank's step starts once its oldest queued row waited this long, or tokens_per_rank rows wait "
+       "(default 2)",
+       false},
       {"exact_replica_grads",
        "a replicated expert's gradient taken at its primary over all of its pairs: the bits of a job without the "
        "replicas, for the primary's computing the replicas' share again",

@@ -287,7 +287,8 @@ void JobLifecycle::tick(Clock::time_point now) {
   if (running_->ending() && now - running_->failed_at > opts_.failed_job_grace)
     finish(running_->failed ? v1::JOB_STATE_FAILED : v1::JOB_STATE_CANCELLED,
            running_->message + " (not every rank reported back)");
-  else if (!running_->ending() && now - running_->last_report > opts_.stale_job_timeout)
+  else if (!running_->ending() && running_->reports.spec.mode() != v1::JobSpec::serve &&
+           now - running_->last_report > opts_.stale_job_timeout)  // a serving job reports no steps
     fail_running("no rank reported for " +
                      std::to_string(std::chrono::duration_cast<std::chrono::seconds>(opts_.stale_job_timeout).count()) +
                      " s",

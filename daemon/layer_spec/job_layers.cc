@@ -51,6 +51,7 @@ bool is_train(const v1::JobSpec& s) {
     case v1::JobSpec::MODE_UNSPECIFIED:
     case v1::JobSpec::forward: return false;
     case v1::JobSpec::train: return true;
+    case v1::JobSpec::serve: return false;  // forward calls only, for now (docs/serving.md)
     MOE_PROTO_ENUM_SENTINELS(JobSpec_Mode): break;
   }
   detail::fail("mode: unknown value ", static_cast<int>(s.mode()));
@@ -105,6 +106,8 @@ ep::LayerSpec layer_spec(const v1::JobSpec& s) {
 JobView::JobView(const v1::JobSpec& s)
     : spec(s),
       train(is_train(s)),
+      serve(s.mode() == v1::JobSpec::serve),
+      serve_max_wait_ms(s.serve_max_wait_ms()),
       adam(train && optimizer_kind(s.optimizer()) == kernels::OptimizerKind::kAdam),
       dtype(job_dtype(s)),
       shape(layer_shape(s)),

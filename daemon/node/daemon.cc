@@ -254,7 +254,47 @@ void Daemon::start_job(const v1::StartJob& start) {
   runner_ = std::make_unique<JobRunner>(start, env);
 }
 
-rpc::awaitable<v1::Envelope> Daemon::handle(const v1::Envelope& req, const rpc::RequestContext&) {
+rpc::awaitable<v1::Envelope> Daemon::serve_forward(const v1::ServeForward& call, const rpc::RequestContext& ctx) {
+  struct Wait {  // on the io thread only
+    explicit Wait(rpc::asio::io_context& io) : timer(io) {}
+    rpc::asio::steady_timer timer;
+    bool over = false;
+    std::string error;
+  };
+  auto wait = std::make_shared<Wait>(io_);
+  std::shared_ptr<ServeCall> c;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (!runner_ || runner_->job_id() != call.job_id() || runner_->finished())
+      throw RpcError(v1::ERROR_CODE_NOT_FOUND, "job " + call.job_id() + " is not running on " + opts_.name);
+    if (!runner_->serve_queue())
+      throw RpcError(v1::ERROR_CODE_FAILED_PRECONDITION, "job " + call.job_id() + " is not a serving job (--mode serve)");
+    c = runner_->serve_call(call);  // throws InvalidArgument naming the field
+    c->done = [wait, &io = io_](const std::string& error) {
+      rpc::asio::post(io, [wait, error] {
+        wait->over = true;
+        wait->error = error;
+        wait->timer.cancel();
+      });
+    };
+    runner_->serve_queue()->push(c);
+  }
+  wait->timer.expires_at(ctx.deadline);
+  boost::system::error_code ec;
+  co_await wait->timer.async_wait(rpc::asio::redirect_error(rpc::use_awaitable, ec));
+  if (!wait->over)
+    throw RpcError(v1::ERROR_CODE_DEADLINE_EXCEEDED,
+                   "job " + call.job_id() + ": layer " + std::to_string(call.layer()) + "'s rows were not computed in time");
+  if (!wait->error.empty()) throw RpcError(v1::ERROR_CODE_UNAVAILABLE, wait->error);
+  v1::Envelope reply;
+  auto* r = reply.mutable_serve_forward_reply();
+  r->set_rows(c->rows);
+  r->set_y(std::string(c->y.begin(), c->y.end()));
+  co_return reply;
+}
+
+rpc::awaitable<v1::Envelope> Daemon::handle(const v1::Envelope& req, const rpc::RequestContext& ctx) {
+  if (req.has_serve_forward()) co_return co_await serve_forward(req.serve_forward(), ctx);
   v1::Envelope reply;
   if (req.has_start_job()) {
     start_job(req.start_job());

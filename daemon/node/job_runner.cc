@@ -30,6 +30,7 @@ JobRunner::JobRunner(v1::StartJob job, RunnerEnv env)
       rpc::ClientOptions::make(env_.agent_address, env_.token, "moed", env_.node_name + "/reports", env_.tls), *env_.link,
       job_.job_id(), env_.devices);
   env_.reports = reports_.get();
+  if (const layer_spec::JobView view(job_.spec()); view.serve) serve_ = std::make_unique<ServeQueue>(view.layers);
   running_ = env_.devices;
   for (int i = 0; i < env_.devices; ++i) threads_.emplace_back([this, i] { rank_main(i); });
 }
@@ -76,6 +77,7 @@ void JobRunner::cancel(const std::string& reason) {
     log::info("job ", job_.job_id(), ": cancel requested (", reason, ")");
   }
   worlds_.close();  // ranks waiting for a new world stop
+  if (serve_) serve_->close("job " + job_.job_id() + " stopped: " + reason);
 }
 
 void JobRunner::halt(int64_t epoch, const std::string& reason) {
@@ -93,6 +95,11 @@ void JobRunner::new_world(const v1::NewWorld& next) {
 std::string JobRunner::cancel_reason() const {
   std::lock_guard<std::mutex> lock(cancel_mu_);
   return cancel_reason_.empty() ? "cancelled by another rank" : cancel_reason_;
+}
+
+std::shared_ptr<ServeCall> JobRunner::serve_call(const v1::ServeForward& call) const {
+  const layer_spec::JobView view(job_.spec());
+  return make_serve_call(view, call, view.tokens_per_rank * env_.devices);
 }
 
 int JobRunner::first_rank() const {
@@ -140,12 +147,13 @@ void JobRunner::rank_main(int local) {
     }
     rank = run.rank();
     epoch = run.world_epoch();
-    if (steps < view.steps) {
+    if (view.serve || steps < view.steps) {  // a serving job only ever ends by a cancel
       d->set_ok(false);
       d->set_cancelled(true);
       d->set_cancel_requested_here(cancel_.load());
       d->set_agent_unreachable(agent_lost_.load());
-      d->set_message("cancelled at step " + std::to_string(steps) + " (" + cancel_reason() + ")");
+      d->set_message((view.serve ? std::string("serving stopped") : "cancelled at step " + std::to_string(steps)) +
+                     " (" + cancel_reason() + ")");
     } else {
       d->set_ok(true);
       if (view.verify) *d->mutable_verify() = run.verification();

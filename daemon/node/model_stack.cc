@@ -139,6 +139,18 @@ void ModelStack::forward(int step, StepReport& report, bool capture) {
   be_.synchronize();
 }
 
+std::vector<uint8_t> ModelStack::serve_forward(int layer, const std::vector<uint8_t>& x, int64_t T) {
+  MOE_CHECK(T >= 0 && T <= T_, "serve: ", T, " rows in a step of at most ", T_);
+  const size_t bytes = T * H_ * kernels::dtype_size(dt_);
+  MOE_CHECK(x.size() == bytes, "serve: ", x.size(), " bytes for ", T, " rows");
+  if (bytes > 0) be_.copy_to_device(xs_[0].get(), x.data(), bytes);
+  layers_.at(layer)->forward(xs_[0].get(), T, token_begin(), out_.get());
+  std::vector<uint8_t> y(bytes);
+  if (bytes > 0) be_.copy_to_host(y.data(), out_.get(), bytes);
+  be_.synchronize();
+  return y;
+}
+
 void ModelStack::backward(StepReport& report, bool capture) {
   const size_t n = T_ * H_;
   source_->targets(xs_[0], targets_, report);

@@ -10,6 +10,7 @@
 #include "moe/node/checkpoint.h"
 #include "moe/node/dump.h"
 #include "moe/layer_spec/job_layers.h"
+#include "moe/node/serve_loop.h"
 #include "moe/node/verify.h"
 #include "rank_world.h"
 #include "moe/spec/checkpoint_manifest.h"
@@ -177,6 +178,12 @@ bool RankRun::checkpoint_due(int done) const {
 }
 
 int RankRun::run_world(const std::function<bool()>& cancel_requested) {
+  if (world_->job().serve) {  // docs/serving.md: until cancelled; its steps are not the job's
+    serve_until_cancelled({world_->comm, world_->stack, world_->rebalance, *runner_.serve_queue(), env_.transport_timeout},
+                          cancel_requested);
+    world_->comm.barrier(deadline());
+    return 0;
+  }
   const int steps = world_->job().steps;
   int step = world_first_step_;
   for (; step < steps; ++step) {

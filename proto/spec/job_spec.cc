@@ -38,6 +38,30 @@ bool is_name(const std::string& s) {
 
 }  // namespace
 
+namespace {
+
+// A serving job (docs/serving.md) runs until cancelled and serves forward calls;
+// what it does not do yet is refused by name.
+void validate_serving(const v1::JobSpec& s) {
+  if (s.mode() != v1::JobSpec::serve) {
+    require(!s.has_serve_max_wait_ms(), "serve_max_wait_ms", "is for serving jobs (--mode serve)");
+    return;
+  }
+  require(s.steps() == 0, "steps", "a serving job runs until cancelled: leave it unset");
+  require(s.capacity_factor() == 0, "capacity_factor",
+          "a served row's output must not depend on the calls it is batched with: serving is dropless (0)");
+  require(s.serve_max_wait_ms() >= 0 && s.serve_max_wait_ms() <= 10000, "serve_max_wait_ms",
+          "must be in [0, 10000], got " + std::to_string(s.serve_max_wait_ms()));
+  for (const auto& [field, set] : {std::pair<const char*, bool>{"verify", s.verify()},
+                                   {"dump_dir", !s.dump_dir().empty()},
+                                   {"checkpoint_dir", !s.checkpoint_dir().empty()},
+                                   {"elastic", s.elastic()},
+                                   {"bias_update_rate", s.bias_update_rate() != 0}})
+    require(!set, field, "not for serving jobs yet (docs/serving.md)");
+}
+
+}  // namespace
+
 v1::JobSpec with_defaults(v1::JobSpec s) {
   if (!s.has_layers()) s.set_layers(1);
   if (!s.has_norm_topk_prob()) s.set_norm_topk_prob(true);
@@ -50,14 +74,18 @@ v1::JobSpec with_defaults(v1::JobSpec s) {
   if (s.optimizer() == v1::JobSpec::OPTIMIZER_UNSPECIFIED) s.set_optimizer(v1::JobSpec::adam);
   if (s.skew().empty()) s.set_skew("uniform");
   if (s.elastic_batch() == v1::JobSpec::ELASTIC_BATCH_UNSPECIFIED) s.set_elastic_batch(v1::JobSpec::global);
+  if (s.mode() == v1::JobSpec::serve && !s.has_serve_max_wait_ms()) s.set_serve_max_wait_ms(2);
   return s;
 }
 
 void validate(const v1::JobSpec& s, int world_size) {
   for (const auto& [field, value] : {std::pair<const char*, int64_t>{"experts", s.experts()}, {"top_k", s.top_k()},
                                      {"hidden", s.hidden()}, {"ffn_hidden", s.ffn_hidden()},
-                                     {"tokens_per_rank", s.tokens_per_rank()}, {"steps", s.steps()}})
+                                     {"tokens_per_rank", s.tokens_per_rank()}})
     required(value, field);
+  const bool serve = s.mode() == v1::JobSpec::serve;
+  if (!serve) required(s.steps(), "steps");
+  validate_serving(s);
   require(s.name().empty() || is_name(s.name()), "name",
           "must be 1-63 of [A-Za-z0-9._-], got '" + s.name() + "'");
   for (const auto& [k, v] : s.labels())
@@ -104,7 +132,7 @@ void validate(const v1::JobSpec& s, int world_size) {
           "must be finite and >= 0 (0 = dropless)");
   require(s.tokens_per_rank() >= 1 && s.tokens_per_rank() <= (int64_t{1} << 24), "tokens_per_rank",
           "must be in [1, 16777216], got " + std::to_string(s.tokens_per_rank()));
-  require(s.steps() >= 1, "steps", "must be >= 1, got " + std::to_string(s.steps()));
+  require(serve || s.steps() >= 1, "steps", "must be >= 1, got " + std::to_string(s.steps()));
   require(!s.has_lr() || (std::isfinite(s.lr()) && s.lr() > 0), "lr", "must be finite and > 0");
   require(s.verify_step() >= 0 && s.verify_step() < std::max(1, s.steps()), "verify_step",
           "must be in [0, steps=" + std::to_string(s.steps()) + "), got " + std::to_string(s.verify_step()));

@@ -12,7 +12,7 @@ import re
 import sys
 
 MAX = 25
-TOPS = ("base", "kernels", "proto", "daemon", "agent", "cli", "tests")
+TOPS = ("base", "kernels", "proto", "daemon", "agent", "cli", "client", "tests")
 SOURCE_EXT = (".h", ".cc", ".cu", ".cuh")
 HEAD_RE = re.compile(r"\b(class|struct)\s+(?:alignas\([^)]*\)\s*)?([A-Za-z_]\w*)\s*(?:final\s*)?(?::[^;{]*)?\{")
 SKIP_RE = re.compile(r"^(using|typedef|friend|static|enum|template|public|private|protected|case|default|return|"

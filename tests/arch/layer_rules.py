@@ -41,6 +41,7 @@ ALLOWED_INCLUDES = [
     ("agent/serve/", {"base", "map", "placement", "cluster", "jobs", "rebalance", "agent", "v1", "rpc", "spec",
                       "http"}),
     ("cli/", {"base", "map", "ctl", "v1", "rpc", "spec"}),
+    ("client/", {"base", "client", "v1", "rpc"}),
 ]
 
 # Project libraries each group of targets must never reach in the link graph.
@@ -51,6 +52,7 @@ TRANSPORT = {"moe_transport", "moe_transport_nccl", "moe_transport_factory"}
 CONTROL = {"moe_proto", "moe_rpc", "moe_rpc_server", "moe_spec", "moe_metrics_http"}
 AGENT = {"moe_agent_lib", "moe_agent_rebalance", "moe_agent_jobs", "moe_agent_cluster", "moe_placement"}
 CLI = {"moe_ctl"}
+CLIENT = {"moe_client"}
 FORBIDDEN_LINKS = [
     # (what the rule is, targets it applies to, libraries they must not reach)
     ("base links nothing of the project above it", {"moe_base", "moe_map"},
@@ -71,6 +73,9 @@ FORBIDDEN_LINKS = [
     ("the CLI links only the control plane's client side", CLI | {"moectl"},
      KERNELS | DAEMON | AGENT | {"moe_rpc_server", "moe_metrics_http"}),
     ("the spec library needs no RPC", {"moe_spec"}, {"moe_rpc", "moe_rpc_server"}),
+    ("the expert service's client links only the control plane's client side", CLIENT,
+     KERNELS | DAEMON | AGENT | CLI | {"moe_rpc_server", "moe_metrics_http", "moe_spec"}),
+    ("nothing of the system links the client library", DAEMON | AGENT | CLI | {"moed", "moe-agent", "moectl"}, CLIENT),
     ("the single-rank layer and its spec are proto-free (the device check builds them)",
      {"moe_layer_spec", "moe_layer", "moe_model"}, CONTROL | TRANSPORT | {"moe_io", "moe_job_layers"}),
     ("the daemon never links the agent or the CLI", DAEMON | {"moed"}, AGENT | CLI),
@@ -84,7 +89,7 @@ SOURCE_EXT = (".h", ".cc", ".cu", ".cuh", ".cpp", ".hpp")
 
 def include_violations(src):
     bad = []
-    for top in ("base", "kernels", "proto", "daemon", "agent", "cli"):
+    for top in ("base", "kernels", "proto", "daemon", "agent", "cli", "client"):
         for root, _, files in os.walk(os.path.join(src, top)):
             for name in files:
                 if not name.endswith(SOURCE_EXT):

@@ -49,6 +49,6 @@ if [ "$kind" = asan ]; then
   ctest --test-dir "$build" --output-on-failure -j "$MOE_JOBS" -LE 'deploy|thrash' -E 'Cuda|Nccl|Gpu' "$@"
 else
   ctest --test-dir "$build" --output-on-failure -j "$MOE_JOBS" \
-    -R 'Communicator|Transport|Bootstrap|LocalHub|Ep[A-Z]|EpLayer|Rebalance|rebalance|Agent|Scheduler|ReportSender|LiveLoad|Rpc|Tls|UcxJobKey|OnTheWire|Elastic|WorldChange|Overlap|ChunkRule|Wire' \
+    -R 'Communicator|Transport|Bootstrap|LocalHub|Ep[A-Z]|EpLayer|Rebalance|rebalance|Agent|Scheduler|ReportSender|LiveLoad|Rpc|Tls|UcxJobKey|OnTheWire|Elastic|WorldChange|Overlap|ChunkRule|Wire|Serve' \
     "$@"
 fi

@@ -25,6 +25,8 @@ struct JobView {
   JobView(const v1::JobSpec& spec);  // NOLINT(google-explicit-constructor)
   const v1::JobSpec& spec;  // for the functions below that take the whole spec
   bool train;               // mode train (forward + backward + optimizer step)
+  bool serve;               // mode serve: layers served to programs until cancelled (docs/serving.md)
+  int serve_max_wait_ms;    // serve: a step starts once its oldest row waited this long
   bool adam;                // train with Adam: each trained parameter has moments m, v
   kernels::DType dtype;
   model::LayerShape shape;  // E, H, I, the shared experts' width and gate

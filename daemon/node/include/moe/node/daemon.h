@@ -71,6 +71,9 @@ class Daemon {
 
  private:
   rpc::awaitable<v1::Envelope> handle(const v1::Envelope& req, const rpc::RequestContext& ctx);
+  // A program's call of a serving job's layer (docs/serving.md): queued for the
+  // node's ranks; the reply once its rows are computed, or its error.
+  rpc::awaitable<v1::Envelope> serve_forward(const v1::ServeForward& call, const rpc::RequestContext& ctx);
   void start_job(const v1::StartJob& start);
   void heartbeat_loop();
   void register_once(rpc::RpcClient& agent);

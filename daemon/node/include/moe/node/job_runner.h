@@ -21,6 +21,7 @@
 #include "moe/node/agent_link.h"
 #include "moe/node/rebalance_session.h"
 #include "moe/node/report_sender.h"
+#include "moe/node/serve_queue.h"
 #include "moe/node/world_mailbox.h"
 #include "moe/transport/local_hub.h"
 #include "moe/v1/job_run.pb.h"
@@ -76,6 +77,11 @@ class JobRunner {
   void new_world(const v1::NewWorld& next);
   // Where the ranks wait for the next world and find each world's hub.
   WorldMailbox& worlds() { return worlds_; }
+  // A serving job's calls on this node (docs/serving.md); null for other jobs.
+  ServeQueue* serve_queue() { return serve_.get(); }
+  // A client's call checked against the job (make_serve_call); at most one step
+  // of this node's ranks a call.
+  std::shared_ptr<ServeCall> serve_call(const v1::ServeForward& call) const;
   // This node's first rank in the job's first world here (a joining node's
   // place in the world it joins).
   int first_rank() const;
@@ -88,6 +94,7 @@ class JobRunner {
   RunnerEnv env_;
   RebalanceMailbox mailbox_;
   WorldMailbox worlds_;
+  std::unique_ptr<ServeQueue> serve_;  // mode serve only
   std::unique_ptr<ReportSender> reports_;
   std::atomic<bool> cancel_{false};
   std::atomic<bool> agent_lost_{false};

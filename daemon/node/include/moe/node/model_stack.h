@@ -42,6 +42,10 @@ class ModelStack {
   // The forward of `step` on this rank's tokens; with capture, every layer's
   // snapshot is kept.
   void forward(int step, StepReport& report, bool capture);
+  // A serving job's step (docs/serving.md): layer `layer` alone (no residual) on
+  // x [T, H] in the job dtype, host memory, T <= tokens_per_rank (0: this rank
+  // joins the step's collectives with no rows). Returns y [T, H] likewise.
+  std::vector<uint8_t> serve_forward(int layer, const std::vector<uint8_t>& x, int64_t T);
   // Train mode, after forward: the source's targets, the loss (this rank's
   // share) and the backward through the stack.
   void backward(StepReport& report, bool capture);

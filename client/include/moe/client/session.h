@@ -1,0 +1,64 @@
+// The expert service's client (docs/serving.md): a program's session with a
+// serving job. It finds the job and its nodes through the agent, then calls the
+// job's layers on the nodes' daemons over the control plane (the token and TLS
+// as every client of it), spreading its calls over the nodes. A library the
+// daemon does not need; it links no kernels and no transport.
+#pragma once
+
+#include <atomic>
+#include <chrono>
+#include <cstdint>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <vector>
+
+#include "moe/rpc/client.h"
+#include "moe/v1/job.pb.h"
+
+namespace moe::client {
+
+struct SessionOptions {
+  std::string agent;  // HOST:PORT of moe-agent
+  std::string token;
+  rpc::TlsFiles tls;
+  std::string job;  // the serving job's id
+  std::string name = "client";
+  std::chrono::milliseconds timeout{30000};  // of each call
+};
+
+// Thread-safe: calls from several threads run at once, one connection per node
+// each (a connection carries one call at a time).
+class Session {
+ public:
+  // Throws rpc::RpcError: the agent unreachable, no such job, or one that is not
+  // a running serving job.
+  explicit Session(SessionOptions options);
+  ~Session();
+
+  const v1::JobSpec& spec() const { return spec_; }
+  int hidden() const { return spec_.hidden(); }
+  int layers() const { return spec_.layers(); }
+
+  // The layer's output for x [rows, hidden] in the job's dtype (its bytes,
+  // row-major). Throws rpc::RpcError with what the job refused (the field and
+  // why) or why the call failed.
+  std::vector<uint8_t> forward_bytes(int layer, const void* x, int64_t rows, v1::JobSpec::DType dtype);
+  // An fp32 job's layer on fp32 rows.
+  std::vector<float> forward(int layer, const std::vector<float>& x);
+
+ private:
+  // One call on the next node in turn, on a connection of the pool (a new one
+  // when every connection to that node is in use).
+  v1::Envelope call_node(v1::Envelope request);
+
+  SessionOptions opts_;
+  v1::JobSpec spec_;
+  std::vector<std::string> nodes_;  // control addresses of the job's nodes
+  std::atomic<size_t> next_{0};
+  std::mutex pool_mu_;
+  std::map<std::string, std::vector<std::unique_ptr<rpc::RpcClient>>> idle_;  // by node address
+};
+
+}  // namespace moe::client

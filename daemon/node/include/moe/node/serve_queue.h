@@ -1,0 +1,87 @@
+// A serving job's calls on one node (docs/serving.md): the daemon's RPC thread
+// queues each call of a layer; the node's ranks take rows of the layer every rank
+// agreed on for a serve step, compute them, and hand the results back; a call
+// completes when all of its rows are back, whichever ranks computed them.
+#pragma once
+
+#include <chrono>
+#include <condition_variable>
+#include <cstdint>
+#include <deque>
+#include <functional>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <vector>
+
+#include "moe/layer_spec/job_layers.h"
+#include "moe/v1/serve.pb.h"
+
+namespace moe::node {
+
+using ServeClock = std::chrono::steady_clock;
+
+// One client call: rows x [rows, row_bytes] of `layer`; y is filled as ranks
+// finish its pieces. done() runs once, on the thread that completes it (the last
+// piece, or a failure).
+struct ServeCall {
+  int layer = 0;
+  int64_t rows = 0;
+  size_t row_bytes = 0;
+  std::vector<uint8_t> x, y;
+  ServeClock::time_point queued;
+  std::function<void(const std::string& error)> done;  // "" on success
+  // The queue's bookkeeping (guarded by its mutex): rows handed out, rows back,
+  // and whether done() ran.
+  int64_t handed = 0, back = 0;
+  bool over = false;
+};
+
+// A client's call checked against the job: the layer exists, the hidden size and
+// dtype are the job's, the rows fit (at most `max_rows`), x has their bytes and
+// every value is finite. Throws moe::InvalidArgument naming the field (and the
+// rows holding a non-finite value). done is the caller's to set.
+std::shared_ptr<ServeCall> make_serve_call(const layer_spec::JobView& job, const v1::ServeForward& call,
+                                           int64_t max_rows);
+
+// Rows [first, first + n) of a call, taken by one rank for one step.
+struct ServePiece {
+  std::shared_ptr<ServeCall> call;
+  int64_t first = 0, n = 0;
+};
+
+class ServeQueue {
+ public:
+  explicit ServeQueue(int layers) : waiting_(layers) {}
+
+  // The RPC thread: queues a call (checked by the caller). Throws nothing; a
+  // queue that closed fails the call at once.
+  void push(std::shared_ptr<ServeCall> call);
+  // A rank before a serve step: returns once `rows` rows wait, the oldest row
+  // waited `max_wait`, or `max_wait` (at least 1 ms) passed with none; false
+  // when the queue closed.
+  bool wait_for_step(int64_t rows, std::chrono::milliseconds max_wait);
+  // Per layer, how long the oldest queued row has waited (ms; 0: none), the
+  // rank's part of the step vote.
+  std::vector<float> ages(ServeClock::time_point now) const;
+  // Up to max_rows rows of `layer` from the oldest calls on.
+  std::vector<ServePiece> take(int layer, int64_t max_rows);
+  // A piece's results (n rows of row_bytes): the call completes with its last piece.
+  void finish(const ServePiece& piece, const uint8_t* y);
+  // A piece that could not be computed: its call fails with `why` (once).
+  void fail(const ServePiece& piece, const std::string& why);
+  // The job ends: every queued call fails with `why`, and later pushes too.
+  void close(const std::string& why);
+
+ private:
+  // Marks the call over; the caller runs done() after unlocking.
+  static bool end(ServeCall& call);
+  int64_t queued_rows() const;  // under mu_
+
+  mutable std::mutex mu_;
+  std::condition_variable cv_;
+  std::vector<std::deque<std::shared_ptr<ServeCall>>> waiting_;  // by layer, oldest first, rows left to hand out
+  std::string closed_;                                          // why, once closed
+};
+
+}  // namespace moe::node

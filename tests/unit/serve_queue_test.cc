@@ -1,0 +1,150 @@
+// node::ServeQueue and make_serve_call (docs/serving.md): a call's rows handed
+// out in order across takes and layers, completed by its last piece whichever
+// rank returns it, failed once, and every queued call failed when the job ends.
+#include <gtest/gtest.h>
+
+#include <cmath>
+
+#include "moe/base/check.h"
+#include "moe/node/serve_queue.h"
+#include "moe/spec/job_spec.h"
+
+namespace moe::test {
+namespace {
+
+using node::ServeCall;
+using node::ServePiece;
+
+std::shared_ptr<ServeCall> call_of(int layer, int64_t rows, std::vector<std::string>& log) {
+  auto c = std::make_shared<ServeCall>();
+  c->layer = layer;
+  c->rows = rows;
+  c->row_bytes = 1;
+  c->x.assign(rows, 0);
+  c->y.assign(rows, 0);
+  c->queued = node::ServeClock::now();
+  c->done = [&log, layer, rows](const std::string& error) {
+    log.push_back("layer " + std::to_string(layer) + " rows " + std::to_string(rows) + ": " + (error.empty() ? "ok" : error));
+  };
+  return c;
+}
+
+TEST(ServeQueue, HandsOutRowsOldestFirstAndCompletesACallWithItsLastPiece) {
+  std::vector<std::string> log;
+  node::ServeQueue q(2);
+  auto a = call_of(0, 5, log), b = call_of(0, 4, log), c = call_of(1, 3, log);
+  q.push(a);
+  q.push(b);
+  q.push(c);
+  const std::vector<float> ages = q.ages(node::ServeClock::now() + std::chrono::milliseconds(5));
+  EXPECT_GE(ages[0], 5.0f);
+  EXPECT_GE(ages[1], 5.0f);
+  const std::vector<ServePiece> first = q.take(0, 7);  // all of a, 2 rows of b
+  ASSERT_EQ(first.size(), 2u);
+  EXPECT_EQ(first[0].call, a);
+  EXPECT_EQ(first[0].n, 5);
+  EXPECT_EQ(first[1].call, b);
+  EXPECT_EQ(first[1].first, 0);
+  EXPECT_EQ(first[1].n, 2);
+  const std::vector<ServePiece> second = q.take(0, 7);  // b's other 2 rows
+  ASSERT_EQ(second.size(), 1u);
+  EXPECT_EQ(second[0].first, 2);
+  EXPECT_EQ(second[0].n, 2);
+  EXPECT_TRUE(q.take(0, 7).empty());
+  const uint8_t ones[5] = {1, 1, 1, 1, 1}, twos[2] = {2, 2}, threes[2] = {3, 3};
+  q.finish(second[0], threes);  // returned out of order: b is not whole yet
+  EXPECT_TRUE(log.empty());
+  q.finish(first[1], twos);
+  q.finish(first[0], ones);
+  ASSERT_EQ(log.size(), 2u);
+  EXPECT_EQ(log[0], "layer 0 rows 4: ok");
+  EXPECT_EQ(log[1], "layer 0 rows 5: ok");
+  EXPECT_EQ(b->y, (std::vector<uint8_t>{2, 2, 3, 3}));
+  q.close("job stopped");  // c was queued: it fails
+  ASSERT_EQ(log.size(), 3u);
+  EXPECT_EQ(log[2], "layer 1 rows 3: job stopped");
+  q.push(call_of(1, 1, log));  // after the close: at once
+  EXPECT_EQ(log.back(), "layer 1 rows 1: job stopped");
+  EXPECT_FALSE(q.wait_for_step(1, std::chrono::milliseconds(1)));
+}
+
+TEST(ServeQueue, AFailedPieceFailsItsCallOnceAndItsOtherPiecesAreDropped) {
+  std::vector<std::string> log;
+  node::ServeQueue q(1);
+  auto a = call_of(0, 4, log);
+  q.push(a);
+  const auto p1 = q.take(0, 2), p2 = q.take(0, 2);
+  q.fail(p1[0], "rank 1: transport failed");
+  q.fail(p2[0], "rank 0: also");
+  const uint8_t rows[2] = {9, 9};
+  q.finish(p2[0], rows);
+  ASSERT_EQ(log.size(), 1u);
+  EXPECT_EQ(log[0], "layer 0 rows 4: rank 1: transport failed");
+}
+
+TEST(ServeQueue, AWaitingRankVotesOnceItsOldestRowWaitedOrEnoughRowsWait) {
+  std::vector<std::string> log;
+  node::ServeQueue q(1);
+  const auto t0 = node::ServeClock::now();
+  EXPECT_TRUE(q.wait_for_step(4, std::chrono::milliseconds(20)));  // nothing queued: the whole wait
+  EXPECT_GE(node::ServeClock::now() - t0, std::chrono::milliseconds(20));
+  q.push(call_of(0, 4, log));
+  const auto t1 = node::ServeClock::now();
+  EXPECT_TRUE(q.wait_for_step(4, std::chrono::seconds(10)));  // 4 rows wait: at once
+  EXPECT_LT(node::ServeClock::now() - t1, std::chrono::seconds(5));
+}
+
+v1::JobSpec serving_spec() {
+  v1::JobSpec s;
+  s.set_mode(v1::JobSpec::serve);
+  s.set_experts(4);
+  s.set_top_k(2);
+  s.set_hidden(3);
+  s.set_ffn_hidden(4);
+  s.set_layers(2);
+  s.set_tokens_per_rank(8);
+  return spec::with_defaults(s);
+}
+
+std::string refusal(const v1::ServeForward& f) {
+  const v1::JobSpec spec = serving_spec();
+  try {
+    node::make_serve_call(layer_spec::JobView(spec), f, 16);
+  } catch (const moe::InvalidArgument& e) {
+    return e.what();
+  }
+  return "";
+}
+
+TEST(ServeQueue, ACallIsCheckedAgainstTheJobNamingTheField) {
+  v1::ServeForward f;
+  f.set_layer(1);
+  f.set_rows(2);
+  f.set_hidden(3);
+  f.set_dtype(v1::JobSpec::fp32);
+  std::vector<float> x = {1, 2, 3, 4, 5, 6};
+  f.set_x(std::string(reinterpret_cast<const char*>(x.data()), x.size() * 4));
+  EXPECT_EQ(refusal(f), "");
+  v1::ServeForward g = f;
+  g.set_layer(-1);
+  EXPECT_EQ(refusal(g), "layer: the job serves layers 0-1, got -1");
+  g = f;
+  g.set_hidden(4);
+  EXPECT_EQ(refusal(g), "hidden: the job's layers take 3 values a row, got 4");
+  g = f;
+  g.set_rows(17);
+  EXPECT_EQ(refusal(g), "rows: must be in [1, 16] a call, got 17");
+  g = f;
+  g.set_rows(3);
+  EXPECT_EQ(refusal(g), "x: 3 rows of 3 fp32 values are 36 bytes, got 24");
+  x[4] = std::nanf("");
+  g = f;
+  g.set_x(std::string(reinterpret_cast<const char*>(x.data()), x.size() * 4));
+  EXPECT_EQ(refusal(g), "x: row(s) 1 hold a value that is not finite");
+  g = f;
+  g.set_dtype(v1::JobSpec::bf16);
+  EXPECT_EQ(refusal(g), "dtype: the job computes in fp32, got bf16");
+}
+
+}  // namespace
+}  // namespace moe::test
