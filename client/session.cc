@@ -1,7 +1,9 @@
 #include "moe/client/session.h"
 
 #include <cstring>
+#include <thread>
 
+#include "moe/base/check.h"
 #include "moe/rpc/frame.h"
 
 namespace moe::client {
@@ -31,6 +33,28 @@ Session::Session(SessionOptions options) : opts_(std::move(options)) {
   for (const v1::NodeInfo& n : cluster.cluster_status_reply().nodes())
     if (n.state() == v1::NODE_STATE_ALIVE && !n.control_address().empty()) nodes_.push_back(n.control_address());
   if (nodes_.empty()) throw rpc::RpcError(v1::ERROR_CODE_UNAVAILABLE, "job " + opts_.job + ": no node is alive");
+  wait_until_nodes_run_it();
+}
+
+// The agent records a job RUNNING as it asks the daemons to start it: a node
+// answers the job's calls once its daemon started it, a moment later.
+void Session::wait_until_nodes_run_it() {
+  const auto until = std::chrono::steady_clock::now() + opts_.timeout;
+  for (const std::string& address : nodes_) {
+    rpc::RpcClient node(options_for(opts_, address));
+    v1::Envelope ask;
+    ask.mutable_daemon_status();
+    for (;;) {
+      const v1::Envelope s = node.call(ask, opts_.timeout);
+      if (s.daemon_status_reply().running_job() == opts_.job) break;
+      if (std::chrono::steady_clock::now() > until)
+        throw rpc::RpcError(v1::ERROR_CODE_UNAVAILABLE, "job " + opts_.job + " did not start on the node at " + address +
+                                                            " within " + std::to_string(opts_.timeout.count()) + " ms");
+      std::this_thread::sleep_for(std::chrono::milliseconds(10));  // polling the daemon for the job's start
+    }
+    std::lock_guard<std::mutex> lock(pool_mu_);
+    idle_[address].push_back(std::make_unique<rpc::RpcClient>(std::move(node)));
+  }
 }
 
 Session::~Session() = default;
@@ -54,6 +78,7 @@ v1::Envelope Session::call_node(v1::Envelope request) {
 }
 
 std::vector<uint8_t> Session::forward_bytes(int layer, const void* x, int64_t rows, v1::JobSpec::DType dtype) {
+  if (rows < 1) throw InvalidArgument("rows: must be >= 1, got " + std::to_string(rows));
   const size_t bytes = static_cast<size_t>(rows) * hidden() * (dtype == v1::JobSpec::bf16 ? 2 : 4);
   v1::Envelope req;
   v1::ServeForward* f = req.mutable_serve_forward();
@@ -74,7 +99,10 @@ std::vector<uint8_t> Session::forward_bytes(int layer, const void* x, int64_t ro
 }
 
 std::vector<float> Session::forward(int layer, const std::vector<float>& x) {
-  const int64_t rows = hidden() > 0 ? static_cast<int64_t>(x.size()) / hidden() : 0;
+  if (hidden() < 1 || x.size() % hidden() != 0)
+    throw InvalidArgument("x: " + std::to_string(x.size()) + " values are not whole rows of " +
+                          std::to_string(hidden()));
+  const int64_t rows = static_cast<int64_t>(x.size()) / hidden();
   const std::vector<uint8_t> y = forward_bytes(layer, x.data(), rows, v1::JobSpec::fp32);
   std::vector<float> out(y.size() / 4);
   std::memcpy(out.data(), y.data(), y.size());

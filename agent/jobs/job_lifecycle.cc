@@ -293,7 +293,10 @@ void JobLifecycle::tick(Clock::time_point now) {
                      std::to_string(std::chrono::duration_cast<std::chrono::seconds>(opts_.stale_job_timeout).count()) +
                      " s",
                  now);
-  else if (!running_->ending() && running_->awaiting_ranks() && now - running_->restored_at > opts_.restored_job_timeout) {
+  // A serving job's ranks report nothing until it ends: its daemons' heartbeats
+  // and registrations tell whether it still runs.
+  else if (!running_->ending() && running_->awaiting_ranks() && running_->reports.spec.mode() != v1::JobSpec::serve &&
+           now - running_->restored_at > opts_.restored_job_timeout) {
     const int rank = static_cast<int>(std::find(running_->heard.begin(), running_->heard.end(), false) - running_->heard.begin());
     fail_running("agent restarted: " + describe_rank(rank) + " did not report within " +
                      std::to_string(std::chrono::duration_cast<std::chrono::seconds>(opts_.restored_job_timeout).count()) +

@@ -261,30 +261,45 @@ rpc::awaitable<v1::Envelope> Daemon::serve_forward(const v1::ServeForward& call,
     bool over = false;
     std::string error;
   };
-  auto wait = std::make_shared<Wait>(io_);
-  std::shared_ptr<ServeCall> c;
-  {
-    std::lock_guard<std::mutex> lock(mu_);
+  // The job's runner, under the lock: the one serving call.job_id(), or an error.
+  auto serving = [&]() -> JobRunner& {
     if (!runner_ || runner_->job_id() != call.job_id() || runner_->finished())
       throw RpcError(v1::ERROR_CODE_NOT_FOUND, "job " + call.job_id() + " is not running on " + opts_.name);
     if (!runner_->serve_queue())
       throw RpcError(v1::ERROR_CODE_FAILED_PRECONDITION, "job " + call.job_id() + " is not a serving job (--mode serve)");
-    c = runner_->serve_call(call);  // throws InvalidArgument naming the field
-    c->done = [wait, &io = io_](const std::string& error) {
-      rpc::asio::post(io, [wait, error] {
-        wait->over = true;
-        wait->error = error;
-        wait->timer.cancel();
-      });
-    };
-    runner_->serve_queue()->push(c);
+    return *runner_;
+  };
+  v1::JobSpec spec;
+  JobRunner::ServeLimits limits{};
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    spec = serving().spec();
+    limits = serving().serve_limits();
+  }
+  // Checked and copied without the lock (the io thread still waits for it).
+  const std::shared_ptr<ServeCall> c = make_serve_call(layer_spec::JobView(spec), call, limits.call_rows);
+  auto wait = std::make_shared<Wait>(io_);
+  c->done = [wait, &io = io_](const std::string& error) {
+    rpc::asio::post(io, [wait, error] {
+      wait->over = true;
+      wait->error = error;
+      wait->timer.cancel();
+    });
+  };
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (const std::string refused = serving().serve_queue()->push(c, limits.queued_rows); !refused.empty())
+      throw RpcError(v1::ERROR_CODE_UNAVAILABLE, "job " + call.job_id() + " on " + opts_.name + ": " + refused);
   }
   wait->timer.expires_at(ctx.deadline);
   boost::system::error_code ec;
   co_await wait->timer.async_wait(rpc::asio::redirect_error(rpc::use_awaitable, ec));
-  if (!wait->over)
+  if (!wait->over) {  // its rows leave the queue: nobody waits for them
+    std::lock_guard<std::mutex> lock(mu_);
+    if (runner_ && runner_->job_id() == call.job_id() && runner_->serve_queue()) runner_->serve_queue()->abandon(c);
     throw RpcError(v1::ERROR_CODE_DEADLINE_EXCEEDED,
                    "job " + call.job_id() + ": layer " + std::to_string(call.layer()) + "'s rows were not computed in time");
+  }
   if (!wait->error.empty()) throw RpcError(v1::ERROR_CODE_UNAVAILABLE, wait->error);
   v1::Envelope reply;
   auto* r = reply.mutable_serve_forward_reply();

@@ -5,6 +5,8 @@
 #include <thread>
 
 #include "moe/base/log.h"
+#include "moe/kernels/types.h"
+#include "moe/rpc/frame.h"
 #include "moe/layer_spec/job_layers.h"
 #include "moe/node/rank_run.h"
 #include "moe/transport/communicator.h"
@@ -53,6 +55,7 @@ JobRunner::~JobRunner() {
     for (auto& [local, run] : live_ranks_) run->abort_transport(why);
   }
   for (auto& t : threads_) t.join();
+  if (serve_) serve_->close("job " + job_.job_id() + " ended on this node");
   reports_->flush(std::max(until, std::chrono::steady_clock::now() + std::chrono::seconds(1)));
 }
 
@@ -97,9 +100,13 @@ std::string JobRunner::cancel_reason() const {
   return cancel_reason_.empty() ? "cancelled by another rank" : cancel_reason_;
 }
 
-std::shared_ptr<ServeCall> JobRunner::serve_call(const v1::ServeForward& call) const {
+JobRunner::ServeLimits JobRunner::serve_limits() const {
   const layer_spec::JobView view(job_.spec());
-  return make_serve_call(view, call, view.tokens_per_rank * env_.devices);
+  const int64_t row_bytes = static_cast<int64_t>(kernels::dtype_size(view.dtype)) * view.shape.hidden;
+  const int64_t step = view.tokens_per_rank * env_.devices;
+  const int64_t frame_rows = static_cast<int64_t>(rpc::kDefaultMaxFrameBytes - (64 << 10)) / row_bytes;
+  const int64_t call_rows = std::max<int64_t>(1, std::min(step, frame_rows));
+  return {call_rows, std::max(call_rows, std::min(8 * step, (int64_t{256} << 20) / row_bytes))};
 }
 
 int JobRunner::first_rank() const {
@@ -172,6 +179,8 @@ void JobRunner::rank_main(int local) {
   d->set_world_epoch(epoch);
   d->set_node_rank(env_.node_index * env_.devices + local);
   if (!d->ok() && !d->cancelled()) log::warn("job ", job_.job_id(), ": rank ", rank, " failed: ", d->message());
+  if (serve_ && !d->ok() && !d->cancelled()) serve_->close("job " + job_.job_id() + ": rank " + std::to_string(rank) +
+                                                           " failed: " + d->message());
   // Finished before the report: once the agent hears from every rank it may start
   // the next job here, and the daemon must not find this one still running.
   --running_;

@@ -21,13 +21,13 @@ void run_pieces(const ServeRank& r, int layer) {
   int64_t rows = 0;
   for (const ServePiece& p : pieces) rows += p.n;
   const size_t row_bytes = kernels::dtype_size(r.stack.job().dtype) * r.stack.job().shape.hidden;
-  std::vector<uint8_t> x(rows * row_bytes);
-  size_t at = 0;
-  for (const ServePiece& p : pieces) {
-    std::copy_n(p.call->x.data() + p.first * row_bytes, p.n * row_bytes, x.data() + at);
-    at += p.n * row_bytes;
-  }
   try {
+    std::vector<uint8_t> x(rows * row_bytes);
+    size_t at = 0;
+    for (const ServePiece& p : pieces) {
+      std::copy_n(p.call->x.data() + p.first * row_bytes, p.n * row_bytes, x.data() + at);
+      at += p.n * row_bytes;
+    }
     const std::vector<uint8_t> y = r.stack.serve_forward(layer, x, rows);
     at = 0;
     for (const ServePiece& p : pieces) {
@@ -58,6 +58,7 @@ int64_t serve_until_cancelled(const ServeRank& r, const std::function<bool()>& c
     r.rebalance.act(vote.data() + 1, static_cast<int>(step));
     const int layer = chosen_layer(vote.data() + 1 + RebalanceSession::kVoteFloats, L);
     if (layer >= 0) run_pieces(r, layer);
+    r.rebalance.after_step();  // a staged rebalance reports ready once its copies are in
   }
 }
 

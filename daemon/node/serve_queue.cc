@@ -73,19 +73,22 @@ bool ServeQueue::end(ServeCall& call) {
   return true;
 }
 
-void ServeQueue::push(std::shared_ptr<ServeCall> call) {
-  std::string closed;
-  {
-    std::lock_guard<std::mutex> lock(mu_);
-    if (closed_.empty()) {
-      waiting_.at(call->layer).push_back(call);
-      cv_.notify_all();
-      return;
-    }
-    closed = closed_;
-    end(*call);
-  }
-  call->done(closed);
+std::string ServeQueue::push(std::shared_ptr<ServeCall> call, int64_t max_rows) {
+  std::lock_guard<std::mutex> lock(mu_);
+  if (!closed_.empty()) return closed_;
+  if (const int64_t queued = queued_rows(); queued + call->rows > max_rows)
+    return "the node's queue is full (" + std::to_string(queued) + " rows wait, at most " + std::to_string(max_rows) +
+           "): call again later";
+  waiting_.at(call->layer).push_back(std::move(call));
+  cv_.notify_all();
+  return "";
+}
+
+void ServeQueue::abandon(const std::shared_ptr<ServeCall>& call) {
+  std::lock_guard<std::mutex> lock(mu_);
+  end(*call);
+  auto& q = waiting_.at(call->layer);
+  q.erase(std::remove(q.begin(), q.end(), call), q.end());
 }
 
 int64_t ServeQueue::queued_rows() const {

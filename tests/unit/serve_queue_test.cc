@@ -33,9 +33,10 @@ TEST(ServeQueue, HandsOutRowsOldestFirstAndCompletesACallWithItsLastPiece) {
   std::vector<std::string> log;
   node::ServeQueue q(2);
   auto a = call_of(0, 5, log), b = call_of(0, 4, log), c = call_of(1, 3, log);
-  q.push(a);
-  q.push(b);
-  q.push(c);
+  EXPECT_EQ(q.push(a, 100), "");
+  EXPECT_EQ(q.push(b, 100), "");
+  EXPECT_EQ(q.push(c, 12), "");  // 5 + 4 + 3 rows: just fits
+  EXPECT_EQ(q.push(call_of(1, 1, log), 12), "the node's queue is full (12 rows wait, at most 12): call again later");
   const std::vector<float> ages = q.ages(node::ServeClock::now() + std::chrono::milliseconds(5));
   EXPECT_GE(ages[0], 5.0f);
   EXPECT_GE(ages[1], 5.0f);
@@ -63,8 +64,8 @@ TEST(ServeQueue, HandsOutRowsOldestFirstAndCompletesACallWithItsLastPiece) {
   q.close("job stopped");  // c was queued: it fails
   ASSERT_EQ(log.size(), 3u);
   EXPECT_EQ(log[2], "layer 1 rows 3: job stopped");
-  q.push(call_of(1, 1, log));  // after the close: at once
-  EXPECT_EQ(log.back(), "layer 1 rows 1: job stopped");
+  EXPECT_EQ(q.push(call_of(1, 1, log), 100), "job stopped");  // after the close: refused
+  EXPECT_EQ(log.size(), 3u);
   EXPECT_FALSE(q.wait_for_step(1, std::chrono::milliseconds(1)));
 }
 
@@ -72,7 +73,7 @@ TEST(ServeQueue, AFailedPieceFailsItsCallOnceAndItsOtherPiecesAreDropped) {
   std::vector<std::string> log;
   node::ServeQueue q(1);
   auto a = call_of(0, 4, log);
-  q.push(a);
+  EXPECT_EQ(q.push(a, 100), "");
   const auto p1 = q.take(0, 2), p2 = q.take(0, 2);
   q.fail(p1[0], "rank 1: transport failed");
   q.fail(p2[0], "rank 0: also");
@@ -82,13 +83,31 @@ TEST(ServeQueue, AFailedPieceFailsItsCallOnceAndItsOtherPiecesAreDropped) {
   EXPECT_EQ(log[0], "layer 0 rows 4: rank 1: transport failed");
 }
 
+TEST(ServeQueue, AnAbandonedCallLeavesTheQueueAndItsPiecesInFlightAreDropped) {
+  std::vector<std::string> log;
+  node::ServeQueue q(1);
+  auto a = call_of(0, 6, log), b = call_of(0, 2, log);
+  EXPECT_EQ(q.push(a, 100), "");
+  EXPECT_EQ(q.push(b, 100), "");
+  const auto p = q.take(0, 2);  // 2 of a's rows in flight
+  q.abandon(a);
+  const auto next = q.take(0, 10);  // only b is left
+  ASSERT_EQ(next.size(), 1u);
+  EXPECT_EQ(next[0].call, b);
+  const uint8_t rows[2] = {1, 1};
+  q.finish(p[0], rows);
+  q.finish(next[0], rows);
+  ASSERT_EQ(log.size(), 1u);
+  EXPECT_EQ(log[0], "layer 0 rows 2: ok");
+}
+
 TEST(ServeQueue, AWaitingRankVotesOnceItsOldestRowWaitedOrEnoughRowsWait) {
   std::vector<std::string> log;
   node::ServeQueue q(1);
   const auto t0 = node::ServeClock::now();
   EXPECT_TRUE(q.wait_for_step(4, std::chrono::milliseconds(20)));  // nothing queued: the whole wait
   EXPECT_GE(node::ServeClock::now() - t0, std::chrono::milliseconds(20));
-  q.push(call_of(0, 4, log));
+  EXPECT_EQ(q.push(call_of(0, 4, log), 100), "");
   const auto t1 = node::ServeClock::now();
   EXPECT_TRUE(q.wait_for_step(4, std::chrono::seconds(10)));  // 4 rows wait: at once
   EXPECT_LT(node::ServeClock::now() - t1, std::chrono::seconds(5));

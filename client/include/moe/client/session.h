@@ -42,13 +42,15 @@ class Session {
   int layers() const { return spec_.layers(); }
 
   // The layer's output for x [rows, hidden] in the job's dtype (its bytes,
-  // row-major). Throws rpc::RpcError with what the job refused (the field and
-  // why) or why the call failed.
+  // row-major). Throws moe::InvalidArgument for rows < 1, rpc::RpcError with what
+  // the job refused (the field and why) or why the call failed (UNAVAILABLE: the
+  // node's queue is full, or the job stopped).
   std::vector<uint8_t> forward_bytes(int layer, const void* x, int64_t rows, v1::JobSpec::DType dtype);
   // An fp32 job's layer on fp32 rows.
   std::vector<float> forward(int layer, const std::vector<float>& x);
 
  private:
+  void wait_until_nodes_run_it();
   // One call on the next node in turn, on a connection of the pool (a new one
   // when every connection to that node is in use).
   v1::Envelope call_node(v1::Envelope request);

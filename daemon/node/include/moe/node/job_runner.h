@@ -79,9 +79,14 @@ class JobRunner {
   WorldMailbox& worlds() { return worlds_; }
   // A serving job's calls on this node (docs/serving.md); null for other jobs.
   ServeQueue* serve_queue() { return serve_.get(); }
-  // A client's call checked against the job (make_serve_call); at most one step
-  // of this node's ranks a call.
-  std::shared_ptr<ServeCall> serve_call(const v1::ServeForward& call) const;
+  // A serving job's limits on this node (docs/serving.md): rows a call (one step
+  // of the node's ranks, and what fits a frame) and rows queued (8 steps, at most
+  // 256 MiB of them).
+  struct ServeLimits {
+    int64_t call_rows, queued_rows;
+  };
+  ServeLimits serve_limits() const;
+  const v1::JobSpec& spec() const { return job_.spec(); }
   // This node's first rank in the job's first world here (a joining node's
   // place in the world it joins).
   int first_rank() const;

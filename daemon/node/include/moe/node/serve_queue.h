@@ -54,9 +54,13 @@ class ServeQueue {
  public:
   explicit ServeQueue(int layers) : waiting_(layers) {}
 
-  // The RPC thread: queues a call (checked by the caller). Throws nothing; a
-  // queue that closed fails the call at once.
-  void push(std::shared_ptr<ServeCall> call);
+  // The RPC thread: queues a call (checked by the caller) unless the queue closed
+  // or `max_rows` rows would then wait; returns "" when queued, else why not
+  // (done() is not run: the caller answers).
+  std::string push(std::shared_ptr<ServeCall> call, int64_t max_rows);
+  // The caller stopped waiting (its deadline passed): the rows not handed out
+  // leave the queue, and pieces in flight are dropped when they come back.
+  void abandon(const std::shared_ptr<ServeCall>& call);
   // A rank before a serve step: returns once `rows` rows wait, the oldest row
   // waited `max_wait`, or `max_wait` (at least 1 ms) passed with none; false
   // when the queue closed.
