@@ -102,6 +102,29 @@ void ElasticWorlds::on_halt_failed(const std::string& job_id, int64_t epoch, int
             now);
 }
 
+// A node that ran the job's last step has ended its part; a rank finishes only
+// after every collective of every step completed, so the lost nodes computed every
+// step too, and only their last reports are missing. When the node is the last
+// one not lost, the halt ends: the lost nodes' ranks count as done and the job
+// ends with the node's RankDones (success, or the failure they name). With other
+// nodes still in the world, the node leaves it as a lost one would.
+void ElasticWorlds::on_part_ended(const std::string& job_id, int64_t epoch, int node, Clock::time_point now) {
+  if (!run_.elastic_running() || job().id != job_id || epoch != job().world_epoch || !job().halt) return;
+  RunningJob& j = job();
+  for (int n : j.nodes)
+    if (n != node && !j.halt->lost.count(n))
+      return node_lost(node, "peer_failed",
+                       members_.describe_node(members_.nodes()[node]) + " ended its part of the job during the halt", now);
+  log::warn("job ", j.id, ": ", members_.describe_node(members_.nodes()[node]),
+            " ran the last step before the halt: the lost node(s) ran it too; the job ends with its reports");
+  const int D = members_.devices_per_node();
+  const std::set<int> lost = j.halt->lost;
+  j.halt.reset();
+  for (size_t pos = 0; pos < j.nodes.size(); ++pos)
+    if (lost.count(j.nodes[pos])) run_.mark_done(static_cast<int>(pos) * D, static_cast<int>(pos + 1) * D);
+  run_.finish_if_all_done();
+}
+
 // Every node of the world stops it; a node already known lost is not asked.
 void ElasticWorlds::begin_halt(const std::string& kind, const std::string& cause, std::set<int> lost,
                            Clock::time_point now) {

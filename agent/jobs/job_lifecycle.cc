@@ -264,6 +264,11 @@ void JobLifecycle::on_rank_done(const v1::RankDone& d, Clock::time_point now) {
       fail_running(describe_rank(d.rank()) + ": " + d.message(), now);
     return;
   }
+  finish_if_all_done();
+}
+
+void JobLifecycle::finish_if_all_done() {
+  const RunningJob& job = *running_;
   if (job.done_count < job.reports.world) return;
   if (job.cancelled) finish(v1::JOB_STATE_CANCELLED, job.message);
   else if (job.failed) finish(v1::JOB_STATE_FAILED, job.message);

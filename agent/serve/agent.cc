@@ -474,6 +474,16 @@ void Agent::halt_world(const std::string& job_id, int64_t epoch, const std::stri
     outbound_->post(n.control_address, [this, req, job_id, epoch, index](rpc::RpcClient& daemon) {
       try {
         daemon.call(req, opts_.halt_call_timeout);
+      } catch (const rpc::RpcError& e) {
+        // FAILED_PRECONDITION: the node's part of the job has ended already.
+        const bool ended = e.code() == v1::ERROR_CODE_FAILED_PRECONDITION;
+        const std::string error = e.what();
+        rpc::asio::post(io_, [this, job_id, epoch, index, error, ended] {
+          if (ended)
+            scheduler_.on_halt_found_ended(job_id, epoch, index, Clock::now());
+          else
+            scheduler_.on_halt_failed(job_id, epoch, index, error, Clock::now());
+        });
       } catch (const std::exception& e) {
         const std::string error = e.what();
         rpc::asio::post(io_, [this, job_id, epoch, index, error] {

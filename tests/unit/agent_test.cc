@@ -665,6 +665,46 @@ TEST_F(SchedulerTest, AnElasticJobThatLosesANodeAfterItsLastStepSucceeds) {
   EXPECT_EQ(scheduler.record(id).state(), v1::JOB_STATE_SUCCEEDED) << scheduler.record(id).message();
 }
 
+// A node is lost while the job's last step runs: the survivor's ranks finish it
+// (their collectives of every step completed, so the lost node computed every
+// step too) and its daemon answers the halt that its part has ended. The lost
+// node's last reports never come; the job succeeds with the survivor's RankDones,
+// in either order (thrash: a SIGKILL at the very end failed the job "every node
+// of the job was lost").
+class SurvivorRanTheLastStep : public SchedulerTest {
+ protected:
+  void run(bool dones_first) {
+    add_nodes(2, 2);
+    v1::JobSpec s = spec(8);
+    s.set_elastic(true);
+    const std::string id = scheduler.submit(s).job_id();
+    scheduler.try_start(now);
+    report_steps(id, 4, 1);
+    for (int r = 0; r < 2; ++r) {  // node0's ranks report the last step; node1's never will
+      v1::StepReport sr;
+      sr.set_job_id(id);
+      sr.set_rank(r);
+      sr.mutable_stats()->set_step(1);
+      sr.mutable_stats()->set_step_seconds(0.1);
+      scheduler.on_step(sr, now);
+    }
+    scheduler.on_node_dead("node node1 (ranks 2-3) stopped responding", now, 1);
+    ASSERT_EQ(rec.halted.size(), 1u) << "the last step is not complete: a world change";
+    if (dones_first)
+      for (int r = 0; r < 2; ++r) scheduler.on_rank_done(done(id, r), now);
+    scheduler.on_halt_found_ended(id, 0, 0, now);
+    if (!dones_first) {
+      EXPECT_EQ(scheduler.record(id).state(), v1::JOB_STATE_RUNNING) << "the survivor's RankDones decide";
+      for (int r = 0; r < 2; ++r) scheduler.on_rank_done(done(id, r), now);
+    }
+    EXPECT_EQ(scheduler.record(id).state(), v1::JOB_STATE_SUCCEEDED) << scheduler.record(id).message();
+    EXPECT_TRUE(rec.worlds.empty());
+  }
+};
+
+TEST_F(SurvivorRanTheLastStep, TheHaltsAnswerFirst) { run(false); }
+TEST_F(SurvivorRanTheLastStep, TheRankDonesFirst) { run(true); }
+
 // A rank of a world the job left (a node that woke after it was declared lost)
 // is fenced: its RankDone and halts change nothing.
 TEST_F(SchedulerTest, AnElasticJobIgnoresTheOldWorldsRanks) {

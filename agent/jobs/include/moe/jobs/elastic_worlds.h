@@ -27,6 +27,9 @@ class ElasticWorlds {
   void on_rank_halted(const v1::RankHalted& h, Clock::time_point now);
   void on_halt_failed(const std::string& job_id, int64_t epoch, int node, const std::string& error,
                       Clock::time_point now);
+  // A node told to halt had already ended its part of the job (its ranks ran the
+  // last step, or failed: their RankDones say which).
+  void on_part_ended(const std::string& job_id, int64_t epoch, int node, Clock::time_point now);
   // A node of the running elastic job registered, running `running_job`.
   void on_node_registered(const NodeRecord& node, const std::string& running_job, Clock::time_point now);
   // The halt deadline: true when it failed the job.

@@ -55,6 +55,8 @@ class JobLifecycle {
   void heard_from(int rank, Clock::time_point now);
   // Its ranks `from`..`to` - 1 count as done (they will never report); true when every rank is.
   bool mark_done(int from, int to);
+  // Every rank is done: the job ends, as its reports say (cancelled, failed or succeeded).
+  void finish_if_all_done();
   // The job moves onto a new world (elastic_worlds.h): its shape, size and
   // reports restart at the resume step; the world's own fields are the caller's.
   void move_to_world(const v1::NewWorld& w, const ShapeKey& shape);

@@ -79,6 +79,10 @@ class Scheduler {
                       Clock::time_point now) {
     worlds_.on_halt_failed(job_id, epoch, node, error, now);
   }
+  // A node told to halt answered that the job's part there has already ended.
+  void on_halt_found_ended(const std::string& job_id, int64_t epoch, int node, Clock::time_point now) {
+    worlds_.on_part_ended(job_id, epoch, node, now);
+  }
   int home_rank(int rank, int64_t epoch) const { return run_.home_rank(rank, epoch); }
   std::string describe_rank(int rank) const { return run_.describe_rank(rank); }
   // Grace and silence deadlines of the running job.
