@@ -7,6 +7,8 @@
 #include <fstream>
 #include <sstream>
 
+#include "moe/rpc/local_access.h"
+
 namespace moe::ctl {
 
 namespace fs = std::filesystem;
@@ -58,19 +60,11 @@ std::string unreachable_reason(const Globals& g) {
 
 Resolved resolve(const Globals& g) {
   Resolved r;
-  const char* home = std::getenv("HOME");
-  r.state_dir = !g.state_dir.empty() ? g.state_dir : std::string(home ? home : ".") + "/.local/state/moed";
-  r.agent = g.agent;
-  if (r.agent.empty() && fs::exists(fs::path(r.state_dir) / "agent_address"))
-    r.agent = read_trimmed((fs::path(r.state_dir) / "agent_address").string());
-  if (r.agent.empty()) r.agent = kDefaultAgent;
-  std::string token_file = g.token_file;
-  if (token_file.empty() && fs::exists(fs::path(r.state_dir) / "token")) token_file = (fs::path(r.state_dir) / "token").string();
-  if (!token_file.empty()) r.token = rpc::read_token_file(token_file);
-  r.tls = g.tls;
-  const fs::path local = fs::path(r.state_dir) / "tls";
-  if (!r.tls.enabled() && fs::exists(local / "ca.pem"))
-    r.tls = {(local / "moectl.pem").string(), (local / "moectl.key").string(), (local / "ca.pem").string()};
+  r.state_dir = !g.state_dir.empty() ? g.state_dir : rpc::default_state_dir();
+  const rpc::LocalAccess local = rpc::local_access(r.state_dir);
+  r.agent = !g.agent.empty() ? g.agent : !local.agent.empty() ? local.agent : kDefaultAgent;
+  r.token = !g.token_file.empty() ? rpc::read_token_file(g.token_file) : local.token;
+  r.tls = g.tls.enabled() ? g.tls : local.tls;
   return r;
 }
 

@@ -198,6 +198,10 @@ const std::vector<JobFieldDoc>& job_field_docs() {
        "serve: a rank's step starts once its oldest queued row waited this long, or tokens_per_rank rows wait "
        "(default 2)",
        false},
+      {"serve_train",
+       "serve: the layers also take backward calls (gradients summed per layer) and optimizer steps "
+       "(--optimizer, --lr), for programs training through the cluster",
+       false},
       {"exact_replica_grads",
        "a replicated expert's gradient taken at its primary over all of its pairs: the bits of a job without the "
        "replicas, for the primary's computing the replicas' share again",

@@ -1,5 +1,6 @@
 #include "moe/client/session.h"
 
+#include <algorithm>
 #include <cstring>
 #include <thread>
 
@@ -17,16 +18,8 @@ rpc::ClientOptions options_for(const SessionOptions& o, const std::string& addre
 
 Session::Session(SessionOptions options) : opts_(std::move(options)) {
   rpc::RpcClient agent(options_for(opts_, opts_.agent));
-  v1::Envelope get;
-  get.mutable_get_job()->set_job_id(opts_.job);
-  const v1::Envelope job = agent.call(get, opts_.timeout);
-  if (!job.has_job()) throw rpc::RpcError(v1::ERROR_CODE_INTERNAL, "the agent answered " + rpc::payload_name(job));
-  if (job.job().spec().mode() != v1::JobSpec::serve)
-    throw rpc::RpcError(v1::ERROR_CODE_FAILED_PRECONDITION, "job " + opts_.job + " is not a serving job (--mode serve)");
-  if (job.job().state() != v1::JOB_STATE_RUNNING)
-    throw rpc::RpcError(v1::ERROR_CODE_FAILED_PRECONDITION,
-                        "job " + opts_.job + " is " + v1::JobState_Name(job.job().state()) + ", not running");
-  spec_ = job.job().spec();
+  const v1::JobResult job = running_job(agent);
+  spec_ = job.spec();
   v1::Envelope status;
   status.mutable_cluster_status();
   const v1::Envelope cluster = agent.call(status, opts_.timeout);
@@ -34,6 +27,26 @@ Session::Session(SessionOptions options) : opts_(std::move(options)) {
     if (n.state() == v1::NODE_STATE_ALIVE && !n.control_address().empty()) nodes_.push_back(n.control_address());
   if (nodes_.empty()) throw rpc::RpcError(v1::ERROR_CODE_UNAVAILABLE, "job " + opts_.job + ": no node is alive");
   wait_until_nodes_run_it();
+}
+
+// The job once it runs: a queued one (its cluster still busy) is waited for,
+// up to the session's timeout.
+v1::JobResult Session::running_job(rpc::RpcClient& agent) const {
+  const auto until = std::chrono::steady_clock::now() + opts_.timeout;
+  v1::Envelope get;
+  get.mutable_get_job()->set_job_id(opts_.job);
+  for (;;) {
+    const v1::Envelope reply = agent.call(get, opts_.timeout);
+    if (!reply.has_job()) throw rpc::RpcError(v1::ERROR_CODE_INTERNAL, "the agent answered " + rpc::payload_name(reply));
+    const v1::JobResult& job = reply.job();
+    if (job.spec().mode() != v1::JobSpec::serve)
+      throw rpc::RpcError(v1::ERROR_CODE_FAILED_PRECONDITION, "job " + opts_.job + " is not a serving job (--mode serve)");
+    if (job.state() == v1::JOB_STATE_RUNNING) return job;
+    if (job.state() != v1::JOB_STATE_QUEUED || std::chrono::steady_clock::now() > until)
+      throw rpc::RpcError(v1::ERROR_CODE_FAILED_PRECONDITION,
+                          "job " + opts_.job + " is " + v1::JobState_Name(job.state()) + ", not running");
+    std::this_thread::sleep_for(std::chrono::milliseconds(20));  // polling the agent for the job's start
+  }
 }
 
 // The agent records a job RUNNING as it asks the daemons to start it: a node
@@ -46,7 +59,10 @@ void Session::wait_until_nodes_run_it() {
     ask.mutable_daemon_status();
     for (;;) {
       const v1::Envelope s = node.call(ask, opts_.timeout);
-      if (s.daemon_status_reply().running_job() == opts_.job) break;
+      if (s.daemon_status_reply().running_job() == opts_.job) {
+        steps_ = std::max<int64_t>(steps_, s.daemon_status_reply().serve_steps());
+        break;
+      }
       if (std::chrono::steady_clock::now() > until)
         throw rpc::RpcError(v1::ERROR_CODE_UNAVAILABLE, "job " + opts_.job + " did not start on the node at " + address +
                                                             " within " + std::to_string(opts_.timeout.count()) + " ms");
@@ -59,8 +75,16 @@ void Session::wait_until_nodes_run_it() {
 
 Session::~Session() = default;
 
-v1::Envelope Session::call_node(v1::Envelope request) {
-  const std::string& address = nodes_[next_++ % nodes_.size()];
+v1::Envelope Session::call_node(v1::Envelope request) { return call_node(next_++ % nodes_.size(), std::move(request)); }
+
+void Session::expect(const v1::Envelope& reply, bool has, const char* what) {
+  if (!has)
+    throw rpc::RpcError(v1::ERROR_CODE_INTERNAL, std::string("the node answered ") + rpc::payload_name(reply) +
+                                                     " to " + what);
+}
+
+v1::Envelope Session::call_node(size_t node, v1::Envelope request) {
+  const std::string& address = nodes_.at(node);
   std::unique_ptr<rpc::RpcClient> conn;
   {
     std::lock_guard<std::mutex> lock(pool_mu_);
@@ -78,24 +102,7 @@ v1::Envelope Session::call_node(v1::Envelope request) {
 }
 
 std::vector<uint8_t> Session::forward_bytes(int layer, const void* x, int64_t rows, v1::JobSpec::DType dtype) {
-  if (rows < 1) throw InvalidArgument("rows: must be >= 1, got " + std::to_string(rows));
-  const size_t bytes = static_cast<size_t>(rows) * hidden() * (dtype == v1::JobSpec::bf16 ? 2 : 4);
-  v1::Envelope req;
-  v1::ServeForward* f = req.mutable_serve_forward();
-  f->set_job_id(opts_.job);
-  f->set_layer(layer);
-  f->set_rows(rows);
-  f->set_hidden(hidden());
-  f->set_dtype(dtype);
-  f->set_x(static_cast<const char*>(x), bytes);
-  const v1::Envelope reply = call_node(std::move(req));
-  if (!reply.has_serve_forward_reply())
-    throw rpc::RpcError(v1::ERROR_CODE_INTERNAL, "the node answered " + rpc::payload_name(reply));
-  const std::string& y = reply.serve_forward_reply().y();
-  if (y.size() != bytes)
-    throw rpc::RpcError(v1::ERROR_CODE_INTERNAL, "the node answered " + std::to_string(y.size()) + " bytes for " +
-                                                     std::to_string(bytes));
-  return {y.begin(), y.end()};
+  return forward_call(layer, x, rows, dtype, false).y;
 }
 
 std::vector<float> Session::forward(int layer, const std::vector<float>& x) {
@@ -107,6 +114,75 @@ std::vector<float> Session::forward(int layer, const std::vector<float>& x) {
   std::vector<float> out(y.size() / 4);
   std::memcpy(out.data(), y.data(), y.size());
   return out;
+}
+
+Session::Kept Session::forward_kept(int layer, const void* x, int64_t rows, v1::JobSpec::DType dtype) {
+  return forward_call(layer, x, rows, dtype, true);
+}
+
+Session::Kept Session::forward_call(int layer, const void* x, int64_t rows, v1::JobSpec::DType dtype, bool keep) {
+  if (rows < 1) throw InvalidArgument("rows: must be >= 1, got " + std::to_string(rows));
+  const size_t bytes = static_cast<size_t>(rows) * hidden() * (dtype == v1::JobSpec::bf16 ? 2 : 4);
+  v1::Envelope req;
+  v1::ServeForward* f = req.mutable_serve_forward();
+  f->set_job_id(opts_.job);
+  f->set_layer(layer);
+  f->set_rows(rows);
+  f->set_hidden(hidden());
+  f->set_dtype(dtype);
+  f->set_x(static_cast<const char*>(x), bytes);
+  f->set_keep_for_backward(keep);
+  const size_t node = next_++ % nodes_.size();
+  const v1::Envelope reply = call_node(node, std::move(req));
+  expect(reply, reply.has_serve_forward_reply(), "a forward call");
+  const std::string& y = reply.serve_forward_reply().y();
+  if (y.size() != bytes || (keep && reply.serve_forward_reply().handle() == 0))
+    throw rpc::RpcError(v1::ERROR_CODE_INTERNAL, "the node answered " + std::to_string(y.size()) + " bytes for " +
+                                                     std::to_string(bytes) + (keep ? " and no handle" : ""));
+  return {{y.begin(), y.end()}, {node, reply.serve_forward_reply().handle(), layer, rows}};
+}
+
+std::vector<uint8_t> Session::backward_bytes(const Handle& handle, const void* grad_y, v1::JobSpec::DType dtype) {
+  const size_t bytes = static_cast<size_t>(handle.rows) * hidden() * (dtype == v1::JobSpec::bf16 ? 2 : 4);
+  v1::Envelope req;
+  v1::ServeBackward* b = req.mutable_serve_backward();
+  b->set_job_id(opts_.job);
+  b->set_layer(handle.layer);
+  b->set_handle(handle.id);
+  b->set_rows(handle.rows);
+  b->set_hidden(hidden());
+  b->set_dtype(dtype);
+  b->set_grad_y(static_cast<const char*>(grad_y), bytes);
+  const v1::Envelope reply = call_node(handle.node, std::move(req));
+  expect(reply, reply.has_serve_backward_reply(), "a backward call");
+  const std::string& g = reply.serve_backward_reply().grad_x();
+  if (g.size() != bytes)
+    throw rpc::RpcError(v1::ERROR_CODE_INTERNAL, "the node answered " + std::to_string(g.size()) + " bytes for " +
+                                                     std::to_string(bytes));
+  return {g.begin(), g.end()};
+}
+
+int64_t Session::step(int clients, const std::string& caller) {
+  v1::Envelope req;
+  v1::ServeStep* s = req.mutable_serve_step();
+  s->set_job_id(opts_.job);
+  s->set_step(steps_ + 1);
+  s->set_clients(clients);
+  s->set_caller(caller.empty() ? opts_.name : caller);
+  const v1::Envelope reply = call_node(std::move(req));
+  expect(reply, reply.has_serve_step_reply(), "a step");
+  int64_t seen = steps_;
+  while (seen < reply.serve_step_reply().step() && !steps_.compare_exchange_weak(seen, reply.serve_step_reply().step())) {
+  }
+  return reply.serve_step_reply().step();
+}
+
+v1::ServeWeightsReply Session::weights() {
+  v1::Envelope req;
+  req.mutable_serve_weights()->set_job_id(opts_.job);
+  v1::Envelope reply = call_node(std::move(req));
+  expect(reply, reply.has_serve_weights_reply(), "a weight read");
+  return std::move(*reply.mutable_serve_weights_reply());
 }
 
 }  // namespace moe::client

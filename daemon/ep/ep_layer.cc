@@ -326,6 +326,33 @@ void EpLayer::optimizer_step(const kernels::OptimizerConfig& cfg, int64_t step) 
   be_.synchronize();
 }
 
+std::vector<GradSums::Tensor> EpLayer::grad_tensors() {
+  const size_t H = cfg_.hidden, I = cfg_.ffn_hidden, S = map_.slots_per_rank;
+  std::vector<GradSums::Tensor> t = {{router_.grad_gate(), cfg_.num_experts * H},
+                                     {experts_->grad_w13(), S * 2 * I * H},
+                                     {experts_->grad_w2(), S * H * I}};
+  if (shared_) {
+    t.push_back({shared_->grad_w13(), shared_->w13_size()});
+    t.push_back({shared_->grad_w2(), shared_->w2_size()});
+    if (shared_->gate_size()) t.push_back({shared_->grad_gate(), shared_->gate_size()});
+  }
+  return t;
+}
+
+void EpLayer::accumulate_grads() {
+  MOE_CHECK(cfg_.train, "gradients of a layer built without train = true");
+  grad_sums_.add(be_, grad_tensors());
+  if (next_.staged) next_.staged->add_pass_gradients();
+  be_.synchronize();
+}
+
+bool EpLayer::load_accumulated_grads() {
+  if (!grad_sums_.load(be_, grad_tensors())) return false;
+  if (next_.staged) next_.staged->load_summed_gradients();
+  be_.synchronize();
+  return true;
+}
+
 const float* EpLayer::grad_w13(int local_slot) const {
   return experts_->grad_w13() + static_cast<size_t>(local_slot) * 2 * cfg_.ffn_hidden * cfg_.hidden;
 }

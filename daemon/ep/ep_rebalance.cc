@@ -131,6 +131,22 @@ void StagedExperts::optimizer_step(const kernels::OptimizerConfig& cfg, int64_t 
   }
 }
 
+void StagedExperts::add_pass_gradients() {
+  for (Gained& g : gained_) {
+    if (g.grad_sum.empty()) g.grad_sum.swap(g.grad);
+    else
+      for (size_t i = 0; i < g.grad.size(); ++i) g.grad_sum[i] += g.grad[i];
+    g.grad.clear();
+  }
+}
+
+void StagedExperts::load_summed_gradients() {
+  for (Gained& g : gained_) {
+    g.grad.swap(g.grad_sum);
+    g.grad_sum.clear();
+  }
+}
+
 const ExpertState& StagedExperts::gained_state(int slot) const {
   for (const Gained& g : gained_)
     if (copies_[g.copy].to_slot == slot) {

@@ -51,7 +51,7 @@ bool is_train(const v1::JobSpec& s) {
     case v1::JobSpec::MODE_UNSPECIFIED:
     case v1::JobSpec::forward: return false;
     case v1::JobSpec::train: return true;
-    case v1::JobSpec::serve: return false;  // forward calls only, for now (docs/serving.md)
+    case v1::JobSpec::serve: return s.serve_train();  // backward calls and steps (docs/serving.md#training)
     MOE_PROTO_ENUM_SENTINELS(JobSpec_Mode): break;
   }
   detail::fail("mode: unknown value ", static_cast<int>(s.mode()));

@@ -254,62 +254,8 @@ void Daemon::start_job(const v1::StartJob& start) {
   runner_ = std::make_unique<JobRunner>(start, env);
 }
 
-rpc::awaitable<v1::Envelope> Daemon::serve_forward(const v1::ServeForward& call, const rpc::RequestContext& ctx) {
-  struct Wait {  // on the io thread only
-    explicit Wait(rpc::asio::io_context& io) : timer(io) {}
-    rpc::asio::steady_timer timer;
-    bool over = false;
-    std::string error;
-  };
-  // The job's runner, under the lock: the one serving call.job_id(), or an error.
-  auto serving = [&]() -> JobRunner& {
-    if (!runner_ || runner_->job_id() != call.job_id() || runner_->finished())
-      throw RpcError(v1::ERROR_CODE_NOT_FOUND, "job " + call.job_id() + " is not running on " + opts_.name);
-    if (!runner_->serve_queue())
-      throw RpcError(v1::ERROR_CODE_FAILED_PRECONDITION, "job " + call.job_id() + " is not a serving job (--mode serve)");
-    return *runner_;
-  };
-  v1::JobSpec spec;
-  JobRunner::ServeLimits limits{};
-  {
-    std::lock_guard<std::mutex> lock(mu_);
-    spec = serving().spec();
-    limits = serving().serve_limits();
-  }
-  // Checked and copied without the lock (the io thread still waits for it).
-  const std::shared_ptr<ServeCall> c = make_serve_call(layer_spec::JobView(spec), call, limits.call_rows);
-  auto wait = std::make_shared<Wait>(io_);
-  c->done = [wait, &io = io_](const std::string& error) {
-    rpc::asio::post(io, [wait, error] {
-      wait->over = true;
-      wait->error = error;
-      wait->timer.cancel();
-    });
-  };
-  {
-    std::lock_guard<std::mutex> lock(mu_);
-    if (const std::string refused = serving().serve_queue()->push(c, limits.queued_rows); !refused.empty())
-      throw RpcError(v1::ERROR_CODE_UNAVAILABLE, "job " + call.job_id() + " on " + opts_.name + ": " + refused);
-  }
-  wait->timer.expires_at(ctx.deadline);
-  boost::system::error_code ec;
-  co_await wait->timer.async_wait(rpc::asio::redirect_error(rpc::use_awaitable, ec));
-  if (!wait->over) {  // its rows leave the queue: nobody waits for them
-    std::lock_guard<std::mutex> lock(mu_);
-    if (runner_ && runner_->job_id() == call.job_id() && runner_->serve_queue()) runner_->serve_queue()->abandon(c);
-    throw RpcError(v1::ERROR_CODE_DEADLINE_EXCEEDED,
-                   "job " + call.job_id() + ": layer " + std::to_string(call.layer()) + "'s rows were not computed in time");
-  }
-  if (!wait->error.empty()) throw RpcError(v1::ERROR_CODE_UNAVAILABLE, wait->error);
-  v1::Envelope reply;
-  auto* r = reply.mutable_serve_forward_reply();
-  r->set_rows(c->rows);
-  r->set_y(std::string(c->y.begin(), c->y.end()));
-  co_return reply;
-}
-
 rpc::awaitable<v1::Envelope> Daemon::handle(const v1::Envelope& req, const rpc::RequestContext& ctx) {
-  if (req.has_serve_forward()) co_return co_await serve_forward(req.serve_forward(), ctx);
+  if (is_serve_call(req)) co_return co_await serve_call(req, ctx);
   v1::Envelope reply;
   if (req.has_start_job()) {
     start_job(req.start_job());
@@ -351,6 +297,7 @@ rpc::awaitable<v1::Envelope> Daemon::handle(const v1::Envelope& req, const rpc::
     s->set_node_index(node_index_);
     s->set_devices(opts_.devices);
     if (runner_ && !runner_->finished()) s->set_running_job(runner_->job_id());
+    if (runner_ && runner_->serving()) s->set_serve_steps(runner_->serving()->requests.steps());
   } else {
     throw InvalidArgument("moed does not serve " + rpc::payload_name(req));
   }

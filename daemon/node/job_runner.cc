@@ -32,7 +32,7 @@ JobRunner::JobRunner(v1::StartJob job, RunnerEnv env)
       rpc::ClientOptions::make(env_.agent_address, env_.token, "moed", env_.node_name + "/reports", env_.tls), *env_.link,
       job_.job_id(), env_.devices);
   env_.reports = reports_.get();
-  if (const layer_spec::JobView view(job_.spec()); view.serve) serve_ = std::make_unique<ServeQueue>(view.layers);
+  if (const layer_spec::JobView view(job_.spec()); view.serve) serve_ = std::make_unique<ServingNode>(view, env_.devices);
   running_ = env_.devices;
   for (int i = 0; i < env_.devices; ++i) threads_.emplace_back([this, i] { rank_main(i); });
 }
@@ -98,15 +98,6 @@ void JobRunner::new_world(const v1::NewWorld& next) {
 std::string JobRunner::cancel_reason() const {
   std::lock_guard<std::mutex> lock(cancel_mu_);
   return cancel_reason_.empty() ? "cancelled by another rank" : cancel_reason_;
-}
-
-JobRunner::ServeLimits JobRunner::serve_limits() const {
-  const layer_spec::JobView view(job_.spec());
-  const int64_t row_bytes = static_cast<int64_t>(kernels::dtype_size(view.dtype)) * view.shape.hidden;
-  const int64_t step = view.tokens_per_rank * env_.devices;
-  const int64_t frame_rows = static_cast<int64_t>(rpc::kDefaultMaxFrameBytes - (64 << 10)) / row_bytes;
-  const int64_t call_rows = std::max<int64_t>(1, std::min(step, frame_rows));
-  return {call_rows, std::max(call_rows, std::min(8 * step, (int64_t{256} << 20) / row_bytes))};
 }
 
 int JobRunner::first_rank() const {

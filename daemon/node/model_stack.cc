@@ -151,6 +151,41 @@ std::vector<uint8_t> ModelStack::serve_forward(int layer, const std::vector<uint
   return y;
 }
 
+std::vector<uint8_t> ModelStack::serve_backward(int layer, const std::vector<uint8_t>& x,
+                                                const std::vector<uint8_t>& grad_y, int64_t T) {
+  MOE_CHECK(job_.train, "serve: backward calls need a serving job with serve_train");
+  MOE_CHECK(T >= 0 && T <= T_, "serve: ", T, " rows in a step of at most ", T_);
+  const size_t bytes = T * H_ * kernels::dtype_size(dt_);
+  MOE_CHECK(x.size() == bytes && grad_y.size() == bytes, "serve: ", x.size(), " and ", grad_y.size(), " bytes for ",
+            T, " rows");
+  if (bytes > 0) {
+    be_.copy_to_device(xs_[0].get(), x.data(), bytes);
+    be_.copy_to_device(grad_.get(), grad_y.data(), bytes);
+  }
+  ep::EpLayer& l = *layers_.at(layer);
+  l.forward(xs_[0].get(), T, token_begin(), out_.get());
+  l.backward(grad_.get(), grad_x_.get());
+  l.accumulate_grads();
+  std::vector<uint8_t> grad_x(bytes);
+  if (bytes > 0) be_.copy_to_host(grad_x.data(), grad_x_.get(), bytes);
+  be_.synchronize();
+  return grad_x;
+}
+
+bool ModelStack::serve_optimizer_step() {
+  if (serve_grads_pending() == 0) return false;
+  served_steps_.resize(layers_.size(), 0);
+  for (size_t l = 0; l < layers_.size(); ++l)
+    if (layers_[l]->load_accumulated_grads()) layers_[l]->optimizer_step(opt_, ++served_steps_[l]);
+  return true;
+}
+
+int64_t ModelStack::serve_grads_pending() const {
+  int64_t passes = 0;
+  for (const auto& l : layers_) passes += l->accumulated_passes();
+  return passes;
+}
+
 void ModelStack::backward(StepReport& report, bool capture) {
   const size_t n = T_ * H_;
   source_->targets(xs_[0], targets_, report);

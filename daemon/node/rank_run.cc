@@ -179,7 +179,9 @@ bool RankRun::checkpoint_due(int done) const {
 
 int RankRun::run_world(const std::function<bool()>& cancel_requested) {
   if (world_->job().serve) {  // docs/serving.md: until cancelled; its steps are not the job's
-    serve_until_cancelled({world_->comm, world_->stack, world_->rebalance, *runner_.serve_queue(), env_.transport_timeout},
+    ServingNode& node = *runner_.serving();
+    serve_until_cancelled({world_->comm, world_->stack, world_->rebalance, node.queue, node.requests, local_ == 0,
+                           env_.transport_timeout},
                           cancel_requested);
     world_->comm.barrier(deadline());
     return 0;

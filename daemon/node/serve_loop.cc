@@ -1,35 +1,49 @@
 #include "moe/node/serve_loop.h"
 
 #include <algorithm>
+#include <cstring>
 #include <vector>
 
 namespace moe::node {
 namespace {
 
-// The layer the step runs: the largest summed wait, the lowest on a tie; -1: none waits.
-int chosen_layer(const float* waited, int layers) {
+// The lane the step runs: the largest summed wait, the lowest on a tie; -1: none waits.
+int chosen_lane(const float* waited, int lanes) {
   int best = -1;
-  for (int l = 0; l < layers; ++l)
+  for (int l = 0; l < lanes; ++l)
     if (waited[l] > 0 && (best < 0 || waited[l] > waited[best])) best = l;
   return best;
 }
 
-// This rank's rows of `layer` for the step, run and handed back; a piece whose
+// Rows [first, first + n) of each piece's `rows` (x or grad_y), back to back.
+std::vector<uint8_t> gather(const std::vector<ServePiece>& pieces, std::vector<uint8_t> ServeCall::*rows,
+                            size_t row_bytes) {
+  int64_t n = 0;
+  for (const ServePiece& p : pieces) n += p.n;
+  std::vector<uint8_t> out(n * row_bytes);
+  size_t at = 0;
+  for (const ServePiece& p : pieces) {
+    std::copy_n(((*p.call).*rows).data() + p.first * row_bytes, p.n * row_bytes, out.data() + at);
+    at += p.n * row_bytes;
+  }
+  return out;
+}
+
+// This rank's rows of `lane` for the step, run and handed back; a piece whose
 // step failed fails its call before the error goes on.
-void run_pieces(const ServeRank& r, int layer) {
-  const std::vector<ServePiece> pieces = r.queue.take(layer, r.stack.job().tokens_per_rank);
-  int64_t rows = 0;
-  for (const ServePiece& p : pieces) rows += p.n;
+void run_pieces(const ServeRank& r, int lane) {
+  const int layer = lane / kServeKinds;
+  const auto kind = static_cast<ServeKind>(lane % kServeKinds);
+  const std::vector<ServePiece> pieces = r.queue.take(lane, r.stack.job().tokens_per_rank);
   const size_t row_bytes = kernels::dtype_size(r.stack.job().dtype) * r.stack.job().shape.hidden;
   try {
-    std::vector<uint8_t> x(rows * row_bytes);
+    const std::vector<uint8_t> x = gather(pieces, &ServeCall::x, row_bytes);
+    const auto rows = static_cast<int64_t>(x.size() / row_bytes);
+    const std::vector<uint8_t> y =
+        kind == ServeKind::kForward
+            ? r.stack.serve_forward(layer, x, rows)
+            : r.stack.serve_backward(layer, x, gather(pieces, &ServeCall::grad_y, row_bytes), rows);
     size_t at = 0;
-    for (const ServePiece& p : pieces) {
-      std::copy_n(p.call->x.data() + p.first * row_bytes, p.n * row_bytes, x.data() + at);
-      at += p.n * row_bytes;
-    }
-    const std::vector<uint8_t> y = r.stack.serve_forward(layer, x, rows);
-    at = 0;
     for (const ServePiece& p : pieces) {
       r.queue.finish(p, y.data() + at);
       at += p.n * row_bytes;
@@ -40,24 +54,68 @@ void run_pieces(const ServeRank& r, int layer) {
   }
 }
 
+// Every layer's weights as the job computes with them, for a weight read.
+v1::ServeWeightsReply weights_reply(const ServeRank& r, int64_t steps) {
+  const std::vector<model::LayerWeights> all =
+      r.stack.weights_in_use(steps > 0 ? 1 : 0, transport::deadline_in(r.timeout));  // collective
+  v1::ServeWeightsReply reply;
+  reply.set_step(steps);
+  auto bytes = [](const std::vector<float>& v) {
+    return std::string(reinterpret_cast<const char*>(v.data()), v.size() * sizeof(float));
+  };
+  for (const model::LayerWeights& w : all) {
+    v1::ServeLayerWeights* l = reply.add_layers();
+    l->set_gate(bytes(w.gate));
+    l->set_w13(bytes(w.w13));
+    l->set_w2(bytes(w.w2));
+    l->set_shared_w13(bytes(w.shared_w13));
+    l->set_shared_w2(bytes(w.shared_w2));
+    l->set_shared_gate(bytes(w.shared_gate));
+    l->set_selection_bias(bytes(w.selection_bias));
+    l->set_logit_bias(bytes(w.logit_bias));
+  }
+  return reply;
+}
+
+// The requests the vote made due, every rank taking part; the node's first rank answers.
+void run_requests(const ServeRank& r, const float* sum) {
+  if (ServeRequests::step_due(sum)) {
+    const int64_t before = r.requests.steps();
+    const bool applied = r.stack.serve_optimizer_step();
+    if (r.first_on_node)
+      r.requests.step_done(applied ? "" : "step " + std::to_string(before + 1) +
+                                              ": nothing to apply, no backward call since step " +
+                                              std::to_string(before));
+  }
+  if (ServeRequests::weights_due(sum)) {
+    const v1::ServeWeightsReply reply = weights_reply(r, r.requests.steps());
+    if (r.first_on_node) r.requests.weights_read("", reply);
+  }
+}
+
 }  // namespace
 
 int64_t serve_until_cancelled(const ServeRank& r, const std::function<bool()>& cancel_requested) {
-  const int L = r.stack.num_layers();
+  const int lanes = r.queue.lanes();
   const auto max_wait = std::chrono::milliseconds(r.stack.job().serve_max_wait_ms);
-  std::vector<float> vote(1 + RebalanceSession::kVoteFloats + L);
+  // [cancel | rebalance | each lane's age | requests]
+  const size_t at_ages = 1 + RebalanceSession::kVoteFloats, at_requests = at_ages + lanes;
+  std::vector<float> vote(at_requests + ServeRequests::kVoteFloats);
   for (int64_t step = 0;; ++step) {
     r.queue.wait_for_step(r.stack.job().tokens_per_rank, max_wait);
     std::fill(vote.begin(), vote.end(), 0.0f);
     vote[0] = cancel_requested() ? 1.0f : 0.0f;
     r.rebalance.vote(vote.data() + 1);
+    // Summed gradients are per slot of the current map: it changes only between optimizer steps.
+    if (r.stack.serve_grads_pending() > 0) RebalanceSession::hold(vote.data() + 1);
     const std::vector<float> ages = r.queue.ages(ServeClock::now());
-    std::copy(ages.begin(), ages.end(), vote.begin() + 1 + RebalanceSession::kVoteFloats);
+    std::copy(ages.begin(), ages.end(), vote.begin() + at_ages);
+    if (r.first_on_node) r.requests.vote(vote.data() + at_requests);
     r.comm.all_reduce_sum(vote.data(), vote.size(), transport::deadline_in(r.timeout));
     if (vote[0] > 0) return step;
     r.rebalance.act(vote.data() + 1, static_cast<int>(step));
-    const int layer = chosen_layer(vote.data() + 1 + RebalanceSession::kVoteFloats, L);
-    if (layer >= 0) run_pieces(r, layer);
+    if (const int lane = chosen_lane(vote.data() + at_ages, lanes); lane >= 0) run_pieces(r, lane);
+    run_requests(r, vote.data() + at_requests);
     r.rebalance.after_step();  // a staged rebalance reports ready once its copies are in
   }
 }

@@ -34,36 +34,77 @@ std::string nonfinite_rows(const uint8_t* x, int64_t rows, int hidden, kernels::
 
 }  // namespace
 
+namespace {
+
+// The fields every call of a layer names, checked against the job.
+void check_layer_and_rows(const layer_spec::JobView& job, int layer, int hidden, v1::JobSpec::DType dtype,
+                          int64_t rows, int64_t max_rows) {
+  if (layer < 0 || layer >= job.layers)
+    throw InvalidArgument("layer: the job serves layers 0-" + std::to_string(job.layers - 1) + ", got " +
+                          std::to_string(layer));
+  if (hidden != job.shape.hidden)
+    throw InvalidArgument("hidden: the job's layers take " + std::to_string(job.shape.hidden) +
+                          " values a row, got " + std::to_string(hidden));
+  if (dtype != job.spec.dtype())
+    throw InvalidArgument("dtype: the job computes in " + v1::JobSpec::DType_Name(job.spec.dtype()) + ", got " +
+                          v1::JobSpec::DType_Name(dtype));
+  if (rows < 1 || rows > max_rows)
+    throw InvalidArgument("rows: must be in [1, " + std::to_string(max_rows) + "] a call, got " +
+                          std::to_string(rows));
+}
+
+// rows of the job's row bytes, every value finite; field names them.
+std::vector<uint8_t> checked_rows(const layer_spec::JobView& job, const std::string& field, const std::string& bytes,
+                                  int64_t rows, v1::JobSpec::DType dtype) {
+  const int H = job.shape.hidden;
+  const size_t row_bytes = kernels::dtype_size(job.dtype) * H;
+  if (bytes.size() != rows * row_bytes)
+    throw InvalidArgument(field + ": " + std::to_string(rows) + " rows of " + std::to_string(H) + " " +
+                          v1::JobSpec::DType_Name(dtype) + " values are " + std::to_string(rows * row_bytes) +
+                          " bytes, got " + std::to_string(bytes.size()));
+  const auto* p = reinterpret_cast<const uint8_t*>(bytes.data());
+  if (const std::string bad = nonfinite_rows(p, rows, H, job.dtype); !bad.empty())
+    throw InvalidArgument(field + ": row(s) " + bad + " hold a value that is not finite");
+  return {p, p + bytes.size()};
+}
+
+std::shared_ptr<ServeCall> new_call(ServeKind kind, int layer, int64_t rows, size_t row_bytes) {
+  auto c = std::make_shared<ServeCall>();
+  c->kind = kind;
+  c->layer = layer;
+  c->rows = rows;
+  c->row_bytes = row_bytes;
+  c->y.resize(rows * row_bytes);
+  c->queued = ServeClock::now();
+  return c;
+}
+
+}  // namespace
+
 std::shared_ptr<ServeCall> make_serve_call(const layer_spec::JobView& job, const v1::ServeForward& call,
                                            int64_t max_rows) {
-  const int H = job.shape.hidden;
-  if (call.layer() < 0 || call.layer() >= job.layers)
-    throw InvalidArgument("layer: the job serves layers 0-" + std::to_string(job.layers - 1) + ", got " +
-                          std::to_string(call.layer()));
-  if (call.hidden() != H)
-    throw InvalidArgument("hidden: the job's layers take " + std::to_string(H) + " values a row, got " +
-                          std::to_string(call.hidden()));
-  if (call.dtype() != job.spec.dtype())
-    throw InvalidArgument("dtype: the job computes in " + v1::JobSpec::DType_Name(job.spec.dtype()) + ", got " +
-                          v1::JobSpec::DType_Name(call.dtype()));
-  if (call.rows() < 1 || call.rows() > max_rows)
-    throw InvalidArgument("rows: must be in [1, " + std::to_string(max_rows) + "] a call, got " +
-                          std::to_string(call.rows()));
-  const size_t row_bytes = kernels::dtype_size(job.dtype) * H;
-  if (call.x().size() != call.rows() * row_bytes)
-    throw InvalidArgument("x: " + std::to_string(call.rows()) + " rows of " + std::to_string(H) + " " +
-                          v1::JobSpec::DType_Name(call.dtype()) + " values are " +
-                          std::to_string(call.rows() * row_bytes) + " bytes, got " + std::to_string(call.x().size()));
-  const auto* x = reinterpret_cast<const uint8_t*>(call.x().data());
-  if (const std::string bad = nonfinite_rows(x, call.rows(), H, job.dtype); !bad.empty())
-    throw InvalidArgument("x: row(s) " + bad + " hold a value that is not finite");
-  auto c = std::make_shared<ServeCall>();
-  c->layer = call.layer();
-  c->rows = call.rows();
-  c->row_bytes = row_bytes;
-  c->x.assign(x, x + call.x().size());
-  c->y.resize(c->x.size());
-  c->queued = ServeClock::now();
+  check_layer_and_rows(job, call.layer(), call.hidden(), call.dtype(), call.rows(), max_rows);
+  if (call.keep_for_backward() && !job.train)
+    throw InvalidArgument("keep_for_backward: the job takes no backward calls (submit it with --serve-train)");
+  auto c = new_call(ServeKind::kForward, call.layer(), call.rows(), kernels::dtype_size(job.dtype) * job.shape.hidden);
+  c->x = checked_rows(job, "x", call.x(), call.rows(), call.dtype());
+  return c;
+}
+
+std::shared_ptr<ServeCall> make_serve_call(const layer_spec::JobView& job, const v1::ServeBackward& call,
+                                           std::vector<uint8_t> x, int kept_layer) {
+  const size_t row_bytes = kernels::dtype_size(job.dtype) * job.shape.hidden;
+  const int64_t kept_rows = static_cast<int64_t>(x.size() / row_bytes);
+  check_layer_and_rows(job, call.layer(), call.hidden(), call.dtype(), call.rows(), kept_rows);
+  if (call.layer() != kept_layer)
+    throw InvalidArgument("layer: handle " + std::to_string(call.handle()) + " holds rows of layer " +
+                          std::to_string(kept_layer) + ", got " + std::to_string(call.layer()));
+  if (call.rows() != kept_rows)
+    throw InvalidArgument("rows: handle " + std::to_string(call.handle()) + " holds " + std::to_string(kept_rows) +
+                          " rows, got " + std::to_string(call.rows()));
+  auto c = new_call(ServeKind::kBackward, call.layer(), call.rows(), row_bytes);
+  c->grad_y = checked_rows(job, "grad_y", call.grad_y(), call.rows(), call.dtype());
+  c->x = std::move(x);
   return c;
 }
 
@@ -79,7 +120,7 @@ std::string ServeQueue::push(std::shared_ptr<ServeCall> call, int64_t max_rows) 
   if (const int64_t queued = queued_rows(); queued + call->rows > max_rows)
     return "the node's queue is full (" + std::to_string(queued) + " rows wait, at most " + std::to_string(max_rows) +
            "): call again later";
-  waiting_.at(call->layer).push_back(std::move(call));
+  waiting_.at(call->lane()).push_back(std::move(call));
   cv_.notify_all();
   return "";
 }
@@ -87,7 +128,7 @@ std::string ServeQueue::push(std::shared_ptr<ServeCall> call, int64_t max_rows) 
 void ServeQueue::abandon(const std::shared_ptr<ServeCall>& call) {
   std::lock_guard<std::mutex> lock(mu_);
   end(*call);
-  auto& q = waiting_.at(call->layer);
+  auto& q = waiting_.at(call->lane());
   q.erase(std::remove(q.begin(), q.end(), call), q.end());
 }
 
@@ -121,10 +162,10 @@ std::vector<float> ServeQueue::ages(ServeClock::time_point now) const {
   return out;
 }
 
-std::vector<ServePiece> ServeQueue::take(int layer, int64_t max_rows) {
+std::vector<ServePiece> ServeQueue::take(int lane, int64_t max_rows) {
   std::lock_guard<std::mutex> lock(mu_);
   std::vector<ServePiece> pieces;
-  auto& q = waiting_.at(layer);
+  auto& q = waiting_.at(lane);
   while (max_rows > 0 && !q.empty()) {
     const std::shared_ptr<ServeCall>& c = q.front();
     const int64_t n = std::min(max_rows, c->rows - c->handed);

@@ -14,7 +14,7 @@ SyntheticSource::SyntheticSource(const layer_spec::JobView& job, const std::vect
       be_(be),
       pool_(pool),
       options_(std::move(options)) {
-  if (!job_.train) return;
+  if (!job_.train || job_.serve) return;  // a serving job's rows are its callers'
   teacher_ = teacher_on(maps);
   out_ = kernels::Buffer(be, job_.tokens_per_rank * job_.shape.hidden * kernels::dtype_size(job_.dtype) + 1);
 }

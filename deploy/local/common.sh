@@ -17,6 +17,7 @@ MOE_PACKAGES=(
   libcli11-dev prometheus-cpp-dev
   libgtest-dev libgmock-dev
   iproute2 procps python3
+  pybind11-dev python3-dev python3-numpy python3-torch
 )
 # What the deploy tests (tests/deploy, ctest label `deploy`) run: promtool, shellcheck,
 # systemd-analyze, a one-machine Slurm with munge, and the dashboard lint's YAML reader. test.sh

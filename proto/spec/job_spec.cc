@@ -45,6 +45,7 @@ namespace {
 void validate_serving(const v1::JobSpec& s) {
   if (s.mode() != v1::JobSpec::serve) {
     require(!s.has_serve_max_wait_ms(), "serve_max_wait_ms", "is for serving jobs (--mode serve)");
+    require(!s.serve_train(), "serve_train", "is for serving jobs (--mode serve)");
     return;
   }
   require(s.steps() == 0, "steps", "a serving job runs until cancelled: leave it unset");
@@ -56,7 +57,10 @@ void validate_serving(const v1::JobSpec& s) {
                                    {"dump_dir", !s.dump_dir().empty()},
                                    {"checkpoint_dir", !s.checkpoint_dir().empty()},
                                    {"elastic", s.elastic()},
-                                   {"bias_update_rate", s.bias_update_rate() != 0}})
+                                   {"bias_update_rate", s.bias_update_rate() != 0},
+                                   // a step's batch is the calls it merged: not a batch of the model's
+                                   {"aux_loss_coeff", s.aux_loss_coeff() != 0},
+                                   {"z_loss_coeff", s.z_loss_coeff() != 0}})
     require(!set, field, "not for serving jobs yet (docs/serving.md)");
 }
 

@@ -42,6 +42,7 @@ ALLOWED_INCLUDES = [
                       "http"}),
     ("cli/", {"base", "map", "ctl", "v1", "rpc", "spec"}),
     ("client/", {"base", "client", "v1", "rpc"}),
+    ("python/", {"base", "client", "v1", "rpc"}),
 ]
 
 # Project libraries each group of targets must never reach in the link graph.
@@ -53,6 +54,7 @@ CONTROL = {"moe_proto", "moe_rpc", "moe_rpc_server", "moe_spec", "moe_metrics_ht
 AGENT = {"moe_agent_lib", "moe_agent_rebalance", "moe_agent_jobs", "moe_agent_cluster", "moe_placement"}
 CLI = {"moe_ctl"}
 CLIENT = {"moe_client"}
+PYTHON = {"moed_client_module"}
 FORBIDDEN_LINKS = [
     # (what the rule is, targets it applies to, libraries they must not reach)
     ("base links nothing of the project above it", {"moe_base", "moe_map"},
@@ -76,6 +78,8 @@ FORBIDDEN_LINKS = [
     ("the expert service's client links only the control plane's client side", CLIENT,
      KERNELS | DAEMON | AGENT | CLI | {"moe_rpc_server", "moe_metrics_http", "moe_spec"}),
     ("nothing of the system links the client library", DAEMON | AGENT | CLI | {"moed", "moe-agent", "moectl"}, CLIENT),
+    ("the Python package is the client library's: no kernels, daemon, agent or CLI", PYTHON,
+     KERNELS | DAEMON | AGENT | CLI | {"moe_rpc_server", "moe_metrics_http", "moe_spec"}),
     ("the single-rank layer and its spec are proto-free (the device check builds them)",
      {"moe_layer_spec", "moe_layer", "moe_model"}, CONTROL | TRANSPORT | {"moe_io", "moe_job_layers"}),
     ("the daemon never links the agent or the CLI", DAEMON | {"moed"}, AGENT | CLI),
@@ -89,7 +93,7 @@ SOURCE_EXT = (".h", ".cc", ".cu", ".cuh", ".cpp", ".hpp")
 
 def include_violations(src):
     bad = []
-    for top in ("base", "kernels", "proto", "daemon", "agent", "cli", "client"):
+    for top in ("base", "kernels", "proto", "daemon", "agent", "cli", "client", "python"):
         for root, _, files in os.walk(os.path.join(src, top)):
             for name in files:
                 if not name.endswith(SOURCE_EXT):

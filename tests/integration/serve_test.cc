@@ -4,7 +4,11 @@
 // naming the problem while another client is served; a cancel ends the job.
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cmath>
+#include <cstring>
+#include <limits>
+#include <tuple>
 #include <thread>
 
 #include "local_cluster.h"
@@ -142,6 +146,149 @@ TEST(Serve, TwoByTwoServesConcurrentClientsOverEveryRank) {
   EXPECT_EQ(c.ctl({"job", "cancel", id}).first, 0);
   EXPECT_TRUE(poll_until([&] { return c.job(id).state() == v1::JOB_STATE_CANCELLED; }, 30s)) << c.logs();
 }
+
+// --- Training through the service (docs/serving.md#training) ---
+
+// The largest |a - b| over the largest |b|.
+double relative_error(const std::vector<float>& a, const std::vector<double>& b) {
+  EXPECT_EQ(a.size(), b.size());
+  double err = 0, scale = 0;
+  for (size_t i = 0; i < std::min(a.size(), b.size()); ++i) {
+    err = std::max(err, std::fabs(a[i] - b[i]));
+    scale = std::max(scale, std::fabs(b[i]));
+  }
+  return scale > 0 ? err / scale : err;
+}
+
+std::vector<float> floats(const std::string& bytes) {
+  std::vector<float> v(bytes.size() / 4);
+  std::memcpy(v.data(), bytes.data(), bytes.size());
+  return v;
+}
+
+std::vector<float> floats(const std::vector<uint8_t>& bytes) {
+  return floats(std::string(bytes.begin(), bytes.end()));
+}
+
+// One layer's weights after one optimizer step on gradient g from w (the
+// first step: Adam's moments start at zero, so its update is g / (|g| + eps)).
+std::vector<double> stepped(const std::vector<float>& w, const std::vector<double>& g, bool adam, double lr) {
+  std::vector<double> out(w.size());
+  for (size_t i = 0; i < w.size(); ++i)
+    out[i] = w[i] - lr * (adam ? g[i] / (std::fabs(g[i]) + 1e-8) : g[i]);
+  return out;
+}
+
+// Summed reference gradients of the calls of one layer.
+struct RefGrads {
+  std::vector<double> gate, w13, w2, shared_w13, shared_w2;
+  void add(const ref::Grads& g) {
+    auto acc = [](std::vector<double>& sum, const std::vector<double>& v) {
+      if (sum.empty()) sum.assign(v.size(), 0.0);
+      for (size_t i = 0; i < v.size(); ++i) sum[i] += v[i];
+    };
+    acc(gate, g.grad_gate);
+    acc(w13, g.grad_w13);
+    acc(w2, g.grad_w2);
+    acc(shared_w13, g.grad_shared_w13);
+    acc(shared_w2, g.grad_shared_w2);
+  }
+};
+
+// On 2x2: forward calls kept for backward and their backward calls on both
+// layers (outputs and input gradients against the fp64 reference), one
+// optimizer step (the weights read back are the reference update of the summed
+// gradients), and the training calls' bad inputs, each refused naming why.
+void train_through_the_service(const std::string& optimizer) {
+  Cluster c(2, 2);
+  ASSERT_TRUE(c.up()) << c.logs();
+  const double lr = 0.05;
+  const auto [rc, out] = c.ctl(concat({"job", "submit"}, concat(kServeSpec, {"--serve-train", "--optimizer", optimizer,
+                                                                             "--lr", "0.05"})));
+  ASSERT_EQ(rc, 0) << out << c.logs();
+  const std::string id = out.substr(0, out.find('\n'));
+  ASSERT_TRUE(poll_until([&] { return c.job(id).state() == v1::JOB_STATE_RUNNING; }, 60s)) << c.logs();
+  client::Session s = session_of(c, id, "trainer");
+  const v1::JobSpec& spec = s.spec();
+  const int H = spec.hidden();
+  EXPECT_NE(error_of([&] { s.step(); }).find("step 1: nothing to apply, no backward call since step 0"),
+            std::string::npos);
+  const v1::ServeWeightsReply before = s.weights();
+  ASSERT_EQ(before.layers_size(), 2);
+  EXPECT_EQ(before.step(), 0);
+  std::vector<RefGrads> want(2);
+  for (int layer = 0; layer < 2; ++layer)
+    for (int64_t rows : {17, 30}) {
+      const std::vector<float> x = normal_vector(rows * H, 500 + layer * 10 + rows);
+      const std::vector<float> g = normal_vector(rows * H, 900 + layer * 10 + rows, 0.1);
+      const client::Session::Kept kept = s.forward_kept(layer, x.data(), rows, v1::JobSpec::fp32);
+      expect_reference(spec, layer, x, floats(kept.y));
+      const std::vector<float> grad_x = floats(s.backward_bytes(kept.handle, g.data(), v1::JobSpec::fp32));
+      const model::LayerWeights w = layer_spec::layer_weights(spec, layer, std::vector<bool>(spec.experts(), true));
+      const ref::Config cfg = ep::reference_config(layer_spec::layer_config(spec));
+      const std::vector<double> xd(x.begin(), x.end()), gd(g.begin(), g.end());
+      const ref::Forward f = ref::forward(cfg, ep::reference_weights(w), xd, rows);
+      const ref::Grads rg = ref::backward(cfg, ep::reference_weights(w), xd, f, gd);
+      EXPECT_LE(relative_error(grad_x, rg.grad_x), 1e-4) << "layer " << layer << " rows " << rows;
+      want[layer].add(rg);
+      // The handle is spent: a second backward is refused, naming it.
+      EXPECT_NE(error_of([&] { s.backward_bytes(kept.handle, g.data(), v1::JobSpec::fp32); }).find("is spent or expired"),
+                std::string::npos);
+    }
+  {  // bad backward calls
+    const std::vector<float> x = normal_vector(4 * H, 7);
+    const client::Session::Kept kept = s.forward_kept(1, x.data(), 4, v1::JobSpec::fp32);
+    client::Session::Handle wrong = kept.handle;
+    wrong.id += 1000;
+    EXPECT_NE(error_of([&] { s.backward_bytes(wrong, x.data(), v1::JobSpec::fp32); }).find("was never given by this node"),
+              std::string::npos);
+    std::vector<float> bad = x;
+    bad[2 * H] = std::numeric_limits<float>::infinity();
+    EXPECT_NE(error_of([&] { s.backward_bytes(kept.handle, bad.data(), v1::JobSpec::fp32); })
+                  .find("grad_y: row(s) 2 hold a value that is not finite"),
+              std::string::npos);
+    client::Session::Handle other_layer = kept.handle;
+    other_layer.layer = 0;
+    EXPECT_NE(error_of([&] { s.backward_bytes(other_layer, x.data(), v1::JobSpec::fp32); })
+                  .find("holds rows of layer 1, got 0"),
+              std::string::npos);
+    // Refused calls left the handle good; a zero gradient adds nothing.
+    const std::vector<float> zero(4 * H, 0.0f);
+    const std::vector<float> grad_x = floats(s.backward_bytes(kept.handle, zero.data(), v1::JobSpec::fp32));
+    EXPECT_TRUE(std::all_of(grad_x.begin(), grad_x.end(), [](float v) { return v == 0.0f; }));
+  }
+  EXPECT_EQ(s.step(), 1);
+  EXPECT_NE(error_of([&] { s.step(); }).find("step 2: nothing to apply"), std::string::npos);
+  const v1::ServeWeightsReply after = s.weights();
+  EXPECT_EQ(after.step(), 1);
+  const bool adam = optimizer == "adam";
+  for (int l = 0; l < 2; ++l) {
+    const v1::ServeLayerWeights &w0 = before.layers(l), &w1 = after.layers(l);
+    const std::tuple<const char*, const std::string&, const std::string&, const std::vector<double>&> tensors[] = {
+        {"gate", w0.gate(), w1.gate(), want[l].gate},
+        {"w13", w0.w13(), w1.w13(), want[l].w13},
+        {"w2", w0.w2(), w1.w2(), want[l].w2},
+        {"shared_w13", w0.shared_w13(), w1.shared_w13(), want[l].shared_w13},
+        {"shared_w2", w0.shared_w2(), w1.shared_w2(), want[l].shared_w2}};
+    for (const auto& [name, was, now, g] : tensors) {
+      const std::vector<double> expected = stepped(floats(was), g, adam, lr);
+      const std::vector<float> got = floats(now);
+      ASSERT_EQ(got.size(), expected.size()) << name;
+      // Adam moves each weight by about lr whatever its gradient's size (one
+      // near zero may go either way): the moves, relative to lr.
+      double worst = 0;
+      for (size_t i = 0; i < got.size(); ++i)
+        if (!adam || std::fabs(g[i]) > 1e-6) worst = std::max(worst, std::fabs(got[i] - expected[i]));
+      EXPECT_LE(worst, (adam ? 1e-4 : 1e-3) * lr) << "layer " << l << " " << name;
+      EXPECT_NE(was, now) << "layer " << l << " " << name << " did not move";
+    }
+  }
+  EXPECT_EQ(c.ctl({"job", "cancel", id}).first, 0);
+  EXPECT_TRUE(poll_until([&] { return c.job(id).state() == v1::JOB_STATE_CANCELLED; }, 30s)) << c.logs();
+}
+
+TEST(Serve, TwoByTwoTrainsWithSgdAsTheReference) { train_through_the_service("sgd"); }
+TEST(Serve, TwoByTwoTrainsWithAdamAsTheReference) { train_through_the_service("adam"); }
 
 }  // namespace
 }  // namespace moe::test

@@ -4,9 +4,12 @@
 #include <gtest/gtest.h>
 
 #include <cmath>
+#include <thread>
 
 #include "moe/base/check.h"
+#include "moe/node/serve_handles.h"
 #include "moe/node/serve_queue.h"
+#include "moe/node/serve_requests.h"
 #include "moe/spec/job_spec.h"
 
 namespace moe::test {
@@ -38,8 +41,10 @@ TEST(ServeQueue, HandsOutRowsOldestFirstAndCompletesACallWithItsLastPiece) {
   EXPECT_EQ(q.push(c, 12), "");  // 5 + 4 + 3 rows: just fits
   EXPECT_EQ(q.push(call_of(1, 1, log), 12), "the node's queue is full (12 rows wait, at most 12): call again later");
   const std::vector<float> ages = q.ages(node::ServeClock::now() + std::chrono::milliseconds(5));
+  ASSERT_EQ(ages.size(), 4u);  // a lane per layer and kind: layer 1's forward calls are lane 2
   EXPECT_GE(ages[0], 5.0f);
-  EXPECT_GE(ages[1], 5.0f);
+  EXPECT_EQ(ages[1], 0.0f);
+  EXPECT_GE(ages[2], 5.0f);
   const std::vector<ServePiece> first = q.take(0, 7);  // all of a, 2 rows of b
   ASSERT_EQ(first.size(), 2u);
   EXPECT_EQ(first[0].call, a);
@@ -163,6 +168,79 @@ TEST(ServeQueue, ACallIsCheckedAgainstTheJobNamingTheField) {
   g = f;
   g.set_dtype(v1::JobSpec::bf16);
   EXPECT_EQ(refusal(g), "dtype: the job computes in fp32, got bf16");
+}
+
+TEST(ServeHandles, AHandleServesOneBackwardWithinItsBytesAndAge) {
+  node::ServeHandles h(10, std::chrono::seconds(600));
+  const uint64_t a = h.keep(0, std::vector<uint8_t>(4, 1)), b = h.keep(1, std::vector<uint8_t>(4, 2));
+  EXPECT_EQ(h.bytes(), 8u);
+  const uint64_t c = h.keep(0, std::vector<uint8_t>(4, 3));  // 12 bytes > 10: a, the oldest, goes
+  EXPECT_EQ(h.count(), 2u);
+  try {
+    h.take(a);
+    ADD_FAILURE() << "a pushed-out handle was taken";
+  } catch (const InvalidArgument& e) {
+    EXPECT_NE(std::string(e.what()).find("handle: " + std::to_string(a) + " is spent or expired"), std::string::npos);
+  }
+  node::ServeHandles::Kept kb = h.take(b);
+  EXPECT_EQ(kb.layer, 1);
+  EXPECT_EQ(kb.x, std::vector<uint8_t>(4, 2));
+  EXPECT_THROW(h.take(b), InvalidArgument);  // spent
+  h.put_back(b, std::move(kb));                // a refused backward: good again
+  EXPECT_EQ(h.take(b).x, std::vector<uint8_t>(4, 2));
+  try {
+    h.take(c + 7);
+    ADD_FAILURE() << "a handle never given was taken";
+  } catch (const InvalidArgument& e) {
+    EXPECT_NE(std::string(e.what()).find("was never given by this node"), std::string::npos);
+  }
+  node::ServeHandles young(100, std::chrono::seconds(0));
+  const uint64_t d = young.keep(0, {1});
+  std::this_thread::sleep_for(std::chrono::milliseconds(5));  // past a zero ttl
+  EXPECT_THROW(young.take(d), InvalidArgument);
+  EXPECT_EQ(young.bytes(), 0u);
+}
+
+TEST(ServeRequests, AStepIsDueOnceEveryCallerAskedAndAppliesOnce) {
+  node::ServeRequests r;
+  std::vector<std::string> log;
+  auto note = [&log](const std::string& who) {
+    return [&log, who](const std::string& error, int64_t steps, bool now) {
+      log.push_back(who + " " + (error.empty() ? "ok" : error) + " " + std::to_string(steps) + (now ? " now" : ""));
+    };
+  };
+  float v[node::ServeRequests::kVoteFloats];
+  r.vote(v);
+  EXPECT_FALSE(node::ServeRequests::step_due(v));
+  r.ask_step(1, 2, "a", note("a"));
+  r.ask_step(1, 2, "a", note("a again"));  // a retry counts once
+  EXPECT_EQ(log, std::vector<std::string>{"a step 1: a asked again 0"});
+  r.vote(v);
+  EXPECT_FALSE(node::ServeRequests::step_due(v));
+  EXPECT_THROW(r.ask_step(1, 3, "b", note("b")), InvalidArgument);  // callers disagree
+  EXPECT_THROW(r.ask_step(3, 2, "b", note("b")), InvalidArgument);  // beyond the next step
+  // Two nodes, one caller each: summed, the step is due.
+  node::ServeRequests other;
+  other.ask_step(1, 2, "b", note("b"));
+  float w[node::ServeRequests::kVoteFloats];
+  r.vote(v);
+  other.vote(w);
+  for (int i = 0; i < node::ServeRequests::kVoteFloats; ++i) v[i] += w[i];
+  EXPECT_TRUE(node::ServeRequests::step_due(v));
+  r.step_done("");
+  other.step_done("");
+  EXPECT_EQ(log.back(), "b ok 1 now");
+  EXPECT_EQ(log[log.size() - 2], "a again ok 1 now");
+  r.ask_step(1, 2, "a", note("late"));  // already applied: answered at once
+  EXPECT_EQ(log.back(), "late ok 1");
+  r.ask_step(2, 1, "a", note("nothing"));
+  r.step_done("step 2: nothing to apply");
+  EXPECT_EQ(log.back(), "nothing step 2: nothing to apply 1");
+  EXPECT_EQ(r.steps(), 1);
+  r.ask_step(2, 1, "a", note("closed"));
+  r.close("job stopped");
+  EXPECT_EQ(log.back(), "closed job stopped 0");
+  EXPECT_THROW(r.ask_step(2, 1, "a", note("after")), Error);
 }
 
 }  // namespace

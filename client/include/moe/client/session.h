@@ -32,8 +32,8 @@ struct SessionOptions {
 // each (a connection carries one call at a time).
 class Session {
  public:
-  // Throws rpc::RpcError: the agent unreachable, no such job, or one that is not
-  // a running serving job.
+  // Waits (up to the timeout) for a queued job to start. Throws rpc::RpcError:
+  // the agent unreachable, no such job, or one that is not a running serving job.
   explicit Session(SessionOptions options);
   ~Session();
 
@@ -49,16 +49,50 @@ class Session {
   // An fp32 job's layer on fp32 rows.
   std::vector<float> forward(int layer, const std::vector<float>& x);
 
+  // Training (a job submitted with --serve-train; docs/serving.md#training).
+  // A forward kept for one backward: the rows stay on the node that answered,
+  // under the handle.
+  struct Handle {
+    size_t node = 0;  // index into the session's nodes
+    uint64_t id = 0;
+    int layer = 0;
+    int64_t rows = 0;
+  };
+  struct Kept {
+    std::vector<uint8_t> y;
+    Handle handle;
+  };
+  Kept forward_kept(int layer, const void* x, int64_t rows, v1::JobSpec::DType dtype);
+  // The gradient of the forward's input for grad_y [rows, hidden] (the gradient
+  // of its output); the layer's weight gradients add up on the cluster until
+  // step(). The handle is spent, also when the call fails.
+  std::vector<uint8_t> backward_bytes(const Handle& handle, const void* grad_y, v1::JobSpec::DType dtype);
+  // One optimizer step on the gradients summed since the last: applied once
+  // `clients` callers (each a distinct `caller`, default the session's name)
+  // asked for it. Returns the job's optimizer steps. Asking again after a lost
+  // reply applies nothing twice.
+  int64_t step(int clients = 1, const std::string& caller = "");
+  // Every layer's weights as the job computes with them (fp32 masters when it trains).
+  v1::ServeWeightsReply weights();
+  // The job's optimizer steps, as the session last heard.
+  int64_t steps() const { return steps_; }
+
  private:
+  v1::JobResult running_job(rpc::RpcClient& agent) const;
   void wait_until_nodes_run_it();
   // One call on the next node in turn, on a connection of the pool (a new one
   // when every connection to that node is in use).
+  Kept forward_call(int layer, const void* x, int64_t rows, v1::JobSpec::DType dtype, bool keep);
   v1::Envelope call_node(v1::Envelope request);
+  v1::Envelope call_node(size_t node, v1::Envelope request);
+  // The reply's payload, or an RpcError naming what came instead.
+  static void expect(const v1::Envelope& reply, bool has, const char* what);
 
   SessionOptions opts_;
   v1::JobSpec spec_;
   std::vector<std::string> nodes_;  // control addresses of the job's nodes
   std::atomic<size_t> next_{0};
+  std::atomic<int64_t> steps_{0};
   std::mutex pool_mu_;
   std::map<std::string, std::vector<std::unique_ptr<rpc::RpcClient>>> idle_;  // by node address
 };

@@ -22,6 +22,7 @@
 #include "moe/ep/ep_rebalance.h"
 #include "moe/map/expert_map.h"
 #include "moe/ep/expert_stage.h"
+#include "moe/ep/grad_sums.h"
 #include "moe/ep/replica_grads.h"
 #include "moe/ep/router_stage.h"
 #include "moe/ep/shared_experts.h"
@@ -83,6 +84,14 @@ class EpLayer {
   // Every rank and every replica applies it to the same gradient and state, so
   // replicated weights stay bitwise identical.
   void optimizer_step(const kernels::OptimizerConfig& cfg, int64_t step);
+  // A serving job's backward calls (docs/serving.md#training): after each
+  // backward, accumulate_grads() adds its weight gradients (a staged
+  // rebalance's shadows' too) to sums; before an optimizer step,
+  // load_accumulated_grads() makes the sums the gradients (false: none since the
+  // last). The map must not change between the two.
+  void accumulate_grads();
+  bool load_accumulated_grads();
+  int64_t accumulated_passes() const { return grad_sums_.passes(); }
 
   // After backward: the router weight's gradient summed over ranks [E, H], and per
   // local slot the expert gradients summed over the expert's replicas (the shared
@@ -163,6 +172,7 @@ class EpLayer {
   void forward_chunks(const DispatchHandle& h, void* out);
   void experts_backward(const void* grad_out);
   void all_reduce_replicated_grads();
+  std::vector<GradSums::Tensor> grad_tensors();  // every weight gradient this rank holds
   std::unique_ptr<Dispatcher> make_dispatcher(const ExpertMap& map) const;
   void install_map(const ExpertMap& map);
   int old_slot_of(int expert) const;  // this rank's first slot of expert, or -1
@@ -204,6 +214,7 @@ class EpLayer {
     kernels::Buffer counts_dev;  // counts for the router's backward
     BalanceLosses losses;
   } balance_;
+  GradSums grad_sums_;  // serving: the gradients of the backward calls since the last step
 };
 
 }  // namespace moe::ep

@@ -50,6 +50,11 @@ class StagedExperts {
   // Train, with the layer's optimizer step: every shadow applies its gradient
   // (queued until its snapshot arrives).
   void optimizer_step(const kernels::OptimizerConfig& cfg, int64_t step, kernels::Backend& be);
+  // A serving job's gradients summed over backward calls (GradSums): after each
+  // backward, every shadow adds the pass's gradient to its sum; before the
+  // optimizer step, the sums become the step's gradients.
+  void add_pass_gradients();
+  void load_summed_gradients();
   // The state of the slot this rank gains at new local slot `slot` (after ready()).
   const ExpertState& gained_state(int slot) const;
   int64_t bytes_received() const { return bytes_received_; }
@@ -68,6 +73,7 @@ class StagedExperts {
     };
     std::deque<Pending> pending;  // gradients that came before the snapshot
     std::vector<float> grad;      // this step's, from the replica reduction
+    std::vector<float> grad_sum;  // add_pass_gradients' sum since the last step
   };
   struct Sent {
     std::shared_ptr<std::vector<float>> wire;

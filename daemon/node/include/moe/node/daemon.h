@@ -71,9 +71,15 @@ class Daemon {
 
  private:
   rpc::awaitable<v1::Envelope> handle(const v1::Envelope& req, const rpc::RequestContext& ctx);
-  // A program's call of a serving job's layer (docs/serving.md): queued for the
-  // node's ranks; the reply once its rows are computed, or its error.
-  rpc::awaitable<v1::Envelope> serve_forward(const v1::ServeForward& call, const rpc::RequestContext& ctx);
+  // A program's call of a serving job (docs/serving.md; daemon/node/serve_calls.cc):
+  // queued for the node's ranks; the reply once they ran it, or its error.
+  static bool is_serve_call(const v1::Envelope& req);
+  rpc::awaitable<v1::Envelope> serve_call(const v1::Envelope& req, const rpc::RequestContext& ctx);
+  rpc::awaitable<v1::Envelope> serve_rows(const v1::Envelope& req, const rpc::RequestContext& ctx);
+  rpc::awaitable<v1::Envelope> serve_step(const v1::ServeStep& call, const rpc::RequestContext& ctx);
+  rpc::awaitable<v1::Envelope> serve_weights(const v1::ServeWeights& call, const rpc::RequestContext& ctx);
+  // Under mu_: the node's state of serving job `job_id`, or the RpcError saying why none.
+  ServingNode& serving_node(const std::string& job_id);
   void start_job(const v1::StartJob& start);
   void heartbeat_loop();
   void register_once(rpc::RpcClient& agent);

@@ -21,7 +21,7 @@
 #include "moe/node/agent_link.h"
 #include "moe/node/rebalance_session.h"
 #include "moe/node/report_sender.h"
-#include "moe/node/serve_queue.h"
+#include "moe/node/serving_node.h"
 #include "moe/node/world_mailbox.h"
 #include "moe/transport/local_hub.h"
 #include "moe/v1/job_run.pb.h"
@@ -78,14 +78,7 @@ class JobRunner {
   // Where the ranks wait for the next world and find each world's hub.
   WorldMailbox& worlds() { return worlds_; }
   // A serving job's calls on this node (docs/serving.md); null for other jobs.
-  ServeQueue* serve_queue() { return serve_.get(); }
-  // A serving job's limits on this node (docs/serving.md): rows a call (one step
-  // of the node's ranks, and what fits a frame) and rows queued (8 steps, at most
-  // 256 MiB of them).
-  struct ServeLimits {
-    int64_t call_rows, queued_rows;
-  };
-  ServeLimits serve_limits() const;
+  ServingNode* serving() { return serve_.get(); }
   const v1::JobSpec& spec() const { return job_.spec(); }
   // This node's first rank in the job's first world here (a joining node's
   // place in the world it joins).
@@ -99,7 +92,7 @@ class JobRunner {
   RunnerEnv env_;
   RebalanceMailbox mailbox_;
   WorldMailbox worlds_;
-  std::unique_ptr<ServeQueue> serve_;  // mode serve only
+  std::unique_ptr<ServingNode> serve_;  // mode serve only
   std::unique_ptr<ReportSender> reports_;
   std::atomic<bool> cancel_{false};
   std::atomic<bool> agent_lost_{false};

@@ -46,6 +46,18 @@ class ModelStack {
   // x [T, H] in the job dtype, host memory, T <= tokens_per_rank (0: this rank
   // joins the step's collectives with no rows). Returns y [T, H] likewise.
   std::vector<uint8_t> serve_forward(int layer, const std::vector<uint8_t>& x, int64_t T);
+  // A serving job's backward step (docs/serving.md#training): the layer's forward
+  // again on x (the rows its forward calls kept), then its backward for grad_y;
+  // the weight gradients add to the layer's sums. Returns grad_x [T, H].
+  std::vector<uint8_t> serve_backward(int layer, const std::vector<uint8_t>& x, const std::vector<uint8_t>& grad_y,
+                                      int64_t T);
+  // One optimizer step on each layer's summed gradients; a layer without a
+  // backward since the last step is left alone (as torch skips a parameter
+  // without .grad), and counts its own steps for Adam. False, nothing applied,
+  // when no layer had one.
+  bool serve_optimizer_step();
+  // Backward steps summed and not yet applied, over the layers.
+  int64_t serve_grads_pending() const;
   // Train mode, after forward: the source's targets, the loss (this rank's
   // share) and the backward through the stack.
   void backward(StepReport& report, bool capture);
@@ -117,6 +129,7 @@ class ModelStack {
   std::vector<std::vector<float>> loads_;
   kernels::OptimizerConfig opt_;
   std::vector<std::vector<float>> bias_before_;  // per layer, before the last bias update
+  std::vector<int64_t> served_steps_;            // serving: optimizer steps applied, per layer
 };
 
 }  // namespace moe::node

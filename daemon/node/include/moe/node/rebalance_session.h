@@ -101,6 +101,9 @@ class RebalanceSession {
 
   // Writes this rank's vote into vote[0, kVoteFloats), from the mailbox as it is now.
   void vote(float* vote);
+  // Turns a vote into one that neither stages nor switches (an ABORT still
+  // counts): a serving job holds its map while gradients are summed on it.
+  static void hold(float* vote) { vote[0] = vote[1] = vote[2] = 0; }
   // sum: every rank's vote, summed. Stages a PREPARE every rank holds, drops the
   // staged epoch when any rank got its ABORT, or switches when every rank got its
   // COMMIT; before step `step` runs.

@@ -1,9 +1,12 @@
 // The serve steps of one rank of a serving job (docs/serving.md). Each step the
 // ranks agree, in one all-reduce, on whether to stop, on the live rebalance's
-// votes and on the layer to run: the one whose oldest queued row has waited
-// longest summed over the ranks (the lowest on a tie). Each rank then runs that
-// layer on up to tokens_per_rank of its node's queued rows of it, zero rows
-// being a rank's share when it has none, and hands the results back.
+// votes, on the lane to run (a layer's forward or backward calls: the one whose
+// oldest queued row has waited longest summed over the ranks, the lowest on a
+// tie) and on the requests due (an optimizer step, a weight read). Each rank
+// then runs that lane on up to tokens_per_rank of its node's queued rows of it,
+// zero rows being a rank's share when it has none, and hands the results back;
+// then the due requests run, every rank taking part, and the node's first
+// rank answers them.
 #pragma once
 
 #include <chrono>
@@ -13,6 +16,7 @@
 #include "moe/node/model_stack.h"
 #include "moe/node/rebalance_session.h"
 #include "moe/node/serve_queue.h"
+#include "moe/node/serve_requests.h"
 #include "moe/transport/communicator.h"
 
 namespace moe::node {
@@ -21,7 +25,9 @@ struct ServeRank {
   transport::Communicator& comm;  // host memory: the step's vote
   ModelStack& stack;
   RebalanceSession& rebalance;
-  ServeQueue& queue;  // the node's
+  ServeQueue& queue;        // the node's
+  ServeRequests& requests;  // the node's
+  bool first_on_node;       // counts and answers the node's requests
   std::chrono::milliseconds timeout;  // of each transport wait
 };
 

@@ -21,14 +21,23 @@ namespace moe::node {
 
 using ServeClock = std::chrono::steady_clock;
 
-// One client call: rows x [rows, row_bytes] of `layer`; y is filled as ranks
-// finish its pieces. done() runs once, on the thread that completes it (the last
-// piece, or a failure).
+// What a call asks of its layer: the output of x, or (a training job) the
+// input's gradient for grad_y at x, by recomputing the forward.
+enum class ServeKind : int { kForward = 0, kBackward = 1 };
+constexpr int kServeKinds = 2;
+
+// One client call: rows x [rows, row_bytes] of `layer` (and grad_y, backward);
+// y (the output, or the input's gradient) is filled as ranks finish its pieces.
+// done() runs once, on the thread that completes it (the last piece, or a
+// failure).
 struct ServeCall {
+  ServeKind kind = ServeKind::kForward;
   int layer = 0;
   int64_t rows = 0;
   size_t row_bytes = 0;
-  std::vector<uint8_t> x, y;
+  std::vector<uint8_t> x, grad_y, y;
+  // The queue a call waits in: one per layer and kind.
+  int lane() const { return layer * kServeKinds + static_cast<int>(kind); }
   ServeClock::time_point queued;
   std::function<void(const std::string& error)> done;  // "" on success
   // The queue's bookkeeping (guarded by its mutex): rows handed out, rows back,
@@ -43,6 +52,10 @@ struct ServeCall {
 // rows holding a non-finite value). done is the caller's to set.
 std::shared_ptr<ServeCall> make_serve_call(const layer_spec::JobView& job, const v1::ServeForward& call,
                                            int64_t max_rows);
+// A backward call checked likewise (grad_y for x); x: the rows its handle kept
+// for the layer.
+std::shared_ptr<ServeCall> make_serve_call(const layer_spec::JobView& job, const v1::ServeBackward& call,
+                                           std::vector<uint8_t> x, int kept_layer);
 
 // Rows [first, first + n) of a call, taken by one rank for one step.
 struct ServePiece {
@@ -52,7 +65,8 @@ struct ServePiece {
 
 class ServeQueue {
  public:
-  explicit ServeQueue(int layers) : waiting_(layers) {}
+  explicit ServeQueue(int layers) : waiting_(static_cast<size_t>(layers) * kServeKinds) {}
+  int lanes() const { return static_cast<int>(waiting_.size()); }
 
   // The RPC thread: queues a call (checked by the caller) unless the queue closed
   // or `max_rows` rows would then wait; returns "" when queued, else why not
@@ -65,11 +79,11 @@ class ServeQueue {
   // waited `max_wait`, or `max_wait` (at least 1 ms) passed with none; false
   // when the queue closed.
   bool wait_for_step(int64_t rows, std::chrono::milliseconds max_wait);
-  // Per layer, how long the oldest queued row has waited (ms; 0: none), the
-  // rank's part of the step vote.
+  // Per lane (ServeCall::lane), how long the oldest queued row has waited (ms;
+  // 0: none), the rank's part of the step vote.
   std::vector<float> ages(ServeClock::time_point now) const;
-  // Up to max_rows rows of `layer` from the oldest calls on.
-  std::vector<ServePiece> take(int layer, int64_t max_rows);
+  // Up to max_rows rows of `lane` from the oldest calls on.
+  std::vector<ServePiece> take(int lane, int64_t max_rows);
   // A piece's results (n rows of row_bytes): the call completes with its last piece.
   void finish(const ServePiece& piece, const uint8_t* y);
   // A piece that could not be computed: its call fails with `why` (once).
@@ -84,7 +98,7 @@ class ServeQueue {
 
   mutable std::mutex mu_;
   std::condition_variable cv_;
-  std::vector<std::deque<std::shared_ptr<ServeCall>>> waiting_;  // by layer, oldest first, rows left to hand out
+  std::vector<std::deque<std::shared_ptr<ServeCall>>> waiting_;  // by lane, oldest first, rows left to hand out
   std::string closed_;                                          // why, once closed
 };
 

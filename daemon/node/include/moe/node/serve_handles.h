@@ -1,0 +1,51 @@
+// The rows forward calls of a training serving job kept for their backward
+// (docs/serving.md#training), on the node that answered them: one handle per
+// call, spent by its one backward. Bounded: at most `max_bytes` of rows (the
+// oldest handles make room) and `ttl` old (older ones go first). Thread-safe.
+#pragma once
+
+#include <chrono>
+#include <cstdint>
+#include <map>
+#include <mutex>
+#include <string>
+#include <vector>
+
+namespace moe::node {
+
+class ServeHandles {
+ public:
+  ServeHandles(size_t max_bytes, std::chrono::seconds ttl) : max_bytes_(max_bytes), ttl_(ttl) {}
+
+  // Keeps x (rows of `layer`); returns its handle (nonzero, never reused).
+  uint64_t keep(int layer, std::vector<uint8_t> x);
+  struct Kept {
+    int layer = 0;
+    std::vector<uint8_t> x;
+  };
+  // Takes the handle's rows (spent). Throws moe::InvalidArgument naming a handle
+  // that is unknown, spent, expired or pushed out.
+  Kept take(uint64_t handle);
+  // A backward call refused after take(): its handle is good again.
+  void put_back(uint64_t handle, Kept kept);
+  size_t bytes() const;
+  size_t count() const;
+  // Why a handle may be gone, for errors: its rules.
+  std::string rules() const;
+
+ private:
+  void expire(std::chrono::steady_clock::time_point now);  // under mu_
+
+  struct Entry {
+    Kept kept;
+    std::chrono::steady_clock::time_point at;
+  };
+  const size_t max_bytes_;
+  const std::chrono::seconds ttl_;
+  mutable std::mutex mu_;
+  std::map<uint64_t, Entry> kept_;  // by handle: by age
+  uint64_t next_ = 1;
+  size_t bytes_ = 0;
+};
+
+}  // namespace moe::node

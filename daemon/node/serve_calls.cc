@@ -1,0 +1,171 @@
+// The daemon's side of the expert service (docs/serving.md): a program's calls
+// of a serving job, checked and copied outside the daemon's lock, queued for
+// the node's ranks, and answered on the io thread (without blocking it) once
+// the ranks ran them, or with the error that stopped them.
+#include <optional>
+
+#include "moe/base/check.h"
+#include "moe/node/daemon.h"
+
+namespace moe::node {
+
+using rpc::RpcError;
+
+namespace {
+
+// A call's end, awaited on the io thread; end() may come from any thread.
+class Completion : public std::enable_shared_from_this<Completion> {
+ public:
+  explicit Completion(rpc::asio::io_context& io) : io_(io), timer_(io) {}
+  void end(std::string error) {
+    rpc::asio::post(io_, [self = shared_from_this(), error = std::move(error)] {
+      self->over_ = true;
+      self->error_ = error;
+      self->timer_.cancel();
+    });
+  }
+  // True once ended (error() says how); false when the deadline came first.
+  rpc::awaitable<bool> wait(rpc::asio::steady_timer::time_point deadline) {
+    if (over_) co_return true;
+    timer_.expires_at(deadline);
+    boost::system::error_code ec;
+    co_await timer_.async_wait(rpc::asio::redirect_error(rpc::use_awaitable, ec));
+    co_return over_;
+  }
+  const std::string& error() const { return error_; }
+
+ private:
+  rpc::asio::io_context& io_;
+  rpc::asio::steady_timer timer_;
+  bool over_ = false;
+  std::string error_;
+};
+
+const std::string& job_of(const v1::Envelope& req) {
+  if (req.has_serve_forward()) return req.serve_forward().job_id();
+  if (req.has_serve_backward()) return req.serve_backward().job_id();
+  if (req.has_serve_step()) return req.serve_step().job_id();
+  return req.serve_weights().job_id();
+}
+
+}  // namespace
+
+bool Daemon::is_serve_call(const v1::Envelope& req) {
+  return req.has_serve_forward() || req.has_serve_backward() || req.has_serve_step() || req.has_serve_weights();
+}
+
+ServingNode& Daemon::serving_node(const std::string& job_id) {
+  if (!runner_ || runner_->job_id() != job_id || runner_->finished())
+    throw RpcError(v1::ERROR_CODE_NOT_FOUND, "job " + job_id + " is not running on " + opts_.name);
+  if (!runner_->serving())
+    throw RpcError(v1::ERROR_CODE_FAILED_PRECONDITION, "job " + job_id + " is not a serving job (--mode serve)");
+  return *runner_->serving();
+}
+
+rpc::awaitable<v1::Envelope> Daemon::serve_call(const v1::Envelope& req, const rpc::RequestContext& ctx) {
+  if (req.has_serve_step()) co_return co_await serve_step(req.serve_step(), ctx);
+  if (req.has_serve_weights()) co_return co_await serve_weights(req.serve_weights(), ctx);
+  co_return co_await serve_rows(req, ctx);
+}
+
+// A forward or backward call: its rows queued, the reply once every row is back.
+rpc::awaitable<v1::Envelope> Daemon::serve_rows(const v1::Envelope& req, const rpc::RequestContext& ctx) {
+  const bool forward = req.has_serve_forward();
+  const std::string& job_id = job_of(req);
+  v1::JobSpec spec;
+  ServeLimits limits{};
+  std::optional<ServeHandles::Kept> kept;  // a backward's rows
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    ServingNode& node = serving_node(job_id);
+    spec = runner_->spec();
+    limits = node.limits;
+    if (!forward) kept = node.handles.take(req.serve_backward().handle());
+  }
+  const layer_spec::JobView job(spec);
+  std::shared_ptr<ServeCall> c;
+  try {  // checked and copied without the lock (the io thread still waits for it)
+    c = forward ? make_serve_call(job, req.serve_forward(), limits.call_rows)
+                : make_serve_call(job, req.serve_backward(), kept->x, kept->layer);
+  } catch (...) {
+    std::lock_guard<std::mutex> lock(mu_);  // a refused backward leaves its handle good
+    if (kept && runner_ && runner_->job_id() == job_id && runner_->serving())
+      runner_->serving()->handles.put_back(req.serve_backward().handle(), std::move(*kept));
+    throw;
+  }
+  kept.reset();
+  auto done = std::make_shared<Completion>(io_);
+  c->done = [done](const std::string& error) { done->end(error); };
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (const std::string refused = serving_node(job_id).queue.push(c, limits.queued_rows); !refused.empty())
+      throw RpcError(v1::ERROR_CODE_UNAVAILABLE, "job " + job_id + " on " + opts_.name + ": " + refused);
+  }
+  if (!co_await done->wait(ctx.deadline)) {  // its rows leave the queue: nobody waits for them
+    std::lock_guard<std::mutex> lock(mu_);
+    if (runner_ && runner_->job_id() == job_id && runner_->serving()) runner_->serving()->queue.abandon(c);
+    throw RpcError(v1::ERROR_CODE_DEADLINE_EXCEEDED,
+                   "job " + job_id + ": layer " + std::to_string(c->layer) + "'s rows were not computed in time");
+  }
+  if (!done->error().empty()) throw RpcError(v1::ERROR_CODE_UNAVAILABLE, done->error());
+  v1::Envelope reply;
+  if (!forward) {
+    v1::ServeBackwardReply* r = reply.mutable_serve_backward_reply();
+    r->set_rows(c->rows);
+    r->set_grad_x(std::string(c->y.begin(), c->y.end()));
+    co_return reply;
+  }
+  v1::ServeForwardReply* r = reply.mutable_serve_forward_reply();
+  r->set_rows(c->rows);
+  r->set_y(std::string(c->y.begin(), c->y.end()));
+  if (req.serve_forward().keep_for_backward()) {
+    std::lock_guard<std::mutex> lock(mu_);
+    r->set_handle(serving_node(job_id).handles.keep(c->layer, std::move(c->x)));
+  }
+  co_return reply;
+}
+
+rpc::awaitable<v1::Envelope> Daemon::serve_step(const v1::ServeStep& call, const rpc::RequestContext& ctx) {
+  auto done = std::make_shared<Completion>(io_);
+  auto answer = std::make_shared<v1::ServeStepReply>();  // written before done->end posts
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    ServingNode& node = serving_node(call.job_id());
+    if (!layer_spec::JobView(runner_->spec()).train)
+      throw InvalidArgument("step: job " + call.job_id() + " takes no optimizer steps (submit it with --serve-train)");
+    node.requests.ask_step(call.step(), call.clients(), call.caller().empty() ? ctx.peer : call.caller(),
+                           [done, answer](const std::string& error, int64_t steps, bool applied_now) {
+                             answer->set_step(steps);
+                             answer->set_applied_now(applied_now);
+                             done->end(error);
+                           });
+  }
+  if (!co_await done->wait(ctx.deadline))
+    throw RpcError(v1::ERROR_CODE_DEADLINE_EXCEEDED, "job " + call.job_id() + ": step " + std::to_string(call.step()) +
+                                                         " waits for " + std::to_string(call.clients()) +
+                                                         " callers; ask again to go on waiting");
+  if (!done->error().empty()) throw RpcError(v1::ERROR_CODE_FAILED_PRECONDITION, done->error());
+  v1::Envelope reply;
+  *reply.mutable_serve_step_reply() = *answer;
+  co_return reply;
+}
+
+rpc::awaitable<v1::Envelope> Daemon::serve_weights(const v1::ServeWeights& call, const rpc::RequestContext& ctx) {
+  auto done = std::make_shared<Completion>(io_);
+  auto answer = std::make_shared<v1::ServeWeightsReply>();
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    serving_node(call.job_id()).requests.ask_weights([done, answer](const std::string& error, const v1::ServeWeightsReply& r) {
+      *answer = r;
+      done->end(error);
+    });
+  }
+  if (!co_await done->wait(ctx.deadline))
+    throw RpcError(v1::ERROR_CODE_DEADLINE_EXCEEDED, "job " + call.job_id() + ": the weights were not read in time");
+  if (!done->error().empty()) throw RpcError(v1::ERROR_CODE_UNAVAILABLE, done->error());
+  v1::Envelope reply;
+  *reply.mutable_serve_weights_reply() = std::move(*answer);
+  co_return reply;
+}
+
+}  // namespace moe::node

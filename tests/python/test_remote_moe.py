@@ -1,0 +1,174 @@
+"""RemoteMoE against in-process torch MoE blocks (docs/serving.md#python).
+
+A 2x2 local cluster (moectl cluster up) serves a 2-layer model's MoE layers
+with --serve-train. A model whose MoE blocks are moed.RemoteMoE and the same
+model with torch MoE blocks of the same weights (read from the job) give the
+same outputs and input gradients (fp32, rtol 1e-5), and after session.step()
+the served weights equal torch's SGD and Adam updates of the same gradients.
+Run by ctest (python_remote_moe) with /usr/bin/python3, the interpreter with
+Debian's torch; MOECTL names the moectl binary, PYTHONPATH holds build/python.
+"""
+import copy
+import os
+import shutil
+import subprocess
+import tempfile
+import unittest
+
+import torch
+import torch.nn.functional as F
+
+import moed
+
+MOECTL = os.environ.get("MOECTL", "moectl")
+SPEC = ["--mode", "serve", "--serve-train", "--experts", "8", "--top-k", "2", "--hidden", "64",
+        "--ffn-hidden", "32", "--layers", "2", "--shared-experts", "1", "--shared-ffn-hidden", "16",
+        "--tokens-per-rank", "64", "--serve-max-wait-ms", "1", "--seed", "5"]
+LR = 0.01
+
+
+class TorchMoE(torch.nn.Module):
+    """The served layer's math in torch (docs/layer.md): softmax router, top-k
+    renormalised, SwiGLU experts (w13 = gate_proj rows, then up_proj rows) and
+    an always-on shared SwiGLU expert; no residual."""
+
+    def __init__(self, w, top_k):
+        super().__init__()
+        self.top_k = top_k
+        self.gate = torch.nn.Parameter(w["gate"].clone())
+        self.w13 = torch.nn.Parameter(w["w13"].clone())
+        self.w2 = torch.nn.Parameter(w["w2"].clone())
+        self.shared_w13 = torch.nn.Parameter(w["shared_w13"].clone())
+        self.shared_w2 = torch.nn.Parameter(w["shared_w2"].clone())
+
+    @staticmethod
+    def swiglu(x, w13, w2):
+        g, u = (x @ w13.T).chunk(2, dim=-1)
+        return (F.silu(g) * u) @ w2.T
+
+    def forward(self, x):
+        shape = x.shape
+        x = x.reshape(-1, shape[-1])
+        scores = torch.softmax(x @ self.gate.T, dim=-1)
+        top_w, top_i = scores.topk(self.top_k, dim=-1)
+        top_w = top_w / top_w.sum(dim=-1, keepdim=True)
+        out = self.swiglu(x, self.shared_w13, self.shared_w2)
+        for e in range(self.gate.shape[0]):
+            pick = top_i == e
+            rows = pick.any(dim=-1).nonzero().flatten()
+            if rows.numel():
+                weight = (top_w * pick).sum(dim=-1)[rows]
+                out = out.index_add(0, rows, weight[:, None] * self.swiglu(x[rows], self.w13[e], self.w2[e]))
+        return out.reshape(shape)
+
+
+class Model(torch.nn.Module):
+    """Two blocks of attention then MoE, each with its residual; the MoE blocks given."""
+
+    def __init__(self, hidden, moes):
+        super().__init__()
+        torch.manual_seed(0)
+        self.attn = torch.nn.ModuleList([torch.nn.MultiheadAttention(hidden, 4, batch_first=True) for _ in moes])
+        self.moe = torch.nn.ModuleList(moes)
+
+    def forward(self, x):
+        for attn, moe in zip(self.attn, self.moe):
+            x = x + attn(x, x, x, need_weights=False)[0]
+            x = x + moe(x)
+        return x
+
+
+def moectl(state, *args):
+    out = subprocess.run([MOECTL, "--state-dir", state, *args], capture_output=True, text=True, timeout=120)
+    if out.returncode != 0:
+        raise AssertionError(f"moectl {' '.join(args)}: {out.returncode}\n{out.stdout}{out.stderr}")
+    return out.stdout
+
+
+class RemoteMoETest(unittest.TestCase):
+    @classmethod
+    def setUpClass(cls):
+        cls.state = tempfile.mkdtemp(prefix="moed-python-")
+        moectl(cls.state, "cluster", "up", "--nodes", "2", "--devices-per-node", "2", "--backend", "cpu")
+
+    @classmethod
+    def tearDownClass(cls):
+        subprocess.run([MOECTL, "--state-dir", cls.state, "cluster", "down"], capture_output=True, timeout=120)
+        shutil.rmtree(cls.state, ignore_errors=True)
+
+    def serve(self, optimizer):
+        job = moectl(self.state, "job", "submit", *SPEC, "--optimizer", optimizer, "--lr", str(LR)).split()[0]
+        self.addCleanup(moectl, self.state, "job", "cancel", job)
+        session = moed.Session(job=job, state_dir=self.state, name="pytest-" + optimizer)
+        self.addCleanup(session.close)
+        return session
+
+    def assert_close(self, got, want, what, rtol=1e-5):
+        scale = want.abs().max().item()
+        worst = (got - want).abs().max().item()
+        self.assertLessEqual(worst, rtol * scale, f"{what}: off by {worst:.3g} at scale {scale:.3g}")
+
+    def train_once(self, optimizer):
+        session = self.serve(optimizer)
+        steps, weights = session.weights()
+        self.assertEqual(steps, 0)
+        top_k = session.spec["top_k"]
+        remote = Model(session.hidden, [moed.RemoteMoE(session, l) for l in range(session.layers)])
+        local = Model(session.hidden, [TorchMoE(w, top_k) for w in weights])
+        local.attn.load_state_dict(remote.attn.state_dict())
+
+        x = torch.randn(4, 12, session.hidden, generator=torch.Generator().manual_seed(1))
+        target = torch.randn(4, 12, session.hidden, generator=torch.Generator().manual_seed(2))
+        xr, xl = x.clone().requires_grad_(), x.clone().requires_grad_()
+        yr, yl = remote(xr), local(xl)
+        self.assert_close(yr, yl.detach(), "outputs")
+        F.mse_loss(yr, target).backward()
+        F.mse_loss(yl, target).backward()
+        self.assert_close(xr.grad, xl.grad, "input gradients")
+        for (name, pr), pl in zip(remote.attn.named_parameters(), local.attn.parameters()):
+            self.assert_close(pr.grad, pl.grad, "attention " + name)
+
+        moe_params = [p for m in local.moe for p in m.parameters()]
+        opt = torch.optim.SGD(moe_params, lr=LR) if optimizer == "sgd" else torch.optim.Adam(moe_params, lr=LR)
+        before = copy.deepcopy([{k: v.detach().clone() for k, v in m.named_parameters()} for m in local.moe])
+        opt.step()
+        self.assertEqual(session.step(), 1)
+        with self.assertRaisesRegex(RuntimeError, "nothing to apply"):
+            session.step()
+        steps, served = session.weights()
+        self.assertEqual(steps, 1)
+        for l, (m, was) in enumerate(zip(local.moe, before)):
+            for name, p in m.named_parameters():
+                self.assertFalse(torch.equal(p.detach(), was[name]), f"layer {l} {name} did not move")
+                # Adam moves a weight by about lr whatever its gradient: compare to lr there.
+                rtol = 1e-5 if optimizer == "sgd" else 1e-3 * LR / p.detach().abs().max().item()
+                self.assert_close(served[l][name], p.detach(), f"layer {l} {name} after {optimizer}", rtol)
+
+    def test_sgd(self):
+        self.train_once("sgd")
+
+    def test_adam(self):
+        self.train_once("adam")
+
+    def test_no_grad_keeps_nothing_and_async_calls_overlap(self):
+        session = self.serve("sgd")
+        block = moed.RemoteMoE(session, 1)
+        x = torch.randn(20, session.hidden, generator=torch.Generator().manual_seed(3))
+        with torch.no_grad():
+            y = block(x)
+        futures = [session.forward_async(1, x[i:i + 5]) for i in range(0, 20, 5)]
+        self.assertTrue(torch.equal(torch.cat([f.result() for f in futures]), y))
+        with self.assertRaisesRegex(RuntimeError, "nothing to apply"):
+            session.step()
+        with self.assertRaisesRegex(ValueError, "layer: the job serves layers 0-1, got 2"):
+            moed.RemoteMoE(session, 2)
+        with self.assertRaisesRegex(ValueError, "x: 780 bytes are not whole rows of 64 fp32 values"):
+            session.forward(0, torch.randn(3, session.hidden + 1))
+        bf16_rows = torch.randn(3, session.hidden).to(torch.bfloat16).view(torch.int16).numpy()
+        with self.assertRaisesRegex(RuntimeError, "dtype: the job computes in fp32, got bf16"):
+            session._native.forward(0, bf16_rows, "bf16")
+        self.assertTrue(torch.equal(block(x), y))  # the session serves on
+
+
+if __name__ == "__main__":
+    unittest.main()
