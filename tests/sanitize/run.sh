@@ -27,10 +27,11 @@ build="${MOE_BUILD_DIR}-$kind"
 moe_install_deps
 log "configuring $kind build in $build"
 # -O1 -g1: quick to build, fast enough to run, line numbers in reports; NDEBUG as the
-# Release build and the distribution's libraries have it.
+# Release build and the distribution's libraries have it. No Python package: a
+# sanitized module cannot load into the distribution's interpreter.
 cmake -S "$MOE_ROOT" -B "$build" -G Ninja -DCMAKE_BUILD_TYPE=RelWithDebInfo \
   -DCMAKE_CXX_FLAGS_RELWITHDEBINFO="-O1 -g1 -DNDEBUG" -DCMAKE_C_FLAGS_RELWITHDEBINFO="-O1 -g1 -DNDEBUG" \
-  -DMOE_SANITIZE="$sanitize" -DMOE_WITH_CUDA=OFF >/dev/null
+  -DMOE_SANITIZE="$sanitize" -DMOE_WITH_CUDA=OFF -DMOE_PYTHON=OFF >/dev/null
 # The build runs the test binaries too (GoogleTest's discovery): the options apply
 # from here on. Children (moed, moe-agent, moectl, test workers) inherit them.
 export UBSAN_OPTIONS="print_stacktrace=1:halt_on_error=1:suppressions=$supp/ubsan.supp"
