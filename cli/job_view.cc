@@ -51,6 +51,33 @@ void progress_rows(const v1::JobResult& j, Rows& rows) {
                                                             : "- (the load window is empty)"});
 }
 
+// A serving job's latest window (docs/serving.md#statistics).
+void serving_rows(const v1::JobResult& j, Rows& rows) {
+  const v1::ServeProgress& s = j.progress().serve();
+  if (s.window_seconds() <= 0) {
+    rows.push_back({"calls", "- (no window has completed yet)"});
+    return;
+  }
+  const std::string over = " (last " + human_seconds(s.window_seconds()) + ")";
+  rows.push_back({"clients", std::to_string(s.clients())});
+  rows.push_back({"calls/s", rate_text(s.calls_per_second()) + (s.failed_per_second() > 0
+                                                                    ? ", failed " + rate_text(s.failed_per_second())
+                                                                    : std::string()) +
+                                 over});
+  rows.push_back({"tokens/s", rate_text(s.rows_per_second()) + " (rows of the calls answered)"});
+  rows.push_back({"step rows", fmt(s.step_rows(), 3) + " (mean rows a rank computed a serve step)"});
+  rows.push_back({"queued rows", std::to_string(s.queued_rows())});
+  if (j.spec().serve_train()) rows.push_back({"optimizer steps", std::to_string(s.optimizer_steps())});
+  for (const v1::ServeLane& l : s.lanes())
+    rows.push_back({"layer " + std::to_string(l.layer()) + (l.backward() ? " backward" : " forward"),
+                    rate_text(l.calls_per_second()) + " calls/s, " + fmt(l.rows_per_call(), 3) + " rows a call, p50 " +
+                        fmt(l.p50_ms(), 3) + " ms, p99 " + fmt(l.p99_ms(), 3) + " ms"});
+  rows.push_back({"placement epoch", std::to_string(j.progress().epoch())});
+  rows.push_back({"balancedness", j.progress().has_window_balancedness()
+                                      ? fmt(j.progress().window_balancedness(), 3) + " (load window)"
+                                      : "- (no call measured yet)"});
+}
+
 void result_rows(const v1::JobResult& j, Rows& rows) {
   rows.push_back({"steps", std::to_string(static_cast<int64_t>(j.steps_completed())) + "/" +
                                std::to_string(j.spec().steps())});
@@ -136,8 +163,10 @@ void print_job(std::ostream& out, const v1::JobResult& j) {
     rows.push_back({"started", local_time(j.started_unix_ms()) + " (" +
                                    (j.state() == v1::JOB_STATE_RUNNING ? "running for " : "ran ") +
                                    human_seconds(duration_of(j)) + ")"});
-  if (j.state() == v1::JOB_STATE_RUNNING) progress_rows(j, rows);
-  else if (j.steps_completed() > 0) result_rows(j, rows);
+  const bool serving = j.spec().mode() == v1::JobSpec::serve;
+  if (j.state() == v1::JOB_STATE_RUNNING && serving) serving_rows(j, rows);
+  else if (j.state() == v1::JOB_STATE_RUNNING) progress_rows(j, rows);
+  else if (j.steps_completed() > 0 && !serving) result_rows(j, rows);
   if (!j.progress().rebalance().empty()) rows.push_back({"rebalance", j.progress().rebalance()});
   if (j.spec().verify()) rows.push_back({"verify", verify_text(j)});
   if (j.state() != v1::JOB_STATE_RUNNING)
@@ -151,6 +180,12 @@ std::string progress_line(const v1::JobResult& j) {
   const v1::JobProgress& p = j.progress();
   std::string s = j.job_id() + " " + state_name(j.state());
   if (j.state() == v1::JOB_STATE_QUEUED) return s + ": waiting for " + p.waiting_for();
+  if (j.spec().mode() == v1::JobSpec::serve && j.state() == v1::JOB_STATE_RUNNING) {
+    const v1::ServeProgress& v = p.serve();
+    return s + "  clients " + std::to_string(v.clients()) + "  calls/s " + human_count(v.calls_per_second()) +
+           "  tokens/s " + human_count(v.rows_per_second()) + "  queued " + std::to_string(v.queued_rows()) +
+           (p.has_window_balancedness() ? "  balancedness " + fmt(p.window_balancedness(), 3) : "");
+  }
   s += " step " + step_text(j);
   if (p.has_loss()) s += "  loss " + fmt(p.loss());
   if (p.recent_steps() > 0)

@@ -159,8 +159,13 @@ std::optional<int> JobLifecycle::on_step(const v1::StepReport& r, Clock::time_po
   double slowest = 0;
   for (const v1::StepStats& s : by_rank) slowest = std::max(slowest, s.step_seconds());
   push_recent_step(*running_, slowest);
-  record_load(by_rank);
+  const bool serving = running_->reports.spec.mode() == v1::JobSpec::serve;
+  if (!serving || has_rows(by_rank)) record_load(by_rank);  // an idle window measured no load
   update_progress(rec, by_rank, now);
+  if (serving) {  // a serving job runs for days: its result keeps the recent windows
+    auto& steps = running_->reports.steps;
+    steps.erase(steps.begin(), steps.lower_bound(r.stats().step() - kServeWindowsKept));
+  }
   return r.stats().step();
 }
 
@@ -188,6 +193,11 @@ void JobLifecycle::update_progress(v1::JobResult& rec, const std::vector<v1::Ste
   p.set_tokens_per_second(step_seconds > 0 ? static_cast<double>(spec.tokens_per_rank()) * job.reports.world / step_seconds
                                            : 0.0);
   p.set_eta_seconds(std::max(0, spec.steps() - step) * step_seconds);
+  if (spec.mode() == v1::JobSpec::serve) {  // windows, not steps (docs/serving.md#statistics)
+    *p.mutable_serve() = serve_progress(by_rank);
+    p.set_tokens_per_second(p.serve().rows_per_second());
+    p.clear_eta_seconds();
+  }
   p.set_updated_unix_ms(unix_ms());
   if (now - job.last_fill < std::chrono::seconds(1) && step < spec.steps()) return;
   running_->last_fill = now;
@@ -201,6 +211,14 @@ void JobLifecycle::update_progress(v1::JobResult& rec, const std::vector<v1::Ste
     if (l.rank_window_steps() > 0) sum += l.balancedness(), ++layers;
   if (layers > 0) rec.mutable_progress()->set_window_balancedness(sum / layers);
   else rec.mutable_progress()->clear_window_balancedness();
+}
+
+// A serving window in which some rank computed rows.
+bool JobLifecycle::has_rows(const std::vector<v1::StepStats>& by_rank) {
+  for (const v1::StepStats& s : by_rank)
+    for (double n : s.serve().layer_rows())
+      if (n > 0) return true;
+  return false;
 }
 
 // A complete step's measured load into the placement window

@@ -1,6 +1,10 @@
 #include "moe/jobs/job_result.h"
 
 #include <algorithm>
+#include <set>
+#include <string>
+
+#include "moe/base/latency_buckets.h"
 
 namespace moe::agent {
 namespace {
@@ -260,6 +264,76 @@ void fill_verify(const JobReports& r, v1::JobState state, v1::JobResult& rec) {
 
 }  // namespace
 
+namespace {
+
+// A serving job's tokens/s: rows its ranks computed over the windows' time
+// (a window's time: its slowest rank's), all layers counted.
+void fill_serve_rate(const std::vector<const std::vector<v1::StepStats>*>& steps, v1::JobResult& rec) {
+  double rows = 0, seconds = 0;
+  for (const auto* by_rank : steps) {
+    double t = 0;
+    for (const v1::StepStats& s : *by_rank) {
+      t = std::max(t, s.step_seconds());
+      for (double n : s.serve().layer_rows()) rows += n;
+    }
+    seconds += t;
+  }
+  const double rate = seconds > 0 ? rows / seconds : 0.0;
+  rec.set_tokens_per_second(rate);
+  rec.set_layer_tokens_per_second(rate);
+}
+
+}  // namespace
+
+v1::ServeProgress serve_progress(const std::vector<v1::StepStats>& by_rank) {
+  v1::ServeProgress p;
+  double seconds = 0, steps = 0, rows_computed = 0;
+  std::map<std::pair<int, bool>, v1::ServeLaneCalls> lanes;  // merged over nodes
+  std::set<std::string> callers;
+  for (const v1::StepStats& s : by_rank) {
+    seconds = std::max(seconds, s.step_seconds());
+    steps = std::max(steps, static_cast<double>(s.serve().steps()));
+    for (double n : s.serve().layer_rows()) rows_computed += n;
+    callers.insert(s.serve().callers().begin(), s.serve().callers().end());
+    p.set_queued_rows(p.queued_rows() + s.serve().queued_rows());
+    p.set_optimizer_steps(std::max(p.optimizer_steps(), s.serve().optimizer_steps()));
+    for (const v1::ServeLaneCalls& c : s.serve().calls()) {
+      v1::ServeLaneCalls& m = lanes[{c.layer(), c.backward()}];
+      m.set_calls(m.calls() + c.calls());
+      m.set_failed(m.failed() + c.failed());
+      m.set_rows(m.rows() + c.rows());
+      for (int b = 0; b < c.latency_buckets_size(); ++b) {
+        while (m.latency_buckets_size() <= b) m.add_latency_buckets(0);
+        m.set_latency_buckets(b, m.latency_buckets(b) + c.latency_buckets(b));
+      }
+    }
+  }
+  p.set_window_seconds(seconds);
+  p.set_clients(static_cast<int32_t>(callers.size()));
+  if (seconds <= 0) return p;
+  // Rows a step: over the steps that ran rows, as far as the window tells (each rank its share).
+  p.set_step_rows(steps > 0 ? rows_computed / steps : 0.0);
+  double calls = 0, failed = 0, rows = 0;
+  for (const auto& [key, c] : lanes) {
+    calls += c.calls();
+    failed += c.failed();
+    rows += c.rows();
+    if (c.calls() == 0) continue;
+    v1::ServeLane* l = p.add_lanes();
+    l->set_layer(key.first);
+    l->set_backward(key.second);
+    l->set_calls_per_second(c.calls() / seconds);
+    l->set_rows_per_call(static_cast<double>(c.rows()) / c.calls());
+    const std::vector<int64_t> buckets(c.latency_buckets().begin(), c.latency_buckets().end());
+    l->set_p50_ms(latency_quantile_ms(buckets, 0.5));
+    l->set_p99_ms(latency_quantile_ms(buckets, 0.99));
+  }
+  p.set_calls_per_second(calls / seconds);
+  p.set_failed_per_second(failed / seconds);
+  p.set_rows_per_second(rows / seconds);
+  return p;
+}
+
 void fill_result(const JobReports& r, v1::JobState state, v1::JobResult& rec) {
   rec.clear_loss();
   rec.clear_aux_loss();
@@ -270,6 +344,7 @@ void fill_result(const JobReports& r, v1::JobState state, v1::JobResult& rec) {
   rec.clear_epochs();
   const auto steps = complete_steps(r);
   fill_times(steps, r.spec.tokens_per_rank() * r.world, rec);
+  if (r.spec.mode() == v1::JobSpec::serve) fill_serve_rate(steps, rec);
   fill_sums(steps, r, rec);
   fill_epochs(steps, r, rec);
   fill_verify(r, state, rec);

@@ -42,12 +42,16 @@ struct DaemonMetrics::Impl {
     received = counter("moe_transport_received_bytes_total", "Bytes received from other ranks");
     naive = counter("moe_naive_transport_bytes_total", "Bytes one row per (token, expert) pair would have moved");
     step = histogram("moe_step_seconds", "Wall time of a job step on a rank");
-    copy_bytes = &BuildCounter()
-                      .Name("moe_rebalance_copy_bytes_total")
-                      .Help("Expert state this daemon's ranks received in live rebalances")
-                      .Register(*registry)
-                      .Add({});
-    build = &BuildGauge().Name("moe_build_info").Help("moed build, backend and GEMM engine").Register(*registry);
+    auto gauge = [&](const char* name, const char* help) {
+      return &BuildGauge().Name(name).Help(help).Register(*registry);
+    };
+    copy_bytes = &counter("moe_rebalance_copy_bytes_total", "Expert state this daemon's ranks received in live rebalances")
+                      ->Add({});
+    build = gauge("moe_build_info", "moed build, backend and GEMM engine");
+    serve_calls = counter("moe_serve_calls_total", "Calls of a serving job's layers that ended on this node");
+    serve_rows = counter("moe_serve_rows_total", "Rows of the answered calls of a serving job");
+    serve_seconds = histogram("moe_serve_call_seconds", "A serving job's answered calls, receipt to reply");
+    serve_queued = &gauge("moe_serve_queued_rows", "Rows of a serving job's calls waiting on this node")->Add({});
   }
 
   void count(prometheus::Family<prometheus::Counter>* f, const Labels& l, double v) { f->Add(l).Increment(v); }
@@ -67,9 +71,11 @@ struct DaemonMetrics::Impl {
 
   std::shared_ptr<prometheus::Registry> registry;
   http::MetricsEndpoint endpoint;
-  prometheus::Family<prometheus::Counter>*expert_tokens, *rank_tokens, *sent, *received, *naive;
-  prometheus::Family<prometheus::Histogram>*dispatch, *combine, *expert, *step;
+  prometheus::Family<prometheus::Counter>*expert_tokens, *rank_tokens, *sent, *received, *naive, *serve_calls,
+      *serve_rows;
+  prometheus::Family<prometheus::Histogram>*dispatch, *combine, *expert, *step, *serve_seconds;
   prometheus::Family<prometheus::Gauge>* build;
+  prometheus::Gauge* serve_queued;
   prometheus::Counter* copy_bytes;
 };
 
@@ -102,5 +108,18 @@ void DaemonMetrics::record_backward(int, const LayerStep& s) { impl_->record_tra
 void DaemonMetrics::record_step(int, double seconds) { impl_->observe(impl_->step, {}, seconds); }
 
 void DaemonMetrics::record_rebalance_copy(int64_t bytes) { impl_->copy_bytes->Increment(static_cast<double>(bytes)); }
+
+void DaemonMetrics::record_serve_call(int layer, bool backward, bool ok, int64_t rows, double seconds) {
+  Impl& m = *impl_;
+  const Labels lane = {{"layer", std::to_string(layer)}, {"kind", backward ? "backward" : "forward"}};
+  Labels with_outcome = lane;
+  with_outcome["outcome"] = ok ? "ok" : "failed";
+  m.count(m.serve_calls, with_outcome, 1);
+  if (!ok) return;
+  m.count(m.serve_rows, lane, static_cast<double>(rows));
+  m.observe(m.serve_seconds, lane, seconds);
+}
+
+void DaemonMetrics::set_serve_queued_rows(int64_t rows) { impl_->serve_queued->Set(static_cast<double>(rows)); }
 
 }  // namespace moe::metrics

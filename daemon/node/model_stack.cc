@@ -139,12 +139,14 @@ void ModelStack::forward(int step, StepReport& report, bool capture) {
   be_.synchronize();
 }
 
-std::vector<uint8_t> ModelStack::serve_forward(int layer, const std::vector<uint8_t>& x, int64_t T) {
+std::vector<uint8_t> ModelStack::serve_forward(int layer, const std::vector<uint8_t>& x, int64_t T,
+                                               StepReport& report) {
   MOE_CHECK(T >= 0 && T <= T_, "serve: ", T, " rows in a step of at most ", T_);
   const size_t bytes = T * H_ * kernels::dtype_size(dt_);
   MOE_CHECK(x.size() == bytes, "serve: ", x.size(), " bytes for ", T, " rows");
   if (bytes > 0) be_.copy_to_device(xs_[0].get(), x.data(), bytes);
   layers_.at(layer)->forward(xs_[0].get(), T, token_begin(), out_.get());
+  report.add_forward(layer, *layers_[layer], T, job_.top_k);
   std::vector<uint8_t> y(bytes);
   if (bytes > 0) be_.copy_to_host(y.data(), out_.get(), bytes);
   be_.synchronize();
@@ -152,7 +154,7 @@ std::vector<uint8_t> ModelStack::serve_forward(int layer, const std::vector<uint
 }
 
 std::vector<uint8_t> ModelStack::serve_backward(int layer, const std::vector<uint8_t>& x,
-                                                const std::vector<uint8_t>& grad_y, int64_t T) {
+                                                const std::vector<uint8_t>& grad_y, int64_t T, StepReport& report) {
   MOE_CHECK(job_.train, "serve: backward calls need a serving job with serve_train");
   MOE_CHECK(T >= 0 && T <= T_, "serve: ", T, " rows in a step of at most ", T_);
   const size_t bytes = T * H_ * kernels::dtype_size(dt_);
@@ -164,7 +166,10 @@ std::vector<uint8_t> ModelStack::serve_backward(int layer, const std::vector<uin
   }
   ep::EpLayer& l = *layers_.at(layer);
   l.forward(xs_[0].get(), T, token_begin(), out_.get());
+  report.add_forward(layer, l, T, job_.top_k);
   l.backward(grad_.get(), grad_x_.get());
+  report.add_backward(layer, l);
+  report.set_backward_seconds(l.stats().backward);
   l.accumulate_grads();
   std::vector<uint8_t> grad_x(bytes);
   if (bytes > 0) be_.copy_to_host(grad_x.data(), grad_x_.get(), bytes);

@@ -160,12 +160,14 @@ void RankRun::finish_step(int step, StepReport& report) {
   send_report(report);
 }
 
-void RankRun::send_report(const StepReport& report) {
+void RankRun::send_report(const StepReport& report) { send_stats(report.stats()); }
+
+void RankRun::send_stats(const v1::StepStats& stats) {
   v1::Envelope msg;
   auto* r = msg.mutable_step_report();
   r->set_job_id(job_.job_id());
   r->set_rank(world_->rank);
-  *r->mutable_stats() = report.stats();
+  *r->mutable_stats() = stats;
   env_.reports->send(std::move(msg));  // held while the agent is away
 }
 
@@ -179,9 +181,16 @@ bool RankRun::checkpoint_due(int done) const {
 
 int RankRun::run_world(const std::function<bool()>& cancel_requested) {
   if (world_->job().serve) {  // docs/serving.md: until cancelled; its steps are not the job's
-    ServingNode& node = *runner_.serving();
-    serve_until_cancelled({world_->comm, world_->stack, world_->rebalance, node.queue, node.requests, local_ == 0,
-                           env_.transport_timeout},
+    serve_until_cancelled({.comm = world_->comm,
+                           .stack = world_->stack,
+                           .rebalance = world_->rebalance,
+                           .node = *runner_.serving(),
+                           .first_on_node = local_ == 0,
+                           .timeout = env_.transport_timeout,
+                           .rank = world_->rank,
+                           .world_epoch = world_->start.world_epoch(),
+                           .metrics = env_.metrics,
+                           .report = [this](const v1::StepStats& stats) { send_stats(stats); }},
                           cancel_requested);
     world_->comm.barrier(deadline());
     return 0;

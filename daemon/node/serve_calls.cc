@@ -2,6 +2,7 @@
 // of a serving job, checked and copied outside the daemon's lock, queued for
 // the node's ranks, and answered on the io thread (without blocking it) once
 // the ranks ran them, or with the error that stopped them.
+#include <functional>
 #include <optional>
 
 #include "moe/base/check.h"
@@ -41,6 +42,14 @@ class Completion : public std::enable_shared_from_this<Completion> {
   std::string error_;
 };
 
+// A rows call's lane from its fields (-1: a layer out of range, which counts nowhere).
+int lane_of(const v1::Envelope& req) {
+  const bool forward = req.has_serve_forward();
+  const int layer = forward ? req.serve_forward().layer() : req.serve_backward().layer();
+  if (layer < 0 || layer >= (1 << 20)) return -1;  // no overflow; the job's lanes are checked later
+  return layer * kServeKinds + static_cast<int>(forward ? ServeKind::kForward : ServeKind::kBackward);
+}
+
 const std::string& job_of(const v1::Envelope& req) {
   if (req.has_serve_forward()) return req.serve_forward().job_id();
   if (req.has_serve_backward()) return req.serve_backward().job_id();
@@ -68,10 +77,29 @@ rpc::awaitable<v1::Envelope> Daemon::serve_call(const v1::Envelope& req, const r
   co_return co_await serve_rows(req, ctx);
 }
 
-// A forward or backward call: its rows queued, the reply once every row is back.
+// A forward or backward call: its rows queued, the reply once every row is back;
+// counted in the node's statistics as it ends, answered or not.
 rpc::awaitable<v1::Envelope> Daemon::serve_rows(const v1::Envelope& req, const rpc::RequestContext& ctx) {
-  const bool forward = req.has_serve_forward();
+  const auto received = ServeClock::now();
   const std::string& job_id = job_of(req);
+  int64_t answered_rows = -1;  // set when answered
+  struct Count {               // runs as the call ends, however it ends
+    std::function<void()> f;
+    ~Count() { f(); }
+  } count{[&] {
+    const double seconds = std::chrono::duration<double>(ServeClock::now() - received).count();
+    const int lane = lane_of(req);
+    {
+      std::lock_guard<std::mutex> lock(mu_);  // a lane the job has (no series for a stranger's layer numbers)
+      if (!runner_ || runner_->job_id() != job_id || !runner_->serving() || lane < 0 ||
+          lane >= runner_->serving()->queue.lanes())
+        return;
+      runner_->serving()->stats.record(lane, answered_rows, seconds, answered_rows >= 0, ctx.client_name);
+    }
+    if (metrics_)
+      metrics_->record_serve_call(lane / kServeKinds, lane % kServeKinds == 1, answered_rows >= 0, answered_rows, seconds);
+  }};
+  const bool forward = req.has_serve_forward();
   v1::JobSpec spec;
   ServeLimits limits{};
   std::optional<ServeHandles::Kept> kept;  // a backward's rows
@@ -109,6 +137,7 @@ rpc::awaitable<v1::Envelope> Daemon::serve_rows(const v1::Envelope& req, const r
   }
   if (!done->error().empty()) throw RpcError(v1::ERROR_CODE_UNAVAILABLE, done->error());
   v1::Envelope reply;
+  answered_rows = c->rows;
   if (!forward) {
     v1::ServeBackwardReply* r = reply.mutable_serve_backward_reply();
     r->set_rows(c->rows);

@@ -4,6 +4,9 @@
 #include <cstring>
 #include <vector>
 
+#include "moe/base/clock.h"
+#include "moe/node/serve_window.h"
+
 namespace moe::node {
 namespace {
 
@@ -29,27 +32,33 @@ std::vector<uint8_t> gather(const std::vector<ServePiece>& pieces, std::vector<u
   return out;
 }
 
-// This rank's rows of `lane` for the step, run and handed back; a piece whose
-// step failed fails its call before the error goes on.
-void run_pieces(const ServeRank& r, int lane) {
+// This rank's rows of `lane` for the step, run and handed back, the step's
+// figures into the window; a piece whose step failed fails its call before the
+// error goes on.
+void run_pieces(const ServeRank& r, int lane, ServeWindow& window) {
   const int layer = lane / kServeKinds;
   const auto kind = static_cast<ServeKind>(lane % kServeKinds);
-  const std::vector<ServePiece> pieces = r.queue.take(lane, r.stack.job().tokens_per_rank);
+  const std::vector<ServePiece> pieces = r.node.queue.take(lane, r.stack.job().tokens_per_rank);
   const size_t row_bytes = kernels::dtype_size(r.stack.job().dtype) * r.stack.job().shape.hidden;
   try {
+    const double t0 = now_seconds();
+    StepReport step(0, r.stack.job().shape.num_experts);
     const std::vector<uint8_t> x = gather(pieces, &ServeCall::x, row_bytes);
     const auto rows = static_cast<int64_t>(x.size() / row_bytes);
     const std::vector<uint8_t> y =
         kind == ServeKind::kForward
-            ? r.stack.serve_forward(layer, x, rows)
-            : r.stack.serve_backward(layer, x, gather(pieces, &ServeCall::grad_y, row_bytes), rows);
+            ? r.stack.serve_forward(layer, x, rows, step)
+            : r.stack.serve_backward(layer, x, gather(pieces, &ServeCall::grad_y, row_bytes), rows, step);
     size_t at = 0;
     for (const ServePiece& p : pieces) {
-      r.queue.finish(p, y.data() + at);
+      r.node.queue.finish(p, y.data() + at);
       at += p.n * row_bytes;
     }
+    step.set_step_seconds(now_seconds() - t0);
+    step.record(r.metrics, r.rank);  // the per-expert load and transfer series, as a job's steps
+    window.add(layer, rows, step);
   } catch (const std::exception& e) {
-    for (const ServePiece& p : pieces) r.queue.fail(p, e.what());
+    for (const ServePiece& p : pieces) r.node.queue.fail(p, e.what());
     throw;
   }
 }
@@ -79,43 +88,62 @@ v1::ServeWeightsReply weights_reply(const ServeRank& r, int64_t steps) {
 
 // The requests the vote made due, every rank taking part; the node's first rank answers.
 void run_requests(const ServeRank& r, const float* sum) {
+  ServeRequests& requests = r.node.requests;
   if (ServeRequests::step_due(sum)) {
-    const int64_t before = r.requests.steps();
+    const int64_t before = requests.steps();
     const bool applied = r.stack.serve_optimizer_step();
     if (r.first_on_node)
-      r.requests.step_done(applied ? "" : "step " + std::to_string(before + 1) +
-                                              ": nothing to apply, no backward call since step " +
-                                              std::to_string(before));
+      requests.step_done(applied ? "" : "step " + std::to_string(before + 1) +
+                                            ": nothing to apply, no backward call since step " +
+                                            std::to_string(before));
   }
   if (ServeRequests::weights_due(sum)) {
-    const v1::ServeWeightsReply reply = weights_reply(r, r.requests.steps());
-    if (r.first_on_node) r.requests.weights_read("", reply);
+    const v1::ServeWeightsReply reply = weights_reply(r, requests.steps());
+    if (r.first_on_node) requests.weights_read("", reply);
   }
+}
+
+// The window every rank agreed to close, to the agent; the node's calls in the first rank's.
+void close_window(const ServeRank& r, ServeWindow& window) {
+  v1::StepStats stats = window.close(r.stack, r.world_epoch);
+  if (r.first_on_node) {
+    v1::ServeWindow* w = stats.mutable_serve();
+    r.node.stats.take(*w);
+    w->set_queued_rows(r.node.queue.queued());
+    if (r.metrics) r.metrics->set_serve_queued_rows(w->queued_rows());
+    w->set_optimizer_steps(r.node.requests.steps());
+  }
+  r.report(stats);
 }
 
 }  // namespace
 
 int64_t serve_until_cancelled(const ServeRank& r, const std::function<bool()>& cancel_requested) {
-  const int lanes = r.queue.lanes();
+  ServeQueue& queue = r.node.queue;
+  const int lanes = queue.lanes();
   const auto max_wait = std::chrono::milliseconds(r.stack.job().serve_max_wait_ms);
-  // [cancel | rebalance | each lane's age | requests]
-  const size_t at_ages = 1 + RebalanceSession::kVoteFloats, at_requests = at_ages + lanes;
+  ServeWindow window(r.stack.num_layers(), r.stack.job().shape.num_experts);
+  // [cancel, window due | rebalance | each lane's age | requests]
+  const size_t at_rebalance = 2, at_ages = at_rebalance + RebalanceSession::kVoteFloats, at_requests = at_ages + lanes;
   std::vector<float> vote(at_requests + ServeRequests::kVoteFloats);
   for (int64_t step = 0;; ++step) {
-    r.queue.wait_for_step(r.stack.job().tokens_per_rank, max_wait);
+    queue.wait_for_step(r.stack.job().tokens_per_rank, max_wait);
     std::fill(vote.begin(), vote.end(), 0.0f);
     vote[0] = cancel_requested() ? 1.0f : 0.0f;
-    r.rebalance.vote(vote.data() + 1);
+    vote[1] = window.due() ? 1.0f : 0.0f;
+    r.rebalance.vote(vote.data() + at_rebalance);
     // Summed gradients are per slot of the current map: it changes only between optimizer steps.
-    if (r.stack.serve_grads_pending() > 0) RebalanceSession::hold(vote.data() + 1);
-    const std::vector<float> ages = r.queue.ages(ServeClock::now());
+    if (r.stack.serve_grads_pending() > 0) RebalanceSession::hold(vote.data() + at_rebalance);
+    const std::vector<float> ages = queue.ages(ServeClock::now());
     std::copy(ages.begin(), ages.end(), vote.begin() + at_ages);
-    if (r.first_on_node) r.requests.vote(vote.data() + at_requests);
+    if (r.first_on_node) r.node.requests.vote(vote.data() + at_requests);
     r.comm.all_reduce_sum(vote.data(), vote.size(), transport::deadline_in(r.timeout));
     if (vote[0] > 0) return step;
-    r.rebalance.act(vote.data() + 1, static_cast<int>(step));
-    if (const int lane = chosen_lane(vote.data() + at_ages, lanes); lane >= 0) run_pieces(r, lane);
+    r.rebalance.act(vote.data() + at_rebalance, static_cast<int>(step));
+    window.add_step();
+    if (const int lane = chosen_lane(vote.data() + at_ages, lanes); lane >= 0) run_pieces(r, lane, window);
     run_requests(r, vote.data() + at_requests);
+    if (vote[1] > 0) close_window(r, window);
     r.rebalance.after_step();  // a staged rebalance reports ready once its copies are in
   }
 }

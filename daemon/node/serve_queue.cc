@@ -132,6 +132,11 @@ void ServeQueue::abandon(const std::shared_ptr<ServeCall>& call) {
   q.erase(std::remove(q.begin(), q.end(), call), q.end());
 }
 
+int64_t ServeQueue::queued() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return queued_rows();
+}
+
 int64_t ServeQueue::queued_rows() const {
   int64_t rows = 0;
   for (const auto& layer : waiting_)

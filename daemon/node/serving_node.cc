@@ -18,7 +18,10 @@ ServeLimits serve_limits(const layer_spec::JobView& job, int devices) {
 }
 
 ServingNode::ServingNode(const layer_spec::JobView& job, int devices)
-    : limits(serve_limits(job, devices)), queue(job.layers), handles(limits.handle_bytes, limits.handle_ttl) {}
+    : limits(serve_limits(job, devices)),
+      queue(job.layers),
+      handles(limits.handle_bytes, limits.handle_ttl),
+      stats(job.layers * kServeKinds) {}
 
 void ServingNode::close(const std::string& why) {
   queue.close(why);

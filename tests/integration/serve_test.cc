@@ -5,7 +5,9 @@
 #include <gtest/gtest.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
+#include <cstdio>
 #include <cstring>
 #include <limits>
 #include <tuple>
@@ -145,6 +147,55 @@ TEST(Serve, TwoByTwoServesConcurrentClientsOverEveryRank) {
   for (int k = 0; k < 4; ++k) EXPECT_EQ(failures[k], "") << "client " << k << "\n" << c.logs();
   EXPECT_EQ(c.ctl({"job", "cancel", id}).first, 0);
   EXPECT_TRUE(poll_until([&] { return c.job(id).state() == v1::JOB_STATE_CANCELLED; }, 30s)) << c.logs();
+}
+
+// A client loop through a live rebalance (`placement rebalance`) on 2x2: no call
+// fails, every output is the reference's (replicas compute the same bits, so
+// the map in force does not change it), and the rebalance commits.
+TEST(Serve, ALiveRebalanceDropsNoCall) {
+  Cluster c(2, 2);
+  ASSERT_TRUE(c.up()) << c.logs();
+  const auto [rc, out] = c.ctl(concat({"job", "submit"}, concat(kServeSpec, {"--skew", "zipf:1.2"})));
+  ASSERT_EQ(rc, 0) << out << c.logs();
+  const std::string id = out.substr(0, out.find('\n'));
+  ASSERT_TRUE(poll_until([&] { return c.job(id).state() == v1::JOB_STATE_RUNNING; }, 60s)) << c.logs();
+  std::atomic<bool> stop{false};
+  std::atomic<int> calls{0};
+  std::string failure;
+  std::thread client([&] {
+    try {
+      client::Session s = session_of(c, id, "loop");
+      for (int call = 0; !stop || call < 40; ++call) {
+        const int layer = call % 2;
+        const std::vector<float> x = normal_vector((1 + call % 23) * s.hidden(), 7000 + call);
+        expect_reference(s.spec(), layer, x, s.forward(layer, x));
+        ++calls;
+      }
+    } catch (const std::exception& e) {
+      failure = e.what();
+    }
+  });
+  ASSERT_TRUE(poll_until([&] { return calls > 10 || !failure.empty(); }, 30s));
+  // The calls' load reached the placement's window (a serving window is a second).
+  ASSERT_TRUE(poll_until([&] { return c.job(id).progress().has_window_balancedness(); }, 30s)) << c.logs();
+  const auto [src, status] = c.ctl({"job", "status", id});
+  EXPECT_NE(status.find("clients          1"), std::string::npos) << status;
+  EXPECT_NE(status.find("layer 0 forward"), std::string::npos) << status;
+  EXPECT_NE(status.find(" ms, p99 "), std::string::npos) << status;
+  const auto [rrc, rout] = c.ctl({"placement", "rebalance", "--redundant-experts", "4"}, 120s);
+  stop = true;
+  client.join();
+  EXPECT_EQ(rrc, 0) << rout << c.logs();
+  EXPECT_NE(rout.find("rebalance committed"), std::string::npos) << rout;
+  // The real calls' skewed load moved the experts: layer 0's predicted balancedness is better.
+  const size_t at = rout.find("layer 0: balancedness ");
+  ASSERT_NE(at, std::string::npos) << rout;
+  double before = 0, predicted = 0;
+  ASSERT_EQ(std::sscanf(rout.c_str() + at, "layer 0: balancedness %lf -> predicted %lf", &before, &predicted), 2);
+  EXPECT_GT(predicted, before + 0.2) << rout;
+  EXPECT_EQ(failure, "") << c.logs();
+  EXPECT_GT(calls.load(), 40);
+  EXPECT_EQ(c.ctl({"job", "cancel", id}).first, 0);
 }
 
 // --- Training through the service (docs/serving.md#training) ---

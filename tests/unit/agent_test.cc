@@ -4,6 +4,7 @@
 #include <gtest/gtest.h>
 
 #include "moe/rebalance/auto_rebalance.h"
+#include "moe/base/latency_buckets.h"
 #include "moe/jobs/job_result.h"
 #include "moe/rebalance/rebalancer.h"
 #include "moe/jobs/scheduler.h"
@@ -138,6 +139,44 @@ TEST(JobResult, BalancednessIsTakenPerWorldOfAnElasticJob) {
   }
   fill_result(r, v1::JOB_STATE_SUCCEEDED, rec);
   EXPECT_DOUBLE_EQ(rec.layer_balancedness(0), 40.0 / 60.0);
+}
+
+// Two nodes' windows of a serving job: callers by name, calls summed, latency
+// quantiles from the merged buckets (docs/serving.md#statistics).
+TEST(JobResult, AServingWindowMergesTheNodesCalls) {
+  std::vector<v1::StepStats> by_rank(2);
+  for (int r = 0; r < 2; ++r) {
+    by_rank[r].set_step_seconds(r == 0 ? 0.5 : 1.0);  // the slowest rank's window counts
+    v1::ServeWindow* w = by_rank[r].mutable_serve();
+    w->set_steps(10);
+    w->add_layer_rows(30 + r * 10);  // 30 and 40 rows computed: 7 a step over the ranks
+    w->add_callers("a");
+    w->add_callers(r == 0 ? "b" : "c");
+    w->set_queued_rows(3);
+    v1::ServeLaneCalls* c = w->add_calls();
+    c->set_layer(0);
+    c->set_calls(50);
+    c->set_rows(250);
+    c->set_failed(r);
+    for (int b = 0; b <= 100; ++b) c->add_latency_buckets(0);
+    c->set_latency_buckets(r == 0 ? 80 : 100, 49);  // 0.01 x 2^10 ms = 10.24, 0.01 x 2^12.5
+    c->set_latency_buckets(r == 0 ? 90 : 100, 1);
+  }
+  const v1::ServeProgress p = serve_progress(by_rank);
+  EXPECT_EQ(p.window_seconds(), 1.0);
+  EXPECT_EQ(p.clients(), 3);
+  EXPECT_EQ(p.calls_per_second(), 100);
+  EXPECT_EQ(p.failed_per_second(), 1);
+  EXPECT_EQ(p.rows_per_second(), 500);
+  EXPECT_EQ(p.step_rows(), 7);
+  EXPECT_EQ(p.queued_rows(), 6);
+  ASSERT_EQ(p.lanes_size(), 1);
+  EXPECT_FALSE(p.lanes(0).backward());
+  EXPECT_EQ(p.lanes(0).rows_per_call(), 5);
+  EXPECT_DOUBLE_EQ(p.lanes(0).p50_ms(), latency_bucket_bound_ms(80));   // call 50 of 100
+  EXPECT_DOUBLE_EQ(p.lanes(0).p99_ms(), latency_bucket_bound_ms(100));  // calls 51-100
+  EXPECT_EQ(latency_bucket(latency_bucket_bound_ms(80)), 80);          // a bound is its own bucket's
+  EXPECT_EQ(latency_bucket(latency_bucket_bound_ms(80) * 1.001), 81);
 }
 
 TEST(JobResult, VerifyPassesOnlyIfEveryRankAndTheJobDid) {

@@ -78,6 +78,7 @@ class JobLifecycle {
   void fail_unstarted(v1::JobResult& rec, const std::string& message);
   void note_cancelled_rank(const v1::RankDone& d, Clock::time_point now);
   void record_load(const std::vector<v1::StepStats>& by_rank);
+  static bool has_rows(const std::vector<v1::StepStats>& by_rank);
   void update_progress(v1::JobResult& rec, const std::vector<v1::StepStats>& by_rank, Clock::time_point now);
   bool on_past_world_step(const v1::StepReport& r);
 

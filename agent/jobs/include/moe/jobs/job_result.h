@@ -37,4 +37,11 @@ struct JobReports {
 // its layers'), and placement_epoch is the last one. Verify passes only if every rank's did and the job succeeded.
 void fill_result(const JobReports& reports, v1::JobState state, v1::JobResult& rec);
 
+// A serving job (docs/serving.md#statistics): the progress of one complete
+// window, by rank (calls and clients summed over the nodes' reports, latency
+// quantiles from their merged buckets, rows a step over the ranks).
+v1::ServeProgress serve_progress(const std::vector<v1::StepStats>& by_rank);
+// Serving jobs keep this many recent windows for their result.
+constexpr int kServeWindowsKept = 60;
+
 }  // namespace moe::agent

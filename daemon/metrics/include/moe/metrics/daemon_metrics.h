@@ -5,6 +5,9 @@
 //   moe_transport_bytes_total{op,direction}, moe_transport_received_bytes_total{op,direction}
 //   moe_naive_transport_bytes_total{op}, moe_step_seconds, moe_build_info{version,backend,gemm_engine},
 //   moe_rebalance_copy_bytes_total (expert state received by live rebalances)
+//   moe_serve_calls_total{layer,kind,outcome}, moe_serve_rows_total{layer,kind},
+//   moe_serve_call_seconds{layer,kind}, moe_serve_queued_rows: a serving job's calls
+//   (kind = forward | backward, outcome = ok | failed; docs/serving.md#statistics)
 // direction = forward | backward, op = dispatch | combine. Rank threads record
 // into it concurrently.
 #pragma once
@@ -41,6 +44,9 @@ class DaemonMetrics {
   void record_backward(int rank, const LayerStep& s);
   void record_step(int rank, double seconds);
   void record_rebalance_copy(int64_t bytes_received);  // moe_rebalance_copy_bytes_total
+  // A serving job's call as it ended (rows and seconds count when answered).
+  void record_serve_call(int layer, bool backward, bool ok, int64_t rows, double seconds);
+  void set_serve_queued_rows(int64_t rows);
 
  private:
   struct Impl;

@@ -44,13 +44,14 @@ class ModelStack {
   void forward(int step, StepReport& report, bool capture);
   // A serving job's step (docs/serving.md): layer `layer` alone (no residual) on
   // x [T, H] in the job dtype, host memory, T <= tokens_per_rank (0: this rank
-  // joins the step's collectives with no rows). Returns y [T, H] likewise.
-  std::vector<uint8_t> serve_forward(int layer, const std::vector<uint8_t>& x, int64_t T);
+  // joins the step's collectives with no rows). Returns y [T, H] likewise; the
+  // layer's figures go into `report`.
+  std::vector<uint8_t> serve_forward(int layer, const std::vector<uint8_t>& x, int64_t T, StepReport& report);
   // A serving job's backward step (docs/serving.md#training): the layer's forward
   // again on x (the rows its forward calls kept), then its backward for grad_y;
   // the weight gradients add to the layer's sums. Returns grad_x [T, H].
   std::vector<uint8_t> serve_backward(int layer, const std::vector<uint8_t>& x, const std::vector<uint8_t>& grad_y,
-                                      int64_t T);
+                                      int64_t T, StepReport& report);
   // One optimizer step on each layer's summed gradients; a layer without a
   // backward since the last step is left alone (as torch skips a parameter
   // without .grad), and counts its own steps for Adam. False, nothing applied,

@@ -65,6 +65,7 @@ class RankRun {
   void agree(int step, const std::string& nonfinite_here, StepReport& report);
   void finish_step(int step, StepReport& report);
   void send_report(const StepReport& report);
+  void send_stats(const v1::StepStats& stats);
   bool checkpoint_due(int steps_done) const;
   // Elastic: the world failed; tell the agent what this rank applied.
   void report_halted(const std::string& why, int failed_peer);

@@ -6,7 +6,8 @@
 // then runs that lane on up to tokens_per_rank of its node's queued rows of it,
 // zero rows being a rank's share when it has none, and hands the results back;
 // then the due requests run, every rank taking part, and the node's first
-// rank answers them.
+// rank answers them. About every second the ranks agree to close a reporting
+// window (ServeWindow) and each sends it to the agent.
 #pragma once
 
 #include <chrono>
@@ -15,8 +16,7 @@
 
 #include "moe/node/model_stack.h"
 #include "moe/node/rebalance_session.h"
-#include "moe/node/serve_queue.h"
-#include "moe/node/serve_requests.h"
+#include "moe/node/serving_node.h"
 #include "moe/transport/communicator.h"
 
 namespace moe::node {
@@ -25,10 +25,13 @@ struct ServeRank {
   transport::Communicator& comm;  // host memory: the step's vote
   ModelStack& stack;
   RebalanceSession& rebalance;
-  ServeQueue& queue;        // the node's
-  ServeRequests& requests;  // the node's
-  bool first_on_node;       // counts and answers the node's requests
+  ServingNode& node;
+  bool first_on_node;  // counts and answers the node's requests, reports its calls
   std::chrono::milliseconds timeout;  // of each transport wait
+  int rank;
+  int64_t world_epoch;
+  metrics::DaemonMetrics* metrics;  // may be null
+  std::function<void(const v1::StepStats&)> report;  // a closed window, to the agent
 };
 
 // Runs serve steps until every rank agreed to stop (a cancel); returns how many ran.

@@ -82,6 +82,8 @@ class ServeQueue {
   // Per lane (ServeCall::lane), how long the oldest queued row has waited (ms;
   // 0: none), the rank's part of the step vote.
   std::vector<float> ages(ServeClock::time_point now) const;
+  // Rows waiting, over the lanes.
+  int64_t queued() const;
   // Up to max_rows rows of `lane` from the oldest calls on.
   std::vector<ServePiece> take(int lane, int64_t max_rows);
   // A piece's results (n rows of row_bytes): the call completes with its last piece.

@@ -1,6 +1,7 @@
 // A serving job's state on one node (docs/serving.md): the queued rows of the
 // calls, the requests that are not rows (optimizer steps, weight reads), the
-// rows kept for backward calls, and the node's limits on them. The daemon's
+// rows kept for backward calls, the node's limits on them, and its calls'
+// statistics. The daemon's
 // RPC thread adds to it; the node's ranks serve it.
 #pragma once
 
@@ -12,6 +13,7 @@
 #include "moe/node/serve_handles.h"
 #include "moe/node/serve_queue.h"
 #include "moe/node/serve_requests.h"
+#include "moe/node/serve_stats.h"
 
 namespace moe::node {
 
@@ -33,6 +35,7 @@ class ServingNode {
   ServeQueue queue;
   ServeRequests requests;
   ServeHandles handles;
+  ServeStats stats;
 };
 
 }  // namespace moe::node
