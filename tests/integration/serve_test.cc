@@ -195,6 +195,19 @@ TEST(Serve, ALiveRebalanceDropsNoCall) {
   EXPECT_GT(predicted, before + 0.2) << rout;
   EXPECT_EQ(failure, "") << c.logs();
   EXPECT_GT(calls.load(), 40);
+  // The nodes exported the calls they answered (docs/metrics.md#daemon-metrics).
+  const auto cluster = c.status();
+  std::string pages;
+  for (const v1::NodeInfo& n : cluster.nodes()) {
+    pages += scrape(n.metrics_address());
+    EXPECT_NE(pages.find("moe_serve_queued_rows"), std::string::npos);
+  }
+  for (const char* layer : {"0", "1"}) {
+    const std::string lane = std::string("kind=\"forward\",layer=\"") + layer + "\"";
+    EXPECT_NE(pages.find("moe_serve_calls_total{" + lane + ",outcome=\"ok\"}"), std::string::npos) << pages;
+    EXPECT_NE(pages.find("moe_serve_call_seconds_bucket{" + lane), std::string::npos);
+    EXPECT_NE(pages.find("moe_serve_rows_total{" + lane + "}"), std::string::npos);
+  }
   EXPECT_EQ(c.ctl({"job", "cancel", id}).first, 0);
 }
 
