@@ -19,7 +19,10 @@ usage:
         query at END for `instant` targets) must give at least one finite
         sample; annotations likewise, with a 1 s step. ALLOWED lists the
         queries whose series only exist under a condition this test does not
-        create.
+        create. The serving panels are checked by `serving`.
+  prometheus_server_check.py serving URL DASHBOARD_JSON START END
+      every query of the dashboard's serving panels (titles "Serving ...")
+      returns data over a serving job that answered calls from START to END.
 """
 import json
 import math
@@ -166,7 +169,11 @@ def dashboard_queries(dash):
     return out
 
 
-def check_dashboard(url, dash, start, end):
+def is_serving(where):
+    return where.startswith("panel ") and "'Serving" in where
+
+
+def check_dashboard(url, dash, start, end, serving=False):
     variables = {v["name"]: v for v in dash["templating"]["list"] if v.get("type") == "query"}
     values = {}
     for name, v in variables.items():
@@ -178,6 +185,8 @@ def check_dashboard(url, dash, start, end):
     range_s = max(1, int(end - start))
     checked, empty = 0, []
     for where, expr, is_instant in dashboard_queries(dash):
+        if is_serving(where) != serving:
+            continue
         for layer in (layers if "$layer" in expr else layers[:1]):
             q = substitute(expr, layer, nodes, range_s)
             r = instant(url, q, end) if is_instant else range_query(url, q, start, end)
@@ -206,9 +215,18 @@ def check(url, result_path, dash_path, start, end):
     return 1 if failures else 0
 
 
+def serving(url, dash_path, start, end):
+    with open(dash_path) as f:
+        dash = json.load(f)
+    check_dashboard(url, dash, float(start), float(end), serving=True)
+    return 1 if failures else 0
+
+
 def main():
     if len(sys.argv) == 6 and sys.argv[1] == "wait":
         return wait(*sys.argv[2:])
+    if len(sys.argv) == 6 and sys.argv[1] == "serving":
+        return serving(*sys.argv[2:])
     if len(sys.argv) == 7 and sys.argv[1] == "check":
         return check(*sys.argv[2:])
     print(__doc__, file=sys.stderr)

@@ -9,6 +9,9 @@
 # - prometheus_server_check.py, through the HTTP API: moe_expert_tokens_total
 #   summed over ranks equals the job's expert_tokens, moe_placement_epoch went
 #   1 -> 2, every dashboard query returns data over the job.
+# Then a serving job answers a Python client's calls (the package moed, built in
+# the build tree beside moectl): every serving panel's queries return data over
+# it, and the lint also reads the daemons' /metrics taken while it served.
 # usage: prometheus_server_test.sh MOECTL   (moe-agent and moed next to it or in the build tree)
 set -euo pipefail
 source "$(dirname "$0")/lib.sh"
@@ -89,9 +92,37 @@ state=$("$py" -c 'import json, sys; print(json.load(open(sys.argv[1])).get("stat
 end=$(date +%s.%N)
 log "$id cancelled after $(awk -v a="$start" -v b="$end" 'BEGIN { printf "%.1f", b - a }') s"
 
+check check "$URL" "$TMP/result.json" "$MOE_SRC/deploy/grafana/moed.json" "$start" "$end"
+
+# A serving job and a client calling both layers until the daemons' /metrics are taken.
+sstart=$(date +%s.%N)
+sid=$(ctl job submit --mode serve --experts 16 --top-k 4 --layers 2 --hidden 128 --ffn-hidden 64 \
+  --tokens-per-rank 64 --skew zipf:1.2 --seed 3)
+PYTHONPATH="$(dirname "$(dirname "$(realpath "$MOECTL")")")/python" "$py" - "$STATE" "$sid" >"$TMP/client.log" 2>&1 <<'EOF' &
+import sys, time, torch, moed
+session = moed.Session(job=sys.argv[2], state_dir=sys.argv[1], name="prometheus-test")
+until = time.time() + 60
+while time.time() < until:
+    for layer in (0, 1):
+        session.forward(layer, torch.randn(8, session.hidden))
+EOF
+client=$!
+log "$sid serving; waiting for Prometheus to scrape its calls"
+check wait "$URL" 'sum(rate(moe_serve_calls_total[4s]))' 1 30 || { cat "$TMP/client.log" >&2; fail "no calls scraped"; }
+check wait "$URL" 'count(moe_serve_calls_total)' 2 20 || fail "not both layers' calls scraped"
+read -r node0 node1 < <(ctl --output json cluster status | "$py" -c 'import json, sys; s = json.load(sys.stdin)
+print(s["nodes"][0]["metrics_address"], s["nodes"][1]["metrics_address"])')
+curl -sf "http://$node0/metrics" >"$TMP/serve0.metrics"
+curl -sf "http://$node1/metrics" >"$TMP/serve1.metrics"
+sleep 3 # three more scrapes of the calls, for the dashboard's rate windows
+kill "$client" 2>/dev/null || true
+wait "$client" 2>/dev/null || true
+ctl job cancel "$sid" >/dev/null
+send=$(date +%s.%N)
+
 # Every metric and label name the dashboard and the rules use, against live /metrics.
 "$py" "$MOE_SRC/tests/deploy/dashboard_lint.py" "$MOE_SRC/deploy/grafana/moed.json" \
   "$MOE_SRC/deploy/prometheus/rules.yml" \
-  --exposition "$TMP/agent.metrics" --exposition "$TMP/moed.metrics"
-
-check check "$URL" "$TMP/result.json" "$MOE_SRC/deploy/grafana/moed.json" "$start" "$end"
+  --exposition "$TMP/agent.metrics" --exposition "$TMP/moed.metrics" \
+  --exposition "$TMP/serve0.metrics" --exposition "$TMP/serve1.metrics"
+check serving "$URL" "$MOE_SRC/deploy/grafana/moed.json" "$sstart" "$send"
