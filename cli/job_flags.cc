@@ -195,8 +195,8 @@ const std::vector<JobFieldDoc>& job_field_docs() {
       {"combine_wire", "the format the combine's results travel back in (unset: the layer dtype)", false,
        "fp32 | bf16"},
       {"serve_max_wait_ms",
-       "serve: a rank's step starts once its oldest queued row waited this long, or tokens_per_rank rows wait "
-       "(default 2)",
+       "serve: how long a rank waits for its recent callers' next calls before a step (0: not at all; "
+       "docs/serving.md#batching)",
        false},
       {"serve_train",
        "serve: the layers also take backward calls (gradients summed per layer) and optimizer steps "

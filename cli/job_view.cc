@@ -65,7 +65,7 @@ void serving_rows(const v1::JobResult& j, Rows& rows) {
                                                                     : std::string()) +
                                  over});
   rows.push_back({"tokens/s", rate_text(s.rows_per_second()) + " (rows of the calls answered)"});
-  rows.push_back({"step rows", fmt(s.step_rows(), 3) + " (mean rows a rank computed a serve step)"});
+  rows.push_back({"step rows", fmt(s.step_rows(), 3) + " (mean rows a serve step computed, all ranks)"});
   rows.push_back({"queued rows", std::to_string(s.queued_rows())});
   if (j.spec().serve_train()) rows.push_back({"optimizer steps", std::to_string(s.optimizer_steps())});
   for (const v1::ServeLane& l : s.lanes())

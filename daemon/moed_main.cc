@@ -1,5 +1,6 @@
 // moed: the node daemon. Thin main: flags, signals, the Daemon.
 #include <CLI/CLI.hpp>
+#include <malloc.h>
 
 #include <memory>
 
@@ -11,6 +12,11 @@
 
 int main(int argc, char** argv) {
   using namespace moe;
+  // Buffers of a few hundred kB come and go with every step and every served call:
+  // glibc would map and trim them each time, and the page faults of refilling them
+  // cost a served 512 kB call 2.4 ms here (docs/benchmarks.md#serving). Keep them.
+  mallopt(M_MMAP_THRESHOLD, 32 << 20);
+  mallopt(M_TRIM_THRESHOLD, 128 << 20);
   CLI::App app{"moed: the moed node daemon"};
   app.set_version_flag("--version", [] { return moe::version_line("moed") + "\n" + moe::kernels::cpu_backend_summary(); });
   node::DaemonOptions o;

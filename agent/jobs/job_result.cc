@@ -311,7 +311,7 @@ v1::ServeProgress serve_progress(const std::vector<v1::StepStats>& by_rank) {
   p.set_window_seconds(seconds);
   p.set_clients(static_cast<int32_t>(callers.size()));
   if (seconds <= 0) return p;
-  // Rows a step: over the steps that ran rows, as far as the window tells (each rank its share).
+  // Rows a step: every rank's rows over the steps that ran a lane.
   p.set_step_rows(steps > 0 ? rows_computed / steps : 0.0);
   double calls = 0, failed = 0, rows = 0;
   for (const auto& [key, c] : lanes) {

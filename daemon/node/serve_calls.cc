@@ -122,6 +122,7 @@ rpc::awaitable<v1::Envelope> Daemon::serve_rows(const v1::Envelope& req, const r
     throw;
   }
   kept.reset();
+  c->caller = ctx.peer;
   auto done = std::make_shared<Completion>(io_);
   c->done = [done](const std::string& error) { done->end(error); };
   {

@@ -140,8 +140,10 @@ int64_t serve_until_cancelled(const ServeRank& r, const std::function<bool()>& c
     r.comm.all_reduce_sum(vote.data(), vote.size(), transport::deadline_in(r.timeout));
     if (vote[0] > 0) return step;
     r.rebalance.act(vote.data() + at_rebalance, static_cast<int>(step));
-    window.add_step();
-    if (const int lane = chosen_lane(vote.data() + at_ages, lanes); lane >= 0) run_pieces(r, lane, window);
+    if (const int lane = chosen_lane(vote.data() + at_ages, lanes); lane >= 0) {
+      window.add_step();
+      run_pieces(r, lane, window);
+    }
     run_requests(r, vote.data() + at_requests);
     if (vote[1] > 0) close_window(r, window);
     r.rebalance.after_step();  // a staged rebalance reports ready once its copies are in

@@ -120,6 +120,7 @@ std::string ServeQueue::push(std::shared_ptr<ServeCall> call, int64_t max_rows) 
   if (const int64_t queued = queued_rows(); queued + call->rows > max_rows)
     return "the node's queue is full (" + std::to_string(queued) + " rows wait, at most " + std::to_string(max_rows) +
            "): call again later";
+  callers_[call->caller] = ServeClock::now();
   waiting_.at(call->lane()).push_back(std::move(call));
   cv_.notify_all();
   return "";
@@ -144,16 +145,30 @@ int64_t ServeQueue::queued_rows() const {
   return rows;
 }
 
+int64_t ServeQueue::queued_calls() const {
+  int64_t calls = 0;
+  for (const auto& lane : waiting_) calls += static_cast<int64_t>(lane.size());
+  return calls;
+}
+
+int64_t ServeQueue::recent_callers(ServeClock::time_point now) {
+  for (auto it = callers_.begin(); it != callers_.end();)
+    it = it->second + kRecentCaller < now ? callers_.erase(it) : std::next(it);
+  return static_cast<int64_t>(callers_.size());
+}
+
 bool ServeQueue::wait_for_step(int64_t rows, std::chrono::milliseconds max_wait) {
   std::unique_lock<std::mutex> lock(mu_);
-  // An idle rank still votes every max_wait (at least every millisecond): the
-  // others may have rows, and a step needs every rank.
+  // At most max_wait from here (rows that came during the last step get that long
+  // for the other callers to come back); an idle rank still votes every max_wait,
+  // at least every millisecond: the others may have rows, and a step needs every rank.
   const auto until = ServeClock::now() + std::max(max_wait, std::chrono::milliseconds(1));
   cv_.wait_until(lock, until, [&] {
     if (!closed_.empty() || queued_rows() >= rows) return true;
-    for (const auto& layer : waiting_)
-      if (!layer.empty() && layer.front()->queued + max_wait <= ServeClock::now()) return true;
-    return false;
+    // Continuous batching: the callers of the last steps come back with their next
+    // calls; waiting for them merges them into one step.
+    const int64_t calls = queued_calls();
+    return calls > 0 && (max_wait.count() == 0 || calls >= recent_callers(ServeClock::now()));
   });
   return closed_.empty();
 }

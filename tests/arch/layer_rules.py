@@ -31,6 +31,8 @@ ALLOWED_INCLUDES = [
     ("daemon/layer_spec/", {"base", "kernels", "model", "io", "v1", "layer_spec"}),
     ("daemon/ep/", {"base", "map", "kernels", "ref", "model", "layer_spec", "transport", "ep"}),
     ("daemon/metrics/", {"base", "http", "metrics"}),
+    # The serving benchmark is a client of a serving job beside the in-process layer.
+    ("daemon/bench/serve_bench.cc", {"base", "kernels", "model", "layer_spec", "ep", "client", "v1", "rpc"}),
     ("daemon/", {"base", "map", "kernels", "ref", "model", "layer_spec", "transport", "io", "ep", "metrics", "node",
                  "v1", "rpc", "spec", "http"}),
     ("agent/placement/", {"base", "map", "placement"}),

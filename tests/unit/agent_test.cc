@@ -149,7 +149,7 @@ TEST(JobResult, AServingWindowMergesTheNodesCalls) {
     by_rank[r].set_step_seconds(r == 0 ? 0.5 : 1.0);  // the slowest rank's window counts
     v1::ServeWindow* w = by_rank[r].mutable_serve();
     w->set_steps(10);
-    w->add_layer_rows(30 + r * 10);  // 30 and 40 rows computed: 7 a step over the ranks
+    w->add_layer_rows(30 + r * 10);  // 30 and 40 rows computed in 10 steps: 7 a step
     w->add_callers("a");
     w->add_callers(r == 0 ? "b" : "c");
     w->set_queued_rows(3);

@@ -106,16 +106,39 @@ TEST(ServeQueue, AnAbandonedCallLeavesTheQueueAndItsPiecesInFlightAreDropped) {
   EXPECT_EQ(log[0], "layer 0 rows 2: ok");
 }
 
-TEST(ServeQueue, AWaitingRankVotesOnceItsOldestRowWaitedOrEnoughRowsWait) {
+TEST(ServeQueue, AWaitingRankVotesOnceItsOldestRowWaitedOrEnoughRowsOrItsRecentCallersWait) {
   std::vector<std::string> log;
   node::ServeQueue q(1);
   const auto t0 = node::ServeClock::now();
   EXPECT_TRUE(q.wait_for_step(4, std::chrono::milliseconds(20)));  // nothing queued: the whole wait
   EXPECT_GE(node::ServeClock::now() - t0, std::chrono::milliseconds(20));
-  EXPECT_EQ(q.push(call_of(0, 4, log), 100), "");
+  auto from = [&](const std::string& caller, int64_t rows) {
+    auto c = call_of(0, rows, log);
+    c->caller = caller;
+    EXPECT_EQ(q.push(c, 100), "");
+  };
+  from("a", 1);  // one caller, and its call waits: at once
   const auto t1 = node::ServeClock::now();
-  EXPECT_TRUE(q.wait_for_step(4, std::chrono::seconds(10)));  // 4 rows wait: at once
+  EXPECT_TRUE(q.wait_for_step(100, std::chrono::seconds(10)));
   EXPECT_LT(node::ServeClock::now() - t1, std::chrono::seconds(5));
+  from("b", 1);  // a second caller: a and b both have a call waiting
+  EXPECT_TRUE(q.wait_for_step(100, std::chrono::seconds(10)));
+  EXPECT_LT(node::ServeClock::now() - t1, std::chrono::seconds(5));
+  q.take(0, 2);
+  from("a", 1);  // b has not come back yet: a's row waits max_wait
+  const auto t2 = node::ServeClock::now();
+  EXPECT_TRUE(q.wait_for_step(100, std::chrono::milliseconds(30)));
+  EXPECT_GE(node::ServeClock::now() - t2, std::chrono::milliseconds(29));
+  from("b", 1);  // both back: at once
+  const auto t3 = node::ServeClock::now();
+  EXPECT_TRUE(q.wait_for_step(100, std::chrono::seconds(10)));
+  EXPECT_LT(node::ServeClock::now() - t3, std::chrono::seconds(5));
+  q.take(0, 3);
+  std::this_thread::sleep_for(node::ServeQueue::kRecentCaller + std::chrono::milliseconds(20));
+  from("a", 1);  // b went quiet: a alone is waited for again
+  const auto t4 = node::ServeClock::now();
+  EXPECT_TRUE(q.wait_for_step(100, std::chrono::seconds(10)));
+  EXPECT_LT(node::ServeClock::now() - t4, std::chrono::seconds(5));
 }
 
 v1::JobSpec serving_spec() {

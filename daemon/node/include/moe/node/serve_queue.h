@@ -9,6 +9,7 @@
 #include <cstdint>
 #include <deque>
 #include <functional>
+#include <map>
 #include <memory>
 #include <mutex>
 #include <string>
@@ -36,6 +37,7 @@ struct ServeCall {
   int64_t rows = 0;
   size_t row_bytes = 0;
   std::vector<uint8_t> x, grad_y, y;
+  std::string caller;  // the connection it came on (its peer), for the batching rule
   // The queue a call waits in: one per layer and kind.
   int lane() const { return layer * kServeKinds + static_cast<int>(kind); }
   ServeClock::time_point queued;
@@ -75,10 +77,12 @@ class ServeQueue {
   // The caller stopped waiting (its deadline passed): the rows not handed out
   // leave the queue, and pieces in flight are dropped when they come back.
   void abandon(const std::shared_ptr<ServeCall>& call);
-  // A rank before a serve step: returns once `rows` rows wait, the oldest row
-  // waited `max_wait`, or `max_wait` (at least 1 ms) passed with none; false
-  // when the queue closed.
+  // A rank before a serve step: returns once `rows` rows wait, every caller
+  // seen in the last kRecentCaller has a call waiting (docs/serving.md#batching;
+  // with max_wait 0, any call), or max_wait (at least 1 ms) passed; false when
+  // the queue closed.
   bool wait_for_step(int64_t rows, std::chrono::milliseconds max_wait);
+  static constexpr std::chrono::milliseconds kRecentCaller{250};
   // Per lane (ServeCall::lane), how long the oldest queued row has waited (ms;
   // 0: none), the rank's part of the step vote.
   std::vector<float> ages(ServeClock::time_point now) const;
@@ -96,12 +100,15 @@ class ServeQueue {
  private:
   // Marks the call over; the caller runs done() after unlocking.
   static bool end(ServeCall& call);
-  int64_t queued_rows() const;  // under mu_
+  int64_t queued_rows() const;   // under mu_
+  int64_t queued_calls() const;  // under mu_: calls with rows not handed out
+  int64_t recent_callers(ServeClock::time_point now);  // under mu_, forgetting older ones
 
   mutable std::mutex mu_;
   std::condition_variable cv_;
   std::vector<std::deque<std::shared_ptr<ServeCall>>> waiting_;  // by lane, oldest first, rows left to hand out
   std::string closed_;                                          // why, once closed
+  std::map<std::string, ServeClock::time_point> callers_;       // when each caller last pushed
 };
 
 }  // namespace moe::node

@@ -22,6 +22,7 @@ class ServeWindow {
   // A serve step that ran `layer` on `rows` of this rank's rows; `step` holds
   // that layer's figures (its one forward entry).
   void add(int layer, int64_t rows, const StepReport& step);
+  // A serve step that ran a lane (every rank counts it, with rows of its own or none).
   void add_step() { stats_.mutable_serve()->set_steps(stats_.serve().steps() + 1); }
   // The window ran its period (this rank's vote to close it).
   bool due() const { return std::chrono::steady_clock::now() - opened_ >= kPeriod; }
