@@ -116,6 +116,22 @@ TEST(Serve, OneByOneAnswersEveryLayerAsTheReferenceAndRefusesBadCallsNamingTheFi
             std::string::npos);
   const std::vector<float> huge = normal_vector(49 * spec.hidden(), 4);
   EXPECT_NE(error_of([&] { other.forward(0, huge); }).find("rows: must be in [1, 48]"), std::string::npos);
+  // A caller without the token, or without a certificate, is refused before it reaches the job.
+  const std::string no_token = error_of([&] {
+    client::Session({.agent = c.agent(), .token = "not-the-token", .tls = c.tls(), .job = id, .name = "stranger"});
+  });
+  EXPECT_NE(no_token.find("token"), std::string::npos) << no_token;
+  const std::string no_cert =
+      error_of([&] { client::Session({.agent = c.agent(), .token = c.token(), .tls = {}, .job = id, .name = "stranger"}); });
+  EXPECT_NE(no_cert.find("TLS"), std::string::npos) << no_cert;
+  {  // straight to a node, past the agent: the same
+    rpc::RpcClient node(rpc::ClientOptions::make(c.status().nodes(0).control_address(), "not-the-token", "client",
+                                                 "stranger", c.tls()));
+    v1::Envelope call;
+    call.mutable_serve_forward()->set_job_id(id);
+    const std::string refused = error_of([&] { node.call(call, 10s); });
+    EXPECT_NE(refused.find("token"), std::string::npos) << refused;
+  }
   expect_reference(spec, 1, x, s.forward(1, x));  // the first client is served throughout
 
   const auto [rc, out] = c.ctl({"job", "cancel", id});
