@@ -139,31 +139,35 @@ void ModelStack::forward(int step, StepReport& report, bool capture) {
   be_.synchronize();
 }
 
-std::vector<uint8_t> ModelStack::serve_forward(int layer, const std::vector<uint8_t>& x, int64_t T,
-                                               StepReport& report) {
+size_t ModelStack::serve_rows_in(const std::vector<uint8_t>& x, int64_t T) {
   MOE_CHECK(T >= 0 && T <= T_, "serve: ", T, " rows in a step of at most ", T_);
   const size_t bytes = T * H_ * kernels::dtype_size(dt_);
   MOE_CHECK(x.size() == bytes, "serve: ", x.size(), " bytes for ", T, " rows");
   if (bytes > 0) be_.copy_to_device(xs_[0].get(), x.data(), bytes);
+  return bytes;
+}
+
+std::vector<uint8_t> ModelStack::serve_rows_out(const kernels::Buffer& rows, size_t bytes) {
+  std::vector<uint8_t> out(bytes);
+  if (bytes > 0) be_.copy_to_host(out.data(), rows.get(), bytes);
+  be_.synchronize();
+  return out;
+}
+
+std::vector<uint8_t> ModelStack::serve_forward(int layer, const std::vector<uint8_t>& x, int64_t T,
+                                               StepReport& report) {
+  const size_t bytes = serve_rows_in(x, T);
   layers_.at(layer)->forward(xs_[0].get(), T, token_begin(), out_.get());
   report.add_forward(layer, *layers_[layer], T, job_.top_k);
-  std::vector<uint8_t> y(bytes);
-  if (bytes > 0) be_.copy_to_host(y.data(), out_.get(), bytes);
-  be_.synchronize();
-  return y;
+  return serve_rows_out(out_, bytes);
 }
 
 std::vector<uint8_t> ModelStack::serve_backward(int layer, const std::vector<uint8_t>& x,
                                                 const std::vector<uint8_t>& grad_y, int64_t T, StepReport& report) {
   MOE_CHECK(job_.train, "serve: backward calls need a serving job with serve_train");
-  MOE_CHECK(T >= 0 && T <= T_, "serve: ", T, " rows in a step of at most ", T_);
-  const size_t bytes = T * H_ * kernels::dtype_size(dt_);
-  MOE_CHECK(x.size() == bytes && grad_y.size() == bytes, "serve: ", x.size(), " and ", grad_y.size(), " bytes for ",
-            T, " rows");
-  if (bytes > 0) {
-    be_.copy_to_device(xs_[0].get(), x.data(), bytes);
-    be_.copy_to_device(grad_.get(), grad_y.data(), bytes);
-  }
+  const size_t bytes = serve_rows_in(x, T);
+  MOE_CHECK(grad_y.size() == bytes, "serve: ", grad_y.size(), " gradient bytes for ", T, " rows");
+  if (bytes > 0) be_.copy_to_device(grad_.get(), grad_y.data(), bytes);
   ep::EpLayer& l = *layers_.at(layer);
   l.forward(xs_[0].get(), T, token_begin(), out_.get());
   report.add_forward(layer, l, T, job_.top_k);
@@ -171,10 +175,7 @@ std::vector<uint8_t> ModelStack::serve_backward(int layer, const std::vector<uin
   report.add_backward(layer, l);
   report.set_backward_seconds(l.stats().backward);
   l.accumulate_grads();
-  std::vector<uint8_t> grad_x(bytes);
-  if (bytes > 0) be_.copy_to_host(grad_x.data(), grad_x_.get(), bytes);
-  be_.synchronize();
-  return grad_x;
+  return serve_rows_out(grad_x_, bytes);
 }
 
 bool ModelStack::serve_optimizer_step() {

@@ -63,6 +63,10 @@ bool Daemon::is_serve_call(const v1::Envelope& req) {
   return req.has_serve_forward() || req.has_serve_backward() || req.has_serve_step() || req.has_serve_weights();
 }
 
+ServingNode* Daemon::serving_node_if(const std::string& job_id) {
+  return runner_ && runner_->job_id() == job_id ? runner_->serving() : nullptr;
+}
+
 ServingNode& Daemon::serving_node(const std::string& job_id) {
   if (!runner_ || runner_->job_id() != job_id || runner_->finished())
     throw RpcError(v1::ERROR_CODE_NOT_FOUND, "job " + job_id + " is not running on " + opts_.name);
@@ -91,13 +95,13 @@ rpc::awaitable<v1::Envelope> Daemon::serve_rows(const v1::Envelope& req, const r
     const int lane = lane_of(req);
     {
       std::lock_guard<std::mutex> lock(mu_);  // a lane the job has (no series for a stranger's layer numbers)
-      if (!runner_ || runner_->job_id() != job_id || !runner_->serving() || lane < 0 ||
-          lane >= runner_->serving()->queue.lanes())
-        return;
-      runner_->serving()->stats.record(lane, answered_rows, seconds, answered_rows >= 0, ctx.client_name);
+      ServingNode* node = serving_node_if(job_id);
+      if (!node || lane < 0 || lane >= node->queue.lanes()) return;
+      node->stats.record(lane, answered_rows, seconds, answered_rows >= 0, ctx.client_name);
     }
     if (metrics_)
-      metrics_->record_serve_call(lane / kServeKinds, lane % kServeKinds == 1, answered_rows >= 0, answered_rows, seconds);
+      metrics_->record_serve_call(lane / kServeKinds, lane % kServeKinds == static_cast<int>(ServeKind::kBackward),
+                                  answered_rows >= 0, answered_rows, seconds);
   }};
   const bool forward = req.has_serve_forward();
   v1::JobSpec spec;
@@ -117,8 +121,8 @@ rpc::awaitable<v1::Envelope> Daemon::serve_rows(const v1::Envelope& req, const r
                 : make_serve_call(job, req.serve_backward(), kept->x, kept->layer);
   } catch (...) {
     std::lock_guard<std::mutex> lock(mu_);  // a refused backward leaves its handle good
-    if (kept && runner_ && runner_->job_id() == job_id && runner_->serving())
-      runner_->serving()->handles.put_back(req.serve_backward().handle(), std::move(*kept));
+    if (ServingNode* node = serving_node_if(job_id); kept && node)
+      node->handles.put_back(req.serve_backward().handle(), std::move(*kept));
     throw;
   }
   kept.reset();
@@ -132,7 +136,7 @@ rpc::awaitable<v1::Envelope> Daemon::serve_rows(const v1::Envelope& req, const r
   }
   if (!co_await done->wait(ctx.deadline)) {  // its rows leave the queue: nobody waits for them
     std::lock_guard<std::mutex> lock(mu_);
-    if (runner_ && runner_->job_id() == job_id && runner_->serving()) runner_->serving()->queue.abandon(c);
+    if (ServingNode* node = serving_node_if(job_id)) node->queue.abandon(c);
     throw RpcError(v1::ERROR_CODE_DEADLINE_EXCEEDED,
                    "job " + job_id + ": layer " + std::to_string(c->layer) + "'s rows were not computed in time");
   }

@@ -80,6 +80,8 @@ class Daemon {
   rpc::awaitable<v1::Envelope> serve_weights(const v1::ServeWeights& call, const rpc::RequestContext& ctx);
   // Under mu_: the node's state of serving job `job_id`, or the RpcError saying why none.
   ServingNode& serving_node(const std::string& job_id);
+  // Under mu_: the same, or null once the job is gone (a call ending after it).
+  ServingNode* serving_node_if(const std::string& job_id);
   void start_job(const v1::StartJob& start);
   void heartbeat_loop();
   void register_once(rpc::RpcClient& agent);

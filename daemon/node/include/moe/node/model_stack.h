@@ -107,6 +107,10 @@ class ModelStack {
   int64_t token_begin() const { return static_cast<int64_t>(rank_) * T_; }
 
   ep::EpOptions layer_options(int l) const;
+  // A serve step's T rows into xs_[0] (checked against the step), returning their
+  // bytes; and `bytes` of a result back to host memory.
+  size_t serve_rows_in(const std::vector<uint8_t>& x, int64_t T);
+  std::vector<uint8_t> serve_rows_out(const kernels::Buffer& rows, size_t bytes);
   // An activation [T, H] of the job dtype, to host memory.
   std::vector<uint8_t> host_bytes(const kernels::Buffer& b) const;
   void capture_forward(int l);
