@@ -1,6 +1,7 @@
 #include "moe/client/session.h"
 
 #include <algorithm>
+#include <cctype>
 #include <cstring>
 #include <thread>
 
@@ -10,6 +11,9 @@
 namespace moe::client {
 namespace {
 
+// How long a node that failed a call is passed over (docs/serving.md#elastic-serving).
+constexpr std::chrono::milliseconds kAway{500};
+
 rpc::ClientOptions options_for(const SessionOptions& o, const std::string& address) {
   return rpc::ClientOptions::make(address, o.token, "client", o.name, o.tls);
 }
@@ -18,15 +22,24 @@ rpc::ClientOptions options_for(const SessionOptions& o, const std::string& addre
 
 Session::Session(SessionOptions options) : opts_(std::move(options)) {
   rpc::RpcClient agent(options_for(opts_, opts_.agent));
-  const v1::JobResult job = running_job(agent);
-  spec_ = job.spec();
+  spec_ = running_job(agent).spec();
+  find_nodes();
+  if (nodes_.empty()) throw rpc::RpcError(v1::ERROR_CODE_UNAVAILABLE, "job " + opts_.job + ": no node is alive");
+  wait_until_nodes_run_it();
+}
+
+void Session::find_nodes() {
+  rpc::RpcClient agent(options_for(opts_, opts_.agent));
   v1::Envelope status;
   status.mutable_cluster_status();
   const v1::Envelope cluster = agent.call(status, opts_.timeout);
+  std::lock_guard<std::mutex> lock(mu_);
   for (const v1::NodeInfo& n : cluster.cluster_status_reply().nodes())
-    if (n.state() == v1::NODE_STATE_ALIVE && !n.control_address().empty()) nodes_.push_back(n.control_address());
-  if (nodes_.empty()) throw rpc::RpcError(v1::ERROR_CODE_UNAVAILABLE, "job " + opts_.job + ": no node is alive");
-  wait_until_nodes_run_it();
+    if (n.state() == v1::NODE_STATE_ALIVE && !n.control_address().empty() &&
+        std::find(nodes_.begin(), nodes_.end(), n.control_address()) == nodes_.end()) {
+      nodes_.push_back(n.control_address());
+      away_.push_back({});
+    }
 }
 
 // The job once it runs: a queued one (its cluster still busy) is waited for,
@@ -42,9 +55,13 @@ v1::JobResult Session::running_job(rpc::RpcClient& agent) const {
     if (job.spec().mode() != v1::JobSpec::serve)
       throw rpc::RpcError(v1::ERROR_CODE_FAILED_PRECONDITION, "job " + opts_.job + " is not a serving job (--mode serve)");
     if (job.state() == v1::JOB_STATE_RUNNING) return job;
-    if (job.state() != v1::JOB_STATE_QUEUED || std::chrono::steady_clock::now() > until)
-      throw rpc::RpcError(v1::ERROR_CODE_FAILED_PRECONDITION,
-                          "job " + opts_.job + " is " + v1::JobState_Name(job.state()) + ", not running");
+    if (job.state() != v1::JOB_STATE_QUEUED || std::chrono::steady_clock::now() > until) {
+      std::string state = v1::JobState_Name(job.state()).substr(std::strlen("JOB_STATE_"));
+      std::transform(state.begin(), state.end(), state.begin(), [](unsigned char c) { return std::tolower(c); });
+      throw rpc::RpcError(v1::ERROR_CODE_FAILED_PRECONDITION, "job " + opts_.job + " is not running (" + state +
+                                                                  (job.message().empty() ? "" : ": " + job.message()) +
+                                                                  ")");
+    }
     std::this_thread::sleep_for(std::chrono::milliseconds(20));  // polling the agent for the job's start
   }
 }
@@ -68,14 +85,51 @@ void Session::wait_until_nodes_run_it() {
                                                             " within " + std::to_string(opts_.timeout.count()) + " ms");
       std::this_thread::sleep_for(std::chrono::milliseconds(10));  // polling the daemon for the job's start
     }
-    std::lock_guard<std::mutex> lock(pool_mu_);
+    std::lock_guard<std::mutex> lock(mu_);
     idle_[address].push_back(std::make_unique<rpc::RpcClient>(std::move(node)));
   }
 }
 
 Session::~Session() = default;
 
-v1::Envelope Session::call_node(v1::Envelope request) { return call_node(next_++ % nodes_.size(), std::move(request)); }
+size_t Session::next_node() {
+  std::lock_guard<std::mutex> lock(mu_);
+  const Clock::time_point now = Clock::now();
+  for (size_t tried = 0; tried < nodes_.size(); ++tried) {
+    const size_t node = next_++ % nodes_.size();
+    if (away_[node] <= now) return node;
+  }
+  return kNone;
+}
+
+std::pair<size_t, v1::Envelope> Session::call_any(const v1::Envelope& request) {
+  const Clock::time_point until = Clock::now() + opts_.timeout;
+  std::string last;
+  for (;;) {
+    const size_t node = next_node();
+    if (node != kNone) {
+      try {
+        return {node, call_node(node, request)};
+      } catch (const rpc::RpcError& e) {
+        // Anything the node answered about the call itself is the caller's answer.
+        if (!e.unreached() && e.code() != v1::ERROR_CODE_NOT_FOUND) throw;
+        last = e.what();
+        std::lock_guard<std::mutex> lock(mu_);
+        away_[node] = Clock::now() + kAway;
+      }
+      continue;
+    }
+    // Every node failed a call lately: the job may have moved to others, or ended.
+    if (Clock::now() > until)
+      throw rpc::RpcError(v1::ERROR_CODE_UNAVAILABLE, "job " + opts_.job + ": no node answered within " +
+                                                          std::to_string(opts_.timeout.count()) + " ms (last: " +
+                                                          last + ")");
+    rpc::RpcClient agent(options_for(opts_, opts_.agent));
+    running_job(agent);  // throws once the job ended
+    find_nodes();
+    std::this_thread::sleep_for(std::chrono::milliseconds(20));  // polling the agent while the job recovers
+  }
+}
 
 void Session::expect(const v1::Envelope& reply, bool has, const char* what) {
   if (!has)
@@ -84,10 +138,14 @@ void Session::expect(const v1::Envelope& reply, bool has, const char* what) {
 }
 
 v1::Envelope Session::call_node(size_t node, v1::Envelope request) {
-  const std::string& address = nodes_.at(node);
+  std::string address;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    address = nodes_.at(node);
+  }
   std::unique_ptr<rpc::RpcClient> conn;
   {
-    std::lock_guard<std::mutex> lock(pool_mu_);
+    std::lock_guard<std::mutex> lock(mu_);
     auto& idle = idle_[address];
     if (!idle.empty()) {
       conn = std::move(idle.back());
@@ -96,7 +154,7 @@ v1::Envelope Session::call_node(size_t node, v1::Envelope request) {
   }
   if (!conn) conn = std::make_unique<rpc::RpcClient>(options_for(opts_, address));
   v1::Envelope reply = conn->call(std::move(request), opts_.timeout);  // a failed call's connection is dropped
-  std::lock_guard<std::mutex> lock(pool_mu_);
+  std::lock_guard<std::mutex> lock(mu_);
   idle_[address].push_back(std::move(conn));
   return reply;
 }
@@ -132,8 +190,7 @@ Session::Kept Session::forward_call(int layer, const void* x, int64_t rows, v1::
   f->set_dtype(dtype);
   f->set_x(static_cast<const char*>(x), bytes);
   f->set_keep_for_backward(keep);
-  const size_t node = next_++ % nodes_.size();
-  const v1::Envelope reply = call_node(node, std::move(req));
+  const auto [node, reply] = call_any(req);
   expect(reply, reply.has_serve_forward_reply(), "a forward call");
   const std::string& y = reply.serve_forward_reply().y();
   if (y.size() != bytes || (keep && reply.serve_forward_reply().handle() == 0))
@@ -169,7 +226,7 @@ int64_t Session::step(int clients, const std::string& caller) {
   s->set_step(steps_ + 1);
   s->set_clients(clients);
   s->set_caller(caller.empty() ? opts_.name : caller);
-  const v1::Envelope reply = call_node(std::move(req));
+  const v1::Envelope reply = call_any(req).second;
   expect(reply, reply.has_serve_step_reply(), "a step");
   int64_t seen = steps_;
   while (seen < reply.serve_step_reply().step() && !steps_.compare_exchange_weak(seen, reply.serve_step_reply().step())) {
@@ -180,7 +237,7 @@ int64_t Session::step(int clients, const std::string& caller) {
 v1::ServeWeightsReply Session::weights() {
   v1::Envelope req;
   req.mutable_serve_weights()->set_job_id(opts_.job);
-  v1::Envelope reply = call_node(std::move(req));
+  v1::Envelope reply = call_any(req).second;
   expect(reply, reply.has_serve_weights_reply(), "a weight read");
   return std::move(*reply.mutable_serve_weights_reply());
 }

@@ -189,8 +189,14 @@ int RankRun::run_world(const std::function<bool()>& cancel_requested) {
                            .timeout = env_.transport_timeout,
                            .rank = world_->rank,
                            .world_epoch = world_->start.world_epoch(),
+                           .first_window = world_first_step_,
                            .metrics = env_.metrics,
-                           .report = [this](const v1::StepStats& stats) { send_stats(stats); }},
+                           .report =
+                               [this](const v1::StepStats& stats) {
+                                 applied_ = stats.step() + 1;  // an elastic change resumes the numbering
+                                 send_stats(stats);
+                               },
+                           .after_step = [this] { retired_.clear(); }},
                           cancel_requested);
     world_->comm.barrier(deadline());
     return 0;
@@ -219,7 +225,7 @@ int RankRun::run(const std::function<bool()>& cancel_requested) {
       if (!world_->job().elastic) throw;
       // Every step done: the failure was in the closing barrier, which only
       // keeps endpoints up while a peer may still use them.
-      if (applied_ >= world_->job().steps) return applied_;
+      if (!world_->job().serve && applied_ >= world_->job().steps) return applied_;
       report_halted(e.what(), e.peer());
     } catch (const rpc::RpcError& e) {
       // A world halted (or replaced) while its ranks bootstrapped it.

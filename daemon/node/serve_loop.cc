@@ -33,8 +33,8 @@ std::vector<uint8_t> gather(const std::vector<ServePiece>& pieces, std::vector<u
 }
 
 // This rank's rows of `lane` for the step, run and handed back, the step's
-// figures into the window; a piece whose step failed fails its call before the
-// error goes on.
+// figures into the window; a piece whose step failed fails its call (or, the
+// world having failed, waits again) before the error goes on.
 void run_pieces(const ServeRank& r, int lane, ServeWindow& window) {
   const int layer = lane / kServeKinds;
   const auto kind = static_cast<ServeKind>(lane % kServeKinds);
@@ -57,6 +57,11 @@ void run_pieces(const ServeRank& r, int lane, ServeWindow& window) {
     step.set_step_seconds(now_seconds() - t0);
     step.record(r.metrics, r.rank);  // the per-expert load and transfer series, as a job's steps
     window.add(layer, rows, step);
+  } catch (const transport::TransportError&) {
+    // The world failed: an elastic job's next world computes the rows
+    // (docs/serving.md#elastic-serving); any other job's end fails their calls.
+    r.node.queue.put_back(pieces);
+    throw;
   } catch (const std::exception& e) {
     for (const ServePiece& p : pieces) r.node.queue.fail(p, e.what());
     throw;
@@ -122,7 +127,7 @@ int64_t serve_until_cancelled(const ServeRank& r, const std::function<bool()>& c
   ServeQueue& queue = r.node.queue;
   const int lanes = queue.lanes();
   const auto max_wait = std::chrono::milliseconds(r.stack.job().serve_max_wait_ms);
-  ServeWindow window(r.stack.num_layers(), r.stack.job().shape.num_experts);
+  ServeWindow window(r.stack.num_layers(), r.stack.job().shape.num_experts, r.first_window, r.world_epoch > 0);
   // [cancel, window due | rebalance | each lane's age | requests]
   const size_t at_rebalance = 2, at_ages = at_rebalance + RebalanceSession::kVoteFloats, at_requests = at_ages + lanes;
   std::vector<float> vote(at_requests + ServeRequests::kVoteFloats);
@@ -147,6 +152,7 @@ int64_t serve_until_cancelled(const ServeRank& r, const std::function<bool()>& c
     run_requests(r, vote.data() + at_requests);
     if (vote[1] > 0) close_window(r, window);
     r.rebalance.after_step();  // a staged rebalance reports ready once its copies are in
+    if (r.after_step) r.after_step();
   }
 }
 

@@ -108,6 +108,12 @@ std::shared_ptr<ServeCall> make_serve_call(const layer_spec::JobView& job, const
   return c;
 }
 
+int64_t ServeCall::rows_to_hand() const {
+  int64_t n = rows - handed;
+  for (const auto& [first, count] : returned) n += count;
+  return n;
+}
+
 bool ServeQueue::end(ServeCall& call) {
   if (call.over) return false;
   call.over = true;
@@ -141,7 +147,7 @@ int64_t ServeQueue::queued() const {
 int64_t ServeQueue::queued_rows() const {
   int64_t rows = 0;
   for (const auto& layer : waiting_)
-    for (const auto& c : layer) rows += c->rows - c->handed;
+    for (const auto& c : layer) rows += c->rows_to_hand();
   return rows;
 }
 
@@ -188,13 +194,48 @@ std::vector<ServePiece> ServeQueue::take(int lane, int64_t max_rows) {
   auto& q = waiting_.at(lane);
   while (max_rows > 0 && !q.empty()) {
     const std::shared_ptr<ServeCall>& c = q.front();
-    const int64_t n = std::min(max_rows, c->rows - c->handed);
-    pieces.push_back({c, c->handed, n});
-    c->handed += n;
-    max_rows -= n;
-    if (c->handed == c->rows) q.pop_front();
+    if (!c->returned.empty()) {  // rows a failed world gave back go first
+      auto& [first, count] = c->returned.back();
+      const int64_t n = std::min(max_rows, count);
+      pieces.push_back({c, first, n});
+      first += n;
+      count -= n;
+      max_rows -= n;
+      if (count == 0) c->returned.pop_back();
+    } else {
+      const int64_t n = std::min(max_rows, c->rows - c->handed);
+      pieces.push_back({c, c->handed, n});
+      c->handed += n;
+      max_rows -= n;
+    }
+    if (c->rows_to_hand() == 0) q.pop_front();
   }
   return pieces;
+}
+
+void ServeQueue::put_back(const std::vector<ServePiece>& pieces) {
+  std::vector<std::shared_ptr<ServeCall>> failed;
+  std::string why;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    why = closed_;
+    for (const ServePiece& p : pieces) {
+      ServeCall& c = *p.call;
+      if (!why.empty()) {  // the job ended meanwhile: nothing will take them
+        if (end(c)) failed.push_back(p.call);
+        continue;
+      }
+      if (c.over) continue;         // answered meanwhile (its caller stopped waiting)
+      if (c.rows_to_hand() == 0) {  // it had left its lane: back in, by when it came
+        auto& q = waiting_.at(c.lane());
+        const auto at = std::find_if(q.begin(), q.end(), [&](const auto& o) { return o->queued > c.queued; });
+        q.insert(at, p.call);
+      }
+      c.returned.emplace_back(p.first, p.n);
+    }
+    cv_.notify_all();
+  }
+  for (auto& c : failed) c->done(why);
 }
 
 void ServeQueue::finish(const ServePiece& piece, const uint8_t* y) {

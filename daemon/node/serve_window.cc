@@ -2,7 +2,10 @@
 
 namespace moe::node {
 
-ServeWindow::ServeWindow(int layers, int experts) : layers_(layers), experts_(experts) { open(); }
+ServeWindow::ServeWindow(int layers, int experts, int first, bool at_once)
+    : layers_(layers), experts_(experts), index_(first), at_once_(at_once) {
+  open();
+}
 
 void ServeWindow::open() {
   stats_.Clear();
@@ -43,6 +46,7 @@ v1::StepStats ServeWindow::close(const ModelStack& stack, int64_t world_epoch) {
   out.set_world_epoch(world_epoch);
   for (int l = 0; l < layers_; ++l) out.add_layer_epoch(stack.map(l).epoch);
   ++index_;
+  at_once_ = false;
   open();
   return out;
 }

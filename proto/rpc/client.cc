@@ -138,14 +138,17 @@ v1::Envelope RpcClient::call(v1::Envelope request, std::chrono::milliseconds tim
     } catch (const RpcError&) {
       throw;
     } catch (const boost::system::system_error& e) {
+      constexpr auto unreached = RpcError::Peer::kUnreached;
       if (e.code() == asio::ssl::error::stream_truncated || e.code() == asio::error::eof)
-        throw RpcError(v1::ERROR_CODE_UNAVAILABLE, "cannot reach " + m.opts.address + ": the connection closed mid-call");
+        throw RpcError(v1::ERROR_CODE_UNAVAILABLE, "cannot reach " + m.opts.address + ": the connection closed mid-call",
+                       unreached);
       if (e.code().category() == asio::error::get_ssl_category())
         throw RpcError(v1::ERROR_CODE_UNAVAILABLE, "TLS with " + m.opts.address + " failed: " +
                                                        detail::handshake_failure(e.code(), false));
-      throw RpcError(v1::ERROR_CODE_UNAVAILABLE, "cannot reach " + m.opts.address + ": " + e.what());
+      throw RpcError(v1::ERROR_CODE_UNAVAILABLE, "cannot reach " + m.opts.address + ": " + e.what(), unreached);
     } catch (const std::exception& e) {
-      throw RpcError(v1::ERROR_CODE_UNAVAILABLE, "cannot reach " + m.opts.address + ": " + e.what());
+      throw RpcError(v1::ERROR_CODE_UNAVAILABLE, "cannot reach " + m.opts.address + ": " + e.what(),
+                     RpcError::Peer::kUnreached);
     }
   }
   if (reply->has_error()) {

@@ -24,10 +24,6 @@ const Args kTrain = {"--mode", "train", "--experts", "16", "--top-k", "4", "--hi
                      "--tokens-per-rank", "128", "--skew", "zipf:1.2", "--seed", "7", "--optimizer", "adam",
                      "--dead-node-timeout-ms", "1000"};
 
-pid_t node_pid(const Cluster& c, const std::string& node) {
-  return std::stoi(read_text_file(c.dir() / "pids" / (node + ".pid")));
-}
-
 std::string submit(const Cluster& c, const Args& args) {
   const auto [rc, out] = c.ctl(concat({"job", "submit"}, args));
   EXPECT_EQ(rc, 0) << out;
@@ -43,7 +39,7 @@ v1::JobResult run_to_end(const Cluster& c, const Args& args) {
 // Waits until job `id` completed `step` steps, then SIGKILLs `node`.
 void kill_at_step(const Cluster& c, const std::string& id, int step, const std::string& node) {
   ASSERT_TRUE(poll_until([&] { return c.job(id).progress().step() >= step; }, 120s)) << c.logs();
-  ASSERT_EQ(::kill(node_pid(c, node), SIGKILL), 0);
+  ASSERT_EQ(::kill(c.pid_of(node), SIGKILL), 0);
 }
 
 v1::JobResult wait_for(const Cluster& c, const std::string& id, int want_rc) {
@@ -201,7 +197,7 @@ TEST(ElasticFaults, ASecondNodeLostDuringARecovery) {
   const std::string id = submit(c, concat(job, {"--elastic"}));
   kill_at_step(c, id, 20, "node1");
   std::this_thread::sleep_for(100ms);  // the world change is under way
-  ASSERT_EQ(::kill(node_pid(c, "node2"), SIGKILL), 0);
+  ASSERT_EQ(::kill(c.pid_of("node2"), SIGKILL), 0);
   const v1::JobResult r = wait_for(c, id, 0);
   EXPECT_EQ(r.steps_completed(), 60);
   expect_same_curve(r, plain);
@@ -221,7 +217,7 @@ TEST(ElasticFaults, ANodeLostDuringALiveRebalance) {
   std::pair<int, std::string> rebalance;
   std::thread t([&] { rebalance = c.ctl({"placement", "rebalance", "--redundant-experts", "20"}, 60s); });
   std::this_thread::sleep_for(700ms);
-  ASSERT_EQ(::kill(node_pid(c, "node1"), SIGKILL), 0);
+  ASSERT_EQ(::kill(c.pid_of("node1"), SIGKILL), 0);
   t.join();
   EXPECT_NE(rebalance.first, 0) << rebalance.second;
   EXPECT_NE(rebalance.second.find("changes its world"), std::string::npos) << rebalance.second;
@@ -242,7 +238,7 @@ TEST(ElasticFaults, ASilentNodeIsLeftBehindFencedAndJoinsBack) {
   const v1::JobResult plain = run_to_end(c, job);
   const std::string id = submit(c, concat(job, {"--elastic"}));
   ASSERT_TRUE(poll_until([&] { return c.job(id).progress().step() >= 20; }, 60s)) << c.logs();
-  const pid_t node1 = node_pid(c, "node1");
+  const pid_t node1 = c.pid_of("node1");
   ASSERT_EQ(::kill(node1, SIGSTOP), 0);
   const bool left = poll_until([&] { return c.job(id).world_changes_size() == 1; }, 30s);
   ::kill(node1, SIGCONT);
@@ -266,8 +262,8 @@ TEST(ElasticFaults, TheAgentKilledDuringARecovery) {
   const v1::JobResult plain = run_to_end(c, job);
   const std::string id = submit(c, concat(job, {"--elastic"}));
   ASSERT_TRUE(poll_until([&] { return c.job(id).progress().step() >= 20; }, 60s)) << c.logs();
-  ASSERT_EQ(::kill(node_pid(c, "agent"), SIGKILL), 0);
-  ASSERT_EQ(::kill(node_pid(c, "node1"), SIGKILL), 0);
+  ASSERT_EQ(::kill(c.pid_of("agent"), SIGKILL), 0);
+  ASSERT_EQ(::kill(c.pid_of("node1"), SIGKILL), 0);
   const auto [rc, out] = c.ctl({"cluster", "restart-agent"}, 60s);
   ASSERT_EQ(rc, 0) << out;
   const v1::JobResult r = wait_for(c, id, 0);

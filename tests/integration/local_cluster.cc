@@ -149,8 +149,12 @@ std::string Cluster::start_long_job(int steps) const {
   return id;
 }
 
+pid_t Cluster::pid_of(const std::string& process) const {
+  return std::stoi(read_text_file(dir_ / "pids" / (process + ".pid")));
+}
+
 void Cluster::kill_agent() const {
-  const pid_t pid = std::stoi(read_text_file(dir_ / "pids" / "agent.pid"));
+  const pid_t pid = pid_of("agent");
   ::kill(pid, SIGKILL);
   EXPECT_TRUE(poll_until([&] { return !process_alive(pid); }, 10s)) << "the agent outlived SIGKILL";
 }

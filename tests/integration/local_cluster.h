@@ -46,6 +46,8 @@ class Cluster {
   // Submits a job that runs until stopped and returns its id once `steps` steps
   // have completed (so what follows lands in the middle of it).
   std::string start_long_job(int steps) const;
+  // The pid `cluster up` (or `node restart`) recorded for a process: "agent", "node1".
+  pid_t pid_of(const std::string& process) const;
   // SIGKILLs the cluster's agent; returns once it is gone.
   void kill_agent() const;
   // Starts the agent again with the command line `cluster up` recorded (its

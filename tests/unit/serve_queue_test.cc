@@ -106,6 +106,53 @@ TEST(ServeQueue, AnAbandonedCallLeavesTheQueueAndItsPiecesInFlightAreDropped) {
   EXPECT_EQ(log[0], "layer 0 rows 2: ok");
 }
 
+// Elastic serving: a world that fails mid-step gives its pieces back; the next
+// world computes exactly those rows, the oldest call's first, and each call
+// completes once.
+TEST(ServeQueue, PiecesOfAFailedWorldWaitAgainInTheirCallsOrder) {
+  std::vector<std::string> log;
+  node::ServeQueue q(1);
+  auto a = call_of(0, 5, log), b = call_of(0, 3, log);
+  EXPECT_EQ(q.push(a, 100), "");
+  EXPECT_EQ(q.push(b, 100), "");
+  const auto lost = q.take(0, 6);  // all of a (it leaves the lane), b's first row
+  const auto kept = q.take(0, 1);  // b's second row, computed by a rank that finished
+  ASSERT_EQ(lost.size(), 2u);
+  EXPECT_EQ(q.queued(), 1);
+  q.put_back(lost);
+  EXPECT_EQ(q.queued(), 7);  // 5 of a, 1 + 1 of b
+  const uint8_t done[1] = {7};
+  q.finish(kept[0], done);
+  const auto again = q.take(0, 3);  // a first: it came first
+  ASSERT_EQ(again.size(), 1u);
+  EXPECT_EQ(again[0].call, a);
+  EXPECT_EQ(again[0].first, 0);
+  EXPECT_EQ(again[0].n, 3);
+  const auto rest = q.take(0, 10);  // a's last 2 rows, b's returned row 0, b's row 2
+  ASSERT_EQ(rest.size(), 3u);
+  EXPECT_EQ(rest[0].call, a);
+  EXPECT_EQ(rest[0].first, 3);
+  EXPECT_EQ(rest[1].call, b);
+  EXPECT_EQ(rest[1].first, 0);
+  EXPECT_EQ(rest[1].n, 1);
+  EXPECT_EQ(rest[2].first, 2);
+  EXPECT_TRUE(q.take(0, 10).empty());
+  const uint8_t rows[5] = {1, 2, 3, 4, 5};
+  for (const auto& p : again) q.finish(p, rows);
+  for (const auto& p : rest) q.finish(p, rows + p.first);
+  ASSERT_EQ(log.size(), 2u);
+  EXPECT_EQ(a->y, (std::vector<uint8_t>{1, 2, 3, 4, 5}));
+  EXPECT_EQ(b->y, (std::vector<uint8_t>{1, 7, 3}));
+  // Given back after the job ended: the call fails with the reason instead of waiting forever.
+  auto c = call_of(0, 2, log);
+  EXPECT_EQ(q.push(c, 100), "");
+  const auto orphan = q.take(0, 2);
+  q.close("job stopped");
+  q.put_back(orphan);
+  ASSERT_EQ(log.size(), 3u);
+  EXPECT_EQ(log[2], "layer 0 rows 2: job stopped");
+}
+
 TEST(ServeQueue, AWaitingRankVotesOnceItsOldestRowWaitedOrEnoughRowsOrItsRecentCallersWait) {
   std::vector<std::string> log;
   node::ServeQueue q(1);

@@ -12,6 +12,7 @@
 #include <memory>
 #include <mutex>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "moe/rpc/client.h"
@@ -30,6 +31,14 @@ struct SessionOptions {
 
 // Thread-safe: calls from several threads run at once, one connection per node
 // each (a connection carries one call at a time).
+//
+// Nodes come and go under an elastic job (docs/serving.md#elastic-serving): a
+// forward call, a step or a weight read whose node cannot be reached (or no
+// longer runs the job) is sent to the next node, within the call's timeout; the
+// session asks the agent for the job's nodes again when none is left. A forward
+// is a pure function of its rows and a step names its number (the job applies
+// it once), so sending one again changes nothing. A backward call goes to the
+// node that holds its handle, and fails if that node is gone.
 class Session {
  public:
   // Waits (up to the timeout) for a queued job to start. Throws rpc::RpcError:
@@ -78,22 +87,32 @@ class Session {
   int64_t steps() const { return steps_; }
 
  private:
+  using Clock = std::chrono::steady_clock;
   v1::JobResult running_job(rpc::RpcClient& agent) const;
+  // The job's alive nodes the agent knows, added to nodes_ (indices stay).
+  void find_nodes();
   void wait_until_nodes_run_it();
-  // One call on the next node in turn, on a connection of the pool (a new one
-  // when every connection to that node is in use).
   Kept forward_call(int layer, const void* x, int64_t rows, v1::JobSpec::DType dtype, bool keep);
-  v1::Envelope call_node(v1::Envelope request);
+  // The call on the next node in turn that is not marked away; on to the next
+  // when a node cannot be reached or does not run the job (until `until`).
+  // Returns the node that answered and its reply.
+  std::pair<size_t, v1::Envelope> call_any(const v1::Envelope& request);
+  // The next node in turn not marked away; kNone when every one is.
+  size_t next_node();
+  static constexpr size_t kNone = ~size_t{0};
+  // One call on `node`, on a connection of the pool (a new one when every
+  // connection to that node is in use).
   v1::Envelope call_node(size_t node, v1::Envelope request);
   // The reply's payload, or an RpcError naming what came instead.
   static void expect(const v1::Envelope& reply, bool has, const char* what);
 
   SessionOptions opts_;
   v1::JobSpec spec_;
-  std::vector<std::string> nodes_;  // control addresses of the job's nodes
-  std::atomic<size_t> next_{0};
   std::atomic<int64_t> steps_{0};
-  std::mutex pool_mu_;
+  std::mutex mu_;  // what follows
+  std::vector<std::string> nodes_;     // control addresses of the job's nodes, only ever added to
+  std::vector<Clock::time_point> away_;  // per node: skipped until then (it failed a call)
+  size_t next_ = 0;
   std::map<std::string, std::vector<std::unique_ptr<rpc::RpcClient>>> idle_;  // by node address
 };
 

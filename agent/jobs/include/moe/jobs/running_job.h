@@ -93,8 +93,11 @@ struct RunningJob {
   Clock::time_point restored_at;
   bool ending() const { return failed || cancelled; }
   bool awaiting_ranks() const;
-  // Every step complete and no world change under way: a lost node changes nothing.
-  bool past_last_step() const { return steps_recorded >= reports.spec.steps() && !halt; }
+  // Every step complete and no world change under way: a lost node changes
+  // nothing. A serving job has no last step (docs/serving.md#elastic-serving).
+  bool past_last_step() const {
+    return reports.spec.mode() != v1::JobSpec::serve && steps_recorded >= reports.spec.steps() && !halt;
+  }
 
   // Elastic jobs (docs/jobs.md#elastic-jobs): the current world's number and
   // nodes (indices, in rank order), each earlier world's nodes, and a world

@@ -30,8 +30,10 @@ struct ServeRank {
   std::chrono::milliseconds timeout;  // of each transport wait
   int rank;
   int64_t world_epoch;
+  int first_window;  // the world's first reporting window's number (the job's count so far)
   metrics::DaemonMetrics* metrics;  // may be null
-  std::function<void(const v1::StepStats&)> report;  // a closed window, to the agent
+  std::function<void(const v1::StepStats&)> report;  // a closed window, to the agent (its step numbers it)
+  std::function<void()> after_step;                  // every rank of the world completed a step; may be empty
 };
 
 // Runs serve steps until every rank agreed to stop (a cancel); returns how many ran.

@@ -43,9 +43,12 @@ struct ServeCall {
   ServeClock::time_point queued;
   std::function<void(const std::string& error)> done;  // "" on success
   // The queue's bookkeeping (guarded by its mutex): rows handed out, rows back,
-  // and whether done() ran.
+  // whether done() ran, and pieces handed out that came back uncomputed (their
+  // world failed), to hand out again first.
   int64_t handed = 0, back = 0;
   bool over = false;
+  std::vector<std::pair<int64_t, int64_t>> returned;  // [first, n)
+  int64_t rows_to_hand() const;
 };
 
 // A client's call checked against the job: the layer exists, the hidden size and
@@ -94,6 +97,10 @@ class ServeQueue {
   void finish(const ServePiece& piece, const uint8_t* y);
   // A piece that could not be computed: its call fails with `why` (once).
   void fail(const ServePiece& piece, const std::string& why);
+  // Pieces whose step's world failed (an elastic job moves to a new world,
+  // docs/serving.md#elastic-serving): their rows wait again, in their calls'
+  // order, for the next rank that takes the lane.
+  void put_back(const std::vector<ServePiece>& pieces);
   // The job ends: every queued call fails with `why`, and later pushes too.
   void close(const std::string& why);
 

@@ -20,11 +20,17 @@ constexpr size_t kDefaultMaxFrameBytes = 16u << 20;
 // (docs/control-plane.md#errors).
 class RpcError : public Error {
  public:
-  RpcError(v1::ErrorCode code, const std::string& message) : Error(message), code_(code) {}
+  enum class Peer { kAnswered, kUnreached };
+  RpcError(v1::ErrorCode code, const std::string& message, Peer peer = Peer::kAnswered)
+      : Error(message), code_(code), peer_(peer) {}
   v1::ErrorCode code() const { return code_; }
+  // The peer could not be reached, or the connection broke mid-call: the call
+  // may or may not have run there (a caller may send an idempotent call elsewhere).
+  bool unreached() const { return peer_ == Peer::kUnreached; }
 
  private:
   v1::ErrorCode code_;
+  Peer peer_;
 };
 
 // The frame bytes of an envelope.
