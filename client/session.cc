@@ -2,7 +2,9 @@
 
 #include <algorithm>
 #include <cctype>
+#include <cstdio>
 #include <cstring>
+#include <random>
 #include <thread>
 
 #include "moe/base/check.h"
@@ -14,14 +16,28 @@ namespace {
 // How long a node that failed a call is passed over (docs/serving.md#elastic-serving).
 constexpr std::chrono::milliseconds kAway{500};
 
-rpc::ClientOptions options_for(const SessionOptions& o, const std::string& address) {
-  return rpc::ClientOptions::make(address, o.token, "client", o.name, o.tls);
+// 128 random bits in hex: this session's connections, to the nodes (Hello.session).
+std::string new_session_id() {
+  std::random_device random;
+  std::string id;
+  for (int i = 0; i < 4; ++i) {
+    char word[9];
+    std::snprintf(word, sizeof word, "%08x", static_cast<unsigned>(random()));
+    id += word;
+  }
+  return id;
 }
 
 }  // namespace
 
-Session::Session(SessionOptions options) : opts_(std::move(options)) {
-  rpc::RpcClient agent(options_for(opts_, opts_.agent));
+rpc::ClientOptions Session::options_for(const std::string& address) const {
+  rpc::ClientOptions o = rpc::ClientOptions::make(address, opts_.token, "client", opts_.name, opts_.tls);
+  o.session = session_id_;
+  return o;
+}
+
+Session::Session(SessionOptions options) : opts_(std::move(options)), session_id_(new_session_id()) {
+  rpc::RpcClient agent(options_for(opts_.agent));
   spec_ = running_job(agent).spec();
   find_nodes();
   if (nodes_.empty()) throw rpc::RpcError(v1::ERROR_CODE_UNAVAILABLE, "job " + opts_.job + ": no node is alive");
@@ -29,7 +45,7 @@ Session::Session(SessionOptions options) : opts_(std::move(options)) {
 }
 
 void Session::find_nodes() {
-  rpc::RpcClient agent(options_for(opts_, opts_.agent));
+  rpc::RpcClient agent(options_for(opts_.agent));
   v1::Envelope status;
   status.mutable_cluster_status();
   const v1::Envelope cluster = agent.call(status, opts_.timeout);
@@ -71,7 +87,7 @@ v1::JobResult Session::running_job(rpc::RpcClient& agent) const {
 void Session::wait_until_nodes_run_it() {
   const auto until = std::chrono::steady_clock::now() + opts_.timeout;
   for (const std::string& address : nodes_) {
-    rpc::RpcClient node(options_for(opts_, address));
+    rpc::RpcClient node(options_for(address));
     v1::Envelope ask;
     ask.mutable_daemon_status();
     for (;;) {
@@ -124,7 +140,7 @@ std::pair<size_t, v1::Envelope> Session::call_any(const v1::Envelope& request) {
       throw rpc::RpcError(v1::ERROR_CODE_UNAVAILABLE, "job " + opts_.job + ": no node answered within " +
                                                           std::to_string(opts_.timeout.count()) + " ms (last: " +
                                                           last + ")");
-    rpc::RpcClient agent(options_for(opts_, opts_.agent));
+    rpc::RpcClient agent(options_for(opts_.agent));
     running_job(agent);  // throws once the job ended
     find_nodes();
     std::this_thread::sleep_for(std::chrono::milliseconds(20));  // polling the agent while the job recovers
@@ -152,11 +168,22 @@ v1::Envelope Session::call_node(size_t node, v1::Envelope request) {
       idle.pop_back();
     }
   }
-  if (!conn) conn = std::make_unique<rpc::RpcClient>(options_for(opts_, address));
-  v1::Envelope reply = conn->call(std::move(request), opts_.timeout);  // a failed call's connection is dropped
-  std::lock_guard<std::mutex> lock(mu_);
-  idle_[address].push_back(std::move(conn));
-  return reply;
+  if (!conn) conn = std::make_unique<rpc::RpcClient>(options_for(address));
+  // A connection whose call failed in transport is dropped; one whose node
+  // answered with an error stays (its session's handles live on the node while
+  // one of its connections does: docs/serving.md#disconnects).
+  auto give_back = [&] {
+    std::lock_guard<std::mutex> lock(mu_);
+    idle_[address].push_back(std::move(conn));
+  };
+  try {
+    v1::Envelope reply = conn->call(std::move(request), opts_.timeout);
+    give_back();
+    return reply;
+  } catch (const rpc::RpcError& e) {
+    if (!e.unreached() && e.code() != v1::ERROR_CODE_DEADLINE_EXCEEDED) give_back();
+    throw;
+  }
 }
 
 std::vector<uint8_t> Session::forward_bytes(int layer, const void* x, int64_t rows, v1::JobSpec::DType dtype) {

@@ -6,6 +6,7 @@
 #include <optional>
 
 #include "moe/base/check.h"
+#include "moe/base/log.h"
 #include "moe/node/daemon.h"
 
 namespace moe::node {
@@ -18,8 +19,10 @@ namespace {
 class Completion : public std::enable_shared_from_this<Completion> {
  public:
   explicit Completion(rpc::asio::io_context& io) : io_(io), timer_(io) {}
+  // The first end counts (the rows' end, or the caller's disconnect).
   void end(std::string error) {
     rpc::asio::post(io_, [self = shared_from_this(), error = std::move(error)] {
+      if (self->over_) return;
       self->over_ = true;
       self->error_ = error;
       self->timer_.cancel();
@@ -131,14 +134,23 @@ rpc::awaitable<v1::Envelope> Daemon::serve_rows(const v1::Envelope& req, const r
   c->done = [done](const std::string& error) { done->end(error); };
   {
     std::lock_guard<std::mutex> lock(mu_);
-    if (const std::string refused = serving_node(job_id).queue.push(c, limits.queued_rows); !refused.empty())
+    ServingNode& node = serving_node(job_id);
+    if (const std::string refused = node.queue.push(c, limits.queued_rows); !refused.empty())
       throw RpcError(v1::ERROR_CODE_UNAVAILABLE, "job " + job_id + " on " + opts_.name + ": " + refused);
+    watch_session(node, job_id, ctx);
   }
-  if (!co_await done->wait(ctx.deadline)) {  // its rows leave the queue: nobody waits for them
+  auto gone = std::make_shared<bool>(false);  // the caller closed its connection: its rows leave the queue
+  if (ctx.connection)
+    ctx.connection->on_peer_gone([done, gone] {
+      *gone = true;
+      done->end("the caller closed its connection");
+    });
+  if (!co_await done->wait(ctx.deadline) || *gone) {  // nobody waits for its rows any more
     std::lock_guard<std::mutex> lock(mu_);
     if (ServingNode* node = serving_node_if(job_id)) node->queue.abandon(c);
-    throw RpcError(v1::ERROR_CODE_DEADLINE_EXCEEDED,
-                   "job " + job_id + ": layer " + std::to_string(c->layer) + "'s rows were not computed in time");
+    throw RpcError(*gone ? v1::ERROR_CODE_UNAVAILABLE : v1::ERROR_CODE_DEADLINE_EXCEEDED,
+                   "job " + job_id + ": layer " + std::to_string(c->layer) + "'s rows " +
+                       (*gone ? "were dropped: the caller closed its connection" : "were not computed in time"));
   }
   if (!done->error().empty()) throw RpcError(v1::ERROR_CODE_UNAVAILABLE, done->error());
   v1::Envelope reply;
@@ -154,9 +166,22 @@ rpc::awaitable<v1::Envelope> Daemon::serve_rows(const v1::Envelope& req, const r
   r->set_y(std::string(c->y.begin(), c->y.end()));
   if (req.serve_forward().keep_for_backward()) {
     std::lock_guard<std::mutex> lock(mu_);
-    r->set_handle(serving_node(job_id).handles.keep(c->layer, std::move(c->x)));
+    r->set_handle(serving_node(job_id).handles.keep({c->layer, std::move(c->x), ctx.client_session}));
   }
   co_return reply;
+}
+
+// The session's handles live while it keeps a connection to this node: the
+// first call on each connection says when that one closes.
+void Daemon::watch_session(ServingNode& node, const std::string& job_id, const rpc::RequestContext& ctx) {
+  if (!ctx.connection || ctx.client_session.empty() || !node.handles.connected(ctx.client_session, ctx.connection->id()))
+    return;
+  ctx.connection->on_close([this, job_id, session = ctx.client_session, id = ctx.connection->id()] {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (ServingNode* n = serving_node_if(job_id))
+      if (const size_t dropped = n->handles.disconnected(session, id); dropped > 0)
+        log::info("job ", job_id, ": dropped ", dropped, " handle(s) of a client whose connections closed");
+  });
 }
 
 rpc::awaitable<v1::Envelope> Daemon::serve_step(const v1::ServeStep& call, const rpc::RequestContext& ctx) {

@@ -4,18 +4,41 @@
 
 namespace moe::node {
 
-uint64_t ServeHandles::keep(int layer, std::vector<uint8_t> x) {
+uint64_t ServeHandles::keep(Kept kept) {
   std::lock_guard<std::mutex> lock(mu_);
   const auto now = std::chrono::steady_clock::now();
   expire(now);
-  while (!kept_.empty() && bytes_ + x.size() > max_bytes_) {  // the oldest make room
+  while (!kept_.empty() && bytes_ + kept.x.size() > max_bytes_) {  // the oldest make room
     bytes_ -= kept_.begin()->second.kept.x.size();
     kept_.erase(kept_.begin());
   }
-  bytes_ += x.size();
+  bytes_ += kept.x.size();
   const uint64_t handle = next_++;
-  kept_.emplace(handle, Entry{{layer, std::move(x)}, now});
+  kept_.emplace(handle, Entry{std::move(kept), now});
   return handle;
+}
+
+bool ServeHandles::connected(const std::string& session, uint64_t connection) {
+  std::lock_guard<std::mutex> lock(mu_);
+  return sessions_[session].insert(connection).second;
+}
+
+size_t ServeHandles::disconnected(const std::string& session, uint64_t connection) {
+  std::lock_guard<std::mutex> lock(mu_);
+  const auto s = sessions_.find(session);
+  if (s == sessions_.end() || (s->second.erase(connection), !s->second.empty())) return 0;
+  sessions_.erase(s);
+  size_t dropped = 0;
+  for (auto it = kept_.begin(); it != kept_.end();) {
+    if (it->second.kept.session != session) {
+      ++it;
+      continue;
+    }
+    bytes_ -= it->second.kept.x.size();
+    it = kept_.erase(it);
+    ++dropped;
+  }
+  return dropped;
 }
 
 ServeHandles::Kept ServeHandles::take(uint64_t handle) {
@@ -59,7 +82,7 @@ size_t ServeHandles::count() const {
 std::string ServeHandles::rules() const {
   return "a handle serves one backward, on the node that answered its forward, within " +
          std::to_string(ttl_.count()) + " s, while the node keeps at most " + std::to_string(max_bytes_ >> 20) +
-         " MiB of rows";
+         " MiB of rows and the client's session keeps a connection to it";
 }
 
 }  // namespace moe::node

@@ -88,6 +88,7 @@ awaitable<void> RpcClient::Impl::connect_and_hello() {
   hello.mutable_hello()->set_token(opts.token);
   hello.mutable_hello()->set_role(opts.role);
   hello.mutable_hello()->set_name(opts.name);
+  hello.mutable_hello()->set_session(opts.session);
   check_reply(co_await roundtrip(hello));
 }
 

@@ -2,7 +2,11 @@
 
 #include <unistd.h>
 
+#include <sys/socket.h>
+
+#include <cerrno>
 #include <optional>
+#include <vector>
 
 #include "frame_io.h"
 #include "moe/base/log.h"
@@ -20,10 +24,68 @@ constexpr auto kHandshakeTimeout = std::chrono::seconds(10);
 
 }  // namespace
 
-struct RpcServer::Connection {
-  explicit Connection(tcp::socket s) : conn(std::move(s)) {}
+// A connection and its events (ConnectionEvents): all on the io thread. While a
+// handler with an on_peer_gone callback runs, the socket is watched for the
+// peer's FIN or RST (a peek, which takes nothing from the stream); the watch is
+// cancelled before the reply is written.
+struct RpcServer::Connection : ConnectionEvents, std::enable_shared_from_this<Connection> {
+  Connection(tcp::socket s, uint64_t id) : conn(std::move(s)), id_(id) {}
   detail::Connection conn;
   std::string peer;
+
+  void on_close(std::function<void()> f) override {
+    if (closed_) return f();
+    on_close_.push_back(std::move(f));
+  }
+  void on_peer_gone(std::function<void()> f) override {
+    if (closed_) return f();
+    on_gone_.push_back(std::move(f));
+    if (in_handler_ && !watching_) watch();
+  }
+  uint64_t id() const override { return id_; }
+
+  void handler_begins() { in_handler_ = true; }
+  void handler_ends() {
+    in_handler_ = false;
+    on_gone_.clear();
+    ++generation_;  // a watch that already fired is ignored
+    if (watching_) {
+      boost::system::error_code ec;
+      conn.socket().cancel(ec);  // nothing else is pending: the reply's write comes next
+      watching_ = false;
+    }
+  }
+  // The connection ended: every callback runs, once.
+  void closed() {
+    if (closed_) return;
+    closed_ = true;
+    const auto gone = std::move(on_gone_);
+    const auto close = std::move(on_close_);
+    for (const auto& f : gone) f();
+    for (const auto& f : close) f();
+  }
+
+ private:
+  void watch() {
+    watching_ = true;
+    conn.socket().async_wait(tcp::socket::wait_read, [self = shared_from_this(), gen = generation_](
+                                                          boost::system::error_code ec) {
+      if (ec || gen != self->generation_ || !self->in_handler_) return;
+      self->watching_ = false;
+      char byte;
+      const ssize_t n = ::recv(self->conn.socket().native_handle(), &byte, 1, MSG_PEEK | MSG_DONTWAIT);
+      if (n == 0 || (n < 0 && errno != EAGAIN && errno != EWOULDBLOCK && errno != EINTR))
+        self->closed();  // FIN or RST: no reply can reach the peer
+      else if (n < 0)
+        self->watch();
+      // n > 0: the peer sent more (a pipelined frame, a TLS alert); the next read takes it
+    });
+  }
+
+  const uint64_t id_;
+  bool in_handler_ = false, watching_ = false, closed_ = false;
+  uint64_t generation_ = 0;
+  std::vector<std::function<void()>> on_close_, on_gone_;
 };
 
 RpcServer::RpcServer(asio::io_context& io, ServerOptions options, Handler handler)
@@ -69,7 +131,7 @@ awaitable<void> RpcServer::accept_loop() {
     // A reply goes out as a header and a body: without this, Nagle holds the body
     // until the client's delayed ACK (40 ms on Linux) for replies of a few kB to ~100 kB.
     s.set_option(tcp::no_delay(true), ec);
-    auto conn = std::make_shared<Connection>(std::move(s));
+    auto conn = std::make_shared<Connection>(std::move(s), ++connections_made_);
     boost::system::error_code pe;
     const auto remote = conn->conn.socket().remote_endpoint(pe);
     conn->peer = pe ? "?" : remote.address().to_string() + ":" + std::to_string(remote.port());
@@ -121,6 +183,7 @@ awaitable<void> RpcServer::serve(std::shared_ptr<Connection> conn) {
   bool authenticated = false;
   RequestContext ctx;
   ctx.peer = conn->peer;
+  ctx.connection = conn.get();
   for (;;) {
     v1::Envelope request;
     std::optional<v1::Envelope> fatal;  // an error reply after which the connection closes
@@ -140,6 +203,7 @@ awaitable<void> RpcServer::serve(std::shared_ptr<Connection> conn) {
         authenticated = true;
         ctx.client_role = request.hello().role();
         ctx.client_name = request.hello().name();
+        ctx.client_session = request.hello().session();
         v1::Envelope reply;
         reply.set_request_id(request.request_id());
         reply.mutable_hello_reply()->set_role(opts_.role);
@@ -163,6 +227,7 @@ awaitable<void> RpcServer::serve(std::shared_ptr<Connection> conn) {
                              : std::chrono::milliseconds(kDefaultRequestDeadline);
     ctx.deadline = Clock::now() + allowed - std::min<std::chrono::milliseconds>(allowed / 4, std::chrono::milliseconds(500));
     v1::Envelope reply;
+    conn->handler_begins();
     try {
       reply = co_await handler_(request, ctx);
     } catch (const RpcError& e) {
@@ -172,10 +237,12 @@ awaitable<void> RpcServer::serve(std::shared_ptr<Connection> conn) {
     } catch (const std::exception& e) {
       reply = make_error(v1::ERROR_CODE_INTERNAL, e.what());
     }
+    conn->handler_ends();
     reply.set_request_id(request.request_id());
     if (!co_await conn->conn.try_write(reply)) break;
   }
   conn->conn.close();
+  conn->closed();
   connections_.erase(conn);
 }
 

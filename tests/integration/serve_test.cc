@@ -4,6 +4,8 @@
 // naming the problem while another client is served; a cancel ends the job.
 #include <gtest/gtest.h>
 #include <signal.h>
+#include <sys/wait.h>
+#include <unistd.h>
 
 #include <algorithm>
 #include <atomic>
@@ -312,6 +314,104 @@ TEST(Serve, AnElasticServingJobLosesANodeGrowsBackAndDropsNoCall) {
               r.world_changes(0).recovery_seconds());
   EXPECT_EQ(c.ctl({"job", "cancel", id}).first, 0);
   EXPECT_TRUE(poll_until([&] { return c.job(id).state() == v1::JOB_STATE_CANCELLED; }, 30s)) << c.logs();
+}
+
+// A raw caller of node 0 whose connections say they are one client's session.
+rpc::RpcClient caller_of(const Cluster& c, const std::string& session) {
+  rpc::ClientOptions o = rpc::ClientOptions::make(c.status().nodes(0).control_address(), c.token(), "client",
+                                                  "raw-" + session, c.tls());
+  o.session = session;
+  return rpc::RpcClient(o);
+}
+
+v1::Envelope forward_of(const std::string& id, const v1::JobSpec& spec, const std::vector<float>& x, bool keep) {
+  v1::Envelope e;
+  v1::ServeForward* f = e.mutable_serve_forward();
+  f->set_job_id(id);
+  f->set_rows(static_cast<int64_t>(x.size()) / spec.hidden());
+  f->set_hidden(spec.hidden());
+  f->set_dtype(v1::JobSpec::fp32);
+  f->set_x(std::string(reinterpret_cast<const char*>(x.data()), x.size() * 4));
+  f->set_keep_for_backward(keep);
+  return e;
+}
+
+v1::Envelope backward_of(const std::string& id, const v1::JobSpec& spec, uint64_t handle, const std::vector<float>& g) {
+  v1::Envelope e;
+  v1::ServeBackward* b = e.mutable_serve_backward();
+  b->set_job_id(id);
+  b->set_handle(handle);
+  b->set_rows(static_cast<int64_t>(g.size()) / spec.hidden());
+  b->set_hidden(spec.hidden());
+  b->set_dtype(v1::JobSpec::fp32);
+  b->set_grad_y(std::string(reinterpret_cast<const char*>(g.data()), g.size() * 4));
+  return e;
+}
+
+// docs/serving.md#disconnects: a client that goes away loses what the node kept
+// for it, at once, while another client is served.
+TEST(Serve, AClientThatDisconnectsHasItsQueuedRowsAndHandlesFreed) {
+  Cluster c(1, 1);
+  ASSERT_TRUE(c.up()) << c.logs();
+  // A call that comes while another caller is recent waits for that caller's
+  // next call, here up to 10 s: long enough to go away from.
+  std::vector<std::string> spec_args = concat(kServeSpec, {"--serve-train"});
+  spec_args[std::find(spec_args.begin(), spec_args.end(), "--serve-max-wait-ms") - spec_args.begin() + 1] = "10000";
+  const auto [rc, out] = c.ctl(concat({"job", "submit"}, spec_args));
+  ASSERT_EQ(rc, 0) << out << c.logs();
+  const std::string id = out.substr(0, out.find('\n'));
+  ASSERT_TRUE(poll_until([&] { return c.job(id).state() == v1::JOB_STATE_RUNNING; }, 60s)) << c.logs();
+  client::Session other = session_of(c, id, "other");
+  const v1::JobSpec& spec = other.spec();
+  const std::vector<float> x = normal_vector(4 * spec.hidden(), 21), g = normal_vector(4 * spec.hidden(), 22);
+  // Each connection is a caller; one that called within 250 ms is waited for.
+  const auto alone = [] { std::this_thread::sleep_for(300ms); };  // past ServeQueue::kRecentCaller
+
+  // Handles: session s1 keeps one on two connections, s2 one on its own.
+  uint64_t mine = 0, theirs = 0;
+  rpc::RpcClient s2 = caller_of(c, "s2");
+  {
+    rpc::RpcClient first = caller_of(c, "s1"), second = caller_of(c, "s1");
+    mine = first.call(forward_of(id, spec, x, true), 10s).serve_forward_reply().handle();
+    alone();
+    ASSERT_NE(second.call(forward_of(id, spec, x, false), 10s).serve_forward_reply().y(), "");
+    alone();
+    theirs = s2.call(forward_of(id, spec, x, true), 10s).serve_forward_reply().handle();
+    ASSERT_NE(mine, 0u);
+    ASSERT_NE(theirs, 0u);
+  }  // s1's connections close
+  ASSERT_TRUE(poll_until([&] { return c.logs().find("dropped 1 handle(s)") != std::string::npos; }, 10s)) << c.logs();
+  rpc::RpcClient again = caller_of(c, "s1");
+  EXPECT_NE(error_of([&] { again.call(backward_of(id, spec, mine, g), 10s); }).find("is spent or expired"),
+            std::string::npos);
+  alone();
+  EXPECT_EQ(s2.call(backward_of(id, spec, theirs, g), 10s).serve_backward_reply().rows(), 4);
+  alone();
+
+  // Queued rows: a caller killed while its call waits; its rows leave the queue
+  // and the call counts as failed at once, not at its 30 s deadline.
+  expect_reference(spec, 0, x, other.forward(0, x));  // `other` is a recent caller now
+  const std::string node = c.status().nodes(0).control_address();
+  const pid_t child = ::fork();
+  ASSERT_GE(child, 0);
+  if (child == 0) {  // the caller: one call that waits, and no more
+    try {
+      rpc::RpcClient(rpc::ClientOptions::make(node, c.token(), "client", "doomed", c.tls()))
+          .call(forward_of(id, spec, x, false), 30s);
+    } catch (...) {
+    }
+    ::_exit(0);
+  }
+  const std::string metrics = c.status().nodes(0).metrics_address();
+  const std::string queued = "moe_serve_calls_total{kind=\"forward\",layer=\"0\",outcome=\"failed\"}";
+  std::this_thread::sleep_for(300ms);  // the call is queued: the rank waits for `other`
+  EXPECT_LE(series_value(scrape(metrics), queued), 0.0) << "the waiting call ended early";
+  ::kill(child, SIGKILL);
+  ::waitpid(child, nullptr, 0);
+  EXPECT_TRUE(poll_until([&] { return series_value(scrape(metrics), queued) == 1; }, 5s)) << scrape(metrics);
+  alone();
+  expect_reference(spec, 0, x, other.forward(0, x));  // the other client is served on
+  EXPECT_EQ(c.ctl({"job", "cancel", id}).first, 0);
 }
 
 // --- Training through the service (docs/serving.md#training) ---

@@ -242,9 +242,9 @@ TEST(ServeQueue, ACallIsCheckedAgainstTheJobNamingTheField) {
 
 TEST(ServeHandles, AHandleServesOneBackwardWithinItsBytesAndAge) {
   node::ServeHandles h(10, std::chrono::seconds(600));
-  const uint64_t a = h.keep(0, std::vector<uint8_t>(4, 1)), b = h.keep(1, std::vector<uint8_t>(4, 2));
+  const uint64_t a = h.keep({0, std::vector<uint8_t>(4, 1)}), b = h.keep({1, std::vector<uint8_t>(4, 2)});
   EXPECT_EQ(h.bytes(), 8u);
-  const uint64_t c = h.keep(0, std::vector<uint8_t>(4, 3));  // 12 bytes > 10: a, the oldest, goes
+  const uint64_t c = h.keep({0, std::vector<uint8_t>(4, 3)});  // 12 bytes > 10: a, the oldest, goes
   EXPECT_EQ(h.count(), 2u);
   try {
     h.take(a);
@@ -265,10 +265,29 @@ TEST(ServeHandles, AHandleServesOneBackwardWithinItsBytesAndAge) {
     EXPECT_NE(std::string(e.what()).find("was never given by this node"), std::string::npos);
   }
   node::ServeHandles young(100, std::chrono::seconds(0));
-  const uint64_t d = young.keep(0, {1});
+  const uint64_t d = young.keep({0, {1}});
   std::this_thread::sleep_for(std::chrono::milliseconds(5));  // past a zero ttl
   EXPECT_THROW(young.take(d), InvalidArgument);
   EXPECT_EQ(young.bytes(), 0u);
+}
+
+// docs/serving.md#disconnects: a session's handles go with its last connection
+// to the node; another session's stay.
+TEST(ServeHandles, ASessionsHandlesGoWithItsLastConnection) {
+  node::ServeHandles h(1000, std::chrono::seconds(600));
+  EXPECT_TRUE(h.connected("s1", 1));
+  EXPECT_FALSE(h.connected("s1", 1));  // known already: nobody registers twice
+  EXPECT_TRUE(h.connected("s1", 2));
+  EXPECT_TRUE(h.connected("s2", 3));
+  const uint64_t mine = h.keep({0, {1, 2}, "s1"}), theirs = h.keep({0, {3}, "s2"}), anyone = h.keep({1, {4}, ""});
+  EXPECT_EQ(h.disconnected("s1", 1), 0u);  // connection 2 is still open
+  EXPECT_EQ(h.count(), 3u);
+  EXPECT_EQ(h.disconnected("s1", 2), 1u);
+  EXPECT_EQ(h.bytes(), 2u);
+  EXPECT_THROW(h.take(mine), InvalidArgument);
+  EXPECT_EQ(h.take(theirs).x, std::vector<uint8_t>{3});
+  EXPECT_EQ(h.take(anyone).x, std::vector<uint8_t>{4});
+  EXPECT_EQ(h.disconnected("s9", 4), 0u);  // a session never seen
 }
 
 TEST(ServeRequests, AStepIsDueOnceEveryCallerAskedAndAppliesOnce) {

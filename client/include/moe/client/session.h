@@ -88,6 +88,7 @@ class Session {
 
  private:
   using Clock = std::chrono::steady_clock;
+  rpc::ClientOptions options_for(const std::string& address) const;
   v1::JobResult running_job(rpc::RpcClient& agent) const;
   // The job's alive nodes the agent knows, added to nodes_ (indices stay).
   void find_nodes();
@@ -107,6 +108,7 @@ class Session {
   static void expect(const v1::Envelope& reply, bool has, const char* what);
 
   SessionOptions opts_;
+  const std::string session_id_;  // Hello.session of every connection
   v1::JobSpec spec_;
   std::atomic<int64_t> steps_{0};
   std::mutex mu_;  // what follows

@@ -76,6 +76,7 @@ class Daemon {
   static bool is_serve_call(const v1::Envelope& req);
   rpc::awaitable<v1::Envelope> serve_call(const v1::Envelope& req, const rpc::RequestContext& ctx);
   rpc::awaitable<v1::Envelope> serve_rows(const v1::Envelope& req, const rpc::RequestContext& ctx);
+  void watch_session(ServingNode& node, const std::string& job_id, const rpc::RequestContext& ctx);  // under mu_
   rpc::awaitable<v1::Envelope> serve_step(const v1::ServeStep& call, const rpc::RequestContext& ctx);
   rpc::awaitable<v1::Envelope> serve_weights(const v1::ServeWeights& call, const rpc::RequestContext& ctx);
   // Under mu_: the node's state of serving job `job_id`, or the RpcError saying why none.

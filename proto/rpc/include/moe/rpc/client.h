@@ -37,6 +37,7 @@ struct ClientOptions {
   TlsFiles tls;         // the server's certificate must name the address's host
   std::string role;     // told to the server in Hello
   std::string name;
+  std::string session;  // told to the server in Hello (a client library's session)
   size_t max_frame_bytes = kDefaultMaxFrameBytes;
 
   static ClientOptions make(std::string address, std::string token, std::string role, std::string name,

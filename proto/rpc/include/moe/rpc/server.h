@@ -5,6 +5,7 @@
 #pragma once
 
 #include <chrono>
+#include <cstdint>
 #include <functional>
 #include <memory>
 #include <string>
@@ -39,11 +40,30 @@ struct ServerOptions {
   }
 };
 
+// The connection a request came on, for a handler whose work outlives a call
+// (docs/control-plane.md#connections). Callbacks run once, on the server's io
+// thread; register them from the handler (the io thread).
+class ConnectionEvents {
+ public:
+  virtual ~ConnectionEvents() = default;
+  // Runs `f` when the connection ends: the peer closed or reset it (seen while
+  // the connection waits for its next request, or while a handler runs), or
+  // the server stops.
+  virtual void on_close(std::function<void()> f) = 0;
+  // Runs `f` if the peer closes or resets the connection while this request's
+  // handler runs (no reply can reach it); dropped once the handler returns.
+  virtual void on_peer_gone(std::function<void()> f) = 0;
+  // This connection's number, unique in the server's life.
+  virtual uint64_t id() const = 0;
+};
+
 // What a handler knows about the request it serves.
 struct RequestContext {
   std::string peer;        // "ip:port"
   std::string client_role;
   std::string client_name;
+  std::string client_session;  // Hello.session: a client's connections that are one session ("": none)
+  ConnectionEvents* connection = nullptr;  // valid while the handler runs
   // From the request's deadline_ms (or a default), less a margin so the reply
   // reaches the caller before it gives up.
   asio::steady_timer::time_point deadline;
@@ -78,6 +98,7 @@ class RpcServer {
   asio::ip::tcp::acceptor acceptor_;
   int port_ = 0;
   std::set<std::shared_ptr<Connection>> connections_;
+  uint64_t connections_made_ = 0;
   bool stopped_ = false;
 };
 
