@@ -124,6 +124,11 @@ v1::JobSpec resumed_spec(v1::JobSpec given, const std::set<std::string>& set_by_
   std::vector<const FieldDescriptor*> fields;  // each once: a field swapped twice would swap back
   for (const std::string& name : names) fields.push_back(&field_of(name));
   s.GetReflection()->SwapFields(&s, &given, fields);
+  // A trained model served without training writes no checkpoints: the
+  // training run's folder is not carried over (one the user gives is refused).
+  if (s.mode() == v1::JobSpec::serve && !s.serve_train())
+    for (const char* field : {"checkpoint_dir", "checkpoint_every"})
+      if (!set_by_user.count(field)) s.GetReflection()->ClearField(&s, &field_of(field));
   spec::check_resume_spec(m.spec(), s);
   if (s.steps() > 0) spec::check_resume_steps(m, s);
   return s;

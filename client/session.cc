@@ -86,6 +86,7 @@ v1::JobResult Session::running_job(rpc::RpcClient& agent) const {
 // answers the job's calls once its daemon started it, a moment later.
 void Session::wait_until_nodes_run_it() {
   const auto until = std::chrono::steady_clock::now() + opts_.timeout;
+  int polls = 0;
   for (const std::string& address : nodes_) {
     rpc::RpcClient node(options_for(address));
     v1::Envelope ask;
@@ -99,6 +100,10 @@ void Session::wait_until_nodes_run_it() {
       if (std::chrono::steady_clock::now() > until)
         throw rpc::RpcError(v1::ERROR_CODE_UNAVAILABLE, "job " + opts_.job + " did not start on the node at " + address +
                                                             " within " + std::to_string(opts_.timeout.count()) + " ms");
+      if (++polls % 50 == 0) {  // a job that failed to start says why, at once
+        rpc::RpcClient agent(options_for(opts_.agent));
+        running_job(agent);
+      }
       std::this_thread::sleep_for(std::chrono::milliseconds(10));  // polling the daemon for the job's start
     }
     std::lock_guard<std::mutex> lock(mu_);

@@ -49,11 +49,13 @@ TensorState RouterStage::gate_state(bool moments) const {
 
 void RouterStage::set_gate_state(const TensorState& s) {
   const size_t n = static_cast<size_t>(cfg_.num_experts) * cfg_.hidden;
-  MOE_CHECK(cfg_.train, "router state of a layer built without train = true");
   MOE_CHECK(s.master.size() == n, "router state: ", s.master.size(), " values, expected ", n);
   const bool moments = !s.m.empty();
   MOE_CHECK(!moments || (s.m.size() == n && s.v.size() == n), "router state: moments of the wrong size");
-  gate_param_.write(0, n, s.master.data(), moments ? s.m.data() : nullptr, moments ? s.v.data() : nullptr);
+  if (cfg_.train)
+    gate_param_.write(0, n, s.master.data(), moments ? s.m.data() : nullptr, moments ? s.v.data() : nullptr);
+  else  // a layer that only computes (a trained model served): the weights, without the moments
+    be_.copy_to_device(gate_.get(), s.master.data(), 4 * n);
   be_.pack_router_weights(*packed_gate_, gate_.as<float>());
   has_weights_ = true;
 }

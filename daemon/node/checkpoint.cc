@@ -96,6 +96,8 @@ void write_manifest(const fs::path& folder, const v1::StartJob& job, const Model
     *m.add_maps() = spec::to_proto(stack.map(l), l);
     *m.add_expert_loads()->mutable_tokens() = {loads[l].begin(), loads[l].end()};
   }
+  if (stack.job().serve)
+    for (int64_t s : stack.served_steps()) m.add_layer_steps(s);
   auto add_file = [&](const std::string& name, int rank) {
     v1::CheckpointFile* f = m.add_files();
     f->set_name(name);
@@ -185,6 +187,11 @@ void load_checkpoint(const std::string& folder, const v1::CheckpointManifest& m,
       if (!f) f = std::make_unique<io::SafetensorsReader>((fs::path(folder) / ("rank" + std::to_string(holder) + ".safetensors")).string());
       stack.layer(l).import_slot(s, read_swiglu(*f, layer_name(l) + "experts." + std::to_string(e) + ".", H, I));
     }
+  }
+  if (stack.job().serve) {  // Adam's step count per layer; a train job's checkpoint: its steps, every layer
+    std::vector<int64_t> steps(m.layer_steps().begin(), m.layer_steps().end());
+    if (static_cast<int>(steps.size()) != stack.num_layers()) steps.assign(stack.num_layers(), m.step());
+    stack.resume_served_steps(std::move(steps));
   }
 }
 

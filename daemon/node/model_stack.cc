@@ -93,7 +93,8 @@ int64_t ModelStack::staged_bytes_received() const {
 
 std::vector<model::LayerWeights> ModelStack::weights_in_use(int step, transport::Deadline deadline) const {
   std::vector<model::LayerWeights> all;
-  const bool trained = job_.train && step > 0;
+  // Not the spec's (nor the HF files'): trained since, or read from a checkpoint.
+  const bool trained = (job_.train && step > 0) || !job_.resume.empty();
   for (int l = 0; l < num_layers(); ++l) {
     const model::LayerWeights spec_w = layer_spec::layer_weights(job_.spec, l, std::vector<bool>(job_.shape.num_experts, !trained));
     if (!trained) {
@@ -184,6 +185,12 @@ bool ModelStack::serve_optimizer_step() {
   for (size_t l = 0; l < layers_.size(); ++l)
     if (layers_[l]->load_accumulated_grads()) layers_[l]->optimizer_step(opt_, ++served_steps_[l]);
   return true;
+}
+
+std::vector<int64_t> ModelStack::served_steps() const {
+  std::vector<int64_t> out = served_steps_;
+  out.resize(layers_.size(), 0);
+  return out;
 }
 
 int64_t ModelStack::serve_grads_pending() const {

@@ -38,7 +38,9 @@ RankRun::RankRun(const v1::StartJob& job, const RunnerEnv& env, int rank, int lo
   } else if (!view.resume.empty()) {  // the agent resolved and checked the folder
     const v1::CheckpointManifest m = spec::read_manifest(view.resume);
     load_checkpoint(view.resume, m, world_->stack, world_->rank);
-    first_step_ = m.step();
+    // A serving job's checkpoint counts optimizer steps (its serving node starts
+    // there, serving_node.cc); its reporting windows count from 0.
+    first_step_ = view.serve ? 0 : m.step();
     log::info("job ", job_.job_id(), ": rank ", world_->rank, " resumed from ", view.resume, " at step ", first_step_);
   }
   applied_ = world_first_step_ = first_step_;
@@ -190,6 +192,8 @@ int RankRun::run_world(const std::function<bool()>& cancel_requested) {
                            .rank = world_->rank,
                            .world_epoch = world_->start.world_epoch(),
                            .first_window = world_first_step_,
+                           .start = world_->start,
+                           .optimizer_steps = runner_.serving()->requests.steps(),
                            .metrics = env_.metrics,
                            .report =
                                [this](const v1::StepStats& stats) {

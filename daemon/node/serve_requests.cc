@@ -79,6 +79,11 @@ void ServeRequests::weights_read(const std::string& error, const v1::ServeWeight
   for (WeightsDone& d : calls) d(error, reply);
 }
 
+void ServeRequests::resume_at(int64_t steps) {
+  std::lock_guard<std::mutex> lock(mu_);
+  steps_ = steps;
+}
+
 int64_t ServeRequests::steps() const {
   std::lock_guard<std::mutex> lock(mu_);
   return steps_;

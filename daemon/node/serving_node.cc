@@ -3,6 +3,7 @@
 #include <algorithm>
 
 #include "moe/rpc/frame.h"
+#include "moe/spec/checkpoint_manifest.h"
 
 namespace moe::node {
 
@@ -21,7 +22,10 @@ ServingNode::ServingNode(const layer_spec::JobView& job, int devices)
     : limits(serve_limits(job, devices)),
       queue(job.layers),
       handles(limits.handle_bytes, limits.handle_ttl),
-      stats(job.layers * kServeKinds) {}
+      stats(job.layers * kServeKinds) {
+  // A resumed job's optimizer steps go on from its checkpoint's, before any call is taken.
+  if (!job.resume.empty()) requests.resume_at(spec::read_manifest(job.resume).step());
+}
 
 void ServingNode::close(const std::string& why) {
   queue.close(why);

@@ -79,7 +79,9 @@ void check_resume_spec(const v1::JobSpec& checkpoint, const v1::JobSpec& resumed
   static const std::set<std::string> may_differ = {
       "steps", "checkpoint_dir", "checkpoint_every", "resume", "verify", "verify_step", "dump_dir", "dump_step",
       "tokens_per_rank", "name", "labels", "elastic", "elastic_batch", "min_node_replicas", "dead_node_timeout_ms",
-      "overlap_chunks", "moments_dtype", "exact_replica_grads"};
+      "overlap_chunks", "moments_dtype", "exact_replica_grads",
+      // a trained model may be served, and a served one trained on (docs/serving.md#checkpoints)
+      "mode", "serve_train", "serve_max_wait_ms"};
   const auto* d = v1::JobSpec::descriptor();
   for (int i = 0; i < d->field_count(); ++i) {
     const auto* fd = d->field(i);
@@ -88,12 +90,12 @@ void check_resume_spec(const v1::JobSpec& checkpoint, const v1::JobSpec& resumed
     google::protobuf::TextFormat::PrintFieldValueToString(checkpoint, fd, -1, &a);
     google::protobuf::TextFormat::PrintFieldValueToString(resumed, fd, -1, &b);
     MOE_CHECK(a == b, "resume: ", fd->name(), " is ", b, " but the checkpoint was written with ", a,
-              " (only steps, checkpoint_*, verify/dump fields, tokens_per_rank, name, labels the elastic, node-loss and overlap fields and moments_dtype may change)");
+              " (only steps, checkpoint_*, verify/dump fields, tokens_per_rank, name, labels, the elastic, node-loss and overlap fields, moments_dtype and the mode and serve fields may change)");
   }
 }
 
 void check_resume_steps(const v1::CheckpointManifest& m, const v1::JobSpec& resumed) {
-  if (m.step() < resumed.steps()) return;
+  if (resumed.mode() == v1::JobSpec::serve || m.step() < resumed.steps()) return;  // serving has no last step
   throw InvalidArgument("steps: the checkpoint has " + std::to_string(m.step()) + " steps done and the job asks for " +
                         std::to_string(resumed.steps()) + "; give --steps above " + std::to_string(m.step()) +
                         " (steps count from step 0)");

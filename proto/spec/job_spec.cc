@@ -55,12 +55,13 @@ void validate_serving(const v1::JobSpec& s) {
           "must be in [0, 10000], got " + std::to_string(s.serve_max_wait_ms()));
   for (const auto& [field, set] : {std::pair<const char*, bool>{"verify", s.verify()},
                                    {"dump_dir", !s.dump_dir().empty()},
-                                   {"checkpoint_dir", !s.checkpoint_dir().empty()},
                                    {"bias_update_rate", s.bias_update_rate() != 0},
                                    // a step's batch is the calls it merged: not a batch of the model's
                                    {"aux_loss_coeff", s.aux_loss_coeff() != 0},
                                    {"z_loss_coeff", s.z_loss_coeff() != 0}})
     require(!set, field, "not for serving jobs yet (docs/serving.md)");
+  require(s.checkpoint_dir().empty() || s.serve_train(), "checkpoint_dir",
+          "a serving job that does not train (--serve-train) changes no weights: nothing to checkpoint");
   // A node's loss takes the handles and gradient sums it held (docs/serving.md#elastic-serving).
   require(!(s.elastic() && s.serve_train()), "elastic", "not for a serving job that trains (--serve-train) yet");
 }

@@ -12,6 +12,7 @@
 #include <cmath>
 #include <cstdio>
 #include <cstring>
+#include <filesystem>
 #include <limits>
 #include <tuple>
 #include <thread>
@@ -47,17 +48,20 @@ client::Session session_of(const Cluster& c, const std::string& id, const std::s
 
 // The fp64 reference's output of `layer` for x [T, H], and each token's routing
 // margin (a near-tie may route otherwise in fp32: those rows are not compared).
-ref::Forward reference(const v1::JobSpec& spec, int layer, const std::vector<float>& x) {
+ref::Forward reference(const v1::JobSpec& spec, int layer, const std::vector<float>& x,
+                       const model::LayerWeights* weights = nullptr) {
   const model::LayerWeights w =
-      layer_spec::layer_weights(spec, layer, std::vector<bool>(spec.experts(), true));
+      weights ? *weights : layer_spec::layer_weights(spec, layer, std::vector<bool>(spec.experts(), true));
   const std::vector<double> xd(x.begin(), x.end());
   return ref::forward(ep::reference_config(layer_spec::layer_config(spec)), ep::reference_weights(w), xd,
                       static_cast<int64_t>(x.size()) / spec.hidden());
 }
 
 // y against the reference, relative to the output's scale, as verify holds fp32 jobs (1e-4).
-void expect_reference(const v1::JobSpec& spec, int layer, const std::vector<float>& x, const std::vector<float>& y) {
-  const ref::Forward want = reference(spec, layer, x);
+// weights: the job's (null: the spec's synthetic ones).
+void expect_reference(const v1::JobSpec& spec, int layer, const std::vector<float>& x, const std::vector<float>& y,
+                      const model::LayerWeights* weights = nullptr) {
+  const ref::Forward want = reference(spec, layer, x, weights);
   ASSERT_EQ(y.size(), want.out.size());
   double scale = 0;
   for (double v : want.out) scale = std::max(scale, std::fabs(v));
@@ -552,6 +556,109 @@ void train_through_the_service(const std::string& optimizer) {
   }
   EXPECT_EQ(c.ctl({"job", "cancel", id}).first, 0);
   EXPECT_TRUE(poll_until([&] { return c.job(id).state() == v1::JOB_STATE_CANCELLED; }, 30s)) << c.logs();
+}
+
+// One optimizer step of both layers from a client's forward and backward calls
+// (inputs keyed by `seed`); returns the job's optimizer steps after it.
+int64_t train_step(client::Session& s, int seed) {
+  const int H = s.hidden();
+  for (int layer = 0; layer < 2; ++layer) {
+    const std::vector<float> x = normal_vector(20 * H, seed + layer), g = normal_vector(20 * H, seed + 50 + layer, 0.1);
+    const client::Session::Kept kept = s.forward_kept(layer, x.data(), 20, v1::JobSpec::fp32);
+    s.backward_bytes(kept.handle, g.data(), v1::JobSpec::fp32);
+  }
+  return s.step();
+}
+
+// Every weight of `got` within 1e-6 of `want`'s largest (both after the same steps).
+void expect_same_weights(const v1::ServeWeightsReply& got, const v1::ServeWeightsReply& want) {
+  ASSERT_EQ(got.layers_size(), want.layers_size());
+  EXPECT_EQ(got.step(), want.step());
+  for (int l = 0; l < want.layers_size(); ++l) {
+    const auto& g = got.layers(l);
+    const auto& w = want.layers(l);
+    for (const auto& [name, a, b] : {std::tuple{"gate", g.gate(), w.gate()}, {"w13", g.w13(), w.w13()},
+                                     {"w2", g.w2(), w.w2()}, {"shared_w13", g.shared_w13(), w.shared_w13()}}) {
+      const std::vector<float> fa = floats(a), fb = floats(b);
+      ASSERT_EQ(fa.size(), fb.size()) << name;
+      double scale = 0, worst = 0;
+      for (size_t i = 0; i < fb.size(); ++i) {
+        scale = std::max(scale, std::fabs(static_cast<double>(fb[i])));
+        worst = std::max(worst, std::fabs(static_cast<double>(fa[i]) - fb[i]));
+      }
+      EXPECT_LE(worst, 1e-6 * scale) << "layer " << l << " " << name;
+    }
+  }
+}
+
+// docs/serving.md#checkpoints: a training serving job checkpoints every
+// checkpoint_every optimizer steps and when cancelled; a job resumed from one
+// goes on as the first did (weights and Adam's state: the same step 3).
+TEST(Serve, ATrainingServingJobCheckpointsAndResumesAsItWouldHaveGoneOn) {
+  Cluster c(1, 2);
+  ASSERT_TRUE(c.up()) << c.logs();
+  const std::string dir = (c.dir() / "ckpt").string();
+  const auto [frc, forward_only] = c.ctl(concat({"job", "submit"}, concat(kServeSpec, {"--checkpoint-dir", dir})));
+  EXPECT_NE(frc, 0);
+  EXPECT_NE(forward_only.find("checkpoint_dir: a serving job that does not train"), std::string::npos) << forward_only;
+  const auto [rc, out] = c.ctl(concat({"job", "submit"}, concat(kServeSpec, {"--serve-train", "--optimizer", "adam", "--lr",
+                                                                             "0.01", "--checkpoint-dir", dir,
+                                                                             "--checkpoint-every", "2"})));
+  ASSERT_EQ(rc, 0) << out << c.logs();
+  const std::string first = out.substr(0, out.find('\n'));
+  ASSERT_TRUE(poll_until([&] { return c.job(first).state() == v1::JOB_STATE_RUNNING; }, 60s)) << c.logs();
+  v1::ServeWeightsReply after3;
+  {
+    client::Session s = session_of(c, first, "trainer");
+    for (int step = 1; step <= 3; ++step) ASSERT_EQ(train_step(s, 100 * step), step);
+    after3 = s.weights();
+  }
+  EXPECT_TRUE(std::filesystem::exists(std::filesystem::path(dir) / "step-000002" / "checkpoint.json"));
+  EXPECT_FALSE(std::filesystem::exists(std::filesystem::path(dir) / "step-000001"));
+  EXPECT_EQ(c.ctl({"job", "cancel", first}).first, 0);
+  EXPECT_TRUE(poll_until([&] { return c.job(first).state() == v1::JOB_STATE_CANCELLED; }, 30s)) << c.logs();
+  EXPECT_TRUE(std::filesystem::exists(std::filesystem::path(dir) / "step-000003" / "checkpoint.json")) << c.logs();
+
+  const auto [rrc, rout] = c.ctl({"job", "submit", "--resume", dir + "/step-000002"});
+  ASSERT_EQ(rrc, 0) << rout << c.logs();
+  const std::string second = rout.substr(0, rout.find('\n'));
+  ASSERT_TRUE(poll_until([&] { return c.job(second).state() == v1::JOB_STATE_RUNNING; }, 60s)) << c.logs();
+  client::Session s = session_of(c, second, "trainer");
+  EXPECT_EQ(s.steps(), 2);
+  EXPECT_EQ(train_step(s, 300), 3);
+  expect_same_weights(s.weights(), after3);
+  EXPECT_EQ(c.ctl({"job", "cancel", second}).first, 0);
+  EXPECT_TRUE(poll_until([&] { return c.job(second).state() == v1::JOB_STATE_CANCELLED; }, 30s)) << c.logs();
+
+  // A model a train job trained, served: its weights are the checkpoint's, not the spec's.
+  const std::string trained = (c.dir() / "trained").string();
+  std::vector<std::string> train_args = {"--mode", "train", "--steps", "3", "--checkpoint-dir", trained};
+  for (size_t i = 2; i + 1 < kServeSpec.size(); i += 2)
+    if (kServeSpec[i] != "--serve-max-wait-ms") train_args.insert(train_args.end(), {kServeSpec[i], kServeSpec[i + 1]});
+  const auto [trc, tout] = c.ctl(concat({"job", "submit", "--wait"}, train_args), 120s);
+  ASSERT_EQ(trc, 0) << tout << c.logs();
+  const auto [src, sout] = c.ctl({"job", "submit", "--resume", trained, "--mode", "serve"});
+  ASSERT_EQ(src, 0) << sout << c.logs();
+  const std::string served = sout.substr(0, sout.find('\n'));
+  ASSERT_TRUE(poll_until([&] { return c.job(served).state() == v1::JOB_STATE_RUNNING; }, 60s)) << c.logs();
+  client::Session model = session_of(c, served, "user");
+  EXPECT_EQ(model.steps(), 3);
+  const std::vector<float> x = normal_vector(5 * model.hidden(), 77);
+  const ref::Forward synthetic = reference(model.spec(), 0, x);
+  const std::vector<float> y = model.forward(0, x);
+  double moved = 0;
+  for (size_t i = 0; i < y.size(); ++i) moved = std::max(moved, std::fabs(y[i] - synthetic.out[i]));
+  EXPECT_GT(moved, 1e-6) << "the served layer computes with the spec's weights, not the trained ones";
+  const v1::ServeWeightsReply served_weights = model.weights();  // and as the reference does with the trained ones
+  const v1::ServeLayerWeights& got = served_weights.layers(0);
+  model::LayerWeights w = layer_spec::layer_weights(model.spec(), 0, std::vector<bool>(model.spec().experts(), true));
+  w.gate = floats(got.gate());
+  w.w13 = floats(got.w13());
+  w.w2 = floats(got.w2());
+  w.shared_w13 = floats(got.shared_w13());
+  w.shared_w2 = floats(got.shared_w2());
+  expect_reference(model.spec(), 0, x, y, &w);
+  EXPECT_EQ(c.ctl({"job", "cancel", served}).first, 0);
 }
 
 TEST(Serve, TwoByTwoTrainsWithSgdAsTheReference) { train_through_the_service("sgd"); }

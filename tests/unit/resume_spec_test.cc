@@ -21,7 +21,8 @@ const std::set<std::string> kMayDiffer = {"steps",  "checkpoint_dir", "checkpoin
                                           "verify", "verify_step",    "dump_dir",         "dump_step",
                                           "tokens_per_rank", "name", "labels",
                                           "elastic", "elastic_batch", "min_node_replicas", "dead_node_timeout_ms",
-                                          "overlap_chunks", "moments_dtype", "exact_replica_grads"};
+                                          "overlap_chunks", "moments_dtype", "exact_replica_grads",
+                                          "mode", "serve_train", "serve_max_wait_ms"};
 
 v1::JobSpec base() {
   v1::JobSpec s;

@@ -46,7 +46,8 @@ class RouterStage {
   float* grad_gate() const { return grad_gate_.as<float>(); }
   // The router weight [E, H] as the layer computes with it, to host memory.
   void copy_gate(float* out) const;
-  // Train: the router weight's master and (with `moments`) Adam state, and back.
+  // Train: the router weight's master and (with `moments`) Adam state, and back
+  // (a layer that does not train takes the master alone: a trained model served).
   TensorState gate_state(bool moments) const;
   void set_gate_state(const TensorState& s);
   // Pairs per expert that top-k selected in the last forward, before capacity [E].

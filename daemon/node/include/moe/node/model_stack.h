@@ -59,6 +59,10 @@ class ModelStack {
   bool serve_optimizer_step();
   // Backward steps summed and not yet applied, over the layers.
   int64_t serve_grads_pending() const;
+  // Per layer, the optimizer steps serve_optimizer_step applied (a checkpoint's
+  // layer_steps); a resumed serving job starts from them.
+  std::vector<int64_t> served_steps() const;
+  void resume_served_steps(std::vector<int64_t> steps) { served_steps_ = std::move(steps); }
   // Train mode, after forward: the source's targets, the loss (this rank's
   // share) and the backward through the stack.
   void backward(StepReport& report, bool capture);
@@ -84,8 +88,8 @@ class ModelStack {
   int64_t staged_bytes_received() const;
 
   // Every layer's weights as the current step uses them (docs/jobs.md#verify: verify and the
-  // dump use "the weights that step used"). Before any optimizer step they are
-  // rebuilt from the spec; after, the ranks assemble them from each expert's
+  // dump use "the weights that step used"). Before any optimizer step of a run
+  // that did not resume they are rebuilt from the spec; else the ranks assemble them from each expert's
   // primary replica with an all-reduce (collective: every rank calls it).
   std::vector<model::LayerWeights> weights_in_use(int step, transport::Deadline deadline) const;
 

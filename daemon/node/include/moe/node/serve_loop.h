@@ -7,7 +7,9 @@
 // zero rows being a rank's share when it has none, and hands the results back;
 // then the due requests run, every rank taking part, and the node's first
 // rank answers them. About every second the ranks agree to close a reporting
-// window (ServeWindow) and each sends it to the agent.
+// window (ServeWindow) and each sends it to the agent. A training job writes a
+// checkpoint every checkpoint_every optimizer steps, and when cancelled after
+// steps the last one did not cover (docs/serving.md#checkpoints).
 #pragma once
 
 #include <chrono>
@@ -18,6 +20,7 @@
 #include "moe/node/rebalance_session.h"
 #include "moe/node/serving_node.h"
 #include "moe/transport/communicator.h"
+#include "moe/v1/job_run.pb.h"
 
 namespace moe::node {
 
@@ -31,6 +34,8 @@ struct ServeRank {
   int rank;
   int64_t world_epoch;
   int first_window;  // the world's first reporting window's number (the job's count so far)
+  const v1::StartJob& start;  // for checkpoints
+  int64_t optimizer_steps;    // applied before this world (a resumed job's checkpoint's)
   metrics::DaemonMetrics* metrics;  // may be null
   std::function<void(const v1::StepStats&)> report;  // a closed window, to the agent (its step numbers it)
   std::function<void()> after_step;                  // every rank of the world completed a step; may be empty

@@ -42,6 +42,8 @@ class ServeRequests {
   // After the ranks read the weights: the reads counted are answered.
   void weights_read(const std::string& error, const v1::ServeWeightsReply& reply);
   int64_t steps() const;
+  // A job resumed from a checkpoint: `steps` were applied (before any request).
+  void resume_at(int64_t steps);
   // The job ends: every waiting request fails with `why`, and later ones.
   void close(const std::string& why);
 
