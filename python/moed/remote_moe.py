@@ -95,7 +95,10 @@ class Session:
         return steps, out
 
     def close(self):
+        """Ends the session: its connections close, and the nodes drop the rows
+        they kept for its backward calls (docs/serving.md#disconnects)."""
         self._pool.shutdown(wait=True)
+        self._native = None
 
 
 class _RemoteLayer(torch.autograd.Function):

@@ -150,6 +150,40 @@ class RemoteMoETest(unittest.TestCase):
     def test_adam(self):
         self.train_once("adam")
 
+    def test_bf16_block_within_derived_bounds(self):
+        """A bf16 job's block against the torch block in fp32 on the same bf16
+        operands (weights as the job computes with them, rounded to bf16; x and
+        grad_out rounded as RemoteMoE sends them). The served layer rounds its
+        SwiGLU activation and its output to bf16 (and the backward its two
+        gradients' operands): each rounding moves a value by at most 2^-8 of
+        itself, and the bound is twice that, 2^-7 of the output's scale, as
+        the EP layer's bf16 tests hold (docs/layer.md#how-tests-compare). Rows whose top-k is within 2^-6 of a tie in
+        score are not compared: a bf16 router may pick the other expert."""
+        job = moectl(self.state, "job", "submit", *SPEC, "--dtype", "bf16", "--optimizer", "sgd",
+                     "--lr", str(LR)).split()[0]
+        self.addCleanup(moectl, self.state, "job", "cancel", job)
+        session = moed.Session(job=job, state_dir=self.state, name="pytest-bf16")
+        self.addCleanup(session.close)
+        _, weights = session.weights()
+        bf = [{k: v.to(torch.bfloat16).float() for k, v in w.items()} for w in weights]
+        block = moed.RemoteMoE(session, 0)
+        local = TorchMoE(bf[0], session.spec["top_k"])
+        x = torch.randn(48, session.hidden, generator=torch.Generator().manual_seed(4)).to(torch.bfloat16).float()
+        g = torch.randn(48, session.hidden, generator=torch.Generator().manual_seed(5)).to(torch.bfloat16).float()
+        xr, xl = x.clone().requires_grad_(), x.clone().requires_grad_()
+        yr = block(xr)
+        self.assertEqual(yr.dtype, torch.float32)
+        yl = local(xl)
+        (yr * g).sum().backward()
+        (yl * g).sum().backward()
+        with torch.no_grad():
+            scores = torch.softmax(x @ local.gate.T, dim=-1).sort(dim=-1, descending=True).values
+            k = session.spec["top_k"]
+            clear = (scores[:, k - 1] - scores[:, k]) > 2 ** -6
+        self.assertGreater(int(clear.sum()), 24, "too few rows away from a routing tie")
+        self.assert_close(yr[clear].detach(), yl[clear].detach(), "bf16 outputs", rtol=2 ** -7)
+        self.assert_close(xr.grad[clear], xl.grad[clear], "bf16 input gradients", rtol=2 ** -7)
+
     def test_no_grad_keeps_nothing_and_async_calls_overlap(self):
         session = self.serve("sgd")
         block = moed.RemoteMoE(session, 1)
