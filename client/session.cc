@@ -123,14 +123,14 @@ size_t Session::next_node() {
   return kNone;
 }
 
-std::pair<size_t, v1::Envelope> Session::call_any(const v1::Envelope& request) {
+std::pair<size_t, v1::Envelope> Session::call_any(const std::function<v1::Envelope()>& request) {
   const Clock::time_point until = Clock::now() + opts_.timeout;
   std::string last;
   for (;;) {
     const size_t node = next_node();
     if (node != kNone) {
       try {
-        return {node, call_node(node, request)};
+        return {node, call_node(node, request())};
       } catch (const rpc::RpcError& e) {
         // Anything the node answered about the call itself is the caller's answer.
         if (!e.unreached() && e.code() != v1::ERROR_CODE_NOT_FOUND) throw;
@@ -213,16 +213,18 @@ Session::Kept Session::forward_kept(int layer, const void* x, int64_t rows, v1::
 Session::Kept Session::forward_call(int layer, const void* x, int64_t rows, v1::JobSpec::DType dtype, bool keep) {
   if (rows < 1) throw InvalidArgument("rows: must be >= 1, got " + std::to_string(rows));
   const size_t bytes = static_cast<size_t>(rows) * hidden() * (dtype == v1::JobSpec::bf16 ? 2 : 4);
-  v1::Envelope req;
-  v1::ServeForward* f = req.mutable_serve_forward();
-  f->set_job_id(opts_.job);
-  f->set_layer(layer);
-  f->set_rows(rows);
-  f->set_hidden(hidden());
-  f->set_dtype(dtype);
-  f->set_x(static_cast<const char*>(x), bytes);
-  f->set_keep_for_backward(keep);
-  const auto [node, reply] = call_any(req);
+  const auto [node, reply] = call_any([&] {
+    v1::Envelope req;
+    v1::ServeForward* f = req.mutable_serve_forward();
+    f->set_job_id(opts_.job);
+    f->set_layer(layer);
+    f->set_rows(rows);
+    f->set_hidden(hidden());
+    f->set_dtype(dtype);
+    f->set_x(static_cast<const char*>(x), bytes);
+    f->set_keep_for_backward(keep);
+    return req;
+  });
   expect(reply, reply.has_serve_forward_reply(), "a forward call");
   const std::string& y = reply.serve_forward_reply().y();
   if (y.size() != bytes || (keep && reply.serve_forward_reply().handle() == 0))
@@ -258,7 +260,7 @@ int64_t Session::step(int clients, const std::string& caller) {
   s->set_step(steps_ + 1);
   s->set_clients(clients);
   s->set_caller(caller.empty() ? opts_.name : caller);
-  const v1::Envelope reply = call_any(req).second;
+  const v1::Envelope reply = call_any([&] { return req; }).second;
   expect(reply, reply.has_serve_step_reply(), "a step");
   int64_t seen = steps_;
   while (seen < reply.serve_step_reply().step() && !steps_.compare_exchange_weak(seen, reply.serve_step_reply().step())) {
@@ -269,7 +271,7 @@ int64_t Session::step(int clients, const std::string& caller) {
 v1::ServeWeightsReply Session::weights() {
   v1::Envelope req;
   req.mutable_serve_weights()->set_job_id(opts_.job);
-  v1::Envelope reply = call_any(req).second;
+  v1::Envelope reply = call_any([&] { return req; }).second;
   expect(reply, reply.has_serve_weights_reply(), "a weight read");
   return std::move(*reply.mutable_serve_weights_reply());
 }

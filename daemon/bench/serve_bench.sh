@@ -8,7 +8,7 @@ set -euo pipefail
 root=$(cd "$(dirname "$0")/../.." && pwd)
 build=${MOE_BUILD_DIR:-$root/build}
 SHAPE=${SHAPE:---experts 64 --top-k 8 --hidden 1024 --ffn-hidden 512 --tokens-per-rank 256}
-MAX_WAIT=${MAX_WAIT:-0}
+MAX_WAIT=${MAX_WAIT:-5}
 state=$(mktemp -d /tmp/moe-serve-bench.XXXXXX)
 ctl() { "$build/cli/moectl" --state-dir "$state" "$@"; }
 cleanup() {

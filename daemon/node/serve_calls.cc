@@ -158,12 +158,12 @@ rpc::awaitable<v1::Envelope> Daemon::serve_rows(const v1::Envelope& req, const r
   if (!forward) {
     v1::ServeBackwardReply* r = reply.mutable_serve_backward_reply();
     r->set_rows(c->rows);
-    r->set_grad_x(std::string(c->y.begin(), c->y.end()));
+    r->set_grad_x(std::move(c->y));
     co_return reply;
   }
   v1::ServeForwardReply* r = reply.mutable_serve_forward_reply();
   r->set_rows(c->rows);
-  r->set_y(std::string(c->y.begin(), c->y.end()));
+  r->set_y(std::move(c->y));
   if (req.serve_forward().keep_for_backward()) {
     std::lock_guard<std::mutex> lock(mu_);
     r->set_handle(serving_node(job_id).handles.keep({c->layer, std::move(c->x), ctx.client_session}));

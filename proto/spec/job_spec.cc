@@ -80,7 +80,7 @@ v1::JobSpec with_defaults(v1::JobSpec s) {
   if (s.optimizer() == v1::JobSpec::OPTIMIZER_UNSPECIFIED) s.set_optimizer(v1::JobSpec::adam);
   if (s.skew().empty()) s.set_skew("uniform");
   if (s.elastic_batch() == v1::JobSpec::ELASTIC_BATCH_UNSPECIFIED) s.set_elastic_batch(v1::JobSpec::global);
-  if (s.mode() == v1::JobSpec::serve && !s.has_serve_max_wait_ms()) s.set_serve_max_wait_ms(2);
+  if (s.mode() == v1::JobSpec::serve && !s.has_serve_max_wait_ms()) s.set_serve_max_wait_ms(5);
   return s;
 }
 

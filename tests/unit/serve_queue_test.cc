@@ -65,7 +65,7 @@ TEST(ServeQueue, HandsOutRowsOldestFirstAndCompletesACallWithItsLastPiece) {
   ASSERT_EQ(log.size(), 2u);
   EXPECT_EQ(log[0], "layer 0 rows 4: ok");
   EXPECT_EQ(log[1], "layer 0 rows 5: ok");
-  EXPECT_EQ(b->y, (std::vector<uint8_t>{2, 2, 3, 3}));
+  EXPECT_EQ(b->y, std::string("\x02\x02\x03\x03"));
   q.close("job stopped");  // c was queued: it fails
   ASSERT_EQ(log.size(), 3u);
   EXPECT_EQ(log[2], "layer 1 rows 3: job stopped");
@@ -141,8 +141,8 @@ TEST(ServeQueue, PiecesOfAFailedWorldWaitAgainInTheirCallsOrder) {
   for (const auto& p : again) q.finish(p, rows);
   for (const auto& p : rest) q.finish(p, rows + p.first);
   ASSERT_EQ(log.size(), 2u);
-  EXPECT_EQ(a->y, (std::vector<uint8_t>{1, 2, 3, 4, 5}));
-  EXPECT_EQ(b->y, (std::vector<uint8_t>{1, 7, 3}));
+  EXPECT_EQ(a->y, std::string("\x01\x02\x03\x04\x05"));
+  EXPECT_EQ(b->y, std::string("\x01\x07\x03"));
   // Given back after the job ended: the call fails with the reason instead of waiting forever.
   auto c = call_of(0, 2, log);
   EXPECT_EQ(q.push(c, 100), "");
@@ -242,9 +242,9 @@ TEST(ServeQueue, ACallIsCheckedAgainstTheJobNamingTheField) {
 
 TEST(ServeHandles, AHandleServesOneBackwardWithinItsBytesAndAge) {
   node::ServeHandles h(10, std::chrono::seconds(600));
-  const uint64_t a = h.keep({0, std::vector<uint8_t>(4, 1)}), b = h.keep({1, std::vector<uint8_t>(4, 2)});
+  const uint64_t a = h.keep({0, std::vector<uint8_t>(4, 1), ""}), b = h.keep({1, std::vector<uint8_t>(4, 2), ""});
   EXPECT_EQ(h.bytes(), 8u);
-  const uint64_t c = h.keep({0, std::vector<uint8_t>(4, 3)});  // 12 bytes > 10: a, the oldest, goes
+  const uint64_t c = h.keep({0, std::vector<uint8_t>(4, 3), ""});  // 12 bytes > 10: a, the oldest, goes
   EXPECT_EQ(h.count(), 2u);
   try {
     h.take(a);
@@ -265,7 +265,7 @@ TEST(ServeHandles, AHandleServesOneBackwardWithinItsBytesAndAge) {
     EXPECT_NE(std::string(e.what()).find("was never given by this node"), std::string::npos);
   }
   node::ServeHandles young(100, std::chrono::seconds(0));
-  const uint64_t d = young.keep({0, {1}});
+  const uint64_t d = young.keep({0, {1}, ""});
   std::this_thread::sleep_for(std::chrono::milliseconds(5));  // past a zero ttl
   EXPECT_THROW(young.take(d), InvalidArgument);
   EXPECT_EQ(young.bytes(), 0u);

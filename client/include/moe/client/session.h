@@ -8,6 +8,7 @@
 #include <atomic>
 #include <chrono>
 #include <cstdint>
+#include <functional>
 #include <map>
 #include <memory>
 #include <mutex>
@@ -97,7 +98,8 @@ class Session {
   // The call on the next node in turn that is not marked away; on to the next
   // when a node cannot be reached or does not run the job (until `until`).
   // Returns the node that answered and its reply.
-  std::pair<size_t, v1::Envelope> call_any(const v1::Envelope& request);
+  // `request` builds the call for each attempt (a call's rows are copied once an attempt).
+  std::pair<size_t, v1::Envelope> call_any(const std::function<v1::Envelope()>& request);
   // The next node in turn not marked away; kNone when every one is.
   size_t next_node();
   static constexpr size_t kNone = ~size_t{0};

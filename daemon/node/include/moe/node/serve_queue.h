@@ -36,7 +36,8 @@ struct ServeCall {
   int layer = 0;
   int64_t rows = 0;
   size_t row_bytes = 0;
-  std::vector<uint8_t> x, grad_y, y;
+  std::vector<uint8_t> x, grad_y;
+  std::string y;  // the reply's bytes: moved into it
   std::string caller;  // the connection it came on (its peer), for the batching rule
   // The queue a call waits in: one per layer and kind.
   int lane() const { return layer * kServeKinds + static_cast<int>(kind); }
