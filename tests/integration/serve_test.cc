@@ -393,25 +393,45 @@ TEST(Serve, AClientThatDisconnectsHasItsQueuedRowsAndHandlesFreed) {
   alone();
 
   // Queued rows: a caller killed while its call waits; its rows leave the queue
-  // and the call counts as failed at once, not at its 30 s deadline.
-  expect_reference(spec, 0, x, other.forward(0, x));  // `other` is a recent caller now
-  const std::string node = c.status().nodes(0).control_address();
+  // and the call counts as failed at once, not at its 30 s deadline. The caller
+  // is a process of its own, connected first; it calls right after `other`
+  // did, so `other` is a recent caller the rank waits for.
+  const rpc::ClientOptions doomed = rpc::ClientOptions::make(c.status().nodes(0).control_address(), c.token(),
+                                                             "client", "doomed", c.tls());
+  const v1::Envelope waiting_call = forward_of(id, spec, x, false);
+  int ready[2], go[2];
+  ASSERT_EQ(::pipe(ready), 0);
+  ASSERT_EQ(::pipe(go), 0);
   const pid_t child = ::fork();
   ASSERT_GE(child, 0);
-  if (child == 0) {  // the caller: one call that waits, and no more
+  if (child == 0) {  // connects, says so, waits for the word, then one call that waits
+    ::close(ready[0]);
+    ::close(go[1]);
     try {
-      rpc::RpcClient(rpc::ClientOptions::make(node, c.token(), "client", "doomed", c.tls()))
-          .call(forward_of(id, spec, x, false), 30s);
+      rpc::RpcClient caller(doomed);
+      v1::Envelope hello_status;
+      hello_status.mutable_daemon_status();
+      caller.call(hello_status, 30s);
+      char b = 'r';
+      if (::write(ready[1], &b, 1) == 1 && ::read(go[0], &b, 1) == 1) caller.call(waiting_call, 30s);
     } catch (...) {
     }
     ::_exit(0);
   }
+  ::close(ready[1]);
+  ::close(go[0]);
+  char b = 0;
+  ASSERT_EQ(::read(ready[0], &b, 1), 1) << "the caller could not connect";
+  expect_reference(spec, 0, x, other.forward(0, x));  // `other` is a recent caller now
+  ASSERT_EQ(::write(go[1], &b, 1), 1);
   const std::string metrics = c.status().nodes(0).metrics_address();
   const std::string queued = "moe_serve_calls_total{kind=\"forward\",layer=\"0\",outcome=\"failed\"}";
-  std::this_thread::sleep_for(300ms);  // the call is queued: the rank waits for `other`
+  std::this_thread::sleep_for(500ms);  // the call is queued: the rank waits for `other`, up to 10 s
   EXPECT_LE(series_value(scrape(metrics), queued), 0.0) << "the waiting call ended early";
   ::kill(child, SIGKILL);
   ::waitpid(child, nullptr, 0);
+  ::close(ready[0]);
+  ::close(go[1]);
   EXPECT_TRUE(poll_until([&] { return series_value(scrape(metrics), queued) == 1; }, 5s)) << scrape(metrics);
   alone();
   expect_reference(spec, 0, x, other.forward(0, x));  // the other client is served on
