@@ -2,8 +2,9 @@
 
 A 2x2 local cluster (moectl cluster up) serves a 2-layer model's MoE layers
 with --serve-train. A model whose MoE blocks are moed.RemoteMoE and the same
-model with torch MoE blocks of the same weights (read from the job) give the
-same outputs and input gradients (fp32, rtol 1e-5), and after session.step()
+model with moed.LocalMoE blocks (the layer in PyTorch) of the same weights,
+read from the job, give the same outputs and input gradients (fp32, rtol
+1e-5), and after session.step()
 the served weights equal torch's SGD and Adam updates of the same gradients.
 Run by ctest (python_remote_moe) with /usr/bin/python3, the interpreter with
 Debian's torch; MOECTL names the moectl binary, PYTHONPATH holds build/python.
@@ -25,41 +26,6 @@ SPEC = ["--mode", "serve", "--serve-train", "--experts", "8", "--top-k", "2", "-
         "--ffn-hidden", "32", "--layers", "2", "--shared-experts", "1", "--shared-ffn-hidden", "16",
         "--tokens-per-rank", "64", "--serve-max-wait-ms", "1", "--seed", "5"]
 LR = 0.01
-
-
-class TorchMoE(torch.nn.Module):
-    """The served layer's math in torch (docs/layer.md): softmax router, top-k
-    renormalised, SwiGLU experts (w13 = gate_proj rows, then up_proj rows) and
-    an always-on shared SwiGLU expert; no residual."""
-
-    def __init__(self, w, top_k):
-        super().__init__()
-        self.top_k = top_k
-        self.gate = torch.nn.Parameter(w["gate"].clone())
-        self.w13 = torch.nn.Parameter(w["w13"].clone())
-        self.w2 = torch.nn.Parameter(w["w2"].clone())
-        self.shared_w13 = torch.nn.Parameter(w["shared_w13"].clone())
-        self.shared_w2 = torch.nn.Parameter(w["shared_w2"].clone())
-
-    @staticmethod
-    def swiglu(x, w13, w2):
-        g, u = (x @ w13.T).chunk(2, dim=-1)
-        return (F.silu(g) * u) @ w2.T
-
-    def forward(self, x):
-        shape = x.shape
-        x = x.reshape(-1, shape[-1])
-        scores = torch.softmax(x @ self.gate.T, dim=-1)
-        top_w, top_i = scores.topk(self.top_k, dim=-1)
-        top_w = top_w / top_w.sum(dim=-1, keepdim=True)
-        out = self.swiglu(x, self.shared_w13, self.shared_w2)
-        for e in range(self.gate.shape[0]):
-            pick = top_i == e
-            rows = pick.any(dim=-1).nonzero().flatten()
-            if rows.numel():
-                weight = (top_w * pick).sum(dim=-1)[rows]
-                out = out.index_add(0, rows, weight[:, None] * self.swiglu(x[rows], self.w13[e], self.w2[e]))
-        return out.reshape(shape)
 
 
 class Model(torch.nn.Module):
@@ -114,7 +80,7 @@ class RemoteMoETest(unittest.TestCase):
         self.assertEqual(steps, 0)
         top_k = session.spec["top_k"]
         remote = Model(session.hidden, [moed.RemoteMoE(session, l) for l in range(session.layers)])
-        local = Model(session.hidden, [TorchMoE(w, top_k) for w in weights])
+        local = Model(session.hidden, [moed.LocalMoE(w, top_k) for w in weights])
         local.attn.load_state_dict(remote.attn.state_dict())
 
         x = torch.randn(4, 12, session.hidden, generator=torch.Generator().manual_seed(1))
@@ -167,7 +133,7 @@ class RemoteMoETest(unittest.TestCase):
         _, weights = session.weights()
         bf = [{k: v.to(torch.bfloat16).float() for k, v in w.items()} for w in weights]
         block = moed.RemoteMoE(session, 0)
-        local = TorchMoE(bf[0], session.spec["top_k"])
+        local = moed.LocalMoE(bf[0], session.spec["top_k"])
         x = torch.randn(48, session.hidden, generator=torch.Generator().manual_seed(4)).to(torch.bfloat16).float()
         g = torch.randn(48, session.hidden, generator=torch.Generator().manual_seed(5)).to(torch.bfloat16).float()
         xr, xl = x.clone().requires_grad_(), x.clone().requires_grad_()
