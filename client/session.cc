@@ -160,13 +160,10 @@ void Session::expect(const v1::Envelope& reply, bool has, const char* what) {
 
 v1::Envelope Session::call_node(size_t node, v1::Envelope request) {
   std::string address;
-  {
-    std::lock_guard<std::mutex> lock(mu_);
-    address = nodes_.at(node);
-  }
   std::unique_ptr<rpc::RpcClient> conn;
   {
     std::lock_guard<std::mutex> lock(mu_);
+    address = nodes_.at(node);
     auto& idle = idle_[address];
     if (!idle.empty()) {
       conn = std::move(idle.back());

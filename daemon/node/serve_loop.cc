@@ -71,11 +71,10 @@ void run_pieces(const ServeRank& r, int lane, ServeWindow& window) {
 }
 
 // Collective: the job's state after `steps` optimizer steps, in its checkpoint_dir.
-bool checkpoint(const ServeRank& r, int64_t steps) {
-  if (r.stack.job().checkpoint_dir.empty()) return false;
+void checkpoint(const ServeRank& r, int64_t steps) {
+  if (r.stack.job().checkpoint_dir.empty()) return;
   write_checkpoint(r.start, r.stack, static_cast<int>(steps), r.rank, r.comm, transport::deadline_in(r.timeout));
   if (r.first_on_node) log::info("job ", r.start.job_id(), ": checkpoint after ", steps, " optimizer step(s)");
-  return true;
 }
 
 // Every layer's weights as the job computes with them, for a weight read.
@@ -101,12 +100,16 @@ v1::ServeWeightsReply weights_reply(const ServeRank& r, int64_t steps) {
   return reply;
 }
 
+// Whether the periodic checkpoints cover `steps` optimizer steps.
+bool periodic(const ServeRank& r, int64_t steps) {
+  const int every = r.stack.job().checkpoint_every;
+  return every > 0 && steps % every == 0;
+}
+
 // The requests the vote made due, every rank taking part; the node's first rank
-// answers. `steps`: the job's optimizer steps, counted by every rank. True: a
-// checkpoint was written.
-bool run_requests(const ServeRank& r, const float* sum, int64_t& steps) {
+// answers. `steps`: the job's optimizer steps, counted by every rank.
+void run_requests(const ServeRank& r, const float* sum, int64_t& steps) {
   ServeRequests& requests = r.node.requests;
-  bool wrote = false;
   if (ServeRequests::step_due(sum)) {
     const bool applied = r.stack.serve_optimizer_step();  // the same on every rank: every rank ran every pass
     if (applied) ++steps;
@@ -114,14 +117,12 @@ bool run_requests(const ServeRank& r, const float* sum, int64_t& steps) {
       requests.step_done(applied ? "" : "step " + std::to_string(steps + 1) +
                                             ": nothing to apply, no backward call since step " +
                                             std::to_string(steps));
-    const int every = r.stack.job().checkpoint_every;
-    wrote = applied && every > 0 && steps % every == 0 && checkpoint(r, steps);
+    if (applied && periodic(r, steps)) checkpoint(r, steps);
   }
   if (ServeRequests::weights_due(sum)) {
     const v1::ServeWeightsReply reply = weights_reply(r, steps);
     if (r.first_on_node) requests.weights_read("", reply);
   }
-  return wrote;
 }
 
 // The window every rank agreed to close, to the agent; the node's calls in the first rank's.
@@ -147,7 +148,7 @@ int64_t serve_until_cancelled(const ServeRank& r, const std::function<bool()>& c
   // [cancel, window due | rebalance | each lane's age | requests]
   const size_t at_rebalance = 2, at_ages = at_rebalance + RebalanceSession::kVoteFloats, at_requests = at_ages + lanes;
   std::vector<float> vote(at_requests + ServeRequests::kVoteFloats);
-  int64_t optimizer_steps = r.optimizer_steps, checkpointed = optimizer_steps;
+  int64_t optimizer_steps = r.optimizer_steps;
   for (int64_t step = 0;; ++step) {
     queue.wait_for_step(r.stack.job().tokens_per_rank, max_wait);
     std::fill(vote.begin(), vote.end(), 0.0f);
@@ -161,7 +162,7 @@ int64_t serve_until_cancelled(const ServeRank& r, const std::function<bool()>& c
     if (r.first_on_node) r.node.requests.vote(vote.data() + at_requests);
     r.comm.all_reduce_sum(vote.data(), vote.size(), transport::deadline_in(r.timeout));
     if (vote[0] > 0) {  // cancelled: the steps since the last checkpoint are kept too
-      if (optimizer_steps > checkpointed) checkpoint(r, optimizer_steps);
+      if (optimizer_steps > r.optimizer_steps && !periodic(r, optimizer_steps)) checkpoint(r, optimizer_steps);
       return step;
     }
     r.rebalance.act(vote.data() + at_rebalance, static_cast<int>(step));
@@ -169,7 +170,7 @@ int64_t serve_until_cancelled(const ServeRank& r, const std::function<bool()>& c
       window.add_step();
       run_pieces(r, lane, window);
     }
-    if (run_requests(r, vote.data() + at_requests, optimizer_steps)) checkpointed = optimizer_steps;
+    run_requests(r, vote.data() + at_requests, optimizer_steps);
     if (vote[1] > 0) close_window(r, window);
     r.rebalance.after_step();  // a staged rebalance reports ready once its copies are in
     if (r.after_step) r.after_step();

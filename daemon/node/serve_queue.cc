@@ -194,20 +194,21 @@ std::vector<ServePiece> ServeQueue::take(int lane, int64_t max_rows) {
   auto& q = waiting_.at(lane);
   while (max_rows > 0 && !q.empty()) {
     const std::shared_ptr<ServeCall>& c = q.front();
+    int64_t first = 0, n = 0;
     if (!c->returned.empty()) {  // rows a failed world gave back go first
-      auto& [first, count] = c->returned.back();
-      const int64_t n = std::min(max_rows, count);
-      pieces.push_back({c, first, n});
-      first += n;
-      count -= n;
-      max_rows -= n;
-      if (count == 0) c->returned.pop_back();
+      auto& back = c->returned.back();
+      first = back.first;
+      n = std::min(max_rows, back.second);
+      back.first += n;
+      back.second -= n;
+      if (back.second == 0) c->returned.pop_back();
     } else {
-      const int64_t n = std::min(max_rows, c->rows - c->handed);
-      pieces.push_back({c, c->handed, n});
+      first = c->handed;
+      n = std::min(max_rows, c->rows - c->handed);
       c->handed += n;
-      max_rows -= n;
     }
+    pieces.push_back({c, first, n});
+    max_rows -= n;
     if (c->rows_to_hand() == 0) q.pop_front();
   }
   return pieces;
