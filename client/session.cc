@@ -9,12 +9,15 @@
 
 #include "moe/base/check.h"
 #include "moe/rpc/frame.h"
+#include "moe/tensor_wire/tensor_port.h"
 
 namespace moe::client {
 namespace {
 
 // How long a node that failed a call is passed over (docs/serving.md#elastic-serving).
 constexpr std::chrono::milliseconds kAway{500};
+// How often a call opens the tensor wire to a node again when the node says it lost it.
+constexpr int kWireReopens = 3;
 
 // 128 random bits in hex: this session's connections, to the nodes (Hello.session).
 std::string new_session_id() {
@@ -113,6 +116,78 @@ void Session::wait_until_nodes_run_it() {
 
 Session::~Session() = default;
 
+bool Session::is_no_wire(const rpc::RpcError& e) {
+  return e.code() == v1::ERROR_CODE_FAILED_PRECONDITION && std::string(e.what()).rfind(tensor_wire::kNoWire, 0) == 0;
+}
+
+void Session::forget_wire(size_t node) {
+  std::lock_guard<std::mutex> lock(mu_);
+  const auto it = links_.find(node);
+  if (it == links_.end()) return;
+  wire_->remove_peer(it->second.link);
+  links_.erase(it);
+}
+
+Session::WireCall Session::send_on_wire(size_t node, const void* rows, size_t bytes) {
+  WireCall call;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (!wire_)
+      wire_ = std::make_unique<tensor_wire::TensorPort>(tensor_wire::PortOptions{tensor_wire::Direction::kToClient});
+    if (const auto it = links_.find(node); it != links_.end() && it->second.seq < UINT32_MAX) {
+      call = it->second;
+      call.seq = ++it->second.seq;
+    }
+  }
+  if (call.seq == 0) {  // open the wire to this node (again: a new key once a key's sequences ran out)
+    forget_wire(node);
+    uint32_t link = 0;
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      link = next_link_;
+      next_link_ = next_link_ % tensor_wire::kMaxPeerId + 1;
+    }
+    v1::Envelope open;
+    v1::ServeOpenWire* o = open.mutable_serve_open_wire();
+    o->set_job_id(opts_.job);
+    o->set_client_address(wire_->address());
+    o->set_client_peer(link);
+    const v1::Envelope reply = call_node(node, std::move(open));
+    expect(reply, reply.has_serve_open_wire_reply(), "opening the tensor wire");
+    const v1::ServeOpenWireReply& r = reply.serve_open_wire_reply();
+    tensor_wire::Key key{};
+    if (r.key().size() != key.size() || r.node_peer() == 0)
+      throw rpc::RpcError(v1::ERROR_CODE_INTERNAL, "the node opened the tensor wire with a " +
+                                                       std::to_string(r.key().size()) + "-byte key");
+    std::memcpy(key.data(), r.key().data(), key.size());
+    try {
+      wire_->add_peer(r.node_address(), key, size_t{1} << 30, size_t{1} << 30, link);
+    } catch (const Error& e) {
+      throw rpc::RpcError(v1::ERROR_CODE_UNAVAILABLE, e.what(), rpc::RpcError::Peer::kUnreached);
+    }
+    call = {link, r.node_peer(), 1};
+    std::lock_guard<std::mutex> lock(mu_);
+    links_[node] = call;
+  }
+  try {
+    wire_->send_and_wait(call.link, tensor_wire::make_tag(tensor_wire::Direction::kToNode, call.node_peer, call.seq),
+                         rows, bytes, Clock::now() + opts_.timeout);
+  } catch (const Error& e) {  // the node's endpoint failed: as a connection that broke
+    forget_wire(node);
+    throw rpc::RpcError(v1::ERROR_CODE_UNAVAILABLE, e.what(), rpc::RpcError::Peer::kUnreached);
+  }
+  return call;
+}
+
+std::string Session::take_from_wire(const WireCall& call, size_t bytes) {
+  try {
+    return wire_->take(call.link, tensor_wire::make_tag(tensor_wire::Direction::kToClient, call.link, call.seq), bytes,
+                       Clock::now() + opts_.timeout);
+  } catch (const Error& e) {
+    throw rpc::RpcError(v1::ERROR_CODE_UNAVAILABLE, std::string("the answer: ") + e.what());
+  }
+}
+
 size_t Session::next_node() {
   std::lock_guard<std::mutex> lock(mu_);
   const Clock::time_point now = Clock::now();
@@ -123,15 +198,20 @@ size_t Session::next_node() {
   return kNone;
 }
 
-std::pair<size_t, v1::Envelope> Session::call_any(const std::function<v1::Envelope()>& request) {
+std::pair<size_t, v1::Envelope> Session::call_any(const std::function<v1::Envelope(size_t node)>& request) {
   const Clock::time_point until = Clock::now() + opts_.timeout;
   std::string last;
+  int reopens = 0;
   for (;;) {
     const size_t node = next_node();
     if (node != kNone) {
       try {
-        return {node, call_node(node, request())};
+        return {node, call_node(node, request(node))};
       } catch (const rpc::RpcError& e) {
+        if (is_no_wire(e) && ++reopens <= kWireReopens) {
+          forget_wire(node);
+          continue;
+        }
         // Anything the node answered about the call itself is the caller's answer.
         if (!e.unreached() && e.code() != v1::ERROR_CODE_NOT_FOUND) throw;
         last = e.what();
@@ -210,7 +290,8 @@ Session::Kept Session::forward_kept(int layer, const void* x, int64_t rows, v1::
 Session::Kept Session::forward_call(int layer, const void* x, int64_t rows, v1::JobSpec::DType dtype, bool keep) {
   if (rows < 1) throw InvalidArgument("rows: must be >= 1, got " + std::to_string(rows));
   const size_t bytes = static_cast<size_t>(rows) * hidden() * (dtype == v1::JobSpec::bf16 ? 2 : 4);
-  const auto [node, reply] = call_any([&] {
+  WireCall wire;  // the last attempt's, when on the wire
+  const auto [node, reply] = call_any([&](size_t to) {
     v1::Envelope req;
     v1::ServeForward* f = req.mutable_serve_forward();
     f->set_job_id(opts_.job);
@@ -218,32 +299,59 @@ Session::Kept Session::forward_call(int layer, const void* x, int64_t rows, v1::
     f->set_rows(rows);
     f->set_hidden(hidden());
     f->set_dtype(dtype);
-    f->set_x(static_cast<const char*>(x), bytes);
+    if (on_wire(bytes)) {
+      wire = send_on_wire(to, x, bytes);
+      f->set_wire_peer(wire.node_peer);
+      f->set_wire_seq(wire.seq);
+    } else {
+      f->set_x(static_cast<const char*>(x), bytes);
+    }
     f->set_keep_for_backward(keep);
     return req;
   });
   expect(reply, reply.has_serve_forward_reply(), "a forward call");
-  const std::string& y = reply.serve_forward_reply().y();
-  if (y.size() != bytes || (keep && reply.serve_forward_reply().handle() == 0))
+  const v1::ServeForwardReply& r = reply.serve_forward_reply();
+  const std::string y = r.y_on_wire() ? take_from_wire(wire, bytes) : r.y();
+  if (y.size() != bytes || (keep && r.handle() == 0))
     throw rpc::RpcError(v1::ERROR_CODE_INTERNAL, "the node answered " + std::to_string(y.size()) + " bytes for " +
                                                      std::to_string(bytes) + (keep ? " and no handle" : ""));
-  return {{y.begin(), y.end()}, {node, reply.serve_forward_reply().handle(), layer, rows}};
+  return {{y.begin(), y.end()}, {node, r.handle(), layer, rows}};
 }
 
 std::vector<uint8_t> Session::backward_bytes(const Handle& handle, const void* grad_y, v1::JobSpec::DType dtype) {
   const size_t bytes = static_cast<size_t>(handle.rows) * hidden() * (dtype == v1::JobSpec::bf16 ? 2 : 4);
-  v1::Envelope req;
-  v1::ServeBackward* b = req.mutable_serve_backward();
-  b->set_job_id(opts_.job);
-  b->set_layer(handle.layer);
-  b->set_handle(handle.id);
-  b->set_rows(handle.rows);
-  b->set_hidden(hidden());
-  b->set_dtype(dtype);
-  b->set_grad_y(static_cast<const char*>(grad_y), bytes);
-  const v1::Envelope reply = call_node(handle.node, std::move(req));
+  WireCall wire;
+  auto request = [&] {
+    v1::Envelope req;
+    v1::ServeBackward* b = req.mutable_serve_backward();
+    b->set_job_id(opts_.job);
+    b->set_layer(handle.layer);
+    b->set_handle(handle.id);
+    b->set_rows(handle.rows);
+    b->set_hidden(hidden());
+    b->set_dtype(dtype);
+    if (on_wire(bytes)) {
+      wire = send_on_wire(handle.node, grad_y, bytes);
+      b->set_wire_peer(wire.node_peer);
+      b->set_wire_seq(wire.seq);
+    } else {
+      b->set_grad_y(static_cast<const char*>(grad_y), bytes);
+    }
+    return req;
+  };
+  v1::Envelope reply;
+  for (int reopens = 0;; ++reopens) {  // the handle stays good while the wire is refused
+    try {
+      reply = call_node(handle.node, request());
+      break;
+    } catch (const rpc::RpcError& e) {
+      if (!is_no_wire(e) || reopens >= kWireReopens) throw;
+      forget_wire(handle.node);
+    }
+  }
   expect(reply, reply.has_serve_backward_reply(), "a backward call");
-  const std::string& g = reply.serve_backward_reply().grad_x();
+  const v1::ServeBackwardReply& r = reply.serve_backward_reply();
+  const std::string g = r.grad_x_on_wire() ? take_from_wire(wire, bytes) : r.grad_x();
   if (g.size() != bytes)
     throw rpc::RpcError(v1::ERROR_CODE_INTERNAL, "the node answered " + std::to_string(g.size()) + " bytes for " +
                                                      std::to_string(bytes));
@@ -257,7 +365,7 @@ int64_t Session::step(int clients, const std::string& caller) {
   s->set_step(steps_ + 1);
   s->set_clients(clients);
   s->set_caller(caller.empty() ? opts_.name : caller);
-  const v1::Envelope reply = call_any([&] { return req; }).second;
+  const v1::Envelope reply = call_any([&](size_t) { return req; }).second;
   expect(reply, reply.has_serve_step_reply(), "a step");
   int64_t seen = steps_;
   while (seen < reply.serve_step_reply().step() && !steps_.compare_exchange_weak(seen, reply.serve_step_reply().step())) {
@@ -268,7 +376,7 @@ int64_t Session::step(int clients, const std::string& caller) {
 v1::ServeWeightsReply Session::weights() {
   v1::Envelope req;
   req.mutable_serve_weights()->set_job_id(opts_.job);
-  v1::Envelope reply = call_any([&] { return req; }).second;
+  v1::Envelope reply = call_any([&](size_t) { return req; }).second;
   expect(reply, reply.has_serve_weights_reply(), "a weight read");
   return std::move(*reply.mutable_serve_weights_reply());
 }

@@ -59,7 +59,7 @@ py::array_t<float> floats_of(const std::string& bytes) {
 std::unique_ptr<Session> open_session(const std::string& job, std::optional<std::string> agent,
                                       std::optional<std::string> token, std::optional<std::string> state_dir,
                                       std::optional<std::tuple<std::string, std::string, std::string>> tls,
-                                      const std::string& name, double timeout_s) {
+                                      const std::string& name, double timeout_s, std::optional<size_t> wire_min_bytes) {
   SessionOptions o;
   const moe::rpc::LocalAccess local = moe::rpc::local_access(state_dir.value_or(moe::rpc::default_state_dir()));
   o.agent = agent.value_or(local.agent);
@@ -71,6 +71,7 @@ std::unique_ptr<Session> open_session(const std::string& job, std::optional<std:
   o.job = job;
   o.name = name;
   o.timeout = std::chrono::milliseconds(static_cast<int64_t>(timeout_s * 1000));
+  if (wire_min_bytes) o.wire_min_bytes = *wire_min_bytes;
   py::gil_scoped_release unlocked;
   return std::make_unique<Session>(std::move(o));
 }
@@ -91,7 +92,7 @@ PYBIND11_MODULE(_client, m) {
   py::class_<Session>(m, "Session")
       .def(py::init(&open_session), py::arg("job"), py::arg("agent") = py::none(), py::arg("token") = py::none(),
            py::arg("state_dir") = py::none(), py::arg("tls") = py::none(), py::arg("name") = "python",
-           py::arg("timeout_s") = 30.0)
+           py::arg("timeout_s") = 30.0, py::arg("wire_min_bytes") = py::none())
       .def_property_readonly("hidden", &Session::hidden)
       .def_property_readonly("layers", &Session::layers)
       .def_property_readonly("dtype", [](const Session& s) { return moe::v1::JobSpec::DType_Name(s.spec().dtype()); })

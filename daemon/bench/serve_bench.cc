@@ -5,6 +5,8 @@
 //              job's spec and layer-0 weights, --threads as the daemon's) at
 //              the same batch, rounds interleaved; the bound is
 //              p50 <= 1.1 x in-process p50 + 0.5 ms.
+//              --compare-paths adds the same calls with their rows in the
+//              call (framed) and on the tensor wire, interleaved.
 //   throughput C clients (threads with a session each) calling batch B for a
 //              while: rows/s, beside the in-process layer's rows/s at its best
 //              batch (the largest latency batch).
@@ -14,6 +16,7 @@
 
 #include <atomic>
 #include <iostream>
+#include <optional>
 #include <sstream>
 #include <thread>
 
@@ -41,6 +44,8 @@ struct Options {
   double seconds = 5;  // per client count
   int threads = 2;   // the in-process layer's (the daemon's --threads)
   bool malloc_tuning = true;  // keep large buffers, as moed does (docs/benchmarks.md#serving)
+  size_t wire_min_bytes = client::SessionOptions::kWireMinBytes;  // the sessions' (docs/serving.md#data-path)
+  bool compare_paths = false;  // latency also framed-only and wire-only, interleaved
 };
 
 double quantile(std::vector<double> v, double q) {
@@ -55,7 +60,8 @@ double mean(const std::vector<double>& v) {
   return v.empty() ? 0 : s / static_cast<double>(v.size());
 }
 
-client::SessionOptions session_options(const Options& o, const std::string& name) {
+client::SessionOptions session_options(const Options& o, const std::string& name,
+                                       std::optional<size_t> wire_min_bytes = std::nullopt) {
   const rpc::LocalAccess local = rpc::local_access(o.state_dir.empty() ? rpc::default_state_dir() : o.state_dir);
   client::SessionOptions s;
   s.agent = o.agent.empty() ? local.agent : o.agent;
@@ -63,6 +69,7 @@ client::SessionOptions session_options(const Options& o, const std::string& name
   s.tls = local.tls;
   s.job = o.job;
   s.name = name;
+  s.wire_min_bytes = wire_min_bytes.value_or(o.wire_min_bytes);
   return s;
 }
 
@@ -75,16 +82,31 @@ std::vector<uint8_t> rows_of(const v1::JobSpec& spec, int64_t T, uint64_t seed) 
 
 // Sequential calls' latency at each batch, beside the in-process layer's forward;
 // returns the in-process rows/s at the last batch.
+// One session's sequential calls at batch b: their seconds appended.
+void time_calls(const Options& o, client::Session& s, const std::vector<uint8_t>& x, int64_t b, std::vector<double>& t) {
+  for (int i = 0; i < o.calls; ++i) {
+    const double t0 = now_seconds();
+    s.forward_bytes(0, x.data(), b, s.spec().dtype());
+    t.push_back(now_seconds() - t0);
+  }
+}
+
 double latency(const Options& o, client::Session& s, ep::MoeLayer& layer, Report& r) {
   double last_rate = 0;
   Report& sec = r.section("latency");
+  std::unique_ptr<client::Session> framed, wire;  // --compare-paths
+  if (o.compare_paths) {
+    framed = std::make_unique<client::Session>(session_options(o, "bench-framed", SIZE_MAX));
+    wire = std::make_unique<client::Session>(session_options(o, "bench-wire", 0));
+  }
   for (int64_t b : o.batches) {
     const std::vector<uint8_t> x = rows_of(s.spec(), b, 7 + b);
     std::vector<uint8_t> out(x.size());
-    std::vector<double> served, local;
-    for (int i = 0; i < 3; ++i) {  // warm both
+    std::vector<double> served, local, by_framed, by_wire;
+    for (int i = 0; i < 3; ++i) {  // warm every path
       layer.forward(x.data(), b, out.data());
-      s.forward_bytes(0, x.data(), b, s.spec().dtype());
+      for (client::Session* c : {&s, framed.get(), wire.get()})
+        if (c) c->forward_bytes(0, x.data(), b, s.spec().dtype());
     }
     for (int round = 0; round < o.rounds; ++round) {
       for (int i = 0; i < o.calls; ++i) {
@@ -92,11 +114,9 @@ double latency(const Options& o, client::Session& s, ep::MoeLayer& layer, Report
         layer.forward(x.data(), b, out.data());
         local.push_back(now_seconds() - t0);
       }
-      for (int i = 0; i < o.calls; ++i) {
-        const double t0 = now_seconds();
-        s.forward_bytes(0, x.data(), b, s.spec().dtype());
-        served.push_back(now_seconds() - t0);
-      }
+      time_calls(o, s, x, b, served);
+      if (framed) time_calls(o, *framed, x, b, by_framed);
+      if (wire) time_calls(o, *wire, x, b, by_wire);
     }
     const double p50 = quantile(served, 0.5) * 1e3, local_p50 = quantile(local, 0.5) * 1e3;
     const double bound = 1.1 * local_p50 + 0.5;
@@ -113,6 +133,12 @@ double latency(const Options& o, client::Session& s, ep::MoeLayer& layer, Report
     e.add("p99_within_2x_p50", quantile(served, 0.99) * 1e3 <= 2 * p50);
     last_rate = local_p50 > 0 ? static_cast<double>(b) / (local_p50 / 1e3) : 0.0;
     e.add("in_process_rows_per_s", last_rate);
+    if (o.compare_paths) {
+      e.add("framed_p50_ms", quantile(by_framed, 0.5) * 1e3);
+      e.add("framed_p99_ms", quantile(by_framed, 0.99) * 1e3);
+      e.add("wire_p50_ms", quantile(by_wire, 0.5) * 1e3);
+      e.add("wire_p99_ms", quantile(by_wire, 0.99) * 1e3);
+    }
   }
   return last_rate;
 }
@@ -207,6 +233,9 @@ int main(int argc, char** argv) {
   app.add_option("--rounds", o.rounds, "rounds of in-process and served calls, interleaved");
   app.add_option("--seconds", o.seconds, "seconds a client count");
   app.add_option("--threads", o.threads, "the in-process layer's threads (the daemon's --threads)");
+  app.add_option("--wire-min-bytes", o.wire_min_bytes,
+                 "calls with this many bytes of rows use the tensor wire (0: all; docs/serving.md#data-path)");
+  app.add_flag("--compare-paths", o.compare_paths, "latency also with every call framed and every call on the wire");
   app.add_option("--output", output, "table or json")->check(CLI::IsMember({"table", "json"}));
   bool no_tuning = false;
   app.add_flag("--no-malloc-tuning", no_tuning, "leave glibc's malloc as it is (it maps and trims large buffers)");

@@ -8,42 +8,13 @@
 #include "moe/base/check.h"
 #include "moe/base/log.h"
 #include "moe/node/daemon.h"
+#include "serve_completion.h"
 
 namespace moe::node {
 
 using rpc::RpcError;
 
 namespace {
-
-// A call's end, awaited on the io thread; end() may come from any thread.
-class Completion : public std::enable_shared_from_this<Completion> {
- public:
-  explicit Completion(rpc::asio::io_context& io) : io_(io), timer_(io) {}
-  // The first end counts (the rows' end, or the caller's disconnect).
-  void end(std::string error) {
-    rpc::asio::post(io_, [self = shared_from_this(), error = std::move(error)] {
-      if (self->over_) return;
-      self->over_ = true;
-      self->error_ = error;
-      self->timer_.cancel();
-    });
-  }
-  // True once ended (error() says how); false when the deadline came first.
-  rpc::awaitable<bool> wait(rpc::asio::steady_timer::time_point deadline) {
-    if (over_) co_return true;
-    timer_.expires_at(deadline);
-    boost::system::error_code ec;
-    co_await timer_.async_wait(rpc::asio::redirect_error(rpc::use_awaitable, ec));
-    co_return over_;
-  }
-  const std::string& error() const { return error_; }
-
- private:
-  rpc::asio::io_context& io_;
-  rpc::asio::steady_timer timer_;
-  bool over_ = false;
-  std::string error_;
-};
 
 // A rows call's lane from its fields (-1: a layer out of range, which counts nowhere).
 int lane_of(const v1::Envelope& req) {
@@ -57,13 +28,15 @@ const std::string& job_of(const v1::Envelope& req) {
   if (req.has_serve_forward()) return req.serve_forward().job_id();
   if (req.has_serve_backward()) return req.serve_backward().job_id();
   if (req.has_serve_step()) return req.serve_step().job_id();
+  if (req.has_serve_open_wire()) return req.serve_open_wire().job_id();
   return req.serve_weights().job_id();
 }
 
 }  // namespace
 
 bool Daemon::is_serve_call(const v1::Envelope& req) {
-  return req.has_serve_forward() || req.has_serve_backward() || req.has_serve_step() || req.has_serve_weights();
+  return req.has_serve_forward() || req.has_serve_backward() || req.has_serve_step() || req.has_serve_weights() ||
+         req.has_serve_open_wire();
 }
 
 ServingNode* Daemon::serving_node_if(const std::string& job_id) {
@@ -81,6 +54,7 @@ ServingNode& Daemon::serving_node(const std::string& job_id) {
 rpc::awaitable<v1::Envelope> Daemon::serve_call(const v1::Envelope& req, const rpc::RequestContext& ctx) {
   if (req.has_serve_step()) co_return co_await serve_step(req.serve_step(), ctx);
   if (req.has_serve_weights()) co_return co_await serve_weights(req.serve_weights(), ctx);
+  if (req.has_serve_open_wire()) co_return co_await serve_open_wire(req.serve_open_wire(), ctx);
   co_return co_await serve_rows(req, ctx);
 }
 
@@ -107,6 +81,10 @@ rpc::awaitable<v1::Envelope> Daemon::serve_rows(const v1::Envelope& req, const r
                                   answered_rows >= 0, answered_rows, seconds);
   }};
   const bool forward = req.has_serve_forward();
+  const bool on_wire = is_wire_call(req);
+  std::optional<v1::Envelope> filled;  // the call with its rows from the tensor wire
+  if (on_wire) filled = co_await with_wire_rows(req, ctx);
+  const v1::Envelope& call = on_wire ? *filled : req;
   v1::JobSpec spec;
   ServeLimits limits{};
   std::optional<ServeHandles::Kept> kept;  // a backward's rows
@@ -120,8 +98,8 @@ rpc::awaitable<v1::Envelope> Daemon::serve_rows(const v1::Envelope& req, const r
   const layer_spec::JobView job(spec);
   std::shared_ptr<ServeCall> c;
   try {  // checked and copied without the lock (the io thread still waits for it)
-    c = forward ? make_serve_call(job, req.serve_forward(), limits.call_rows)
-                : make_serve_call(job, req.serve_backward(), kept->x, kept->layer);
+    c = forward ? make_serve_call(job, call.serve_forward(), limits.call_rows)
+                : make_serve_call(job, call.serve_backward(), kept->x, kept->layer);
   } catch (...) {
     std::lock_guard<std::mutex> lock(mu_);  // a refused backward leaves its handle good
     if (ServingNode* node = serving_node_if(job_id); kept && node)
@@ -130,7 +108,7 @@ rpc::awaitable<v1::Envelope> Daemon::serve_rows(const v1::Envelope& req, const r
   }
   kept.reset();
   c->caller = ctx.peer;
-  auto done = std::make_shared<Completion>(io_);
+  auto done = std::make_shared<ServeCompletion>(io_);
   c->done = [done](const std::string& error) { done->end(error); };
   {
     std::lock_guard<std::mutex> lock(mu_);
@@ -153,17 +131,24 @@ rpc::awaitable<v1::Envelope> Daemon::serve_rows(const v1::Envelope& req, const r
                        (*gone ? "were dropped: the caller closed its connection" : "were not computed in time"));
   }
   if (!done->error().empty()) throw RpcError(v1::ERROR_CODE_UNAVAILABLE, done->error());
+  if (on_wire) co_await wire_answer(req, c->y, ctx);
   v1::Envelope reply;
   answered_rows = c->rows;
   if (!forward) {
     v1::ServeBackwardReply* r = reply.mutable_serve_backward_reply();
     r->set_rows(c->rows);
-    r->set_grad_x(std::move(c->y));
+    if (on_wire)
+      r->set_grad_x_on_wire(true);
+    else
+      r->set_grad_x(std::move(c->y));
     co_return reply;
   }
   v1::ServeForwardReply* r = reply.mutable_serve_forward_reply();
   r->set_rows(c->rows);
-  r->set_y(std::move(c->y));
+  if (on_wire)
+    r->set_y_on_wire(true);
+  else
+    r->set_y(std::move(c->y));
   if (req.serve_forward().keep_for_backward()) {
     std::lock_guard<std::mutex> lock(mu_);
     r->set_handle(serving_node(job_id).handles.keep({c->layer, std::move(c->x), ctx.client_session}));
@@ -178,14 +163,16 @@ void Daemon::watch_session(ServingNode& node, const std::string& job_id, const r
     return;
   ctx.connection->on_close([this, job_id, session = ctx.client_session, id = ctx.connection->id()] {
     std::lock_guard<std::mutex> lock(mu_);
-    if (ServingNode* n = serving_node_if(job_id))
+    ServingNode* n = serving_node_if(job_id);
+    if (n)
       if (const size_t dropped = n->handles.disconnected(session, id); dropped > 0)
         log::info("job ", job_id, ": dropped ", dropped, " handle(s) of a client whose connections closed");
+    if (!n || !n->handles.has_connections(session)) close_wire_peers(session);
   });
 }
 
 rpc::awaitable<v1::Envelope> Daemon::serve_step(const v1::ServeStep& call, const rpc::RequestContext& ctx) {
-  auto done = std::make_shared<Completion>(io_);
+  auto done = std::make_shared<ServeCompletion>(io_);
   auto answer = std::make_shared<v1::ServeStepReply>();  // written before done->end posts
   {
     std::lock_guard<std::mutex> lock(mu_);
@@ -210,7 +197,7 @@ rpc::awaitable<v1::Envelope> Daemon::serve_step(const v1::ServeStep& call, const
 }
 
 rpc::awaitable<v1::Envelope> Daemon::serve_weights(const v1::ServeWeights& call, const rpc::RequestContext& ctx) {
-  auto done = std::make_shared<Completion>(io_);
+  auto done = std::make_shared<ServeCompletion>(io_);
   auto answer = std::make_shared<v1::ServeWeightsReply>();
   {
     std::lock_guard<std::mutex> lock(mu_);

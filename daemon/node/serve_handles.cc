@@ -41,6 +41,11 @@ size_t ServeHandles::disconnected(const std::string& session, uint64_t connectio
   return dropped;
 }
 
+bool ServeHandles::has_connections(const std::string& session) const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return sessions_.count(session) > 0;
+}
+
 ServeHandles::Kept ServeHandles::take(uint64_t handle) {
   std::lock_guard<std::mutex> lock(mu_);
   expire(std::chrono::steady_clock::now());

@@ -16,6 +16,10 @@ void ServeRequests::ask_step(int64_t step, int clients, const std::string& calle
     if (!closed_.empty()) throw Error(closed_);
     if (clients < 1) throw InvalidArgument("clients: must be >= 1, got " + std::to_string(clients));
     steps = steps_;
+    if (step == steps_ + 2) {
+      early_calls_.push_back({step, clients, caller, std::move(done)});
+      return;
+    }
     if (step > steps_ + 1)
       throw InvalidArgument("step: the job applied " + std::to_string(steps_) + " optimizer steps, the next is " +
                             std::to_string(steps_ + 1) + ", got " + std::to_string(step));
@@ -59,15 +63,23 @@ bool ServeRequests::step_due(const float* sum) {
 }
 
 void ServeRequests::step_done(const std::string& error) {
-  std::vector<StepCall> calls;
+  std::vector<StepCall> calls, early;
   int64_t steps = 0;
   {
     std::lock_guard<std::mutex> lock(mu_);
     if (error.empty()) ++steps_;
     steps = steps_;
     calls.swap(step_calls_);
+    early.swap(early_calls_);
   }
   for (StepCall& c : calls) c.done(error, steps, error.empty());
+  for (StepCall& c : early) {
+    try {
+      ask_step(c.step, c.clients, c.caller, c.done);
+    } catch (const std::exception& e) {
+      c.done(e.what(), steps, false);
+    }
+  }
 }
 
 void ServeRequests::weights_read(const std::string& error, const v1::ServeWeightsReply& reply) {
@@ -97,6 +109,8 @@ void ServeRequests::close(const std::string& why) {
     if (!closed_.empty()) return;
     closed_ = why;
     steps.swap(step_calls_);
+    steps.insert(steps.end(), std::make_move_iterator(early_calls_.begin()), std::make_move_iterator(early_calls_.end()));
+    early_calls_.clear();
     weights.swap(weight_calls_);
   }
   for (StepCall& c : steps) c.done(why, 0, false);

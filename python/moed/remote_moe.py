@@ -32,13 +32,16 @@ class Session:
 
     job: the job's id. Without agent=, the local cluster in state_dir (default
     $MOE_STATE_DIR or ~/.local/state/moed) gives the agent, token and TLS files,
-    as moectl reads them. Calls from several threads run at once.
+    as moectl reads them. Calls from several threads run at once. A call with at
+    least wire_min_bytes of rows (default 128 KiB) sends them on the tensor wire
+    (UCX, authenticated, not encrypted: docs/serving.md#data-path); 0 sends every
+    call's rows there, a huge value none.
     """
 
     def __init__(self, job, agent=None, token=None, state_dir=None, tls=None, name="python", timeout_s=30.0,
-                 max_workers=8):
+                 max_workers=8, wire_min_bytes=None):
         self._native = _client.Session(job, agent=agent, token=token, state_dir=state_dir, tls=tls, name=name,
-                                       timeout_s=timeout_s)
+                                       timeout_s=timeout_s, wire_min_bytes=wire_min_bytes)
         self.spec = json.loads(self._native.spec_json())
         self.hidden = self._native.hidden
         self.layers = self._native.layers

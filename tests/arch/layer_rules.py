@@ -23,6 +23,8 @@ import sys
 ALLOWED_INCLUDES = [
     ("base/map/", {"base", "map"}),
     ("base/", {"base"}),
+    # The tensor wire knows base only: the client and the daemon both use it.
+    ("proto/tensor_wire/", {"base", "tensor_wire"}),
     ("kernels/", {"base", "kernels", "ref"}),
     ("proto/", {"base", "map", "v1", "rpc", "spec", "http"}),
     ("daemon/model/", {"base", "kernels", "model"}),
@@ -34,7 +36,7 @@ ALLOWED_INCLUDES = [
     # The serving benchmark is a client of a serving job beside the in-process layer.
     ("daemon/bench/serve_bench.cc", {"base", "kernels", "model", "layer_spec", "ep", "client", "v1", "rpc"}),
     ("daemon/", {"base", "map", "kernels", "ref", "model", "layer_spec", "transport", "io", "ep", "metrics", "node",
-                 "v1", "rpc", "spec", "http"}),
+                 "v1", "rpc", "spec", "http", "tensor_wire"}),
     ("agent/placement/", {"base", "map", "placement"}),
     # The agent's rooms, each above the ones before it (agent/CMakeLists.txt).
     ("agent/cluster/", {"base", "map", "placement", "cluster", "v1", "rpc", "spec"}),
@@ -43,7 +45,7 @@ ALLOWED_INCLUDES = [
     ("agent/serve/", {"base", "map", "placement", "cluster", "jobs", "rebalance", "agent", "v1", "rpc", "spec",
                       "http"}),
     ("cli/", {"base", "map", "ctl", "v1", "rpc", "spec"}),
-    ("client/", {"base", "client", "v1", "rpc"}),
+    ("client/", {"base", "client", "v1", "rpc", "tensor_wire"}),
     ("python/", {"base", "client", "v1", "rpc"}),
 ]
 
@@ -53,6 +55,7 @@ DAEMON = {"moe_model", "moe_layer_spec", "moe_job_layers", "moe_layer", "moe_io"
           "moe_transport_nccl", "moe_transport_factory", "moe_ep", "moe_metrics", "moe_node"}
 TRANSPORT = {"moe_transport", "moe_transport_nccl", "moe_transport_factory"}
 CONTROL = {"moe_proto", "moe_rpc", "moe_rpc_server", "moe_spec", "moe_metrics_http"}
+WIRE = {"moe_tensor_wire"}
 AGENT = {"moe_agent_lib", "moe_agent_rebalance", "moe_agent_jobs", "moe_agent_cluster", "moe_placement"}
 CLI = {"moe_ctl"}
 CLIENT = {"moe_client"}
@@ -77,6 +80,9 @@ FORBIDDEN_LINKS = [
     ("the CLI links only the control plane's client side", CLI | {"moectl"},
      KERNELS | DAEMON | AGENT | {"moe_rpc_server", "moe_metrics_http"}),
     ("the spec library needs no RPC", {"moe_spec"}, {"moe_rpc", "moe_rpc_server"}),
+    ("the tensor wire is base and UCX only: no messages, kernels, daemon, agent or CLI", WIRE,
+     KERNELS | DAEMON | CONTROL | AGENT | CLI | CLIENT),
+    ("the agent has no tensor wire", AGENT | {"moe-agent"} | CLI | {"moectl"}, WIRE),
     ("the expert service's client links only the control plane's client side", CLIENT,
      KERNELS | DAEMON | AGENT | CLI | {"moe_rpc_server", "moe_metrics_http", "moe_spec"}),
     ("nothing of the system links the client library", DAEMON | AGENT | CLI | {"moed", "moe-agent", "moectl"}, CLIENT),

@@ -21,6 +21,7 @@
 #include "moe/client/session.h"
 #include "moe/ep/reference.h"
 #include "moe/layer_spec/job_layers.h"
+#include "moe/tensor_wire/tensor_port.h"
 #include "test_util.h"
 
 namespace moe::test {
@@ -42,8 +43,12 @@ std::string start_serving(const Cluster& c) {
   return id;
 }
 
-client::Session session_of(const Cluster& c, const std::string& id, const std::string& name) {
-  return client::Session({.agent = c.agent(), .token = c.token(), .tls = c.tls(), .job = id, .name = name});
+// wire_min_bytes 0: every call's rows on the tensor wire (docs/serving.md#data-path);
+// the default: these small calls in the call.
+client::Session session_of(const Cluster& c, const std::string& id, const std::string& name,
+                           size_t wire_min_bytes = client::SessionOptions::kWireMinBytes) {
+  return client::Session({.agent = c.agent(), .token = c.token(), .tls = c.tls(), .job = id, .name = name,
+                          .wire_min_bytes = wire_min_bytes});
 }
 
 // The fp64 reference's output of `layer` for x [T, H], and each token's routing
@@ -156,7 +161,7 @@ TEST(Serve, TwoByTwoServesConcurrentClientsOverEveryRank) {
   for (int k = 0; k < 4; ++k)
     clients.emplace_back([&, k] {
       try {
-        client::Session s = session_of(c, id, "client" + std::to_string(k));
+        client::Session s = session_of(c, id, "client" + std::to_string(k), k % 2 ? 0 : client::SessionOptions::kWireMinBytes);
         for (int call = 0; call < 6; ++call) {
           const int layer = (k + call) % 2;
           const std::vector<float> x = normal_vector((7 + 11 * k + call) * s.hidden(), 1000 * k + call);
@@ -238,8 +243,9 @@ TEST(Serve, ALiveRebalanceDropsNoCall) {
 // the longest call is the largest stall a fault caused.
 class CallLoop {
  public:
-  CallLoop(const Cluster& c, const std::string& id, int calls)
-      : name_("loop-" + std::to_string(++loops_)), thread_([this, &c, id, calls] { run(c, id, calls); }) {}
+  // wire: the calls' rows on the tensor wire.
+  CallLoop(const Cluster& c, const std::string& id, int calls, bool wire = false)
+      : name_("loop-" + std::to_string(++loops_)), thread_([this, &c, id, calls, wire] { run(c, id, calls, wire); }) {}
   ~CallLoop() { join(); }
   void join() {
     if (thread_.joinable()) thread_.join();
@@ -249,9 +255,9 @@ class CallLoop {
   const std::string& failure() const { return failure_; }
 
  private:
-  void run(const Cluster& c, const std::string& id, int calls) {
+  void run(const Cluster& c, const std::string& id, int calls, bool wire) {
     try {
-      client::Session s = session_of(c, id, name_);
+      client::Session s = session_of(c, id, name_, wire ? 0 : client::SessionOptions::kWireMinBytes);
       for (int call = 0; call < calls; ++call) {
         const int layer = call % 2;
         const std::vector<float> x = normal_vector((1 + call % 23) * s.hidden(), 9000 + call);
@@ -288,7 +294,8 @@ TEST(Serve, AnElasticServingJobLosesANodeGrowsBackAndDropsNoCall) {
   ASSERT_EQ(rc, 0) << out << c.logs();
   const std::string id = out.substr(0, out.find('\n'));
   ASSERT_TRUE(poll_until([&] { return c.job(id).state() == v1::JOB_STATE_RUNNING; }, 60s)) << c.logs();
-  CallLoop loop(c, id, 1000), other(c, id, 1000);  // two callers: calls in flight on both nodes
+  // Two callers, calls in flight on both nodes; the other's rows on the tensor wire.
+  CallLoop loop(c, id, 1000), other(c, id, 1000, /*wire=*/true);
   ASSERT_TRUE(poll_until([&] { return loop.done() >= 200 || !loop.failure().empty(); }, 60s));
   ASSERT_EQ(::kill(c.pid_of("node1"), SIGKILL), 0);
   ASSERT_TRUE(poll_until([&] { return c.job(id).world_changes_size() >= 1; }, 30s)) << c.logs();
@@ -350,6 +357,60 @@ v1::Envelope backward_of(const std::string& id, const v1::JobSpec& spec, uint64_
   b->set_dtype(v1::JobSpec::fp32);
   b->set_grad_y(std::string(reinterpret_cast<const char*>(g.data()), g.size() * 4));
   return e;
+}
+
+// docs/serving.md#data-path: calls whose rows travel on the tensor wire are
+// answered as the reference does; a stranger who reaches the node's UCX worker
+// but lacks the session's key cannot feed a call, and a call naming a wire that
+// is not its session's, or rows that never come, is refused by name.
+TEST(Serve, TheTensorWireCarriesCallsSealedAndAStrangerCannotFeedThem) {
+  Cluster c(1, 1);
+  ASSERT_TRUE(c.up()) << c.logs();
+  const std::string id = start_serving(c);
+  client::Session s = session_of(c, id, "wired", 0);
+  const v1::JobSpec& spec = s.spec();
+  for (int layer = 0; layer < 2; ++layer)
+    for (int64_t rows : {1, 17, 48}) {
+      const std::vector<float> x = normal_vector(rows * spec.hidden(), 200 + layer * 7 + rows);
+      expect_reference(spec, layer, x, s.forward(layer, x));
+    }
+  // A raw caller opens its own wire: it learns the node's UCX address, as anyone
+  // who reaches the network could.
+  rpc::ClientOptions o = rpc::ClientOptions::make(c.status().nodes(0).control_address(), c.token(), "client", "raw",
+                                                  c.tls());
+  o.session = "raw-session";
+  rpc::RpcClient raw(o);
+  tensor_wire::TensorPort stranger{tensor_wire::PortOptions{tensor_wire::Direction::kToClient}};
+  v1::Envelope open;
+  open.mutable_serve_open_wire()->set_job_id(id);
+  open.mutable_serve_open_wire()->set_client_address(stranger.address());
+  open.mutable_serve_open_wire()->set_client_peer(1);
+  const v1::ServeOpenWireReply opened = raw.call(open, 10s).serve_open_wire_reply();
+  ASSERT_EQ(opened.key().size(), 32u);
+  ASSERT_NE(opened.node_peer(), 0u);
+  // Forged rows under every tag the first session may use next, sealed with a key of the stranger's.
+  const uint32_t to_node = stranger.add_peer(opened.node_address(), tensor_wire::new_key(), 1 << 20, 1 << 20);
+  const std::vector<float> junk(48 * spec.hidden(), 1e30f);
+  for (uint32_t peer = 1; peer < opened.node_peer(); ++peer)
+    for (uint32_t seq = 1; seq <= 16; ++seq)
+      stranger.send(to_node, tensor_wire::make_tag(tensor_wire::Direction::kToNode, peer, 6 + seq), junk.data(),
+                    17 * spec.hidden() * 4, [](const std::string&) {});
+  for (int call = 0; call < 8; ++call) {
+    const std::vector<float> x = normal_vector(17 * spec.hidden(), 300 + call);
+    expect_reference(spec, call % 2, x, s.forward(call % 2, x));
+  }
+  // A call naming the first session's wire peer from another session, and one whose rows never come.
+  const std::vector<float> x = normal_vector(4 * spec.hidden(), 5);
+  v1::Envelope call = forward_of(id, spec, x, false);
+  call.mutable_serve_forward()->clear_x();
+  call.mutable_serve_forward()->set_wire_peer(1);
+  call.mutable_serve_forward()->set_wire_seq(1);
+  const std::string not_ours = error_of([&] { raw.call(call, 10s); });
+  EXPECT_EQ(not_ours.rfind("no tensor wire 1 of this session", 0), 0u) << not_ours;
+  call.mutable_serve_forward()->set_wire_peer(opened.node_peer());
+  const std::string never = error_of([&] { raw.call(call, 2s); });
+  EXPECT_NE(never.find("did not arrive on the tensor wire in time"), std::string::npos) << never;
+  expect_reference(spec, 0, x, s.forward(0, x));
 }
 
 // docs/serving.md#disconnects: a client that goes away loses what the node kept
@@ -490,7 +551,8 @@ struct RefGrads {
 // layers (outputs and input gradients against the fp64 reference), one
 // optimizer step (the weights read back are the reference update of the summed
 // gradients), and the training calls' bad inputs, each refused naming why.
-void train_through_the_service(const std::string& optimizer) {
+// wire: forward and backward rows on the tensor wire.
+void train_through_the_service(const std::string& optimizer, bool wire) {
   Cluster c(2, 2);
   ASSERT_TRUE(c.up()) << c.logs();
   const double lr = 0.05;
@@ -499,7 +561,7 @@ void train_through_the_service(const std::string& optimizer) {
   ASSERT_EQ(rc, 0) << out << c.logs();
   const std::string id = out.substr(0, out.find('\n'));
   ASSERT_TRUE(poll_until([&] { return c.job(id).state() == v1::JOB_STATE_RUNNING; }, 60s)) << c.logs();
-  client::Session s = session_of(c, id, "trainer");
+  client::Session s = session_of(c, id, "trainer", wire ? 0 : client::SessionOptions::kWireMinBytes);
   const v1::JobSpec& spec = s.spec();
   const int H = spec.hidden();
   EXPECT_NE(error_of([&] { s.step(); }).find("step 1: nothing to apply, no backward call since step 0"),
@@ -681,8 +743,8 @@ TEST(Serve, ATrainingServingJobCheckpointsAndResumesAsItWouldHaveGoneOn) {
   EXPECT_EQ(c.ctl({"job", "cancel", served}).first, 0);
 }
 
-TEST(Serve, TwoByTwoTrainsWithSgdAsTheReference) { train_through_the_service("sgd"); }
-TEST(Serve, TwoByTwoTrainsWithAdamAsTheReference) { train_through_the_service("adam"); }
+TEST(Serve, TwoByTwoTrainsWithSgdAsTheReference) { train_through_the_service("sgd", false); }
+TEST(Serve, TwoByTwoTrainsWithAdamAsTheReferenceOnTheTensorWire) { train_through_the_service("adam", true); }
 
 }  // namespace
 }  // namespace moe::test

@@ -62,10 +62,10 @@ class RemoteMoETest(unittest.TestCase):
         subprocess.run([MOECTL, "--state-dir", cls.state, "cluster", "down"], capture_output=True, timeout=120)
         shutil.rmtree(cls.state, ignore_errors=True)
 
-    def serve(self, optimizer):
+    def serve(self, optimizer, wire_min_bytes=None):
         job = moectl(self.state, "job", "submit", *SPEC, "--optimizer", optimizer, "--lr", str(LR)).split()[0]
         self.addCleanup(moectl, self.state, "job", "cancel", job)
-        session = moed.Session(job=job, state_dir=self.state, name="pytest-" + optimizer)
+        session = moed.Session(job=job, state_dir=self.state, name="pytest-" + optimizer, wire_min_bytes=wire_min_bytes)
         self.addCleanup(session.close)
         return session
 
@@ -74,8 +74,8 @@ class RemoteMoETest(unittest.TestCase):
         worst = (got - want).abs().max().item()
         self.assertLessEqual(worst, rtol * scale, f"{what}: off by {worst:.3g} at scale {scale:.3g}")
 
-    def train_once(self, optimizer):
-        session = self.serve(optimizer)
+    def train_once(self, optimizer, wire_min_bytes=None):
+        session = self.serve(optimizer, wire_min_bytes)
         steps, weights = session.weights()
         self.assertEqual(steps, 0)
         top_k = session.spec["top_k"]
@@ -113,8 +113,8 @@ class RemoteMoETest(unittest.TestCase):
     def test_sgd(self):
         self.train_once("sgd")
 
-    def test_adam(self):
-        self.train_once("adam")
+    def test_adam_on_the_tensor_wire(self):
+        self.train_once("adam", wire_min_bytes=0)  # every call's rows on UCX (docs/serving.md#data-path)
 
     def test_bf16_block_within_derived_bounds(self):
         """A bf16 job's block against the torch block in fp32 on the same bf16

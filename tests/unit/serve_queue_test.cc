@@ -317,9 +317,19 @@ TEST(ServeRequests, AStepIsDueOnceEveryCallerAskedAndAppliesOnce) {
   for (int i = 0; i < node::ServeRequests::kVoteFloats; ++i) v[i] += w[i];
   EXPECT_TRUE(node::ServeRequests::step_due(v));
   r.step_done("");
+  EXPECT_EQ(log.back(), "a again ok 1 now");
+  // Answered on one node, a's caller asks for step 2 on the other before that
+  // node's ranks finished step 1: it waits for them, and is not refused.
+  other.ask_step(2, 1, "a", note("a's next"));
+  EXPECT_THROW(other.ask_step(4, 1, "a", note("far")), InvalidArgument);  // still beyond
+  other.vote(w);
+  EXPECT_EQ(w[0], 1.0f);  // b's, for step 1
   other.step_done("");
   EXPECT_EQ(log.back(), "b ok 1 now");
-  EXPECT_EQ(log[log.size() - 2], "a again ok 1 now");
+  other.vote(w);
+  EXPECT_EQ(w[0], 1.0f);  // a's ask for step 2 now waits as any ask for the next step
+  other.close("job stopped");
+  EXPECT_EQ(log.back(), "a's next job stopped 0");
   r.ask_step(1, 2, "a", note("late"));  // already applied: answered at once
   EXPECT_EQ(log.back(), "late ok 1");
   r.ask_step(2, 1, "a", note("nothing"));

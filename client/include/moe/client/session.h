@@ -19,6 +19,10 @@
 #include "moe/rpc/client.h"
 #include "moe/v1/job.pb.h"
 
+namespace moe::tensor_wire {
+class TensorPort;
+}
+
 namespace moe::client {
 
 struct SessionOptions {
@@ -28,6 +32,12 @@ struct SessionOptions {
   std::string job;  // the serving job's id
   std::string name = "client";
   std::chrono::milliseconds timeout{30000};  // of each call
+  // A call whose rows have at least this many bytes sends them, and gets its
+  // answer, on the tensor wire (UCX, sealed under a key per session and node;
+  // docs/serving.md#data-path); smaller calls carry them. 0: every call;
+  // SIZE_MAX: none.
+  size_t wire_min_bytes = kWireMinBytes;
+  static constexpr size_t kWireMinBytes = 128 << 10;  // measured: docs/serving.md#data-path
 };
 
 // Thread-safe: calls from several threads run at once, one connection per node
@@ -99,7 +109,7 @@ class Session {
   // when a node cannot be reached or does not run the job (until `until`).
   // Returns the node that answered and its reply.
   // `request` builds the call for each attempt (a call's rows are copied once an attempt).
-  std::pair<size_t, v1::Envelope> call_any(const std::function<v1::Envelope()>& request);
+  std::pair<size_t, v1::Envelope> call_any(const std::function<v1::Envelope(size_t node)>& request);
   // The next node in turn not marked away; kNone when every one is.
   size_t next_node();
   static constexpr size_t kNone = ~size_t{0};
@@ -108,6 +118,21 @@ class Session {
   v1::Envelope call_node(size_t node, v1::Envelope request);
   // The reply's payload, or an RpcError naming what came instead.
   static void expect(const v1::Envelope& reply, bool has, const char* what);
+
+  // The tensor wire (docs/serving.md#data-path): a call's rows sent to `node`
+  // on it (the wire to that node opened on first use), and the answer taken.
+  // A failure is an unreached node's (RpcError::unreached()).
+  struct WireCall {
+    uint32_t link = 0;       // our id for the node
+    uint32_t node_peer = 0;  // the node's id for us
+    uint32_t seq = 0;
+  };
+  bool on_wire(size_t bytes) const { return bytes >= opts_.wire_min_bytes; }
+  WireCall send_on_wire(size_t node, const void* rows, size_t bytes);
+  std::string take_from_wire(const WireCall& call, size_t bytes);
+  // The node no longer knows our wire (it restarted, or closed it): the next call opens it again.
+  void forget_wire(size_t node);
+  static bool is_no_wire(const rpc::RpcError& e);
 
   SessionOptions opts_;
   const std::string session_id_;  // Hello.session of every connection
@@ -118,6 +143,9 @@ class Session {
   std::vector<Clock::time_point> away_;  // per node: skipped until then (it failed a call)
   size_t next_ = 0;
   std::map<std::string, std::vector<std::unique_ptr<rpc::RpcClient>>> idle_;  // by node address
+  std::unique_ptr<tensor_wire::TensorPort> wire_;  // made at the first call on the wire
+  std::map<size_t, WireCall> links_;  // by node: the open wire (seq: the last used)
+  uint32_t next_link_ = 1;
 };
 
 }  // namespace moe::client

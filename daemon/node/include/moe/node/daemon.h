@@ -7,6 +7,7 @@
 #pragma once
 
 #include <atomic>
+#include <map>
 #include <condition_variable>
 #include <memory>
 #include <mutex>
@@ -16,6 +17,7 @@
 #include "moe/metrics/daemon_metrics.h"
 #include "moe/node/job_runner.h"
 #include "moe/rpc/server.h"
+#include "moe/tensor_wire/tensor_port.h"
 
 namespace moe::node {
 
@@ -79,6 +81,15 @@ class Daemon {
   void watch_session(ServingNode& node, const std::string& job_id, const rpc::RequestContext& ctx);  // under mu_
   rpc::awaitable<v1::Envelope> serve_step(const v1::ServeStep& call, const rpc::RequestContext& ctx);
   rpc::awaitable<v1::Envelope> serve_weights(const v1::ServeWeights& call, const rpc::RequestContext& ctx);
+  // The tensor wire (docs/serving.md#data-path; daemon/node/serve_wire.cc): a
+  // client session's large rows over UCX, sealed under a key given here.
+  static bool is_wire_call(const v1::Envelope& req);  // a rows call whose rows are on the wire
+  rpc::awaitable<v1::Envelope> serve_open_wire(const v1::ServeOpenWire& call, const rpc::RequestContext& ctx);
+  // A rows call whose rows are on the wire: `req` with them filled in (awaited).
+  rpc::awaitable<v1::Envelope> with_wire_rows(const v1::Envelope& req, const rpc::RequestContext& ctx);
+  // Sends a call's answer back on the wire (awaited until it left).
+  rpc::awaitable<void> wire_answer(const v1::Envelope& req, const std::string& bytes, const rpc::RequestContext& ctx);
+  void close_wire_peers(const std::string& session);  // under mu_
   // Under mu_: the node's state of serving job `job_id`, or the RpcError saying why none.
   ServingNode& serving_node(const std::string& job_id);
   // Under mu_: the same, or null once the job is gone (a call ending after it).
@@ -99,6 +110,14 @@ class Daemon {
   std::mutex mu_;  // guards runner_, node_index_, stopping_
   std::condition_variable stop_cv_;
   std::unique_ptr<JobRunner> runner_;
+  // The tensor wire, made at the first ServeOpenWire, and its peers (client
+  // sessions) by the node's id for them. Under mu_.
+  struct WirePeer {
+    std::string session, job_id;
+    uint32_t client_peer = 0;  // the client's id for this node
+  };
+  std::unique_ptr<tensor_wire::TensorPort> wire_;
+  std::map<uint32_t, WirePeer> wire_peers_;
   int node_index_ = -1;
   int64_t heartbeat_ms_ = 500;
   bool stopping_ = false;

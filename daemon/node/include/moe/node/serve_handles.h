@@ -39,6 +39,7 @@ class ServeHandles {
   bool connected(const std::string& session, uint64_t connection);
   // Returns the handles dropped (the session's last connection closed).
   size_t disconnected(const std::string& session, uint64_t connection);
+  bool has_connections(const std::string& session) const;
   // Why a handle may be gone, for errors: its rules.
   std::string rules() const;
 

@@ -22,8 +22,10 @@ class ServeRequests {
   using StepDone = std::function<void(const std::string& error, int64_t steps, bool applied_now)>;
   using WeightsDone = std::function<void(const std::string& error, const v1::ServeWeightsReply& reply)>;
 
-  // RPC thread. A step already applied is answered at once; one beyond the next
-  // step, or clients other than the step's waiting callers said, throws
+  // RPC thread. A step already applied is answered at once; the one after the
+  // next waits until this node's ranks ran the next (its callers may have been
+  // answered by another node first, whose ranks finished sooner); one beyond,
+  // or clients other than the step's waiting callers said, throws
   // moe::InvalidArgument; after close(), the reason. A caller that asks again
   // (a retry) counts once: its earlier ask is answered "asked again".
   void ask_step(int64_t step, int clients, const std::string& caller, StepDone done);
@@ -37,7 +39,8 @@ class ServeRequests {
   static bool step_due(const float* sum);
   static bool weights_due(const float* sum) { return sum[3] > 0; }
   // After the ranks ran the next step (error "": applied; else why not): its
-  // callers are answered, and the count moves on when it applied.
+  // callers are answered, and the count moves on when it applied; the asks that
+  // waited for it are taken as if they came now.
   void step_done(const std::string& error);
   // After the ranks read the weights: the reads counted are answered.
   void weights_read(const std::string& error, const v1::ServeWeightsReply& reply);
@@ -57,6 +60,7 @@ class ServeRequests {
   mutable std::mutex mu_;
   int64_t steps_ = 0;  // applied
   std::vector<StepCall> step_calls_;
+  std::vector<StepCall> early_calls_;  // asks for the step after the next
   std::vector<WeightsDone> weight_calls_;
   std::string closed_;
 };
