@@ -117,7 +117,8 @@ std::set<std::string> json_fields(const std::string& json) {
 v1::JobSpec resumed_spec(v1::JobSpec given, const std::set<std::string>& set_by_user) {
   const v1::CheckpointManifest m = spec::read_manifest(spec::resolve_checkpoint(given.resume()));
   v1::JobSpec s = m.spec();
-  for (const char* run_only : {"verify", "verify_step", "dump_dir", "dump_step", "steps", "name", "labels"})
+  for (const char* run_only : {"verify", "verify_step", "dump_dir", "dump_step", "steps", "name", "labels", "trace_dir",
+                               "trace_tokens", "trace_hidden"})
     s.GetReflection()->ClearField(&s, &field_of(run_only));
   std::set<std::string> names = set_by_user;
   names.insert("resume");
@@ -173,6 +174,10 @@ const std::vector<JobFieldDoc>& job_field_docs() {
       {"shared_ffn_hidden", "width of one shared expert, elements", false},
       {"shared_expert_gate", "Qwen2-MoE gate: out = routed + sigmoid(x . w_g) x shared", false},
       {"checkpoint_dir", "train: write step-{s:06d}/ checkpoints here", false},
+      {"trace_dir", "serve: write each rank's routing of the calls here when the job ends (routing-rank{r}.safetensors)",
+       false},
+      {"trace_tokens", "serve: forward rows a layer and rank the trace keeps, the first ones (default 65536)", false},
+      {"trace_hidden", "serve: the trace keeps those rows' hidden states too", false},
       {"checkpoint_every", "steps between checkpoints (0: only at the end)", false},
       {"resume",
        "a checkpoint folder (or a checkpoint_dir: its latest complete step) to start from; the spec is the "
@@ -315,6 +320,7 @@ v1::JobSpec JobFlags::build() const {
   for (auto [get, set] : {std::pair{&v1::JobSpec::weights, &v1::JobSpec::set_weights<const std::string&>},
                           std::pair{&v1::JobSpec::dump_dir, &v1::JobSpec::set_dump_dir<const std::string&>},
                           std::pair{&v1::JobSpec::checkpoint_dir, &v1::JobSpec::set_checkpoint_dir<const std::string&>},
+                          std::pair{&v1::JobSpec::trace_dir, &v1::JobSpec::set_trace_dir<const std::string&>},
                           std::pair{&v1::JobSpec::resume, &v1::JobSpec::set_resume<const std::string&>}})
     if (!(s.*get)().empty()) (s.*set)(std::filesystem::absolute((s.*get)()).lexically_normal().string());
   return s;

@@ -50,9 +50,16 @@ std::vector<std::string> header(const v1::LiveLoad& l, const FrameOptions& o) {
   return {top, jobs};
 }
 
-// "step 754/1000   3.3 ms/step   76.7k tokens/s"
+// "step 754/1000   3.3 ms/step   76.7k tokens/s"; a serving job (no last step)
+// reports windows of its calls: "window 12   1.00 s/window   ...".
 std::string progress(const v1::LiveJob& j) {
-  std::string s = "step " + std::to_string(j.steps_completed()) + "/" + std::to_string(j.steps()) + "   ";
+  const bool serving = j.mode() == v1::JobSpec::serve;
+  std::string s = serving ? "window " + std::to_string(j.steps_completed()) + "   "
+                          : "step " + std::to_string(j.steps_completed()) + "/" + std::to_string(j.steps()) + "   ";
+  if (serving) {
+    if (j.state() == v1::JOB_STATE_RUNNING && j.recent_steps() == 0) return s + "waiting for its first window of calls";
+    return s + duration(j.step_seconds()) + "/window   " + human_count(j.tokens_per_second()) + " tokens/s";
+  }
   if (j.state() == v1::JOB_STATE_RUNNING && j.recent_steps() == 0) return s + "waiting for its first complete step";
   if (j.has_loss()) s += "loss " + fmt(j.loss()) + "   ";
   s += duration(j.step_seconds()) + "/step   " + human_count(j.tokens_per_second()) + " tokens/s";

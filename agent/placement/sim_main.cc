@@ -1,14 +1,17 @@
-// moe-placement-sim: solves a synthetic trace or measured loads with moed's
+// moe-placement-sim: solves a synthetic trace, measured loads or a serving job's
+// recorded routing (--trace, docs/example-lm.md#routing-traces) with moed's
 // placement solver and both EPLB policies, and prints balancedness, cross-node
 // fan-out, copies moved and solve time (like Ceph's crushtool --test).
 // Exit codes: 0 ok, 2 usage or invalid input (the message names it).
 #include <CLI/CLI.hpp>
+#include <algorithm>
 #include <fstream>
 #include <iostream>
 #include <sstream>
 
 #include "moe/base/version.h"
 #include "moe/base/check.h"
+#include "moe/io/safetensors.h"
 #include "moe/placement/random_traces.h"
 #include "moe/placement/sim_report.h"
 
@@ -27,6 +30,7 @@ std::string read_file(const std::string& path) {
 struct SimFlags {
   moe::placement::SimConfig config;
   std::string loads_path, prev_loads_path, output = "table";
+  std::vector<std::string> trace_paths;
   double prev_zipf = 0.0;
   CLI::Option* prev_zipf_opt = nullptr;  // set: --prev-zipf was given
   int random_traces = 0;                 // 0: one simulation
@@ -64,6 +68,8 @@ void add_flags(CLI::App& app, SimFlags& flags) {
                                        "alpha of the previous window (default --zipf)");
   app.add_option("--loads", flags.loads_path,
                  "per-layer loads: one line per layer, whitespace-separated per-expert loads");
+  app.add_option("--trace", flags.trace_paths,
+                 "a serving job's routing-rank{r}.safetensors (repeatable: the ranks' files, merged per layer)");
   app.add_option("--prev-loads", flags.prev_loads_path,
                  "loads of the previous window (copies moved)");
   app.add_option("--random-traces", flags.random_traces,
@@ -124,10 +130,54 @@ void read_loads(const CLI::App& app, SimFlags& flags) {
         read_file(flags.prev_loads_path), "previous loads file '" + flags.prev_loads_path + "'");
 }
 
+// --trace: every file's layer{l}.topk_ids, merged per layer; the files say the
+// experts and top-k (and must agree).
+void read_traces(const CLI::App& app, SimFlags& flags) {
+  moe::placement::SimConfig& config = flags.config;
+  MOE_CHECK(flags.loads_path.empty() && flags.prev_loads_path.empty(), "--trace is its own loads: no --loads with it");
+  for (const std::string& path : flags.trace_paths) {
+    const moe::io::SafetensorsReader file(path);
+    auto number = [&](const char* key) {
+      const auto it = file.metadata().find(key);
+      MOE_CHECK(it != file.metadata().end(), "trace '", path, "': no \"", key, "\" in its metadata (not a routing trace?)");
+      return std::stoi(it->second);
+    };
+    const int layers = number("layers"), experts = number("experts"), top_k = number("top_k");
+    if (config.recorded.empty()) {
+      MOE_CHECK(app.count("--experts") == 0 || experts == config.spec.num_experts, "trace '", path, "' has ", experts,
+                " experts, --experts says ", config.spec.num_experts);
+      config.spec.num_experts = experts;
+      config.spec.top_k = top_k;
+      config.recorded.resize(layers, moe::placement::Trace{experts, top_k, {}});
+    }
+    MOE_CHECK(layers == static_cast<int>(config.recorded.size()) && experts == config.recorded[0].num_experts &&
+                  top_k == config.recorded[0].top_k,
+              "trace '", path, "' is of ", layers, " layers, ", experts, " experts, top-", top_k, "; the first file's of ",
+              config.recorded.size(), ", ", config.recorded[0].num_experts, ", top-", config.recorded[0].top_k);
+    for (int l = 0; l < layers; ++l) {
+      const std::string name = "layer" + std::to_string(l) + ".topk_ids";
+      const int64_t tokens = file.info(name).shape.empty() ? 0 : file.info(name).shape[0];
+      std::vector<int32_t> ids = file.read_i32(name, {tokens, top_k});
+      for (int64_t t = 0; t < tokens; ++t) {
+        auto* row = ids.data() + t * top_k;
+        for (int k = 0; k < top_k; ++k)
+          MOE_CHECK(row[k] >= 0 && row[k] < experts, "trace '", path, "' layer ", l, " token ", t, ": expert ", row[k],
+                    " is not in [0, ", experts, ")");
+        std::sort(row, row + top_k);
+      }
+      auto& all = config.recorded[l].topk_idx;
+      all.insert(all.end(), ids.begin(), ids.end());
+    }
+  }
+  config.recorded_source = std::to_string(flags.trace_paths.size()) + " file(s)";
+}
+
 // One simulation of the flags, printed as a table or JSON.
 void print_simulation(const CLI::App& app, SimFlags& flags) {
   if (*flags.prev_zipf_opt) flags.config.prev_zipf_alpha = flags.prev_zipf;
-  if (!flags.loads_path.empty()) {
+  if (!flags.trace_paths.empty()) {
+    read_traces(app, flags);
+  } else if (!flags.loads_path.empty()) {
     read_loads(app, flags);
   } else {
     MOE_CHECK(flags.prev_loads_path.empty(), "--prev-loads needs --loads");

@@ -68,18 +68,42 @@ std::string json_string(std::string_view s) {
 struct Workload {
   std::vector<std::vector<double>> loads, prev_loads;  // [layer][E]
   Trace trace, sample, prev_sample;
+  std::vector<Trace> recorded, recorded_samples;  // recorded mode: [layer]
   bool trace_mode = false;
   bool has_samples = false;
 
+  // The tokens a layer's fan-out is measured on (null: loads mode).
+  const Trace* measured(size_t layer) const {
+    if (!recorded.empty()) return &recorded[layer];
+    return trace_mode ? &trace : nullptr;
+  }
   // moed's routing samples for this window and the previous one, or null.
-  const Trace* routing_sample() const { return has_samples ? &sample : nullptr; }
+  const Trace* routing_sample(size_t layer) const {
+    if (!recorded_samples.empty()) return &recorded_samples[layer];
+    return has_samples ? &sample : nullptr;
+  }
   const Trace* prev_routing_sample() const { return has_samples ? &prev_sample : nullptr; }
 };
+
+// The first n tokens of a trace.
+Trace first_tokens(const Trace& t, int64_t n) {
+  Trace out = t;
+  out.topk_idx.resize(static_cast<size_t>(std::min(n, t.num_tokens()) * t.top_k));
+  return out;
+}
 
 Workload make_workload(const SimConfig& config) {
   Workload w;
   w.loads = config.loads;
   w.prev_loads = config.prev_loads;
+  if (config.recorded_mode()) {
+    w.recorded = config.recorded;
+    for (const Trace& t : config.recorded) {
+      w.loads.push_back(t.expert_loads());
+      if (config.sample_tokens > 0) w.recorded_samples.push_back(first_tokens(t, config.sample_tokens));
+    }
+    return w;
+  }
   w.trace_mode = !config.loads_mode();
   w.has_samples = w.trace_mode && config.sample_tokens > 0;
   if (!w.trace_mode) return w;
@@ -101,7 +125,8 @@ Workload make_workload(const SimConfig& config) {
 class LayerRun {
  public:
   LayerRun(const PlacementSpec& spec, const Workload& workload, size_t layer)
-      : spec_(spec),
+      : layer_(layer),
+        spec_(spec),
         loads_(workload.loads[layer]),
         prev_loads_(workload.prev_loads.empty() ? nullptr : &workload.prev_loads[layer]),
         workload_(workload) {}
@@ -118,10 +143,11 @@ class LayerRun {
   void measure(PolicyResult& r, const ExpertMap& map, const ExpertMap* prev) const {
     r.balancedness = balancedness(map, loads_);
     r.lost_per_node = experts_lost_per_node(map, spec_.num_nodes);
-    if (workload_.trace_mode) r.fanout = expected_fanout(map, spec_.num_nodes, workload_.trace);
+    if (const Trace* t = workload_.measured(layer_)) r.fanout = expected_fanout(map, spec_.num_nodes, *t);
     if (prev) r.copies_moved = copies_moved(*prev, map);
   }
 
+  size_t layer_;
   const PlacementSpec& spec_;
   const std::vector<double>& loads_;
   const std::vector<double>* prev_loads_;  // null without previous loads
@@ -135,14 +161,14 @@ void LayerRun::add_moed(LayerResult* layer) const {
   PolicyResult moed = policy_result("moed");
   const ExpertMap moed_map = timed(&moed.solve_seconds, [&] {
     return solve_layer(spec_, loads_,
-                       {moed_prev ? &*moed_prev : nullptr, workload_.routing_sample()});
+                       {moed_prev ? &*moed_prev : nullptr, workload_.routing_sample(layer_)});
   });
   measure(moed, moed_map, moed_prev ? &*moed_prev : nullptr);
   layer->policies.push_back(moed);
   if (!prev_loads_) return;
   PolicyResult scratch = policy_result("moed-from-scratch");
   const ExpertMap map = timed(&scratch.solve_seconds, [&] {
-    return solve_layer(spec_, loads_, {nullptr, workload_.routing_sample()});
+    return solve_layer(spec_, loads_, {nullptr, workload_.routing_sample(layer_)});
   });
   measure(scratch, map, &*moed_prev);
   layer->policies.push_back(scratch);
@@ -172,6 +198,16 @@ void LayerRun::add_eplb(LayerResult* layer) const {
 
 void SimConfig::validate() const {
   spec.validate();
+  if (recorded_mode()) {
+    MOE_CHECK(!loads_mode() && prev_loads.empty(), "a recorded trace is its own loads: give no loads with it");
+    for (size_t l = 0; l < recorded.size(); ++l) {
+      MOE_CHECK(recorded[l].num_experts == spec.num_experts && recorded[l].top_k == spec.top_k, "trace layer ", l,
+                " has ", recorded[l].num_experts, " experts, top-", recorded[l].top_k, "; expected ", spec.num_experts,
+                ", top-", spec.top_k);
+      MOE_CHECK(recorded[l].num_tokens() > 0, "trace layer ", l, " has no tokens");
+    }
+    return;
+  }
   if (loads_mode()) {
     for (size_t l = 0; l < loads.size(); ++l)
       MOE_CHECK(loads[l].size() == static_cast<size_t>(spec.num_experts), "loads layer ",
@@ -196,6 +232,9 @@ SimReport run_simulation(const SimConfig& config) {
   SimReport report;
   report.config = config;
   report.loads_mode = config.loads_mode();
+  report.recorded_mode = config.recorded_mode();
+  for (const Trace& t : config.recorded) report.recorded_tokens.push_back(t.num_tokens());
+  report.config.recorded.clear();
   report.config.loads.clear();
   report.has_prev_loads = !config.prev_loads.empty();
   report.config.prev_loads.clear();
@@ -221,7 +260,13 @@ std::string format_table(const SimReport& report) {
      << " slots per rank)";
   if (s.grouped()) os << ", " << s.num_groups << " groups";
   os << "\n";
-  if (report.loads_mode) {
+  if (report.recorded_mode) {
+    os << "recorded trace: " << c.recorded_source << ", " << report.num_layers << " layer(s), top-" << s.top_k
+       << ", tokens per layer:";
+    for (int64_t n : report.recorded_tokens) os << " " << n;
+    os << "; fan-out of those tokens; moed routing sample: their first " << c.sample_tokens
+       << "; copies moved: n/a\n";
+  } else if (report.loads_mode) {
     os << "loads: " << report.num_layers << " layer(s); fan-out: n/a (needs per-token data); "
        << "copies moved: "
        << (report.has_prev_loads ? "vs each policy's map for the previous loads" : "n/a")
@@ -277,7 +322,12 @@ std::string format_json(const SimReport& report) {
      << ", \"slots_per_rank\": " << s.slots_per_rank() << ", \"groups\": " << s.num_groups
      << ", \"group_top_k\": " << s.group_top_k << ", \"top_k\": " << s.top_k
      << ", \"min_node_replicas\": " << s.min_node_replicas;
-  if (report.loads_mode) {
+  if (report.recorded_mode) {
+    os << ", \"source\": \"recorded\", \"recorded_source\": " << json_string(c.recorded_source)
+       << ", \"sample_tokens\": " << c.sample_tokens << ", \"tokens_per_layer\": [";
+    for (size_t l = 0; l < report.recorded_tokens.size(); ++l) os << (l ? ", " : "") << report.recorded_tokens[l];
+    os << "]";
+  } else if (report.loads_mode) {
     os << ", \"source\": \"loads\"";
   } else {
     os << ", \"source\": \"trace\", \"tokens\": " << c.num_tokens << ", \"zipf\": " << c.zipf_alpha

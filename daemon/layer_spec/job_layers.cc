@@ -127,7 +127,8 @@ JobView::JobView(const v1::JobSpec& s)
       dump_step(s.dump_step()),
       checkpoint_dir(s.checkpoint_dir()),
       checkpoint_every(s.checkpoint_every()),
-      resume(s.resume()) {}
+      resume(s.resume()),
+      trace{s.trace_dir(), s.trace_tokens(), s.trace_hidden()} {}
 
 ep::MoeLayerConfig layer_config(const v1::JobSpec& s) { return ep::layer_config(layer_spec(s)); }
 

@@ -163,6 +163,18 @@ std::vector<uint8_t> ModelStack::serve_forward(int layer, const std::vector<uint
   return serve_rows_out(out_, bytes);
 }
 
+void ModelStack::serve_routing(int layer, int64_t T, std::vector<int32_t>& ids, std::vector<float>& weights) {
+  const ep::EpLayer& l = *layers_.at(layer);
+  const size_t n = static_cast<size_t>(T) * job_.top_k;
+  ids.resize(n);
+  weights.resize(n);
+  if (n > 0) {
+    be_.copy_to_host(ids.data(), l.topk_idx(), n * sizeof(int32_t));
+    be_.copy_to_host(weights.data(), l.topk_weight(), n * sizeof(float));
+  }
+  be_.synchronize();
+}
+
 std::vector<uint8_t> ModelStack::serve_backward(int layer, const std::vector<uint8_t>& x,
                                                 const std::vector<uint8_t>& grad_y, int64_t T, StepReport& report) {
   MOE_CHECK(job_.train, "serve: backward calls need a serving job with serve_train");

@@ -2,11 +2,13 @@
 
 #include <algorithm>
 #include <cstring>
+#include <optional>
 #include <vector>
 
 #include "moe/base/clock.h"
 #include "moe/base/log.h"
 #include "moe/node/checkpoint.h"
+#include "moe/node/routing_trace.h"
 #include "moe/node/serve_window.h"
 
 namespace moe::node {
@@ -34,10 +36,22 @@ std::vector<uint8_t> gather(const std::vector<ServePiece>& pieces, std::vector<u
   return out;
 }
 
+// A forward step's routing (and rows) into the trace.
+void record(const ServeRank& r, RoutingTrace& trace, int layer, const std::vector<uint8_t>& x, int64_t rows) {
+  std::vector<int32_t> ids;
+  std::vector<float> weights;
+  r.stack.serve_routing(layer, rows, ids, weights);
+  const layer_spec::JobView& job = r.stack.job();
+  const std::vector<float> x32 = trace.keeps_hidden()
+                                     ? model::from_storage(x.data(), static_cast<size_t>(rows) * job.shape.hidden, job.dtype)
+                                     : std::vector<float>{};
+  trace.add(layer, rows, ids.data(), weights.data(), x32.data());
+}
+
 // This rank's rows of `lane` for the step, run and handed back, the step's
 // figures into the window; a piece whose step failed fails its call (or, the
 // world having failed, waits again) before the error goes on.
-void run_pieces(const ServeRank& r, int lane, ServeWindow& window) {
+void run_pieces(const ServeRank& r, int lane, ServeWindow& window, RoutingTrace* trace) {
   const int layer = lane / kServeKinds;
   const auto kind = static_cast<ServeKind>(lane % kServeKinds);
   const std::vector<ServePiece> pieces = r.node.queue.take(lane, r.stack.job().tokens_per_rank);
@@ -51,6 +65,7 @@ void run_pieces(const ServeRank& r, int lane, ServeWindow& window) {
         kind == ServeKind::kForward
             ? r.stack.serve_forward(layer, x, rows, step)
             : r.stack.serve_backward(layer, x, gather(pieces, &ServeCall::grad_y, row_bytes), rows, step);
+    if (trace && kind == ServeKind::kForward && trace->wants(layer)) record(r, *trace, layer, x, rows);
     size_t at = 0;
     for (const ServePiece& p : pieces) {
       r.node.queue.finish(p, y.data() + at);
@@ -149,6 +164,11 @@ int64_t serve_until_cancelled(const ServeRank& r, const std::function<bool()>& c
   const size_t at_rebalance = 2, at_ages = at_rebalance + RebalanceSession::kVoteFloats, at_requests = at_ages + lanes;
   std::vector<float> vote(at_requests + ServeRequests::kVoteFloats);
   int64_t optimizer_steps = r.optimizer_steps;
+  const layer_spec::JobView& job = r.stack.job();
+  std::optional<RoutingTrace> trace;  // docs/example-lm.md#routing-traces
+  if (!job.trace.dir.empty())
+    trace.emplace(r.stack.num_layers(), job.shape.num_experts, job.top_k, job.shape.hidden, job.trace.tokens,
+                  job.trace.hidden);
   for (int64_t step = 0;; ++step) {
     queue.wait_for_step(r.stack.job().tokens_per_rank, max_wait);
     std::fill(vote.begin(), vote.end(), 0.0f);
@@ -163,12 +183,13 @@ int64_t serve_until_cancelled(const ServeRank& r, const std::function<bool()>& c
     r.comm.all_reduce_sum(vote.data(), vote.size(), transport::deadline_in(r.timeout));
     if (vote[0] > 0) {  // cancelled: the steps since the last checkpoint are kept too
       if (optimizer_steps > r.optimizer_steps && !periodic(r, optimizer_steps)) checkpoint(r, optimizer_steps);
+      if (trace) log::info("job ", r.start.job_id(), ": routing trace ", trace->write(job.trace.dir, r.start.job_id(), r.rank));
       return step;
     }
     r.rebalance.act(vote.data() + at_rebalance, static_cast<int>(step));
     if (const int lane = chosen_lane(vote.data() + at_ages, lanes); lane >= 0) {
       window.add_step();
-      run_pieces(r, lane, window);
+      run_pieces(r, lane, window, trace ? &*trace : nullptr);
     }
     run_requests(r, vote.data() + at_requests, optimizer_steps);
     if (vote[1] > 0) close_window(r, window);

@@ -81,7 +81,7 @@ void check_resume_spec(const v1::JobSpec& checkpoint, const v1::JobSpec& resumed
       "tokens_per_rank", "name", "labels", "elastic", "elastic_batch", "min_node_replicas", "dead_node_timeout_ms",
       "overlap_chunks", "moments_dtype", "exact_replica_grads",
       // a trained model may be served, and a served one trained on (docs/serving.md#checkpoints)
-      "mode", "serve_train", "serve_max_wait_ms"};
+      "mode", "serve_train", "serve_max_wait_ms", "trace_dir", "trace_tokens", "trace_hidden"};
   const auto* d = v1::JobSpec::descriptor();
   for (int i = 0; i < d->field_count(); ++i) {
     const auto* fd = d->field(i);
@@ -90,7 +90,7 @@ void check_resume_spec(const v1::JobSpec& checkpoint, const v1::JobSpec& resumed
     google::protobuf::TextFormat::PrintFieldValueToString(checkpoint, fd, -1, &a);
     google::protobuf::TextFormat::PrintFieldValueToString(resumed, fd, -1, &b);
     MOE_CHECK(a == b, "resume: ", fd->name(), " is ", b, " but the checkpoint was written with ", a,
-              " (only steps, checkpoint_*, verify/dump fields, tokens_per_rank, name, labels, the elastic, node-loss and overlap fields, moments_dtype and the mode and serve fields may change)");
+              " (only steps, checkpoint_*, verify/dump fields, tokens_per_rank, name, labels, the elastic, node-loss and overlap fields, moments_dtype and the mode, serve and trace fields may change)");
   }
 }
 

@@ -46,8 +46,14 @@ void validate_serving(const v1::JobSpec& s) {
   if (s.mode() != v1::JobSpec::serve) {
     require(!s.has_serve_max_wait_ms(), "serve_max_wait_ms", "is for serving jobs (--mode serve)");
     require(!s.serve_train(), "serve_train", "is for serving jobs (--mode serve)");
+    for (const auto& [field, set] : {std::pair<const char*, bool>{"trace_dir", !s.trace_dir().empty()},
+                                     {"trace_tokens", s.trace_tokens() != 0},
+                                     {"trace_hidden", s.trace_hidden()}})
+      require(!set, field, "records a serving job's calls (--mode serve)");
     return;
   }
+  require(!s.trace_dir().empty() || (s.trace_tokens() == 0 && !s.trace_hidden()), "trace_dir",
+          "trace_tokens and trace_hidden need a folder to write the trace to");
   require(s.steps() == 0, "steps", "a serving job runs until cancelled: leave it unset");
   require(s.capacity_factor() == 0, "capacity_factor",
           "a served row's output must not depend on the calls it is batched with: serving is dropless (0)");
@@ -60,6 +66,7 @@ void validate_serving(const v1::JobSpec& s) {
                                    {"aux_loss_coeff", s.aux_loss_coeff() != 0},
                                    {"z_loss_coeff", s.z_loss_coeff() != 0}})
     require(!set, field, "not for serving jobs yet (docs/serving.md)");
+  require(s.trace_tokens() >= 0, "trace_tokens", "must be >= 0, got " + std::to_string(s.trace_tokens()));
   require(s.checkpoint_dir().empty() || s.serve_train(), "checkpoint_dir",
           "a serving job that does not train (--serve-train) changes no weights: nothing to checkpoint");
   // A node's loss takes the handles and gradient sums it held (docs/serving.md#elastic-serving).
@@ -81,6 +88,7 @@ v1::JobSpec with_defaults(v1::JobSpec s) {
   if (s.skew().empty()) s.set_skew("uniform");
   if (s.elastic_batch() == v1::JobSpec::ELASTIC_BATCH_UNSPECIFIED) s.set_elastic_batch(v1::JobSpec::global);
   if (s.mode() == v1::JobSpec::serve && !s.has_serve_max_wait_ms()) s.set_serve_max_wait_ms(5);
+  if (!s.trace_dir().empty() && s.trace_tokens() == 0) s.set_trace_tokens(65536);
   return s;
 }
 

@@ -37,6 +37,8 @@ ALLOWED_INCLUDES = [
     ("daemon/bench/serve_bench.cc", {"base", "kernels", "model", "layer_spec", "ep", "client", "v1", "rpc"}),
     ("daemon/", {"base", "map", "kernels", "ref", "model", "layer_spec", "transport", "io", "ep", "metrics", "node",
                  "v1", "rpc", "spec", "http", "tensor_wire"}),
+    # moe-placement-sim reads a serving job's routing traces (safetensors).
+    ("agent/placement/sim_main.cc", {"base", "map", "placement", "io"}),
     ("agent/placement/", {"base", "map", "placement"}),
     # The agent's rooms, each above the ones before it (agent/CMakeLists.txt).
     ("agent/cluster/", {"base", "map", "placement", "cluster", "v1", "rpc", "spec"}),

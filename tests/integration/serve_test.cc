@@ -20,6 +20,7 @@
 #include "local_cluster.h"
 #include "moe/client/session.h"
 #include "moe/ep/reference.h"
+#include "moe/io/safetensors.h"
 #include "moe/layer_spec/job_layers.h"
 #include "moe/tensor_wire/tensor_port.h"
 #include "test_util.h"
@@ -411,6 +412,72 @@ TEST(Serve, TheTensorWireCarriesCallsSealedAndAStrangerCannotFeedThem) {
   const std::string never = error_of([&] { raw.call(call, 2s); });
   EXPECT_NE(never.find("did not arrive on the tensor wire in time"), std::string::npos) << never;
   expect_reference(spec, 0, x, s.forward(0, x));
+}
+
+// docs/example-lm.md#routing-traces: a serving job records its calls' routing
+// (the first trace_tokens forward rows of each layer) and rows; the file holds
+// the rows the calls sent and the fp64 reference's selection and weights of them.
+TEST(Serve, AServingJobRecordsItsCallsRoutingAndRows) {
+  Cluster c(1, 1);
+  ASSERT_TRUE(c.up()) << c.logs();
+  const std::filesystem::path dir =
+      std::filesystem::temp_directory_path() / ("moe_trace_" + std::to_string(::getpid()));
+  std::filesystem::remove_all(dir);
+  const auto [frc, refused] = c.ctl({"job", "submit", "--experts", "8", "--top-k", "2", "--hidden", "32",
+                                     "--ffn-hidden", "16", "--tokens-per-rank", "8", "--steps", "1", "--trace-dir",
+                                     dir.string()});
+  EXPECT_NE(frc, 0);
+  EXPECT_NE(refused.find("trace_dir: records a serving job's calls"), std::string::npos) << refused;
+  const auto [rc, out] = c.ctl(concat({"job", "submit"}, concat(kServeSpec, {"--trace-dir", dir.string(),
+                                                                             "--trace-tokens", "40", "--trace-hidden"})));
+  ASSERT_EQ(rc, 0) << out << c.logs();
+  const std::string id = out.substr(0, out.find('\n'));
+  ASSERT_TRUE(poll_until([&] { return c.job(id).state() == v1::JOB_STATE_RUNNING; }, 60s)) << c.logs();
+  client::Session s = session_of(c, id, "traced");
+  const v1::JobSpec spec = s.spec();
+  const int H = spec.hidden();
+  std::vector<float> sent;  // layer 0's rows in call order: 3 x 17, of which the first 40 are kept
+  for (int call = 0; call < 3; ++call) {
+    const std::vector<float> x = normal_vector(17 * H, 700 + call);
+    s.forward(0, x);
+    sent.insert(sent.end(), x.begin(), x.end());
+  }
+  s.forward(1, normal_vector(5 * H, 800));
+  EXPECT_EQ(c.ctl({"job", "cancel", id}).first, 0);
+  ASSERT_TRUE(poll_until([&] { return c.job(id).state() == v1::JOB_STATE_CANCELLED; }, 30s)) << c.logs();
+
+  io::SafetensorsReader trace((dir / "routing-rank0.safetensors").string());
+  EXPECT_EQ(trace.metadata().at("experts"), "8");
+  EXPECT_EQ(trace.metadata().at("top_k"), "2");
+  EXPECT_EQ(trace.metadata().at("job"), id);
+  const std::vector<float> rows = trace.read_f32("layer0.hidden", {40, H});
+  EXPECT_EQ(rows, std::vector<float>(sent.begin(), sent.begin() + 40 * H));
+  const std::vector<int32_t> ids = trace.read_i32("layer0.topk_ids", {40, 2});
+  const std::vector<float> weights = trace.read_f32("layer0.topk_weights", {40, 2});
+  const ref::Forward want = reference(spec, 0, rows);
+  int compared = 0;
+  for (int t = 0; t < 40; ++t) {
+    if (want.selection_margin[t] <= 1e-5) continue;
+    ++compared;
+    for (int k = 0; k < 2; ++k) {
+      EXPECT_EQ(ids[t * 2 + k], want.topk_idx[t * 2 + k]) << "row " << t;
+      EXPECT_NEAR(weights[t * 2 + k], want.topk_weight[t * 2 + k], 1e-5) << "row " << t;
+    }
+  }
+  EXPECT_GT(compared, 20);
+  EXPECT_EQ(trace.info("layer1.topk_ids").shape, (std::vector<int64_t>{5, 2}));
+  // moe-placement-sim evaluates placements on it.
+  const std::string sim = std::string(MOE_BIN_DIR) + "/agent/placement/moe-placement-sim --trace " +
+                          (dir / "routing-rank0.safetensors").string() + " --ranks 2 --nodes 1 --redundant-experts 2";
+  FILE* p = ::popen(sim.c_str(), "r");
+  ASSERT_NE(p, nullptr);
+  std::string report;
+  char buf[512];
+  while (size_t n = std::fread(buf, 1, sizeof buf, p)) report.append(buf, n);
+  EXPECT_EQ(::pclose(p), 0) << report;
+  EXPECT_NE(report.find("recorded trace: 1 file(s), 2 layer(s), top-2, tokens per layer: 40 5"), std::string::npos)
+      << report;
+  std::filesystem::remove_all(dir);
 }
 
 // docs/serving.md#disconnects: a client that goes away loses what the node kept

@@ -10,18 +10,14 @@ Run by ctest (python_remote_moe) with /usr/bin/python3, the interpreter with
 Debian's torch; MOECTL names the moectl binary, PYTHONPATH holds build/python.
 """
 import copy
-import os
-import shutil
-import subprocess
-import tempfile
 import unittest
 
 import torch
 import torch.nn.functional as F
 
 import moed
+from local_cluster import LocalClusterTest, moectl
 
-MOECTL = os.environ.get("MOECTL", "moectl")
 SPEC = ["--mode", "serve", "--serve-train", "--experts", "8", "--top-k", "2", "--hidden", "64",
         "--ffn-hidden", "32", "--layers", "2", "--shared-experts", "1", "--shared-ffn-hidden", "16",
         "--tokens-per-rank", "64", "--serve-max-wait-ms", "1", "--seed", "5"]
@@ -44,24 +40,7 @@ class Model(torch.nn.Module):
         return x
 
 
-def moectl(state, *args):
-    out = subprocess.run([MOECTL, "--state-dir", state, *args], capture_output=True, text=True, timeout=120)
-    if out.returncode != 0:
-        raise AssertionError(f"moectl {' '.join(args)}: {out.returncode}\n{out.stdout}{out.stderr}")
-    return out.stdout
-
-
-class RemoteMoETest(unittest.TestCase):
-    @classmethod
-    def setUpClass(cls):
-        cls.state = tempfile.mkdtemp(prefix="moed-python-")
-        moectl(cls.state, "cluster", "up", "--nodes", "2", "--devices-per-node", "2", "--backend", "cpu")
-
-    @classmethod
-    def tearDownClass(cls):
-        subprocess.run([MOECTL, "--state-dir", cls.state, "cluster", "down"], capture_output=True, timeout=120)
-        shutil.rmtree(cls.state, ignore_errors=True)
-
+class RemoteMoETest(LocalClusterTest):
     def serve(self, optimizer, wire_min_bytes=None):
         job = moectl(self.state, "job", "submit", *SPEC, "--optimizer", optimizer, "--lr", str(LR)).split()[0]
         self.addCleanup(moectl, self.state, "job", "cancel", job)

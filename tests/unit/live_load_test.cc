@@ -167,6 +167,12 @@ TEST_F(LiveLoadTest, TheRunningJobShowsItsRecentStepTimeAndTheWindowLoad) {
   EXPECT_NE(text.find("hottest: 15 11.8%, 14 11.0%"), std::string::npos) << text;  // 16/136, 15/136
   EXPECT_NE(text.find("  rank 3 [########################################] 40.0%"), std::string::npos) << text;
   expect_fits(lines, 80);
+  // A serving job has no last step: its reports are windows of calls.
+  v1::LiveLoad serving = l;
+  serving.mutable_job()->set_mode(v1::JobSpec::serve);
+  serving.mutable_job()->set_steps(0);
+  const std::string served = joined(ctl::render_top(serving, frame(80)));
+  EXPECT_NE(served.find(id + " RUNNING   window 10   200.0 ms/window   2.00k tokens/s"), std::string::npos) << served;
 }
 
 TEST_F(LiveLoadTest, AnEndedJobIsTheLastJob) {

@@ -22,7 +22,8 @@ const std::set<std::string> kMayDiffer = {"steps",  "checkpoint_dir", "checkpoin
                                           "tokens_per_rank", "name", "labels",
                                           "elastic", "elastic_batch", "min_node_replicas", "dead_node_timeout_ms",
                                           "overlap_chunks", "moments_dtype", "exact_replica_grads",
-                                          "mode", "serve_train", "serve_max_wait_ms"};
+                                          "mode", "serve_train", "serve_max_wait_ms",
+                                          "trace_dir", "trace_tokens", "trace_hidden"};  // run-only: what a run records
 
 v1::JobSpec base() {
   v1::JobSpec s;

@@ -84,5 +84,51 @@ TEST(Simulation, LoadsModeHasNoFanoutAndMarksHierarchicalNotApplicable) {
   EXPECT_THROW(run_simulation(c), moe::Error);
 }
 
+// Recorded mode (moe-placement-sim --trace): each layer's tokens are its loads
+// and the tokens its fan-out is measured on; the balancedness is what the same
+// loads give in loads mode.
+TEST(SimReport, ARecordedTraceIsItsLayersLoadsAndTokens) {
+  SimConfig c;
+  c.spec.num_experts = 8;
+  c.spec.num_ranks = 4;
+  c.spec.num_nodes = 2;
+  c.spec.num_redundant = 4;
+  c.spec.top_k = 2;
+  c.sample_tokens = 64;
+  for (int l = 0; l < 2; ++l) {
+    Trace t{8, 2, {}};
+    for (int tok = 0; tok < 400; ++tok) {  // expert 0 (layer 0) or 7 (layer 1) in most tokens
+      const int hot = l == 0 ? 0 : 7;
+      const int other = 1 + (tok * 5 + l) % 6;
+      t.topk_idx.push_back(tok % 4 ? std::min(hot, other) : std::min(other, (other % 6) + 1));
+      t.topk_idx.push_back(tok % 4 ? std::max(hot, other) : std::max(other, (other % 6) + 1));
+    }
+    c.recorded.push_back(t);
+  }
+  c.recorded_source = "test";
+  const SimReport r = run_simulation(c);
+  ASSERT_TRUE(r.recorded_mode);
+  ASSERT_EQ(r.layers.size(), 2u);
+  EXPECT_EQ(r.recorded_tokens, (std::vector<int64_t>{400, 400}));
+  SimConfig as_loads = c;
+  as_loads.recorded.clear();
+  for (const Trace& t : c.recorded) as_loads.loads.push_back(t.expert_loads());
+  const SimReport l = run_simulation(as_loads);
+  for (size_t layer = 0; layer < 2; ++layer) {
+    const PolicyResult& eplb = r.layers[layer].policies.back();
+    EXPECT_EQ(eplb.policy, "eplb-global");
+    EXPECT_DOUBLE_EQ(eplb.balancedness, l.layers[layer].policies.back().balancedness);
+    ASSERT_TRUE(eplb.fanout.has_value());  // per-token data: the fan-out is measured
+    EXPECT_GE(*eplb.fanout, 1.0);
+    EXPECT_LE(*eplb.fanout, 2.0);
+    EXPECT_GE(r.layers[layer].policies.front().balancedness, eplb.balancedness);
+  }
+  EXPECT_NE(format_table(r).find("recorded trace: test, 2 layer(s), top-2, tokens per layer: 400 400"),
+            std::string::npos)
+      << format_table(r);
+  c.recorded[1].num_experts = 9;
+  EXPECT_THROW(run_simulation(c), Error);
+}
+
 }  // namespace
 }  // namespace moe::placement

@@ -11,6 +11,11 @@
 // map as its current map, EPLB has no such input. The moed-from-scratch row
 // is moed's map solved without the current map.
 //
+// Recorded mode (a serving job's routing trace, moe-placement-sim --trace)
+// measures each layer's recorded tokens: their loads, and the fan-out of those
+// very tokens; moed's routing sample is the first sample_tokens of them (all
+// policies see the same loads; there is no previous window).
+//
 // Loads mode measures the given per-layer loads; fan-out needs per-token data
 // and is reported as not available; copies moved needs prev_loads. moed then
 // lowers the fan-out of its model of the loads if spec.top_k is set, else it
@@ -24,6 +29,7 @@
 #include <vector>
 
 #include "moe/placement/placement_map.h"
+#include "moe/placement/trace.h"
 
 namespace moe::placement {
 
@@ -36,10 +42,13 @@ struct SimConfig {
   int64_t sample_tokens = 4096;                 // 0: moed gets no routing sample
   std::vector<std::vector<double>> loads;       // loads mode when not empty: [layer][E]
   std::vector<std::vector<double>> prev_loads;  // optional, same shape
+  std::vector<Trace> recorded;                  // recorded mode when not empty: [layer]
+  std::string recorded_source;                  // what it was read from, for the report
 
   // Throws moe::Error naming the bad value.
   void validate() const;
   bool loads_mode() const { return !loads.empty(); }
+  bool recorded_mode() const { return !recorded.empty(); }
 };
 
 struct PolicyResult {
@@ -60,6 +69,8 @@ struct LayerResult {
 struct SimReport {
   SimConfig config;  // as run, without the loads
   bool loads_mode = false;
+  bool recorded_mode = false;
+  std::vector<int64_t> recorded_tokens;  // per layer
   bool has_prev_loads = false;
   int num_layers = 1;
   std::vector<LayerResult> layers;

@@ -45,6 +45,12 @@ struct JobView {
   std::string checkpoint_dir;
   int checkpoint_every;
   std::string resume;
+  // serve: the calls' routing recorded (docs/example-lm.md#routing-traces); dir "": not.
+  struct Trace {
+    std::string dir;
+    int64_t tokens;
+    bool hidden;
+  } trace;
 };
 
 ep::LayerSpec layer_spec(const v1::JobSpec& spec);

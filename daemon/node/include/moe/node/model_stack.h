@@ -100,6 +100,8 @@ class ModelStack {
   // The job as this stack runs it (its world's spec).
   const layer_spec::JobView& job() const { return job_; }
   int num_layers() const { return static_cast<int>(layers_.size()); }
+  // After a serve_forward of T rows: its top-k expert ids and weights [T, K], on the host.
+  void serve_routing(int layer, int64_t T, std::vector<int32_t>& ids, std::vector<float>& weights);
   const ep::EpLayer& layer(int l) const { return *layers_[l]; }
   ep::EpLayer& layer(int l) { return *layers_[l]; }
   // Per layer, this rank's kept pairs per logical expert over every step it ran.
