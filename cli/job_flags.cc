@@ -178,6 +178,8 @@ const std::vector<JobFieldDoc>& job_field_docs() {
        false},
       {"trace_tokens", "serve: forward rows a layer and rank the trace keeps, the first ones (default 65536)", false},
       {"trace_hidden", "serve: the trace keeps those rows' hidden states too", false},
+      {"inputs", "forward/train: the tokens are layer 0's rows of a routing trace (one recorded with --trace-hidden)",
+       false},
       {"checkpoint_every", "steps between checkpoints (0: only at the end)", false},
       {"resume",
        "a checkpoint folder (or a checkpoint_dir: its latest complete step) to start from; the spec is the "
@@ -321,6 +323,7 @@ v1::JobSpec JobFlags::build() const {
                           std::pair{&v1::JobSpec::dump_dir, &v1::JobSpec::set_dump_dir<const std::string&>},
                           std::pair{&v1::JobSpec::checkpoint_dir, &v1::JobSpec::set_checkpoint_dir<const std::string&>},
                           std::pair{&v1::JobSpec::trace_dir, &v1::JobSpec::set_trace_dir<const std::string&>},
+                          std::pair{&v1::JobSpec::inputs, &v1::JobSpec::set_inputs<const std::string&>},
                           std::pair{&v1::JobSpec::resume, &v1::JobSpec::set_resume<const std::string&>}})
     if (!(s.*get)().empty()) (s.*set)(std::filesystem::absolute((s.*get)()).lexically_normal().string());
   return s;

@@ -128,6 +128,7 @@ JobView::JobView(const v1::JobSpec& s)
       checkpoint_dir(s.checkpoint_dir()),
       checkpoint_every(s.checkpoint_every()),
       resume(s.resume()),
+      inputs(s.inputs()),
       trace{s.trace_dir(), s.trace_tokens(), s.trace_hidden()} {}
 
 ep::MoeLayerConfig layer_config(const v1::JobSpec& s) { return ep::layer_config(layer_spec(s)); }

@@ -32,9 +32,12 @@ ModelStack::ModelStack(const v1::JobSpec& spec, const std::vector<moe::ExpertMap
     layers_.push_back(std::make_unique<ep::EpLayer>(cfg, maps[l], comm, be, layer_options(l)));
     layers_.back()->set_weights(layer_spec::layer_weights(spec, l, maps[l].hosted(rank_), &pool_));
   }
-  source_ = source ? std::move(source)
-                   : std::make_unique<SyntheticSource>(job_, maps, rank_, comm, be, pool_,
-                                                       [this](int l) { return layer_options(l); });
+  if (!source) {
+    LayerOptions options = [this](int l) { return layer_options(l); };
+    source = job_.inputs.empty() ? std::make_unique<SyntheticSource>(job_, maps, rank_, comm, be, pool_, options)
+                                 : std::make_unique<RecordedSource>(job_, maps, rank_, comm, be, pool_, options);
+  }
+  source_ = std::move(source);
   const size_t bytes = T_ * H_ * kernels::dtype_size(dt_) + 1;
   for (int l = 0; l <= L; ++l) xs_.emplace_back(be, bytes);
   out_ = kernels::Buffer(be, bytes);

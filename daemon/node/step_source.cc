@@ -1,6 +1,10 @@
 #include "moe/node/step_source.h"
 
+#include <cmath>
+
+#include "moe/base/check.h"
 #include "moe/base/clock.h"
+#include "moe/io/safetensors.h"
 
 namespace moe::node {
 
@@ -65,5 +69,46 @@ void SyntheticSource::switch_to_staged() {
 }
 
 void SyntheticSource::drop_staged() { staged_teacher_.clear(); }
+
+namespace {
+
+// Layer 0's recorded rows of a routing trace, checked.
+std::vector<float> recorded_rows(const std::string& path, int hidden) {
+  const io::SafetensorsReader file(path);
+  MOE_CHECK(file.has("layer0.hidden"), "inputs: ", path,
+            " has no layer0.hidden (a serving job records its rows with --trace-dir and --trace-hidden)");
+  const std::vector<int64_t>& shape = file.info("layer0.hidden").shape;
+  MOE_CHECK(shape.size() == 2 && shape[0] > 0, "inputs: ", path, " holds no rows of layer 0 (shape ",
+            io::shape_str(shape), ")");
+  MOE_CHECK(shape[1] == hidden, "inputs: ", path, " holds rows of ", shape[1], " values, the job's hidden is ", hidden);
+  std::vector<float> rows = file.read_f32("layer0.hidden", shape);
+  for (size_t i = 0; i < rows.size(); ++i)
+    MOE_CHECK(std::isfinite(rows[i]), "inputs: ", path, " row ", i / hidden, " holds a value that is not finite");
+  return rows;
+}
+
+}  // namespace
+
+RecordedSource::RecordedSource(const layer_spec::JobView& job, const std::vector<ExpertMap>& maps, int rank,
+                               transport::Communicator& comm, kernels::Backend& be, kernels::ThreadPool& pool,
+                               LayerOptions options)
+    : SyntheticSource(job, maps, rank, comm, be, pool, std::move(options)),
+      job_(job),
+      rank_(rank),
+      world_(comm.size()),
+      be_(be),
+      rows_(recorded_rows(job.inputs, job.shape.hidden)) {}
+
+void RecordedSource::inputs(int step, kernels::Buffer& x, StepReport& report) {
+  const double t0 = now_seconds();
+  const int64_t T = job_.tokens_per_rank, H = job_.shape.hidden, n = static_cast<int64_t>(rows_.size()) / H;
+  std::vector<float> tokens(T * H);
+  const int64_t first = (static_cast<int64_t>(step) * world_ + rank_) * T;
+  for (int64_t t = 0; t < T; ++t)
+    std::copy_n(rows_.data() + ((first + t) % n) * H, H, tokens.data() + t * H);
+  const std::vector<uint8_t> host = model::to_storage(tokens, job_.dtype);
+  be_.copy_to_device(x.get(), host.data(), host.size());
+  report.set_inputs_seconds(now_seconds() - t0);
+}
 
 }  // namespace moe::node

@@ -52,6 +52,7 @@ void validate_serving(const v1::JobSpec& s) {
       require(!set, field, "records a serving job's calls (--mode serve)");
     return;
   }
+  require(s.inputs().empty(), "inputs", "a serving job's rows are its callers': inputs are for forward and train jobs");
   require(!s.trace_dir().empty() || (s.trace_tokens() == 0 && !s.trace_hidden()), "trace_dir",
           "trace_tokens and trace_hidden need a folder to write the trace to");
   require(s.steps() == 0, "steps", "a serving job runs until cancelled: leave it unset");

@@ -477,6 +477,24 @@ TEST(Serve, AServingJobRecordsItsCallsRoutingAndRows) {
   EXPECT_EQ(::pclose(p), 0) << report;
   EXPECT_NE(report.find("recorded trace: 1 file(s), 2 layer(s), top-2, tokens per layer: 40 5"), std::string::npos)
       << report;
+
+  // Jobs on the recorded rows (--inputs): a forward job's step-0 tokens are the
+  // trace's first rows (its dump shows them); a train job keeps its teacher.
+  const std::string file = (dir / "routing-rank0.safetensors").string();
+  const std::vector<std::string> shape = {"--experts", "8", "--top-k", "2", "--hidden", "32", "--ffn-hidden", "16",
+                                          "--tokens-per-rank", "16", "--steps", "3", "--inputs", file};
+  const auto [src, sout] = c.ctl(concat({"job", "submit", "--wait", "--dump-dir", (dir / "dump").string()}, shape), 60s);
+  ASSERT_EQ(src, 0) << sout << c.logs();
+  io::SafetensorsReader dump((dir / "dump" / "rank0.safetensors").string());
+  EXPECT_EQ(dump.read_f32("x", {16, H}), std::vector<float>(rows.begin(), rows.begin() + 16 * H));
+  const auto [trc, tout] = c.ctl(concat({"job", "submit", "--wait", "--mode", "train"}, shape), 60s);
+  EXPECT_EQ(trc, 0) << tout << c.logs();
+  const auto [brc, bout] =
+      c.ctl(concat({"job", "submit", "--wait", "--inputs", (dir / "missing.safetensors").string()},
+                   std::vector<std::string>(shape.begin(), shape.end() - 2)),
+            60s);
+  EXPECT_NE(brc, 0);
+  EXPECT_NE(bout.find("missing.safetensors"), std::string::npos) << bout;
   std::filesystem::remove_all(dir);
 }
 

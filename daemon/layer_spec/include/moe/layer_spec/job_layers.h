@@ -46,6 +46,7 @@ struct JobView {
   int checkpoint_every;
   std::string resume;
   // serve: the calls' routing recorded (docs/example-lm.md#routing-traces); dir "": not.
+  std::string inputs;  // forward/train: a routing trace whose layer-0 rows are the tokens ("": synthetic)
   struct Trace {
     std::string dir;
     int64_t tokens;

@@ -1,8 +1,8 @@
 // Where a step's tokens and, in train mode, its targets come from
-// (docs/jobs.md#teacher-and-loss). ModelStack's step asks only this; a source of
-// tokens from clients or from a recorded file is another StepSource. The one
-// today, SyntheticSource, draws seeded tokens and takes a teacher model's outputs
-// as the targets.
+// (docs/jobs.md#teacher-and-loss). ModelStack's step asks only this.
+// SyntheticSource draws seeded tokens and takes a teacher model's outputs as the
+// targets; RecordedSource reads the tokens from a serving job's routing trace and
+// keeps the teacher.
 #pragma once
 
 #include <chrono>
@@ -62,6 +62,25 @@ class SyntheticSource : public StepSource {
   const LayerOptions options_;
   std::vector<std::unique_ptr<ep::EpLayer>> teacher_, staged_teacher_;  // staged: on a rebalance's maps
   kernels::Buffer out_;  // a teacher layer's output
+};
+
+// A job's tokens from a serving job's routing trace (JobSpec.inputs,
+// docs/example-lm.md#routing-traces): layer 0's recorded rows, global token g of
+// step s (g = (s x ranks + rank) x T + t) being row g mod n; the targets are the
+// teacher's, as SyntheticSource's. Throws moe::Error naming the file: missing,
+// no recorded rows, another hidden size, a value that is not finite.
+class RecordedSource : public SyntheticSource {
+ public:
+  RecordedSource(const layer_spec::JobView& job, const std::vector<ExpertMap>& maps, int rank,
+                 transport::Communicator& comm, kernels::Backend& be, kernels::ThreadPool& pool,
+                 LayerOptions options);
+  void inputs(int step, kernels::Buffer& x, StepReport& report) override;
+
+ private:
+  const layer_spec::JobView& job_;
+  const int rank_, world_;
+  kernels::Backend& be_;
+  std::vector<float> rows_;  // [n, H]
 };
 
 }  // namespace moe::node
