@@ -128,6 +128,40 @@ void Session::forget_wire(size_t node) {
   links_.erase(it);
 }
 
+// ServeOpenWire on `node`: its address, its id for us and the key; the node
+// becomes a peer of our port under a fresh id of ours. Returns the link at seq 1.
+Session::WireCall Session::open_wire(size_t node) {
+  forget_wire(node);
+  uint32_t link = 0;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    link = next_link_;
+    next_link_ = next_link_ % tensor_wire::kMaxPeerId + 1;
+  }
+  v1::Envelope open;
+  v1::ServeOpenWire* o = open.mutable_serve_open_wire();
+  o->set_job_id(opts_.job);
+  o->set_client_address(wire_->address());
+  o->set_client_peer(link);
+  const v1::Envelope reply = call_node(node, std::move(open));
+  expect(reply, reply.has_serve_open_wire_reply(), "opening the tensor wire");
+  const v1::ServeOpenWireReply& r = reply.serve_open_wire_reply();
+  tensor_wire::Key key{};
+  if (r.key().size() != key.size() || r.node_peer() == 0)
+    throw rpc::RpcError(v1::ERROR_CODE_INTERNAL, "the node opened the tensor wire with a " +
+                                                     std::to_string(r.key().size()) + "-byte key");
+  std::memcpy(key.data(), r.key().data(), key.size());
+  try {
+    wire_->add_peer(r.node_address(), key, size_t{1} << 30, size_t{1} << 30, link);
+  } catch (const Error& e) {
+    throw rpc::RpcError(v1::ERROR_CODE_UNAVAILABLE, e.what(), rpc::RpcError::Peer::kUnreached);
+  }
+  const WireCall call{link, r.node_peer(), 1};
+  std::lock_guard<std::mutex> lock(mu_);
+  links_[node] = call;
+  return call;
+}
+
 Session::WireCall Session::send_on_wire(size_t node, const void* rows, size_t bytes) {
   WireCall call;
   {
@@ -139,36 +173,7 @@ Session::WireCall Session::send_on_wire(size_t node, const void* rows, size_t by
       call.seq = ++it->second.seq;
     }
   }
-  if (call.seq == 0) {  // open the wire to this node (again: a new key once a key's sequences ran out)
-    forget_wire(node);
-    uint32_t link = 0;
-    {
-      std::lock_guard<std::mutex> lock(mu_);
-      link = next_link_;
-      next_link_ = next_link_ % tensor_wire::kMaxPeerId + 1;
-    }
-    v1::Envelope open;
-    v1::ServeOpenWire* o = open.mutable_serve_open_wire();
-    o->set_job_id(opts_.job);
-    o->set_client_address(wire_->address());
-    o->set_client_peer(link);
-    const v1::Envelope reply = call_node(node, std::move(open));
-    expect(reply, reply.has_serve_open_wire_reply(), "opening the tensor wire");
-    const v1::ServeOpenWireReply& r = reply.serve_open_wire_reply();
-    tensor_wire::Key key{};
-    if (r.key().size() != key.size() || r.node_peer() == 0)
-      throw rpc::RpcError(v1::ERROR_CODE_INTERNAL, "the node opened the tensor wire with a " +
-                                                       std::to_string(r.key().size()) + "-byte key");
-    std::memcpy(key.data(), r.key().data(), key.size());
-    try {
-      wire_->add_peer(r.node_address(), key, size_t{1} << 30, size_t{1} << 30, link);
-    } catch (const Error& e) {
-      throw rpc::RpcError(v1::ERROR_CODE_UNAVAILABLE, e.what(), rpc::RpcError::Peer::kUnreached);
-    }
-    call = {link, r.node_peer(), 1};
-    std::lock_guard<std::mutex> lock(mu_);
-    links_[node] = call;
-  }
+  if (call.seq == 0) call = open_wire(node);  // first use, or a new key once a key's sequences ran out
   try {
     wire_->send_and_wait(call.link, tensor_wire::make_tag(tensor_wire::Direction::kToNode, call.node_peer, call.seq),
                          rows, bytes, Clock::now() + opts_.timeout);

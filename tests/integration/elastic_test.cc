@@ -116,7 +116,9 @@ TEST(Elastic, WithoutReplicasTheJobFailsNamingTheLostExperts) {
   kill_at_step(c, id, 5, "node1");
   const auto killed = std::chrono::steady_clock::now();
   const v1::JobResult r = wait_for(c, id, 1);
-  EXPECT_LT(std::chrono::steady_clock::now() - killed, 2s);
+  // At once: from the lost node's detection, not after a transport timeout (30 s).
+  // Not a speed figure: a shared 2-vCPU host took 2.1 s once, so the bound is loose.
+  EXPECT_LT(std::chrono::steady_clock::now() - killed, 10s);
   EXPECT_EQ(r.state(), v1::JOB_STATE_FAILED);
   EXPECT_NE(r.message().find("experts lost with no surviving copy: layer 0: expert(s) "), std::string::npos)
       << r.message();

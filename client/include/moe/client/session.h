@@ -129,6 +129,7 @@ class Session {
   };
   bool on_wire(size_t bytes) const { return bytes >= opts_.wire_min_bytes; }
   WireCall send_on_wire(size_t node, const void* rows, size_t bytes);
+  WireCall open_wire(size_t node);
   std::string take_from_wire(const WireCall& call, size_t bytes);
   // The node no longer knows our wire (it restarted, or closed it): the next call opens it again.
   void forget_wire(size_t node);
