@@ -12,10 +12,10 @@ SyntheticSource::SyntheticSource(const layer_spec::JobView& job, const std::vect
                                  transport::Communicator& comm, kernels::Backend& be, kernels::ThreadPool& pool,
                                  LayerOptions options)
     : job_(job),
-      teacher_spec_(layer_spec::teacher_of(job.spec)),
       rank_(rank),
       comm_(comm),
       be_(be),
+      teacher_spec_(layer_spec::teacher_of(job.spec)),
       pool_(pool),
       options_(std::move(options)) {
   if (!job_.train || job_.serve) return;  // a serving job's rows are its callers'
@@ -93,17 +93,13 @@ RecordedSource::RecordedSource(const layer_spec::JobView& job, const std::vector
                                transport::Communicator& comm, kernels::Backend& be, kernels::ThreadPool& pool,
                                LayerOptions options)
     : SyntheticSource(job, maps, rank, comm, be, pool, std::move(options)),
-      job_(job),
-      rank_(rank),
-      world_(comm.size()),
-      be_(be),
       rows_(recorded_rows(job.inputs, job.shape.hidden)) {}
 
 void RecordedSource::inputs(int step, kernels::Buffer& x, StepReport& report) {
   const double t0 = now_seconds();
   const int64_t T = job_.tokens_per_rank, H = job_.shape.hidden, n = static_cast<int64_t>(rows_.size()) / H;
   std::vector<float> tokens(T * H);
-  const int64_t first = (static_cast<int64_t>(step) * world_ + rank_) * T;
+  const int64_t first = (static_cast<int64_t>(step) * comm_.size() + rank_) * T;
   for (int64_t t = 0; t < T; ++t)
     std::copy_n(rows_.data() + ((first + t) % n) * H, H, tokens.data() + t * H);
   const std::vector<uint8_t> host = model::to_storage(tokens, job_.dtype);

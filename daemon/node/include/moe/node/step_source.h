@@ -49,15 +49,17 @@ class SyntheticSource : public StepSource {
   void switch_to_staged() override;
   void drop_staged() override;
 
+ protected:  // a source of other tokens (RecordedSource) reads the job, rank, world and backend
+  const layer_spec::JobView& job_;
+  const int rank_;
+  transport::Communicator& comm_;
+  kernels::Backend& be_;
+
  private:
   std::vector<std::unique_ptr<ep::EpLayer>> teacher_on(const std::vector<ExpertMap>& maps) const;
   int64_t token_begin() const { return static_cast<int64_t>(rank_) * job_.tokens_per_rank; }
 
-  const layer_spec::JobView& job_;
   const v1::JobSpec teacher_spec_;
-  const int rank_;
-  transport::Communicator& comm_;
-  kernels::Backend& be_;
   kernels::ThreadPool& pool_;
   const LayerOptions options_;
   std::vector<std::unique_ptr<ep::EpLayer>> teacher_, staged_teacher_;  // staged: on a rebalance's maps
@@ -77,9 +79,6 @@ class RecordedSource : public SyntheticSource {
   void inputs(int step, kernels::Buffer& x, StepReport& report) override;
 
  private:
-  const layer_spec::JobView& job_;
-  const int rank_, world_;
-  kernels::Backend& be_;
   std::vector<float> rows_;  // [n, H]
 };
 
