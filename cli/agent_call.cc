@@ -62,9 +62,14 @@ Resolved resolve(const Globals& g) {
   Resolved r;
   r.state_dir = !g.state_dir.empty() ? g.state_dir : rpc::default_state_dir();
   const rpc::LocalAccess local = rpc::local_access(r.state_dir);
+  // The state directory's token and certificates belong to its own cluster: they
+  // go with its agent (no --agent, or that address) or a state directory the user
+  // named, never with whatever other agent --agent names.
+  const bool own_cluster = g.agent.empty() || g.agent == local.agent || !g.state_dir.empty();
   r.agent = !g.agent.empty() ? g.agent : !local.agent.empty() ? local.agent : kDefaultAgent;
-  r.token = !g.token_file.empty() ? rpc::read_token_file(g.token_file) : local.token;
-  r.tls = g.tls.enabled() ? g.tls : local.tls;
+  r.token = !g.token_file.empty() ? rpc::read_token_file(g.token_file) : own_cluster ? local.token : "";
+  if (g.plaintext && g.tls.enabled()) throw InvalidArgument("give --plaintext or the --tls-* files, not both");
+  if (!g.plaintext) r.tls = g.tls.enabled() ? g.tls : own_cluster ? local.tls : rpc::TlsFiles{};
   return r;
 }
 

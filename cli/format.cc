@@ -84,6 +84,19 @@ std::string cut(const std::string& text, size_t width) {
   return width <= 3 ? text.substr(0, width) : text.substr(0, width - 3) + "...";
 }
 
+std::string wrap(const std::string& text, int width, int indent) {
+  std::string out, line;
+  std::istringstream words(text);
+  for (std::string w; words >> w;) {
+    if (!line.empty() && static_cast<int>(line.size() + 1 + w.size()) > width) {
+      out += line + "\n";
+      line = std::string(indent, ' ');
+    }
+    line += (line.empty() || line.back() == ' ' ? "" : " ") + w;
+  }
+  return line.empty() ? out : out + line + "\n";
+}
+
 void print_rows(std::ostream& out, const std::vector<std::pair<std::string, std::string>>& rows) {
   size_t w = 0;
   for (const auto& [k, v] : rows) w = std::max(w, k.size());

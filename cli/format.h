@@ -32,6 +32,8 @@ int terminal_columns(int otherwise);
 std::string ranks_text(int registered, int alive);
 // text cut to at most width characters ("..." at the end when cut).
 std::string cut(const std::string& text, size_t width);
+// text word-wrapped at width, continuation lines indented; each line ends in '\n'.
+std::string wrap(const std::string& text, int width, int indent);
 // "key  value" lines with the values aligned.
 void print_rows(std::ostream& out, const std::vector<std::pair<std::string, std::string>>& rows);
 // Columns padded to their widest cell; the first row is the header.

@@ -1,8 +1,6 @@
 #include "moe/ctl/job_flags.h"
 
 #include <google/protobuf/descriptor.h>
-#include <google/protobuf/struct.pb.h>
-#include <google/protobuf/util/json_util.h>
 
 #include <CLI/CLI.hpp>
 #include <cerrno>
@@ -16,6 +14,7 @@
 #include "moe/rpc/frame.h"
 #include "moe/spec/checkpoint_manifest.h"
 #include "moe/spec/job_spec.h"
+#include "moe/spec/strict_json.h"
 
 namespace moe::ctl {
 namespace {
@@ -73,17 +72,6 @@ std::string default_text(const FieldDescriptor& f) {
   }
 }
 
-// "softmax | sigmoid" for an enum field (its real values, not *_UNSPECIFIED).
-std::string enum_choices(const FieldDescriptor& f) {
-  std::string out;
-  for (int i = 0; i < f.enum_type()->value_count(); ++i) {
-    const auto* v = f.enum_type()->value(i);
-    if (v->number() == 0) continue;
-    out += (out.empty() ? "" : " | ") + v->name();
-  }
-  return out;
-}
-
 // What --help shows for the value of a field's flag.
 std::string type_name(const FieldDescriptor& f) {
   switch (f.cpp_type()) {
@@ -99,15 +87,28 @@ std::string type_name(const FieldDescriptor& f) {
 
 // The fields a JobSpec JSON text sets (its keys, by proto or JSON name).
 std::set<std::string> json_fields(const std::string& json) {
-  google::protobuf::Struct keys;
   std::set<std::string> out;
-  if (!google::protobuf::util::JsonStringToMessage(json, &keys).ok()) return out;  // spec_from_json reported it
-  for (const auto& [key, value] : keys.fields()) {
-    const FieldDescriptor* f = v1::JobSpec::descriptor()->FindFieldByName(key);
-    if (!f) f = v1::JobSpec::descriptor()->FindFieldByCamelcaseName(key);
+  for (const spec::JsonMember& m : spec::strict_json_object(json)) {
+    const FieldDescriptor* f = v1::JobSpec::descriptor()->FindFieldByName(m.key);
+    if (!f) f = v1::JobSpec::descriptor()->FindFieldByCamelcaseName(m.key);
     if (f) out.insert(f->name());
   }
   return out;
+}
+
+// A required field the user set to 0 (a flag or a file's key) is a value out of
+// range, not a missing one: proto3 cannot tell the two apart after parsing.
+void check_given_zeros(const v1::JobSpec& s, const std::set<std::string>& set_by_user) {
+  for (const JobFieldDoc& doc : job_field_docs()) {
+    if (!doc.required || !set_by_user.count(doc.field)) continue;
+    if (std::string(doc.field) == "steps" && s.mode() == v1::JobSpec::serve) continue;  // unset there: 0
+    const FieldDescriptor& f = field_of(doc.field);
+    const auto* r = s.GetReflection();
+    const int64_t v = f.cpp_type() == FieldDescriptor::CPPTYPE_INT32 ? r->GetInt32(s, &f) : r->GetInt64(s, &f);
+    if (v < 1)
+      throw moe::InvalidArgument(std::string(doc.field) + ": must be >= 1, got " + std::to_string(v) + " (" +
+                                 flag_name(doc.field) + ")");
+  }
 }
 
 // A resumed job's spec (docs/jobs.md#checkpoints-and-resume): the checkpoint's,
@@ -192,8 +193,8 @@ const std::vector<JobFieldDoc>& job_field_docs() {
        "heartbeat intervals, 1000 by default)",
        false},
       {"min_node_replicas",
-       "every expert's copies on at least this many nodes (2: a node's death loses no expert); the shape gets the "
-       "redundant slots it needs",
+       "every expert's copies on at least this many nodes (0 or 1: no rule; 2: a node's death loses no expert); the "
+       "shape gets the redundant slots it needs and keeps them for its later jobs until `moectl placement reset`",
        false},
       {"elastic",
        "when a node is lost, go on on the surviving nodes from the step in flight (experts from their replicas) "
@@ -236,7 +237,7 @@ std::string flag_name(const std::string& field) {
 std::string flag_help(const JobFieldDoc& doc) {
   const FieldDescriptor& f = field_of(doc.field);
   std::string help = doc.help;
-  if (f.cpp_type() == FieldDescriptor::CPPTYPE_ENUM) help += ": " + (doc.choices ? doc.choices : enum_choices(f));
+  if (f.cpp_type() == FieldDescriptor::CPPTYPE_ENUM) help += ": " + (doc.choices ? doc.choices : spec::enum_choices(f));
   if (f.cpp_type() == FieldDescriptor::CPPTYPE_BOOL) help += ": true | false";
   if (doc.required) return help + " (required)";
   const std::string d = default_text(f);
@@ -259,7 +260,7 @@ void set_field(v1::JobSpec& s, const std::string& field, const std::string& text
       return r->SetBool(&s, &f, text == "true");
     case FieldDescriptor::CPPTYPE_ENUM: {
       const auto* v = f.enum_type()->FindValueByName(text);
-      if (!v || v->number() == 0) bad(field, text, "expects " + enum_choices(f));
+      if (!v || v->number() == 0) bad(field, text, "expects " + spec::enum_choices(f));
       return r->SetEnum(&s, &f, v);
     }
     case FieldDescriptor::CPPTYPE_STRING: return r->SetString(&s, &f, text);
@@ -316,6 +317,7 @@ v1::JobSpec JobFlags::build() const {
     (*s.mutable_labels())[kv.substr(0, eq)] = kv.substr(eq + 1);
     set_by_user.insert("labels");
   }
+  check_given_zeros(s, set_by_user);
   if (!s.resume().empty()) s = resumed_spec(s, set_by_user);
   if (!hf_config_.empty()) s = apply_hf_model(hf_model_from_config(read_file(hf_config_), hf_config_), s, set_by_user);
   // Paths as the user meant them, wherever the agent and the daemons run from.

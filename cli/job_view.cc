@@ -169,6 +169,8 @@ void print_job(std::ostream& out, const v1::JobResult& j) {
   else if (j.steps_completed() > 0 && !serving) result_rows(j, rows);
   if (!j.progress().rebalance().empty()) rows.push_back({"rebalance", j.progress().rebalance()});
   if (j.spec().verify()) rows.push_back({"verify", verify_text(j)});
+  if (!j.placement().empty())  // docs/placement.md#cluster-state
+    rows.push_back({j.started_unix_ms() > 0 ? "started on" : "would start on", j.placement()});
   if (j.state() != v1::JOB_STATE_RUNNING)
     rows.push_back({"placement epoch", std::to_string(static_cast<int64_t>(j.placement_epoch()))});
   print_rows(out, rows);
@@ -201,6 +203,23 @@ std::string progress_line(const v1::JobResult& j) {
   return s;
 }
 
+std::string world_change_line(const v1::JobResult& j, const v1::WorldChange& w) {
+  auto names = [](const auto& list) {
+    std::string s;
+    for (const auto& n : list) s += (s.empty() ? "" : ",") + n;
+    return s;
+  };
+  std::string s = j.job_id() + " world " + std::to_string(w.world_epoch()) + " at step " + std::to_string(w.step()) + ":";
+  if (w.lost_nodes_size() > 0) s += " lost " + names(w.lost_nodes());
+  if (w.joined_nodes_size() > 0) s += std::string(w.lost_nodes_size() > 0 ? "," : "") + " " + names(w.joined_nodes()) + " joined";
+  if (!w.cause().empty()) s += " (" + w.cause() + ")";
+  s += "; " + std::to_string(w.old_world()) + " -> " + std::to_string(w.new_world()) + " ranks";
+  if (w.experts_from_replicas() > 0) s += ", " + std::to_string(w.experts_from_replicas()) + " experts from replicas";
+  if (w.experts_from_checkpoint() > 0) s += ", " + std::to_string(w.experts_from_checkpoint()) + " experts from " + w.checkpoint();
+  if (w.steps_recomputed() > 0) s += ", " + std::to_string(w.steps_recomputed()) + " steps recomputed";
+  return s;
+}
+
 void print_job_list(std::ostream& out, const std::vector<v1::JobResult>& jobs, int width) {
   bool names = false;
   for (const auto& j : jobs) names = names || !j.spec().name().empty();
@@ -224,9 +243,15 @@ void print_job_list(std::ostream& out, const std::vector<v1::JobResult>& jobs, i
     for (size_t i = 0; i < r.size(); ++i) w[i] = std::max(w[i], r[i].size());
   size_t used = 0;
   for (size_t i = 0; i + 1 < w.size(); ++i) used += w[i] + 2;
-  const size_t room = width > static_cast<int>(used) + 10 ? width - used : 10;
+  const size_t room = width > static_cast<int>(used) + 3 ? width - used : 3;  // "..." at least
+  // A queued job's reason says what to do: cut in the table, it follows whole.
+  std::vector<std::string> notes;
+  for (size_t i = 1; i < rows.size(); ++i)
+    if (jobs[i - 1].state() == v1::JOB_STATE_QUEUED && rows[i].back().size() > room)
+      notes.push_back(jobs[i - 1].job_id() + " is " + rows[i].back());
   for (auto& r : rows) r.back() = cut(r.back(), room);
   print_table(out, rows);
+  for (const std::string& n : notes) out << wrap(n, std::max(width, 40), 2);
 }
 
 }  // namespace moe::ctl

@@ -1,4 +1,5 @@
 // moectl job submit / status / wait / list / cancel.
+#include <pthread.h>
 #include <signal.h>
 #include <unistd.h>
 
@@ -79,29 +80,46 @@ void on_interrupt(int) {
   ::_exit(128 + SIGINT);
 }
 
-// While alive, Ctrl-C leaves the job running and says how to come back to it.
+// While alive, Ctrl-C leaves the job as it is and says how to come back to
+// it: a queued job stays queued, a running one keeps running.
 class DetachNotice {
  public:
-  explicit DetachNotice(const std::string& id) {
-    std::snprintf(detach_message, sizeof detach_message,
-                  "\nmoectl: stopped waiting; %s keeps running. Reattach: moectl job wait %s; "
-                  "cancel: moectl job cancel %s\n",
-                  id.c_str(), id.c_str(), id.c_str());
+  explicit DetachNotice(const std::string& id, v1::JobState state) : id_(id) {
+    set_state(state);
     struct sigaction sa {};
     sa.sa_handler = on_interrupt;
     sigaction(SIGINT, &sa, &old_);
   }
   ~DetachNotice() { sigaction(SIGINT, &old_, nullptr); }
 
+  // Rewrites the message (with SIGINT held off, so the handler never reads half of it).
+  void set_state(v1::JobState state) {
+    if (state == state_) return;
+    state_ = state;
+    sigset_t block, old;
+    sigemptyset(&block);
+    sigaddset(&block, SIGINT);
+    pthread_sigmask(SIG_BLOCK, &block, &old);
+    const char* now = state == v1::JOB_STATE_QUEUED ? "stays queued" : "keeps running";
+    std::snprintf(detach_message, sizeof detach_message,
+                  "\nmoectl: stopped waiting; %s %s. Reattach: moectl job wait %s; cancel: moectl job cancel %s\n",
+                  id_.c_str(), now, id_.c_str(), id_.c_str());
+    pthread_sigmask(SIG_SETMASK, &old, nullptr);
+  }
+
  private:
+  std::string id_;
+  v1::JobState state_ = v1::JOB_STATE_UNSPECIFIED;
   struct sigaction old_ {};
 };
 
 // Waits for the job to end (or the timeout), streaming a progress line per step
 // to `progress` when given. nullopt: still not ended when the timeout ran out.
-std::optional<v1::JobResult> wait_for(rpc::RpcClient& c, const std::string& id, std::optional<double> timeout_s,
-                                      std::ostream* progress, std::ostream& err) {
-  const DetachNotice notice(id);
+// `state` is the job's state when the wait begins; while it is queued the agent
+// is asked each second, so Ctrl-C says what the job does now.
+std::optional<v1::JobResult> wait_for(rpc::RpcClient& c, const std::string& id, v1::JobState state,
+                                      std::optional<double> timeout_s, std::ostream* progress, std::ostream& err) {
+  DetachNotice notice(id, state);
   const auto deadline = Clock::now() +
                         std::chrono::milliseconds(static_cast<int64_t>(timeout_s.value_or(1e9) * 1000));
   int seen = -1;
@@ -110,9 +128,12 @@ std::optional<v1::JobResult> wait_for(rpc::RpcClient& c, const std::string& id, 
     const auto left = std::chrono::duration_cast<std::chrono::milliseconds>(deadline - Clock::now());
     if (left.count() <= 0) return std::nullopt;
     // At least a second per call: a shorter one could run out before the agent's reply arrives.
-    const auto slice = std::clamp<std::chrono::milliseconds>(left, std::chrono::seconds(1), std::chrono::seconds(30));
+    const auto longest = state == v1::JOB_STATE_QUEUED ? std::chrono::seconds(1) : std::chrono::seconds(30);
+    const auto slice = std::clamp<std::chrono::milliseconds>(left, std::chrono::seconds(1), longest);
     const v1::JobResult j = wait_once(c, id, progress ? std::optional<int>(seen) : std::nullopt, slice, err, deadline);
     if (finished(j.state())) return j;
+    state = j.state();
+    notice.set_state(state);
     const int step = j.progress().step();
     if (progress && (step > seen || j.state() != seen_state)) {
       *progress << progress_line(j) << std::endl;
@@ -120,6 +141,19 @@ std::optional<v1::JobResult> wait_for(rpc::RpcClient& c, const std::string& id, 
       seen_state = j.state();
     }
   }
+}
+
+// The job's state as a wait begins; a queued job's reason said once on `err`
+// when no progress lines will say it (a wait must not look like a hang). A job
+// the scheduler is about to start ("waiting for its start") is not news.
+v1::JobState say_why_queued(rpc::RpcClient& c, const Globals& g, const std::string& id, bool progress,
+                            std::ostream& err) {
+  v1::Envelope req;
+  req.mutable_get_job()->set_job_id(id);
+  const v1::JobResult j = c.call(req, g.timeout).job();
+  if (!progress && j.state() == v1::JOB_STATE_QUEUED && j.progress().waiting_for() != "its start")
+    err << "moectl: " << progress_line(j) << std::endl;
+  return j.state();
 }
 
 // The end of a wait: the result, or what --timeout means (docs/cli.md#exit-codes).
@@ -161,6 +195,16 @@ bool selected(const v1::JobResult& j, const std::vector<std::pair<std::string, s
   return true;
 }
 
+// The placement a job will start on when its shape carries one from earlier jobs
+// (docs/placement.md#cluster-state): said, with how to start afresh.
+void say_placement(const v1::JobResult& job, std::ostream& err) {
+  const std::string& p = job.placement();
+  if (p.rfind("shape ", 0) != 0) return;  // a shape never placed: its first maps are the solver's
+  const std::string shape = p.substr(6, p.find(',') - 6);
+  err << "moectl: " << job.job_id() << " will start on the placement in force: " << p
+      << " (moectl placement reset --shape " << shape << " starts afresh)" << std::endl;
+}
+
 }  // namespace
 
 int job_submit(const Globals& g, const v1::JobSpec& given, const WaitOptions& w, std::ostream& out, std::ostream& err) {
@@ -178,12 +222,15 @@ int job_submit(const Globals& g, const v1::JobSpec& given, const WaitOptions& w,
     const v1::JobResult job = c.call(req, g.timeout).job();
     if (!w.wait) {
       if (g.json) out << to_json(job) << "\n";
-      else out << job.job_id() << "\n";
+      else out << job.job_id() << std::endl;
+      say_placement(job, err);
       return kExitOk;
     }
     if (!g.json) out << job.job_id() << " submitted" << std::endl;  // seen even if the wait is interrupted
+    say_placement(job, err);
     std::ostream* progress = isatty(STDERR_FILENO) && !g.json ? &err : nullptr;
-    return report_wait(g, job.job_id(), wait_for(c, job.job_id(), w.timeout_s, progress, err),
+    const v1::JobState state = say_why_queued(c, g, job.job_id(), progress != nullptr, err);
+    return report_wait(g, job.job_id(), wait_for(c, job.job_id(), state, w.timeout_s, progress, err),
                        w.timeout_s.value_or(0), out, err);
   });
 }
@@ -198,10 +245,12 @@ int job_status(const Globals& g, const std::string& id, bool watch, std::ostream
       return watch ? job_exit(j) : kExitOk;
     }
     // A line (a JSON object with -o json) per step until the job ends, then its record.
-    const DetachNotice notice(id);
-    int seen = -2;
+    DetachNotice notice(id, j.state());
+    int seen = -2, seen_worlds = j.world_changes_size();
     v1::JobState seen_state = v1::JOB_STATE_UNSPECIFIED;
     while (!finished(j.state())) {
+      for (; !g.json && seen_worlds < j.world_changes_size(); ++seen_worlds)  // an elastic job's events
+        out << world_change_line(j, j.world_changes(seen_worlds)) << std::endl;
       if (j.progress().step() != seen || j.state() != seen_state) {
         if (g.json) out << to_json(j.progress(), true) << std::endl;
         else out << progress_line(j) << std::endl;
@@ -209,6 +258,7 @@ int job_status(const Globals& g, const std::string& id, bool watch, std::ostream
         seen_state = j.state();
       }
       j = wait_once(c, id, std::max(seen, -1), std::chrono::seconds(30), err);
+      notice.set_state(j.state());
     }
     print_record(out, j, g.json);
     return job_exit(j);  // a watch ends as a wait does
@@ -218,13 +268,8 @@ int job_status(const Globals& g, const std::string& id, bool watch, std::ostream
 int job_wait(const Globals& g, const std::string& id, const WaitOptions& w, std::ostream& out, std::ostream& err) {
   return with_agent(g, err, [&](rpc::RpcClient& c, const Resolved&) {
     std::ostream* progress = isatty(STDERR_FILENO) && !g.json ? &err : nullptr;
-    if (!progress) {  // say once what a queued job waits for: a wait must not look like a hang
-      v1::Envelope req;
-      req.mutable_get_job()->set_job_id(id);
-      const v1::JobResult j = c.call(req, g.timeout).job();
-      if (j.state() == v1::JOB_STATE_QUEUED) err << "moectl: " << progress_line(j) << std::endl;
-    }
-    return report_wait(g, id, wait_for(c, id, w.timeout_s, progress, err), w.timeout_s.value_or(0), out, err);
+    const v1::JobState state = say_why_queued(c, g, id, progress != nullptr, err);
+    return report_wait(g, id, wait_for(c, id, state, w.timeout_s, progress, err), w.timeout_s.value_or(0), out, err);
   });
 }
 

@@ -205,10 +205,15 @@ int cluster_down(const Globals& g, std::ostream& out, std::ostream& err) {
     if (fs::exists(dir / "pids"))
       for (const auto& f : fs::directory_iterator(dir / "pids"))
         (f.path().filename() == "agent.pid" ? agent : daemons).push_back(f.path());
-    stop_pids(daemons, std::chrono::seconds(10));
-    stop_pids(agent, std::chrono::seconds(10));
-    fs::remove(dir / "agent_address");
-    if (!g.json) out << "cluster down: " << dir.string() << "\n";
+    const bool had_address = fs::remove(dir / "agent_address");
+    if (daemons.empty() && agent.empty() && !had_address) {
+      err << "moectl: cluster down: no cluster is up in " << dir.string() << ": nothing to stop\n";
+      return kExitUnreachable;
+    }
+    const size_t stopped = stop_pids(daemons, std::chrono::seconds(10)) + stop_pids(agent, std::chrono::seconds(10));
+    if (!g.json)
+      out << "cluster down: " << dir.string() << " (stopped " << stopped << " of " << daemons.size() + agent.size()
+          << " processes" << (stopped < daemons.size() + agent.size() ? "; the others had already exited" : "") << ")\n";
     return kExitOk;
   });
 }

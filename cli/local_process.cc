@@ -189,7 +189,7 @@ Command read_command(const fs::path& file) {
 }
 
 // Stops the processes of these pid files: SIGTERM, then SIGKILL after the grace.
-void stop_pids(const std::vector<fs::path>& files, std::chrono::milliseconds grace) {
+size_t stop_pids(const std::vector<fs::path>& files, std::chrono::milliseconds grace) {
   std::vector<pid_t> pids;
   for (const auto& f : files) {
     const pid_t pid = read_pid(f);
@@ -207,6 +207,7 @@ void stop_pids(const std::vector<fs::path>& files, std::chrono::milliseconds gra
     }
     if (alive(pid)) ::kill(pid, SIGKILL);
   }
+  return pids.size();
 }
 
 

@@ -102,7 +102,8 @@ pid_t spawn(const std::vector<std::string>& argv, const fs::path& log,
 bool alive(pid_t pid);
 // The pid in a pid file; -1 when there is none.
 pid_t read_pid(const fs::path& p);
-// Stops the processes of these pid files: SIGTERM, then SIGKILL after the grace.
-void stop_pids(const std::vector<fs::path>& files, std::chrono::milliseconds grace);
+// Stops the processes of these pid files: SIGTERM, then SIGKILL after the grace;
+// removes the files. Returns how many of them were running.
+size_t stop_pids(const std::vector<fs::path>& files, std::chrono::milliseconds grace);
 
 }  // namespace moe::ctl

@@ -8,11 +8,13 @@
 #include <memory>
 #include <optional>
 
+#include "moe/base/cli_checks.h"
 #include "moe/base/version.h"
 #include "completion.h"
 #include "moe/ctl/ctl.h"
 #include "moe/ctl/job_flags.h"
 #include "moe/rpc/tls_flags.h"
+#include "usage_errors.h"
 
 namespace {
 
@@ -29,20 +31,20 @@ void add_cluster(CLI::App& app, Commands& c) {
   CLI::App* cluster = app.add_subcommand("cluster", "a local cluster on loopback")->require_subcommand(1);
   auto up = std::make_shared<ctl::ClusterUpOptions>();
   CLI::App* cup = cluster->add_subcommand("up", "start an agent and daemons in the background");
-  cup->add_option("--nodes", up->nodes, "daemons to start")->check(CLI::Range(1, 64))->capture_default_str();
+  cup->add_option("--nodes", up->nodes, "daemons to start")->check(moe::integer_in(1, 64))->capture_default_str();
   cup->add_option("--devices-per-node", up->devices_per_node, "EP ranks per daemon")
-      ->check(CLI::Range(1, 64))
+      ->check(moe::integer_in(1, 64))
       ->capture_default_str();
   cup->add_option("--backend", up->backend, "auto, cpu or cuda")
       ->check(CLI::IsMember({"auto", "cpu", "cuda"}))
       ->capture_default_str();
   cup->add_option("--agent-grace", up->agent_grace,
                   "seconds a job runs on while the agent is away (moed and moe-agent --agent-grace)")
-      ->check(CLI::Range(0.0, 86400.0))
+      ->check(moe::number_in(0, 86400))
       ->capture_default_str();
   cup->add_option("--stop-grace", up->stop_grace,
                   "seconds a stopping daemon waits for its job's step boundary (moed --stop-grace)")
-      ->check(CLI::Range(0.0, 3600.0))
+      ->check(moe::number_in(0, 3600))
       ->capture_default_str();
   cup->add_flag("--plaintext", up->plaintext,
                 "plain TCP, no TLS (default: a CA and certificates in the state directory's tls/)");
@@ -59,6 +61,7 @@ void add_cluster(CLI::App& app, Commands& c) {
     cup->add_option(flag, agent_flags->back().second, help);
   }
   c.add(cup, [&c, up, agent_flags] {
+    up->plaintext = up->plaintext || c.g.plaintext;  // the global flag before the verb means the same
     for (const auto& [flag, value] : *agent_flags)
       if (!value.empty()) up->agent_args.insert(up->agent_args.end(), {flag, value});
     return ctl::cluster_up(c.g, *up, std::cout, std::cerr);
@@ -92,13 +95,13 @@ void add_logs(CLI::App& app, Commands& c) {
   CLI::App* logs = app.add_subcommand("logs", "a local cluster's process log: agent or a node's name");
   logs->add_option("NAME", o->name, "agent, node0, node1, ...")->required();
   logs->add_flag("-f,--follow", o->follow, "keep printing what is appended (Ctrl-C stops)");
-  logs->add_option("--tail", o->tail, "only the last N lines")->check(CLI::NonNegativeNumber);
+  logs->add_option("--tail", o->tail, "only the last N lines")->check(moe::integer_at_least(0));
   c.add(logs, [&c, o] { return ctl::logs(c.g, *o, std::cout, std::cerr); });
 }
 
 void add_timeout(CLI::App* cmd, std::optional<double>& timeout) {
   cmd->add_option("--timeout", timeout, "seconds to wait; then exit 4 (the job keeps running)")
-      ->check(CLI::PositiveNumber);
+      ->check(moe::number_above(0));
 }
 
 void add_job(CLI::App& app, Commands& c) {
@@ -171,11 +174,15 @@ void add_placement(CLI::App& app, Commands& c) {
   loads->add_option("file", *file)->required();
   add_target(loads, *t, false);
   c.add(loads, [&c, t, file] { return ctl::placement_loads(c.g, *t, *file, std::cout, std::cerr); });
+  auto reset_target = std::make_shared<ctl::PlacementTarget>();
+  CLI::App* reset = placement->add_subcommand("reset", "forget a shape's maps and load: its next job starts afresh");
+  add_target(reset, *reset_target, false);
+  c.add(reset, [&c, reset_target] { return ctl::placement_reset(c.g, *reset_target, std::cout, std::cerr); });
   auto r = std::make_shared<ctl::RebalanceOptions>();
   CLI::App* reb = placement->add_subcommand("rebalance", "new maps from the measured load, applied live");
   reb->add_option("--redundant-experts", r->redundant_experts,
                   "redundant slots (default: the shape's current count); experts + N must divide over the ranks")
-      ->check(CLI::Range(0, 1 << 20));
+      ->check(moe::integer_in(0, 1 << 20));
   reb->add_flag("--dry-run", r->dry_run, "print the new maps, the predicted balancedness and the copies only");
   add_target(reb, r->target, true);
   c.add(reb, [&c, r] { return ctl::placement_rebalance(c.g, *r, std::cout, std::cerr); });
@@ -215,6 +222,7 @@ int main(int argc, char** argv) {
   app.add_option("-o,--output", output, "table or json (anywhere on the line)")->check(CLI::IsMember({"table", "json"}));
   moe::rpc::TlsFlags tls;
   tls.add(app, false);
+  app.add_flag("--plaintext", c.g.plaintext, "plain TCP to the agent, no TLS (an agent started with --plaintext)");
   try {
     add_cluster(app, c);
     add_node(app, c);
@@ -227,10 +235,10 @@ int main(int argc, char** argv) {
     add_tls(app, c);
     app.parse(argc, argv);
     c.g.tls = tls.files;
+    if (c.g.plaintext && c.g.tls.enabled()) throw moe::InvalidArgument("give --plaintext or the --tls-* files, not both");
     c.g.tls.check();
   } catch (const CLI::ParseError& e) {
-    const int rc = app.exit(e);
-    return rc == 0 ? 0 : ctl::kExitUsage;
+    return ctl::report_parse_error(app, e, std::vector<std::string>(argv + 1, argv + argc), std::cerr);
   } catch (const std::exception& e) {
     std::cerr << "moectl: " << e.what() << "\n";
     return ctl::kExitUsage;

@@ -117,6 +117,17 @@ int placement_import(const Globals& g, const std::string& file, std::ostream& ou
   });
 }
 
+int placement_reset(const Globals& g, const PlacementTarget& t, std::ostream& out, std::ostream& err) {
+  return with_agent(g, err, [&](rpc::RpcClient& c, const Resolved&) {
+    v1::Envelope req;
+    *req.mutable_placement_reset()->mutable_shape() = parse_shape(t.shape);
+    const v1::PlacementReply p = c.call(req, g.timeout).placement_reply();
+    if (g.json) out << to_json(p) << "\n";
+    else out << "reset " << shape_text(p.shape()) << ": its next job starts on the solver's maps for uniform load\n";
+    return kExitOk;
+  });
+}
+
 int placement_loads(const Globals& g, const PlacementTarget& t, const std::string& file, std::ostream& out,
                     std::ostream& err) {
   return with_agent(g, err, [&](rpc::RpcClient& c, const Resolved&) {

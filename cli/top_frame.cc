@@ -50,7 +50,7 @@ std::vector<std::string> header(const v1::LiveLoad& l, const FrameOptions& o) {
   return {top, jobs};
 }
 
-// "step 754/1000   3.3 ms/step   76.7k tokens/s"; a serving job (no last step)
+// "step 754/1000   eta 1m05s   3.3 ms/step   76.7k tokens/s"; a serving job (no last step)
 // reports windows of its calls: "window 12   1.00 s/window   ...".
 std::string progress(const v1::LiveJob& j) {
   const bool serving = j.mode() == v1::JobSpec::serve;
@@ -61,9 +61,10 @@ std::string progress(const v1::LiveJob& j) {
     return s + duration(j.step_seconds()) + "/window   " + human_count(j.tokens_per_second()) + " tokens/s";
   }
   if (j.state() == v1::JOB_STATE_RUNNING && j.recent_steps() == 0) return s + "waiting for its first complete step";
+  // The ETA next to the step: at 80 columns the end of the line is cut.
+  if (j.has_eta_seconds()) s += "eta " + human_seconds(j.eta_seconds()) + "   ";
   if (j.has_loss()) s += "loss " + fmt(j.loss()) + "   ";
   s += duration(j.step_seconds()) + "/step   " + human_count(j.tokens_per_second()) + " tokens/s";
-  if (j.has_eta_seconds()) s += "   eta " + human_seconds(j.eta_seconds());
   return s;
 }
 

@@ -4,6 +4,7 @@
 
 #include <memory>
 
+#include "moe/base/cli_checks.h"
 #include "moe/base/version.h"
 #include "moe/kernels/cpu_backend.h"
 #include "moe/node/daemon.h"
@@ -25,7 +26,7 @@ int main(int argc, char** argv) {
   tls.add(app, true);
   app.add_option("--agent", o.agent, "HOST:PORT of moe-agent")->required()->envname("MOE_AGENT");
   app.add_option("--devices", o.devices, "devices (EP ranks) on this node; 0: one per GPU with the CUDA backend, 1 on CPU")
-      ->check(CLI::Range(0, 1024));
+      ->check(moe::integer_in(0, 1024));
   app.add_option("--backend", o.backend, "auto, cpu or cuda")->check(CLI::IsMember({"auto", "cpu", "cuda"}));
   app.add_option("--metrics-port", o.metrics, "Prometheus metrics: PORT or HOST:PORT (0: any free port)");
   app.add_option("--token-file", token_file, "file holding the cluster token")->check(CLI::ExistingFile);
@@ -35,13 +36,13 @@ int main(int argc, char** argv) {
   double agent_grace_s = 30;
   app.add_option("--agent-grace", agent_grace_s,
                  "seconds a job runs on, its reports held, while the agent cannot be reached; then it stops")
-      ->check(CLI::Range(0.0, 86400.0))
+      ->check(moe::number_in(0, 86400))
       ->capture_default_str();
   double stop_grace_s = 5;
   app.add_option("--stop-grace", stop_grace_s,
                  "seconds a stopping daemon waits for its job to reach a step boundary; then it aborts the "
                  "job's transfers")
-      ->check(CLI::Range(0.0, 3600.0))
+      ->check(moe::number_in(0, 3600))
       ->capture_default_str();
   try {
     app.parse(argc, argv);

@@ -1,6 +1,7 @@
 #include "moe/cluster/placement_service.h"
 
 #include <algorithm>
+#include <string_view>
 
 #include "moe/base/check.h"
 #include "moe/placement/copy_plan.h"
@@ -24,12 +25,20 @@ v1::PlacementShape ShapeKey::proto() const {
   return s;
 }
 
+std::string ShapeKey::flag() const {
+  return std::to_string(experts) + "x" + std::to_string(layers) + "@" + std::to_string(nodes) + "x" +
+         std::to_string(devices_per_node);
+}
+
 std::string ShapeKey::name() const {
   return std::to_string(experts) + " experts x " + std::to_string(layers) + " layers on " + std::to_string(nodes) +
          "x" + std::to_string(devices_per_node);
 }
 
 namespace {
+
+// The origin's end of a shape's first maps: what a shape never placed gets.
+constexpr const char* kUniformStart = " (the solver's for uniform load)";
 
 // A map the agent keeps as cluster state: every slot holds an expert.
 ExpertMap checked_map(const v1::PlacementMap& m) {
@@ -93,8 +102,10 @@ std::vector<v1::PlacementMap> PlacementService::Shape::protos() const {
   return out;
 }
 
-std::vector<v1::PlacementMap> PlacementService::place(const ShapeKey& key, Shape& s, std::vector<ExpertMap> maps) {
+std::vector<v1::PlacementMap> PlacementService::place(const ShapeKey& key, Shape& s, std::vector<ExpertMap> maps,
+                                                      const std::string& origin) {
   ++epoch_;
+  s.origin = origin;
   for (ExpertMap& m : maps) m.epoch = epoch_;
   s.maps = std::move(maps);
   s.windows.assign(key.layers, LoadWindow(window_steps_));
@@ -112,7 +123,8 @@ PlacementService::Shape& PlacementService::shape_for_job(const v1::JobSpec& spec
 }
 
 std::vector<v1::PlacementMap> PlacementService::maps_for_resume(const v1::JobSpec& spec, const ShapeKey& key,
-                                                                const v1::CheckpointManifest& ck) {
+                                                                const v1::CheckpointManifest& ck,
+                                                                const std::string& origin) {
   Shape& s = shape_for_job(spec, key);
   const bool same_shape = ck.world_size() == key.ranks() && ck.devices_per_node() == key.devices_per_node;
   std::vector<ExpertMap> maps;
@@ -128,10 +140,12 @@ std::vector<v1::PlacementMap> PlacementService::maps_for_resume(const v1::JobSpe
     }
     maps.push_back(placement::solve_layer(solver_spec(key, s, 0), loads));
   }
-  return place(key, s, std::move(maps));
+  return place(key, s, std::move(maps),
+               origin + (same_shape ? " from its checkpoint's maps" : " from its checkpoint's loads"));
 }
 
-std::vector<v1::PlacementMap> PlacementService::maps_for_job(const v1::JobSpec& spec, const ShapeKey& key) {
+std::vector<v1::PlacementMap> PlacementService::maps_for_job(const v1::JobSpec& spec, const ShapeKey& key,
+                                                             const std::string& origin) {
   Shape& s = shape_for_job(spec, key);
   if (s.maps.empty() || !spread_enough(key, s)) {
     // A shape's first maps, or maps whose copies do not span min_node_replicas
@@ -140,13 +154,13 @@ std::vector<v1::PlacementMap> PlacementService::maps_for_job(const v1::JobSpec& 
     const int redundant = redundant_for(key, min_nodes_on(key, s.min_node_replicas));
     const ExpertMap first =
         placement::solve_layer(solver_spec(key, s, redundant), std::vector<double>(key.experts, 1.0));
-    return place(key, s, std::vector<ExpertMap>(key.layers, first));
+    return place(key, s, std::vector<ExpertMap>(key.layers, first), origin + kUniformStart);
   }
   return s.protos();
 }
 
 std::vector<v1::PlacementMap> PlacementService::maps_for_world(const v1::JobSpec& spec, const ShapeKey& old,
-                                                               const ShapeKey& next) {
+                                                               const ShapeKey& next, const std::string& origin) {
   std::vector<std::vector<double>> loads(next.layers, std::vector<double>(next.experts, 1.0));
   if (const auto it = shapes_.find(old); it != shapes_.end())
     for (int l = 0; l < next.layers && l < static_cast<int>(it->second.windows.size()); ++l) {
@@ -158,7 +172,7 @@ std::vector<v1::PlacementMap> PlacementService::maps_for_world(const v1::JobSpec
   const int redundant = redundant_for(next, min_nodes_on(next, s.min_node_replicas));
   std::vector<ExpertMap> maps;
   for (int l = 0; l < next.layers; ++l) maps.push_back(placement::solve_layer(solver_spec(next, s, redundant), loads[l]));
-  return place(next, s, std::move(maps));
+  return place(next, s, std::move(maps), origin);
 }
 
 void PlacementService::record_step(const ShapeKey& key, const std::vector<std::vector<double>>& expert,
@@ -263,7 +277,8 @@ RebalancePlan PlacementService::plan(ShapeKey key, std::optional<int> redundant,
   return p;
 }
 
-int64_t PlacementService::install(ShapeKey key, std::vector<v1::PlacementMap> maps, int64_t epoch) {
+int64_t PlacementService::install(ShapeKey key, std::vector<v1::PlacementMap> maps, int64_t epoch,
+                                  const std::string& origin) {
   key = resolve(key);
   find(key);  // NOT_FOUND for a shape never placed
   Shape& s = shapes_.at(key);
@@ -286,6 +301,7 @@ int64_t PlacementService::install(ShapeKey key, std::vector<v1::PlacementMap> ma
     }
   }
   if (epoch <= 0) epoch = ++epoch_;
+  s.origin = origin;
   for (size_t i = 0; i < maps.size(); ++i) {
     const int l = maps[i].layer();
     checked[i].epoch = epoch;
@@ -293,6 +309,32 @@ int64_t PlacementService::install(ShapeKey key, std::vector<v1::PlacementMap> ma
     s.windows[l].restart_ranks(epoch);
   }
   return epoch;
+}
+
+void PlacementService::reset(ShapeKey key) {
+  key = resolve(key);
+  find(key);  // NOT_FOUND for a shape never placed
+  shapes_.erase(key);
+  if (last_shape_ == key) last_shape_ = ShapeKey{};
+}
+
+bool PlacementService::carries_state(const ShapeKey& key) const {
+  const auto it = shapes_.find(key);
+  if (it == shapes_.end() || it->second.maps.empty()) return false;
+  const Shape& s = it->second;
+  return !std::string_view(s.origin).ends_with(kUniformStart) || s.maps[0].num_slots() != key.experts;
+}
+
+std::string PlacementService::summary(const ShapeKey& key) const {
+  const auto it = shapes_.find(key);
+  if (it == shapes_.end() || it->second.maps.empty()) return "";
+  const Shape& s = it->second;
+  int64_t epoch = 0;
+  for (const ExpertMap& m : s.maps) epoch = std::max<int64_t>(epoch, m.epoch);
+  std::string out = "shape " + key.flag() + ", epoch " + std::to_string(epoch) + ", " + std::to_string(s.maps[0].slots_per_rank) + " slots per rank (" +
+                    std::to_string(s.maps[0].num_slots() - key.experts) + " redundant)";
+  if (s.min_node_replicas > 1) out += ", min_node_replicas " + std::to_string(s.min_node_replicas);
+  return out + (s.origin.empty() ? "" : ", from " + s.origin);
 }
 
 std::vector<v1::PlacementMap> PlacementService::maps(const ShapeKey& key) const {
@@ -328,6 +370,7 @@ v1::PlacementState PlacementService::state() const {
     sp->set_top_k(s.top_k);
     sp->set_group_top_k(s.group_top_k);
     sp->set_min_node_replicas(s.min_node_replicas);
+    sp->set_origin(s.origin);
     for (const LoadWindow& w : s.windows) {
       v1::LoadWindowState* ws = sp->add_windows();
       for (const auto& e : w.expert_steps_data()) *ws->add_expert_steps()->mutable_tokens() = {e.begin(), e.end()};
@@ -349,6 +392,7 @@ void PlacementService::restore(const v1::PlacementState& st) {
     s.top_k = sp.top_k();
     s.group_top_k = sp.group_top_k();
     s.min_node_replicas = sp.min_node_replicas();
+    s.origin = sp.origin();
     s.windows.assign(s.maps.size(), LoadWindow(window_steps_));
     for (int l = 0; l < sp.windows_size() && l < static_cast<int>(s.windows.size()); ++l) {
       std::deque<std::vector<double>> expert, rank;

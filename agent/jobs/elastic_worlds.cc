@@ -189,7 +189,7 @@ ElasticWorlds::DecidedWorld ElasticWorlds::decide_world() {
   WorldChangePlan plan = plan_world(in);
   DecidedWorld d{.world = {}, .nodes = plan.nodes, .shape = job.shape, .steps_recomputed = 0, .from_checkpoint = 0};
   d.shape.nodes = static_cast<int>(plan.nodes.size());
-  const std::vector<v1::PlacementMap> maps = placement_.maps_for_world(job.reports.spec, job.shape, d.shape);
+  const std::vector<v1::PlacementMap> maps = placement_.maps_for_world(job.reports.spec, job.shape, d.shape, job.id + "'s world change");
   std::vector<v1::ExpertMove> moves;
   try {
     moves = expert_moves(in, plan, maps);

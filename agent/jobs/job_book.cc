@@ -9,6 +9,7 @@
 #include "moe/rpc/frame.h"
 #include "moe/spec/checkpoint_manifest.h"
 #include "moe/spec/job_spec.h"
+#include "moe/spec/weights_check.h"
 
 namespace moe::agent {
 namespace {
@@ -38,6 +39,7 @@ void check_against_cluster(const v1::JobSpec& spec, const Membership& members,
                                    " ranks of " + std::to_string(n) +
                                    " surviving node(s); give another --tokens-per-rank, or --elastic-batch per_rank");
   }
+  spec::check_weights(spec);  // refused now, not as a failed job later: the file holds the layers asked for
   if (!spec.resume().empty()) {  // refused now, not as a failed job later: the checkpoint exists and fits
     try {
       std::string folder;

@@ -120,7 +120,10 @@ std::vector<v1::PlacementMap> JobLifecycle::job_maps(v1::JobResult& rec) {
     spec.set_resume(folder);
   }
   try {
-    return ck ? placement_.maps_for_resume(spec, shape, *ck) : placement_.maps_for_job(spec, shape);
+    auto maps = ck ? placement_.maps_for_resume(spec, shape, *ck, rec.job_id())
+                   : placement_.maps_for_job(spec, shape, rec.job_id() + "'s start");
+    rec.set_placement(placement_.summary(shape));
+    return maps;
   } catch (const RpcError&) {
     throw;  // names its rule already
   } catch (const moe::Error& e) {
@@ -301,8 +304,21 @@ void JobLifecycle::on_start_failed(const std::string& job_id, const std::string&
 
 void JobLifecycle::on_node_dead(const std::string& why, Clock::time_point now) {
   if (!running_) return;
-  if (!running_->ending()) fail_running(after_restart(why), now);
-  else finish(v1::JOB_STATE_FAILED, running_->message + "; " + why);  // it will never report
+  if (running_->cancelled) return finish(v1::JOB_STATE_FAILED, running_->message + "; " + why);  // it will never report
+  const std::string lost = node_lost_message(why);
+  if (!running_->ending()) fail_running(lost, now);
+  else finish(v1::JOB_STATE_FAILED, lost);
+}
+
+// The loss of a node ends a job that is not elastic: the message leads with the
+// node and what to do; the survivors' transport errors (in UCX's or NCCL's
+// words), when they came first, follow as what the ranks saw.
+std::string JobLifecycle::node_lost_message(const std::string& why) const {
+  std::string m = after_restart(why) + " after " + std::to_string(running_->steps_recorded) +
+                  " complete steps; a job that is not elastic fails with its node (--elastic with "
+                  "--min-node-replicas 2 goes on without it: docs/jobs.md#elastic-jobs)";
+  if (running_->failed && !running_->message.empty()) m += "; the other ranks saw: " + running_->message;
+  return m;
 }
 
 void JobLifecycle::tick(Clock::time_point now) {

@@ -1,18 +1,35 @@
 #include "moe/jobs/scheduler.h"
 
+#include "moe/rpc/frame.h"
+
 namespace moe::agent {
 
 Scheduler::Scheduler(SchedulerOptions options, Membership& members, PlacementService& placement,
                      SchedulerActions& actions)
     : opts_(options),
       members_(members),
+      placement_(placement),
       actions_(actions),
       book_(opts_.heartbeat_interval, members),
       run_(opts_, members, placement, actions, book_),
       worlds_(opts_, members, placement, actions, book_, run_) {}
 
+const v1::JobResult& Scheduler::submit(v1::JobSpec spec) {
+  v1::JobResult& rec = book_.submit(std::move(spec));
+  const v1::JobSpec& s = rec.spec();
+  const ShapeKey shape{s.experts(), s.layers(), members_.num_nodes(), members_.devices_per_node()};
+  if (placement_.carries_state(shape)) rec.set_placement(placement_.summary(shape));  // said at submit
+  return rec;
+}
+
 const v1::JobResult& Scheduler::cancel(const std::string& id, Clock::time_point now) {
   v1::JobResult& rec = book_.at(id);
+  const v1::JobState st = rec.state();
+  if (st == v1::JOB_STATE_SUCCEEDED || st == v1::JOB_STATE_FAILED || st == v1::JOB_STATE_CANCELLED) {
+    const std::string name = v1::JobState_Name(st);
+    throw rpc::RpcError(v1::ERROR_CODE_FAILED_PRECONDITION,
+                        id + " already ended (" + name.substr(name.rfind('_') + 1) + "): nothing to cancel");
+  }
   if (book_.cancel_queued(id))
     actions_.job_ended(rec);
   else if (rec.state() == v1::JOB_STATE_RUNNING && running_id() == id)

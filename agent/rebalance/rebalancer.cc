@@ -64,7 +64,8 @@ uint64_t Rebalancer::start(const v1::RebalanceRequest& req, Clock::time_point no
     return id;
   }
   if (!job) {  // nothing runs on the shape: the next job starts on the new maps
-    reply.set_epoch(placement_.install(ShapeKey::of(reply.shape()), {reply.maps().begin(), reply.maps().end()}));
+    reply.set_epoch(placement_.install(ShapeKey::of(reply.shape()), {reply.maps().begin(), reply.maps().end()}, 0,
+                                       "a rebalance between jobs"));
     reply.set_result(v1::REBALANCE_RESULT_COMMITTED);  // plan_reply's message says what that means
     ++counts_[v1::REBALANCE_RESULT_COMMITTED];
     log::info("placement: rebalanced ", ShapeKey::of(reply.shape()).name(), " to epoch ", reply.epoch());
@@ -108,7 +109,8 @@ void Rebalancer::on_ready(const v1::RebalanceReady& r, Clock::time_point now) {
   if (!live_->waiting.empty()) return;
   // Every node holds its copies: the epoch is committed, and never aborted.
   std::vector<v1::PlacementMap> maps(live_->reply.maps().begin(), live_->reply.maps().end());
-  placement_.install(ShapeKey::of(live_->reply.shape()), std::move(maps), live_->prepare.epoch());
+  placement_.install(ShapeKey::of(live_->reply.shape()), std::move(maps), live_->prepare.epoch(),
+                     "a live rebalance of " + live_->prepare.job_id());
   v1::CommitRebalance c;
   c.set_job_id(live_->prepare.job_id());
   c.set_epoch(live_->prepare.epoch());

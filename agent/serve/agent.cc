@@ -115,6 +115,8 @@ rpc::awaitable<v1::Envelope> Agent::handle(const v1::Envelope& req, const rpc::R
     }
     case E::kPlacementImport:
       co_return on_import(req.placement_import());
+    case E::kPlacementReset:
+      co_return on_placement_reset(req.placement_reset());
     case E::kRebalance:
       co_return co_await on_rebalance(req.rebalance(), ctx);
     case E::kRebalanceReady:
@@ -193,6 +195,25 @@ rpc::awaitable<v1::Envelope> Agent::on_bootstrap(const v1::BootstrapPublish& p, 
   co_return reply;
 }
 
+// Forgets a shape's placement (docs/placement.md#cluster-state); not while a job runs on it.
+v1::Envelope Agent::on_placement_reset(const v1::PlacementReset& r) {
+  const ShapeKey shape = placement_.resolve(ShapeKey::of(r.shape()));
+  if (shape.empty()) throw RpcError(v1::ERROR_CODE_NOT_FOUND, "no placement yet (no job has run): nothing to reset");
+  if (const RunningJob* job = scheduler_.running(); job && job->shape == shape)
+    throw RpcError(v1::ERROR_CODE_FAILED_PRECONDITION,
+                   "job " + job->id + " runs on the shape " + shape.flag() + "; reset it when the job ends");
+  placement_.reset(shape);
+  log::info("placement: reset ", shape.name(), "; its next job starts afresh");
+  persist();
+  v1::Envelope reply;
+  v1::PlacementReply* left = reply.mutable_placement_reply();  // the shapes left, and the one reset
+  *left = placement_.describe(ShapeKey{}, std::nullopt);
+  left->clear_layers();
+  left->clear_maps();
+  *left->mutable_shape() = shape.proto();
+  return reply;
+}
+
 // Installs imported maps as a new epoch of their shape; the next job of the shape
 // starts on them. A running job of the shape keeps its maps (rebalance moves it).
 v1::Envelope Agent::on_import(const v1::PlacementImport& imp) {
@@ -201,7 +222,7 @@ v1::Envelope Agent::on_import(const v1::PlacementImport& imp) {
     throw RpcError(v1::ERROR_CODE_FAILED_PRECONDITION,
                    "job " + job->id + " runs on the shape " + shape.name() +
                        "; import when it ends, or move it with placement rebalance");
-  const int64_t epoch = placement_.install(shape, {imp.maps().begin(), imp.maps().end()});
+  const int64_t epoch = placement_.install(shape, {imp.maps().begin(), imp.maps().end()}, 0, "placement import");
   log::info("placement: imported ", imp.maps_size(), " map(s) of ", shape.name(), " as epoch ", epoch);
   persist();
   v1::Envelope reply;

@@ -4,6 +4,7 @@
 #include <CLI/CLI.hpp>
 #include <iostream>
 
+#include "moe/base/cli_checks.h"
 #include "moe/base/version.h"
 #include "moe/agent/agent.h"
 #include "moe/agent/metrics_exposer.h"
@@ -48,23 +49,23 @@ struct Flags {
 
   void add_placement(CLI::App& app) {
     app.add_option("--load-window", opts.load_window, "steps of measured load kept per shape and layer")
-        ->check(CLI::Range(1, 100000))
+        ->check(moe::integer_in(1, 100000))
         ->capture_default_str();
     app.add_option("--rebalance-timeout-ms", rebalance_timeout_ms,
                    "a live rebalance whose copies are not all READY by then aborts")
-        ->check(CLI::Range(int64_t{1}, int64_t{3600000}))
+        ->check(moe::integer_in(1, 3600000))
         ->capture_default_str();
     app.add_option("--rebalance-every", opts.rebalance_every,
                    "auto-rebalance at most once every N steps of a job (0: off)")
-        ->check(CLI::NonNegativeNumber)
+        ->check(moe::integer_at_least(0))
         ->capture_default_str();
     app.add_option("--balancedness-threshold", opts.balancedness_threshold,
                    "auto-rebalance when the window's balancedness is below this")
-        ->check(CLI::Range(0.0, 1.0))
+        ->check(moe::number_in(0, 1))
         ->capture_default_str();
     app.add_option("--redundant-experts", opts.redundant_experts,
                    "redundant slots of an auto-rebalance (default: the shape's current count)")
-        ->check(CLI::Range(0, 1 << 20));
+        ->check(moe::integer_in(0, 1 << 20));
   }
 
   void add_state(CLI::App& app) {
@@ -76,7 +77,7 @@ struct Flags {
     app.add_option("--agent-grace", agent_grace_s,
                    "seconds the daemons hold a job's reports while the agent is away (their --agent-grace): a job "
                    "restored as running fails when no rank reports within this plus the heartbeat timeout")
-        ->check(CLI::Range(0.0, 86400.0))
+        ->check(moe::number_in(0, 86400))
         ->capture_default_str();
   }
 

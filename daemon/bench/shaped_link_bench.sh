@@ -93,7 +93,7 @@ for i in $(seq 1 "$nodes"); do
     --token-file "$work/token" --name "host$i" >"$work/node$i.log" 2>&1 &
   pids+=($!)
 done
-ctl() { in_ns 0 "$build/cli/moectl" --agent "$agent" --token-file "$work/token" "$@"; }
+ctl() { in_ns 0 "$build/cli/moectl" --plaintext --agent "$agent" --token-file "$work/token" "$@"; }
 for _ in $(seq 200); do  # polling for the registrations
   ctl --output json cluster status 2>/dev/null | grep -q "\"registered_ranks\": $((nodes * devices))" && break
   sleep 0.1

@@ -1,6 +1,7 @@
 #include "moe/layer_spec/job_layers.h"
 
 #include "moe/base/check.h"
+#include "moe/base/text.h"
 #include "moe/io/layer_io.h"
 
 namespace moe::layer_spec {
@@ -160,11 +161,7 @@ namespace {
 // The tensor prefix of job layer `layer`: every "{layer}" in weights_prefix
 // becomes the checkpoint layer weights_first_layer + layer.
 std::string checkpoint_prefix(const v1::JobSpec& s, int layer) {
-  const std::string key = "{layer}", index = std::to_string(s.weights_first_layer() + layer);
-  std::string prefix = s.weights_prefix();
-  for (size_t at = prefix.find(key); at != std::string::npos; at = prefix.find(key, at + index.size()))
-    prefix.replace(at, key.size(), index);
-  return prefix;
+  return replace_all(s.weights_prefix(), "{layer}", std::to_string(s.weights_first_layer() + layer));
 }
 
 // Job layer `layer` from spec.weights; errors name the job and checkpoint layer.

@@ -58,15 +58,25 @@ struct DaemonMetrics::Impl {
   void observe(prometheus::Family<prometheus::Histogram>* f, const Labels& l, double v) {
     f->Add(l, seconds_buckets()).Observe(v);
   }
-  // The direction-labelled series both directions record.
-  void record_transfer(const std::string& direction, const LayerStep& s) {
-    observe(dispatch, {{"direction", direction}}, s.dispatch_seconds);
-    observe(combine, {{"direction", direction}}, s.combine_seconds);
+  // The series both directions record, by layer, rank and device: a slow link
+  // or rank shows as its own series (docs/metrics.md#ranks-across-worlds).
+  void record_transfer(const std::string& direction, const RankOf& who, const LayerStep& s) {
+    const Labels where = {{"direction", direction},
+                          {"layer", std::to_string(s.layer)},
+                          {"rank", std::to_string(who.rank)},
+                          {"device", std::to_string(who.device)}};
+    auto with_op = [&](const char* op) {
+      Labels l = where;
+      l["op"] = op;
+      return l;
+    };
+    observe(dispatch, where, s.dispatch_seconds);
+    observe(combine, where, s.combine_seconds);
     observe(expert, {{"direction", direction}}, s.expert_seconds);
-    count(sent, {{"op", "dispatch"}, {"direction", direction}}, static_cast<double>(s.dispatch_bytes));
-    count(sent, {{"op", "combine"}, {"direction", direction}}, static_cast<double>(s.combine_bytes));
-    count(received, {{"op", "dispatch"}, {"direction", direction}}, static_cast<double>(s.dispatch_received_bytes));
-    count(received, {{"op", "combine"}, {"direction", direction}}, static_cast<double>(s.combine_received_bytes));
+    count(sent, with_op("dispatch"), static_cast<double>(s.dispatch_bytes));
+    count(sent, with_op("combine"), static_cast<double>(s.combine_bytes));
+    count(received, with_op("dispatch"), static_cast<double>(s.dispatch_received_bytes));
+    count(received, with_op("combine"), static_cast<double>(s.combine_received_bytes));
   }
 
   std::shared_ptr<prometheus::Registry> registry;
@@ -90,20 +100,22 @@ void DaemonMetrics::set_build_info(const std::string& version, const std::string
   impl_->build->Add({{"version", version}, {"backend", backend}, {"gemm_engine", gemm_engine}}).Set(1);
 }
 
-void DaemonMetrics::record_forward(int rank, const LayerStep& s) {
+void DaemonMetrics::record_forward(const RankOf& who, const LayerStep& s) {
   Impl& m = *impl_;
-  const std::string r = std::to_string(rank), layer = std::to_string(s.layer);
+  const std::string r = std::to_string(who.rank), layer = std::to_string(s.layer);
   for (size_t e = 0; e < s.expert_tokens.size(); ++e)
     if (s.expert_tokens[e] > 0)
       m.count(m.expert_tokens, {{"layer", layer}, {"expert", std::to_string(e)}, {"rank", r}},
               static_cast<double>(s.expert_tokens[e]));
   m.count(m.rank_tokens, {{"layer", layer}, {"rank", r}}, static_cast<double>(s.computed_pairs));
-  m.record_transfer("forward", s);
+  m.record_transfer("forward", who, s);
   m.count(m.naive, {{"op", "dispatch"}}, static_cast<double>(s.naive_dispatch_bytes));
   m.count(m.naive, {{"op", "combine"}}, static_cast<double>(s.naive_combine_bytes));
 }
 
-void DaemonMetrics::record_backward(int, const LayerStep& s) { impl_->record_transfer("backward", s); }
+void DaemonMetrics::record_backward(const RankOf& who, const LayerStep& s) {
+  impl_->record_transfer("backward", who, s);
+}
 
 void DaemonMetrics::record_step(int, double seconds) { impl_->observe(impl_->step, {}, seconds); }
 

@@ -158,7 +158,7 @@ void RankRun::finish_step(int step, StepReport& report) {
   applied_ = step + 1;
   pending_ = false;
   pending_report_.reset();
-  report.record(env_.metrics, world_->rank);
+  report.record(env_.metrics, world_->rank, local_);
   send_report(report);
 }
 
@@ -190,6 +190,7 @@ int RankRun::run_world(const std::function<bool()>& cancel_requested) {
                            .first_on_node = local_ == 0,
                            .timeout = env_.transport_timeout,
                            .rank = world_->rank,
+                           .device = local_,
                            .world_epoch = world_->start.world_epoch(),
                            .first_window = world_first_step_,
                            .start = world_->start,

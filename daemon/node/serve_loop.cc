@@ -72,7 +72,7 @@ void run_pieces(const ServeRank& r, int lane, ServeWindow& window, RoutingTrace*
       at += p.n * row_bytes;
     }
     step.set_step_seconds(now_seconds() - t0);
-    step.record(r.metrics, r.rank);  // the per-expert load and transfer series, as a job's steps
+    step.record(r.metrics, r.rank, r.device);  // the per-expert load and transfer series, as a job's steps
     window.add(layer, rows, step);
   } catch (const transport::TransportError&) {
     // The world failed: an elastic job's next world computes the rows

@@ -52,10 +52,10 @@ void StepReport::add_backward(int layer, const ep::EpLayer& l) {
                        .combine_received_bytes = tr.backward_combine_received_bytes});
 }
 
-void StepReport::record(metrics::DaemonMetrics* m, int rank) const {
+void StepReport::record(metrics::DaemonMetrics* m, int rank, int device) const {
   if (!m) return;
-  for (const auto& s : forward_) m->record_forward(rank, s);
-  for (const auto& s : backward_) m->record_backward(rank, s);
+  for (const auto& s : forward_) m->record_forward({rank, device}, s);
+  for (const auto& s : backward_) m->record_backward({rank, device}, s);
   m->record_step(rank, stats_.step_seconds());
 }
 

@@ -10,6 +10,8 @@
 #include <vector>
 
 #include "moe/base/check.h"
+#include "moe/base/text.h"
+#include "moe/spec/strict_json.h"
 
 namespace moe::spec {
 namespace {
@@ -202,45 +204,70 @@ std::string to_json(const google::protobuf::Message& m, bool pretty) {
 
 namespace {
 
-size_t edit_distance(const std::string& a, const std::string& b) {
-  std::vector<size_t> row(b.size() + 1);
-  for (size_t j = 0; j <= b.size(); ++j) row[j] = j;
-  for (size_t i = 1; i <= a.size(); ++i) {
-    size_t diag = row[0];
-    row[0] = i;
-    for (size_t j = 1; j <= b.size(); ++j) {
-      const size_t up = row[j];
-      row[j] = std::min({row[j] + 1, row[j - 1] + 1, diag + (a[i - 1] == b[j - 1] ? 0 : 1)});
-      diag = up;
+using google::protobuf::FieldDescriptor;
+
+// What a JSON value of this field must be, or "" when the member's kind fits.
+std::string kind_mismatch(const FieldDescriptor& f, const JsonMember& m) {
+  if (m.kind == 'z') return "";  // null: the field's default, as protobuf reads it
+  if (f.is_map()) return m.kind == 'o' ? "" : "expects an object of \"KEY\": \"VALUE\"";
+  switch (f.cpp_type()) {
+    case FieldDescriptor::CPPTYPE_INT32:
+    case FieldDescriptor::CPPTYPE_INT64:
+    case FieldDescriptor::CPPTYPE_UINT64: {
+      const size_t digits = m.value.rfind('-', 0) == 0 ? 1 : 0;  // -?[0-9]+, in a number or a string
+      const bool integer = m.value.size() > digits && m.value.find_first_not_of("0123456789", digits) == std::string::npos;
+      return (m.kind == 'n' || m.kind == 's') && integer ? "" : "expects an integer";
     }
+    case FieldDescriptor::CPPTYPE_DOUBLE: return m.kind == 'n' ? "" : "expects a number";
+    case FieldDescriptor::CPPTYPE_BOOL: return m.kind == 'b' ? "" : "expects true or false";
+    case FieldDescriptor::CPPTYPE_STRING: return m.kind == 's' ? "" : "expects a string";
+    case FieldDescriptor::CPPTYPE_ENUM: {
+      const auto* v = m.kind == 's' ? f.enum_type()->FindValueByName(m.value) : nullptr;
+      return v && v->number() != 0 ? "" : "expects " + enum_choices(f);
+    }
+    default: return "";
   }
-  return row[b.size()];
 }
 
-// A key of the spec's JSON that is no JobSpec field: refused naming the nearest
-// field when one is close ("ffn_hiden" -> "ffn_hidden").
-void check_keys(const std::string& json) {
-  google::protobuf::Struct keys;
-  if (!google::protobuf::util::JsonStringToMessage(json, &keys).ok()) return;  // the parser names that
+// A member of the spec's JSON refused naming its line and column: a key that is
+// no JobSpec field (with the nearest field, "ffn_hiden" -> "ffn_hidden"), or a
+// value of the wrong kind (with the valid values of an enum).
+void check_members(const std::vector<JsonMember>& members) {
   const auto* d = v1::JobSpec::descriptor();
-  for (const auto& [key, value] : keys.fields()) {
-    if (d->FindFieldByName(key) || d->FindFieldByCamelcaseName(key)) continue;
-    std::string best;
-    size_t best_distance = 4;  // suggest within 3 edits
-    for (int i = 0; i < d->field_count(); ++i) {
-      const size_t dist = edit_distance(key, d->field(i)->name());
-      if (dist < best_distance) best_distance = dist, best = d->field(i)->name();
+  std::vector<std::string> names;
+  for (int i = 0; i < d->field_count(); ++i) names.push_back(d->field(i)->name());
+  for (const JsonMember& m : members) {
+    const FieldDescriptor* f = d->FindFieldByName(m.key);
+    if (!f) f = d->FindFieldByCamelcaseName(m.key);
+    if (!f) {
+      const std::string best = nearest_word(m.key, names);
+      throw moe::InvalidArgument(m.key_at.text() + ": unknown field '" + m.key + "'" +
+                                 (best.empty() ? std::string(" (docs/jobs.md#spec lists the fields)")
+                                               : " (did you mean '" + best + "'?)"));
     }
-    throw moe::InvalidArgument("unknown field '" + key + "'" +
-                               (best.empty() ? std::string(" (docs/jobs.md#spec lists the fields)")
-                                             : " (did you mean '" + best + "'?)"));
+    const std::string why = kind_mismatch(*f, m);
+    if (why.empty()) continue;
+    const std::string got = m.kind == 's' ? "\"" + m.value + "\"" : m.kind == 'n' || m.kind == 'b' ? m.value
+                            : m.kind == 'o'                         ? "an object"
+                                                                    : "an array";
+    throw moe::InvalidArgument(m.value_at.text() + ": " + f->name() + ": " + why + ", got " + got);
   }
 }
 
 }  // namespace
 
+std::string enum_choices(const google::protobuf::FieldDescriptor& f) {
+  std::string out;
+  for (int i = 0; i < f.enum_type()->value_count(); ++i) {
+    const auto* v = f.enum_type()->value(i);
+    if (v->number() == 0) continue;
+    out += (out.empty() ? "" : " | ") + v->name();
+  }
+  return out;
+}
+
 v1::JobSpec spec_from_json(const std::string& json) {
-  check_keys(json);
+  check_members(strict_json_object(json));
   v1::JobSpec s;
   google::protobuf::util::JsonParseOptions o;
   o.ignore_unknown_fields = false;

@@ -32,11 +32,11 @@ import yaml
 DOCUMENTED_METRICS = {
     "moe_expert_tokens_total": ("counter", {"layer", "expert", "rank"}),
     "moe_rank_tokens_total": ("counter", {"layer", "rank"}),
-    "moe_dispatch_seconds": ("histogram", {"direction"}),
-    "moe_combine_seconds": ("histogram", {"direction"}),
+    "moe_dispatch_seconds": ("histogram", {"direction", "layer", "rank", "device"}),
+    "moe_combine_seconds": ("histogram", {"direction", "layer", "rank", "device"}),
     "moe_expert_compute_seconds": ("histogram", {"direction"}),
-    "moe_transport_bytes_total": ("counter", {"op", "direction"}),
-    "moe_transport_received_bytes_total": ("counter", {"op", "direction"}),
+    "moe_transport_bytes_total": ("counter", {"op", "direction", "layer", "rank", "device"}),
+    "moe_transport_received_bytes_total": ("counter", {"op", "direction", "layer", "rank", "device"}),
     "moe_naive_transport_bytes_total": ("counter", {"op"}),
     "moe_step_seconds": ("histogram", set()),
     "moe_rebalance_copy_bytes_total": ("counter", set()),
@@ -338,6 +338,10 @@ def main():
         ("job progress", "stat", r"moe_job_step / moe_job_steps"),
         ("job loss", "timeseries", r"moe_job_loss"),
         ("job throughput", "timeseries", r"moe_job_tokens_per_second"),
+        # communication per rank (docs/metrics.md#ranks-across-worlds)
+        ("dispatch time by rank", "timeseries", r"sum by \(le, node, device, rank\) \(rate\(moe_dispatch_seconds_bucket"),
+        ("combine time by rank", "timeseries", r"sum by \(le, node, device, rank\) \(rate\(moe_combine_seconds_bucket"),
+        ("bytes sent by rank", "timeseries", r"sum by \(node, device, rank\) \(rate\(moe_transport_bytes_total"),
     ]
     for metric in ("moe_dispatch_seconds", "moe_combine_seconds", "moe_expert_compute_seconds"):
         for q in ("0.5", "0.99"):

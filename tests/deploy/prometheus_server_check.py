@@ -203,6 +203,24 @@ def check_dashboard(url, dash, start, end, serving=False):
           f"{checked} dashboard queries evaluated, {len(empty)} without data")
 
 
+def check_rank_panels(url, dash, result, start, end):
+    """The communication panels ("... by rank") show one series per rank of the job,
+    each with its node and device (docs/metrics.md#ranks-across-worlds)."""
+    ranks = {str(r) for r in range(len(result["rank_tokens"]))}
+    panels = [p for p in dash.get("panels", []) if p.get("title", "").endswith(" by rank")]
+    if len(panels) < 3:
+        fail(f"the dashboard has {len(panels)} panels by rank, not the three of communication")
+    for p in panels:
+        for t in p.get("targets", []):
+            q = substitute(t["expr"], ".*", [".*"], max(1, int(end - start)))
+            series = [s for s in range_query(url, q, start, end) if has_data([s])]
+            got = {s["metric"].get("rank") for s in series}
+            if got != ranks or any(not s["metric"].get("node") or not s["metric"].get("device") for s in series):
+                fail(f"panel {p['title']!r}: series for ranks {sorted(got, key=str)}, not {sorted(ranks)} each with "
+                     f"node and device: {[s['metric'] for s in series][:4]}")
+    print(f"ok: {len(panels)} communication panels show a series per rank ({len(ranks)} ranks)")
+
+
 def check(url, result_path, dash_path, start, end):
     with open(result_path) as f:
         result = json.load(f)
@@ -212,6 +230,7 @@ def check(url, result_path, dash_path, start, end):
     check_expert_tokens(url, result)
     check_epochs(url, result, start, end)
     check_dashboard(url, dash, start, end)
+    check_rank_panels(url, dash, result, start, end)
     return 1 if failures else 0
 
 

@@ -135,15 +135,22 @@ TEST(Cluster, TrainJobVerifiesGradientsAndHalvesTheLossByStep20) {
           << n.name() << " layer " << l;
     }
     EXPECT_GT(series_value(text, "moe_naive_transport_bytes_total{op=\"combine\"}"), 0) << n.name();
+    // Communication per layer and rank (docs/metrics.md#ranks-across-worlds):
+    // each node's one device is rank node_index here.
+    const std::string rank = std::to_string(n.node_index());
     for (const char* direction : {"forward", "backward"}) {
       const std::string d = std::string("direction=\"") + direction + "\"";
-      EXPECT_EQ(series_value(text, "moe_dispatch_seconds_count{" + d + "}"), 2 * 21) << n.name() << " " << d;
-      EXPECT_EQ(series_value(text, "moe_combine_seconds_count{" + d + "}"), 2 * 21) << n.name() << " " << d;
       EXPECT_EQ(series_value(text, "moe_expert_compute_seconds_count{" + d + "}"), 2 * 21) << n.name() << " " << d;
-      for (const char* op : {"dispatch", "combine"}) {
-        const std::string labels = d + ",op=\"" + op + "\"}";
-        EXPECT_GT(series_value(text, "moe_transport_bytes_total{" + labels), 0) << n.name() << " " << labels;
-        EXPECT_GT(series_value(text, "moe_transport_received_bytes_total{" + labels), 0) << n.name() << " " << labels;
+      for (int l = 0; l < 2; ++l) {
+        const std::string at = "{device=\"0\"," + d + ",layer=\"" + std::to_string(l) + "\"";
+        const std::string series = at + ",rank=\"" + rank + "\"}";
+        EXPECT_EQ(series_value(text, "moe_dispatch_seconds_count" + series), 21) << n.name() << series << text;
+        EXPECT_EQ(series_value(text, "moe_combine_seconds_count" + series), 21) << n.name() << series;
+        for (const char* op : {"dispatch", "combine"}) {
+          const std::string labels = at + ",op=\"" + op + "\",rank=\"" + rank + "\"}";
+          EXPECT_GT(series_value(text, "moe_transport_bytes_total" + labels), 0) << n.name() << " " << labels;
+          EXPECT_GT(series_value(text, "moe_transport_received_bytes_total" + labels), 0) << n.name() << " " << labels;
+        }
       }
     }
   }

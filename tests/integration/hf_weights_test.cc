@@ -284,11 +284,15 @@ TEST(HfWeights, ABadCheckpointFailsTheJobBeforeStep0NamingTheTensor) {
   Cluster c(2, 1);
   ASSERT_TRUE(c.up());
 
-  // A flag over --hf-config that disagrees with the file.
-  std::string m = failed_job_message(c, k, {"--hidden", "16"});
-  EXPECT_NE(m.find("tensor '" + k.prefix_of(0) + "gate.weight' has shape [8, 32], the spec gives [8, 16]: hidden is 16"),
-            std::string::npos)
-      << m;
+  // A flag over --hf-config that disagrees with the file's routers: refused at
+  // submit, where the agent reads the headers (docs/jobs.md#weights).
+  std::vector<std::string> args = {"job", "submit", "--tokens-per-rank", "16", "--steps", "2"};
+  for (const std::string& f : k.flags()) args.push_back(f);
+  for (const char* f : {"--hidden", "16"}) args.push_back(f);
+  const auto [rc, out] = c.ctl(args);
+  EXPECT_EQ(rc, 2) << out;
+  EXPECT_NE(out.find("weights: tensor '" + k.prefix_of(0) + "gate.weight' in "), std::string::npos) << out;
+  EXPECT_NE(out.find("has shape [8, 32], the spec gives [8, 16]: experts is 8, hidden is 16"), std::string::npos) << out;
 
   // Expert 5's up_proj of layer 0 twelve rows wide instead of sixteen, in its shard.
   std::vector<NamedTensor> all;
@@ -298,7 +302,7 @@ TEST(HfWeights, ABadCheckpointFailsTheJobBeforeStep0NamingTheTensor) {
   for (NamedTensor& t : all)
     if (t.name == bad) t = {bad, {12, kH}, std::vector<float>(12 * kH, 0.5f)};
   write_hf_checkpoint(k.dir.string(), split(all, k.shards), k.dtype);
-  m = failed_job_message(c, k, {});
+  const std::string m = failed_job_message(c, k, {});
   EXPECT_NE(m.find("tensor '" + bad + "' has shape [12, 32], the spec gives [16, 32]: ffn_hidden is 16"),
             std::string::npos)
       << m;

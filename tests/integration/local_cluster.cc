@@ -239,4 +239,11 @@ v1::JobResult parse_result(const std::string& json) {
   return r;
 }
 
+std::vector<std::string> output_lines(const std::string& text) {
+  std::vector<std::string> out;
+  std::istringstream in(text);
+  for (std::string l; std::getline(in, l);) out.push_back(l);
+  return out;
+}
+
 }  // namespace moe::test

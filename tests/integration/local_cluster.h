@@ -96,6 +96,12 @@ bool parse_output(const std::string& text, google::protobuf::Message& m);
 // The JobResult in moectl's JSON output (text before the first '{' skipped).
 v1::JobResult parse_result(const std::string& json);
 
+// A job's flags small enough for any test cluster: E=4 K=2 H=16 I=8 T=16 (add --steps).
+inline const std::vector<std::string> kTinyJob = {"--experts", "4",      "--top-k", "2", "--hidden", "16",
+                                                  "--ffn-hidden", "8", "--tokens-per-rank", "16"};
+// moectl's output, line by line (no line ends).
+std::vector<std::string> output_lines(const std::string& text);
+
 // a, then b: a command line from its parts.
 inline std::vector<std::string> concat(std::vector<std::string> a, const std::vector<std::string>& b) {
   a.insert(a.end(), b.begin(), b.end());

@@ -33,16 +33,9 @@ const std::string kMoectl = std::string(MOE_BIN_DIR) + "/cli/moectl";
 
 bool has(const std::string& out, const std::string& part) { return out.find(part) != std::string::npos; }
 
-std::vector<std::string> lines_of(const std::string& text) {
-  std::vector<std::string> out;
-  std::istringstream in(text);
-  for (std::string l; std::getline(in, l);) out.push_back(l);
-  return out;
-}
-
 // Every line at most `width` columns (the frame is ASCII).
 void expect_within(const std::string& text, size_t width) {
-  for (const auto& l : lines_of(text)) EXPECT_LE(l.size(), width) << "'" << l << "'";
+  for (const auto& l : output_lines(text)) EXPECT_LE(l.size(), width) << "'" << l << "'";
 }
 
 v1::LiveLoad parse_live_load(const std::string& json) {
@@ -59,7 +52,7 @@ int argmax(const google::protobuf::RepeatedField<double>& v) {
 std::vector<int> hottest_named(const std::string& frame) {
   std::vector<int> ids;
   const std::regex re(R"(^  hottest: (\d+) )");
-  for (const auto& l : lines_of(frame)) {
+  for (const auto& l : output_lines(frame)) {
     std::smatch m;
     if (std::regex_search(l, m, re)) ids.push_back(std::stoi(m[1]));
   }
@@ -251,7 +244,7 @@ TEST_F(TopInATerminal, RefreshesInPlaceWithinTheWidthAndEveryWayOutRestoresTheTe
         << screen;
     EXPECT_EQ(t.format("#{alternate_on} #{cursor_flag}"), "1 0") << "alternate screen, cursor hidden";
     expect_within(screen, 80);
-    EXPECT_LE(lines_of(screen).size(), 40u);
+    EXPECT_LE(output_lines(screen).size(), 40u);
     // It refreshes in place: the step count moves on the same screen.
     const int first = step_in(screen);
     ASSERT_TRUE(t.wait_for([&](const std::string& s) { return step_in(s) > first; }, 10s, screen)) << screen;
@@ -270,7 +263,7 @@ TEST_F(TopInATerminal, RefreshesInPlaceWithinTheWidthAndEveryWayOutRestoresTheTe
     EXPECT_EQ(read_text_file(after), read_text_file(before)) << "terminal modes after top differ from before";
     ASSERT_TRUE(t.wait_for(
         [](const std::string& s) {
-          auto l = lines_of(s);
+          auto l = output_lines(s);
           while (!l.empty() && l.back().find_first_not_of(' ') == std::string::npos) l.pop_back();
           return !l.empty() && l.back().rfind("top-test$", 0) == 0 &&
                  l.back().find_first_not_of(' ', 9) == std::string::npos;

@@ -24,14 +24,7 @@ using Args = std::vector<std::string>;
 
 bool has(const std::string& out, const std::string& part) { return out.find(part) != std::string::npos; }
 
-const Args kTiny = {"--experts", "4", "--top-k", "2", "--hidden", "16", "--ffn-hidden", "8", "--tokens-per-rank", "16"};
-
-std::vector<std::string> lines_of(const std::string& text) {
-  std::vector<std::string> out;
-  std::istringstream in(text);
-  for (std::string l; std::getline(in, l);) out.push_back(l);
-  return out;
-}
+const Args& kTiny = kTinyJob;
 
 // The submitted job's id from `job submit` (no --wait).
 std::string submit(const Cluster& c, const Args& args) {
@@ -41,6 +34,16 @@ std::string submit(const Cluster& c, const Args& args) {
 }
 
 std::string agent_metrics(const Cluster& c) { return scrape(c.status().agent_metrics_address()); }
+
+// A safetensors file with kTiny's router and no experts: the agent's check at
+// submit passes it (docs/jobs.md#weights), the ranks fail the job as they load.
+std::string routers_only_weights(const fs::path& file) {
+  const std::string header = R"({"gate.weight":{"dtype":"F32","shape":[4,16],"data_offsets":[0,256]}})";
+  std::string bytes(8, '\0');
+  for (int i = 0; i < 8; ++i) bytes[i] = static_cast<char>((header.size() >> (8 * i)) & 0xff);
+  std::ofstream(file, std::ios::binary) << bytes << header << std::string(256, '\0');
+  return file.string();
+}
 
 // Item 1: a running job reported zeros and no loss. Now its status, JSON, watch
 // stream, top and the agent's gauges carry live progress.
@@ -70,7 +73,7 @@ TEST(Ux, ARunningJobShowsLiveProgressEverywhere) {
   std::this_thread::sleep_for(1500ms);  // let the stream run
   watch.kill(SIGTERM);
   watch.wait(5s);
-  const auto stream = lines_of(watch.output());
+  const auto stream = output_lines(watch.output());
   ASSERT_GE(stream.size(), 3u) << watch.output();
   EXPECT_TRUE(has(stream[1], id + " RUNNING step ")) << stream[1];
   EXPECT_TRUE(has(stream[1], "loss ")) << stream[1];
@@ -105,7 +108,8 @@ TEST(Ux, JobListIsInSubmitOrderWithTimesAndFitsTheWidth) {
   std::vector<std::string> ids;
   for (int i = 0; i < 11; ++i) ids.push_back(submit(c, concat(kTiny, {"--steps", "2"})));
   // One failed job with a long message: weights that do not exist.
-  const std::string bad = submit(c, concat(kTiny, {"--steps", "2", "--weights", "/nonexistent/" + std::string(150, 'w') + ".safetensors"}));
+  const std::string bad = submit(
+      c, concat(kTiny, {"--steps", "2", "--weights", routers_only_weights(c.dir() / (std::string(150, 'w') + ".safetensors"))}));
   ASSERT_EQ(c.ctl({"job", "wait", bad}, 60s).first, 1);
   EXPECT_EQ(c.ctl({"job", "status", bad, "-w"}).first, 1) << "a watch ends as a wait does";
   EXPECT_EQ(c.ctl({"job", "status", bad}).first, 0) << "a look is not a wait";
@@ -113,7 +117,7 @@ TEST(Ux, JobListIsInSubmitOrderWithTimesAndFitsTheWidth) {
   const auto [rc, out] = c.ctl({"job", "list"});
   ::unsetenv("COLUMNS");
   ASSERT_EQ(rc, 0) << out;
-  const auto rows = lines_of(out);
+  const auto rows = output_lines(out);
   ASSERT_EQ(rows.size(), 13u) << out;
   EXPECT_TRUE(has(rows[0], "SUBMITTED")) << rows[0];
   EXPECT_TRUE(has(rows[0], "DURATION")) << rows[0];
@@ -122,7 +126,7 @@ TEST(Ux, JobListIsInSubmitOrderWithTimesAndFitsTheWidth) {
   EXPECT_TRUE(has(rows.back(), "...")) << rows.back();
   // --state: only those.
   const auto [src, failed] = c.ctl({"job", "list", "--state", "failed"});
-  EXPECT_EQ(lines_of(failed).size(), 2u) << failed;
+  EXPECT_EQ(output_lines(failed).size(), 2u) << failed;
   EXPECT_EQ(c.ctl({"job", "list", "--state", "sleeping"}).first, 2);
 }
 
@@ -252,7 +256,7 @@ TEST(Ux, VerifyThatNeverRanSaysSo) {
   Cluster c(1, 1);
   ASSERT_TRUE(c.up());
   const auto [rc, out] = c.ctl(concat(concat({"job", "submit", "--wait", "--verify"}, kTiny),
-                                    {"--steps", "2", "--weights", "/nonexistent.safetensors"}),
+                                    {"--steps", "2", "--weights", routers_only_weights(c.dir() / "routers.safetensors")}),
                                60s);
   EXPECT_EQ(rc, 1) << out;
   EXPECT_TRUE(has(out, "verify           not run (the job ended before step 0 was checked)")) << out;

@@ -40,6 +40,7 @@ import argparse
 import json
 import os
 import random
+import re
 import shutil
 import signal
 import socket
@@ -155,7 +156,8 @@ class Harness:
         if ckpt_dir:
             args += ["--checkpoint-dir", ckpt_dir, "--checkpoint-every", "10"]
         rc, out = self.ctl(*args)
-        job = out.strip().split()[-1] if rc == 0 and out.strip() else ""
+        m = re.search(r"^(job-[0-9]+)$", out, re.M) if rc == 0 else None  # stdout's line, whatever stderr says
+        job = m.group(1) if m else ""
         return rc, job, out
 
     def state_of(self, job):

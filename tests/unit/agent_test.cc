@@ -428,7 +428,9 @@ TEST_F(SchedulerTest, ADeadNodeEndsTheJobAtOnce) {
   EXPECT_EQ(members.expire(now + 4s).size(), 2u);
   scheduler.on_node_dead("node node1 (ranks 1-1) stopped responding", now + 4s);
   EXPECT_EQ(scheduler.record(id).state(), v1::JOB_STATE_FAILED);
-  EXPECT_EQ(scheduler.record(id).message(), "node node1 (ranks 1-1) stopped responding");
+  EXPECT_EQ(scheduler.record(id).message(),
+            "node node1 (ranks 1-1) stopped responding after 0 complete steps; a job that is not elastic fails with "
+            "its node (--elastic with --min-node-replicas 2 goes on without it: docs/jobs.md#elastic-jobs)");
 }
 
 TEST_F(SchedulerTest, CancelEndsAQueuedJobAtOnceAndARunningOneThroughItsRanks) {

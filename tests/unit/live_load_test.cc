@@ -162,7 +162,7 @@ TEST_F(LiveLoadTest, TheRunningJobShowsItsRecentStepTimeAndTheWindowLoad) {
 
   const auto lines = ctl::render_top(l, frame(80));
   const std::string text = joined(lines);
-  EXPECT_NE(text.find(id + " RUNNING   step 10/100   200.0 ms/step   2.00k tokens/s"), std::string::npos) << text;
+  EXPECT_NE(text.find(id + " RUNNING   step 10/100   eta 18s   200.0 ms/step   2.00k tokens/s"), std::string::npos) << text;
   EXPECT_NE(text.find("layer 0   epoch 1   balancedness 0.625"), std::string::npos) << text;
   EXPECT_NE(text.find("hottest: 15 11.8%, 14 11.0%"), std::string::npos) << text;  // 16/136, 15/136
   EXPECT_NE(text.find("  rank 3 [########################################] 40.0%"), std::string::npos) << text;

@@ -24,7 +24,8 @@ struct Globals {
   std::string agent;       // --agent / MOE_AGENT (else the state dir's, 127.0.0.1:7400)
   std::string token_file;  // --token-file / MOE_TOKEN_FILE (else the state dir's)
   std::string state_dir;   // --state-dir / MOE_STATE_DIR (else ~/.local/state/moed)
-  rpc::TlsFiles tls;       // --tls-* / MOE_TLS_* (else the state dir's tls/, if any)
+  rpc::TlsFiles tls;       // --tls-* / MOE_TLS_* (else the state dir's tls/, if any, for its own agent)
+  bool plaintext = false;  // --plaintext: plain TCP to an agent started with --plaintext
   bool json = false;       // --output json
   std::chrono::milliseconds timeout{10000};
 };
@@ -108,6 +109,8 @@ int placement_show(const Globals& g, const PlacementTarget& t, std::ostream& out
 int placement_export(const Globals& g, const PlacementTarget& t, const std::string& file, std::ostream& out,
                      std::ostream& err);
 int placement_import(const Globals& g, const std::string& file, std::ostream& out, std::ostream& err);
+// Forgets the shape's maps and load window: its next job starts afresh.
+int placement_reset(const Globals& g, const PlacementTarget& t, std::ostream& out, std::ostream& err);
 // The load window as a loads file of moe-placement-sim --loads.
 int placement_loads(const Globals& g, const PlacementTarget& t, const std::string& file, std::ostream& out,
                     std::ostream& err);

@@ -32,6 +32,7 @@ struct ShapeKey {
   static ShapeKey of(const v1::PlacementShape& s);
   v1::PlacementShape proto() const;
   std::string name() const;  // "64 experts x 2 layers on 2x2"
+  std::string flag() const;  // "64x2@2x2", as moectl's --shape takes it
 };
 
 // What a rebalance would install: the changed layers' new maps (epoch 0 until
@@ -52,18 +53,21 @@ class PlacementService {
   // The maps a job of `shape` starts on, one per layer: the shape's current
   // maps; for a shape seen the first time, the solver's map for uniform load
   // under a new epoch. Throws moe::Error when the solver refuses the sizes.
-  std::vector<v1::PlacementMap> maps_for_job(const v1::JobSpec& spec, const ShapeKey& shape);
+  // `origin` says what asked ("job-4"), for summary().
+  std::vector<v1::PlacementMap> maps_for_job(const v1::JobSpec& spec, const ShapeKey& shape,
+                                             const std::string& origin = "");
   // The maps a job resuming from a checkpoint starts on
   // (docs/jobs.md#checkpoints-and-resume), under a new epoch: on the checkpoint's
   // cluster shape its maps; on another, the solver's from the checkpoint's
   // measured loads.
   std::vector<v1::PlacementMap> maps_for_resume(const v1::JobSpec& spec, const ShapeKey& shape,
-                                                const v1::CheckpointManifest& checkpoint);
+                                                const v1::CheckpointManifest& checkpoint, const std::string& origin = "");
   // An elastic job's new world (docs/jobs.md#elastic-jobs): maps for `next`
   // solved from the loads `old` measured (uniform where it measured none), with
   // the fewest redundant slots the job's min_node_replicas needs on `next`,
   // installed as `next`'s maps under a new epoch.
-  std::vector<v1::PlacementMap> maps_for_world(const v1::JobSpec& spec, const ShapeKey& old, const ShapeKey& next);
+  std::vector<v1::PlacementMap> maps_for_world(const v1::JobSpec& spec, const ShapeKey& old, const ShapeKey& next,
+                                               const std::string& origin = "");
   // One complete step of a job: per layer, pairs per logical expert (summed
   // over ranks), pairs per rank, and the epoch the layer ran under.
   void record_step(const ShapeKey& shape, const std::vector<std::vector<double>>& expert,
@@ -81,7 +85,21 @@ class PlacementService {
   // Installs maps (each with its layer set) under a new epoch (or `epoch`, one
   // reserve_epoch() returned) and returns it. Throws rpc::RpcError
   // (INVALID_ARGUMENT) naming what does not fit the shape.
-  int64_t install(ShapeKey shape, std::vector<v1::PlacementMap> maps, int64_t epoch = 0);
+  // `origin` names what installs them ("a rebalance of job-4", "placement import").
+  int64_t install(ShapeKey shape, std::vector<v1::PlacementMap> maps, int64_t epoch = 0,
+                  const std::string& origin = "");
+  // Forgets a shape's maps, load window and node redundancy: its next job starts
+  // as on a shape never placed. Throws rpc::RpcError(NOT_FOUND) for a shape never
+  // placed. Epochs still only grow.
+  void reset(ShapeKey shape);
+  // "shape 8x1@2x1, epoch 9, 8 slots per rank (4 redundant), min_node_replicas
+  // 2, from job-3's world change": the shape's maps in force and what installed them; "" for a
+  // shape never placed.
+  std::string summary(const ShapeKey& shape) const;
+  // Whether the shape's maps are other than a shape never placed would get (the
+  // solver's for uniform load, no redundant slots): redundancy, a rebalance, a
+  // world change, an import or a checkpoint's maps that its next job inherits.
+  bool carries_state(const ShapeKey& shape) const;
   // The next epoch number, for a live rebalance that installs it only if it
   // commits (an aborted one leaves a gap: epochs only grow).
   int64_t reserve_epoch() { return ++epoch_; }
@@ -104,13 +122,15 @@ class PlacementService {
     std::vector<LoadWindow> windows;
     int num_groups = 0, top_k = 0, group_top_k = 0;  // the last job's routing, for the solver
     int min_node_replicas = 0;                        // ... and its node redundancy as asked (0: unset)
+    std::string origin;                               // what installed the maps in force
     std::vector<v1::PlacementMap> protos() const;    // the maps as they go on the wire
   };
   const Shape& find(const ShapeKey& shape) const;  // throws NOT_FOUND
   Shape& shape_for_job(const v1::JobSpec& spec, const ShapeKey& shape);  // creates it, notes the routing
   bool spread_enough(const ShapeKey& key, const Shape& s) const;  // its maps honour its min_node_replicas
   // Its installed maps, all under a new epoch, and fresh load windows.
-  std::vector<v1::PlacementMap> place(const ShapeKey& key, Shape& s, std::vector<ExpertMap> maps);
+  std::vector<v1::PlacementMap> place(const ShapeKey& key, Shape& s, std::vector<ExpertMap> maps,
+                                      const std::string& origin);
   placement::PlacementSpec solver_spec(const ShapeKey& key, const Shape& s, int redundant) const;
   v1::LayerPlacement describe_layer(const Shape& s, int layer) const;
 

@@ -68,6 +68,7 @@ class JobLifecycle {
   std::string describe_rank(int rank) const;
   // why, prefixed "agent restarted: " while a restored job waits for its ranks.
   std::string after_restart(const std::string& why) const;
+  std::string node_lost_message(const std::string& why) const;
 
   // The running job for the agent's state, and back.
   void save(v1::SchedulerState& s) const;

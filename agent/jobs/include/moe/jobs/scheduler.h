@@ -41,7 +41,9 @@ class Scheduler {
 
   // Validates the spec (defaults filled) against the cluster and queues it.
   // Throws moe::InvalidArgument naming the field.
-  const v1::JobResult& submit(v1::JobSpec spec) { return book_.submit(std::move(spec)); }
+  // Queues the job; its record names the placement it would start on when the
+  // shape carries one from earlier jobs (PlacementService::carries_state).
+  const v1::JobResult& submit(v1::JobSpec spec);
   // Cancels a queued job at once, a running one through its daemons.
   const v1::JobResult& cancel(const std::string& id, Clock::time_point now);
   // The records and the queue (JobBook's).
@@ -105,6 +107,7 @@ class Scheduler {
 
   const SchedulerOptions opts_;
   const Membership& members_;
+  const PlacementService& placement_;
   SchedulerActions& actions_;
   JobBook book_;
   JobLifecycle run_;

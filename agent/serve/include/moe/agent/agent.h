@@ -88,6 +88,7 @@ class Agent : private SchedulerActions, private RebalanceActions {
   rpc::awaitable<v1::Envelope> on_bootstrap(const v1::BootstrapPublish& p, const rpc::RequestContext& ctx);
   v1::Envelope on_rank_done(const v1::RankDone& d);
   v1::Envelope on_import(const v1::PlacementImport& imp);
+  v1::Envelope on_placement_reset(const v1::PlacementReset& r);
   rpc::awaitable<v1::Envelope> on_rebalance(const v1::RebalanceRequest& r, const rpc::RequestContext& ctx);
   void maybe_auto_rebalance(const std::string& job_id, int step);
   rpc::awaitable<v1::Envelope> on_wait(const v1::WaitJobRequest& r, const rpc::RequestContext& ctx);

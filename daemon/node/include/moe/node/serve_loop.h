@@ -32,6 +32,7 @@ struct ServeRank {
   bool first_on_node;  // counts and answers the node's requests, reports its calls
   std::chrono::milliseconds timeout;  // of each transport wait
   int rank;
+  int device;  // the rank's device on this node, for the metrics' labels
   int64_t world_epoch;
   int first_window;  // the world's first reporting window's number (the job's count so far)
   const v1::StartJob& start;  // for checkpoints

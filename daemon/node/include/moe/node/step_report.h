@@ -41,7 +41,7 @@ class StepReport {
 
   const v1::StepStats& stats() const { return stats_; }
   // Records the step in the daemon's metrics (m may be null).
-  void record(metrics::DaemonMetrics* m, int rank) const;
+  void record(metrics::DaemonMetrics* m, int rank, int device) const;
 
  private:
   int num_experts_;

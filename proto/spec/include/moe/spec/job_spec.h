@@ -20,7 +20,10 @@ void validate(const v1::JobSpec& spec, int world_size = 0);
 
 // JSON as docs/cli.md#output prints it (preserve_proto_field_names, always_print_primitive_fields).
 std::string to_json(const google::protobuf::Message& m, bool pretty = true);
-// Parses a JobSpec from JSON; throws moe::InvalidArgument naming the problem.
+// Parses a JobSpec from JSON read strictly (strict_json.h); throws
+// moe::InvalidArgument naming the problem and its line and column.
 v1::JobSpec spec_from_json(const std::string& json);
+// "softmax | sigmoid": an enum field's real values (not *_UNSPECIFIED).
+std::string enum_choices(const google::protobuf::FieldDescriptor& f);
 
 }  // namespace moe::spec
