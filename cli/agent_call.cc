@@ -42,6 +42,10 @@ int exit_code_of(const RpcError& e) {
 }
 
 rpc::RpcClient client(const Resolved& r) {
+  if (!r.tls.enabled() && !r.plaintext_ok && !r.token.empty())
+    throw InvalidArgument("no TLS files for the agent at " + r.agent +
+                          ": give --tls-ca, --tls-cert and --tls-key (moectl tls create makes them), or --plaintext "
+                          "for an agent started with --plaintext (the token then goes in clear)");
   return rpc::RpcClient(rpc::ClientOptions::make(r.agent, r.token, "moectl", "moectl", r.tls));
 }
 
@@ -70,6 +74,10 @@ Resolved resolve(const Globals& g) {
   r.token = !g.token_file.empty() ? rpc::read_token_file(g.token_file) : own_cluster ? local.token : "";
   if (g.plaintext && g.tls.enabled()) throw InvalidArgument("give --plaintext or the --tls-* files, not both");
   if (!g.plaintext) r.tls = g.tls.enabled() ? g.tls : own_cluster ? local.tls : rpc::TlsFiles{};
+  // No silent plaintext: the token goes in clear only to an agent the user said
+  // speaks it (--plaintext) or to the state directory's own plaintext cluster
+  // (`cluster up --plaintext` leaves no tls/ there).
+  r.plaintext_ok = g.plaintext || (own_cluster && !local.agent.empty() && !local.tls.enabled());
   return r;
 }
 

@@ -11,6 +11,8 @@ namespace moe::ctl {
 
 // UNAVAILABLE and DEADLINE_EXCEEDED: 3; INTERNAL: 1; anything else: 2.
 int exit_code_of(const rpc::RpcError& e);
+// Throws moe::InvalidArgument naming the fix when it would send the token in
+// clear unasked (Resolved::plaintext_ok).
 rpc::RpcClient client(const Resolved& r);
 // A small text file of the state directory without trailing whitespace ("" if absent).
 std::string read_trimmed(const std::string& path);

@@ -23,6 +23,7 @@
 #include "agent_call.h"
 #include "local_process.h"
 #include "moe/base/file.h"
+#include "moe/base/random.h"
 #include "moe/rpc/certs.h"
 
 namespace moe::ctl {
@@ -34,11 +35,8 @@ using Clock = std::chrono::steady_clock;
 namespace {
 
 std::string random_token() {
-  std::ifstream in("/dev/urandom", std::ios::binary);
-  unsigned char b[24];
-  in.read(reinterpret_cast<char*>(b), sizeof b);
   std::ostringstream os;
-  for (unsigned char c : b) os << std::hex << std::setw(2) << std::setfill('0') << static_cast<int>(c);
+  for (unsigned char c : random_bytes(24)) os << std::hex << std::setw(2) << std::setfill('0') << static_cast<int>(c);
   return os.str();
 }
 
@@ -61,8 +59,7 @@ std::vector<std::string> tls_flags(const StateDir& s, const ClusterUpOptions& o,
 }
 
 void write_token(const StateDir& s, const std::string& token) {
-  write_file_atomically(s.token().string(), token + "\n");
-  ::chmod(s.token().c_str(), 0600);
+  write_file_atomically(s.token().string(), token + "\n", 0600);  // never readable by others, not even briefly
 }
 
 // The local agent's port: free, and below the kernel's ephemeral range
@@ -183,6 +180,7 @@ int cluster_up(const Globals& g, const ClusterUpOptions& o, std::ostream& out, s
       make_local_certs(s);
     }
     r.tls = g.tls.enabled() ? g.tls : resolve(Globals{.state_dir = r.state_dir}).tls;
+    r.plaintext_ok = o.plaintext;
     const auto until = Clock::now() + o.ready_timeout;
     r.agent = start_agent(s, o, until);
     for (int i = 0; i < o.nodes; ++i) start_daemon(s, o, i, r, until);

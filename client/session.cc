@@ -4,10 +4,10 @@
 #include <cctype>
 #include <cstdio>
 #include <cstring>
-#include <random>
 #include <thread>
 
 #include "moe/base/check.h"
+#include "moe/base/random.h"
 #include "moe/rpc/frame.h"
 #include "moe/tensor_wire/tensor_port.h"
 
@@ -21,12 +21,11 @@ constexpr int kWireReopens = 3;
 
 // 128 random bits in hex: this session's connections, to the nodes (Hello.session).
 std::string new_session_id() {
-  std::random_device random;
   std::string id;
-  for (int i = 0; i < 4; ++i) {
-    char word[9];
-    std::snprintf(word, sizeof word, "%08x", static_cast<unsigned>(random()));
-    id += word;
+  for (unsigned char c : random_bytes(16)) {
+    char hex[3];
+    std::snprintf(hex, sizeof hex, "%02x", c);
+    id += hex;
   }
   return id;
 }

@@ -4,12 +4,12 @@
 
 #include <algorithm>
 #include <cstring>
-#include <random>
 #include <optional>
 
 #include "moe/base/check.h"
 #include "moe/base/clock.h"
 #include "moe/base/log.h"
+#include "moe/base/random.h"
 #include "moe/rpc/frame.h"
 #include "moe/spec/job_spec.h"
 
@@ -54,16 +54,8 @@ void JobLifecycle::cancel(Clock::time_point now) {
   actions_.cancel_job(running_->id, "cancelled by request", false);
 }
 
-// std::random_device reads getrandom on Linux.
-std::string new_data_plane_key() {
-  std::random_device dev;
-  std::string key(32, '\0');
-  for (size_t i = 0; i < key.size(); i += 4) {
-    const uint32_t word = dev();
-    std::memcpy(&key[i], &word, 4);
-  }
-  return key;
-}
+// The job's data-plane key (docs/transport.md#job-key): 32 bytes of the kernel's CSPRNG.
+std::string new_data_plane_key() { return random_bytes(32); }
 
 // QUEUED -> RUNNING, or -> FAILED when the cluster cannot run the spec.
 bool JobLifecycle::start(v1::JobResult& rec, Clock::time_point now) {

@@ -48,6 +48,10 @@ void HfCheckpoint::read_index(const std::string& index_path) {
   for (const auto& [name, shard] : map->second.struct_value().fields()) {
     MOE_CHECK(shard.kind_case() == google::protobuf::Value::kStringValue && !shard.string_value().empty(),
               index_path, ": bad index: weight_map[\"", name, "\"] is not a file name");
+    // A shard is a file of the index's own folder: a path could make a daemon read any file.
+    const std::string& file = shard.string_value();
+    MOE_CHECK(file.find('/') == std::string::npos && file != "." && file != "..", index_path,
+              ": bad index: weight_map[\"", name, "\"] is '", file, "', not a file name in the index's folder");
     weight_map_.emplace(name, (folder / shard.string_value()).string());
   }
 }

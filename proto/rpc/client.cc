@@ -35,7 +35,11 @@ std::string read_token_file(const std::string& path) {
   ss << in.rdbuf();
   std::string t = ss.str();
   const auto b = t.find_first_not_of(" \t\r\n"), e = t.find_last_not_of(" \t\r\n");
-  return b == std::string::npos ? "" : t.substr(b, e - b + 1);
+  // An empty token would turn authentication off without a word.
+  if (b == std::string::npos)
+    throw InvalidArgument("token file " + path + " is empty: a cluster token is one line of random text (moectl "
+                          "cluster up writes one; or: openssl rand -hex 24 > " + path + ")");
+  return t.substr(b, e - b + 1);
 }
 
 struct RpcClient::Impl {

@@ -8,6 +8,9 @@
 #include <optional>
 #include <vector>
 
+#include <openssl/crypto.h>
+#include <openssl/evp.h>
+
 #include "frame_io.h"
 #include "moe/base/log.h"
 
@@ -20,7 +23,17 @@ namespace {
 
 constexpr auto kDefaultRequestDeadline = std::chrono::seconds(30);
 constexpr int64_t kMaxRequestDeadlineMs = 3600 * 1000;
-constexpr auto kHandshakeTimeout = std::chrono::seconds(10);
+
+// The token in constant time: SHA-256 of both, compared with CRYPTO_memcmp, so
+// neither the matching prefix nor the length shows in the time taken.
+bool same_token(const std::string& given, const std::string& expected) {
+  unsigned char a[EVP_MAX_MD_SIZE], b[EVP_MAX_MD_SIZE];
+  unsigned int na = 0, nb = 0;
+  if (EVP_Digest(given.data(), given.size(), a, &na, EVP_sha256(), nullptr) != 1 ||
+      EVP_Digest(expected.data(), expected.size(), b, &nb, EVP_sha256(), nullptr) != 1)
+    return false;
+  return na == nb && CRYPTO_memcmp(a, b, na) == 0;
+}
 
 }  // namespace
 
@@ -32,6 +45,8 @@ struct RpcServer::Connection : ConnectionEvents, std::enable_shared_from_this<Co
   Connection(tcp::socket s, uint64_t id) : conn(std::move(s)), id_(id) {}
   detail::Connection conn;
   std::string peer;
+  bool authenticated = false;  // passed Hello
+  bool counted = false;        // counts in unauthenticated_ (accepted, not yet authenticated or evicted)
 
   void on_close(std::function<void()> f) override {
     if (closed_) return f();
@@ -126,8 +141,13 @@ awaitable<void> RpcServer::accept_loop() {
     tcp::socket s = co_await acceptor_.async_accept(asio::redirect_error(use_awaitable, ec));
     if (ec) {
       if (stopped_ || ec == asio::error::operation_aborted) co_return;
+      if (ec == asio::error::no_descriptors || ec.value() == ENFILE) {  // out of files: wait, do not spin
+        asio::steady_timer pause(io_, std::chrono::milliseconds(100));
+        co_await pause.async_wait(asio::redirect_error(use_awaitable, ec));
+      }
       continue;  // e.g. the client reset before we accepted
     }
+    make_room_for_a_stranger();
     // A reply goes out as a header and a body: without this, Nagle holds the body
     // until the client's delayed ACK (40 ms on Linux) for replies of a few kB to ~100 kB.
     s.set_option(tcp::no_delay(true), ec);
@@ -136,19 +156,49 @@ awaitable<void> RpcServer::accept_loop() {
     const auto remote = conn->conn.socket().remote_endpoint(pe);
     conn->peer = pe ? "?" : remote.address().to_string() + ":" + std::to_string(remote.port());
     connections_.insert(conn);
+    conn->counted = true;
+    ++unauthenticated_;
+    awaiting_hello_.push_back(conn);
     asio::co_spawn(io_, serve(conn), asio::detached);
   }
 }
 
-// TLS from the first byte, within kHandshakeTimeout. A plain client is told in
-// its own framing that TLS is required; a failed handshake is logged. False: the
-// connection is done.
+void RpcServer::drop(const std::shared_ptr<Connection>& conn) {
+  conn->conn.close();
+  conn->closed();
+  if (conn->counted) --unauthenticated_;
+  conn->counted = false;
+  connections_.erase(conn);
+}
+
+// At the cap of connections before Hello, the oldest goes: a client that speaks
+// at once always gets in, and a stranger's silent connections only ever push out
+// each other. Entries that passed Hello or went are pruned from the front.
+void RpcServer::make_room_for_a_stranger() {
+  auto stale = [](const std::weak_ptr<Connection>& w) {
+    const auto c = w.lock();
+    return !c || !c->counted;
+  };
+  while (!awaiting_hello_.empty() && stale(awaiting_hello_.front())) awaiting_hello_.pop_front();
+  while (unauthenticated_ >= opts_.max_unauthenticated && !awaiting_hello_.empty()) {
+    const auto oldest = awaiting_hello_.front().lock();
+    awaiting_hello_.pop_front();
+    if (!oldest || !oldest->counted) continue;
+    oldest->counted = false;
+    --unauthenticated_;
+    oldest->conn.close();  // its serve() ends at its pending read
+    if (Clock::now() - last_eviction_log_ > std::chrono::seconds(10)) {
+      last_eviction_log_ = Clock::now();
+      log::warn(opts_.role, ": ", opts_.max_unauthenticated, " connections have not passed Hello; closing the oldest "
+                "(from ", oldest->peer, ") for each new one");
+    }
+  }
+}
+
+// TLS from the first byte (within the Hello deadline serve() sets). A plain
+// client is told in its own framing that TLS is required; a failed handshake is
+// logged. False: the connection is done.
 awaitable<bool> RpcServer::secure(std::shared_ptr<Connection> conn) {
-  asio::steady_timer timer(io_);
-  timer.expires_after(kHandshakeTimeout);
-  timer.async_wait([conn](boost::system::error_code ec) {
-    if (!ec) conn->conn.close();
-  });
   bool secured = false;
   try {
     uint8_t first = 0;
@@ -159,7 +209,7 @@ awaitable<bool> RpcServer::secure(std::shared_ptr<Connection> conn) {
     } else {
       uint64_t id = 0;  // the request's, when its frame is one
       try {
-        id = (co_await conn->conn.read(opts_.max_frame_bytes)).request_id();
+        id = (co_await conn->conn.read(opts_.max_hello_frame_bytes)).request_id();
       } catch (const RpcError&) {
       }
       co_await conn->conn.try_write(make_error(
@@ -170,50 +220,72 @@ awaitable<bool> RpcServer::secure(std::shared_ptr<Connection> conn) {
       log::warn("TLS handshake with ", conn->peer, " failed: ", detail::handshake_failure(e.code(), true));
   } catch (const std::exception&) {
   }
-  timer.cancel();
   co_return secured;
 }
 
-awaitable<void> RpcServer::serve(std::shared_ptr<Connection> conn) {
-  if (tls_ && !co_await secure(conn)) {
-    conn->conn.close();
-    connections_.erase(conn);
-    co_return;
+// The first frame, at most max_hello_frame_bytes: a Hello with the cluster's
+// token. Anything else gets an error reply, and the connection ends.
+awaitable<bool> RpcServer::authenticate(std::shared_ptr<Connection> conn, RequestContext& ctx) {
+  v1::Envelope request;
+  std::optional<v1::Envelope> refusal;
+  try {
+    request = co_await conn->conn.read(opts_.max_hello_frame_bytes);
+  } catch (const RpcError& e) {
+    refusal = make_error(e.code(), std::string(e.what()) + " before hello");
+  } catch (const std::exception&) {
+    co_return false;  // the peer went away, or the Hello deadline closed it
   }
-  bool authenticated = false;
+  if (!refusal && !request.has_hello())
+    refusal = make_error(v1::ERROR_CODE_UNAUTHENTICATED, "the first frame must be hello", request.request_id());
+  else if (!refusal && !opts_.token.empty() && !same_token(request.hello().token(), opts_.token))
+    refusal = make_error(v1::ERROR_CODE_UNAUTHENTICATED, "bad cluster token", request.request_id());
+  if (refusal) {
+    co_await conn->conn.try_write(*refusal);
+    co_return false;
+  }
+  conn->authenticated = true;
+  if (conn->counted) --unauthenticated_;
+  conn->counted = false;
+  ctx.client_role = request.hello().role();
+  ctx.client_name = request.hello().name();
+  ctx.client_session = request.hello().session();
+  v1::Envelope reply;
+  reply.set_request_id(request.request_id());
+  reply.mutable_hello_reply()->set_role(opts_.role);
+  reply.mutable_hello_reply()->set_version("moe.v1");
+  co_return co_await conn->conn.try_write(reply);
+}
+
+awaitable<void> RpcServer::serve(std::shared_ptr<Connection> conn) {
+  // TLS and Hello within hello_timeout, in every mode: a connection that says
+  // nothing holds no slot for long.
+  asio::steady_timer hello_deadline(io_);
+  hello_deadline.expires_after(opts_.hello_timeout);
+  hello_deadline.async_wait([conn](boost::system::error_code ec) {
+    if (!ec && !conn->authenticated) conn->conn.close();
+  });
   RequestContext ctx;
   ctx.peer = conn->peer;
   ctx.connection = conn.get();
+  bool admitted = !tls_ || co_await secure(conn);
+  if (admitted) admitted = co_await authenticate(conn, ctx);
+  hello_deadline.cancel();
+  if (!admitted) {
+    drop(conn);
+    co_return;
+  }
   for (;;) {
     v1::Envelope request;
-    std::optional<v1::Envelope> fatal;  // an error reply after which the connection closes
+    std::optional<v1::Envelope> bad_frame;  // replied, then the connection closes
     try {
       request = co_await conn->conn.read(opts_.max_frame_bytes);
     } catch (const RpcError& e) {
-      fatal = make_error(e.code(), e.what());
+      bad_frame = make_error(e.code(), e.what());
     } catch (const std::exception&) {
       break;  // the peer went away
     }
-    if (!fatal && !authenticated) {
-      if (!request.has_hello()) {
-        fatal = make_error(v1::ERROR_CODE_UNAUTHENTICATED, "the first frame must be hello", request.request_id());
-      } else if (!opts_.token.empty() && request.hello().token() != opts_.token) {
-        fatal = make_error(v1::ERROR_CODE_UNAUTHENTICATED, "bad cluster token", request.request_id());
-      } else {
-        authenticated = true;
-        ctx.client_role = request.hello().role();
-        ctx.client_name = request.hello().name();
-        ctx.client_session = request.hello().session();
-        v1::Envelope reply;
-        reply.set_request_id(request.request_id());
-        reply.mutable_hello_reply()->set_role(opts_.role);
-        reply.mutable_hello_reply()->set_version("moe.v1");
-        if (!co_await conn->conn.try_write(reply)) break;
-        continue;
-      }
-    }
-    if (fatal) {
-      co_await conn->conn.try_write(*fatal);
+    if (bad_frame) {
+      co_await conn->conn.try_write(*bad_frame);
       break;
     }
     // A handler stops waiting a little before the caller gives up, so a wait that
@@ -241,9 +313,7 @@ awaitable<void> RpcServer::serve(std::shared_ptr<Connection> conn) {
     reply.set_request_id(request.request_id());
     if (!co_await conn->conn.try_write(reply)) break;
   }
-  conn->conn.close();
-  conn->closed();
-  connections_.erase(conn);
+  drop(conn);
 }
 
 }  // namespace moe::rpc

@@ -83,8 +83,13 @@ TensorList list_index(const fs::path& index) {
   for (const JsonMember& m : members_of(text, index.string())) {
     if (m.key != "weight_map") continue;
     if (m.kind != 'o') refuse(index.string() + ": weight_map is not an object");
-    for (const JsonMember& w : members_of(text.substr(m.value_offset, m.value_size), index.string()))
+    for (const JsonMember& w : members_of(text.substr(m.value_offset, m.value_size), index.string())) {
+      // A shard is a file of the index's own folder (the daemons refuse a path too).
+      if (w.kind != 's' || w.value.empty() || w.value.find('/') != std::string::npos || w.value == "." ||
+          w.value == "..")
+        refuse(index.string() + ": weight_map[\"" + w.key + "\"] is not a file name in the index's folder");
       t.file_of[w.key] = (index.parent_path() / w.value).string();
+    }
   }
   if (t.file_of.empty()) refuse(index.string() + " has no weight_map (a Hugging Face model.safetensors.index.json has one)");
   return t;

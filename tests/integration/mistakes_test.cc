@@ -104,7 +104,8 @@ TEST(Mistakes, SpecFilesAreReadStrictlyWithLinesAndColumns) {
 
 // moectl took the default state directory's certificates for whatever agent
 // --agent named, and had no --plaintext: after one local cluster had run, a
-// plaintext agent could not be reached ("the peer does not speak TLS").
+// plaintext agent could not be reached ("the peer does not speak TLS"). Now it
+// names the fix, and sends no token in clear unless told to (issue 44).
 TEST(Mistakes, TheStateDirectorysCertificatesGoOnlyToItsOwnAgent) {
   Cluster tls_cluster(1, 1);  // leaves tls/ in its state directory, as `cluster up` does in ~/.local/state/moed
   ASSERT_TRUE(tls_cluster.up());
@@ -120,7 +121,13 @@ TEST(Mistakes, TheStateDirectorysCertificatesGoOnlyToItsOwnAgent) {
   ::setenv("HOME", home.c_str(), 1);
   ::unsetenv("MOE_STATE_DIR");
   const Args to_plain = {"--agent", plain.agent(), "--token-file", token.string(), "job", "list"};
+  // Without TLS files for that agent moectl will not send the token in clear unasked.
   auto [rc, out] = moectl(to_plain);
+  EXPECT_EQ(rc, 2) << out;
+  EXPECT_TRUE(has(out, "no TLS files for the agent at " + plain.agent() + ": give --tls-ca, --tls-cert and "
+                       "--tls-key (moectl tls create makes them), or --plaintext"))
+      << out;
+  std::tie(rc, out) = moectl(concat({"--plaintext"}, to_plain));
   EXPECT_EQ(rc, 0) << out;
   EXPECT_TRUE(has(out, "no jobs yet")) << out;
   // Its own agent still gets them: no flags at all reach the TLS cluster.

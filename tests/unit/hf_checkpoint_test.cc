@@ -223,6 +223,12 @@ TEST_F(HfCheckpoint, ABrokenShardingIsNamed) {
   EXPECT_ERROR_HAS(load_error(bad, shape), "no \"weight_map\" object");
   std::ofstream(bad / "model.safetensors.index.json") << "{\"weight_map\": {\"a\": 3}}";
   EXPECT_ERROR_HAS(load_error(bad, shape), "weight_map[\"a\"] is not a file name");
+  // A shard outside the index's folder (a way to read any file the daemon can) is refused.
+  for (const char* outside : {"../../etc/passwd", "/etc/passwd", ".."}) {
+    std::ofstream(bad / "model.safetensors.index.json") << "{\"weight_map\": {\"a\": \"" << outside << "\"}}";
+    EXPECT_ERROR_HAS(load_error(bad, shape), "weight_map[\"a\"] is '" + std::string(outside) +
+                                                 "', not a file name in the index's folder");
+  }
   std::ofstream(bad / "model.safetensors.index.json") << "[1, 2";
   EXPECT_ERROR_HAS(load_error(bad, shape), "bad index: not a JSON object");
   EXPECT_ERROR_HAS(load_error(fresh_dir("empty"), shape), "a folder without model.safetensors.index.json");

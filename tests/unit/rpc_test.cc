@@ -8,6 +8,10 @@
 #include <unistd.h>
 
 #include <atomic>
+#include <cerrno>
+#include <fstream>
+#include <functional>
+#include <future>
 #include <thread>
 
 #include "moe/rpc/server.h"
@@ -22,12 +26,14 @@ using rpc::RpcError;
 // AsyncEvent until "release" is called or its deadline passes.
 class TestServer {
  public:
-  explicit TestServer(const std::string& token = "", size_t max_frame = rpc::kDefaultMaxFrameBytes)
+  explicit TestServer(const std::string& token = "", size_t max_frame = rpc::kDefaultMaxFrameBytes,
+                      const std::function<void(rpc::ServerOptions&)>& tune = {})
       : event_(io_) {
     rpc::ServerOptions o;
     o.token = token;
     o.role = "test";
     o.max_frame_bytes = max_frame;
+    if (tune) tune(o);
     server_ = std::make_unique<rpc::RpcServer>(
         io_, o, [this](const v1::Envelope& req, const rpc::RequestContext& ctx) -> rpc::awaitable<v1::Envelope> {
           v1::Envelope reply;
@@ -62,6 +68,12 @@ class TestServer {
   std::string address() const { return "127.0.0.1:" + std::to_string(server_->port()); }
   int port() const { return server_->port(); }
   int waiting() const { return waiting_.load(); }
+  // RpcServer::unauthenticated, read on the server's io thread.
+  size_t unauthenticated() {
+    std::promise<size_t> n;
+    rpc::asio::post(io_, [&] { n.set_value(server_->unauthenticated()); });
+    return n.get_future().get();
+  }
   void release() {
     rpc::asio::post(io_, [this] {
       released_ = true;
@@ -114,6 +126,11 @@ struct RawSocket {
   bool closed_by_peer() {
     char c;
     return ::recv(fd, &c, 1, 0) == 0;
+  }
+  // Nothing to read and not closed: the peer holds the connection open.
+  bool still_open() {
+    char c;
+    return ::recv(fd, &c, 1, MSG_DONTWAIT) < 0 && (errno == EAGAIN || errno == EWOULDBLOCK);
   }
   bool read_exact(uint8_t* p, size_t n) {
     while (n) {
@@ -193,6 +210,49 @@ TEST(Rpc, MalformedAndOversizedFramesCloseOnlyTheirConnection) {
     EXPECT_EQ(raw.read_frame().error().code(), v1::ERROR_CODE_BAD_FRAME);
   }
   EXPECT_EQ(good.call(get_job("after"), 5s).job().job_id(), "after");  // still serving
+}
+
+// Before Hello (docs/control-plane.md#before-authentication): a stranger's frame
+// is small, its time is short, and strangers hold few connections at once.
+TEST(Rpc, BeforeHelloFramesAreSmallTimeIsShortAndStrangersFew) {
+  TestServer server("s3cret", rpc::kDefaultMaxFrameBytes, [](rpc::ServerOptions& o) {
+    o.hello_timeout = 2s;
+    o.max_unauthenticated = 4;
+  });
+  {  // a 16 MiB frame announced before Hello: refused, nothing allocated for it
+    RawSocket raw(server.port());
+    raw.send_bytes(std::string("\x01\x00\x00\x00", 4));
+    const v1::Envelope reply = raw.read_frame();
+    EXPECT_EQ(reply.error().code(), v1::ERROR_CODE_BAD_FRAME);
+    EXPECT_NE(reply.error().message().find("exceeds the limit of 4096 before hello"), std::string::npos)
+        << reply.error().message();
+    EXPECT_TRUE(raw.closed_by_peer());
+  }
+  // Four strangers that say nothing fill the slots; a client that speaks gets in
+  // at once, closing the oldest stranger.
+  std::vector<std::unique_ptr<RawSocket>> silent;
+  for (int i = 0; i < 4; ++i) silent.push_back(std::make_unique<RawSocket>(server.port()));
+  for (auto until = std::chrono::steady_clock::now() + 2s; server.unauthenticated() < 4;)
+    ASSERT_LT(std::chrono::steady_clock::now(), until) << "the server did not accept the four";
+  EXPECT_EQ(client(server.address(), "s3cret").call(get_job("in"), 5s).job().job_id(), "in");
+  EXPECT_TRUE(silent[0]->closed_by_peer());
+  EXPECT_TRUE(silent[1]->still_open()) << "closed at the deadline, not for room";
+  // The others are closed at their Hello deadline (2 s; a read waits up to 5 s).
+  for (size_t i = 1; i < silent.size(); ++i) EXPECT_TRUE(silent[i]->closed_by_peer());
+  EXPECT_EQ(server.unauthenticated(), 0u);
+}
+
+TEST(Rpc, AnEmptyTokenFileIsRefusedNotTakenAsNoToken) {
+  const std::string path = ::testing::TempDir() + "/empty_token";
+  { std::ofstream(path) << " \n"; }
+  try {
+    rpc::read_token_file(path);
+    FAIL() << "an empty token file was read as no token";
+  } catch (const InvalidArgument& e) {
+    EXPECT_NE(std::string(e.what()).find("token file " + path + " is empty"), std::string::npos) << e.what();
+  }
+  { std::ofstream(path) << "  abc\n"; }
+  EXPECT_EQ(rpc::read_token_file(path), "abc");
 }
 
 TEST(Rpc, DeadlinesBoundEveryCall) {

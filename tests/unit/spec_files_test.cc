@@ -219,6 +219,11 @@ TEST(WeightsCheck, NamesTheMissingFileLayerOrShape) {
                                     " does not hold"),
             std::string::npos)
       << weights_refusal(s);
+  std::ofstream(dir / "model.safetensors.index.json") << R"({"weight_map": {"m.0.gate.weight": "../m.safetensors"}})";
+  s.set_weights(dir.string());
+  EXPECT_NE(weights_refusal(s).find("weight_map[\"m.0.gate.weight\"] is not a file name in the index's folder"),
+            std::string::npos)
+      << weights_refusal(s);
   s.set_weights((dir / "nope.safetensors").string());
   EXPECT_NE(weights_refusal(s).find("nope.safetensors does not exist"), std::string::npos) << weights_refusal(s);
   s.set_weights((dir / "short.safetensors").string());

@@ -34,6 +34,10 @@ struct Globals {
 struct Resolved {
   std::string agent, token, state_dir;
   rpc::TlsFiles tls;
+  // No silent plaintext: without TLS files the token goes in clear only to an
+  // agent the user said speaks plaintext (--plaintext) or to the state
+  // directory's own plaintext cluster (`cluster up --plaintext` leaves no tls/).
+  bool plaintext_ok = false;
 };
 Resolved resolve(const Globals& g);
 

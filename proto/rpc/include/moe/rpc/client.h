@@ -15,7 +15,8 @@ namespace moe::rpc {
 
 // "HOST:PORT" -> parts; throws moe::InvalidArgument naming the text.
 std::pair<std::string, int> split_address(const std::string& address);
-// The token in a file (surrounding whitespace removed); throws naming the file.
+// The token in a file (surrounding whitespace removed); throws naming the file
+// when it cannot be read or holds no token.
 std::string read_token_file(const std::string& path);
 
 // The control plane's TLS (docs/control-plane.md#tls), as PEM files: this

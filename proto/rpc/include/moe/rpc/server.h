@@ -6,6 +6,7 @@
 
 #include <chrono>
 #include <cstdint>
+#include <deque>
 #include <functional>
 #include <memory>
 #include <string>
@@ -26,6 +27,12 @@ struct ServerOptions {
   TlsFiles tls;           // empty: plain TCP; else clients must present a certificate the CA signed
   std::string role;       // told to clients in HelloReply
   size_t max_frame_bytes = kDefaultMaxFrameBytes;
+  // Before Hello succeeds (docs/control-plane.md#before-authentication): frames
+  // up to this size, the TLS handshake and Hello within this time, and at most
+  // this many such connections at once (a new one closes the oldest).
+  size_t max_hello_frame_bytes = 4096;
+  std::chrono::milliseconds hello_timeout{10000};
+  size_t max_unauthenticated = 256;
 
   // listen is HOST:PORT; throws moe::InvalidArgument naming it when malformed.
   static ServerOptions make(const std::string& listen, std::string token, std::string role, TlsFiles tls = {}) {
@@ -84,12 +91,18 @@ class RpcServer {
   // every interface (0.0.0.0).
   std::string advertised_address() const;
   void stop();                  // stop accepting and close every connection
+  // Connections accepted that have not passed Hello (io thread).
+  size_t unauthenticated() const { return unauthenticated_; }
 
  private:
   struct Connection;
   awaitable<void> accept_loop();
   awaitable<void> serve(std::shared_ptr<Connection> conn);
   awaitable<bool> secure(std::shared_ptr<Connection> conn);
+  // Reads the Hello and checks its token; true when the connection may go on.
+  awaitable<bool> authenticate(std::shared_ptr<Connection> conn, RequestContext& ctx);
+  void drop(const std::shared_ptr<Connection>& conn);
+  void make_room_for_a_stranger();
 
   asio::io_context& io_;
   ServerOptions opts_;
@@ -99,6 +112,9 @@ class RpcServer {
   int port_ = 0;
   std::set<std::shared_ptr<Connection>> connections_;
   uint64_t connections_made_ = 0;
+  size_t unauthenticated_ = 0;  // connections accepted that have not passed Hello
+  std::deque<std::weak_ptr<Connection>> awaiting_hello_;  // in accept order; stale entries pruned
+  std::chrono::steady_clock::time_point last_eviction_log_{};
   bool stopped_ = false;
 };
 
