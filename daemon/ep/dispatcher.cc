@@ -231,9 +231,16 @@ void Dispatcher::count_received_pairs() {
   host_.slots.resize(static_cast<size_t>(N) * K);
   be_.copy_to_host(host_.slots.data(), h_.recv_slot_.get(), 4 * N * K);
   recv.assign(N + 1, 0);
+  const int32_t S = cfg_.slots_per_rank;
   for (int64_t n = 0; n < N; ++n) {
     int64_t local = 0;
-    for (int k = 0; k < K; ++k) local += host_.slots[n * K + k] >= 0;
+    for (int k = 0; k < K; ++k) {
+      const int32_t slot = host_.slots[n * K + k];
+      // The experts index their buffers with it: a peer's slot must be one of this rank's, or -1.
+      MOE_CHECK(slot >= -1 && slot < S, "dispatch: received row ", n, " names slot ", slot, "; this rank has slots 0 to ",
+                S - 1, " (a forged or corrupt row from a peer)");
+      local += slot >= 0;
+    }
     recv[n + 1] = recv[n] + local;
   }
 }
@@ -349,6 +356,7 @@ void Dispatcher::exchange_counts_and_chunks() {
   if (!can_chunk()) {
     h_.chunks_ = 1;
     comm_.exchange_counts(h_.send_counts_.data(), h_.recv_counts_.data(), deadline());
+    check_received_counts({});
     return;
   }
   const int64_t mine = propose_chunks();
@@ -356,11 +364,29 @@ void Dispatcher::exchange_counts_and_chunks() {
   for (int r = 0; r < R; ++r) send[r] = (h_.send_counts_[r] << kChunkBits) | mine;
   comm_.exchange_counts(send.data(), recv.data(), deadline());
   int64_t agreed = mine;
+  std::vector<int64_t> proposed(R);
   for (int r = 0; r < R; ++r) {
     h_.recv_counts_[r] = recv[r] >> kChunkBits;
-    agreed = std::max(agreed, recv[r] & ((1 << kChunkBits) - 1));
+    proposed[r] = recv[r] & ((1 << kChunkBits) - 1);
+    agreed = std::max(agreed, proposed[r]);
   }
+  check_received_counts(proposed);
   h_.chunks_ = static_cast<int>(agreed);
+}
+
+// What peers say before anything is sized from it (a peer is not trusted with
+// this rank's memory): each sends at most one row per token of its at most
+// max_tokens, and proposes 1 to kMaxChunks chunks. A violation fails the step
+// naming the peer, before any buffer grows.
+void Dispatcher::check_received_counts(const std::vector<int64_t>& proposed_chunks) const {
+  for (int r = 0; r < cfg_.num_ranks; ++r) {
+    const int64_t n = h_.recv_counts_[r];
+    MOE_CHECK(n >= 0 && n <= cfg_.max_tokens, "dispatch: rank ", r, " announced ", n,
+              " rows; a rank sends 0 to ", cfg_.max_tokens, " (a forged or corrupt count)");
+    if (!proposed_chunks.empty())
+      MOE_CHECK(proposed_chunks[r] >= 1 && proposed_chunks[r] <= kMaxChunks, "dispatch: rank ", r, " proposed ",
+                proposed_chunks[r], " chunks; 1 to ", kMaxChunks, " are valid (a forged or corrupt count)");
+  }
 }
 
 // Counts, then rows + slots + weights in one all-to-all round, or chunk 0 of a

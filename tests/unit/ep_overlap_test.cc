@@ -248,6 +248,33 @@ TEST(OverlapDispatcher, ARankLostMidPipelineFailsItsPeers) {
   }
 }
 
+// A peer's counts are checked before anything is sized from them (issue 44): a
+// forged row count or chunk proposal fails the step naming the peer, and the
+// honest rank allocates nothing for it.
+TEST(OverlapDispatcher, AForgedCountFailsTheStepNamingThePeer) {
+  // The word a rank sends each peer: its row count << 8 | the chunks it proposes.
+  struct Forgery {
+    int64_t word;  // what the hostile rank 1 sends rank 0
+    std::string named;
+  };
+  const int64_t T = 100;
+  for (const Forgery& f : {Forgery{(int64_t{1} << 40) << 8 | 1, "rank 1 announced 1099511627776 rows; a rank sends 0 to 100"},
+                           Forgery{-5 * 256 + 1, "rank 1 announced -5 rows"},
+                           Forgery{(int64_t{3} << 8) | 200, "rank 1 proposed 200 chunks; 1 to 8 are valid"},
+                           Forgery{int64_t{3} << 8, "rank 1 proposed 0 chunks"}}) {
+    const auto errors = run_ranks(Kind::kInProc, 2, [&](transport::Communicator& comm) {
+      if (comm.rank() == 0) {
+        identity_pair(comm, 1, T, Die::kNever);  // 1: no link measurement before the counts
+        return;
+      }
+      const std::vector<int64_t> send = {f.word, 0};
+      std::vector<int64_t> recv(2);
+      comm.exchange_counts(send.data(), recv.data(), transport::deadline_in(std::chrono::seconds(20)));
+    });
+    EXPECT_NE(errors[0].find("dispatch: " + f.named), std::string::npos) << errors[0];
+  }
+}
+
 TEST(ChunkRule, HidesTheShorterSideAndKeepsChunksWorthComputing) {
   EXPECT_EQ(ep::chunk_rule(0, 0.5, 4096), 1);        // nothing measured yet
   EXPECT_EQ(ep::chunk_rule(0.07, 0.4, 4096), 1);     // transfer under a fifth of compute: not worth it

@@ -225,6 +225,7 @@ class Dispatcher {
   void build_layout(const void* x, int64_t T, const float* topk_weight);
   void exchange(int64_t T);
   void exchange_counts_and_chunks();
+  void check_received_counts(const std::vector<int64_t>& proposed_chunks) const;
   int propose_chunks();
   bool can_chunk() const;
   void plan_chunks();
