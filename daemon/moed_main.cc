@@ -28,7 +28,7 @@ int main(int argc, char** argv) {
   app.add_option("--devices", o.devices, "devices (EP ranks) on this node; 0: one per GPU with the CUDA backend, 1 on CPU")
       ->check(moe::integer_in(0, 1024));
   app.add_option("--backend", o.backend, "auto, cpu or cuda")->check(CLI::IsMember({"auto", "cpu", "cuda"}));
-  app.add_option("--metrics-port", o.metrics, "Prometheus metrics: PORT or HOST:PORT (0: any free port)");
+  app.add_option("--metrics-port", o.metrics, "Prometheus metrics: PORT (loopback only) or HOST:PORT (0.0.0.0:PORT for a remote scraper; port 0: any free one)");
   app.add_option("--token-file", token_file, "file holding the cluster token")->check(CLI::ExistingFile);
   app.add_option("--listen", o.listen, "HOST:PORT for the agent's calls (port 0: ephemeral)");
   app.add_option("--name", o.name, "node name, stable across restarts (default: host:port)");

@@ -39,7 +39,7 @@ struct Flags {
     tls.add(app, true);
     app.add_option("--address-file", address_file, "write the bound HOST:PORT here once serving");
     app.add_option("--heartbeat-timeout-ms", hb_timeout_ms, "a node silent this long is dead")->capture_default_str();
-    app.add_option("--metrics-port", metrics, "Prometheus metrics on this port (HOST:PORT or PORT; default off)");
+    app.add_option("--metrics-port", metrics, "Prometheus metrics: PORT (loopback only) or HOST:PORT (0.0.0.0:PORT for a remote scraper); default off");
     app.add_option("--prometheus-sd-file", opts.prometheus_sd_file,
                    "keep a Prometheus file_sd file of every process's metrics address here (default none)");
     app.add_option("--name", opts.name, "the agent's node label in the file_sd file (default: host name)");

@@ -75,7 +75,8 @@ struct Connection : std::enable_shared_from_this<Connection> {
 
 struct MetricsEndpoint::Impl {
   Impl(const std::string& listen, std::shared_ptr<prometheus::Registry> r) : registry(std::move(r)), acceptor(io) {
-    const auto [host, port] = rpc::split_address(listen.find(':') == std::string::npos ? "0.0.0.0:" + listen : listen);
+    // A bare PORT is loopback's: job names, losses and loads go to other hosts only where asked (HOST:PORT).
+    const auto [host, port] = rpc::split_address(listen.find(':') == std::string::npos ? "127.0.0.1:" + listen : listen);
     const tcp::endpoint ep(asio::ip::make_address(host), static_cast<unsigned short>(port));
     acceptor.open(ep.protocol());
     acceptor.set_option(tcp::acceptor::reuse_address(true));

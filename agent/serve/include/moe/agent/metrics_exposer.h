@@ -16,7 +16,7 @@ namespace moe::agent {
 
 class MetricsExposer {
  public:
-  // listen: "PORT" (all interfaces) or "HOST:PORT"; port 0 picks one.
+  // listen: "PORT" (loopback only) or "HOST:PORT"; port 0 picks one.
   MetricsExposer(rpc::asio::io_context& io, const Agent& agent, const std::string& listen);
   ~MetricsExposer();
   std::string address() const;  // HOST:PORT a scraper can reach

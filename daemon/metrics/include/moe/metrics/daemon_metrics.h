@@ -43,7 +43,7 @@ struct RankOf {
 
 class DaemonMetrics {
  public:
-  // listen: "PORT" (all interfaces) or "HOST:PORT"; port 0 picks one.
+  // listen: "PORT" (loopback only) or "HOST:PORT"; port 0 picks one.
   explicit DaemonMetrics(const std::string& listen);
   ~DaemonMetrics();
   int port() const;

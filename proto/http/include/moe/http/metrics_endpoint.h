@@ -20,7 +20,7 @@ namespace moe::http {
 
 class MetricsEndpoint {
  public:
-  // listen: "PORT" (all interfaces) or "HOST:PORT"; port 0 picks a free one.
+  // listen: "PORT" (loopback only) or "HOST:PORT"; port 0 picks a free one.
   // Throws rpc::RpcError for a malformed address, boost::system::system_error if
   // the port cannot be bound.
   MetricsEndpoint(const std::string& listen, std::shared_ptr<prometheus::Registry> registry);
