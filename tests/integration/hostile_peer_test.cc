@@ -18,6 +18,20 @@ namespace {
 
 using namespace std::chrono_literals;
 
+// Under AddressSanitizer freed memory waits in its quarantine (256 MB by default)
+// and RSS says nothing about what the agent holds: the bound is the Release build's.
+#if defined(__SANITIZE_ADDRESS__)
+constexpr bool kRssMeaningful = false;
+#elif defined(__has_feature)
+#if __has_feature(address_sanitizer)
+constexpr bool kRssMeaningful = false;
+#else
+constexpr bool kRssMeaningful = true;
+#endif
+#else
+constexpr bool kRssMeaningful = true;
+#endif
+
 // The resident set of a process, in KiB (VmRSS of /proc/PID/status).
 long rss_kib(pid_t pid) {
   std::ifstream in("/proc/" + std::to_string(pid) + "/status");
@@ -79,7 +93,9 @@ TEST(HostilePeer, TenThousandStrangersLeaveTheAgentItsMemoryAndItsClients) {
   EXPECT_EQ(rc, 0) << out << c.logs();
   const long peak = rss_kib(agent);
   for (int fd : silent) ::close(fd);
-  EXPECT_LT(peak - idle, 64 * 1024) << "RSS " << idle << " KiB idle, " << peak << " KiB with the strangers";
+  if (kRssMeaningful) {
+    EXPECT_LT(peak - idle, 64 * 1024) << "RSS " << idle << " KiB idle, " << peak << " KiB with the strangers";
+  }
   std::cout << "agent RSS: " << idle << " KiB idle, " << peak << " KiB after " << made
             << " strangers and with 1000 silent ones open\n";
   EXPECT_TRUE(poll_until([&] { return c.ctl({"job", "list"}).first == 0; }, 10s));
