@@ -67,11 +67,14 @@ Resolved resolve(const Globals& g) {
   r.state_dir = !g.state_dir.empty() ? g.state_dir : rpc::default_state_dir();
   const rpc::LocalAccess local = rpc::local_access(r.state_dir);
   // The state directory's token and certificates belong to its own cluster: they
-  // go with its agent (no --agent, or that address) or a state directory the user
-  // named, never with whatever other agent --agent names.
-  const bool own_cluster = g.agent.empty() || g.agent == local.agent || !g.state_dir.empty();
+  // go with its agent (no --agent, or that address), never with whatever other
+  // agent --agent names, and not at all once that cluster is down (no
+  // agent_address): a stale token is of no use to the default address.
+  const bool own_cluster = g.agent.empty() || g.agent == local.agent;
   r.agent = !g.agent.empty() ? g.agent : !local.agent.empty() ? local.agent : kDefaultAgent;
-  r.token = !g.token_file.empty() ? rpc::read_token_file(g.token_file) : own_cluster ? local.token : "";
+  r.token = !g.token_file.empty()              ? rpc::read_token_file(g.token_file)
+            : own_cluster && !local.agent.empty() ? local.token
+                                                  : "";
   if (g.plaintext && g.tls.enabled()) throw InvalidArgument("give --plaintext or the --tls-* files, not both");
   if (!g.plaintext) r.tls = g.tls.enabled() ? g.tls : own_cluster ? local.tls : rpc::TlsFiles{};
   // No silent plaintext: the token goes in clear only to an agent the user said

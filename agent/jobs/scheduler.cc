@@ -18,7 +18,8 @@ const v1::JobResult& Scheduler::submit(v1::JobSpec spec) {
   v1::JobResult& rec = book_.submit(std::move(spec));
   const v1::JobSpec& s = rec.spec();
   const ShapeKey shape{s.experts(), s.layers(), members_.num_nodes(), members_.devices_per_node()};
-  if (placement_.carries_state(shape)) rec.set_placement(placement_.summary(shape));  // said at submit
+  // Said at submit; a resumed job starts on its checkpoint's maps instead.
+  if (s.resume().empty() && placement_.carries_state(shape)) rec.set_placement(placement_.summary(shape));
   return rec;
 }
 

@@ -241,6 +241,10 @@ void Dispatcher::count_received_pairs() {
                 S - 1, " (a forged or corrupt row from a peer)");
       local += slot >= 0;
     }
+    // A token's experts are distinct, so a row carries at most min(K, S) of this
+    // rank's pairs: the pair buffers (y_wire, the expert stage's) hold that many.
+    MOE_CHECK(local <= std::min<int64_t>(K, S), "dispatch: received row ", n, " carries ", local, " pairs; a row carries ",
+              "at most ", std::min<int64_t>(K, S), " (a forged or corrupt row from a peer)");
     recv[n + 1] = recv[n] + local;
   }
 }

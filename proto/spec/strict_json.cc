@@ -189,13 +189,18 @@ class Reader {
     return v;
   }
 
+  // A \uXXXX escape (i_ at the 'u'); a pair of surrogates joined, a lone one U+FFFD.
   unsigned read_code_point() {
     const unsigned hi = hex4();
+    if (hi >= 0xDC00 && hi <= 0xDFFF) return 0xFFFD;  // a low surrogate alone
     if (hi < 0xD800 || hi > 0xDBFF) return hi;
-    if (!(word("\\u"))) return 0xFFFD;  // a lone high surrogate
+    if (!word("\\u")) return 0xFFFD;  // a high surrogate alone
+    const size_t second = i_;
     ++i_;
     const unsigned lo = hex4();
-    return lo >= 0xDC00 && lo <= 0xDFFF ? 0x10000 + ((hi - 0xD800) << 10) + (lo - 0xDC00) : 0xFFFD;
+    if (lo >= 0xDC00 && lo <= 0xDFFF) return 0x10000 + ((hi - 0xD800) << 10) + (lo - 0xDC00);
+    i_ = second;  // not its pair: that escape is read on its own
+    return 0xFFFD;
   }
 
   static void append_utf8(std::string& out, unsigned cp) {

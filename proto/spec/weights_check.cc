@@ -32,13 +32,16 @@ std::vector<JsonMember> members_of(const std::string& text, const std::string& f
 
 // tensor name -> its header entry's text, from a safetensors file's header.
 std::map<std::string, std::string> safetensors_header(const std::string& file) {
+  std::error_code ec;
+  if (!fs::is_regular_file(file, ec)) refuse(file + " is not a regular file");  // a FIFO would block the agent
   std::ifstream in(file, std::ios::binary);
   if (!in) refuse("cannot read " + file);
   unsigned char size_bytes[8];
   if (!in.read(reinterpret_cast<char*>(size_bytes), 8)) refuse(file + " is not a safetensors file (shorter than 8 bytes)");
   uint64_t n = 0;
   for (int i = 7; i >= 0; --i) n = n << 8 | size_bytes[i];
-  const uint64_t file_size = fs::file_size(file);
+  const uint64_t file_size = fs::file_size(file, ec);
+  if (ec) refuse("cannot read " + file + ": " + ec.message());
   if (n == 0 || n > kMaxHeaderBytes || n > file_size - 8)
     refuse(file + " is not a safetensors file (header size " + std::to_string(n) + " of a " +
            std::to_string(file_size) + "-byte file)");
@@ -74,6 +77,8 @@ struct TensorList {
 
 TensorList list_index(const fs::path& index) {
   std::string text;
+  std::error_code ec;
+  if (!fs::is_regular_file(index, ec)) refuse(index.string() + " is not a regular file");
   {
     std::ifstream in(index);
     if (!in) refuse("cannot read " + index.string());
@@ -99,9 +104,9 @@ TensorList list_tensors(const std::string& path) {
   std::error_code ec;
   if (!fs::exists(path, ec)) refuse(path + " does not exist (the agent reads it at submit, the nodes as they load)");
   fs::path p = path;
-  if (fs::is_directory(p)) {
-    if (fs::exists(p / "model.safetensors.index.json")) return list_index(p / "model.safetensors.index.json");
-    if (!fs::exists(p / "model.safetensors"))
+  if (fs::is_directory(p, ec)) {
+    if (fs::exists(p / "model.safetensors.index.json", ec)) return list_index(p / "model.safetensors.index.json");
+    if (!fs::exists(p / "model.safetensors", ec))
       refuse(path + " is a folder without model.safetensors.index.json or model.safetensors");
     p /= "model.safetensors";
   }

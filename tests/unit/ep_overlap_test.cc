@@ -146,7 +146,12 @@ IdentityRun identity_pair(transport::Communicator& comm, int asked_chunks, int64
   std::vector<float> x(T * H), weight(T * K, 1.0f);
   std::vector<int32_t> slot(T * K);
   for (float& v : x) v = std::uniform_real_distribution<float>(-1, 1)(rng);
-  for (int32_t& s : slot) s = std::uniform_int_distribution<int32_t>(-1, R * S - 1)(rng);
+  for (int64_t t = 0; t < T; ++t)  // a token's slots are distinct (its experts are), or -1
+    for (int k = 0; k < K; ++k) {
+      int32_t& s = slot[t * K + k];
+      do s = std::uniform_int_distribution<int32_t>(-1, R * S - 1)(rng);
+      while (s >= 0 && std::find(&slot[t * K], &slot[t * K + k], s) != &slot[t * K + k]);
+    }
   const ep::DispatchHandle& h = d.dispatch(x.data(), T, slot.data(), weight.data());
   if (die == Die::kAfterDispatch) throw std::runtime_error("rank gone");
   const int64_t N = h.num_recv_rows();
